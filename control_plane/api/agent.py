@@ -1,0 +1,61 @@
+"""/v1/agent: the node agents' side of the wire contract (control_plane/schemas/agent.py)."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+
+from control_plane.api.deps import JoinDep, NodeIdentity, SessionDep, SettingsDep
+from control_plane.api.jobs import ERRORS
+from control_plane.schemas.agent import (
+    AGENT_API_PREFIX,
+    AttemptStatusAck,
+    AttemptStatusReport,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    LogAck,
+    LogBatch,
+    RegisterRequest,
+    RegisterResponse,
+)
+from control_plane.services import attempts, logs, nodes
+
+router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"])
+
+
+@router.post("/register", response_model=RegisterResponse, responses=ERRORS)
+def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, _: JoinDep,
+             request: Request) -> RegisterResponse:
+    node, token = nodes.register(session, body)
+    request.app.state.wake_scheduler()
+    return RegisterResponse(node_id=str(node.id), node_token=token,
+                            heartbeat_interval_s=settings.heartbeat_interval_s,
+                            node_lost_timeout_s=settings.node_lost_timeout_s)
+
+
+@router.post("/heartbeat", response_model=HeartbeatResponse, responses=ERRORS)
+def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, settings: SettingsDep,
+              request: Request) -> HeartbeatResponse:
+    released_before = session.info.get("released", 0)
+    specs = nodes.heartbeat(session, node, body)
+    state = node.state
+    session.commit()
+    if session.info.get("released", 0) != released_before:
+        request.app.state.wake_scheduler()
+    return HeartbeatResponse(node_id=str(node.id), node_state=state, assignments=specs,
+                             heartbeat_interval_s=settings.heartbeat_interval_s)
+
+
+@router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)
+def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeIdentity,
+                   session: SessionDep) -> AttemptStatusAck:
+    attempt, part = attempts.apply_status(session, node, attempt_id, body)
+    ack = AttemptStatusAck(attempt_state=attempt.state, stop=part.desired == "stop")
+    session.commit()
+    return ack
+
+
+@router.post("/attempts/{attempt_id}/logs", response_model=LogAck, responses=ERRORS)
+def attempt_logs(attempt_id: uuid.UUID, body: LogBatch, node: NodeIdentity, session: SessionDep) -> LogAck:
+    return LogAck(accepted=logs.append(session, node, attempt_id, body))

@@ -1,0 +1,27 @@
+"""Liveness and readiness."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from sqlalchemy import text
+
+from control_plane.errors import NotReady
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", summary="The process is up")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="The database is reachable and migrated")
+def readyz(request: Request) -> dict[str, str]:
+    try:
+        with request.app.state.engine.connect() as conn:
+            version = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    except Exception as exc:
+        raise NotReady(f"database not ready: {type(exc).__name__}") from exc
+    if not version:
+        raise NotReady("database schema is not migrated; run 'trainyard migrate'")
+    return {"status": "ready", "schema": str(version)}

@@ -1,0 +1,61 @@
+"""Engine, sessions and migrations.
+
+Request handlers get a session from ``get_session`` (one transaction per request, committed by the
+service that mutates). Background loops use ``session_scope``. Network calls never happen while a
+session holds a transaction open (STYLE: claim, release, call, apply).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def make_engine(url: str, *, pool_size: int = 10) -> Engine:
+    return create_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=20,
+        pool_pre_ping=True,
+        pool_recycle=300,
+    )
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False, autoflush=True)
+
+
+@contextmanager
+def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A session whose transaction commits on success and rolls back on error."""
+    session = factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def alembic_config(database_url: str):  # type: ignore[no-untyped-def]
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
+    return cfg
+
+
+def run_migrations(database_url: str, revision: str = "head") -> None:
+    """Bring the database schema to ``revision`` with Alembic."""
+    from alembic import command
+
+    command.upgrade(alembic_config(database_url), revision)

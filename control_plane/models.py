@@ -1,0 +1,305 @@
+"""SQLAlchemy 2 models: the control plane's whole state lives here, in PostgreSQL.
+
+Invariants the database itself enforces (see migrations and docs/architecture.md):
+- a GPU has at most one active lease (partial unique index ``uq_gpu_leases_active_gpu``);
+- an attempt's leases are all inserted in one transaction or none (deferred constraint trigger
+  ``gpu_leases_gang_complete`` checks the count against ``attempts.num_gpus`` at commit);
+- an active attempt's rendezvous port is unique (partial unique index).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# Attempt states in which the attempt still owns GPUs on some node.
+ACTIVE_ATTEMPT_STATES = ("starting", "running", "stopping")
+
+
+def new_id() -> uuid.UUID:
+    return uuid.uuid4()
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _ts(nullable: bool = True, **kw: Any) -> Any:
+    return mapped_column(DateTime(timezone=True), nullable=nullable, **kw)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    address: Mapped[str] = mapped_column(String(255), doc="Rendezvous address of the node.")
+    state: Mapped[str] = mapped_column(String(16), doc="ready | lost | removed")
+    schedulable: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    labels: Mapped[dict[str, str]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    token_hash: Mapped[str] = mapped_column(String(64), doc="sha256 of the node credential.")
+    agent_version: Mapped[str] = mapped_column(String(64), server_default="0")
+    agent_instance: Mapped[str | None] = mapped_column(String(64))
+    heartbeat_seq: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    last_heartbeat_at: Mapped[datetime | None] = _ts()
+    registered_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+
+    gpus: Mapped[list[Gpu]] = relationship(back_populates="node", order_by="Gpu.index")
+
+
+class Gpu(Base):
+    __tablename__ = "gpus"
+    __table_args__ = (UniqueConstraint("node_id", "index", name="uq_gpus_node_index"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    uuid: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(128))
+    memory_mb: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+
+    node: Mapped[Node] = relationship(back_populates="gpus")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index("ix_jobs_state_created", "state", "created_at"),
+        UniqueConstraint("principal", "idempotency_key", name="uq_jobs_principal_idempotency_key"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(128))
+    principal: Mapped[str] = mapped_column(String(128), doc="Who submitted it.")
+    tenant: Mapped[str] = mapped_column(String(128), server_default="default")
+    priority: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    state: Mapped[str] = mapped_column(String(16))
+    num_nodes: Mapped[int] = mapped_column(Integer)
+    gpus_per_node: Mapped[int] = mapped_column(Integer)
+    gpu_kind: Mapped[str | None] = mapped_column(String(128), doc="Required GPU kind, if any.")
+    entrypoint: Mapped[str] = mapped_column(Text)
+    args: Mapped[list[str]] = mapped_column(JSONB, server_default=text("'[]'::jsonb"))
+    env: Mapped[dict[str, str]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    checkpoint: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    max_failures: Mapped[int] = mapped_column(Integer)
+    failures: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    time_limit_s: Mapped[int | None] = mapped_column(Integer)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
+    current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("attempts.id", use_alter=True, ondelete="SET NULL")
+    )
+    progress_step: Mapped[int | None] = mapped_column(Integer)
+    progress_loss: Mapped[float | None] = mapped_column(Float)
+    progress_at: Mapped[datetime | None] = _ts()
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    end_reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+    updated_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+    started_at: Mapped[datetime | None] = _ts()
+    ended_at: Mapped[datetime | None] = _ts()
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+class Attempt(Base):
+    __tablename__ = "attempts"
+    __table_args__ = (
+        UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),
+        Index(
+            "uq_attempts_active_rdzv_port",
+            "rdzv_port",
+            unique=True,
+            postgresql_where=text("state IN ('starting', 'running', 'stopping')"),
+        ),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer, doc="1, 2, ... per job: monotonic.")
+    fencing_token: Mapped[str] = mapped_column(String(64), doc="Secret every message must carry.")
+    state: Mapped[str] = mapped_column(String(16), doc="starting | running | stopping | ended")
+    outcome: Mapped[str | None] = mapped_column(
+        String(16), doc="succeeded | failed | cancelled once the attempt is over."
+    )
+    end_reason: Mapped[str | None] = mapped_column(Text)
+    num_gpus: Mapped[int] = mapped_column(Integer, doc="Leases this attempt must hold: its gang size.")
+    rdzv_host: Mapped[str] = mapped_column(String(255))
+    rdzv_port: Mapped[int] = mapped_column(Integer)
+    restored_from_step: Mapped[int | None] = mapped_column(Integer)
+    restore_manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+    started_at: Mapped[datetime | None] = _ts(doc="When every worker was running.")
+    first_progress_at: Mapped[datetime | None] = _ts()
+    failed_at: Mapped[datetime | None] = _ts()
+    ended_at: Mapped[datetime | None] = _ts(doc="When every node confirmed its processes gone.")
+
+    nodes: Mapped[list[AttemptNode]] = relationship(
+        back_populates="attempt", order_by="AttemptNode.node_rank"
+    )
+
+
+class AttemptNode(Base):
+    """One node's part of an attempt: what the agent must run and what it reported."""
+
+    __tablename__ = "attempt_nodes"
+    __table_args__ = (
+        UniqueConstraint("attempt_id", "node_rank", name="uq_attempt_nodes_attempt_rank"),
+        UniqueConstraint("attempt_id", "node_id", name="uq_attempt_nodes_attempt_node"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"), index=True)
+    node_rank: Mapped[int] = mapped_column(Integer)
+    gpu_indices: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    desired: Mapped[str] = mapped_column(String(8), doc="run | stop: what the agent must do.")
+    state: Mapped[str] = mapped_column(
+        String(16), doc="assigned | launching | running | exited | stopped | gone"
+    )
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    reported_at: Mapped[datetime | None] = _ts()
+    released_at: Mapped[datetime | None] = _ts(doc="When its processes were confirmed gone.")
+
+    attempt: Mapped[Attempt] = relationship(back_populates="nodes")
+    node: Mapped[Node] = relationship()
+    workers: Mapped[list[Worker]] = relationship(
+        back_populates="attempt_node", order_by="Worker.rank"
+    )
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+    __table_args__ = (UniqueConstraint("attempt_id", "rank", name="uq_workers_attempt_rank"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    attempt_node_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("attempt_nodes.id", ondelete="CASCADE"), index=True
+    )
+    rank: Mapped[int] = mapped_column(Integer)
+    local_rank: Mapped[int] = mapped_column(Integer)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), doc="starting | running | exited")
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    started_at: Mapped[datetime | None] = _ts()
+    ended_at: Mapped[datetime | None] = _ts()
+
+    attempt_node: Mapped[AttemptNode] = relationship(back_populates="workers")
+
+
+class GpuLease(Base):
+    __tablename__ = "gpu_leases"
+    __table_args__ = (
+        Index(
+            "uq_gpu_leases_active_gpu",
+            "gpu_id",
+            unique=True,
+            postgresql_where=text("released_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    gpu_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("gpus.id", ondelete="CASCADE"))
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id"), index=True)
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+    released_at: Mapped[datetime | None] = _ts()
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt_id", "step", name="uq_checkpoints_job_attempt_step"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), doc="pending | committed | aborted | deleted")
+    manifest_key: Mapped[str | None] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+    committed_at: Mapped[datetime | None] = _ts()
+    reason: Mapped[str | None] = mapped_column(Text)
+
+
+class CheckpointShard(Base):
+    __tablename__ = "checkpoint_shards"
+    __table_args__ = (UniqueConstraint("checkpoint_id", "rank", name="uq_checkpoint_shards_ckpt_rank"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    checkpoint_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    key: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+
+
+class Event(Base):
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), index=True
+    )
+    attempt_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    node_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True), index=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+
+
+class LogChunk(Base):
+    __tablename__ = "log_chunks"
+    __table_args__ = (
+        UniqueConstraint(
+            "attempt_id", "node_rank", "rank", "stream", "offset", name="uq_log_chunks_position"
+        ),
+        Index("ix_log_chunks_job_id_id", "job_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    node_rank: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    stream: Mapped[str] = mapped_column(String(8))
+    offset: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())

@@ -1,0 +1,85 @@
+"""Background loops of a control-plane replica: scheduling passes and node liveness.
+
+Each loop runs in its own thread under a ``Loops`` monitor with an idempotent ``stop``. A loop
+iteration is one short transaction; an exception is logged and the loop carries on. Every
+replica runs them: the scheduler's advisory lock and ``SKIP LOCKED`` claims make that safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import structlog
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane.db import session_scope
+from control_plane.scheduler.allocate import schedule_pass
+from control_plane.services import nodes
+from control_plane.services.jobs import now
+from control_plane.settings import Settings
+
+log = structlog.get_logger("trainyard.loops")
+
+
+class Loops:
+    def __init__(self, factory: sessionmaker[Session], settings: Settings) -> None:
+        self._factory = factory
+        self._settings = settings
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # After a (re)start, agents need time to reach us again before anyone is declared lost.
+        self._not_before = now() + timedelta(seconds=settings.startup_grace_s)
+
+    def wake_scheduler(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        if self._threads:
+            return
+        for name, fn, period in (
+            ("scheduler", self.schedule_once, self._settings.scheduler_interval_s),
+            ("monitor", self.monitor_once, self._settings.monitor_interval_s),
+        ):
+            t = threading.Thread(target=self._run, args=(name, fn, period), name=f"trainyard-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._threads.clear()
+
+    def _run(self, name: str, fn: Callable[[], object], period: float) -> None:
+        while not self._stop.is_set():
+            try:
+                fn()
+            except Exception:
+                log.exception("loop iteration failed", loop=name)
+            if name == "scheduler":
+                self._wake.wait(period)
+                self._wake.clear()
+            else:
+                self._stop.wait(period)
+
+    def schedule_once(self) -> int:
+        session = self._factory()
+        try:
+            return len(schedule_pass(session, self._settings))
+        finally:
+            session.close()
+
+    def monitor_once(self) -> int:
+        with session_scope(self._factory) as session:
+            lost = nodes.mark_lost_nodes(
+                session, timeout_s=self._settings.node_lost_timeout_s, not_before=self._not_before
+            )
+        if lost:
+            self.wake_scheduler()
+        return len(lost)

@@ -1,0 +1,208 @@
+"""The wire contract between the control plane and node agents.
+
+This module imports only pydantic: the node agent imports it without pulling in the server.
+The protocol (heartbeats, level-triggered attempt status, fencing) is described in
+docs/architecture.md; every message that concerns an attempt carries its id and fencing token.
+
+Endpoints (all under /v1/agent, JSON bodies):
+
+- ``POST /v1/agent/register``  (``Authorization: Bearer <join token>``)
+    RegisterRequest -> RegisterResponse. Idempotent per node name: re-registering the same name
+    returns the same node id and a fresh node credential.
+- ``POST /v1/agent/heartbeat``  (``Authorization: Bearer <node token>``)
+    HeartbeatRequest -> HeartbeatResponse. The response is the node's *desired state*: the
+    attempts it must run. The agent stops every attempt it runs that is not listed.
+- ``POST /v1/agent/attempts/{attempt_id}/status``  (node token)
+    AttemptStatusReport -> AttemptStatusAck, or 409 problem+json when the attempt is stale
+    (not the job's current attempt, or the fencing token does not match). Level-triggered: the
+    agent sends the full current status of its part of the attempt, repeatedly; the control
+    plane merges it monotonically, so duplicates and reordering change nothing.
+- ``POST /v1/agent/attempts/{attempt_id}/logs``  (node token)
+    LogBatch -> LogAck. Chunks are keyed by (attempt, node rank, rank, stream, offset), so a
+    resent chunk is stored once.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+AGENT_API_PREFIX = "/v1/agent"
+
+
+class _Wire(BaseModel):
+    # Agents and control planes of neighbouring versions must interoperate: ignore unknown fields.
+    model_config = ConfigDict(extra="ignore")
+
+
+class GpuInfo(_Wire):
+    index: int = Field(ge=0, description="Device index on the node (CUDA ordinal or virtual slot).")
+    uuid: str = Field(description="Stable device id (NVML UUID, or 'virtual-<node>-<index>').")
+    kind: str = Field(description="GPU model, e.g. 'NVIDIA H100 80GB HBM3', or 'virtual-cpu'.")
+    memory_mb: int = Field(ge=0, description="Device memory in MiB (0 for virtual slots).")
+
+
+class RegisterRequest(_Wire):
+    name: str = Field(min_length=1, max_length=128)
+    address: str = Field(description="Address other nodes reach this node at (rendezvous host).")
+    gpus: list[GpuInfo]
+    labels: dict[str, str] = Field(default_factory=dict, description="Topology labels, e.g. rack.")
+    agent_version: str = "0"
+
+
+class RegisterResponse(_Wire):
+    node_id: str
+    node_token: str = Field(description="Per-node credential for every later call.")
+    heartbeat_interval_s: float
+    node_lost_timeout_s: float
+
+
+class LocalAttempt(_Wire):
+    """An attempt the agent still has processes for on this node."""
+
+    attempt_id: str
+    processes_alive: bool = True
+
+
+class HeartbeatRequest(_Wire):
+    agent_instance: str = Field(description="Random id of this agent process (changes on restart).")
+    seq: int = Field(ge=0, description="Monotonic per agent instance; older heartbeats are ignored.")
+    attempts: list[LocalAttempt] = Field(
+        default_factory=list, description="Attempts with live processes on this node."
+    )
+
+
+class LaunchSpec(_Wire):
+    """Everything an agent needs to start its part of an attempt."""
+
+    job_id: str
+    job_name: str
+    attempt_id: str
+    attempt_number: int
+    fencing_token: str
+    node_rank: int
+    nnodes: int
+    nproc_per_node: int
+    gpu_indices: list[int]
+    rdzv_host: str = Field(description="Address of the attempt's node rank 0.")
+    rdzv_port: int = Field(description="Port owned by this attempt alone.")
+    entrypoint: str = Field(description="A Python module (run with -m) or a path to a .py file.")
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    checkpoint: dict[str, Any] = Field(default_factory=dict)
+    restore_from: dict[str, Any] | None = Field(
+        default=None, description="Committed checkpoint manifest to restore from, if any."
+    )
+
+
+class HeartbeatResponse(_Wire):
+    node_id: str
+    node_state: str
+    assignments: list[LaunchSpec] = Field(
+        default_factory=list,
+        description="Attempts this node must run. Any other local attempt must be stopped.",
+    )
+    heartbeat_interval_s: float
+
+
+class WorkerState(StrEnum):
+    starting = "starting"
+    running = "running"
+    exited = "exited"
+
+
+class WorkerStatus(_Wire):
+    rank: int = Field(ge=0)
+    local_rank: int = Field(ge=0)
+    pid: int | None = None
+    state: WorkerState
+    exit_code: int | None = Field(default=None, description="Negative: killed by that signal.")
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+
+
+class NodeAttemptState(StrEnum):
+    launching = "launching"  # torchrun started, workers not all up yet
+    running = "running"
+    exited = "exited"  # torchrun exited by itself (see exit_code)
+    stopped = "stopped"  # stopped by the agent because the control plane asked
+
+
+class Progress(_Wire):
+    step: int = Field(ge=0)
+    loss: float | None = None
+    at: datetime
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class AttemptStatusReport(_Wire):
+    fencing_token: str
+    node_rank: int = Field(ge=0)
+    state: NodeAttemptState
+    exit_code: int | None = Field(default=None, description="torchrun's exit code once exited.")
+    workers: list[WorkerStatus] = Field(default_factory=list)
+    progress: Progress | None = None
+    result: dict[str, Any] | None = Field(default=None, description="Reported by rank 0 at the end.")
+    error: str | None = Field(default=None, description="Why the agent could not launch or run it.")
+
+
+class AttemptStatusAck(_Wire):
+    attempt_state: str
+    stop: bool = Field(description="True when the agent must stop this attempt's processes.")
+
+
+class LogChunk(_Wire):
+    rank: int = Field(ge=0)
+    stream: str = Field(pattern="^(stdout|stderr)$")
+    offset: int = Field(ge=0, description="Byte offset of data in that rank's stream.")
+    data: str
+
+
+class LogBatch(_Wire):
+    fencing_token: str
+    node_rank: int = Field(ge=0)
+    chunks: list[LogChunk]
+
+
+class LogAck(_Wire):
+    accepted: int
+
+
+# --- Worker <-> agent local API (served by the agent on its address, for its workers only) ---
+#
+# Workers learn the URL from TRAINYARD_AGENT_URL and authenticate with the attempt's fencing
+# token (TRAINYARD_FENCING_TOKEN). An unknown or stale attempt gets 409.
+#
+# - POST /v1/local/attempts/{attempt_id}/progress  LocalProgress
+# - POST /v1/local/attempts/{attempt_id}/result    LocalResult
+
+
+class LocalProgress(_Wire):
+    fencing_token: str
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    loss: float | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class LocalResult(_Wire):
+    fencing_token: str
+    rank: int = Field(ge=0)
+    result: dict[str, Any]
+
+
+# Environment given to every worker process (besides torchrun's RANK, WORLD_SIZE, ...).
+ENV_JOB_ID = "TRAINYARD_JOB_ID"
+ENV_JOB_NAME = "TRAINYARD_JOB_NAME"
+ENV_ATTEMPT_ID = "TRAINYARD_ATTEMPT_ID"
+ENV_ATTEMPT_NUMBER = "TRAINYARD_ATTEMPT_NUMBER"
+ENV_FENCING_TOKEN = "TRAINYARD_FENCING_TOKEN"
+ENV_AGENT_URL = "TRAINYARD_AGENT_URL"
+ENV_NODE_RANK = "TRAINYARD_NODE_RANK"
+ENV_DEVICE = "TRAINYARD_DEVICE"  # "cpu" (virtual slots, gloo) or "cuda" (NCCL)
+ENV_CHECKPOINT = "TRAINYARD_CHECKPOINT"  # JSON of the job's checkpoint settings
+ENV_RESTORE_FROM = "TRAINYARD_RESTORE_FROM"  # JSON manifest of the checkpoint to restore, if any
+ENV_STATUS_DIR = "TRAINYARD_STATUS_DIR"  # where the rank shim writes rank-<r>.json

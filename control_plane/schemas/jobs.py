@@ -1,0 +1,196 @@
+"""Request and response models of the jobs API."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_ENV_BYTES = 32 * 1024
+RESERVED_ENV_PREFIXES = ("TRAINYARD_",)
+RESERVED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "CUDA_VISIBLE_DEVICES", "GROUP_RANK", "ROLE_RANK"}
+
+JOB_STATES = ("queued", "starting", "running", "recovering", "succeeded", "failed", "cancelling",
+              "cancelled")
+
+SUBMIT_EXAMPLE: dict[str, Any] = {
+    "name": "tiny-gpt",
+    "num_nodes": 2,
+    "gpus_per_node": 2,
+    "entrypoint": "worker_runtime.examples.tiny_gpt",
+    "args": ["--steps", "300"],
+    "checkpoint": {"interval_steps": 50},
+    "max_failures": 3,
+}
+
+
+class CheckpointSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    interval_steps: int | None = Field(
+        default=None, ge=1, le=10_000_000, description="Save a complete checkpoint every N steps."
+    )
+    keep_last: int = Field(default=3, ge=1, le=1000, description="Committed checkpoints to keep.")
+
+
+class JobSubmit(BaseModel):
+    """A training job: `num_nodes` x `gpus_per_node` workers started together."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [SUBMIT_EXAMPLE]})
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    num_nodes: int = Field(ge=1, le=4096, description="Nodes the job spans (one torchrun each).")
+    gpus_per_node: int = Field(ge=1, le=64, description="GPUs (workers) per node.")
+    entrypoint: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Python module (run as `torchrun -m MODULE`) or a path to a `.py` file.",
+    )
+    args: list[str] = Field(default_factory=list, max_length=1000)
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the workers.")
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    max_failures: int = Field(
+        default=3, ge=0, le=1000, description="Failed attempts tolerated; one more fails the job."
+    )
+    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is served first.")
+    tenant: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9-]*$")
+    time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400)
+    gpu_kind: str | None = Field(default=None, max_length=128, description="Require this GPU model.")
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("entrypoint must name a Python module or a .py file")
+        if any(c in v for c in "\0\n\r"):
+            raise ValueError("entrypoint must not contain control characters")
+        if not (v.endswith(".py") or "/" in v) and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", v):
+            raise ValueError(f"entrypoint {v!r} is neither a dotted module name nor a path to a .py file")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        size = 0
+        for key, value in v.items():
+            if not ENV_NAME.match(key):
+                raise ValueError(f"env name {key!r} is not a valid variable name")
+            if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIXES):
+                raise ValueError(f"env name {key!r} is set by Trainyard and cannot be overridden")
+            if "\0" in value:
+                raise ValueError(f"env value of {key!r} contains a NUL byte")
+            size += len(key.encode()) + len(value.encode()) + 2
+        if size > MAX_ENV_BYTES:
+            raise ValueError(f"env is {size} bytes; at most {MAX_ENV_BYTES} are allowed")
+        return v
+
+
+class Progress(BaseModel):
+    step: int | None = None
+    loss: float | None = None
+    updated_at: datetime | None = Field(default=None, description="Time of the last report.")
+
+
+class AttemptRef(BaseModel):
+    id: str
+    number: int
+    state: str
+    outcome: str | None = None
+
+
+class AllocationEntry(BaseModel):
+    node_id: str
+    node_name: str
+    node_rank: int
+    gpu_indices: list[int]
+
+
+class JobOut(BaseModel):
+    id: str
+    name: str
+    tenant: str
+    priority: int
+    state: str = Field(description="One of: " + ", ".join(JOB_STATES))
+    num_nodes: int
+    gpus_per_node: int
+    entrypoint: str
+    args: list[str]
+    env: dict[str, str]
+    checkpoint: dict[str, Any]
+    max_failures: int
+    failures: int
+    time_limit_s: int | None
+    gpu_kind: str | None
+    progress: Progress
+    result: dict[str, Any] | None
+    end_reason: str | None
+    current_attempt: AttemptRef | None
+    allocation: list[AllocationEntry]
+    created_at: datetime
+    started_at: datetime | None
+    ended_at: datetime | None
+
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    next_cursor: str | None = Field(description="Pass as `cursor` to get the next page.")
+
+
+class WorkerOut(BaseModel):
+    rank: int
+    local_rank: int
+    pid: int | None
+    state: str
+    exit_code: int | None
+    started_at: datetime | None
+    ended_at: datetime | None
+
+
+class AttemptNodeOut(BaseModel):
+    node_id: str
+    node_name: str
+    node_rank: int
+    gpu_indices: list[int]
+    desired: str
+    state: str
+    exit_code: int | None
+    error: str | None
+    released_at: datetime | None
+    workers: list[WorkerOut]
+
+
+class AttemptOut(BaseModel):
+    id: str
+    number: int
+    state: str
+    outcome: str | None
+    end_reason: str | None
+    rendezvous: str
+    restored_from_step: int | None
+    created_at: datetime
+    started_at: datetime | None
+    first_progress_at: datetime | None
+    failed_at: datetime | None
+    ended_at: datetime | None
+    nodes: list[AttemptNodeOut]
+
+
+class EventOut(BaseModel):
+    id: int
+    kind: str
+    message: str
+    job_id: str | None
+    attempt_id: str | None
+    node_id: str | None
+    data: dict[str, Any]
+    created_at: datetime
+
+
+class EventPage(BaseModel):
+    items: list[EventOut]
+    next_after: int | None = Field(description="Pass as `after` to get newer events.")

@@ -1,0 +1,326 @@
+"""Attempts: one run of a job on a gang of GPUs, owned by a fencing token.
+
+An attempt is ``starting`` -> ``running`` -> ``stopping`` -> ``ended``. It is decided (outcome
+set, nodes told to stop) in ``end_attempt``; it is over (``ended``) only when every node has
+confirmed that its processes are gone and its leases are released. Reports are fenced: only the
+job's current attempt, with the right token, can change anything, and merges are monotonic, so a
+duplicated or late report never moves a state backwards. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Sequence
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from control_plane.errors import Forbidden, StaleAttempt
+from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
+from control_plane.schemas.agent import AttemptStatusReport, NodeAttemptState
+from control_plane.services import events
+from control_plane.services.jobs import TERMINAL, now, set_job_state
+
+WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
+NODE_ORDER = {"assigned": 0, "launching": 1, "running": 2, "exited": 3, "stopped": 3, "gone": 4}
+
+
+def create_attempt(
+    session: Session,
+    job: Job,
+    placement: Sequence[tuple[Node, Sequence[int]]],
+    *,
+    rdzv_port: int,
+) -> Attempt:
+    """Create the attempt, its per-node parts and every GPU lease, in the caller's transaction.
+
+    The database refuses a lease on a GPU that is already leased, and refuses at commit an
+    attempt whose leases do not cover its whole gang.
+    """
+    last = session.scalar(
+        select(Attempt.number).where(Attempt.job_id == job.id).order_by(Attempt.number.desc()).limit(1)
+    )
+    number = (last or 0) + 1
+    attempt = Attempt(
+        id=uuid.uuid4(),
+        job_id=job.id,
+        number=number,
+        fencing_token=secrets.token_hex(24),
+        state="starting",
+        num_gpus=job.num_gpus,
+        rdzv_host=placement[0][0].address,
+        rdzv_port=rdzv_port,
+        created_at=now(),
+    )
+    session.add(attempt)
+    session.flush()
+    gpu_ids = {
+        (g.node_id, g.index): g.id
+        for g in session.scalars(select(Gpu).where(Gpu.node_id.in_([n.id for n, _ in placement])))
+    }
+    for node_rank, (node, indices) in enumerate(placement):
+        part = AttemptNode(
+            id=uuid.uuid4(),
+            attempt_id=attempt.id,
+            node_id=node.id,
+            node_rank=node_rank,
+            gpu_indices=list(indices),
+            desired="run",
+            state="assigned",
+        )
+        session.add(part)
+        for index in indices:
+            session.add(
+                GpuLease(
+                    gpu_id=gpu_ids[(node.id, index)],
+                    node_id=node.id,
+                    attempt_id=attempt.id,
+                    job_id=job.id,
+                )
+            )
+    job.current_attempt_id = attempt.id
+    layout = [{"node": n.name, "node_rank": r, "gpus": list(ix)} for r, (n, ix) in enumerate(placement)]
+    set_job_state(
+        session,
+        job,
+        "starting",
+        f"attempt {number} allocated {job.num_gpus} GPUs on {len(placement)} nodes",
+        attempt_id=str(attempt.id),
+        placement=layout,
+    )
+    events.record(
+        session,
+        "attempt.allocated",
+        f"attempt {number} gang-allocated",
+        job_id=job.id,
+        attempt_id=attempt.id,
+        placement=layout,
+        rendezvous=f"{attempt.rdzv_host}:{rdzv_port}",
+    )
+    return attempt
+
+
+def end_attempt(session: Session, attempt: Attempt, *, outcome: str, reason: str) -> bool:
+    """Decide the attempt's outcome once and tell every node to stop. Idempotent."""
+    if attempt.outcome is not None:
+        return False
+    attempt.outcome = outcome
+    attempt.end_reason = reason
+    attempt.state = "stopping"
+    if outcome != "succeeded":
+        attempt.failed_at = now()
+    session.execute(
+        update(AttemptNode).where(AttemptNode.attempt_id == attempt.id).values(desired="stop")
+    )
+    events.record(
+        session, f"attempt.{outcome}", reason, job_id=attempt.job_id, attempt_id=attempt.id
+    )
+    return True
+
+
+def fail_attempt(session: Session, job: Job, attempt: Attempt, reason: str) -> None:
+    """End a failed attempt, count the failure, and move the job on (recover or fail)."""
+    if not end_attempt(session, attempt, outcome="failed", reason=reason):
+        return
+    if job.state in TERMINAL or job.state == "cancelling":
+        return
+    job.failures = (job.failures or 0) + 1
+    if job.failures > job.max_failures:
+        chain = [
+            f"attempt {a.number}: {a.end_reason}"
+            for a in session.scalars(
+                select(Attempt).where(Attempt.job_id == job.id).order_by(Attempt.number)
+            )
+            if a.outcome == "failed"
+        ]
+        set_job_state(
+            session,
+            job,
+            "failed",
+            f"{job.failures} failed attempts exceed max_failures={job.max_failures}: " + "; ".join(chain),
+            reasons=chain,
+        )
+    else:
+        set_job_state(
+            session,
+            job,
+            "recovering",
+            f"attempt {attempt.number} failed ({reason}); recovery {job.failures} of {job.max_failures}",
+        )
+
+
+def release_part(session: Session, part: AttemptNode) -> None:
+    """A node confirmed its processes of this attempt are gone: release its leases."""
+    if part.released_at is not None:
+        return
+    t = now()
+    part.released_at = t
+    part.state = "gone"
+    session.info["released"] = session.info.get("released", 0) + 1  # lets the caller wake the scheduler
+    released = session.execute(
+        update(GpuLease)
+        .where(
+            GpuLease.attempt_id == part.attempt_id,
+            GpuLease.node_id == part.node_id,
+            GpuLease.released_at.is_(None),
+        )
+        .values(released_at=t)
+    ).rowcount
+    attempt = session.get(Attempt, part.attempt_id)
+    assert attempt is not None
+    events.record(
+        session,
+        "leases.released",
+        f"node rank {part.node_rank} stopped; {released} GPU leases released",
+        job_id=attempt.job_id,
+        attempt_id=attempt.id,
+        node_id=part.node_id,
+    )
+    finish_if_released(session, attempt)
+
+
+def finish_if_released(session: Session, attempt: Attempt) -> None:
+    """Mark the attempt ended once every node released; finish a cancelling job."""
+    if attempt.state == "ended" or attempt.outcome is None:
+        return
+    parts = session.scalars(select(AttemptNode).where(AttemptNode.attempt_id == attempt.id)).all()
+    if any(p.released_at is None for p in parts):
+        return
+    attempt.state = "ended"
+    attempt.ended_at = now()
+    job = session.get(Job, attempt.job_id, with_for_update=True)
+    assert job is not None
+    if job.state == "cancelling":
+        set_job_state(session, job, "cancelled", "every worker stopped and every lease released")
+
+
+def authorize_report(
+    session: Session, node: Node, attempt_id: uuid.UUID, fencing_token: str, node_rank: int
+) -> tuple[Job, Attempt, AttemptNode]:
+    """Fencing: refuse anything not from the job's current attempt with the right token."""
+    attempt = session.get(Attempt, attempt_id, with_for_update=True)
+    if attempt is None or not secrets.compare_digest(attempt.fencing_token, fencing_token):
+        raise StaleAttempt(f"attempt {attempt_id} is unknown or its fencing token does not match")
+    job = session.get(Job, attempt.job_id, with_for_update=True)
+    assert job is not None
+    if job.current_attempt_id != attempt.id:
+        raise StaleAttempt(
+            f"attempt {attempt.number} of job {job.id} is stale: the current attempt is another one",
+            attempt_id=str(attempt_id),
+        )
+    part = session.scalar(
+        select(AttemptNode).where(AttemptNode.attempt_id == attempt.id, AttemptNode.node_rank == node_rank)
+    )
+    if part is None or part.node_id != node.id:
+        raise Forbidden(f"node {node.name} does not hold node rank {node_rank} of attempt {attempt_id}")
+    return job, attempt, part
+
+
+def apply_status(
+    session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport
+) -> tuple[Attempt, AttemptNode]:
+    """Merge a node's level-triggered status report into the attempt; decide its outcome."""
+    job, attempt, part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank)
+    t = now()
+    part.reported_at = t
+    new_state = report.state.value
+    if NODE_ORDER.get(new_state, 0) > NODE_ORDER.get(part.state, 0):
+        part.state = new_state
+        if report.exit_code is not None:
+            part.exit_code = report.exit_code
+    if report.error and not part.error:
+        part.error = report.error
+    _merge_workers(session, attempt, part, report)
+    if report.progress is not None and (job.progress_step is None or report.progress.step >= job.progress_step):
+        job.progress_step = report.progress.step
+        job.progress_loss = report.progress.loss
+        job.progress_at = report.progress.at
+        if attempt.first_progress_at is None:
+            attempt.first_progress_at = t
+    if report.result is not None and report.node_rank == 0 and job.result is None:
+        job.result = report.result
+    session.flush()
+    if attempt.outcome is None:
+        _decide(session, job, attempt)
+    return attempt, part
+
+
+def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report: AttemptStatusReport) -> None:
+    existing = {
+        w.rank: w for w in session.scalars(select(Worker).where(Worker.attempt_node_id == part.id))
+    }
+    for ws in report.workers:
+        w = existing.get(ws.rank)
+        if w is None:
+            w = Worker(
+                attempt_id=attempt.id,
+                attempt_node_id=part.id,
+                rank=ws.rank,
+                local_rank=ws.local_rank,
+                state="starting",
+            )
+            session.add(w)
+            existing[ws.rank] = w
+        if WORKER_ORDER[ws.state.value] >= WORKER_ORDER[w.state]:
+            w.state = ws.state.value
+            w.pid = ws.pid or w.pid
+            w.started_at = w.started_at or ws.started_at
+            if ws.state.value == "exited" and w.exit_code is None:
+                w.exit_code = ws.exit_code
+                w.ended_at = ws.ended_at or now()
+
+
+def _decide(session: Session, job: Job, attempt: Attempt) -> None:
+    parts = session.scalars(
+        select(AttemptNode).where(AttemptNode.attempt_id == attempt.id).order_by(AttemptNode.node_rank)
+    ).all()
+    workers = session.scalars(select(Worker).where(Worker.attempt_id == attempt.id)).all()
+    names = {n.id: n.name for n in session.scalars(select(Node).where(Node.id.in_([p.node_id for p in parts])))}
+    rank_node = {p.id: p for p in parts}
+    failed = [w for w in workers if w.state == "exited" and w.exit_code not in (0, None)]
+    if failed:
+        first = min(failed, key=lambda w: (w.ended_at or now(), w.rank))
+        part = rank_node[first.attempt_node_id]
+        fail_attempt(
+            session,
+            job,
+            attempt,
+            f"rank {first.rank} on {names[part.node_id]} exited with code {first.exit_code}",
+        )
+        return
+    for p in parts:
+        if p.error or (p.state in ("exited", "stopped") and p.exit_code not in (0, None)):
+            detail = p.error or f"torchrun exited with code {p.exit_code}"
+            fail_attempt(session, job, attempt, f"node rank {p.node_rank} on {names[p.node_id]}: {detail}")
+            return
+    world = attempt.num_gpus
+    running = sum(1 for w in workers if w.state in ("running", "exited"))
+    if attempt.state == "starting" and running >= world:
+        attempt.state = "running"
+        attempt.started_at = now()
+        events.record(
+            session, "attempt.running", f"all {world} workers of attempt {attempt.number} running",
+            job_id=job.id, attempt_id=attempt.id,
+        )
+        if job.state == "starting":
+            set_job_state(session, job, "running", f"attempt {attempt.number}: all {world} workers running")
+    if all(p.state == "exited" and p.exit_code == 0 for p in parts):
+        end_attempt(session, attempt, outcome="succeeded", reason="every worker exited with code 0")
+        if job.state in ("starting", "running"):
+            set_job_state(session, job, "succeeded", f"attempt {attempt.number} finished")
+
+
+def desired_for_node(session: Session, node: Node) -> list[tuple[Attempt, AttemptNode, Job]]:
+    """The attempts this node must run now (its desired state)."""
+    rows = session.execute(
+        select(Attempt, AttemptNode, Job)
+        .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
+        .join(Job, Job.id == Attempt.job_id)
+        .where(
+            AttemptNode.node_id == node.id,
+            AttemptNode.desired == "run",
+            Attempt.state.in_(("starting", "running")),
+        )
+    ).all()
+    return [(a, p, j) for a, p, j in rows]

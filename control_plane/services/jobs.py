@@ -1,0 +1,226 @@
+"""Jobs: submit, read, cancel, and the one function that changes a job's state."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import uuid
+from datetime import UTC, datetime
+
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from control_plane.errors import IdempotencyMismatch, InvalidState, NotFound, Unprocessable
+from control_plane.models import Attempt, Gpu, Job, Node
+from control_plane.schemas.jobs import JOB_STATES, JobSubmit
+from control_plane.services import events
+
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+# Allowed transitions: the job state machine, written down once (docs/architecture.md).
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "queued": frozenset({"starting", "cancelled", "failed"}),
+    "starting": frozenset({"running", "succeeded", "recovering", "failed", "cancelling"}),
+    "running": frozenset({"succeeded", "recovering", "failed", "cancelling"}),
+    "recovering": frozenset({"starting", "failed", "cancelling", "cancelled"}),
+    "cancelling": frozenset({"cancelled"}),
+    "succeeded": frozenset(),
+    "failed": frozenset(),
+    "cancelled": frozenset(),
+}
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def can_transition(src: str, dst: str) -> bool:
+    return dst in TRANSITIONS.get(src, frozenset())
+
+
+def set_job_state(session: Session, job: Job, new_state: str, reason: str, **data: object) -> bool:
+    """Move ``job`` to ``new_state`` and record the event; the only writer of ``Job.state``.
+
+    Returns False (and changes nothing) when the job is already in ``new_state``; raises
+    InvalidState for a transition the state machine does not allow.
+    """
+    if job.state == new_state:
+        return False
+    if not can_transition(job.state, new_state):
+        raise InvalidState(f"job {job.id} cannot go from {job.state} to {new_state}")
+    old = job.state
+    job.state = new_state
+    t = now()
+    job.updated_at = t
+    if new_state == "running" and job.started_at is None:
+        job.started_at = t
+    if new_state in TERMINAL:
+        job.ended_at = t
+        if new_state != "succeeded":
+            job.end_reason = reason
+    events.record(
+        session, f"job.{new_state}", reason, job_id=job.id, from_state=old, to_state=new_state, **data
+    )
+    return True
+
+
+def _request_hash(body: JobSubmit) -> str:
+    return hashlib.sha256(body.model_dump_json().encode()).hexdigest()
+
+
+def check_fits_cluster(session: Session, body: JobSubmit) -> None:
+    """Refuse a job that no registered cluster layout could ever hold."""
+    stmt = (
+        select(Node.id, func.count(Gpu.id))
+        .join(Gpu, Gpu.node_id == Node.id)
+        .where(Node.state != "removed")
+        .group_by(Node.id)
+    )
+    if body.gpu_kind:
+        stmt = stmt.where(Gpu.kind == body.gpu_kind)
+    counts = [n for _, n in session.execute(stmt)]
+    if not counts:
+        kind = f" with GPUs of kind {body.gpu_kind!r}" if body.gpu_kind else ""
+        raise Unprocessable(f"no nodes{kind} are registered, so this job can never be placed")
+    biggest = max(counts)
+    if body.gpus_per_node > biggest:
+        raise Unprocessable(
+            f"gpus_per_node={body.gpus_per_node} is larger than any node: the largest has {biggest} GPUs",
+            field="gpus_per_node",
+        )
+    fitting = sum(1 for n in counts if n >= body.gpus_per_node)
+    if fitting < body.num_nodes:
+        raise Unprocessable(
+            f"the job needs {body.num_nodes} nodes with at least {body.gpus_per_node} GPUs each; "
+            f"the cluster has {fitting} such nodes",
+            field="num_nodes",
+        )
+
+
+def submit(
+    session: Session, body: JobSubmit, *, principal: str, idempotency_key: str | None
+) -> tuple[Job, bool]:
+    """Create a queued job. Returns (job, created); a retried submit returns the first job."""
+    digest = _request_hash(body)
+    if idempotency_key:
+        existing = session.scalar(
+            select(Job).where(Job.principal == principal, Job.idempotency_key == idempotency_key)
+        )
+        if existing is not None:
+            return _same_request(existing, digest), False
+    check_fits_cluster(session, body)
+    job = Job(
+        id=uuid.uuid4(),
+        name=body.name,
+        principal=principal,
+        tenant=body.tenant,
+        priority=body.priority,
+        state="queued",
+        num_nodes=body.num_nodes,
+        gpus_per_node=body.gpus_per_node,
+        gpu_kind=body.gpu_kind,
+        entrypoint=body.entrypoint,
+        args=body.args,
+        env=body.env,
+        checkpoint=body.checkpoint.model_dump(),
+        max_failures=body.max_failures,
+        failures=0,
+        time_limit_s=body.time_limit_s,
+        idempotency_key=idempotency_key,
+        request_hash=digest,
+        created_at=now(),
+        updated_at=now(),
+    )
+    session.add(job)
+    session.flush()
+    events.record(
+        session,
+        "job.queued",
+        f"job {body.name} submitted: {body.num_nodes} x {body.gpus_per_node} GPUs",
+        job_id=job.id,
+        principal=principal,
+    )
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent retry with the same key won the race: return its job.
+        session.rollback()
+        existing = session.scalar(
+            select(Job).where(Job.principal == principal, Job.idempotency_key == idempotency_key)
+        )
+        if existing is None:
+            raise
+        return _same_request(existing, digest), False
+    return job, True
+
+
+def _same_request(job: Job, digest: str) -> Job:
+    if job.request_hash != digest:
+        raise IdempotencyMismatch(
+            "this Idempotency-Key was already used for a different job request; use a new key",
+            job_id=str(job.id),
+        )
+    return job
+
+
+def get_job(session: Session, job_id: uuid.UUID, *, for_update: bool = False) -> Job:
+    stmt = select(Job).where(Job.id == job_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    job = session.scalar(stmt)
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist")
+    return job
+
+
+def _encode_cursor(job: Job) -> str:
+    raw = json.dumps([job.created_at.isoformat(), str(job.id)]).encode()
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
+    try:
+        created, jid = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        return datetime.fromisoformat(created), uuid.UUID(jid)
+    except Exception as exc:
+        raise Unprocessable("cursor is not one this API returned", field="cursor") from exc
+
+
+def list_jobs(
+    session: Session, *, states: list[str] | None, limit: int, cursor: str | None
+) -> tuple[list[Job], str | None]:
+    """Newest first, keyset-paginated."""
+    for s in states or []:
+        if s not in JOB_STATES:
+            raise Unprocessable(f"unknown state {s!r}; expected one of {', '.join(JOB_STATES)}", field="state")
+    stmt = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
+    if states:
+        stmt = stmt.where(Job.state.in_(states))
+    if cursor:
+        created, jid = _decode_cursor(cursor)
+        stmt = stmt.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < jid)))
+    jobs = list(session.scalars(stmt))
+    next_cursor = _encode_cursor(jobs[limit - 1]) if len(jobs) > limit else None
+    return jobs[:limit], next_cursor
+
+
+def cancel(session: Session, job_id: uuid.UUID) -> Job:
+    """Cancel a job: at once if nothing runs, else stop every process first (cancelling)."""
+    from control_plane.services import attempts  # attempts imports this module
+
+    job = get_job(session, job_id, for_update=True)
+    if job.state in TERMINAL:
+        raise InvalidState(f"job {job.id} already ended ({job.state}); there is nothing to cancel")
+    if job.state == "cancelling":
+        return job
+    attempt = session.get(Attempt, job.current_attempt_id) if job.current_attempt_id else None
+    if attempt is not None and attempt.state != "ended":
+        attempts.end_attempt(session, attempt, outcome="cancelled", reason="cancelled by user")
+        set_job_state(session, job, "cancelling", "cancel requested; stopping every worker")
+        attempts.finish_if_released(session, attempt)
+    else:
+        set_job_state(session, job, "cancelled", "cancelled by user")
+    session.commit()
+    return job

@@ -1,0 +1,198 @@
+"""Nodes: registration, credentials, heartbeats (desired state), liveness."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane.errors import NotFound, Unauthorized
+from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
+from control_plane.schemas.agent import HeartbeatRequest, LaunchSpec, RegisterRequest
+from control_plane.services import attempts, events
+from control_plane.services.jobs import now
+
+# An attempt part whose processes vanished without an exit report for this long is failed.
+VANISHED_AFTER_S = 10.0
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
+    """Register (or re-register) a node by name; returns it and a fresh node credential."""
+    token = "tyn_" + secrets.token_urlsafe(32)
+    node = session.scalar(select(Node).where(Node.name == req.name).with_for_update())
+    t = now()
+    if node is None:
+        node = Node(
+            id=uuid.uuid4(),
+            name=req.name,
+            address=req.address,
+            state="ready",
+            schedulable=True,
+            labels=req.labels,
+            token_hash=hash_token(token),
+            agent_version=req.agent_version,
+            last_heartbeat_at=t,
+            registered_at=t,
+        )
+        session.add(node)
+        session.flush()
+        events.record(session, "node.registered", f"node {req.name} registered with {len(req.gpus)} GPUs",
+                      node_id=node.id, address=req.address)
+    else:
+        node.address = req.address
+        node.labels = req.labels or node.labels
+        node.token_hash = hash_token(token)
+        node.agent_version = req.agent_version
+        node.agent_instance = None
+        node.heartbeat_seq = 0
+        events.record(session, "node.reregistered", f"node {req.name} registered again", node_id=node.id)
+    _sync_gpus(session, node, req)
+    session.commit()
+    return node, token
+
+
+def _sync_gpus(session: Session, node: Node, req: RegisterRequest) -> None:
+    have = {g.index: g for g in session.scalars(select(Gpu).where(Gpu.node_id == node.id))}
+    for info in req.gpus:
+        g = have.pop(info.index, None)
+        if g is None:
+            session.add(Gpu(node_id=node.id, index=info.index, uuid=info.uuid, kind=info.kind,
+                            memory_mb=info.memory_mb))
+        else:
+            g.uuid, g.kind, g.memory_mb = info.uuid, info.kind, info.memory_mb
+    for g in have.values():
+        # A GPU that disappeared while leased stays until its lease is released.
+        leased = session.scalar(select(GpuLease.id).where(GpuLease.gpu_id == g.id, GpuLease.released_at.is_(None)))
+        if leased is None:
+            session.delete(g)
+
+
+def authenticate(session: Session, token: str) -> Node:
+    node = session.scalar(select(Node).where(Node.token_hash == hash_token(token)))
+    if node is None or node.state == "removed":
+        raise Unauthorized("unknown node credential; register the agent again")
+    return node
+
+
+def heartbeat(session: Session, node: Node, req: HeartbeatRequest) -> list[LaunchSpec]:
+    """Record liveness, confirm stopped attempts, and return the node's desired attempts."""
+    node = session.get(Node, node.id, with_for_update=True) or node
+    if node.agent_instance == req.agent_instance and req.seq <= node.heartbeat_seq:
+        # A delayed or duplicated heartbeat: it carries older truth than what we have.
+        return _desired_specs(session, node)
+    node.agent_instance = req.agent_instance
+    node.heartbeat_seq = req.seq
+    node.last_heartbeat_at = now()
+    if node.state == "lost":
+        node.state = "ready"
+        events.record(session, "node.returned", f"node {node.name} is back", node_id=node.id)
+    alive = {a.attempt_id for a in req.attempts if a.processes_alive}
+    _confirm_stopped(session, node, alive)
+    session.flush()
+    return _desired_specs(session, node)
+
+
+def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
+    parts = session.execute(
+        select(AttemptNode, Attempt)
+        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+        .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
+        .with_for_update(of=AttemptNode)
+    ).all()
+    for part, attempt in parts:
+        if str(attempt.id) in alive:
+            continue
+        if part.desired == "stop" or part.state in ("exited", "stopped"):
+            attempts.release_part(session, part)
+        elif part.state in ("launching", "running") and part.reported_at is not None:
+            silent = (now() - part.reported_at).total_seconds()
+            if silent > VANISHED_AFTER_S:
+                job = session.get(Job, attempt.job_id, with_for_update=True)
+                assert job is not None
+                attempts.fail_attempt(
+                    session, job, attempt,
+                    f"processes of node rank {part.node_rank} on {node.name} vanished without an exit report",
+                )
+                attempts.release_part(session, part)
+
+
+def _desired_specs(session: Session, node: Node) -> list[LaunchSpec]:
+    specs = []
+    for attempt, part, job in attempts.desired_for_node(session, node):
+        specs.append(
+            LaunchSpec(
+                job_id=str(job.id),
+                job_name=job.name,
+                attempt_id=str(attempt.id),
+                attempt_number=attempt.number,
+                fencing_token=attempt.fencing_token,
+                node_rank=part.node_rank,
+                nnodes=job.num_nodes,
+                nproc_per_node=job.gpus_per_node,
+                gpu_indices=list(part.gpu_indices),
+                rdzv_host=attempt.rdzv_host,
+                rdzv_port=attempt.rdzv_port,
+                entrypoint=job.entrypoint,
+                args=list(job.args),
+                env=dict(job.env),
+                checkpoint=dict(job.checkpoint),
+                restore_from=attempt.restore_manifest,
+            )
+        )
+    return specs
+
+
+def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime) -> list[Node]:
+    """Declare nodes lost after missed heartbeats and fail the attempts running on them.
+
+    Their leases stay held: the GPUs are not given to anyone until the agent comes back and
+    confirms its stale workers are stopped, or an operator removes the node.
+    """
+    t = now()
+    if t < not_before:
+        return []
+    cutoff = t - timedelta(seconds=timeout_s)
+    lost = session.scalars(
+        select(Node)
+        .where(Node.state == "ready", Node.last_heartbeat_at < cutoff)
+        .with_for_update(skip_locked=True)
+    ).all()
+    for node in lost:
+        node.state = "lost"
+        events.record(session, "node.lost", f"node {node.name} missed heartbeats for {timeout_s:g}s",
+                      node_id=node.id)
+        rows = session.execute(
+            select(Attempt, Job)
+            .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
+            .join(Job, Job.id == Attempt.job_id)
+            .where(AttemptNode.node_id == node.id, Attempt.outcome.is_(None))
+        ).all()
+        for attempt, job in rows:
+            attempts.fail_attempt(session, job, attempt, f"node {node.name} lost")
+    return list(lost)
+
+
+def get_node(session: Session, node_id: uuid.UUID) -> Node:
+    node = session.get(Node, node_id)
+    if node is None:
+        raise NotFound(f"node {node_id} does not exist")
+    return node
+
+
+def list_nodes(session: Session) -> list[Node]:
+    return list(session.scalars(select(Node).where(Node.state != "removed").order_by(Node.name)))
+
+
+def active_leases(session: Session, node_ids: list[uuid.UUID] | None = None) -> dict[uuid.UUID, GpuLease]:
+    stmt = select(GpuLease).where(GpuLease.released_at.is_(None))
+    if node_ids is not None:
+        stmt = stmt.where(GpuLease.node_id.in_(node_ids))
+    return {lease.gpu_id: lease for lease in session.scalars(stmt)}

@@ -1,0 +1,159 @@
+"""Read models: turn rows into the API's response schemas (no state changes here)."""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from control_plane.models import Attempt, AttemptNode, Event, Gpu, GpuLease, Job, Node
+from control_plane.schemas.jobs import (
+    AllocationEntry,
+    AttemptNodeOut,
+    AttemptOut,
+    AttemptRef,
+    EventOut,
+    JobOut,
+    Progress,
+    WorkerOut,
+)
+from control_plane.schemas.nodes import GpuOut, NodeOut
+
+
+def _s(value: uuid.UUID | None) -> str | None:
+    return str(value) if value is not None else None
+
+
+def job_out(session: Session, job: Job) -> JobOut:
+    return jobs_out(session, [job])[0]
+
+
+def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
+    attempt_ids = [j.current_attempt_id for j in jobs if j.current_attempt_id]
+    attempts = {
+        a.id: a
+        for a in session.scalars(
+            select(Attempt)
+            .where(Attempt.id.in_(attempt_ids))
+            .options(selectinload(Attempt.nodes).selectinload(AttemptNode.node))
+        )
+    } if attempt_ids else {}
+    out = []
+    for job in jobs:
+        attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
+        allocation = []
+        if attempt is not None and attempt.state != "ended":
+            allocation = [
+                AllocationEntry(node_id=str(p.node_id), node_name=p.node.name, node_rank=p.node_rank,
+                                gpu_indices=list(p.gpu_indices))
+                for p in attempt.nodes
+                if p.released_at is None
+            ]
+        out.append(
+            JobOut(
+                id=str(job.id),
+                name=job.name,
+                tenant=job.tenant,
+                priority=job.priority,
+                state=job.state,
+                num_nodes=job.num_nodes,
+                gpus_per_node=job.gpus_per_node,
+                entrypoint=job.entrypoint,
+                args=list(job.args),
+                env=dict(job.env),
+                checkpoint=dict(job.checkpoint),
+                max_failures=job.max_failures,
+                failures=job.failures,
+                time_limit_s=job.time_limit_s,
+                gpu_kind=job.gpu_kind,
+                progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at),
+                result=job.result,
+                end_reason=job.end_reason,
+                current_attempt=AttemptRef(id=str(attempt.id), number=attempt.number, state=attempt.state,
+                                           outcome=attempt.outcome) if attempt else None,
+                allocation=allocation,
+                created_at=job.created_at,
+                started_at=job.started_at,
+                ended_at=job.ended_at,
+            )
+        )
+    return out
+
+
+def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
+    attempts = session.scalars(
+        select(Attempt)
+        .where(Attempt.job_id == job_id)
+        .order_by(Attempt.number)
+        .options(
+            selectinload(Attempt.nodes).selectinload(AttemptNode.node),
+            selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
+        )
+    ).all()
+    return [
+        AttemptOut(
+            id=str(a.id),
+            number=a.number,
+            state=a.state,
+            outcome=a.outcome,
+            end_reason=a.end_reason,
+            rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
+            restored_from_step=a.restored_from_step,
+            created_at=a.created_at,
+            started_at=a.started_at,
+            first_progress_at=a.first_progress_at,
+            failed_at=a.failed_at,
+            ended_at=a.ended_at,
+            nodes=[
+                AttemptNodeOut(
+                    node_id=str(p.node_id),
+                    node_name=p.node.name,
+                    node_rank=p.node_rank,
+                    gpu_indices=list(p.gpu_indices),
+                    desired=p.desired,
+                    state=p.state,
+                    exit_code=p.exit_code,
+                    error=p.error,
+                    released_at=p.released_at,
+                    workers=[
+                        WorkerOut(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=w.state,
+                                  exit_code=w.exit_code, started_at=w.started_at, ended_at=w.ended_at)
+                        for w in p.workers
+                    ],
+                )
+                for p in a.nodes
+            ],
+        )
+        for a in attempts
+    ]
+
+
+def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:
+    ids = [n.id for n in nodes]
+    gpus = session.scalars(select(Gpu).where(Gpu.node_id.in_(ids)).order_by(Gpu.index)).all() if ids else []
+    leases = {
+        lease.gpu_id: lease
+        for lease in session.scalars(
+            select(GpuLease).where(GpuLease.released_at.is_(None), GpuLease.node_id.in_(ids))
+        )
+    } if ids else {}
+    by_node: dict[uuid.UUID, list[GpuOut]] = {}
+    for g in gpus:
+        lease = leases.get(g.id)
+        by_node.setdefault(g.node_id, []).append(
+            GpuOut(index=g.index, uuid=g.uuid, kind=g.kind, memory_mb=g.memory_mb,
+                   job_id=_s(lease.job_id) if lease else None,
+                   attempt_id=_s(lease.attempt_id) if lease else None)
+        )
+    return [
+        NodeOut(id=str(n.id), name=n.name, address=n.address, state=n.state, schedulable=n.schedulable,
+                labels=dict(n.labels or {}), last_heartbeat_at=n.last_heartbeat_at,
+                registered_at=n.registered_at, gpus=by_node.get(n.id, []))
+        for n in nodes
+    ]
+
+
+def event_out(e: Event) -> EventOut:
+    return EventOut(id=e.id, kind=e.kind, message=e.message, job_id=_s(e.job_id), attempt_id=_s(e.attempt_id),
+                    node_id=_s(e.node_id), data=dict(e.data or {}), created_at=e.created_at)

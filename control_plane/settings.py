@@ -1,0 +1,53 @@
+"""One validated settings object for the control plane (environment prefix TRAINYARD_)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TRAINYARD_", extra="ignore")
+
+    database_url: str = Field(
+        "postgresql+psycopg://postgres@localhost:5432/trainyard",
+        description="SQLAlchemy URL of the PostgreSQL database (psycopg 3 driver).",
+    )
+    admin_token: str = Field("", description="Bearer token of the admin principal. Required.")
+    join_token: str = Field("", description="Token agents present to register. Required.")
+
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="How often agents heartbeat.")
+    node_lost_timeout_s: float = Field(10.0, gt=0, description="Missed-heartbeat time before a node is lost.")
+    startup_grace_s: float = Field(
+        15.0, ge=0, description="After a control-plane start, no node is declared lost for this long."
+    )
+    scheduler_interval_s: float = Field(0.5, gt=0, description="Period of the scheduling loop.")
+    monitor_interval_s: float = Field(1.0, gt=0, description="Period of the node-liveness loop.")
+    rdzv_port_min: int = Field(29500, ge=1024, le=65535)
+    rdzv_port_max: int = Field(39499, ge=1024, le=65535)
+    max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")
+    log_follow_poll_s: float = Field(0.5, gt=0)
+
+    s3_endpoint: str = Field("", description="host:port of the S3 server for checkpoints.")
+    s3_access_key: str = ""
+    s3_secret_key: str = ""
+    s3_bucket: str = "trainyard"
+    s3_secure: bool = False
+    s3_region: str = "us-east-1"
+
+    run_loops: bool = Field(True, description="Run the scheduler and monitor loops in this process.")
+    log_json: bool = True
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.rdzv_port_min > self.rdzv_port_max:
+            raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
+        return self
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
