@@ -69,7 +69,7 @@ class JobSubmit(BaseModel):
             raise ValueError("entrypoint must name a Python module or a .py file")
         if any(c in v for c in "\0\n\r"):
             raise ValueError("entrypoint must not contain control characters")
-        if not (v.endswith(".py") or "/" in v) and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", v):
+        if not v.endswith(".py") and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", v):
             raise ValueError(f"entrypoint {v!r} is neither a dotted module name nor a path to a .py file")
         return v
 

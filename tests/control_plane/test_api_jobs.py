@@ -1,0 +1,150 @@
+"""Jobs API against a real Postgres: submit, list, inspect, cancel, idempotency, every 4xx."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.factories import ADMIN, TINY_GPT, job_body, register_node
+
+
+@pytest.fixture
+def cluster(client):
+    register_node(client, "node-1", 2)
+    register_node(client, "node-2", 2)
+    return client
+
+
+def test_submit_exact_readme_example(cluster):
+    r = cluster.post("/v1/jobs", json=TINY_GPT, headers=ADMIN)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["state"] == "queued"
+    assert job["num_nodes"] == 2 and job["gpus_per_node"] == 2
+    assert job["checkpoint"] == {"interval_steps": 50, "keep_last": 3}
+    assert job["max_failures"] == 3
+    assert job["progress"] == {"step": None, "loss": None, "updated_at": None}
+    assert job["current_attempt"] is None and job["allocation"] == []
+    assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+
+
+def test_get_and_list_with_filter_and_pagination(cluster, schedule):
+    ids = [cluster.post("/v1/jobs", json=job_body(name=f"j{i}", num_nodes=1), headers=ADMIN).json()["id"]
+           for i in range(5)]
+    assert schedule() == 2  # two 1x2 jobs fit on two 2-GPU nodes
+    got = cluster.get(f"/v1/jobs/{ids[0]}", headers=ADMIN).json()
+    assert got["state"] == "starting"
+    assert len(got["allocation"]) == 1 and len(got["allocation"][0]["gpu_indices"]) == 2
+
+    queued = cluster.get("/v1/jobs", params={"state": "queued"}, headers=ADMIN).json()
+    assert {j["id"] for j in queued["items"]} == set(ids[2:])
+
+    seen, cursor = [], None
+    while True:
+        params = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+        page = cluster.get("/v1/jobs", params=params, headers=ADMIN).json()
+        seen += [j["id"] for j in page["items"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == list(reversed(ids))  # newest first, each exactly once
+
+
+def test_idempotent_submit_returns_same_job(cluster):
+    h = {**ADMIN, "Idempotency-Key": "abc-123"}
+    first = cluster.post("/v1/jobs", json=TINY_GPT, headers=h)
+    again = cluster.post("/v1/jobs", json=TINY_GPT, headers=h)
+    assert first.status_code == 201 and again.status_code == 200
+    assert first.json()["id"] == again.json()["id"]
+    assert len(cluster.get("/v1/jobs", headers=ADMIN).json()["items"]) == 1
+    other = cluster.post("/v1/jobs", json=job_body(name="other"), headers=h)
+    assert other.status_code == 409
+    assert other.headers["content-type"].startswith("application/problem+json")
+
+
+def test_cancel_queued_then_cancel_again_is_409(cluster):
+    job = cluster.post("/v1/jobs", json=TINY_GPT, headers=ADMIN).json()
+    r = cluster.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["state"] == "cancelled"
+    again = cluster.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN)
+    assert again.status_code == 409
+    body = again.json()
+    assert body["status"] == 409 and "already ended" in body["detail"]
+    kinds = [e["kind"] for e in cluster.get(f"/v1/jobs/{job['id']}/events", headers=ADMIN).json()["items"]]
+    assert kinds == ["job.queued", "job.cancelled"]
+
+
+def test_unknown_job_is_404_problem(cluster):
+    r = cluster.get("/v1/jobs/00000000-0000-0000-0000-000000000000", headers=ADMIN)
+    assert r.status_code == 404
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert r.json()["title"] and "does not exist" in r.json()["detail"]
+    assert cluster.post("/v1/jobs/00000000-0000-0000-0000-000000000000/cancel", headers=ADMIN).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"num_nodes": -1}, "num_nodes"),
+        ({"gpus_per_node": 0}, "gpus_per_node"),
+        ({"entrypoint": ""}, "entrypoint"),
+        ({"entrypoint": "   "}, "entrypoint"),
+        ({"env": {"BIG": "x" * 40000}}, "env"),
+        ({"env": {"RANK": "3"}}, "env"),
+        ({"max_failures": -2}, "max_failures"),
+        ({"checkpoint": {"interval_steps": 0}}, "checkpoint.interval_steps"),
+        ({"name": ""}, "name"),
+    ],
+)
+def test_invalid_fields_are_422_problems(cluster, override, field):
+    r = cluster.post("/v1/jobs", json=job_body(**override), headers=ADMIN)
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert body["status"] == 422
+    assert any(e["field"].startswith(field) for e in body["errors"]), body
+    assert cluster.get("/v1/jobs", headers=ADMIN).json()["items"] == []  # nothing was created
+
+
+def test_job_larger_than_any_node_is_refused_with_reason(cluster):
+    r = cluster.post("/v1/jobs", json=job_body(gpus_per_node=3), headers=ADMIN)
+    assert r.status_code == 422
+    assert "larger than any node" in r.json()["detail"]
+    r = cluster.post("/v1/jobs", json=job_body(num_nodes=3), headers=ADMIN)
+    assert r.status_code == 422
+    assert "needs 3 nodes" in r.json()["detail"]
+
+
+def test_auth_required(cluster):
+    assert cluster.get("/v1/jobs").status_code == 401
+    r = cluster.post("/v1/jobs", json=TINY_GPT, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert cluster.post("/v1/agent/register", json={"name": "x", "address": "a", "gpus": []},
+                        headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_health_and_openapi(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json()["status"] == "ready"
+    spec = client.get("/openapi.json").json()
+    submit = spec["paths"]["/v1/jobs"]["post"]
+    schema_ref = submit["requestBody"]["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
+    assert spec["components"]["schemas"][schema_ref]["examples"][0] == TINY_GPT
+    for path in ["/v1/jobs/{job_id}/logs", "/v1/nodes", "/v1/cluster", "/v1/jobs/{job_id}/attempts"]:
+        assert path in spec["paths"]
+    assert client.get("/docs").status_code == 200
+
+
+def test_cluster_and_nodes_views(cluster, schedule):
+    cluster.post("/v1/jobs", json=job_body(num_nodes=1), headers=ADMIN)
+    cluster.post("/v1/jobs", json=TINY_GPT, headers=ADMIN)
+    schedule()
+    view = cluster.get("/v1/cluster", headers=ADMIN).json()
+    assert view["capacity"]["gpus_total"] == 4 and view["capacity"]["gpus_in_use"] == 2
+    assert view["capacity"]["utilization"] == 0.5
+    assert [q["gpus"] for q in view["queue"]] == [4]
+    nodes = cluster.get("/v1/nodes", headers=ADMIN).json()
+    leased = [g for n in nodes for g in n["gpus"] if g["job_id"]]
+    assert len(leased) == 2 and all(n["state"] == "ready" for n in nodes)

@@ -1,0 +1,78 @@
+"""Alembic migrations and the SQLAlchemy models describe the same schema; the database
+itself enforces the allocation invariants."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, text
+from sqlalchemy.exc import IntegrityError
+
+from control_plane.models import Base
+
+
+def test_autogenerate_finds_no_difference(fresh_database_url):
+    engine = create_engine(fresh_database_url)
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        diff = compare_metadata(ctx, Base.metadata)
+    engine.dispose()
+    assert diff == []
+
+
+def _seed(conn, gpus: int = 2):
+    node = uuid.uuid4()
+    conn.execute(text("INSERT INTO nodes (id, name, address, state, token_hash) VALUES (:i, :n, 'a', 'ready', 'h')"),
+                 {"i": node, "n": f"n-{node.hex[:6]}"})
+    gpu_ids = []
+    for i in range(gpus):
+        g = uuid.uuid4()
+        conn.execute(text("INSERT INTO gpus (id, node_id, index, uuid, kind) VALUES (:g, :n, :i, :u, 'k')"),
+                     {"g": g, "n": node, "i": i, "u": str(g)})
+        gpu_ids.append(g)
+    job = uuid.uuid4()
+    conn.execute(text(
+        "INSERT INTO jobs (id, name, principal, state, num_nodes, gpus_per_node, entrypoint, max_failures) "
+        "VALUES (:j, 'j', 'admin', 'starting', 1, 2, 'm', 0)"), {"j": job})
+    return node, gpu_ids, job
+
+
+def _attempt(conn, job, num_gpus, port):
+    a = uuid.uuid4()
+    conn.execute(text(
+        "INSERT INTO attempts (id, job_id, number, fencing_token, state, num_gpus, rdzv_host, rdzv_port) "
+        "VALUES (:a, :j, :n, 't', 'starting', :g, 'h', :p)"),
+        {"a": a, "j": job, "n": port, "g": num_gpus, "p": port})
+    return a
+
+
+def _lease(conn, gpu, node, attempt, job):
+    conn.execute(text("INSERT INTO gpu_leases (id, gpu_id, node_id, attempt_id, job_id) VALUES (:i, :g, :n, :a, :j)"),
+                 {"i": uuid.uuid4(), "g": gpu, "n": node, "a": attempt, "j": job})
+
+
+def test_database_refuses_partial_gang(fresh_database_url):
+    engine = create_engine(fresh_database_url)
+    with pytest.raises(IntegrityError, match="partial gang allocation"), engine.begin() as conn:
+        node, gpus, job = _seed(conn)
+        attempt = _attempt(conn, job, num_gpus=2, port=1)
+        _lease(conn, gpus[0], node, attempt, job)  # only one of two GPUs
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM gpu_leases")).scalar() == 0
+    engine.dispose()
+
+
+def test_database_refuses_double_lease(fresh_database_url):
+    engine = create_engine(fresh_database_url)
+    with engine.begin() as conn:
+        node, gpus, job = _seed(conn)
+        a1 = _attempt(conn, job, num_gpus=2, port=1)
+        _lease(conn, gpus[0], node, a1, job)
+        _lease(conn, gpus[1], node, a1, job)
+    with pytest.raises(IntegrityError, match="uq_gpu_leases_active_gpu"), engine.begin() as conn:
+        a2 = _attempt(conn, job, num_gpus=1, port=2)
+        _lease(conn, gpus[0], node, a2, job)
+    engine.dispose()

@@ -1,0 +1,93 @@
+"""Builders for test data, through the real API (no rows written behind the service's back)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+ADMIN_TOKEN = "test-admin-token"
+JOIN_TOKEN = "test-join-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+TINY_GPT: dict[str, Any] = {
+    "name": "tiny-gpt",
+    "num_nodes": 2,
+    "gpus_per_node": 2,
+    "entrypoint": "worker_runtime.examples.tiny_gpt",
+    "args": ["--steps", "300"],
+    "checkpoint": {"interval_steps": 50},
+    "max_failures": 3,
+}
+
+
+def job_body(**overrides: Any) -> dict[str, Any]:
+    body = copy.deepcopy(TINY_GPT)
+    body.update(overrides)
+    return body
+
+
+def register_node(client: TestClient, name: str, gpus: int = 2, *, address: str | None = None,
+                  kind: str = "virtual-cpu", labels: dict[str, str] | None = None) -> dict[str, Any]:
+    r = client.post(
+        "/v1/agent/register",
+        json={
+            "name": name,
+            "address": address or "127.0.0.1",
+            "gpus": [{"index": i, "uuid": f"virtual-{name}-{i}", "kind": kind, "memory_mb": 0} for i in range(gpus)],
+            "labels": labels or {},
+        },
+        headers={"Authorization": f"Bearer {JOIN_TOKEN}"},
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+class FakeAgentSession:
+    """Speaks the agent wire protocol over HTTP for API-level tests of the protocol itself.
+
+    End-to-end tests use the real node agent; this drives exact message sequences (duplicates,
+    reordering, stale attempts) that a real agent produces only by chance.
+    """
+
+    def __init__(self, client: TestClient, name: str, gpus: int = 2, instance: str = "i1") -> None:
+        reg = register_node(client, name, gpus)
+        self.client = client
+        self.name = name
+        self.node_id = reg["node_id"]
+        self.headers = {"Authorization": f"Bearer {reg['node_token']}"}
+        self.instance = instance
+        self.seq = 0
+
+    def heartbeat(self, alive: list[str] | None = None, *, seq: int | None = None) -> dict[str, Any]:
+        if seq is None:
+            self.seq += 1
+            seq = self.seq
+        r = self.client.post(
+            "/v1/agent/heartbeat",
+            json={"agent_instance": self.instance, "seq": seq, "attempts": [{"attempt_id": a} for a in alive or []]},
+            headers=self.headers,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def status(self, spec: dict[str, Any], state: str, *, exit_code: int | None = None,
+               workers: list[dict[str, Any]] | None = None, token: str | None = None, **extra: Any):
+        body = {
+            "fencing_token": token or spec["fencing_token"],
+            "node_rank": spec["node_rank"],
+            "state": state,
+            "exit_code": exit_code,
+            "workers": workers if workers is not None else [],
+            **extra,
+        }
+        return self.client.post(f"/v1/agent/attempts/{spec['attempt_id']}/status", json=body, headers=self.headers)
+
+
+def workers_for(spec: dict[str, Any], state: str, exit_code: int | None = None) -> list[dict[str, Any]]:
+    base = spec["node_rank"] * spec["nproc_per_node"]
+    return [
+        {"rank": base + i, "local_rank": i, "pid": 1000 + base + i, "state": state, "exit_code": exit_code}
+        for i in range(spec["nproc_per_node"])
+    ]
