@@ -68,12 +68,36 @@ def _install_error_handlers(app: FastAPI) -> None:
         })
 
 
+def object_store(settings: Settings):  # type: ignore[no-untyped-def]
+    """The control plane's S3 access (verify shards, write manifests, delete old checkpoints)."""
+    if not settings.s3_endpoint:
+        return None
+    from worker_runtime.checkpoint.s3 import S3Config, S3Storage
+
+    return S3Storage(S3Config.from_mapping(worker_storage(settings)), timeout_s=10.0, retries=1)
+
+
+def worker_storage(settings: Settings) -> dict[str, Any]:
+    """What workers get to reach checkpoint storage (later: per-attempt scoped credentials)."""
+    if not settings.s3_endpoint:
+        return {}
+    return {
+        "endpoint": settings.s3_endpoint,
+        "bucket": settings.s3_bucket,
+        "access_key": settings.s3_access_key,
+        "secret_key": settings.s3_secret_key,
+        "secure": settings.s3_secure,
+        "region": settings.s3_region,
+    }
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     configure_logging(json=settings.log_json, level=settings.log_level)
     engine = make_engine(settings.database_url)
     factory = make_session_factory(engine)
-    loops = Loops(factory, settings)
+    store = object_store(settings)
+    loops = Loops(factory, settings, store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -96,6 +120,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.session_factory = factory
     app.state.loops = loops
     app.state.wake_scheduler = loops.wake_scheduler
+    app.state.object_store = store
+    app.state.worker_storage = worker_storage(settings)
     _install_error_handlers(app)
     for module in (health, jobs, nodes, agent):
         app.include_router(module.router)

@@ -25,6 +25,10 @@ class Settings(BaseSettings):
     )
     scheduler_interval_s: float = Field(0.5, gt=0, description="Period of the scheduling loop.")
     monitor_interval_s: float = Field(1.0, gt=0, description="Period of the node-liveness loop.")
+    checkpoint_maintenance_interval_s: float = Field(2.0, gt=0, description="Commit/abort/retention loop period.")
+    checkpoint_pending_timeout_s: float = Field(
+        600.0, gt=0, description="A checkpoint still missing shards after this long is aborted."
+    )
     rdzv_port_min: int = Field(29500, ge=1024, le=65535)
     rdzv_port_max: int = Field(39499, ge=1024, le=65535)
     max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")

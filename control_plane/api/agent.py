@@ -18,8 +18,12 @@ from control_plane.schemas.agent import (
     LogBatch,
     RegisterRequest,
     RegisterResponse,
+    ShardAck,
+    ShardReport,
+    WorkerEventAck,
+    WorkerEventBatch,
 )
-from control_plane.services import attempts, logs, nodes
+from control_plane.services import attempts, checkpoints, logs, nodes
 
 router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"])
 
@@ -38,7 +42,7 @@ def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, 
 def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, settings: SettingsDep,
               request: Request) -> HeartbeatResponse:
     released_before = session.info.get("released", 0)
-    specs = nodes.heartbeat(session, node, body)
+    specs = nodes.heartbeat(session, node, body, request.app.state.worker_storage)
     state = node.state
     session.commit()
     if session.info.get("released", 0) != released_before:
@@ -59,3 +63,26 @@ def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeI
 @router.post("/attempts/{attempt_id}/logs", response_model=LogAck, responses=ERRORS)
 def attempt_logs(attempt_id: uuid.UUID, body: LogBatch, node: NodeIdentity, session: SessionDep) -> LogAck:
     return LogAck(accepted=logs.append(session, node, attempt_id, body))
+
+
+@router.post("/attempts/{attempt_id}/shards", response_model=ShardAck, responses=ERRORS)
+def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity, session: SessionDep,
+                   request: Request) -> ShardAck:
+    """Phase 1 of a checkpoint; when the last shard of a step arrives, phase 2 commits it."""
+    ready = checkpoints.record_shards(session, node, attempt_id, body)
+    session.commit()
+    committed = []
+    store = request.app.state.object_store
+    for checkpoint_id in ready:
+        if store is not None and checkpoints.commit_ready(request.app.state.session_factory, store, checkpoint_id):
+            committed.append(checkpoint_id)
+    steps = sorted({s.step for s in body.shards}) if committed else []
+    return ShardAck(accepted=len(body.shards), committed_steps=steps)
+
+
+@router.post("/attempts/{attempt_id}/events", response_model=WorkerEventAck, responses=ERRORS)
+def attempt_events(attempt_id: uuid.UUID, body: WorkerEventBatch, node: NodeIdentity,
+                   session: SessionDep) -> WorkerEventAck:
+    accepted = checkpoints.record_worker_events(session, node, attempt_id, body)
+    session.commit()
+    return WorkerEventAck(accepted=accepted)

@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from control_plane.api.deps import PrincipalDep, SessionDep, SettingsDep
 from control_plane.db import session_scope
-from control_plane.schemas.jobs import AttemptOut, EventPage, JobOut, JobPage, JobSubmit
+from control_plane.schemas.jobs import AttemptOut, CheckpointOut, EventPage, JobOut, JobPage, JobSubmit
 from control_plane.services import events, jobs, logs, views
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -68,6 +68,13 @@ def cancel_job(job_id: uuid.UUID, session: SessionDep, _: PrincipalDep) -> JobOu
 def list_attempts(job_id: uuid.UUID, session: SessionDep, _: PrincipalDep) -> list[AttemptOut]:
     jobs.get_job(session, job_id)
     return views.attempts_out(session, job_id)
+
+
+@router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut], responses=ERRORS)
+def list_checkpoints(job_id: uuid.UUID, session: SessionDep, _: PrincipalDep) -> list[CheckpointOut]:
+    """Newest first. Only `committed` checkpoints are ever restored from."""
+    jobs.get_job(session, job_id)
+    return views.checkpoints_out(session, job_id)
 
 
 @router.get("/{job_id}/events", response_model=EventPage, responses=ERRORS)

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.db import session_scope
 from control_plane.scheduler.allocate import schedule_pass
-from control_plane.services import nodes
+from control_plane.services import checkpoints, nodes
 from control_plane.services.jobs import now
 from control_plane.settings import Settings
 
@@ -25,8 +25,9 @@ log = structlog.get_logger("trainyard.loops")
 
 
 class Loops:
-    def __init__(self, factory: sessionmaker[Session], settings: Settings) -> None:
+    def __init__(self, factory: sessionmaker[Session], settings: Settings, store: object | None = None) -> None:
         self._factory = factory
+        self._store = store
         self._settings = settings
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -43,6 +44,7 @@ class Loops:
         for name, fn, period in (
             ("scheduler", self.schedule_once, self._settings.scheduler_interval_s),
             ("monitor", self.monitor_once, self._settings.monitor_interval_s),
+            ("checkpoints", self.checkpoints_once, self._settings.checkpoint_maintenance_interval_s),
         ):
             t = threading.Thread(target=self._run, args=(name, fn, period), name=f"trainyard-{name}", daemon=True)
             t.start()
@@ -83,3 +85,9 @@ class Loops:
         if lost:
             self.wake_scheduler()
         return len(lost)
+
+    def checkpoints_once(self) -> None:
+        checkpoints.maintenance(
+            self._factory, self._store,  # type: ignore[arg-type]
+            pending_timeout_s=self._settings.checkpoint_pending_timeout_s,
+        )

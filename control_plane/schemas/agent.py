@@ -94,7 +94,13 @@ class LaunchSpec(_Wire):
     env: dict[str, str] = Field(default_factory=dict)
     checkpoint: dict[str, Any] = Field(default_factory=dict)
     restore_from: dict[str, Any] | None = Field(
-        default=None, description="Committed checkpoint manifest to restore from, if any."
+        default=None,
+        description="Restore plan: {'candidates': [manifest, ...]} newest committed first, or None.",
+    )
+    storage: dict[str, Any] = Field(
+        default_factory=dict,
+        description="S3 access for checkpoints: endpoint, bucket, access_key, secret_key, secure, "
+        "region, prefix. The agent passes it to workers as TRAINYARD_S3_* variables.",
     )
 
 
@@ -206,3 +212,70 @@ ENV_DEVICE = "TRAINYARD_DEVICE"  # "cpu" (virtual slots, gloo) or "cuda" (NCCL)
 ENV_CHECKPOINT = "TRAINYARD_CHECKPOINT"  # JSON of the job's checkpoint settings
 ENV_RESTORE_FROM = "TRAINYARD_RESTORE_FROM"  # JSON manifest of the checkpoint to restore, if any
 ENV_STATUS_DIR = "TRAINYARD_STATUS_DIR"  # where the rank shim writes rank-<r>.json
+
+
+# --- Checkpoint shards and worker events (two-phase checkpoints, docs/architecture.md) ---
+#
+# Worker -> agent (local API):
+# - POST /v1/local/attempts/{attempt_id}/shards  LocalShard   (after the shard is uploaded)
+# - POST /v1/local/attempts/{attempt_id}/events  LocalEvent   (checkpoint restored/fallback/failed)
+# Agent -> control plane (node token; 409 problem+json when the attempt is stale):
+# - POST /v1/agent/attempts/{attempt_id}/shards  ShardReport -> ShardAck
+# - POST /v1/agent/attempts/{attempt_id}/events  WorkerEventBatch -> WorkerEventAck
+# Shards are keyed by (attempt, step, rank): a resent shard is stored once.
+
+
+class ShardInfo(_Wire):
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    key: str = Field(min_length=1, description="Object key of the uploaded shard.")
+    size_bytes: int = Field(ge=0)
+    sha256: str = Field(pattern="^[0-9a-f]{64}$")
+
+
+class LocalShard(ShardInfo):
+    fencing_token: str
+
+
+class ShardReport(_Wire):
+    fencing_token: str
+    node_rank: int = Field(ge=0)
+    shards: list[ShardInfo]
+
+
+class ShardAck(_Wire):
+    accepted: int
+    committed_steps: list[int] = Field(default_factory=list, description="Steps now committed.")
+
+
+class WorkerEvent(_Wire):
+    rank: int = Field(ge=0)
+    kind: str = Field(pattern=r"^[a-z][a-z0-9_.]*$", max_length=64,
+                      description="e.g. checkpoint.restored, checkpoint.fallback, checkpoint.save_failed")
+    message: str = Field(max_length=4096)
+    data: dict[str, Any] = Field(default_factory=dict)
+    at: datetime | None = None
+
+
+class LocalEvent(WorkerEvent):
+    fencing_token: str
+
+
+class WorkerEventBatch(_Wire):
+    fencing_token: str
+    node_rank: int = Field(ge=0)
+    events: list[WorkerEvent]
+
+
+class WorkerEventAck(_Wire):
+    accepted: int
+
+
+# Worker environment for checkpoint storage (the seam for per-attempt worker credentials).
+ENV_S3_ENDPOINT = "TRAINYARD_S3_ENDPOINT"
+ENV_S3_ACCESS_KEY = "TRAINYARD_S3_ACCESS_KEY"
+ENV_S3_SECRET_KEY = "TRAINYARD_S3_SECRET_KEY"
+ENV_S3_BUCKET = "TRAINYARD_S3_BUCKET"
+ENV_S3_SECURE = "TRAINYARD_S3_SECURE"
+ENV_S3_REGION = "TRAINYARD_S3_REGION"

@@ -194,3 +194,18 @@ class EventOut(BaseModel):
 class EventPage(BaseModel):
     items: list[EventOut]
     next_after: int | None = Field(description="Pass as `after` to get newer events.")
+
+
+class CheckpointOut(BaseModel):
+    id: str
+    step: int
+    attempt_id: str
+    attempt_number: int
+    state: str = Field(description="pending | committed | aborted | deleted")
+    world_size: int
+    size_bytes: int
+    shards: int = Field(description="Shards recorded so far.")
+    manifest_key: str | None
+    reason: str | None
+    created_at: datetime
+    committed_at: datetime | None

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from control_plane.errors import Forbidden, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
-from control_plane.schemas.agent import AttemptStatusReport, NodeAttemptState
+from control_plane.schemas.agent import AttemptStatusReport
 from control_plane.services import events
+from control_plane.services.checkpoints import restore_plan
+from control_plane.services.fencing import authorize_report
 from control_plane.services.jobs import TERMINAL, now, set_job_state
 
 WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
@@ -42,7 +43,9 @@ def create_attempt(
         select(Attempt.number).where(Attempt.job_id == job.id).order_by(Attempt.number.desc()).limit(1)
     )
     number = (last or 0) + 1
+    plan = restore_plan(session, job)
     attempt = Attempt(
+        restore_manifest=plan,
         id=uuid.uuid4(),
         job_id=job.id,
         number=number,
@@ -193,28 +196,6 @@ def finish_if_released(session: Session, attempt: Attempt) -> None:
     assert job is not None
     if job.state == "cancelling":
         set_job_state(session, job, "cancelled", "every worker stopped and every lease released")
-
-
-def authorize_report(
-    session: Session, node: Node, attempt_id: uuid.UUID, fencing_token: str, node_rank: int
-) -> tuple[Job, Attempt, AttemptNode]:
-    """Fencing: refuse anything not from the job's current attempt with the right token."""
-    attempt = session.get(Attempt, attempt_id, with_for_update=True)
-    if attempt is None or not secrets.compare_digest(attempt.fencing_token, fencing_token):
-        raise StaleAttempt(f"attempt {attempt_id} is unknown or its fencing token does not match")
-    job = session.get(Job, attempt.job_id, with_for_update=True)
-    assert job is not None
-    if job.current_attempt_id != attempt.id:
-        raise StaleAttempt(
-            f"attempt {attempt.number} of job {job.id} is stale: the current attempt is another one",
-            attempt_id=str(attempt_id),
-        )
-    part = session.scalar(
-        select(AttemptNode).where(AttemptNode.attempt_id == attempt.id, AttemptNode.node_rank == node_rank)
-    )
-    if part is None or part.node_id != node.id:
-        raise Forbidden(f"node {node.name} does not hold node rank {node_rank} of attempt {attempt_id}")
-    return job, attempt, part
 
 
 def apply_status(

@@ -82,12 +82,14 @@ def authenticate(session: Session, token: str) -> Node:
     return node
 
 
-def heartbeat(session: Session, node: Node, req: HeartbeatRequest) -> list[LaunchSpec]:
+def heartbeat(
+    session: Session, node: Node, req: HeartbeatRequest, storage: dict[str, object] | None = None
+) -> list[LaunchSpec]:
     """Record liveness, confirm stopped attempts, and return the node's desired attempts."""
     node = session.get(Node, node.id, with_for_update=True) or node
     if node.agent_instance == req.agent_instance and req.seq <= node.heartbeat_seq:
         # A delayed or duplicated heartbeat: it carries older truth than what we have.
-        return _desired_specs(session, node)
+        return _desired_specs(session, node, storage)
     node.agent_instance = req.agent_instance
     node.heartbeat_seq = req.seq
     node.last_heartbeat_at = now()
@@ -97,7 +99,7 @@ def heartbeat(session: Session, node: Node, req: HeartbeatRequest) -> list[Launc
     alive = {a.attempt_id for a in req.attempts if a.processes_alive}
     _confirm_stopped(session, node, alive)
     session.flush()
-    return _desired_specs(session, node)
+    return _desired_specs(session, node, storage)
 
 
 def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
@@ -124,7 +126,7 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
                 attempts.release_part(session, part)
 
 
-def _desired_specs(session: Session, node: Node) -> list[LaunchSpec]:
+def _desired_specs(session: Session, node: Node, storage: dict[str, object] | None) -> list[LaunchSpec]:
     specs = []
     for attempt, part, job in attempts.desired_for_node(session, node):
         specs.append(
@@ -145,6 +147,7 @@ def _desired_specs(session: Session, node: Node) -> list[LaunchSpec]:
                 env=dict(job.env),
                 checkpoint=dict(job.checkpoint),
                 restore_from=attempt.restore_manifest,
+                storage={**(storage or {}), "prefix": f"jobs/{job.id}/checkpoints"},
             )
         )
     return specs

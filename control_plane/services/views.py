@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
-from control_plane.models import Attempt, AttemptNode, Event, Gpu, GpuLease, Job, Node
+from control_plane.models import Attempt, AttemptNode, Checkpoint, CheckpointShard, Event, Gpu, GpuLease, Job, Node
 from control_plane.schemas.jobs import (
     AllocationEntry,
     AttemptNodeOut,
     AttemptOut,
     AttemptRef,
+    CheckpointOut,
     EventOut,
     JobOut,
     Progress,
@@ -157,3 +158,25 @@ def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:
 def event_out(e: Event) -> EventOut:
     return EventOut(id=e.id, kind=e.kind, message=e.message, job_id=_s(e.job_id), attempt_id=_s(e.attempt_id),
                     node_id=_s(e.node_id), data=dict(e.data or {}), created_at=e.created_at)
+
+
+def checkpoints_out(session: Session, job_id: uuid.UUID) -> list[CheckpointOut]:
+    shard_counts = (
+        select(CheckpointShard.checkpoint_id, func.count().label("n"))
+        .group_by(CheckpointShard.checkpoint_id)
+        .subquery()
+    )
+    rows = session.execute(
+        select(Checkpoint, Attempt.number, shard_counts.c.n)
+        .join(Attempt, Attempt.id == Checkpoint.attempt_id)
+        .outerjoin(shard_counts, shard_counts.c.checkpoint_id == Checkpoint.id)
+        .where(Checkpoint.job_id == job_id)
+        .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc())
+    ).all()
+    return [
+        CheckpointOut(id=str(c.id), step=c.step, attempt_id=str(c.attempt_id), attempt_number=number,
+                      state=c.state, world_size=c.world_size, size_bytes=c.size_bytes, shards=n or 0,
+                      manifest_key=c.manifest_key, reason=c.reason, created_at=c.created_at,
+                      committed_at=c.committed_at)
+        for c, number, n in rows
+    ]

@@ -1,0 +1,280 @@
+"""Two-phase checkpoints: shards are recorded as they arrive (phase 1), then one conditional
+update publishes the manifest (phase 2). Only ``committed`` checkpoints exist for readers.
+
+Phase 1 (``record_shards``, one transaction): a shard is accepted only from the job's current
+attempt with the right fencing token, and only for its own (attempt, step); a resent shard is
+stored once, a different shard under the same (step, rank) is refused.
+
+Phase 2 (``commit_ready``): outside any transaction, every shard object is checked in S3 (size)
+and the manifest is written next to them; then one transaction flips ``pending -> committed``
+with ``WHERE state = 'pending'`` while the attempt is still the job's current one. That row
+update is the commit point: two replicas racing to commit produce one commit, and a crash before
+it leaves a pending checkpoint that the next pass commits or aborts. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import uuid
+from typing import Any, Protocol
+
+import structlog
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane.db import session_scope
+from control_plane.errors import Conflict, StaleAttempt
+from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
+from control_plane.schemas.agent import ShardReport
+from control_plane.services import events
+from control_plane.services.fencing import authorize_report
+from control_plane.services.jobs import now
+
+log = structlog.get_logger("trainyard.checkpoints")
+
+
+class ObjectStore(Protocol):
+    def put_object(self, key: str, data: Any, *, length: int | None = None) -> Any: ...
+    def stat(self, key: str) -> Any: ...
+    def delete(self, key: str) -> None: ...
+
+
+def checkpoint_prefix(job_id: uuid.UUID | str, step: int, attempt_number: int) -> str:
+    """Where an attempt's shards of one step live: scoped to job, step and attempt."""
+    return f"jobs/{job_id}/checkpoints/step-{step:09d}/attempt-{attempt_number:04d}"
+
+
+def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport) -> list[uuid.UUID]:
+    """Phase 1. Returns the checkpoints that now have every shard (ready to commit)."""
+    job, attempt, _part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank)
+    if attempt.outcome is not None and attempt.outcome != "failed":
+        raise StaleAttempt(f"attempt {attempt.number} already ended ({attempt.outcome}); shard refused")
+    ready: list[uuid.UUID] = []
+    for shard in report.shards:
+        if shard.world_size != attempt.num_gpus:
+            raise Conflict(f"shard of rank {shard.rank} says world size {shard.world_size}; "
+                           f"attempt {attempt.number} has {attempt.num_gpus} ranks")
+        if shard.rank >= attempt.num_gpus:
+            raise Conflict(f"rank {shard.rank} is outside attempt {attempt.number}'s world")
+        expected = checkpoint_prefix(job.id, shard.step, attempt.number) + "/"
+        if not shard.key.startswith(expected):
+            raise Conflict(f"shard key {shard.key!r} is not under this attempt's prefix {expected!r}")
+        ckpt = session.scalar(
+            select(Checkpoint)
+            .where(Checkpoint.job_id == job.id, Checkpoint.attempt_id == attempt.id, Checkpoint.step == shard.step)
+            .with_for_update()
+        )
+        if ckpt is None:
+            ckpt = Checkpoint(id=uuid.uuid4(), job_id=job.id, attempt_id=attempt.id, step=shard.step,
+                              world_size=attempt.num_gpus, state="pending", created_at=now())
+            session.add(ckpt)
+            session.flush()
+            events.record(session, "checkpoint.begun", f"checkpoint of step {shard.step} begun",
+                          job_id=job.id, attempt_id=attempt.id, step=shard.step)
+        if ckpt.state != "pending":
+            continue  # already committed or aborted: a late duplicate changes nothing
+        have = session.scalar(
+            select(CheckpointShard).where(CheckpointShard.checkpoint_id == ckpt.id, CheckpointShard.rank == shard.rank)
+        )
+        if have is not None:
+            if (have.key, have.sha256, have.size_bytes) != (shard.key, shard.sha256, shard.size_bytes):
+                raise Conflict(f"rank {shard.rank} already reported a different shard for step {shard.step}")
+            continue
+        session.add(CheckpointShard(checkpoint_id=ckpt.id, rank=shard.rank, key=shard.key,
+                                    size_bytes=shard.size_bytes, sha256=shard.sha256))
+        session.flush()
+        count = len(session.scalars(select(CheckpointShard.id).where(CheckpointShard.checkpoint_id == ckpt.id)).all())
+        if count == ckpt.world_size:
+            ready.append(ckpt.id)
+    return ready
+
+
+def _manifest(job: Job, attempt: Attempt, ckpt: Checkpoint, shards: list[CheckpointShard], key: str) -> dict[str, Any]:
+    return {
+        "format": "trainyard.checkpoint/1",
+        "job_id": str(job.id),
+        "checkpoint_id": str(ckpt.id),
+        "step": ckpt.step,
+        "attempt_id": str(attempt.id),
+        "attempt_number": attempt.number,
+        "world_size": ckpt.world_size,
+        "layout": {"num_nodes": job.num_nodes, "gpus_per_node": job.gpus_per_node},
+        "manifest_key": key,
+        "shards": [{"rank": s.rank, "key": s.key, "size_bytes": s.size_bytes, "sha256": s.sha256}
+                   for s in sorted(shards, key=lambda s: s.rank)],
+    }
+
+
+def commit_ready(factory: sessionmaker[Session], store: ObjectStore, checkpoint_id: uuid.UUID) -> bool:
+    """Phase 2 for one checkpoint; True if this call committed it."""
+    with session_scope(factory) as s:
+        ckpt = s.get(Checkpoint, checkpoint_id)
+        if ckpt is None or ckpt.state != "pending":
+            return False
+        shards = list(s.scalars(select(CheckpointShard).where(CheckpointShard.checkpoint_id == ckpt.id)))
+        if len(shards) != ckpt.world_size:
+            return False
+        job = s.get(Job, ckpt.job_id)
+        attempt = s.get(Attempt, ckpt.attempt_id)
+        assert job is not None and attempt is not None
+        key = checkpoint_prefix(job.id, ckpt.step, attempt.number) + "/manifest.json"
+        manifest = _manifest(job, attempt, ckpt, shards, key)
+    # Network calls, outside any transaction: verify every shard exists with its size.
+    try:
+        for shard in manifest["shards"]:
+            info = store.stat(shard["key"])
+            if info is None or info.size != shard["size_bytes"]:
+                return _abort(factory, checkpoint_id, f"shard of rank {shard['rank']} is missing or has the wrong size")
+        payload = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        store.put_object(key, io.BytesIO(payload), length=len(payload))
+    except Exception as exc:  # S3 down: leave it pending; the loop retries, then aborts
+        log.warning("checkpoint commit deferred", checkpoint_id=str(checkpoint_id), error=repr(exc))
+        return False
+    with session_scope(factory) as s:
+        job = s.get(Job, manifest_job_id := uuid.UUID(manifest["job_id"]), with_for_update=True)
+        if job is None or str(job.current_attempt_id) != manifest["attempt_id"]:
+            s.rollback()
+            _abort(factory, checkpoint_id, "its attempt is no longer the job's current one")
+            return False
+        size = sum(sh["size_bytes"] for sh in manifest["shards"])
+        done = s.execute(
+            update(Checkpoint)
+            .where(Checkpoint.id == checkpoint_id, Checkpoint.state == "pending")
+            .values(state="committed", manifest_key=key, manifest=manifest, size_bytes=size, committed_at=now())
+        ).rowcount
+        if done:
+            events.record(s, "checkpoint.committed",
+                          f"checkpoint of step {manifest['step']} committed ({size} bytes, "
+                          f"{manifest['world_size']} shards)",
+                          job_id=manifest_job_id, attempt_id=uuid.UUID(manifest["attempt_id"]),
+                          step=manifest["step"], size_bytes=size, manifest_key=key)
+        return bool(done)
+
+
+def _abort(factory: sessionmaker[Session], checkpoint_id: uuid.UUID, reason: str) -> bool:
+    with session_scope(factory) as s:
+        ckpt = s.get(Checkpoint, checkpoint_id, with_for_update=True)
+        if ckpt is not None:
+            abort(s, ckpt, reason)
+    return False
+
+
+def abort(session: Session, ckpt: Checkpoint, reason: str) -> None:
+    if ckpt.state != "pending":
+        return
+    ckpt.state = "aborted"
+    ckpt.reason = reason
+    events.record(session, "checkpoint.aborted", f"checkpoint of step {ckpt.step} aborted: {reason}",
+                  job_id=ckpt.job_id, attempt_id=ckpt.attempt_id, step=ckpt.step)
+
+
+def list_checkpoints(session: Session, job_id: uuid.UUID, *, states: tuple[str, ...] | None = None) -> list[Checkpoint]:
+    stmt = (
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job_id)
+        .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc())
+    )
+    if states:
+        stmt = stmt.where(Checkpoint.state.in_(states))
+    return list(session.scalars(stmt))
+
+
+def restore_plan(session: Session, job: Job) -> dict[str, Any] | None:
+    """The committed manifests a new attempt may restore from, newest first."""
+    committed = [c for c in list_checkpoints(session, job.id, states=("committed",)) if c.manifest]
+    if not committed:
+        return None
+    return {"candidates": [c.manifest for c in committed]}
+
+
+def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, batch: Any) -> int:
+    """Fenced worker events: restore outcomes and failed saves become checkpoint facts."""
+    job, attempt, _ = authorize_report(session, node, attempt_id, batch.fencing_token, batch.node_rank)
+    for ev in batch.events:
+        step = ev.data.get("step")
+        if ev.kind == "checkpoint.restored" and isinstance(step, int):
+            if attempt.restored_from_step is None:
+                attempt.restored_from_step = step
+                lost = (job.progress_step or 0) - step
+                events.record(session, "checkpoint.restored", f"attempt {attempt.number} restored step {step}",
+                              job_id=job.id, attempt_id=attempt.id, step=step, steps_lost=max(lost, 0))
+            continue
+        if ev.kind == "checkpoint.save_failed" and isinstance(step, int):
+            ckpt = session.scalar(select(Checkpoint).where(
+                Checkpoint.job_id == job.id, Checkpoint.attempt_id == attempt.id, Checkpoint.step == step
+            ).with_for_update())
+            if ckpt is None:
+                ckpt = Checkpoint(id=uuid.uuid4(), job_id=job.id, attempt_id=attempt.id, step=step,
+                                  world_size=attempt.num_gpus, state="pending", created_at=now())
+                session.add(ckpt)
+                session.flush()
+            abort(session, ckpt, f"rank {ev.rank} could not save: {ev.message}")
+            continue
+        events.record(session, ev.kind if ev.kind.startswith("checkpoint.") else f"worker.{ev.kind}",
+                      f"rank {ev.rank}: {ev.message}", job_id=job.id, attempt_id=attempt.id,
+                      rank=ev.rank, **{k: v for k, v in ev.data.items() if isinstance(k, str)})
+    return len(batch.events)
+
+
+def maintenance(factory: sessionmaker[Session], store: ObjectStore | None, *, pending_timeout_s: float) -> None:
+    """Commit complete pending checkpoints, abort hopeless ones, apply retention, delete objects."""
+    with session_scope(factory) as s:
+        pending = list(s.scalars(select(Checkpoint).where(Checkpoint.state == "pending")))
+        ready, hopeless = [], []
+        for c in pending:
+            attempt = s.get(Attempt, c.attempt_id)
+            job = s.get(Job, c.job_id)
+            shards = len(s.scalars(select(CheckpointShard.id).where(CheckpointShard.checkpoint_id == c.id)).all())
+            newer = s.scalar(select(Checkpoint.id).where(
+                Checkpoint.job_id == c.job_id, Checkpoint.state == "committed", Checkpoint.step > c.step).limit(1))
+            age = (now() - c.created_at).total_seconds()
+            if shards == c.world_size and job is not None and job.current_attempt_id == c.attempt_id:
+                ready.append(c.id)
+            elif newer is not None:
+                hopeless.append((c, "superseded by a newer committed checkpoint before all shards arrived"))
+            elif attempt is not None and attempt.outcome is not None and attempt.state == "ended":
+                hopeless.append((c, f"attempt {attempt.number} ended before all shards arrived"))
+            elif age > pending_timeout_s:
+                hopeless.append((c, f"incomplete after {pending_timeout_s:g}s ({shards}/{c.world_size} shards)"))
+        for c, reason in hopeless:
+            abort(s, c, reason)
+        _retention(s)
+    if store is None:
+        return
+    for cid in ready:
+        commit_ready(factory, store, cid)
+    _delete_objects(factory, store)
+
+
+def _retention(session: Session) -> None:
+    for job in session.scalars(select(Job).where(Job.id.in_(
+        select(Checkpoint.job_id).where(Checkpoint.state == "committed").distinct()
+    ))):
+        keep = int((job.checkpoint or {}).get("keep_last") or 3)
+        committed = list_checkpoints(session, job.id, states=("committed",))
+        for c in committed[keep:]:
+            c.state = "deleted"
+            events.record(session, "checkpoint.deleted", f"checkpoint of step {c.step} deleted (keep_last={keep})",
+                          job_id=job.id, attempt_id=c.attempt_id, step=c.step)
+
+
+def _delete_objects(factory: sessionmaker[Session], store: ObjectStore) -> None:
+    with session_scope(factory) as s:
+        doomed = [
+            (c.id, checkpoint_prefix(c.job_id, c.step, a.number) + "/")
+            for c, a in s.execute(
+                select(Checkpoint, Attempt).join(Attempt, Attempt.id == Checkpoint.attempt_id).where(
+                    Checkpoint.state.in_(("aborted", "deleted")), Checkpoint.objects_deleted.is_(False)
+                ).limit(100)
+            )
+        ]
+    for cid, prefix in doomed:
+        try:
+            for key in store.list_keys(prefix):  # type: ignore[attr-defined]
+                store.delete(key)
+        except Exception as exc:
+            log.warning("checkpoint objects not deleted yet", checkpoint_id=str(cid), error=repr(exc))
+            continue
+        with session_scope(factory) as s:
+            s.execute(update(Checkpoint).where(Checkpoint.id == cid).values(objects_deleted=True))

@@ -1,0 +1,123 @@
+"""S3 storage through the MinIO SDK: the one implementation of :class:`CheckpointStorage`.
+
+Works with any S3 endpoint (SeaweedFS ``weed mini``, AWS S3, an existing MinIO, Ceph RGW).
+Imports no torch, so the control plane uses it too (to verify shards and write manifests).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from worker_runtime.checkpoint import ObjectInfo, ObjectNotFoundError
+
+PART_SIZE = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Config:
+    """Where checkpoints live. ``endpoint`` is host:port (no scheme)."""
+
+    endpoint: str
+    bucket: str
+    access_key: str = ""
+    secret_key: str = ""
+    secure: bool = False
+    region: str | None = "us-east-1"
+
+    def __post_init__(self) -> None:
+        if not self.endpoint or "://" in self.endpoint:
+            raise ValueError(f"S3 endpoint must be host:port without a scheme, got {self.endpoint!r}")
+        if not self.bucket:
+            raise ValueError("S3 bucket must not be empty")
+
+    @classmethod
+    def from_mapping(cls, m: dict[str, Any]) -> S3Config:
+        return cls(
+            endpoint=str(m["endpoint"]),
+            bucket=str(m["bucket"]),
+            access_key=str(m.get("access_key") or ""),
+            secret_key=str(m.get("secret_key") or ""),
+            secure=str(m.get("secure", "")).lower() in ("1", "true", "yes"),
+            region=str(m.get("region") or "us-east-1"),
+        )
+
+
+class S3Storage:
+    """Objects in one bucket. Single PUTs are atomic in S3: a reader never sees a prefix."""
+
+    def __init__(self, config: S3Config, *, timeout_s: float = 30.0, retries: int = 2) -> None:
+        import urllib3
+        from minio import Minio
+
+        self.config = config
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=min(5.0, timeout_s), read=timeout_s),
+            retries=urllib3.Retry(total=retries, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504)),
+            maxsize=16,
+        )
+        self._client = Minio(
+            config.endpoint,
+            access_key=config.access_key or None,
+            secret_key=config.secret_key or None,
+            secure=config.secure,
+            region=config.region,
+            http_client=http,
+        )
+        self.bucket = config.bucket
+
+    def ensure_bucket(self) -> None:
+        if not self._client.bucket_exists(self.bucket):
+            self._client.make_bucket(self.bucket)
+
+    def put_object(self, key: str, data: BinaryIO, *, length: int | None = None) -> ObjectInfo:
+        if length is None:
+            result = self._client.put_object(self.bucket, key, data, length=-1, part_size=PART_SIZE)
+        else:
+            result = self._client.put_object(self.bucket, key, data, length=length)
+        info = self.stat(key)
+        return info or ObjectInfo(key=key, size=length or 0, etag=result.etag)
+
+    def put_bytes(self, key: str, payload: bytes) -> ObjectInfo:
+        return self.put_object(key, io.BytesIO(payload), length=len(payload))
+
+    def get_object(self, key: str) -> BinaryIO:
+        from minio.error import S3Error
+
+        try:
+            return self._client.get_object(self.bucket, key)  # type: ignore[return-value]
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject", "NoSuchBucket"):
+                raise ObjectNotFoundError(key) from exc
+            raise
+
+    def get_bytes(self, key: str) -> bytes:
+        resp = self.get_object(key)
+        try:
+            return resp.read()
+        finally:
+            resp.close()
+            release = getattr(resp, "release_conn", None)
+            if release:
+                release()
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        from minio.error import S3Error
+
+        try:
+            st = self._client.stat_object(self.bucket, key)
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject", "NoSuchBucket", "ResourceNotFound"):
+                return None
+            raise
+        return ObjectInfo(key=key, size=int(st.size or 0), etag=st.etag)
+
+    def delete(self, key: str) -> None:
+        self._client.remove_object(self.bucket, key)
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        for obj in self._client.list_objects(self.bucket, prefix=prefix, recursive=True):
+            if obj.object_name:
+                yield obj.object_name
