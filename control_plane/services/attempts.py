@@ -219,7 +219,8 @@ def apply_status(
         job.progress_at = report.progress.at
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
-    if report.result is not None and report.node_rank == 0 and job.result is None:
+    # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank.
+    if report.result is not None and job.result is None:
         job.result = report.result
     session.flush()
     if attempt.outcome is None:

@@ -1,0 +1,71 @@
+"""python -m node_agent --control-plane URL --join-token T --name N --address A [options]"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import structlog
+
+from node_agent.agent import AgentConfig, run_agent
+from node_agent.gpus import NoGpusError
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected k=v, got {text!r}")
+    return key, value
+
+
+def parse_args(argv: list[str] | None = None) -> AgentConfig:
+    parser = argparse.ArgumentParser(prog="python -m node_agent", description="Trainyard node agent")
+    parser.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://10.0.0.1:8000")
+    parser.add_argument("--join-token", required=True)
+    parser.add_argument("--name", required=True, help="node name, unique in the cluster")
+    parser.add_argument("--address", required=True, help="address other nodes reach this node at")
+    parser.add_argument("--virtual-gpus", type=int, default=None, help="offer N CPU-only slots instead of NVIDIA GPUs")
+    parser.add_argument("--work-dir", type=Path, default=Path(".trainyard/agent"))
+    parser.add_argument("--label", type=_label, action="append", default=[], help="topology label k=v")
+    parser.add_argument("--local-api-port", type=int, default=0)
+    parser.add_argument("--stop-grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL")
+    parser.add_argument(
+        "--keep-workers-on-exit", action="store_true", help="leave workers running when the agent exits"
+    )
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(args.log_level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    try:
+        return AgentConfig(
+            control_plane_url=args.control_plane,
+            join_token=args.join_token,
+            name=args.name,
+            address=args.address,
+            virtual_gpus=args.virtual_gpus,
+            work_dir=args.work_dir,
+            labels=dict(args.label),
+            local_api_port=args.local_api_port,
+            stop_grace_s=args.stop_grace,
+            keep_workers_on_exit=args.keep_workers_on_exit,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    try:
+        run_agent(config)
+    except NoGpusError as exc:
+        print(f"node_agent: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

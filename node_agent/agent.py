@@ -1,0 +1,448 @@
+"""The node agent: registers the node, runs what the control plane assigns, reports what happens.
+
+Three loops run on their own threads under a monitor (which restarts a loop that died):
+
+- heartbeat: (re-)register when needed, send a heartbeat listing the attempts with live
+  processes, reconcile against the desired state in the answer: launch what is assigned and
+  was never launched here, stop what runs and is no longer assigned.
+- supervise: look at local processes and rank files; escalate stops from SIGTERM to SIGKILL.
+- report: send each attempt's status when it changes (and every status_interval_s), ship new log
+  bytes, and send the final status and last bytes after the end until acknowledged.
+
+The loops touch the network only through the client, and every local fact can be recomputed from
+the processes and files, so a control-plane outage only delays reports: workers keep running,
+status is level-triggered (the latest is resent), logs resume from the acknowledged offsets.
+The protocol (attempts, fencing, leases) is in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from types import FrameType
+
+import structlog
+
+from control_plane.schemas.agent import (
+    GpuInfo,
+    HeartbeatRequest,
+    LaunchSpec,
+    LocalAttempt,
+    LogBatch,
+    RegisterRequest,
+)
+from node_agent import processes
+from node_agent.attempt import AttemptRun, attempt_paths
+from node_agent.client import (
+    ControlPlaneClient,
+    ControlPlaneUnavailable,
+    RequestRejected,
+    StaleAttempt,
+    Unauthorized,
+)
+from node_agent.config import AgentConfig
+from node_agent.gpus import GpuSource, gpu_source
+from node_agent.launcher import NodeContext
+from node_agent.local_api import LocalApi, LocalReports
+from node_agent.rank_shim import write_json_atomic
+
+__all__ = ["Agent", "AgentConfig", "run_agent"]
+
+AGENT_VERSION = "0.1.0"
+log = structlog.get_logger(__name__)
+
+# Attempt ids name directories: nothing that could climb out of work_dir/attempts.
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_REPORT_INTERVAL_S = 0.5
+_LOG_BATCHES_PER_ROUND = 4
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, gpus: GpuSource | None = None) -> None:
+        self.config = config
+        self.instance = uuid.uuid4().hex
+        self.log = log.bind(node=config.name)
+        self._stop_event = threading.Event()
+        self.client = ControlPlaneClient(
+            config.control_plane_url,
+            join_token=config.join_token,
+            timeout_s=config.http_timeout_s,
+            stop=self._stop_event,
+        )
+        self.reports = LocalReports()
+        self._gpu_source = gpus or gpu_source(config.virtual_gpus, config.name)
+        self.gpus: list[GpuInfo] = []
+        self.node_id: str | None = None
+        self.registered = threading.Event()
+        self._need_register = threading.Event()
+        self._need_register.set()
+        self._register_failures = 0
+        self._heartbeat_interval_s = 1.0
+        self._seq = 0
+        self._runs: dict[str, AttemptRun] = {}
+        self._known: set[str] = set()
+        self._runs_lock = threading.Lock()
+        self._api: LocalApi | None = None
+        self._node: NodeContext | None = None
+        self._threads: dict[str, threading.Thread] = {}
+        self._loops: dict[str, Callable[[], float]] = {
+            "heartbeat": self._heartbeat_step,
+            "supervise": self._supervise_step,
+            "report": self._report_step,
+        }
+        self._lifecycle = threading.Lock()
+        self._started = False
+        self._stopped = False
+
+    # --- lifecycle ---
+
+    @property
+    def local_api_url(self) -> str:
+        if self._api is None:
+            raise RuntimeError("agent not started")
+        return self._api.url
+
+    def start(self) -> None:
+        """Discover GPUs, serve the local API, re-adopt attempts left in work_dir, start the loops.
+        Returns at once: registration happens in the background, retried until it succeeds."""
+        with self._lifecycle:
+            if self._started or self._stopped:
+                return
+            self._started = True
+        self.gpus = self._gpu_source.discover()
+        (self.config.work_dir / "attempts").mkdir(parents=True, exist_ok=True)
+        self._api = self._start_local_api()
+        self._node = NodeContext(
+            local_addr=self.config.address,
+            agent_url=self._api.url,
+            virtual=self._gpu_source.virtual,
+            join_timeout_s=self.config.rdzv_join_timeout_s,
+            shutdown_timeout_s=math.ceil(self.config.stop_grace_s),
+        )
+        self._adopt_existing()
+        self.log.info("agent_started", gpus=len(self.gpus), local_api=self._api.url, instance=self.instance)
+        for name in self._loops:
+            self._start_loop(name)
+        self._threads["monitor"] = threading.Thread(target=self._monitor, name="agent-monitor", daemon=True)
+        self._threads["monitor"].start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the loops, then (unless keep_workers_on_exit) the workers: SIGTERM, SIGKILL after
+        stop_grace_s, SIGKILL for everything left at `timeout`. Tells the control plane nothing:
+        it learns from the missing heartbeats. Idempotent."""
+        with self._lifecycle:
+            if self._stopped:
+                return
+            self._stopped = True
+        deadline = time.monotonic() + (self.config.stop_grace_s + 10.0 if timeout is None else timeout)
+        with self._runs_lock:  # after this, the heartbeat loop launches nothing more
+            self._stop_event.set()
+        for thread in self._threads.values():
+            # An in-flight request may hold a loop for up to http_timeout_s; its thread is a daemon.
+            thread.join(max(0.0, min(1.0, deadline - time.monotonic())))
+        if not self.config.keep_workers_on_exit:
+            self._stop_all_workers(deadline)
+        if self._api is not None:
+            self._api.stop()
+        self.client.close()
+        self.log.info("agent_stopped")
+
+    def _stop_all_workers(self, deadline: float) -> None:
+        runs = [run for run in self.runs() if run.alive]
+        for run in runs:
+            run.request_stop("agent shutting down")
+        while time.monotonic() < deadline:
+            for run in runs:
+                run.poll()
+            if not any(run.alive for run in runs):
+                return
+            time.sleep(self.config.poll_interval_s)
+        for run in runs:
+            run.kill_now()
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and any(run.alive for run in runs):
+            time.sleep(0.05)
+            for run in runs:
+                run.poll()
+        left = [run.attempt_id for run in runs if run.alive]
+        if left:
+            self.log.error("workers_left_running", attempts=left)
+
+    def _start_local_api(self) -> LocalApi:
+        state_file = self.config.work_dir / "agent.json"
+        port = self.config.local_api_port
+        if port == 0:
+            # Re-adopted workers still know the previous URL; keep it if the port is free.
+            try:
+                previous = int(json.loads(state_file.read_text())["local_api_port"])
+            except (OSError, ValueError, KeyError, TypeError):
+                previous = 0
+            try:
+                api = LocalApi(self.config.address, previous, self.reports)
+            except OSError:
+                api = LocalApi(self.config.address, 0, self.reports)
+        else:
+            api = LocalApi(self.config.address, port, self.reports)
+        api.start()
+        write_json_atomic(state_file, {"local_api_port": int(api.url.rsplit(":", 1)[1])})
+        return api
+
+    def _adopt_existing(self) -> None:
+        for root in sorted((self.config.work_dir / "attempts").iterdir()):
+            if not root.is_dir():
+                continue
+            self._known.add(root.name)  # whatever its state: never launched again
+            run = AttemptRun.adopt(
+                attempt_paths(self.config.work_dir, root.name), stop_grace_s=self.config.stop_grace_s
+            )
+            if run is not None:
+                self._runs[run.attempt_id] = run
+                self.reports.register(run.attempt_id, run.spec.fencing_token)
+
+    def _start_loop(self, name: str) -> None:
+        thread = threading.Thread(target=self._run_loop, args=(name,), name=f"agent-{name}", daemon=True)
+        self._threads[name] = thread
+        thread.start()
+
+    def _run_loop(self, name: str) -> None:
+        step = self._loops[name]
+        failures = 0
+        while not self._stop_event.is_set():
+            try:
+                wait = step()
+                failures = 0
+            except Exception:
+                failures += 1
+                self.log.exception("loop_failed", loop=name, failures=failures)
+                wait = min(30.0, 0.5 * 2 ** min(failures, 6))
+            self._stop_event.wait(wait)
+
+    def _monitor(self) -> None:
+        while not self._stop_event.wait(1.0):
+            for name in self._loops:
+                if not self._threads[name].is_alive() and not self._stop_event.is_set():
+                    self.log.error("loop_died_restarting", loop=name)
+                    self._start_loop(name)
+
+    def runs(self) -> list[AttemptRun]:
+        with self._runs_lock:
+            return list(self._runs.values())
+
+    def run(self, attempt_id: str) -> AttemptRun | None:
+        with self._runs_lock:
+            return self._runs.get(attempt_id)
+
+    # --- heartbeat loop ---
+
+    def _register(self) -> bool:
+        request = RegisterRequest(
+            name=self.config.name,
+            address=self.config.address,
+            gpus=self.gpus,
+            labels=self.config.labels,
+            agent_version=AGENT_VERSION,
+        )
+        try:
+            resp = self.client.register(request)
+        except ControlPlaneUnavailable as exc:
+            self.log.info("control_plane_unreachable", error=str(exc))
+            return False
+        except (Unauthorized, RequestRejected) as exc:
+            self.log.error("registration_rejected", error=str(exc))
+            return False
+        self.node_id = resp.node_id
+        self._heartbeat_interval_s = resp.heartbeat_interval_s
+        self.log = log.bind(node=self.config.name, node_id=resp.node_id)
+        self._need_register.clear()
+        self.registered.set()
+        self.log.info("registered", heartbeat_interval_s=resp.heartbeat_interval_s)
+        return True
+
+    def _heartbeat_step(self) -> float:
+        if self._need_register.is_set() and not self._register():
+            self._register_failures += 1
+            return min(5.0, 0.25 * 2 ** min(self._register_failures, 5))
+        started = time.monotonic()
+        self._seq += 1
+        request = HeartbeatRequest(
+            agent_instance=self.instance,
+            seq=self._seq,
+            attempts=[LocalAttempt(attempt_id=run.attempt_id) for run in self.runs() if run.alive],
+        )
+        try:
+            resp = self.client.heartbeat(request)
+        except Unauthorized:
+            # The control plane forgot this node (e.g. its database was reset): register again.
+            self.log.warning("heartbeat_unauthorized_reregistering")
+            self._need_register.set()
+            self._register_failures += 1
+            return min(5.0, 0.1 * 2 ** min(self._register_failures, 5))
+        except (ControlPlaneUnavailable, RequestRejected) as exc:
+            self.log.warning("heartbeat_failed", error=str(exc))
+            return self._heartbeat_interval_s
+        self._register_failures = 0
+        self._heartbeat_interval_s = resp.heartbeat_interval_s
+        self._reconcile(resp.assignments)
+        return max(0.0, self._heartbeat_interval_s - (time.monotonic() - started))
+
+    def _reconcile(self, assignments: list[LaunchSpec]) -> None:
+        assigned = {spec.attempt_id for spec in assignments}
+        for spec in assignments:
+            self._launch(spec)
+        for run in self.runs():
+            if run.alive and not run.stopping and run.attempt_id not in assigned:
+                run.request_stop("no longer assigned to this node")
+
+    def _spec_problem(self, spec: LaunchSpec) -> str | None:
+        indices = {gpu.index for gpu in self.gpus}
+        if not set(spec.gpu_indices) <= indices:
+            return f"GPU indices {spec.gpu_indices} are not all on this node (it has {sorted(indices)})"
+        if spec.nproc_per_node < 1 or spec.nnodes < 1 or not 0 <= spec.node_rank < spec.nnodes:
+            return (
+                f"invalid shape: node_rank {spec.node_rank} of {spec.nnodes} nodes, "
+                f"{spec.nproc_per_node} processes per node"
+            )
+        return None
+
+    def _launch(self, spec: LaunchSpec) -> None:
+        assert self._node is not None
+        with self._runs_lock:
+            if spec.attempt_id in self._known or self._stop_event.is_set():
+                return
+            self._known.add(spec.attempt_id)  # at most once in this agent's life, whatever happens
+            if not _SAFE_ID.match(spec.attempt_id):
+                self.log.error("attempt_id_rejected", attempt_id=spec.attempt_id)
+                return
+            paths = attempt_paths(self.config.work_dir, spec.attempt_id)
+            grace = self.config.stop_grace_s
+            try:
+                problem = self._spec_problem(spec)
+                if problem is not None:
+                    self.log.error("attempt_not_runnable", attempt_id=spec.attempt_id, problem=problem)
+                    run = AttemptRun.failed(spec, paths, problem, stop_grace_s=grace)
+                else:
+                    run = AttemptRun.launch(spec, self._node, paths, stop_grace_s=grace)
+            except FileExistsError:
+                self.log.warning("attempt_dir_exists_not_relaunching", attempt_id=spec.attempt_id)
+                return
+            except OSError as exc:
+                self.log.error("attempt_dir_failed", attempt_id=spec.attempt_id, error=str(exc))
+                return
+            self._runs[spec.attempt_id] = run
+            self.reports.register(spec.attempt_id, spec.fencing_token)
+
+    # --- supervise loop ---
+
+    def _supervise_step(self) -> float:
+        runs = self.runs()
+        table = processes.scan() if runs else None  # one scan of the process table for all
+        for run in runs:
+            run.poll(table)
+            if not run.alive and (run.done or run.stale):
+                if run.stale:
+                    run.mark_done()  # nothing more to tell about a fenced-off attempt
+                with self._runs_lock:
+                    self._runs.pop(run.attempt_id, None)
+                self.reports.unregister(run.attempt_id)
+        return self.config.poll_interval_s
+
+    # --- report loop ---
+
+    def _report_step(self) -> float:
+        if self._need_register.is_set() or self.client.node_token is None:
+            return _REPORT_INTERVAL_S
+        for run in self.runs():
+            if run.stale or run.done:
+                continue
+            self._report_status(run)
+            if not run.stale and not self._need_register.is_set():
+                self._ship_logs(run)
+        return _REPORT_INTERVAL_S
+
+    def _fenced_off(self, run: AttemptRun, exc: StaleAttempt) -> None:
+        run.log.warning("attempt_stale", error=str(exc))
+        run.stale = True
+        self.reports.unregister(run.attempt_id)
+        run.request_stop("stale: the control plane fenced this attempt off")
+
+    def _report_status(self, run: AttemptRun) -> None:
+        now = time.monotonic()
+        finished = run.finished  # before the report: a final report must describe a finished run
+        if finished and run.final_acked:
+            return
+        report = run.report(*self.reports.snapshot(run.attempt_id))
+        due = report != run.last_report or now - run.last_sent_at >= self.config.status_interval_s
+        if not due or now < run.next_try_at:
+            return
+        try:
+            ack = self.client.report_status(run.attempt_id, report)
+        except StaleAttempt as exc:
+            self._fenced_off(run, exc)
+            return
+        except Unauthorized:
+            self._need_register.set()
+            return
+        except (ControlPlaneUnavailable, RequestRejected) as exc:
+            run.log.warning("status_report_failed", error=str(exc))
+            run.next_try_at = now + min(self.config.status_interval_s, 2.0)
+            return
+        run.last_report, run.last_sent_at = report, now
+        if finished:
+            run.mark_final_acked()
+        elif ack.stop:
+            run.request_stop("the control plane asked")
+
+    def _ship_logs(self, run: AttemptRun) -> None:
+        final = run.finished
+        for _ in range(_LOG_BATCHES_PER_ROUND):  # bounded, so one chatty attempt starves no other
+            batch = run.tailer.next_batch(final=final)
+            if not batch:
+                if final and run.final_acked:
+                    run.mark_done()
+                return
+            body = LogBatch(
+                fencing_token=run.spec.fencing_token,
+                node_rank=run.spec.node_rank,
+                chunks=[pending.chunk for pending in batch],
+            )
+            try:
+                self.client.send_logs(run.attempt_id, body)
+            except StaleAttempt as exc:
+                self._fenced_off(run, exc)
+                return
+            except Unauthorized:
+                self._need_register.set()
+                return
+            except ControlPlaneUnavailable as exc:
+                run.log.warning("log_shipping_failed", error=str(exc))
+                return
+            except RequestRejected as exc:
+                # Resending the same bytes would be rejected forever and wedge this rank's stream.
+                run.log.error("log_batch_dropped", error=str(exc), chunks=len(batch))
+            run.tailer.acknowledge(batch)
+
+
+def run_agent(config: AgentConfig) -> None:
+    """Run an agent until SIGINT or SIGTERM, then stop it gracefully. Call from the main thread."""
+    agent = Agent(config)
+    received = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        agent.log.info("signal_received", signal=signal.Signals(signum).name)
+        received.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        agent.start()
+        while not received.wait(1.0):
+            pass
+    finally:
+        agent.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,324 @@
+"""This node's part of one attempt: its processes, its status report, its log tailer.
+
+Lifecycle of an AttemptRun (all transitions happen in `poll`, `request_stop` or at launch):
+
+    launched --torchrun exits--> torchrun_done --group empty--> finished --final report acked
+    and logs drained--> done
+
+`alive` (any process of the attempt left) is what heartbeats report; the control plane frees the
+attempt's GPUs only once it turns false, so it must not turn false early: it covers torchrun, every
+process of its group, and rank-file workers that left the group.
+
+state.json in the attempt directory lets a restarted agent re-adopt the attempt; because the
+directory exists, the attempt is never launched again on this node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+
+from control_plane.schemas.agent import (
+    AttemptStatusReport,
+    LaunchSpec,
+    NodeAttemptState,
+    Progress,
+    WorkerState,
+    WorkerStatus,
+)
+from node_agent import processes
+from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
+from node_agent.logs import LogTailer
+from node_agent.rank_shim import write_json_atomic
+
+log = structlog.get_logger(__name__)
+ERROR_TAIL_BYTES = 2000
+
+
+class AttemptRun:
+    def __init__(self, spec: LaunchSpec, paths: AttemptPaths, *, stop_grace_s: float) -> None:
+        self.spec = spec
+        self.paths = paths
+        self.stop_grace_s = stop_grace_s
+        self.log = log.bind(attempt_id=spec.attempt_id, job_id=spec.job_id, node_rank=spec.node_rank)
+        self.tailer = LogTailer(paths.log_dir)
+        self._lock = threading.RLock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
+        self.pgid: int | None = None
+        self.create_time: float | None = None
+        self.adopted = False
+        self.exit_code: int | None = None
+        self.torchrun_done = False
+        self.alive = True
+        self.error: str | None = None
+        self.stop_reason: str | None = None
+        self.stopped = False
+        """torchrun ended after the agent asked it to stop (state 'stopped', not 'exited')."""
+        self._term_sent_at: float | None = None
+        self._kill_sent = False
+        self._workers: list[WorkerStatus] = []
+        self._members: set[int] = set()
+        self._pgids: set[int] = set()
+        # Reporting state, owned by the agent's reporter loop.
+        self.stale = False
+        self.final_acked = False
+        self.done = False
+        self.last_report: AttemptStatusReport | None = None
+        self.last_sent_at = 0.0
+        self.next_try_at = 0.0
+
+    @property
+    def attempt_id(self) -> str:
+        return self.spec.attempt_id
+
+    # --- creation ---
+
+    @classmethod
+    def launch(cls, spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, stop_grace_s: float) -> AttemptRun:
+        """Create the attempt directory and start torchrun. Raises FileExistsError if the directory
+        exists: that attempt has been launched here before and must never be launched again."""
+        paths.root.mkdir(parents=True, exist_ok=False)
+        run = cls(spec, paths, stop_grace_s=stop_grace_s)
+        run._persist()  # before starting: a crash in between must still leave the id taken
+        try:
+            proc = start_torchrun(spec, node, paths)
+        except OSError as exc:
+            run.log.error("launch_failed", error=str(exc))
+            run.error = f"could not start torchrun: {exc}"
+            run.torchrun_done, run.alive = True, False
+            run._persist()
+            return run
+        run._proc, run.pid, run.pgid = proc, proc.pid, proc.pid
+        run.create_time = processes.process_create_time(proc.pid)
+        run._persist()
+        run.log.info("attempt_launched", pid=proc.pid, nnodes=spec.nnodes, nproc_per_node=spec.nproc_per_node)
+        return run
+
+    @classmethod
+    def failed(cls, spec: LaunchSpec, paths: AttemptPaths, error: str, *, stop_grace_s: float) -> AttemptRun:
+        """An assigned attempt this node cannot run (reported as exited with `error`)."""
+        paths.root.mkdir(parents=True, exist_ok=True)
+        run = cls(spec, paths, stop_grace_s=stop_grace_s)
+        run.error, run.torchrun_done, run.alive = error, True, False
+        run._persist()
+        return run
+
+    @classmethod
+    def adopt(cls, paths: AttemptPaths, *, stop_grace_s: float) -> AttemptRun | None:
+        """The attempt left by a previous agent in this directory, or None when it is done (or its
+        state is unreadable: then there is nothing this agent could report or stop)."""
+        try:
+            state = json.loads(paths.state_file.read_text())
+            spec = LaunchSpec.model_validate(state["spec"])
+        except (OSError, ValueError, KeyError, ValidationError) as exc:
+            log.warning("attempt_state_unreadable", path=str(paths.state_file), error=str(exc))
+            return None
+        if state.get("done"):
+            return None
+        run = cls(spec, paths, stop_grace_s=stop_grace_s)
+        run.adopted = True
+        run.pid, run.pgid, run.create_time = state.get("pid"), state.get("pgid"), state.get("create_time")
+        run.error, run.stop_reason = state.get("error"), state.get("stop_reason")
+        run.stopped = bool(state.get("stopped"))
+        run.exit_code, run.final_acked = state.get("exit_code"), bool(state.get("final_acked"))
+        run.torchrun_done = bool(state.get("torchrun_done"))
+        if run.pid is None:
+            run.torchrun_done, run.alive = True, False
+            run.error = run.error or "the agent stopped while launching this attempt"
+        elif not run.torchrun_done and not processes.pid_alive(run.pid, run.create_time):
+            # It ended while no agent watched: its exit code is lost (the ranks' are in their files).
+            run.torchrun_done, run.stopped = True, run.stop_reason is not None
+            if not run.stopped:
+                run.error = run.error or "torchrun ended while the agent was down; its exit code is unknown"
+        if run.stop_reason is not None:
+            run._term_sent_at = time.monotonic()  # resume the escalation to SIGKILL
+        run.poll()
+        run.log.info("attempt_adopted", pid=run.pid, alive=run.alive, torchrun_done=run.torchrun_done)
+        return run
+
+    def _persist(self) -> None:
+        state = {
+            "spec": self.spec.model_dump(mode="json"),
+            "pid": self.pid,
+            "pgid": self.pgid,
+            "create_time": self.create_time,
+            "torchrun_done": self.torchrun_done,
+            "exit_code": self.exit_code,
+            "error": self.error,
+            "stop_reason": self.stop_reason,
+            "stopped": self.stopped,
+            "final_acked": self.final_acked,
+            "done": self.done,
+        }
+        try:
+            write_json_atomic(self.paths.state_file, state)
+        except OSError as exc:
+            self.log.error("attempt_state_write_failed", error=str(exc))
+
+    # --- supervision ---
+
+    def _refresh(self, table: processes.ProcessTable) -> bool:
+        """Update the set of the attempt's processes from a scan; True if any is left."""
+        members = set(table.by_attempt.get(self.attempt_id, ()))
+        if self.pgid is not None:
+            self._pgids.add(self.pgid)
+        self._pgids.update(table.pgid_of[pid] for pid in members)
+        # Forget emptied groups at once: their number may be reused by an unrelated process.
+        self._pgids = {pgid for pgid in self._pgids if table.by_pgid.get(pgid)}
+        for pgid in self._pgids:
+            members |= table.by_pgid[pgid]
+        self._members = members
+        return bool(members)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        processes.signal_processes(self._members, self._pgids, sig)
+
+    def request_stop(self, reason: str) -> None:
+        """SIGTERM now, SIGKILL after the grace period (see poll). Idempotent."""
+        with self._lock:
+            if self.stop_reason is not None or not self.alive:
+                return
+            self.stop_reason = reason
+            self.log.info("attempt_stopping", reason=reason)
+            self._refresh(processes.scan())
+            self._term_sent_at = time.monotonic()
+            self._signal(signal.SIGTERM)
+            self._persist()
+
+    def kill_now(self) -> None:
+        with self._lock:
+            if self.alive:
+                self._refresh(processes.scan())
+                self._kill_sent = True
+                self._signal(signal.SIGKILL)
+
+    def poll(self, table: processes.ProcessTable | None = None) -> None:
+        """Look at the processes and rank files; escalate a stop that outlived its grace period.
+        `table`: a scan shared by all attempts (one is made if not given)."""
+        with self._lock:
+            self._workers = self._read_rank_files()
+            changed = False
+            if not self.torchrun_done:
+                if self._proc is not None:
+                    code = self._proc.poll()
+                    if code is not None:
+                        self.exit_code, self.torchrun_done, changed = code, True, True
+                elif self.pid is None or not processes.pid_alive(self.pid, self.create_time):
+                    self.torchrun_done, changed = True, True
+                    self.error = self.error or "torchrun ended while not a child of this agent; exit code unknown"
+                if changed:
+                    self.stopped = self.stop_reason is not None
+                    self.log.info("torchrun_exited", exit_code=self.exit_code, stopped=self.stopped)
+            found = self._refresh(processes.scan() if table is None else table)
+            alive = found or not self.torchrun_done
+            if self.torchrun_done and alive and self._term_sent_at is None:
+                # torchrun is gone but left processes behind: clean up without calling it a stop.
+                self.log.warning("attempt_leftovers", pids=sorted(self._members))
+                self._term_sent_at = time.monotonic()
+                self._signal(signal.SIGTERM)
+            if (
+                alive
+                and self._term_sent_at is not None
+                and (self._kill_sent or time.monotonic() - self._term_sent_at >= self.stop_grace_s)
+            ):
+                # Repeated while anything is left: a process may fork while it is being killed.
+                self._kill_sent = True
+                self._signal(signal.SIGKILL)
+            if self.alive and not alive:
+                self.log.info("attempt_processes_gone", exit_code=self.exit_code, stop_reason=self.stop_reason)
+                changed = True
+            self.alive = alive
+            if changed:
+                self._persist()
+
+    @property
+    def finished(self) -> bool:
+        """torchrun has exited and no process of the attempt is left."""
+        with self._lock:
+            return self.torchrun_done and not self.alive
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_reason is not None
+
+    def _read_rank_files(self) -> list[WorkerStatus]:
+        workers = []
+        try:
+            files = sorted(self.paths.status_dir.glob("rank-*.json"))
+        except OSError:
+            return []
+        for path in files:
+            try:
+                workers.append(WorkerStatus.model_validate_json(path.read_bytes()))
+            except (OSError, ValidationError):
+                continue  # being replaced right now, or garbage: the next poll sees it
+        return sorted(workers, key=lambda w: w.rank)
+
+    # --- reporting ---
+
+    def report(self, progress: Progress | None, result: dict[str, Any] | None) -> AttemptStatusReport:
+        with self._lock:
+            workers = list(self._workers)
+            if self.finished:
+                # A shim killed with SIGKILL never wrote its end; nothing of that rank is left now.
+                workers = [
+                    w if w.state == WorkerState.exited else w.model_copy(update={"state": WorkerState.exited})
+                    for w in workers
+                ]
+            if not self.torchrun_done:
+                up = sum(1 for w in workers if w.state != WorkerState.starting)
+                state = NodeAttemptState.running if up >= self.spec.nproc_per_node else NodeAttemptState.launching
+            elif self.stopped:
+                state = NodeAttemptState.stopped
+            else:
+                state = NodeAttemptState.exited
+            error = self.error
+            if error is None and state == NodeAttemptState.exited and self.exit_code not in (0, None):
+                error = self._torchrun_error_tail()
+            return AttemptStatusReport(
+                fencing_token=self.spec.fencing_token,
+                node_rank=self.spec.node_rank,
+                state=state,
+                exit_code=self.exit_code,
+                workers=workers,
+                progress=progress,
+                result=result,
+                error=error,
+            )
+
+    def _torchrun_error_tail(self) -> str | None:
+        try:
+            with self.paths.torchrun_stderr.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - ERROR_TAIL_BYTES))
+                tail = f.read().decode("utf-8", errors="replace").strip()
+        except OSError:
+            return None
+        return f"torchrun exited with {self.exit_code}: ...{tail}" if tail else None
+
+    def mark_final_acked(self) -> None:
+        with self._lock:
+            if not self.final_acked:
+                self.final_acked = True
+                self._persist()
+
+    def mark_done(self) -> None:
+        with self._lock:
+            if not self.done:
+                self.done = True
+                self._persist()
+                self.log.info("attempt_done")
+
+
+def attempt_paths(work_dir: Path, attempt_id: str) -> AttemptPaths:
+    return AttemptPaths(work_dir / "attempts" / attempt_id)

@@ -1,0 +1,170 @@
+"""Typed client of the control plane's agent API (control_plane/schemas/agent.py).
+
+Transient failures (no connection, timeouts, 5xx) are retried a few times with jittered
+exponential backoff, then raised as ControlPlaneUnavailable; the agent's loops keep going and
+try again on their next round, so an outage never stops workers. Answers that retrying cannot
+change are raised at once: 401 Unauthorized (re-register), 409 StaleAttempt (fenced off), and
+RequestRejected for any other 4xx.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+from typing import TypeVar
+
+import httpx
+import structlog
+from pydantic import BaseModel, ValidationError
+
+from control_plane.schemas.agent import (
+    AGENT_API_PREFIX,
+    AttemptStatusAck,
+    AttemptStatusReport,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    LogAck,
+    LogBatch,
+    RegisterRequest,
+    RegisterResponse,
+)
+
+log = structlog.get_logger(__name__)
+R = TypeVar("R", bound=BaseModel)
+
+
+class ControlPlaneError(Exception):
+    """A call to the control plane failed."""
+
+    def __init__(self, message: str | None = None, *, status: int | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+        self.status = status
+
+
+class ControlPlaneUnavailable(ControlPlaneError):
+    """The control plane could not be reached or failed (5xx), even after retries."""
+
+
+class Unauthorized(ControlPlaneError):
+    """The control plane does not accept our credential (401): register (again)."""
+
+
+class StaleAttempt(ControlPlaneError):
+    """The attempt is not the job's current attempt, or its fencing token is wrong (409)."""
+
+
+class RequestRejected(ControlPlaneError):
+    """The control plane rejected the request (4xx other than 401/409); resending won't help."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    attempts: int = 3
+    """Tries per call, the first included."""
+    initial_s: float = 0.2
+    max_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.initial_s < 0 or self.max_s < self.initial_s:
+            raise ValueError("invalid retry policy")
+
+    def delay(self, retry: int) -> float:
+        # Full jitter: agents that lost the control plane together must not return in lockstep.
+        return random.uniform(0, min(self.max_s, self.initial_s * 2**retry))
+
+
+class ControlPlaneClient:
+    """Thread-safe: each thread gets its own connection pool, as httpx clients are not meant to be
+    shared by concurrent threads; a slow status post then never delays a heartbeat."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        join_token: str,
+        timeout_s: float = 10.0,
+        retry: RetryPolicy | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.join_token = join_token
+        self.node_token: str | None = None
+        self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
+        self.retry = retry or RetryPolicy()
+        self._stop = stop or threading.Event()
+        self._local = threading.local()
+        self._clients: list[httpx.Client] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _http(self) -> httpx.Client:
+        client: httpx.Client | None = getattr(self._local, "client", None)
+        if client is None:
+            with self._lock:
+                if self._closed:
+                    raise ControlPlaneUnavailable("client closed")
+                client = httpx.Client(base_url=self.base_url + AGENT_API_PREFIX, timeout=self.timeout)
+                self._clients.append(client)
+            self._local.client = client
+        return client
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
+
+    def _post(self, path: str, body: BaseModel, response: type[R], *, token: str | None) -> R:
+        if token is None:
+            raise Unauthorized("not registered")
+        payload = body.model_dump(mode="json")
+        headers = {"Authorization": f"Bearer {token}"}
+        last: str = ""
+        for attempt in range(self.retry.attempts):
+            if attempt and self._stop.wait(self.retry.delay(attempt - 1)):
+                break  # shutting down: give up now rather than after the backoff
+            try:
+                resp = self._http().post(path, json=payload, headers=headers)
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if resp.status_code >= 500:
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                continue
+            if resp.status_code == 401:
+                raise Unauthorized(_detail(resp), status=401)
+            if resp.status_code == 409:
+                raise StaleAttempt(_detail(resp), status=409)
+            if resp.status_code >= 400:
+                raise RequestRejected(f"HTTP {resp.status_code} on {path}: {_detail(resp)}", status=resp.status_code)
+            try:
+                return response.model_validate_json(resp.content)
+            except ValidationError as exc:
+                raise RequestRejected(f"unexpected response to {path}: {exc}", status=resp.status_code) from exc
+        raise ControlPlaneUnavailable(f"{path}: {last or 'stopped'}")
+
+    def register(self, request: RegisterRequest) -> RegisterResponse:
+        resp = self._post("/register", request, RegisterResponse, token=self.join_token)
+        self.node_token = resp.node_token
+        return resp
+
+    def heartbeat(self, request: HeartbeatRequest) -> HeartbeatResponse:
+        return self._post("/heartbeat", request, HeartbeatResponse, token=self.node_token)
+
+    def report_status(self, attempt_id: str, report: AttemptStatusReport) -> AttemptStatusAck:
+        return self._post(f"/attempts/{attempt_id}/status", report, AttemptStatusAck, token=self.node_token)
+
+    def send_logs(self, attempt_id: str, batch: LogBatch) -> LogAck:
+        return self._post(f"/attempts/{attempt_id}/logs", batch, LogAck, token=self.node_token)
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:200]
+    if isinstance(body, dict):
+        return str(body.get("detail") or body.get("title") or body)[:500]
+    return str(body)[:500]

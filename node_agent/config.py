@@ -1,0 +1,62 @@
+"""The node agent's runtime configuration (re-exported by node_agent.agent)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    control_plane_url: str
+    """Base URL of the control plane, e.g. http://127.0.0.1:8000."""
+    join_token: str
+    """Shared secret that lets a node register; later calls use the per-node token it returns."""
+    name: str
+    """Node name, unique in the cluster; re-registering a name keeps its node id."""
+    address: str
+    """Address other nodes and this node's workers reach it at: rendezvous host when this node is
+    an attempt's node rank 0, torchrun's --local-addr, and the local API's bind address."""
+    virtual_gpus: int | None = None
+    """Offer this many CPU-only virtual slots; None: discover NVIDIA GPUs through NVML."""
+    work_dir: Path = field(default_factory=lambda: Path(".trainyard/agent"))
+    """Attempt directories (state, rank status, logs). Reuse it across restarts of the same node:
+    that is how a restarted agent finds the attempts still running and never relaunches one."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Topology labels sent at registration, e.g. {"rack": "r1"}."""
+    local_api_port: int = 0
+    """Port of the local API for workers; 0: the port of the previous run in this work_dir if it is
+    free (so re-adopted workers still reach the agent), else any free port."""
+    stop_grace_s: float = 5.0
+    """Time between SIGTERM and SIGKILL when stopping an attempt's processes."""
+    keep_workers_on_exit: bool = False
+    """On shutdown, leave the workers running (a restarted agent re-adopts them) instead of
+    stopping them."""
+    status_interval_s: float = 3.0
+    """An attempt's status is sent when it changes and at least this often while alive."""
+    poll_interval_s: float = 0.25
+    """How often local processes, rank files and log files are looked at."""
+    rdzv_join_timeout_s: int = 300
+    """How long torchrun waits for the other nodes of an attempt to join its rendezvous."""
+    http_timeout_s: float = 10.0
+    """Timeout of one control-plane request."""
+
+    def __post_init__(self) -> None:
+        self.work_dir = Path(self.work_dir)
+        if not self.control_plane_url.startswith(("http://", "https://")):
+            raise ValueError(f"control_plane_url must be an http(s) URL, got {self.control_plane_url!r}")
+        if not self.join_token:
+            raise ValueError("join_token is required")
+        if not self.name or len(self.name) > 128:
+            raise ValueError("name must be 1-128 characters")
+        if not self.address:
+            raise ValueError("address is required")
+        if self.virtual_gpus is not None and self.virtual_gpus < 0:
+            raise ValueError("virtual_gpus must be >= 0 (or None for NVIDIA discovery)")
+        if not 0 <= self.local_api_port <= 65535:
+            raise ValueError("local_api_port must be 0-65535")
+        for name in ("stop_grace_s", "status_interval_s", "poll_interval_s", "http_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.rdzv_join_timeout_s <= 0:
+            raise ValueError("rdzv_join_timeout_s must be > 0")

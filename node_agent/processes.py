@@ -1,0 +1,87 @@
+"""Which processes belong to an attempt, and how to signal all of them.
+
+An attempt is not one process group: torchrun starts every rank in a session of its own, and a
+worker may start more sessions. What every process of an attempt does share is its environment:
+TRAINYARD_ATTEMPT_ID, inherited from torchrun by the shims, the workers and their children, even
+after torchrun or the agent died and they were reparented. A scan of this user's processes by
+that variable, plus every member of the process groups those processes lead or share (children
+that scrubbed their environment), finds them all. The attempt counts as alive while that set is
+not empty; only then may the control plane reuse its GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import psutil
+
+from control_plane.schemas.agent import ENV_ATTEMPT_ID
+
+
+@dataclass
+class ProcessTable:
+    """One scan of this user's live (non-zombie) processes."""
+
+    by_attempt: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
+    by_pgid: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
+    pgid_of: dict[int, int] = field(default_factory=dict)
+
+
+def scan() -> ProcessTable:
+    table = ProcessTable()
+    uid, me = os.getuid(), os.getpid()
+    for proc in psutil.process_iter(["uids", "status"]):
+        info = proc.info
+        uids = info.get("uids")
+        # Zombies hold nothing (and in containers whose init does not reap, they linger forever).
+        if proc.pid == me or info.get("status") == psutil.STATUS_ZOMBIE or uids is None:
+            continue
+        if uid != 0 and uids.real != uid:
+            continue  # another user's process: not ours to find, nor to kill
+        try:
+            pgid = os.getpgid(proc.pid)
+            env = proc.environ()
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+        table.pgid_of[proc.pid] = pgid
+        table.by_pgid[pgid].add(proc.pid)
+        attempt_id = env.get(ENV_ATTEMPT_ID)
+        if attempt_id:
+            table.by_attempt[attempt_id].add(proc.pid)
+    return table
+
+
+def signal_processes(pids: Iterable[int], pgids: Iterable[int], sig: signal.Signals) -> None:
+    me = os.getpid()
+    for pgid in pgids:
+        if pgid != os.getpgid(0):  # never our own group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+    for pid in pids:
+        if pid != me:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+
+def process_create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def pid_alive(pid: int, create_time: float | None = None) -> bool:
+    """True if `pid` is a live non-zombie process (started at `create_time`, when given: pids are
+    reused)."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return create_time is None or abs(proc.create_time() - create_time) < 0.5
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False

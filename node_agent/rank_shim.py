@@ -1,0 +1,180 @@
+"""The process torchrun starts for each rank: it runs the real training process and records it.
+
+    python -m node_agent.rank_shim [--log-dir DIR] (module|file) ENTRYPOINT [ARGS...]
+
+torchrun only knows its direct children and reports their exit as an opaque failure. The shim sits
+between torchrun and the training code so that the agent learns, from one small file per rank,
+the real worker's pid and its exact exit code, even when the worker is SIGKILLed:
+
+    $TRAINYARD_STATUS_DIR/rank-<RANK>.json
+        {rank, local_rank, pid, state: starting|running|exited, exit_code, started_at, ended_at}
+
+The file is replaced atomically (write + rename), so a reader sees either the old or the new
+state. exit_code is negative when the worker died by a signal; the shim itself then exits with
+128 + signal, like a shell, because torchrun reads a negative exit of its child as "the shim was
+killed".
+
+With --log-dir, the worker's stdout and stderr go to DIR/rank-<RANK>/{stdout,stderr}.log, one
+pair per global rank, which the agent tails and ships.
+
+This module must stay import-light (stdlib only, no torch, no pydantic): it runs once per rank
+before the training code and its start time adds to every launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
+
+# Mirrors control_plane.schemas.agent.ENV_STATUS_DIR (not imported: pydantic is slow to import).
+# tests/node_agent/test_rank_shim.py checks that the two agree.
+ENV_STATUS_DIR = "TRAINYARD_STATUS_DIR"
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_PR_SET_PDEATHSIG = 1
+USAGE = "usage: python -m node_agent.rank_shim [--log-dir DIR] (module|file) ENTRYPOINT [ARGS...]"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def rank_file(status_dir: Path, rank: int) -> Path:
+    return status_dir / f"rank-{rank}.json"
+
+
+def rank_log_dir(log_dir: Path, rank: int) -> Path:
+    return log_dir / f"rank-{rank}"
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def child_command(kind: str, entrypoint: str, args: list[str]) -> list[str]:
+    if kind == "module":
+        return [sys.executable, "-m", entrypoint, *args]
+    if kind == "file":
+        return [sys.executable, entrypoint, *args]
+    raise ValueError(f"unknown entrypoint kind {kind!r} (expected 'module' or 'file')")
+
+
+def _make_preexec(parent_pid: int) -> Any:
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+    def preexec() -> None:
+        # The worker must not outlive the shim: if the shim is SIGKILLed (by torchrun or by the
+        # agent), nobody would be left to record or reap the worker.
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The shim may have died between fork and prctl; the death signal would then never come.
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
+
+
+def _parse(argv: list[str]) -> tuple[Path | None, str, str, list[str]]:
+    log_dir: Path | None = None
+    rest = list(argv)
+    if rest[:1] == ["--log-dir"] and len(rest) >= 2:
+        log_dir = Path(rest[1])
+        rest = rest[2:]
+    if len(rest) < 2:
+        raise SystemExit(USAGE)
+    return log_dir, rest[0], rest[1], rest[2:]
+
+
+def _die_with_parent() -> None:
+    # torchrun starts each rank in a session of its own, so nothing else stops the rank if torchrun
+    # dies. SIGTERM, not SIGKILL: it is forwarded, and the worker may still exit cleanly.
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() == 1:  # torchrun was already gone
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    log_dir, kind, entrypoint, args = _parse(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    status_dir = Path(os.environ.get(ENV_STATUS_DIR) or ".")
+    status_dir.mkdir(parents=True, exist_ok=True)
+    path = rank_file(status_dir, rank)
+    record: dict[str, Any] = {
+        "rank": rank,
+        "local_rank": local_rank,
+        "pid": None,
+        "state": "starting",
+        "exit_code": None,
+        "started_at": _now(),
+        "ended_at": None,
+    }
+    write_json_atomic(path, record)
+
+    child: subprocess.Popen[bytes] | None = None
+    pending: list[int] = []
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        if child is None:
+            # A stop that arrives before the worker exists must still take effect once it does.
+            pending.append(signum)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    _die_with_parent()
+
+    stdout: Any = None
+    stderr: Any = None
+    if log_dir is not None:
+        rank_dir = rank_log_dir(log_dir, rank)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        # Append, never truncate: the agent ships these files by byte offset.
+        stdout = open(rank_dir / "stdout.log", "ab")  # noqa: SIM115 - handed to the child
+        stderr = open(rank_dir / "stderr.log", "ab")  # noqa: SIM115
+
+    try:
+        child = subprocess.Popen(
+            child_command(kind, entrypoint, args),
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            preexec_fn=_make_preexec(os.getpid()),
+        )
+    except (OSError, ValueError) as exc:
+        print(f"rank_shim: cannot start worker: {exc}", file=sys.stderr)
+        record.update(state="exited", exit_code=127, ended_at=_now())
+        write_json_atomic(path, record)
+        sys.exit(127)
+    finally:
+        for f in (stdout, stderr):
+            if f is not None:
+                f.close()
+
+    record.update(state="running", pid=child.pid)
+    write_json_atomic(path, record)
+    for signum in pending:
+        forward(signum, None)
+
+    code = child.wait()
+    record.update(state="exited", exit_code=code, ended_at=_now())
+    write_json_atomic(path, record)
+    sys.exit(128 - code if code < 0 else code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""A small in-process control plane that speaks the agent contract over real HTTP.
+
+Just enough to drive an agent's loops: it registers nodes, answers heartbeats with the
+assignments a test sets, records status reports and log chunks, and can be told to forget its
+nodes (401), to fence attempts off (409), to ask for a stop, or to be down (503).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from collections import defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from control_plane.schemas.agent import (
+    AttemptStatusAck,
+    AttemptStatusReport,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    LaunchSpec,
+    LogAck,
+    LogBatch,
+    RegisterRequest,
+    RegisterResponse,
+)
+
+_ATTEMPT = re.compile(r"^/v1/agent/attempts/([^/]+)/(status|logs)$")
+
+
+class FakeControlPlane:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: float = 0.2) -> None:
+        self.join_token = "join-secret"
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.lock = threading.Lock()
+        self.node_ids: dict[str, str] = {}
+        self.tokens: dict[str, str] = {}  # node token -> node name
+        self.registrations: list[RegisterRequest] = []
+        self.assignments: dict[str, list[LaunchSpec]] = defaultdict(list)
+        self.heartbeats: list[tuple[str, HeartbeatRequest]] = []
+        self.statuses: dict[str, list[AttemptStatusReport]] = defaultdict(list)
+        self.logs: dict[tuple[str, int, int, str], dict[int, str]] = defaultdict(dict)
+        self.stale: set[str] = set()
+        self.stop_requested: set[str] = set()
+        self.down = False
+        self._server = ThreadingHTTPServer((host, port), self._handler())
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> FakeControlPlane:
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1})
+        self._thread.daemon = True
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(5)
+            self._thread = None
+        self._server.server_close()
+
+    # --- test-side views ---
+
+    def assign(self, node: str, *specs: LaunchSpec) -> None:
+        with self.lock:
+            self.assignments[node] = list(specs)
+
+    def forget_nodes(self) -> None:
+        """As after a database reset: every node token is unknown now."""
+        with self.lock:
+            self.tokens.clear()
+
+    def last_status(self, attempt_id: str) -> AttemptStatusReport | None:
+        with self.lock:
+            reports = self.statuses.get(attempt_id)
+            return reports[-1] if reports else None
+
+    def status_count(self, attempt_id: str) -> int:
+        with self.lock:
+            return len(self.statuses.get(attempt_id, []))
+
+    def last_heartbeat(self, node: str) -> HeartbeatRequest | None:
+        with self.lock:
+            for name, hb in reversed(self.heartbeats):
+                if name == node:
+                    return hb
+        return None
+
+    def heartbeat_attempts(self, node: str) -> set[str] | None:
+        hb = self.last_heartbeat(node)
+        return None if hb is None else {a.attempt_id for a in hb.attempts if a.processes_alive}
+
+    def log_text(self, attempt_id: str, node_rank: int, rank: int, stream: str) -> str:
+        with self.lock:
+            chunks = dict(self.logs.get((attempt_id, node_rank, rank, stream), {}))
+        text, expected = "", 0
+        for offset in sorted(chunks):
+            assert offset == expected, f"gap in the log at {expected} (next chunk at {offset})"
+            text += chunks[offset]
+            expected = offset + len(chunks[offset].encode())
+        return text
+
+    # --- HTTP ---
+
+    def _handle(self, path: str, token: str, body: bytes) -> tuple[int, dict[str, Any]]:
+        if self.down:
+            return 503, {"title": "Service Unavailable", "status": 503}
+        with self.lock:
+            if path == "/v1/agent/register":
+                if token != self.join_token:
+                    return 401, {"title": "Unauthorized", "status": 401}
+                req = RegisterRequest.model_validate_json(body)
+                self.registrations.append(req)
+                node_id = self.node_ids.setdefault(req.name, f"node-{uuid.uuid4().hex[:8]}")
+                node_token = f"tok-{uuid.uuid4().hex}"
+                self.tokens[node_token] = req.name
+                resp = RegisterResponse(
+                    node_id=node_id,
+                    node_token=node_token,
+                    heartbeat_interval_s=self.heartbeat_interval_s,
+                    node_lost_timeout_s=10.0,
+                )
+                return 200, resp.model_dump(mode="json")
+            node = self.tokens.get(token)
+            if node is None:
+                return 401, {"title": "Unauthorized", "status": 401, "detail": "unknown node"}
+            if path == "/v1/agent/heartbeat":
+                hb = HeartbeatRequest.model_validate_json(body)
+                self.heartbeats.append((node, hb))
+                hb_resp = HeartbeatResponse(
+                    node_id=self.node_ids[node],
+                    node_state="ready",
+                    assignments=list(self.assignments[node]),
+                    heartbeat_interval_s=self.heartbeat_interval_s,
+                )
+                return 200, hb_resp.model_dump(mode="json")
+            match = _ATTEMPT.match(path)
+            if match is None:
+                return 404, {"title": "Not Found", "status": 404}
+            attempt_id, kind = match.groups()
+            if attempt_id in self.stale:
+                return 409, {"title": "Conflict", "status": 409, "detail": "stale attempt"}
+            if kind == "status":
+                report = AttemptStatusReport.model_validate_json(body)
+                self.statuses[attempt_id].append(report)
+                ack = AttemptStatusAck(attempt_state="running", stop=attempt_id in self.stop_requested)
+                return 200, ack.model_dump(mode="json")
+            batch = LogBatch.model_validate_json(body)
+            for chunk in batch.chunks:
+                self.logs[(attempt_id, batch.node_rank, chunk.rank, chunk.stream)][chunk.offset] = chunk.data
+            return 200, LogAck(accepted=len(batch.chunks)).model_dump(mode="json")
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        plane = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+                status, payload = plane._handle(self.path, token, body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                ctype = "application/json" if status < 400 else "application/problem+json"
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        return Handler

@@ -1,0 +1,121 @@
+"""Helpers for the node agent tests: real torchrun launches, all killed at teardown."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from control_plane.schemas.agent import LaunchSpec
+from node_agent.attempt import AttemptRun, attempt_paths
+from node_agent.launcher import NodeContext
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05, what: str = "") -> Any:
+    """Poll until `predicate` returns something truthy (returned), failing after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def make_spec(**overrides: Any) -> LaunchSpec:
+    attempt_id = overrides.pop("attempt_id", f"att-{uuid.uuid4().hex[:12]}")
+    fields: dict[str, Any] = {
+        "job_id": "job-1",
+        "job_name": "test-job",
+        "attempt_id": attempt_id,
+        "attempt_number": 1,
+        "fencing_token": f"fence-{attempt_id}",
+        "node_rank": 0,
+        "nnodes": 1,
+        "nproc_per_node": 2,
+        "gpu_indices": [0, 1],
+        "rdzv_host": "127.0.0.2",
+        "rdzv_port": free_port("127.0.0.2"),
+        "entrypoint": "train.py",
+        "checkpoint": {"every_steps": 10},
+    }
+    fields.update(overrides)
+    return LaunchSpec(**fields)
+
+
+def write_script(directory: Path, name: str, body: str) -> Path:
+    path = directory / name
+    path.write_text(body)
+    return path
+
+
+class Launcher:
+    """Launches AttemptRuns for a test and kills whatever is left of them at teardown."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.runs: list[AttemptRun] = []
+
+    def node(self, address: str = "127.0.0.2", **overrides: Any) -> NodeContext:
+        fields: dict[str, Any] = {
+            "local_addr": address,
+            "agent_url": "http://127.0.0.1:9",
+            "virtual": True,
+            "join_timeout_s": 60,
+            "shutdown_timeout_s": 2,
+            "monitor_interval_s": 0.2,
+            "cwd": str(self.tmp_path),
+        }
+        fields.update(overrides)
+        return NodeContext(**fields)
+
+    def launch(
+        self, spec: LaunchSpec, node: NodeContext | None = None, *, work_dir: Path | None = None, grace: float = 2.0
+    ) -> AttemptRun:
+        node = node or self.node()
+        paths = attempt_paths(work_dir or self.tmp_path / f"node-{node.local_addr}", spec.attempt_id)
+        run = AttemptRun.launch(spec, node, paths, stop_grace_s=grace)
+        self.runs.append(run)
+        return run
+
+    def cleanup(self) -> None:
+        for run in self.runs:
+            run.kill_now()
+            if run.pgid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(run.pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        for run in self.runs:
+            while time.monotonic() < deadline:
+                run.poll()
+                if not run.alive:
+                    break
+                time.sleep(0.05)
+
+
+def wait_finished(run: AttemptRun, timeout: float = 30.0) -> AttemptRun:
+    def finished() -> bool:
+        run.poll()
+        return run.finished
+
+    wait_for(finished, timeout=timeout, interval=0.1, what=f"attempt {run.attempt_id} to finish")
+    return run
+
+
+def read_log(run: AttemptRun, rank: int, stream: str = "stdout") -> str:
+    return (run.paths.log_dir / f"rank-{rank}" / f"{stream}.log").read_text()

@@ -1,0 +1,287 @@
+"""The agent's loops against a fake control plane served over real HTTP, with real torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from control_plane.schemas.agent import LaunchSpec, NodeAttemptState, WorkerState
+from node_agent import processes
+from node_agent.agent import Agent, AgentConfig
+from tests.node_agent.fake_control_plane import FakeControlPlane
+from tests.node_agent.helpers import free_port, make_spec, wait_for, write_script
+
+NODE = "node-a"
+
+REPORTER = """
+import json, os, sys, urllib.request
+
+def post(kind, body):
+    url = f"{os.environ['TRAINYARD_AGENT_URL']}/v1/local/attempts/{os.environ['TRAINYARD_ATTEMPT_ID']}/{kind}"
+    body["fencing_token"] = os.environ["TRAINYARD_FENCING_TOKEN"]
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=5).read()
+
+rank = int(os.environ["RANK"])
+for step in (1, 2, 3):
+    post("progress", {"rank": rank, "step": step * 10 + rank, "loss": 1.0 / step})
+print(f"hello from rank {rank} \\u00fcn\\u00ef")
+print(f"warning from rank {rank}", file=sys.stderr)
+if rank == 0:
+    post("result", {"rank": 0, "result": {"final_loss": 0.25}})
+"""
+
+SLEEPER = "import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n"
+
+
+class Agents:
+    def __init__(self, tmp_path: Path, plane: FakeControlPlane) -> None:
+        self.tmp_path = tmp_path
+        self.plane = plane
+        self.agents: list[Agent] = []
+        self.attempt_ids: set[str] = set()
+
+    def config(self, **overrides: Any) -> AgentConfig:
+        fields: dict[str, Any] = {
+            "control_plane_url": self.plane.url,
+            "join_token": self.plane.join_token,
+            "name": NODE,
+            "address": "127.0.0.2",
+            "virtual_gpus": 2,
+            "work_dir": self.tmp_path / "agent",
+            "labels": {"rack": "r1"},
+            "stop_grace_s": 1.0,
+            "status_interval_s": 1.0,
+            "poll_interval_s": 0.1,
+            "rdzv_join_timeout_s": 60,
+        }
+        fields.update(overrides)
+        return AgentConfig(**fields)
+
+    def start(self, **overrides: Any) -> Agent:
+        agent = Agent(self.config(**overrides))
+        self.agents.append(agent)
+        agent.start()
+        return agent
+
+    def spec(self, script: str, body: str, **overrides: Any) -> LaunchSpec:
+        write_script(self.tmp_path, script, body)
+        spec = make_spec(entrypoint=str(self.tmp_path / script), **overrides)
+        self.attempt_ids.add(spec.attempt_id)
+        return spec
+
+    def cleanup(self) -> None:
+        for agent in self.agents:
+            agent.stop(timeout=5)
+        table = processes.scan()
+        for attempt_id in self.attempt_ids:
+            for pid in table.by_attempt.get(attempt_id, ()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def plane() -> Iterator[FakeControlPlane]:
+    plane = FakeControlPlane().start()
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture
+def agents(tmp_path: Path, plane: FakeControlPlane) -> Iterator[Agents]:
+    agents = Agents(tmp_path, plane)
+    try:
+        yield agents
+    finally:
+        agents.cleanup()
+
+
+def attempt_pids(attempt_id: str) -> set[int]:
+    return set(processes.scan().by_attempt.get(attempt_id, ()))
+
+
+def gone(pids: set[int]) -> bool:
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+    return True
+
+
+def wait_state(plane: FakeControlPlane, attempt_id: str, state: NodeAttemptState, timeout: float = 30) -> Any:
+    def reached() -> Any:
+        report = plane.last_status(attempt_id)
+        return report if report is not None and report.state == state else None
+
+    return wait_for(reached, timeout=timeout, interval=0.1, what=f"{attempt_id} to be {state}")
+
+
+def test_registers_late_control_plane_and_reregisters_after_401(agents: Agents) -> None:
+    # The agent starts before its control plane exists: it keeps trying.
+    port = free_port()
+    agent = agents.start(control_plane_url=f"http://127.0.0.1:{port}")
+    assert not agent.registered.wait(0.5)
+    late = FakeControlPlane(port=port).start()
+    try:
+        wait_for(lambda: late.registrations, what="registration")
+        (registration,) = late.registrations
+        assert registration.name == NODE and registration.address == "127.0.0.2"
+        assert [g.uuid for g in registration.gpus] == [f"virtual-{NODE}-0", f"virtual-{NODE}-1"]
+        assert registration.labels == {"rack": "r1"}
+        wait_for(lambda: late.last_heartbeat(NODE), what="a heartbeat")
+        late.forget_nodes()
+        wait_for(lambda: len(late.registrations) == 2, what="re-registration after 401")
+        seq_before = late.last_heartbeat(NODE).seq  # type: ignore[union-attr]
+        wait_for(lambda: late.last_heartbeat(NODE).seq > seq_before, what="heartbeats again")  # type: ignore[union-attr]
+        assert agent.node_id == late.node_ids[NODE]
+    finally:
+        agent.stop(timeout=5)
+        late.stop()
+
+
+def test_runs_an_assigned_attempt_and_reports_it(agents: Agents, plane: FakeControlPlane) -> None:
+    agents.start()
+    spec = agents.spec("report.py", REPORTER)
+    plane.assign(NODE, spec)
+    final = wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
+    assert final.exit_code == 0 and final.error is None
+    assert final.fencing_token == spec.fencing_token and final.node_rank == 0
+    assert [(w.rank, w.state, w.exit_code) for w in final.workers] == [
+        (0, WorkerState.exited, 0),
+        (1, WorkerState.exited, 0),
+    ]
+    assert final.progress is not None and final.progress.step == 31
+    assert final.result == {"final_loss": 0.25}
+    expected = {
+        (rank, stream): f"{word} from rank {rank}{suffix}\n"
+        for rank in (0, 1)
+        for stream, word, suffix in (("stdout", "hello", " ünï"), ("stderr", "warning", ""))
+    }
+
+    def shipped() -> bool:
+        return all(plane.log_text(spec.attempt_id, 0, r, st) == text for (r, st), text in expected.items())
+
+    wait_for(shipped, what="every rank's stdout and stderr to be shipped")
+    wait_for(lambda: plane.heartbeat_attempts(NODE) == set(), what="the attempt to leave heartbeats")
+    # Still assigned, but it ran here once: it is never launched again.
+    state = json.loads((agents.tmp_path / "agent" / "attempts" / spec.attempt_id / "state.json").read_text())
+    count = plane.status_count(spec.attempt_id)
+    seq = plane.last_heartbeat(NODE).seq  # type: ignore[union-attr]
+    wait_for(lambda: plane.last_heartbeat(NODE).seq >= seq + 5, what="more heartbeats")  # type: ignore[union-attr]
+    assert json.loads((agents.tmp_path / "agent" / "attempts" / spec.attempt_id / "state.json").read_text()) == state
+    assert state["done"] and state["final_acked"]
+    assert plane.status_count(spec.attempt_id) == count
+    assert not attempt_pids(spec.attempt_id)
+
+
+def test_unassigned_attempt_is_stopped(agents: Agents, plane: FakeControlPlane) -> None:
+    agents.start()
+    spec = agents.spec("sleep.py", SLEEPER, nproc_per_node=1, gpu_indices=[1])
+    plane.assign(NODE, spec)
+    wait_state(plane, spec.attempt_id, NodeAttemptState.running)
+    wait_for(lambda: plane.heartbeat_attempts(NODE) == {spec.attempt_id}, what="the attempt in heartbeats")
+    pids = attempt_pids(spec.attempt_id)
+    assert len(pids) == 3  # torchrun, shim, worker
+    plane.assign(NODE)
+    final = wait_state(plane, spec.attempt_id, NodeAttemptState.stopped, timeout=10)
+    assert gone(pids)
+    assert final.workers[0].state == WorkerState.exited
+    wait_for(lambda: plane.heartbeat_attempts(NODE) == set(), timeout=5, what="heartbeats without it")
+    wait_for(lambda: "sleeping" in plane.log_text(spec.attempt_id, 0, 0, "stdout"), what="the last log bytes")
+
+
+def test_stale_attempt_is_stopped_and_no_longer_reported(agents: Agents, plane: FakeControlPlane) -> None:
+    agent = agents.start()
+    spec = agents.spec("sleep.py", SLEEPER, nproc_per_node=1, gpu_indices=[0])
+    plane.assign(NODE, spec)
+    wait_state(plane, spec.attempt_id, NodeAttemptState.running)
+    pids = attempt_pids(spec.attempt_id)
+    plane.stale.add(spec.attempt_id)  # still assigned: the 409 alone must stop it
+    wait_for(lambda: gone(pids), timeout=10, what="the stale attempt's processes to go")
+    wait_for(lambda: plane.heartbeat_attempts(NODE) == set(), timeout=5, what="heartbeats without it")
+    wait_for(lambda: agent.run(spec.attempt_id) is None, timeout=5, what="the agent to forget it")
+    assert plane.last_status(spec.attempt_id).state == NodeAttemptState.running  # type: ignore[union-attr]
+
+
+def test_control_plane_stop_ack_stops_the_attempt(agents: Agents, plane: FakeControlPlane) -> None:
+    agents.start()
+    spec = agents.spec("sleep.py", SLEEPER, nproc_per_node=1, gpu_indices=[0])
+    plane.assign(NODE, spec)
+    wait_state(plane, spec.attempt_id, NodeAttemptState.running)
+    plane.stop_requested.add(spec.attempt_id)
+    wait_state(plane, spec.attempt_id, NodeAttemptState.stopped, timeout=10)
+
+
+def test_restarted_agent_adopts_and_outage_keeps_workers(agents: Agents, plane: FakeControlPlane) -> None:
+    first = agents.start(keep_workers_on_exit=True)
+    spec = agents.spec("sleep.py", SLEEPER, nproc_per_node=1, gpu_indices=[0])
+    plane.assign(NODE, spec)
+    wait_state(plane, spec.attempt_id, NodeAttemptState.running)
+    pids = attempt_pids(spec.attempt_id)
+    url = first.local_api_url
+    first.stop()
+    assert attempt_pids(spec.attempt_id) == pids  # kept running
+
+    second = agents.start()
+    assert second.local_api_url == url  # the workers' TRAINYARD_AGENT_URL still reaches the agent
+    run = second.run(spec.attempt_id)
+    assert run is not None and run.adopted and run.alive
+    instance_hb = lambda: [hb for _, hb in plane.heartbeats if hb.agent_instance == second.instance]  # noqa: E731
+    wait_for(lambda: len(instance_hb()) >= 3, what="heartbeats of the new agent")
+    assert {a.attempt_id for a in instance_hb()[-1].attempts} == {spec.attempt_id}
+    assert attempt_pids(spec.attempt_id) == pids  # adopted, not relaunched
+
+    plane.down = True  # an outage: workers keep running, the agent keeps trying
+    count = plane.status_count(spec.attempt_id)
+    seq = instance_hb()[-1].seq
+    wait_for(lambda: second.run(spec.attempt_id) and second._seq > seq + 3, what="heartbeats during the outage")
+    assert attempt_pids(spec.attempt_id) == pids
+    plane.down = False
+    wait_for(lambda: plane.status_count(spec.attempt_id) > count, what="reports after the outage")
+
+    second.stop()  # default: the workers go with the agent
+    assert gone(pids)
+
+
+def test_cli_runs_until_sigterm_and_stops_its_workers(agents: Agents, plane: FakeControlPlane, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "node_agent", "--control-plane", plane.url, "--join-token", plane.join_token]
+    cmd += ["--name", "cli-node", "--address", "127.0.0.3", "--virtual-gpus", "1", "--label", "rack=r9"]
+    cmd += ["--work-dir", str(tmp_path / "cli-agent"), "--stop-grace", "1"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: plane.registrations, what="the CLI agent to register")
+        assert plane.registrations[0].labels == {"rack": "r9"}
+        spec = agents.spec("sleep.py", SLEEPER, nproc_per_node=1, gpu_indices=[0], rdzv_host="127.0.0.3")
+        plane.assign("cli-node", spec)
+        wait_state(plane, spec.attempt_id, NodeAttemptState.running)
+        pids = attempt_pids(spec.attempt_id)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert gone(pids)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def test_no_gpu_without_virtual_slots_is_a_clear_error() -> None:
+    from node_agent.gpus import NoGpusError, discover_gpus
+
+    try:
+        gpus = discover_gpus(None, "n")
+    except NoGpusError as exc:
+        assert "--virtual-gpus" in str(exc)
+    else:  # a machine with NVIDIA GPUs
+        assert gpus and all(g.kind != "virtual-cpu" for g in gpus)

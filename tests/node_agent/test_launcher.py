@@ -1,0 +1,233 @@
+"""Real torchrun launches: one node, two "nodes" on two loopback addresses, failures and stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+
+from control_plane.schemas.agent import NodeAttemptState, WorkerState
+from node_agent import processes
+from node_agent.attempt import AttemptRun
+from node_agent.launcher import AttemptPaths, NodeContext, entrypoint_kind, torchrun_command, worker_env
+from tests.node_agent.helpers import Launcher, make_spec, read_log, wait_finished, wait_for, write_script
+
+ALL_REDUCE = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+print(json.dumps({"rank": rank, "world": world, "sum": t.item(), "args": sys.argv[1:],
+                  "master": os.environ["MASTER_ADDR"], "node_rank": os.environ["TRAINYARD_NODE_RANK"],
+                  "device": os.environ["TRAINYARD_DEVICE"], "cuda": os.environ["CUDA_VISIBLE_DEVICES"]}))
+print(f"rank {rank} stderr", file=sys.stderr)
+dist.destroy_process_group()
+"""
+
+SLEEPER = """
+import os, signal, subprocess, sys, time
+if "--ignore-term" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if "--detach" in sys.argv:
+    code = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    code += "open(os.path.join(os.environ['MARK_DIR'], f'grandchild-{os.getpid()}'), 'w').close(); time.sleep(120)"
+    subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+time.sleep(120)
+"""
+
+
+def test_entrypoint_kind() -> None:
+    assert entrypoint_kind("train.py") == "file"
+    assert entrypoint_kind("scripts/train") == "file"
+    assert entrypoint_kind("worker_runtime.examples.tiny_gpt") == "module"
+
+
+def test_command_line(tmp_path: Path) -> None:
+    node = NodeContext(local_addr="127.0.0.3", agent_url="http://127.0.0.3:5000", virtual=True, cwd="/src")
+    spec = make_spec(node_rank=1, nnodes=2, rdzv_port=29999, entrypoint="train.py", args=["--lr", "1"])
+    paths = AttemptPaths(tmp_path)
+    cmd = torchrun_command(spec, node, paths)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    joined = " ".join(cmd)
+    assert "--nnodes 2 --nproc-per-node 2 --node-rank 1 --rdzv-backend c10d" in joined
+    assert f"--rdzv-endpoint 127.0.0.2:29999 --rdzv-id {spec.attempt_id}" in joined
+    assert "--rdzv-conf is_host=0,join_timeout=300 --local-addr 127.0.0.3 --max-restarts 0" in joined
+    assert cmd[cmd.index("node_agent.rank_shim") :] == [
+        "node_agent.rank_shim",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "file",
+        "/src/train.py",
+        "--lr",
+        "1",
+    ]
+    host_cmd = torchrun_command(make_spec(node_rank=0, nnodes=2, entrypoint="pkg.mod"), node, paths)
+    assert any(arg.startswith("is_host=1,") for arg in host_cmd)
+    assert host_cmd[-2:] == ["module", "pkg.mod"]
+
+
+def test_worker_env(tmp_path: Path) -> None:
+    base = {"PATH": "/bin", "TRAINYARD_JOIN_TOKEN": "secret", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    spec = make_spec(
+        gpu_indices=[2, 3],
+        env={"FOO": "bar", "OMP_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "7", "TRAINYARD_FENCING_TOKEN": "x"},
+        restore_from=None,
+    )
+    paths = AttemptPaths(tmp_path)
+    virtual = worker_env(
+        spec, NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env=base), paths
+    )
+    assert "TRAINYARD_JOIN_TOKEN" not in virtual  # the agent's own secrets stay with the agent
+    assert virtual["FOO"] == "bar" and virtual["PATH"] == "/bin"
+    assert virtual["OMP_NUM_THREADS"] == "4"  # a default the job may override
+    assert virtual["CUDA_VISIBLE_DEVICES"] == "" and virtual["TRAINYARD_DEVICE"] == "cpu"
+    assert virtual["TRAINYARD_FENCING_TOKEN"] == spec.fencing_token  # not overridable
+    assert virtual["GLOO_SOCKET_IFNAME"] == "lo"
+    assert virtual["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert json.loads(virtual["TRAINYARD_CHECKPOINT"]) == {"every_steps": 10}
+    assert json.loads(virtual["TRAINYARD_RESTORE_FROM"]) is None
+    assert virtual["TRAINYARD_STATUS_DIR"] == str(tmp_path / "status")
+    assert virtual["TRAINYARD_AGENT_URL"] == "http://a:1"
+    assert virtual["TRAINYARD_ATTEMPT_ID"] == spec.attempt_id
+    assert virtual["TRAINYARD_NODE_RANK"] == "0" and virtual["TRAINYARD_ATTEMPT_NUMBER"] == "1"
+    gpu = worker_env(
+        spec, NodeContext(local_addr="10.1.2.3", agent_url="http://a:1", virtual=False, base_env=base), paths
+    )
+    assert gpu["CUDA_VISIBLE_DEVICES"] == "2,3" and gpu["TRAINYARD_DEVICE"] == "cuda"
+    assert gpu["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert "GLOO_SOCKET_IFNAME" not in gpu
+
+
+def _check_ranks(runs: list[AttemptRun], world: int) -> None:
+    seen = {}
+    for run in runs:
+        report = run.report(None, None)
+        assert report.state == NodeAttemptState.exited, run.paths.torchrun_stderr.read_text()
+        assert report.exit_code == 0
+        assert len(report.workers) == run.spec.nproc_per_node
+        for worker in report.workers:
+            assert worker.state == WorkerState.exited and worker.exit_code == 0
+            assert worker.pid is not None and worker.ended_at is not None
+            out = json.loads(read_log(run, worker.rank).strip())
+            assert read_log(run, worker.rank, "stderr") == f"rank {worker.rank} stderr\n"
+            assert out["rank"] == worker.rank and out["world"] == world
+            assert out["sum"] == world * (world + 1) / 2
+            assert out["node_rank"] == str(run.spec.node_rank)
+            assert out["device"] == "cpu" and out["cuda"] == ""
+            seen[worker.rank] = out
+    assert sorted(seen) == list(range(world))
+
+
+def test_single_node_all_reduce(launcher: Launcher, tmp_path: Path) -> None:
+    write_script(tmp_path, "train.py", ALL_REDUCE)
+    run = launcher.launch(make_spec(entrypoint="train.py", args=["--x", "1"]))
+    wait_finished(run)
+    _check_ranks([run], world=2)
+    assert json.loads(read_log(run, 0))["args"] == ["--x", "1"]
+    state = json.loads(run.paths.state_file.read_text())
+    assert state["pid"] == run.pid and state["pgid"] == run.pgid and state["torchrun_done"]
+    assert state["spec"]["attempt_id"] == run.attempt_id
+
+
+def test_two_nodes_on_two_loopback_addresses(launcher: Launcher, tmp_path: Path) -> None:
+    """Two torchruns, as two nodes 127.0.0.2 (node rank 0, rendezvous host) and 127.0.0.3, form one
+    world of 4 ranks over c10d rendezvous and gloo."""
+    write_script(tmp_path, "train.py", ALL_REDUCE)
+    shared = make_spec(nnodes=2, rdzv_host="127.0.0.2", entrypoint="train.py")
+    # The second node starts first: it must wait for the host rather than become one.
+    second = launcher.launch(shared.model_copy(update={"node_rank": 1}), launcher.node("127.0.0.3"))
+    time.sleep(0.5)
+    first = launcher.launch(shared, launcher.node("127.0.0.2"))
+    wait_finished(first, timeout=60)
+    wait_finished(second, timeout=60)
+    _check_ranks([first, second], world=4)
+    masters = {
+        json.loads(read_log(run, w.rank))["master"] for run in (first, second) for w in run.report(None, None).workers
+    }
+    assert len(masters) == 1 and masters <= {"127.0.0.2", "127.0.0.3"}
+
+
+def test_failing_rank_exit_code(launcher: Launcher, tmp_path: Path) -> None:
+    write_script(
+        tmp_path,
+        "fail.py",
+        "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n",
+    )
+    run = launcher.launch(make_spec(entrypoint="fail.py"))
+    wait_finished(run)
+    report = run.report(None, None)
+    assert report.state == NodeAttemptState.exited
+    assert report.exit_code not in (0, None)
+    assert report.error and "torchrun exited" in report.error
+    by_rank = {w.rank: w for w in report.workers}
+    assert by_rank[1].exit_code == 3
+    assert by_rank[0].state == WorkerState.exited  # torchrun tore the healthy rank down
+
+
+def _attempt_pids(run: AttemptRun) -> set[int]:
+    return processes.scan().by_attempt.get(run.attempt_id, set())
+
+
+def _gone(pids: set[int]) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def _wait_running(run: AttemptRun) -> None:
+    def running() -> bool:
+        run.poll()
+        return run.report(None, None).state == NodeAttemptState.running
+
+    wait_for(running, what="the ranks to run")
+
+
+def test_stop_kills_every_process_of_the_attempt(launcher: Launcher, tmp_path: Path) -> None:
+    """Workers that ignore SIGTERM, and a grandchild in a session of its own, all go."""
+    write_script(tmp_path, "sleeper.py", SLEEPER)
+    run = launcher.launch(
+        make_spec(entrypoint="sleeper.py", args=["--ignore-term", "--detach"], env={"MARK_DIR": str(tmp_path)}),
+        grace=1.0,
+    )
+    _wait_running(run)
+    wait_for(lambda: len(list(tmp_path.glob("grandchild-*"))) == 2, what="the detached grandchildren")
+    grandchildren = {int(p.name.split("-")[1]) for p in tmp_path.glob("grandchild-*")}
+    workers = {w.pid for w in run.report(None, None).workers}
+    pids = _attempt_pids(run)
+    assert run.pid in pids and workers <= pids and grandchildren <= pids
+    assert len(pids) == 7  # torchrun, 2 shims, 2 workers, 2 grandchildren
+    started = time.monotonic()
+    run.request_stop("test")
+    assert run.alive
+    wait_finished(run, timeout=10)
+    # Nothing here heeds SIGTERM: all went with the SIGKILL after the 1 s grace period.
+    assert 0.9 < time.monotonic() - started < 5
+    assert _gone(pids)
+    report = run.report(None, None)
+    assert report.state == NodeAttemptState.stopped
+    assert all(w.state == WorkerState.exited for w in report.workers)
+
+
+def test_torchrun_killed_alone_leaves_nothing(launcher: Launcher, tmp_path: Path) -> None:
+    write_script(tmp_path, "sleeper.py", SLEEPER)
+    run = launcher.launch(make_spec(entrypoint="sleeper.py"), grace=1.0)
+    _wait_running(run)
+    pids = _attempt_pids(run)
+    assert run.pid is not None
+    os.kill(run.pid, signal.SIGKILL)
+    wait_finished(run, timeout=10)
+    assert _gone(pids)
+    report = run.report(None, None)
+    assert report.state == NodeAttemptState.exited and report.exit_code == -signal.SIGKILL

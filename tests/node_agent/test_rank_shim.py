@@ -1,0 +1,124 @@
+"""The rank shim: exact exit codes, signal forwarding, no orphaned worker, per-rank files."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from control_plane.schemas import agent as contract
+from node_agent import rank_shim
+from tests.node_agent.helpers import REPO_ROOT, wait_for, write_script
+
+
+@pytest.fixture
+def spawned() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def start_shim(
+    spawned: list[subprocess.Popen[bytes]], tmp_path: Path, *args: str, rank: int = 0
+) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        TRAINYARD_STATUS_DIR=str(tmp_path / "status"),
+        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(tmp_path)]),
+        TRAINYARD_ATTEMPT_ID="shim-test",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "node_agent.rank_shim", "--log-dir", str(tmp_path / "logs"), *args],
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    spawned.append(proc)
+    return proc
+
+
+def rank_record(tmp_path: Path, rank: int = 0) -> dict[str, Any]:
+    return json.loads((tmp_path / "status" / f"rank-{rank}.json").read_text())
+
+
+def test_status_dir_name_matches_contract() -> None:
+    assert rank_shim.ENV_STATUS_DIR == contract.ENV_STATUS_DIR
+
+
+def test_exit_code_and_output_are_recorded(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    script = write_script(
+        tmp_path, "exit3.py", "import sys\nprint('out', sys.argv[1:])\nprint('err', file=sys.stderr)\nsys.exit(3)\n"
+    )
+    proc = start_shim(spawned, tmp_path, "file", str(script), "a", "--flag", rank=1)
+    assert proc.wait(20) == 3
+    record = rank_record(tmp_path, 1)
+    assert record["state"] == "exited"
+    assert record["exit_code"] == 3
+    assert record["rank"] == 1 and record["local_rank"] == 1
+    assert isinstance(record["pid"], int) and record["pid"] != proc.pid
+    assert record["started_at"] and record["ended_at"]
+    contract.WorkerStatus.model_validate(record)
+    assert (tmp_path / "logs" / "rank-1" / "stdout.log").read_text() == "out ['a', '--flag']\n"
+    assert (tmp_path / "logs" / "rank-1" / "stderr.log").read_text() == "err\n"
+
+
+def test_sigkilled_worker_is_minus_nine(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    write_script(tmp_path, "selfkill.py", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = start_shim(spawned, tmp_path, "module", "selfkill")
+    assert proc.wait(20) == 128 + 9
+    record = rank_record(tmp_path)
+    assert record["state"] == "exited" and record["exit_code"] == -9
+
+
+def _running_pid(tmp_path: Path) -> int:
+    def ready() -> int | None:
+        try:
+            record = rank_record(tmp_path)
+        except (OSError, ValueError):
+            return None
+        return record["pid"] if record["state"] == "running" and (tmp_path / "ready").exists() else None
+
+    return int(wait_for(ready, what="the worker to run"))
+
+
+SLEEPER = "import pathlib, time\npathlib.Path('ready').touch()\ntime.sleep(60)\n"
+
+
+def test_sigterm_is_forwarded(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    write_script(tmp_path, "sleeper.py", SLEEPER)
+    proc = start_shim(spawned, tmp_path, "file", "sleeper.py")
+    worker = _running_pid(tmp_path)
+    proc.send_signal(signal.SIGTERM)  # the shim alone, not its group
+    assert proc.wait(10) == 128 + signal.SIGTERM
+    assert rank_record(tmp_path)["exit_code"] == -signal.SIGTERM
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+
+
+def test_worker_dies_with_the_shim(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    write_script(tmp_path, "sleeper.py", SLEEPER)
+    proc = start_shim(spawned, tmp_path, "file", "sleeper.py")
+    worker = _running_pid(tmp_path)
+    proc.kill()
+    proc.wait(5)
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_for(gone, timeout=5, what="the orphaned worker to die")
