@@ -1,0 +1,48 @@
+"""Run under torchrun by test_tiny_gpt: a DDP run resumed from saved state at step k must end
+bit-identical to the uninterrupted run. Rank 0 prints both results as one JSON line."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import torch
+
+from worker_runtime import Reporter, WorkerContext, init_distributed, shutdown_distributed
+from worker_runtime.examples.tiny_gpt import Config, Trainer
+
+CFG = Config(steps=12, batch_size=4, seq_len=16, d_model=32, layers=1, heads=2, log_every=4)
+
+
+def compare(ctx: WorkerContext) -> dict[str, Any]:
+    # Its own function so every DDP module is gone before the process group is destroyed:
+    # a DDP reducer outliving its gloo group can hang the process at exit.
+    with Reporter(ctx, echo=False) as reporter:
+        uninterrupted = Trainer(CFG, ctx).fit(reporter)
+        first = Trainer(CFG, ctx)
+        first.fit(reporter, until=5)
+        buffer = io.BytesIO()
+        torch.save(first.state.state_dict(), buffer)  # every rank keeps its own copy
+        buffer.seek(0)
+        torch.manual_seed(999 + ctx.rank)  # the resumed process starts with other RNG state
+        resumed = Trainer(CFG, ctx)
+        resumed.state.load_state_dict(torch.load(buffer, weights_only=True))
+        result = resumed.fit(reporter)
+    return {"uninterrupted": uninterrupted, "resumed": result}
+
+
+def main() -> None:
+    ctx = WorkerContext.from_env()
+    torch.use_deterministic_algorithms(True)
+    init_distributed(ctx, timeout=60)
+    try:
+        both = compare(ctx)
+        if ctx.is_main:
+            print(json.dumps(both), flush=True)
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

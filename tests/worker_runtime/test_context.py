@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from control_plane.schemas import agent as contract
+from worker_runtime import WorkerContext
+from worker_runtime import context as wr_context
+
+FULL_ENV = {
+    "RANK": "5",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "8",
+    "LOCAL_WORLD_SIZE": "4",
+    "GROUP_RANK": "1",
+    "TRAINYARD_JOB_ID": "job-1",
+    "TRAINYARD_JOB_NAME": "tiny",
+    "TRAINYARD_ATTEMPT_ID": "att-3",
+    "TRAINYARD_ATTEMPT_NUMBER": "2",
+    "TRAINYARD_FENCING_TOKEN": "tok",
+    "TRAINYARD_AGENT_URL": "http://10.0.0.2:7070/",
+    "TRAINYARD_NODE_RANK": "0",
+    "TRAINYARD_DEVICE": "cpu",
+    "TRAINYARD_CHECKPOINT": json.dumps({"every_steps": 50}),
+    "TRAINYARD_RESTORE_FROM": json.dumps({"step": 100, "prefix": "ckpt/100"}),
+}
+
+
+ATTEMPT_ENV = (
+    "ENV_JOB_ID",
+    "ENV_JOB_NAME",
+    "ENV_ATTEMPT_ID",
+    "ENV_ATTEMPT_NUMBER",
+    "ENV_FENCING_TOKEN",
+    "ENV_AGENT_URL",
+    "ENV_NODE_RANK",
+    "ENV_DEVICE",
+    "ENV_CHECKPOINT",
+    "ENV_RESTORE_FROM",
+)
+
+
+def test_env_names_match_the_wire_contract() -> None:
+    # worker_runtime repeats the names instead of importing the control plane; they must agree.
+    ours = {k: v for k, v in vars(wr_context).items() if k.startswith("ENV_") and v.startswith("TRAINYARD_")}
+    assert set(ATTEMPT_ENV) <= set(ours)
+    assert ours == {k: getattr(contract, k, None) for k in ours}
+
+
+def test_standalone_defaults() -> None:
+    ctx = WorkerContext.from_env({"TRAINYARD_DEVICE": "cpu"})
+    assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.local_world_size) == (0, 0, 1, 1)
+    assert ctx.agent_url is None and not ctx.managed and ctx.is_main
+    assert ctx.checkpoint == {} and ctx.restore_from is None
+    assert ctx.attempt_number == 0 and ctx.fencing_token == ""
+
+
+def test_standalone_device_follows_the_machine() -> None:
+    import torch
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert WorkerContext.from_env({}).device == expected
+
+
+def test_reads_torchrun_and_trainyard_variables() -> None:
+    ctx = WorkerContext.from_env(FULL_ENV)
+    assert ctx.rank == 5 and ctx.local_rank == 1 and ctx.world_size == 8 and ctx.local_world_size == 4
+    assert ctx.group_rank == 1 and ctx.node_rank == 0  # c10d may order nodes unlike the control plane
+    assert (ctx.job_id, ctx.job_name, ctx.attempt_id, ctx.attempt_number) == ("job-1", "tiny", "att-3", 2)
+    assert ctx.fencing_token == "tok"
+    assert ctx.agent_url == "http://10.0.0.2:7070"
+    assert ctx.device == "cpu"
+    assert ctx.checkpoint == {"every_steps": 50}
+    assert ctx.restore_from == {"step": 100, "prefix": "ckpt/100"}
+    assert ctx.managed and not ctx.is_main
+
+
+def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in FULL_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert WorkerContext.from_env() == WorkerContext.from_env(FULL_ENV)
+
+
+def test_node_ranks_fall_back_on_each_other() -> None:
+    assert WorkerContext.from_env({**_cpu(), "GROUP_RANK": "2", "WORLD_SIZE": "4"}).node_rank == 2
+    ctx = WorkerContext.from_env({**_cpu(), "TRAINYARD_NODE_RANK": "3", "WORLD_SIZE": "4"})
+    assert (ctx.node_rank, ctx.group_rank) == (3, 3)
+
+
+def test_restore_from_null_means_none() -> None:
+    assert WorkerContext.from_env({**_cpu(), "TRAINYARD_RESTORE_FROM": "null"}).restore_from is None
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "one"}, "RANK='one' is not an integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "outside world_size"),
+        ({"LOCAL_RANK": "1"}, "outside local_world_size"),
+        ({"TRAINYARD_DEVICE": "tpu"}, "TRAINYARD_DEVICE"),
+        ({"TRAINYARD_CHECKPOINT": "[1, 2]"}, "must be a JSON object"),
+        ({"TRAINYARD_RESTORE_FROM": "{"}, "not valid JSON"),
+        ({"TRAINYARD_AGENT_URL": "http://x", "TRAINYARD_ATTEMPT_ID": "a"}, "fencing_token"),
+        ({"TRAINYARD_AGENT_URL": "http://x", "TRAINYARD_FENCING_TOKEN": "t"}, "TRAINYARD_ATTEMPT_ID"),
+    ],
+)
+def test_rejects_inconsistent_environment(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WorkerContext.from_env({**_cpu(), **env})
+
+
+def test_is_frozen() -> None:
+    ctx = WorkerContext()
+    with pytest.raises(AttributeError):
+        ctx.rank = 1  # type: ignore[misc]
+
+
+def _cpu() -> dict[str, str]:
+    return {"TRAINYARD_DEVICE": "cpu"}

@@ -1,0 +1,84 @@
+"""The library a training script imports to run under Trainyard.
+
+It reads who the process is (:class:`WorkerContext`), sets up torch.distributed for it, reports
+progress and the result to the node agent, and gathers the loop's state for checkpoints. It
+imports neither the control plane nor the agent; the wire contract it speaks is defined in
+``control_plane/schemas/agent.py`` and mirrored here by name only.
+
+Importing the package does not import torch until a torch-backed name is used, so reading the
+context stays cheap for launch shims.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from worker_runtime.context import WorkerContext
+from worker_runtime.reporting import Reporter, ReportError, StaleAttemptError
+
+if TYPE_CHECKING:
+    from worker_runtime.distributed import (
+        device_of,
+        init_distributed,
+        is_distributed,
+        shutdown_distributed,
+    )
+    from worker_runtime.state import (
+        DataPosition,
+        RngState,
+        Stateful,
+        StepCounter,
+        TrainState,
+        WorldSizeMismatchError,
+        capture_rng_state,
+        restore_rng_state,
+        weights_sha256,
+    )
+
+_LAZY = {
+    "device_of": "worker_runtime.distributed",
+    "init_distributed": "worker_runtime.distributed",
+    "is_distributed": "worker_runtime.distributed",
+    "shutdown_distributed": "worker_runtime.distributed",
+    "DataPosition": "worker_runtime.state",
+    "RngState": "worker_runtime.state",
+    "Stateful": "worker_runtime.state",
+    "StepCounter": "worker_runtime.state",
+    "TrainState": "worker_runtime.state",
+    "WorldSizeMismatchError": "worker_runtime.state",
+    "capture_rng_state": "worker_runtime.state",
+    "restore_rng_state": "worker_runtime.state",
+    "weights_sha256": "worker_runtime.state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'worker_runtime' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "DataPosition",
+    "ReportError",
+    "Reporter",
+    "RngState",
+    "StaleAttemptError",
+    "Stateful",
+    "StepCounter",
+    "TrainState",
+    "WorkerContext",
+    "WorldSizeMismatchError",
+    "capture_rng_state",
+    "device_of",
+    "init_distributed",
+    "is_distributed",
+    "restore_rng_state",
+    "shutdown_distributed",
+    "weights_sha256",
+]

@@ -1,0 +1,95 @@
+"""Set up and tear down torch.distributed for one worker process.
+
+The backend follows the device the agent gave the attempt: NCCL on GPUs, gloo on CPU-only nodes
+(virtual slots). Rendezvous is ``env://``: torchrun has already set MASTER_ADDR/MASTER_PORT to the
+port the control plane reserved for this attempt, so nothing here picks addresses.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from worker_runtime.context import WorkerContext
+
+log = logging.getLogger(__name__)
+
+ENV_MASTER_ADDR = "MASTER_ADDR"
+ENV_OMP_NUM_THREADS = "OMP_NUM_THREADS"
+
+
+def init_distributed(ctx: WorkerContext, *, timeout: timedelta | float | None = None) -> bool:
+    """Initialise the default process group for ``ctx``; return whether one is now active.
+
+    ``timeout`` (seconds or a timedelta) bounds rendezvous and every collective, so a peer that
+    died makes the survivors fail instead of hanging until the agent kills them; None keeps
+    torch's default. A standalone process (world size 1 and no MASTER_ADDR) gets no process group,
+    so plain ``python train.py`` needs no rendezvous. Calling it again is a no-op.
+    """
+    if ctx.device == "cuda":
+        # Before the process group: NCCL binds each rank to the current device.
+        torch.cuda.set_device(ctx.local_rank)
+    if dist.is_initialized():
+        return True
+    if ctx.world_size == 1 and not os.environ.get(ENV_MASTER_ADDR):
+        return False
+    if ctx.device == "cpu":
+        _limit_cpu_threads()
+    if isinstance(timeout, int | float):
+        timeout = timedelta(seconds=timeout)
+    backend = "nccl" if ctx.device == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=timeout,
+        device_id=torch.device("cuda", ctx.local_rank) if ctx.device == "cuda" else None,
+    )
+    log.info(
+        "process group ready: backend=%s rank=%d/%d local_rank=%d node_rank=%d",
+        backend,
+        ctx.rank,
+        ctx.world_size,
+        ctx.local_rank,
+        ctx.node_rank,
+    )
+    return True
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group if there is one; safe to call any number of times.
+
+    Drop DDP modules first (let them go out of scope): a DDP reducer destroyed after its gloo
+    group can hang the process at exit.
+    """
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()  # DDP modules caught in reference cycles go before their group, not after
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    """True when a default process group is active."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def device_of(ctx: WorkerContext) -> torch.device:
+    """The torch device this worker computes on."""
+    return torch.device("cuda", ctx.local_rank) if ctx.device == "cuda" else torch.device("cpu")
+
+
+def _limit_cpu_threads() -> None:
+    # Several CPU workers share a node's cores; each using every core oversubscribes them badly
+    # (intra-op thread pools fight). One thread each, unless the operator chose otherwise.
+    raw = os.environ.get(ENV_OMP_NUM_THREADS, "").strip()
+    try:
+        threads = int(raw) if raw else 1
+    except ValueError:
+        log.warning("ignoring %s=%r (not an integer)", ENV_OMP_NUM_THREADS, raw)
+        threads = 1
+    torch.set_num_threads(max(1, threads))

@@ -1,0 +1,229 @@
+"""A tiny decoder-only transformer trained with DDP on a synthetic corpus: the reference job.
+
+    python -m worker_runtime.examples.tiny_gpt --steps 300
+    torchrun --nproc-per-node 4 -m worker_runtime.examples.tiny_gpt --steps 300
+
+It exists to exercise the platform (gang launch, progress, results, and later checkpoints and
+recovery), so it is built around one property: the run is a pure function of (arguments, world
+size). The corpus is a random Markov chain drawn from ``--seed`` (no downloads, and the loss
+really falls towards the chain's entropy); the batch of step ``s`` on rank ``r`` depends only on
+(seed, s, r); there is no dropout; every piece of mutable state is registered in a TrainState.
+So the same world size and steps give the same weights_sha256, and a run resumed from a state
+saved at step k ends bit-identical to one that never stopped.
+
+Rank 0 prints the result as one JSON line on stdout and reports it to the agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from worker_runtime import (
+    DataPosition,
+    Reporter,
+    RngState,
+    StaleAttemptError,
+    StepCounter,
+    TrainState,
+    WorkerContext,
+    device_of,
+    init_distributed,
+    is_distributed,
+    shutdown_distributed,
+    weights_sha256,
+)
+from worker_runtime.examples.tiny_gpt_model import MarkovCorpus, TinyGPT
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    steps: int = 300
+    seed: int = 0
+    batch_size: int = 8
+    """Sequences per rank per step; the global batch is batch_size * world_size."""
+    seq_len: int = 32
+    lr: float = 3e-3
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    vocab: int = 64
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if min(self.steps, self.batch_size, self.seq_len, self.d_model, self.layers, self.log_every) < 1:
+            raise ValueError("steps, batch size, seq len, d_model, layers and log_every must be >= 1")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
+
+    @property
+    def warmup(self) -> int:
+        return max(1, min(100, self.steps // 10))
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak at the last step."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Batches:
+    """The synthetic data stream: the batch of step s on rank r is a disjoint slice of step s's
+    global batch, a function of (seed, s, r) only, so it is resumable from a DataPosition."""
+
+    def __init__(self, cfg: Config, corpus: MarkovCorpus, position: DataPosition, rank: int) -> None:
+        self._cfg = cfg
+        self._corpus = corpus
+        self._position = position
+        self._rank = rank
+
+    def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, step = self._cfg, self._position.offset
+        first = (step * self._position.world_size + self._rank) * cfg.batch_size
+        tokens = self._corpus.sample(range(first, first + cfg.batch_size), cfg.seq_len + 1)
+        self._position.advance()
+        tokens = tokens.to(device)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+class Trainer:
+    """Owns the model and all training state; ``state`` is what a checkpoint saves."""
+
+    def __init__(self, cfg: Config, ctx: WorkerContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.device = device_of(ctx)
+        # Same seed on every rank: identical initial weights without relying on DDP's broadcast.
+        torch.manual_seed(cfg.seed)
+        self.model = TinyGPT(cfg.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads).to(self.device)
+        self.ddp: nn.Module = self.model
+        if is_distributed():
+            device_ids = [ctx.local_rank] if ctx.device == "cuda" else None
+            self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            foreach=True,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
+        self.position = DataPosition(world_size=ctx.world_size)
+        self.step = StepCounter()
+        self.batches = Batches(cfg, MarkovCorpus(cfg.vocab, cfg.seed), self.position, ctx.rank)
+        self.state = TrainState()
+        self.state.register("model", self.model)
+        self.state.register("optimizer", self.optimizer)
+        self.state.register("scheduler", self.scheduler)
+        self.state.register("step", self.step)
+        self.state.register("data", self.position, per_rank=True)
+        self.state.register("rng", RngState(), per_rank=True)
+
+    def train_step(self) -> torch.Tensor:
+        x, y = self.batches.next(self.device)
+        logits = self.ddp(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step.value += 1
+        return loss.detach()
+
+    def global_mean(self, loss: torch.Tensor, stop: bool = False) -> tuple[float, bool]:
+        """Mean loss over ranks, and whether any rank wants to stop (one small collective)."""
+        packed = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
+        if is_distributed():
+            dist.all_reduce(packed)
+            packed[0] /= self.ctx.world_size
+        return float(packed[0]), bool(packed[1] > 0)
+
+    def fit(self, reporter: Reporter, until: int | None = None) -> dict[str, Any] | None:
+        """Train up to step ``until`` (default: the configured steps); None if told to stop."""
+        until = self.cfg.steps if until is None else until
+        started = time.monotonic()
+        # None when this process did not see it (a run resumed past step 1, or at its end).
+        initial_loss: float | None = None
+        final_loss: float | None = None
+        while self.step.value < until:
+            loss = self.train_step()
+            step = self.step.value
+            if step == 1 or step % self.cfg.log_every == 0 or step == until:
+                # The stop flag rides on the loss collective: every rank stops at the same step.
+                mean, stop = self.global_mean(loss, stop=reporter.stale)
+                # Stdout carries the result as strict JSON, which has no NaN: a diverged loss is null.
+                finite = mean if math.isfinite(mean) else None
+                if step == 1:
+                    initial_loss = finite
+                final_loss = finite
+                lr = float(self.scheduler.get_last_lr()[0])
+                reporter.progress(step, loss=mean, lr=lr)
+                if self.ctx.is_main:
+                    elapsed = time.monotonic() - started
+                    print(f"step {step}/{until} loss {mean:.4f} lr {lr:.2e} {elapsed:.1f}s", flush=True)
+                if stop:
+                    return None
+        return {
+            "final_loss": final_loss,
+            "initial_loss": initial_loss,
+            "weights_sha256": weights_sha256(self.model),
+            "steps": self.step.value,
+            "world_size": self.ctx.world_size,
+        }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    defaults = Config()
+    parser = argparse.ArgumentParser(prog="tiny_gpt", description=__doc__.splitlines()[0])
+    for name in ("steps", "seed", "batch_size", "seq_len", "d_model", "layers", "heads", "log_every"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    args = parser.parse_args(argv)
+    return Config(**vars(args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    ctx = WorkerContext.from_env()
+    if ctx.device == "cpu":
+        torch.use_deterministic_algorithms(True)
+    if ctx.restore_from is not None:
+        print("tiny_gpt: restoring checkpoints is not implemented yet; starting at step 0", file=sys.stderr)
+    init_distributed(ctx, timeout=300)
+    try:
+        with Reporter(ctx, echo=False) as reporter:
+            # The trainer (and its DDP module) is dropped right after fit, before the process
+            # group is destroyed: see shutdown_distributed.
+            result = Trainer(cfg, ctx).fit(reporter)
+            if result is None:
+                print("tiny_gpt: attempt is stale; stopping without a result", file=sys.stderr)
+                return 1
+            if ctx.is_main:
+                print(json.dumps(result, sort_keys=True), flush=True)
+                reporter.result(result)
+    except StaleAttemptError as exc:
+        print(f"tiny_gpt: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
