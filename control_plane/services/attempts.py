@@ -287,7 +287,8 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
         )
         if job.state == "starting":
             set_job_state(session, job, "running", f"attempt {attempt.number}: all {world} workers running")
-    if all(p.state == "exited" and p.exit_code == 0 for p in parts):
+    # A node part may already be "gone" (released) when the last node's exit report arrives.
+    if all(p.state in ("exited", "gone") and p.exit_code == 0 for p in parts):
         end_attempt(session, attempt, outcome="succeeded", reason="every worker exited with code 0")
         if job.state in ("starting", "running"):
             set_job_state(session, job, "succeeded", f"attempt {attempt.number} finished")

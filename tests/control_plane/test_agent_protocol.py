@@ -50,6 +50,15 @@ def test_full_run_to_success(client, schedule, two_nodes):
     assert sorted(w["rank"] for n in attempts[0]["nodes"] for w in n["workers"]) == [0, 1, 2, 3]
 
 
+def test_success_when_first_node_is_released_before_the_last_exit_report(client, schedule, two_nodes):
+    a, b = two_nodes
+    job, (sa, sb) = _start(client, schedule, two_nodes)
+    a.status(sa, "exited", exit_code=0, workers=workers_for(sa, "exited", 0), result={"ok": True})
+    a.heartbeat([])  # node 1's processes are gone: its leases are released first
+    b.status(sb, "exited", exit_code=0, workers=workers_for(sb, "exited", 0))
+    assert _job(client, job["id"])["state"] == "succeeded"
+
+
 def test_one_dead_worker_fails_the_whole_attempt(client, schedule, two_nodes):
     a, b = two_nodes
     job, (sa, sb) = _start(client, schedule, two_nodes, job_body(max_failures=0))
