@@ -1,0 +1,49 @@
+# Trainyard developer targets. Everything runs from the virtual environment $(VENV), which
+# `make venv` creates and keeps in sync with pyproject.toml and constraints.txt.
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+# python3.11 where there is one (the version the project is developed with), else python3.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.trainyard-installed
+PACKAGES := control_plane node_agent worker_runtime trainyard
+
+.PHONY: help venv test lint demo clean distclean
+
+help:
+	@echo "make venv       create $(VENV) and install trainyard[dev] (pinned by constraints.txt)"
+	@echo "make test       ruff, then the whole pytest suite (real PostgreSQL and S3, no GPU needed)"
+	@echo "make lint       ruff and mypy"
+	@echo "make demo       a 2-node dev cluster on this machine, running one tiny-gpt job end to end"
+	@echo "make clean      remove caches and .trainyard/ (demo data); distclean also removes $(VENV)"
+
+venv: $(STAMP)
+
+# The stamp is newer than both inputs once the install has succeeded: a re-run costs nothing.
+# constraints.txt pins torch to the CPU build; without it pip would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	@touch $@
+
+test: venv
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy $(PACKAGES)
+
+demo: venv
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh
+
+clean:
+	rm -rf .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info .trainyard
+	find . -name __pycache__ -type d -not -path './$(VENV)/*' -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,153 @@
+"""Fixtures shared by the whole suite: real PostgreSQL and S3 servers, fresh databases and buckets.
+
+The servers are started once per session (``trainyard.embedded``), or taken from the environment:
+
+- ``TRAINYARD_TEST_DATABASE_URL``: superuser URL of an existing PostgreSQL server (any database;
+  the fixtures create and drop their own databases on it).
+- ``TRAINYARD_TEST_S3_ENDPOINT`` (host:port), ``TRAINYARD_TEST_S3_ACCESS_KEY``,
+  ``TRAINYARD_TEST_S3_SECRET_KEY``: an existing S3 server.
+
+The schema is built once per session (Alembic, ``control_plane.db.run_migrations``) into a template
+database; every test that asks for ``fresh_database_url`` gets its own copy of it (a file copy
+inside PostgreSQL, ~0.1 s) and it is dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from tests.helpers import ProcessReaper
+from trainyard.embedded import EmbeddedPostgres, EmbeddedS3, PostgresAdmin, S3Endpoint
+
+
+@pytest.fixture(scope="session")
+def embedded_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresAdmin]:
+    """A PostgreSQL server for the session: an :class:`EmbeddedPostgres` (stopped at the end), or a
+    :class:`PostgresAdmin` for ``TRAINYARD_TEST_DATABASE_URL``. Both offer ``admin_url``,
+    ``url_for(db)``, ``create_database(name, template=None)`` and ``drop_database(name)``."""
+    external = os.environ.get("TRAINYARD_TEST_DATABASE_URL")
+    if external:
+        yield PostgresAdmin(external)
+        return
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("postgres") / "pgdata")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+    """An S3 server for the session, as an :class:`S3Endpoint` (``endpoint``, ``access_key``,
+    ``secret_key``, ``bucket``, ``client()``): a ``weed mini`` started here and stopped at the end,
+    or the server named by ``TRAINYARD_TEST_S3_*``."""
+    endpoint = os.environ.get("TRAINYARD_TEST_S3_ENDPOINT")
+    if endpoint:
+        yield S3Endpoint(
+            endpoint=endpoint,
+            access_key=os.environ.get("TRAINYARD_TEST_S3_ACCESS_KEY", ""),
+            secret_key=os.environ.get("TRAINYARD_TEST_S3_SECRET_KEY", ""),
+        )
+        return
+    server = EmbeddedS3(
+        tmp_path_factory.mktemp("s3"), access_key="trainyard-test", secret_key=secrets.token_urlsafe(24)
+    )
+    try:
+        yield server.info
+    finally:
+        server.stop()
+
+
+class _Template:
+    """The migrated template database, built the first time a test asks for a fresh database."""
+
+    def __init__(self, pg: PostgresAdmin) -> None:
+        self.pg = pg
+        self.name: str | None = None
+
+    def get(self) -> str:
+        if self.name is None:
+            # Imported here so that a missing or broken control_plane.db errors the tests that need
+            # a schema (with the import error) rather than being skipped or breaking collection.
+            from control_plane.db import run_migrations
+
+            name = f"trainyard_template_{secrets.token_hex(4)}"
+            self.pg.create_database(name)
+            try:
+                run_migrations(self.pg.url_for(name))
+                self.pg.mark_template(name)
+            except BaseException:
+                self.pg.drop_database(name)
+                raise
+            self.name = name
+        return self.name
+
+
+@pytest.fixture(scope="session")
+def _schema_template(embedded_pg: PostgresAdmin) -> Iterator[_Template]:
+    template = _Template(embedded_pg)
+    yield template
+    if template.name is not None:
+        embedded_pg.drop_database(template.name)
+
+
+@pytest.fixture
+def fresh_database_url(embedded_pg: PostgresAdmin, _schema_template: _Template) -> Iterator[str]:
+    """SQLAlchemy URL (psycopg 3) of a new database with the schema at Alembic head; dropped after."""
+    template = _schema_template.get()
+    name = f"trainyard_test_{secrets.token_hex(6)}"
+    url = embedded_pg.create_database(name, template=template)
+    try:
+        yield url
+    finally:
+        embedded_pg.drop_database(name)
+
+
+class S3Bucket(NamedTuple):
+    endpoint: str
+    access_key: str
+    secret_key: str
+    bucket: str
+
+
+@pytest.fixture
+def s3_bucket(embedded_s3: S3Endpoint) -> Iterator[S3Bucket]:
+    """A new, empty bucket on the session's S3 server: (endpoint, access_key, secret_key, bucket).
+    Emptied and removed afterwards."""
+    from minio.deleteobjects import DeleteObject
+
+    client = embedded_s3.client()
+    bucket = f"test-{secrets.token_hex(6)}"
+    client.make_bucket(bucket)
+    try:
+        yield S3Bucket(embedded_s3.endpoint, embedded_s3.access_key, embedded_s3.secret_key, bucket)
+    finally:
+        objects = [DeleteObject(o.object_name) for o in client.list_objects(bucket, recursive=True) if o.object_name]
+        errors = list(client.remove_objects(bucket, objects)) if objects else []
+        try:
+            client.remove_bucket(bucket)
+        except Exception as exc:  # a leftover bucket costs nothing but space: warn, don't fail
+            warnings.warn(f"could not remove test bucket {bucket}: {exc} {errors}", stacklevel=1)
+
+
+@pytest.fixture
+def process_reaper() -> Iterator[ProcessReaper]:
+    """Records subprocesses (``spawn(args, **popen_kwargs)`` or ``add(popen)``); at teardown their
+    process groups get SIGTERM, then SIGKILL after a grace period."""
+    reaper = ProcessReaper()
+    try:
+        yield reaper
+    finally:
+        reaper.reap()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent

@@ -1,0 +1,69 @@
+"""Small test helpers shared by every package's tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trainyard.embedded import free_port, free_ports, has_exited, signal_group, wait_exited
+
+__all__ = ["ProcessReaper", "free_port", "free_ports", "wait_for", "pid_gone"]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned) or ``timeout`` passes (fail)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate!r}")
+        time.sleep(interval)
+
+
+def pid_gone(pid: int) -> bool:
+    """True once ``pid`` no longer runs (a zombie awaiting its reaper counts as gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class ProcessReaper:
+    """Records child processes and kills their process groups at teardown (the ``process_reaper``
+    fixture). Start children with ``spawn`` (a new session, so the group is theirs alone), or start
+    them with ``start_new_session=True`` yourself and ``add`` them."""
+
+    def __init__(self, grace_s: float = 5.0) -> None:
+        self.grace_s = grace_s
+        self._procs: list[subprocess.Popen[Any]] = []
+
+    def add(self, proc: subprocess.Popen[Any]) -> subprocess.Popen[Any]:
+        self._procs.append(proc)
+        return proc
+
+    def spawn(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        kwargs.setdefault("start_new_session", True)
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+        return self.add(subprocess.Popen(list(args), **kwargs))
+
+    def reap(self) -> None:
+        """TERM every recorded group, wait out the grace period, then KILL what is left and reap."""
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            if not has_exited(proc):
+                signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for proc in procs:
+            wait_exited(proc, max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            signal_group(proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)

@@ -1,0 +1,545 @@
+"""``trainyard dev up``: a whole cluster on this machine, in the foreground.
+
+Order of start: PostgreSQL (embedded unless a URL is given), S3 (embedded ``weed mini`` unless an
+endpoint is given), migrations, the control plane (``python -m trainyard server``), one agent per
+node (``python -m trainyard agent``, node i at 127.0.0.(i+1) with virtual GPU slots). Stop is the
+reverse, on Ctrl-C, SIGTERM, or when any part dies (then the exit status is 1).
+
+Layout of the data dir::
+
+    DIR/postgres/      PGDATA (kept: a second ``dev up`` on DIR reuses the database)
+    DIR/s3/            SeaweedFS data; DIR/s3-credentials.json its keys (0600)
+    DIR/logs/NAME.log  output of each process (control-plane, node-1, ..., s3)
+    DIR/nodes/node-i/  each agent's work dir
+    DIR/dev-up.lock    held while a ``dev up`` runs on DIR; DIR/dev-up.pids its children
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from trainyard.embedded import (
+    EmbeddedError,
+    EmbeddedPostgres,
+    EmbeddedS3,
+    has_exited,
+    port_is_free,
+    signal_group,
+    stop_process_group,
+    wait_exited,
+)
+
+READY_MARKER = "TRAINYARD_READY"
+
+
+class DevError(RuntimeError):
+    """``dev up`` could not start (the message says what to do about it)."""
+
+
+class _Interrupted(Exception):
+    """A stop was requested (signal) while starting."""
+
+
+@dataclass(kw_only=True)
+class DevConfig:
+    nodes: int = 2
+    """Number of node agents."""
+    gpus_per_node: int = 2
+    """Virtual (CPU-only) GPU slots each agent offers."""
+    port: int = 8000
+    """Control-plane port."""
+    host: str = "127.0.0.1"
+    """Control-plane listen address."""
+    data_dir: Path = field(default_factory=lambda: Path(".trainyard/dev"))
+    token: str | None = None
+    """Admin token; None: a new random one."""
+    database_url: str | None = None
+    """Use this PostgreSQL (SQLAlchemy URL) instead of starting one."""
+    s3_endpoint: str | None = None
+    """host:port of an S3 server to use instead of starting one (needs both keys)."""
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    s3_bucket: str = "trainyard"
+    ready_timeout_s: float = 120.0
+    """How long each startup wait (control plane ready, nodes registered) may take."""
+    stop_grace_s: float = 10.0
+    """Between SIGTERM and SIGKILL when stopping an agent or the control plane."""
+    python: str = field(default_factory=lambda: sys.executable)
+    """Interpreter that runs the control plane and the agents."""
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).expanduser().resolve()
+        if not 1 <= self.nodes <= 253:  # node i listens on 127.0.0.(i+1)
+            raise ValueError("--nodes must be between 1 and 253")
+        if self.gpus_per_node < 1:
+            raise ValueError("--gpus-per-node must be at least 1")
+        if not 1 <= self.port <= 65535:
+            raise ValueError("--port must be 1-65535")
+        if self.database_url is not None and not self.database_url.startswith("postgresql"):
+            raise ValueError("--database-url must be a postgresql:// or postgresql+psycopg:// URL")
+        if self.s3_endpoint is not None:
+            if not (self.s3_access_key and self.s3_secret_key):
+                raise ValueError("--s3-endpoint needs --s3-access-key and --s3-secret-key")
+            if "://" in self.s3_endpoint or ":" not in self.s3_endpoint:
+                raise ValueError("--s3-endpoint must be host:port (no scheme)")
+        elif self.s3_access_key or self.s3_secret_key:
+            raise ValueError("--s3-access-key/--s3-secret-key only go with --s3-endpoint")
+        if self.ready_timeout_s <= 0 or self.stop_grace_s <= 0:
+            raise ValueError("timeouts must be > 0")
+
+    @property
+    def api_url(self) -> str:
+        reach = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{reach}:{self.port}"
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    log: IO[bytes]
+
+
+class DevCluster:
+    """The processes of one ``dev up``. ``start()`` blocks until the cluster is ready, ``watch()``
+    until a stop is requested or something dies, ``stop()`` (idempotent) ends everything."""
+
+    def __init__(self, config: DevConfig, out: IO[str] | None = None) -> None:
+        self.config = config
+        self.out = out or sys.stdout
+        self.token = config.token or secrets.token_urlsafe(24)
+        self.join_token = secrets.token_urlsafe(24)
+        self.logs_dir = config.data_dir / "logs"
+        self.pg: EmbeddedPostgres | None = None
+        self.s3: EmbeddedS3 | None = None
+        self.database_url = config.database_url or ""
+        self.control_plane: _Child | None = None
+        self.agents: list[_Child] = []
+        self._stop_requested = threading.Event()
+        self._descendants: dict[tuple[int, float], Any] = {}
+        self._stopped = False
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    def start(self) -> None:
+        cfg = self.config
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.data_dir / "nodes").mkdir(parents=True, exist_ok=True)
+        _kill_leftovers(cfg.data_dir / "dev-up.pids", self._say)
+        if not port_is_free(cfg.port, cfg.host):
+            raise DevError(f"port {cfg.port} on {cfg.host} is already in use; choose another with --port")
+
+        if cfg.database_url is None:
+            self._say(f"starting PostgreSQL (data: {cfg.data_dir / 'postgres'})")
+            try:
+                self.pg = EmbeddedPostgres(cfg.data_dir / "postgres", database="trainyard")
+            except EmbeddedError as exc:
+                raise DevError(str(exc).splitlines()[0]) from exc
+            self.database_url = self.pg.url
+        self._check_interrupted()
+
+        s3_endpoint, s3_access, s3_secret = self._start_s3()
+        self._check_interrupted()
+
+        self._say("applying database migrations")
+        try:
+            from control_plane.db import run_migrations
+        except ImportError as exc:
+            raise DevError(f"the control plane cannot be imported ({exc}); is the package installed?") from exc
+        try:
+            run_migrations(self.database_url)
+        except Exception as exc:
+            raise DevError(f"database migrations failed: {' '.join(str(exc).split())[:300]}") from exc
+        self._check_interrupted()
+
+        env = {
+            "TRAINYARD_DATABASE_URL": self.database_url,
+            "TRAINYARD_ADMIN_TOKEN": self.token,
+            "TRAINYARD_JOIN_TOKEN": self.join_token,
+            "TRAINYARD_S3_ENDPOINT": s3_endpoint,
+            "TRAINYARD_S3_ACCESS_KEY": s3_access,
+            "TRAINYARD_S3_SECRET_KEY": s3_secret,
+            "TRAINYARD_S3_BUCKET": cfg.s3_bucket,
+        }
+        self._say(f"starting the control plane on {cfg.api_url}")
+        self.control_plane = self._spawn(
+            "control-plane",
+            ["-m", "trainyard", "server", "--host", cfg.host, "--port", str(cfg.port)],
+            env,
+        )
+        self._wait("the control plane to be ready", self._control_plane_ready)
+
+        for i in range(1, cfg.nodes + 1):
+            name = f"node-{i}"
+            args = [
+                "-m", "trainyard", "agent",
+                "--control-plane", cfg.api_url,
+                "--join-token", self.join_token,
+                "--name", name,
+                "--address", f"127.0.0.{i + 1}",
+                "--virtual-gpus", str(cfg.gpus_per_node),
+                "--work-dir", str(cfg.data_dir / "nodes" / name),
+            ]  # fmt: skip
+            self.agents.append(self._spawn(name, args, {}))
+        self._say(f"waiting for {cfg.nodes} node(s) to register")
+        self._wait(f"{cfg.nodes} ready node(s)", self._nodes_ready)
+
+    def _start_s3(self) -> tuple[str, str, str]:
+        cfg = self.config
+        if cfg.s3_endpoint is not None:
+            assert cfg.s3_access_key and cfg.s3_secret_key
+            self._ensure_bucket(cfg.s3_endpoint, cfg.s3_access_key, cfg.s3_secret_key)
+            return cfg.s3_endpoint, cfg.s3_access_key, cfg.s3_secret_key
+        access, secret = _s3_credentials(cfg.data_dir / "s3-credentials.json")
+        self._say(f"starting S3 (SeaweedFS; data: {cfg.data_dir / 's3'})")
+        try:
+            self.s3 = EmbeddedS3(
+                cfg.data_dir / "s3",
+                access_key=access,
+                secret_key=secret,
+                bucket=cfg.s3_bucket,
+                log_path=self.logs_dir / "s3.log",
+            )
+        except EmbeddedError as exc:
+            raise DevError(f"{str(exc).splitlines()[0]} (log: {self.logs_dir / 's3.log'})") from exc
+        return self.s3.endpoint, access, secret
+
+    def _ensure_bucket(self, endpoint: str, access: str, secret: str) -> None:
+        from minio import Minio
+
+        client = Minio(endpoint, access_key=access, secret_key=secret, secure=False)
+        try:
+            if not client.bucket_exists(self.config.s3_bucket):
+                client.make_bucket(self.config.s3_bucket)
+        except Exception as exc:
+            raise DevError(f"S3 at {endpoint} is not usable: {' '.join(str(exc).split())[:200]}") from exc
+
+    def announce(self) -> None:
+        url, token = self.config.api_url, self.token
+        auth = f'-H "Authorization: Bearer {token}"'
+        body = json.dumps(
+            {
+                "name": "tiny-gpt",
+                "num_nodes": min(2, self.config.nodes),
+                "gpus_per_node": self.config.gpus_per_node,
+                "entrypoint": "worker_runtime.examples.tiny_gpt",
+                "args": ["--steps", "300"],
+                "checkpoint": {"interval_steps": 50},
+                "max_failures": 3,
+            }
+        )
+        lines = [
+            "",
+            f"Trainyard dev cluster is up: {self.config.nodes} node(s)"
+            f" x {self.config.gpus_per_node} virtual GPU slot(s)",
+            f"  API:         {url}   (docs: {url}/docs)",
+            f"  admin token: {token}",
+            f"  logs:        {self.logs_dir}",
+            "",
+            "Try:",
+            f"  curl -s {auth} {url}/v1/nodes",
+            f"  curl -s {auth} -H 'Content-Type: application/json' -d '{body}' {url}/v1/jobs",
+            f"  curl -s {auth} {url}/v1/jobs/JOB_ID",
+            "",
+            "Press Ctrl-C to stop.",
+            f"{READY_MARKER} url={url} token={token}",
+        ]
+        print("\n".join(lines), file=self.out, flush=True)
+
+    def watch(self, interval: float = 0.25) -> int:
+        """Until a stop is requested (0) or a part of the cluster dies (1)."""
+        last_scan = 0.0
+        while not self._stop_requested.wait(interval):
+            if time.monotonic() - last_scan > 2.0:
+                self._scan_descendants()
+                last_scan = time.monotonic()
+            for child in self._children():
+                if has_exited(child.proc):
+                    code = _exit_code(child.proc)
+                    self._say(f"{child.name} exited unexpectedly (code {code}); log: {child.log_path}")
+                    self._print_tail(child.log_path)
+                    return 1
+            if self.pg is not None and not self.pg.is_running():
+                self._say("PostgreSQL stopped unexpectedly; log: " + str(self.pg.data_dir / "log"))
+                return 1
+            if self.s3 is not None and not self.s3.is_running():
+                self._say(f"S3 (weed) stopped unexpectedly; log: {self.s3.log_path}")
+                return 1
+        return 0
+
+    def stop(self) -> None:
+        """Agents first (TERM, KILL after the grace period), then the control plane, S3, Postgres."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._scan_descendants()
+        if self.agents:
+            self._say("stopping agents")
+            _stop_children(self.agents, self.config.stop_grace_s)
+        if self.control_plane is not None:
+            self._say("stopping the control plane")
+            _stop_children([self.control_plane], self.config.stop_grace_s)
+        # Whatever a child started and left behind (say, an agent killed before it could stop its
+        # workers, which run in sessions of their own) goes too.
+        _kill_all(list(self._descendants.values()))
+        if self.s3 is not None:
+            self._say("stopping S3")
+            self.s3.stop()
+        if self.pg is not None:
+            self._say("stopping PostgreSQL")
+            self.pg.stop()
+        with contextlib.suppress(OSError):
+            (self.config.data_dir / "dev-up.pids").unlink()
+        self._say("stopped")
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _children(self) -> list[_Child]:
+        return [*([self.control_plane] if self.control_plane else []), *self.agents]
+
+    def _scan_descendants(self) -> None:
+        """Remember every process our children started, to end any that outlive them."""
+        for child in self._children():
+            if not has_exited(child.proc):
+                for proc in _descendants(child.proc.pid):
+                    with contextlib.suppress(Exception):
+                        self._descendants[(proc.pid, proc.create_time())] = proc
+
+    def _say(self, message: str) -> None:
+        print(f"dev: {message}", file=self.out, flush=True)
+
+    def _print_tail(self, path: Path, lines: int = 15) -> None:
+        with contextlib.suppress(OSError):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            for line in tail:
+                print(f"  | {line}", file=sys.stderr)
+
+    def _check_interrupted(self) -> None:
+        if self._stop_requested.is_set():
+            raise _Interrupted
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> _Child:
+        log_path = self.logs_dir / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - closed in _stop_children
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [self.config.python, *args],
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # Its own session: a Ctrl-C at the terminal reaches only us, and we stop the children
+            # in order; and stop() can signal each child's whole process group.
+            start_new_session=True,
+        )
+        child = _Child(name, proc, log_path, log)
+        _record_pid(self.config.data_dir / "dev-up.pids", child)
+        return child
+
+    def _wait(self, what: str, ready: Any) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while True:
+            self._check_interrupted()
+            for child in self._children():
+                if has_exited(child.proc):
+                    self._print_tail(child.log_path)
+                    raise DevError(
+                        f"{child.name} exited with code {_exit_code(child.proc)} while waiting for {what}; "
+                        f"log: {child.log_path}"
+                    )
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                waited = self.config.ready_timeout_s
+                raise DevError(f"timed out after {waited:.0f}s waiting for {what}; logs: {self.logs_dir}")
+            self._stop_requested.wait(0.25)
+
+    def _control_plane_ready(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.config.api_url}/readyz", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _nodes_ready(self) -> bool:
+        import httpx
+
+        try:
+            resp = httpx.get(
+                f"{self.config.api_url}/v1/nodes",
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=2.0,
+            )
+        except httpx.HTTPError:
+            return False
+        if resp.status_code != 200:
+            return False
+        body = resp.json()
+        items = body if isinstance(body, list) else body.get("items", [])
+        wanted = {f"node-{i}" for i in range(1, self.config.nodes + 1)}
+        ready = {n.get("name") for n in items if str(n.get("state", "")).lower() == "ready"}
+        return wanted <= ready
+
+
+def run_dev_up(config: DevConfig, out: IO[str] | None = None) -> int:
+    """Run a dev cluster until Ctrl-C/SIGTERM (exit status 0) or until a part of it dies (1).
+
+    Raises DevError when it cannot start (after stopping whatever it had started).
+    """
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    cluster = DevCluster(config, out)
+    with _data_dir_lock(config.data_dir), _stop_on_signals(cluster):
+        try:
+            cluster.start()
+            cluster.announce()
+            return cluster.watch()
+        except _Interrupted:
+            return 0
+        finally:
+            cluster.stop()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(cluster: DevCluster) -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        cluster.request_stop()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _data_dir_lock(data_dir: Path) -> Iterator[None]:
+    path = data_dir / "dev-up.lock"
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            owner = fh.read().strip() or "?"
+            raise DevError(f"{data_dir} is in use by another 'trainyard dev up' (pid {owner})") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        try:
+            yield
+        finally:
+            fh.truncate(0)
+
+
+def _s3_credentials(path: Path) -> tuple[str, str]:
+    """The embedded S3's keys: made once per data dir and kept, so objects stay readable."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        saved = json.loads(path.read_text())
+        return str(saved["access_key"]), str(saved["secret_key"])
+    access, secret = "trainyard", secrets.token_urlsafe(24)
+    path.touch(mode=0o600, exist_ok=True)
+    path.write_text(json.dumps({"access_key": access, "secret_key": secret}))
+    return access, secret
+
+
+def _exit_code(proc: subprocess.Popen[Any]) -> int | None:
+    """Exit code (negative: killed by that signal) of an exited child, without reaping it."""
+    if proc.returncode is not None:
+        return proc.returncode
+    with contextlib.suppress(ChildProcessError):
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        if info is not None:
+            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    return None
+
+
+def _stop_children(children: list[_Child], grace: float) -> None:
+    """TERM every child's process group at once, KILL what is left after ``grace``, and end any
+    descendant that left its group (an agent's torchrun runs in a session of its own)."""
+    descendants = [p for child in children if not has_exited(child.proc) for p in _descendants(child.proc.pid)]
+    for child in children:
+        if not has_exited(child.proc):
+            signal_group(child.proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in children:
+        wait_exited(child.proc, max(0.0, deadline - time.monotonic()))
+    for child in children:
+        stop_process_group(child.proc, 0)
+        child.log.close()
+    _kill_all(descendants)
+
+
+def _descendants(pid: int) -> list[Any]:
+    try:
+        import psutil
+
+        return list(psutil.Process(pid).children(recursive=True))
+    except Exception:
+        return []
+
+
+def _kill_all(procs: list[Any]) -> None:
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()  # psutil checks the pid still names the same process (create time)
+    psutil.wait_procs(procs, timeout=5)
+
+
+def _record_pid(path: Path, child: _Child) -> None:
+    entries = _read_pids(path)
+    try:
+        import psutil
+
+        created = psutil.Process(child.proc.pid).create_time()
+    except Exception:
+        created = None
+    entries.append({"name": child.name, "pid": child.proc.pid, "create_time": created})
+    path.write_text(json.dumps(entries))
+
+
+def _read_pids(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, list) else []
+    except (OSError, ValueError):
+        return []
+
+
+def _kill_leftovers(path: Path, say: Any) -> None:
+    """Kill what an earlier ``dev up`` on this data dir left running when it was itself killed."""
+    import psutil
+
+    leftovers = []
+    for entry in _read_pids(path):
+        try:
+            proc = psutil.Process(int(entry["pid"]))
+            if entry.get("create_time") is None or abs(proc.create_time() - float(entry["create_time"])) > 0.01:
+                continue
+        except (psutil.Error, KeyError, ValueError, TypeError):
+            continue
+        leftovers.extend([proc, *_descendants(proc.pid)])
+        say(f"stopping {entry.get('name')} (pid {proc.pid}) left over from an earlier run")
+    _kill_all(leftovers)
+    with contextlib.suppress(OSError):
+        path.unlink()
