@@ -1,0 +1,87 @@
+"""End to end: real control plane, real agents on 127.0.0.2/3, real torchrun workers (gloo on CPU)."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from tests.factories import job_body
+
+pytestmark = pytest.mark.e2e
+
+
+def _pids(cluster, job_id: str) -> list[int]:
+    attempts = cluster.get(f"/v1/jobs/{job_id}/attempts")
+    return [w["pid"] for a in attempts for n in a["nodes"] for w in n["workers"] if w["pid"]]
+
+
+def _leased(cluster) -> list[str]:
+    return [g["job_id"] for n in cluster.get("/v1/nodes") for g in n["gpus"] if g["job_id"]]
+
+
+def test_two_node_tiny_gpt_succeeds_with_a_result(cluster):
+    job = cluster.submit(job_body(args=["--steps", "120"]))
+    done = cluster.wait_state(job["id"], {"succeeded", "failed", "cancelled"}, timeout=180)
+    assert done["state"] == "succeeded", done["end_reason"]
+    result = done["result"]
+    assert len(result["weights_sha256"]) == 64 and result["world_size"] == 4 and result["steps"] == 120
+    assert result["final_loss"] < result["initial_loss"]
+    assert done["progress"]["step"] == 120
+
+    (attempt,) = cluster.get(f"/v1/jobs/{job['id']}/attempts")
+    assert attempt["outcome"] == "succeeded"
+    assert sorted(n["node_rank"] for n in attempt["nodes"]) == [0, 1]
+    assert {n["node_name"] for n in attempt["nodes"]} == {"node-1", "node-2"}
+    workers = [w for n in attempt["nodes"] for w in n["workers"]]
+    assert sorted(w["rank"] for w in workers) == [0, 1, 2, 3]
+    assert all(w["exit_code"] == 0 and w["pid"] for w in workers)
+
+    logs = cluster.http.get(f"/v1/jobs/{job['id']}/logs").text
+    assert "weights_sha256" in logs  # rank 0's final JSON line reached the API
+    assert cluster.wait_for("leases released", lambda: _leased(cluster) == [], timeout=15)
+    kinds = [e["kind"] for e in cluster.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000})["items"]]
+    assert kinds[:3] == ["job.queued", "job.starting", "attempt.allocated"] and "job.succeeded" in kinds
+
+
+def test_cancel_stops_every_worker_and_releases_every_lease_within_15s(cluster):
+    job = cluster.submit(job_body(args=["--steps", "1000000"], checkpoint={}))
+    cluster.wait_for("progress", lambda: (cluster.job(job["id"])["progress"]["step"] or 0) > 3, timeout=120)
+    pids = _pids(cluster, job["id"])
+    assert len(pids) == 4 and all(psutil.pid_exists(p) for p in pids)
+
+    r = cluster.http.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 200 and r.json()["state"] in ("cancelling", "cancelled")
+    done = cluster.wait_state(job["id"], {"cancelled"}, timeout=15)
+    assert done["allocation"] == []
+
+    def gone() -> bool:
+        return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert gone(), "workers still alive after the job was cancelled"
+    assert _leased(cluster) == []
+
+
+def test_gang_jobs_never_partially_allocated_and_second_waits_for_first(cluster):
+    big = cluster.submit(job_body(name="big", args=["--steps", "150"]))
+    small = cluster.submit(job_body(name="small", num_nodes=1, gpus_per_node=2, args=["--steps", "20"]))
+    seen_big_running = False
+    timeline = []
+
+    def observe() -> bool:
+        nonlocal seen_big_running
+        b, s = cluster.job(big["id"]), cluster.job(small["id"])
+        for j, nodes in ((b, 2), (s, 1)):
+            gpus = sum(len(a["gpu_indices"]) for a in j["allocation"])
+            assert gpus in (0, nodes * 2), f"partial allocation of {j['name']}: {j['allocation']}"
+        if b["allocation"] and s["allocation"]:
+            raise AssertionError("both jobs allocated at once on a 4-GPU cluster")
+        seen_big_running |= b["state"] == "running"
+        timeline.append((b["state"], s["state"]))
+        return s["state"] in ("succeeded", "failed")
+
+    cluster.wait_for("small job done", observe, timeout=240, every=0.2)
+    b, s = cluster.job(big["id"]), cluster.job(small["id"])
+    assert b["state"] == "succeeded" and s["state"] == "succeeded", (b["end_reason"], s["end_reason"])
+    assert seen_big_running
+    # The small job started only after the big one ended.
+    first_small = next(i for i, (_, ss) in enumerate(timeline) if ss not in ("queued",))
+    assert all(bs in ("succeeded",) for bs, _ in timeline[first_small:])
