@@ -57,7 +57,9 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, fresh_database_url: str, s3_bucket: Any, process_reaper: ProcessReaper) -> Iterator[Cluster]:
+def cluster(
+    tmp_path: Path, fresh_database_url: str, s3_bucket: Any, process_reaper: ProcessReaper
+) -> Iterator[Cluster]:
     token = secrets.token_urlsafe(16)
     port = free_port()
     log = tmp_path / "dev-up.log"
