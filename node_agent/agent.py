@@ -1,17 +1,22 @@
 """The node agent: registers the node, runs what the control plane assigns, reports what happens.
 
-Three loops run on their own threads under a monitor (which restarts a loop that died):
+Four loops run on their own threads under a monitor (which restarts a loop that died):
 
 - heartbeat: (re-)register when needed, send a heartbeat listing the attempts with live
   processes, reconcile against the desired state in the answer: launch what is assigned and
   was never launched here, stop what runs and is no longer assigned.
 - supervise: look at local processes and rank files; escalate stops from SIGTERM to SIGKILL.
 - report: send each attempt's status when it changes (and every status_interval_s), ship new log
-  bytes, and send the final status and last bytes after the end until acknowledged.
+  bytes, and send the final status and last bytes after the end until acknowledged. The final
+  status waits until the attempt's queued shards and events are delivered: a checkpoint reported
+  just before the exit reaches the control plane before the attempt is seen to end.
+- relay: forward the checkpoint shards and events workers post to the local API, in order, as
+  soon as they are queued (relay.py).
 
 The loops touch the network only through the client, and every local fact can be recomputed from
 the processes and files, so a control-plane outage only delays reports: workers keep running,
-status is level-triggered (the latest is resent), logs resume from the acknowledged offsets.
+status is level-triggered (the latest is resent), logs resume from the acknowledged offsets,
+shards and events wait in memory.
 The protocol (attempts, fencing, leases) is in docs/architecture.md.
 """
 
@@ -25,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from http import HTTPStatus
 from types import FrameType
 
 import structlog
@@ -35,6 +41,7 @@ from control_plane.schemas.agent import (
     LaunchSpec,
     LocalAttempt,
     LogBatch,
+    NodeAttemptState,
     RegisterRequest,
 )
 from node_agent import processes
@@ -51,6 +58,7 @@ from node_agent.gpus import GpuSource, gpu_source
 from node_agent.launcher import NodeContext
 from node_agent.local_api import LocalApi, LocalReports
 from node_agent.rank_shim import write_json_atomic
+from node_agent.relay import Outbox, Relay
 
 __all__ = ["Agent", "AgentConfig", "run_agent"]
 
@@ -61,6 +69,7 @@ log = structlog.get_logger(__name__)
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _REPORT_INTERVAL_S = 0.5
 _LOG_BATCHES_PER_ROUND = 4
+_FINAL_STATES = (NodeAttemptState.exited, NodeAttemptState.stopped)
 
 
 class Agent:
@@ -76,6 +85,14 @@ class Agent:
             stop=self._stop_event,
         )
         self.reports = LocalReports()
+        self.outbox = Outbox()
+        self.relay = Relay(
+            self.outbox,
+            self.client,
+            target=self._relay_target,
+            on_stale=self._relay_stale,
+            on_unauthorized=self._need_register_set,
+        )
         self._gpu_source = gpus or gpu_source(config.virtual_gpus, config.name)
         self.gpus: list[GpuInfo] = []
         self.node_id: str | None = None
@@ -95,6 +112,7 @@ class Agent:
             "heartbeat": self._heartbeat_step,
             "supervise": self._supervise_step,
             "report": self._report_step,
+            "relay": self._relay_step,
         }
         self._lifecycle = threading.Lock()
         self._started = False
@@ -143,11 +161,15 @@ class Agent:
         deadline = time.monotonic() + (self.config.stop_grace_s + 10.0 if timeout is None else timeout)
         with self._runs_lock:  # after this, the heartbeat loop launches nothing more
             self._stop_event.set()
+        self.outbox.wake()
         for thread in self._threads.values():
             # An in-flight request may hold a loop for up to http_timeout_s; its thread is a daemon.
             thread.join(max(0.0, min(1.0, deadline - time.monotonic())))
         if not self.config.keep_workers_on_exit:
             self._stop_all_workers(deadline)
+        lost = self.outbox.close()  # releases workers waiting on a shard
+        if lost:
+            self.log.warning("outbox_items_lost_at_shutdown", items=lost)
         if self._api is not None:
             self._api.stop()
         self.client.close()
@@ -184,11 +206,11 @@ class Agent:
             except (OSError, ValueError, KeyError, TypeError):
                 previous = 0
             try:
-                api = LocalApi(self.config.address, previous, self.reports)
+                api = LocalApi(self.config.address, previous, self.reports, self.outbox)
             except OSError:
-                api = LocalApi(self.config.address, 0, self.reports)
+                api = LocalApi(self.config.address, 0, self.reports, self.outbox)
         else:
-            api = LocalApi(self.config.address, port, self.reports)
+            api = LocalApi(self.config.address, port, self.reports, self.outbox)
         api.start()
         write_json_atomic(state_file, {"local_api_port": int(api.url.rsplit(":", 1)[1])})
         return api
@@ -350,6 +372,7 @@ class Agent:
                 with self._runs_lock:
                     self._runs.pop(run.attempt_id, None)
                 self.reports.unregister(run.attempt_id)
+                self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
         return self.config.poll_interval_s
 
     # --- report loop ---
@@ -369,6 +392,9 @@ class Agent:
         run.log.warning("attempt_stale", error=str(exc))
         run.stale = True
         self.reports.unregister(run.attempt_id)
+        dropped = self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, f"stale attempt: {exc}")
+        if dropped:
+            run.log.warning("outbox_dropped_stale", items=dropped)
         run.request_stop("stale: the control plane fenced this attempt off")
 
     def _report_status(self, run: AttemptRun) -> None:
@@ -377,6 +403,8 @@ class Agent:
         if finished and run.final_acked:
             return
         report = run.report(*self.reports.snapshot(run.attempt_id))
+        if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
+            return  # the relay delivers the attempt's last shards and events first
         due = report != run.last_report or now - run.last_sent_at >= self.config.status_interval_s
         if not due or now < run.next_try_at:
             return
@@ -426,6 +454,29 @@ class Agent:
                 # Resending the same bytes would be rejected forever and wedge this rank's stream.
                 run.log.error("log_batch_dropped", error=str(exc), chunks=len(batch))
             run.tailer.acknowledge(batch)
+
+    # --- relay loop ---
+
+    def _relay_step(self) -> float:
+        if self._need_register.is_set() or self.client.node_token is None:
+            return _REPORT_INTERVAL_S  # items stay queued
+        # Sleeps on the outbox rather than the stop event, so that a new item goes out at once.
+        self.outbox.wait(self.relay.step())
+        return 0.0
+
+    def _relay_target(self, attempt_id: str) -> tuple[str, int] | None:
+        run = self.run(attempt_id)
+        if run is None or run.stale:
+            return None
+        return run.spec.fencing_token, run.spec.node_rank
+
+    def _relay_stale(self, attempt_id: str, exc: StaleAttempt) -> None:
+        run = self.run(attempt_id)
+        if run is not None and not run.stale:
+            self._fenced_off(run, exc)
+
+    def _need_register_set(self) -> None:
+        self._need_register.set()
 
 
 def run_agent(config: AgentConfig) -> None:

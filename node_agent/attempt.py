@@ -147,8 +147,12 @@ class AttemptRun:
         return run
 
     def _persist(self) -> None:
+        spec = self.spec.model_dump(mode="json")
+        if "secret_key" in spec["storage"]:
+            # Only the launch needs it, and an adopted attempt is never launched again.
+            spec["storage"]["secret_key"] = "<redacted>"
         state = {
-            "spec": self.spec.model_dump(mode="json"),
+            "spec": spec,
             "pid": self.pid,
             "pgid": self.pgid,
             "create_time": self.create_time,

@@ -5,6 +5,9 @@ exponential backoff, then raised as ControlPlaneUnavailable; the agent's loops k
 try again on their next round, so an outage never stops workers. Answers that retrying cannot
 change are raised at once: 401 Unauthorized (re-register), 409 StaleAttempt (fenced off), and
 RequestRejected for any other 4xx.
+
+The control plane also answers 409 for conflicts that are not about fencing (a shard that contradicts an
+earlier one, say); StaleAttempt.fencing tells them apart by the problem type.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from control_plane.schemas.agent import (
     LogBatch,
     RegisterRequest,
     RegisterResponse,
+    ShardAck,
+    ShardReport,
+    WorkerEventAck,
+    WorkerEventBatch,
 )
 
 log = structlog.get_logger(__name__)
@@ -37,9 +44,13 @@ R = TypeVar("R", bound=BaseModel)
 class ControlPlaneError(Exception):
     """A call to the control plane failed."""
 
-    def __init__(self, message: str | None = None, *, status: int | None = None) -> None:
+    def __init__(
+        self, message: str | None = None, *, status: int | None = None, problem_type: str | None = None
+    ) -> None:
         super().__init__(message or (self.__doc__ or "").strip())
         self.status = status
+        self.problem_type = problem_type
+        """The `type` of the problem+json answer, if there was one."""
 
 
 class ControlPlaneUnavailable(ControlPlaneError):
@@ -52,6 +63,13 @@ class Unauthorized(ControlPlaneError):
 
 class StaleAttempt(ControlPlaneError):
     """The attempt is not the job's current attempt, or its fencing token is wrong (409)."""
+
+    @property
+    def fencing(self) -> bool:
+        """False when the problem type names another kind of conflict than a stale attempt. An
+        untyped 409 counts as fencing: stopping is the safe reading."""
+        kind = self.problem_type
+        return kind is None or kind == "about:blank" or kind.rstrip("/").endswith("/stale-attempt")
 
 
 class RequestRejected(ControlPlaneError):
@@ -136,7 +154,7 @@ class ControlPlaneClient:
             if resp.status_code == 401:
                 raise Unauthorized(_detail(resp), status=401)
             if resp.status_code == 409:
-                raise StaleAttempt(_detail(resp), status=409)
+                raise StaleAttempt(_detail(resp), status=409, problem_type=_problem_type(resp))
             if resp.status_code >= 400:
                 raise RequestRejected(f"HTTP {resp.status_code} on {path}: {_detail(resp)}", status=resp.status_code)
             try:
@@ -159,6 +177,12 @@ class ControlPlaneClient:
     def send_logs(self, attempt_id: str, batch: LogBatch) -> LogAck:
         return self._post(f"/attempts/{attempt_id}/logs", batch, LogAck, token=self.node_token)
 
+    def report_shards(self, attempt_id: str, report: ShardReport) -> ShardAck:
+        return self._post(f"/attempts/{attempt_id}/shards", report, ShardAck, token=self.node_token)
+
+    def report_events(self, attempt_id: str, batch: WorkerEventBatch) -> WorkerEventAck:
+        return self._post(f"/attempts/{attempt_id}/events", batch, WorkerEventAck, token=self.node_token)
+
 
 def _detail(resp: httpx.Response) -> str:
     try:
@@ -168,3 +192,12 @@ def _detail(resp: httpx.Response) -> str:
     if isinstance(body, dict):
         return str(body.get("detail") or body.get("title") or body)[:500]
     return str(body)[:500]
+
+
+def _problem_type(resp: httpx.Response) -> str | None:
+    try:
+        body = resp.json()
+    except ValueError:
+        return None
+    kind = body.get("type") if isinstance(body, dict) else None
+    return kind if isinstance(kind, str) else None

@@ -21,8 +21,10 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import node_agent
 from control_plane.schemas.agent import (
@@ -36,9 +38,27 @@ from control_plane.schemas.agent import (
     ENV_JOB_NAME,
     ENV_NODE_RANK,
     ENV_RESTORE_FROM,
+    ENV_S3_ACCESS_KEY,
+    ENV_S3_BUCKET,
+    ENV_S3_ENDPOINT,
+    ENV_S3_REGION,
+    ENV_S3_SECRET_KEY,
+    ENV_S3_SECURE,
     ENV_STATUS_DIR,
     LaunchSpec,
 )
+
+ENV_CHECKPOINT_PREFIX = "TRAINYARD_CHECKPOINT_PREFIX"  # storage["prefix"]; not in the wire contract yet
+# LaunchSpec.storage key -> worker variable.
+_STORAGE_ENV = {
+    "endpoint": ENV_S3_ENDPOINT,
+    "access_key": ENV_S3_ACCESS_KEY,
+    "secret_key": ENV_S3_SECRET_KEY,
+    "bucket": ENV_S3_BUCKET,
+    "secure": ENV_S3_SECURE,
+    "region": ENV_S3_REGION,
+    "prefix": ENV_CHECKPOINT_PREFIX,
+}
 
 # The package root, so that `-m node_agent.rank_shim` imports from any cwd without an install.
 _PACKAGE_ROOT = str(Path(node_agent.__file__).resolve().parent.parent)
@@ -152,6 +172,21 @@ def device_env(spec: LaunchSpec, node: NodeContext) -> dict[str, str]:
     }
 
 
+def storage_env(storage: Mapping[str, Any]) -> dict[str, str]:
+    """The TRAINYARD_S3_* variables (and TRAINYARD_CHECKPOINT_PREFIX) for the keys `storage` has;
+    `secure` becomes "1" or "0". Holds the secret key: never log it."""
+    env = {}
+    for key, name in _STORAGE_ENV.items():
+        value = storage.get(key)
+        if value is None:
+            continue
+        if key == "secure":
+            env[name] = "1" if str(value).strip().lower() in ("1", "true", "yes", "on") else "0"
+        else:
+            env[name] = str(value)
+    return env
+
+
 def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict[str, str]:
     inherited = os.environ if node.base_env is None else node.base_env
     # The agent's own TRAINYARD_* settings (a join token, say) are none of the job's business.
@@ -168,6 +203,7 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict
     env.update(spec.env)
     # What the agent guarantees, whatever the job asked for.
     env.update(device_env(spec, node))
+    env.update(storage_env(spec.storage))
     env.update(
         {
             ENV_JOB_ID: spec.job_id,

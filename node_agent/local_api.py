@@ -1,11 +1,19 @@
-"""The agent's HTTP API for its own workers: progress and results, fenced by the attempt's token.
+"""The agent's HTTP API for its own workers: progress, results, checkpoint shards and events,
+fenced by the attempt's token.
 
     POST /v1/local/attempts/{attempt_id}/progress   LocalProgress -> 200 {"accepted": true}
     POST /v1/local/attempts/{attempt_id}/result     LocalResult   -> 200 {"accepted": true}
+    POST /v1/local/attempts/{attempt_id}/events     LocalEvent    -> 202 {"accepted": true, "queued": true}
+    POST /v1/local/attempts/{attempt_id}/shards     LocalShard    -> 202 {"accepted": true, "queued": true}
+    POST /v1/local/attempts/{attempt_id}/shards?wait=1            -> 200 ShardAck of the control plane
 
 An attempt unknown to the agent (never launched here, stale, or finished) or a wrong fencing
 token gets 409 problem+json: a worker of a superseded attempt learns it is fenced off. The agent
-forwards what it keeps here in the attempt's next status report.
+forwards progress and result in the attempt's next status report; shards and events are queued
+for the relay (relay.py) and answered at once. With ?wait=1 a shard is answered once the control
+plane acknowledged the batch holding it (so the worker learns from `committed_steps` whether its
+step is committed): 409 if the control plane says the attempt is stale, 422 if it refused the
+shard, 504 if no answer came within `shard_wait_s` (the shard stays queued), 503 if it was dropped.
 """
 
 from __future__ import annotations
@@ -19,17 +27,27 @@ from datetime import UTC, datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 import structlog
 from pydantic import ValidationError
 
-from control_plane.schemas.agent import LocalProgress, LocalResult, Progress
+from control_plane.schemas.agent import (
+    LocalEvent,
+    LocalProgress,
+    LocalResult,
+    LocalShard,
+    Progress,
+    ShardInfo,
+    WorkerEvent,
+)
+from node_agent.relay import Outbox
 
 log = structlog.get_logger(__name__)
 
-_ROUTE = re.compile(r"^/v1/local/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result)$")
+_ROUTE = re.compile(r"^/v1/local/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events)$")
 MAX_BODY = 1024 * 1024
+SHARD_WAIT_S = 30.0
 
 
 @dataclass
@@ -54,6 +72,11 @@ class LocalReports:
     def unregister(self, attempt_id: str) -> None:
         with self._lock:
             self._attempts.pop(attempt_id, None)
+
+    def accepts(self, attempt_id: str, fencing_token: str) -> bool:
+        """The attempt is registered here with this fencing token."""
+        with self._lock:
+            return self._get(attempt_id, fencing_token) is not None
 
     def _get(self, attempt_id: str, fencing_token: str) -> _AttemptReports | None:
         entry = self._attempts.get(attempt_id)
@@ -100,11 +123,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _problem(self, status: HTTPStatus, detail: str, errors: Any = None) -> None:
+    def _problem(self, status: HTTPStatus, detail: str, errors: Any = None, **extra: Any) -> None:
         payload: dict[str, Any] = {"type": "about:blank", "title": status.phrase, "status": int(status)}
         payload["detail"] = detail
         if errors is not None:
             payload["errors"] = errors
+        payload.update({k: v for k, v in extra.items() if v is not None})
         self._send(status, payload, "application/problem+json")
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
@@ -114,7 +138,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._problem(HTTPStatus.NOT_FOUND, f"no route {self.path}")
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib naming
-        match = _ROUTE.match(self.path.split("?", 1)[0])
+        path, _, query = self.path.partition("?")
+        match = _ROUTE.match(path)
         length = int(self.headers.get("Content-Length") or 0)
         if length > MAX_BODY:
             self.close_connection = True
@@ -125,39 +150,89 @@ class _Handler(BaseHTTPRequestHandler):
             self._problem(HTTPStatus.NOT_FOUND, f"no route {self.path}")
             return
         attempt_id, kind = unquote(match["attempt_id"]), match["kind"]
-        reports = self.server.reports
         try:
+            if kind in ("shards", "events"):
+                self._queue(attempt_id, kind, raw, wait=_truthy(parse_qs(query).get("wait", [""])[-1]))
+                return
             if kind == "progress":
-                accepted = reports.add_progress(attempt_id, LocalProgress.model_validate_json(raw))
+                accepted = self.server.reports.add_progress(attempt_id, LocalProgress.model_validate_json(raw))
             else:
-                accepted = reports.set_result(attempt_id, LocalResult.model_validate_json(raw))
+                accepted = self.server.reports.set_result(attempt_id, LocalResult.model_validate_json(raw))
         except ValidationError as exc:
             self._problem(HTTPStatus.UNPROCESSABLE_ENTITY, "invalid body", json.loads(exc.json()))
             return
         if not accepted:
-            log.info("local_report_rejected", attempt_id=attempt_id, kind=kind)
-            self._problem(HTTPStatus.CONFLICT, f"attempt {attempt_id} is not running here or is fenced off")
+            self._fenced_off(attempt_id, kind)
             return
         self._send(HTTPStatus.OK, {"accepted": True}, "application/json")
+
+    def _fenced_off(self, attempt_id: str, kind: str) -> None:
+        log.info("local_report_rejected", attempt_id=attempt_id, kind=kind)
+        self._problem(HTTPStatus.CONFLICT, f"attempt {attempt_id} is not running here or is fenced off")
+
+    def _queue(self, attempt_id: str, kind: str, raw: bytes, *, wait: bool) -> None:
+        """Queue a shard or an event for the relay; raises ValidationError for a bad body."""
+        item: ShardInfo | WorkerEvent
+        if kind == "shards":
+            shard = LocalShard.model_validate_json(raw)
+            token, item = shard.fencing_token, ShardInfo.model_validate(shard.model_dump(exclude={"fencing_token"}))
+        else:
+            event = LocalEvent.model_validate_json(raw)
+            token = event.fencing_token
+            # Stamped now when the worker did not: it may reach the control plane much later.
+            item = WorkerEvent.model_validate(event.model_dump(exclude={"fencing_token"}))
+            item.at = item.at or datetime.now(UTC)
+            wait = False  # only shards have an acknowledgement worth waiting for
+        if not self.server.reports.accepts(attempt_id, token):
+            self._fenced_off(attempt_id, kind)
+            return
+        waiter = self.server.outbox.put(attempt_id, "shard" if kind == "shards" else "event", item, wait=wait)
+        if waiter is None:
+            self._send(HTTPStatus.ACCEPTED, {"accepted": True, "queued": True}, "application/json")
+            return
+        if not waiter.wait(self.server.shard_wait_s):
+            wait_s = self.server.shard_wait_s
+            detail = f"the control plane did not acknowledge the shard within {wait_s:g}s; it stays queued"
+            self._problem(HTTPStatus.GATEWAY_TIMEOUT, detail)
+        elif waiter.status == HTTPStatus.OK:
+            self._send(HTTPStatus.OK, waiter.payload, "application/json")
+        else:
+            detail = str(waiter.payload.get("detail", ""))
+            self._problem(waiter.status, detail, upstream_status=waiter.payload.get("upstream_status"))
+
+
+def _truthy(value: str) -> bool:
+    return value.lower() in ("1", "true", "yes")
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], reports: LocalReports) -> None:
+    def __init__(self, address: tuple[str, int], reports: LocalReports, outbox: Outbox, shard_wait_s: float) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
         self.reports = reports
+        self.outbox = outbox
+        self.shard_wait_s = shard_wait_s
 
 
 class LocalApi:
     """The server, on its own thread. `start` binds (port 0: any free port); `stop` is idempotent."""
 
-    def __init__(self, host: str, port: int, reports: LocalReports | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        reports: LocalReports | None = None,
+        outbox: Outbox | None = None,
+        *,
+        shard_wait_s: float = SHARD_WAIT_S,
+    ) -> None:
         self.reports = reports or LocalReports()
-        self._server = _Server((host, port), self.reports)
+        self.outbox = outbox or Outbox()
+        self._server = _Server((host, port), self.reports, self.outbox, shard_wait_s)
         self._thread: threading.Thread | None = None
         self._stopped = False
 

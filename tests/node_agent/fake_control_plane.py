@@ -1,8 +1,10 @@
 """A small in-process control plane that speaks the agent contract over real HTTP.
 
 Just enough to drive an agent's loops: it registers nodes, answers heartbeats with the
-assignments a test sets, records status reports and log chunks, and can be told to forget its
-nodes (401), to fence attempts off (409), to ask for a stop, or to be down (503).
+assignments a test sets, records status reports, log chunks, checkpoint shards and worker events
+(and the order they arrived in), and can be told to forget its nodes (401), to fence attempts off
+(409, on everything or on shards and events only), to refuse a shard as conflicting (a typed 409
+that is no fencing), to ask for a stop, or to be down (503).
 """
 
 from __future__ import annotations
@@ -25,9 +27,16 @@ from control_plane.schemas.agent import (
     LogBatch,
     RegisterRequest,
     RegisterResponse,
+    ShardAck,
+    ShardInfo,
+    ShardReport,
+    WorkerEvent,
+    WorkerEventAck,
+    WorkerEventBatch,
 )
 
-_ATTEMPT = re.compile(r"^/v1/agent/attempts/([^/]+)/(status|logs)$")
+_ATTEMPT = re.compile(r"^/v1/agent/attempts/([^/]+)/(status|logs|shards|events)$")
+CONFLICT_TYPE = "https://trainyard.dev/problems/conflict"
 
 
 class FakeControlPlane:
@@ -42,7 +51,19 @@ class FakeControlPlane:
         self.heartbeats: list[tuple[str, HeartbeatRequest]] = []
         self.statuses: dict[str, list[AttemptStatusReport]] = defaultdict(list)
         self.logs: dict[tuple[str, int, int, str], dict[int, str]] = defaultdict(dict)
+        self.shards: dict[str, list[ShardInfo]] = defaultdict(list)
+        self.events: dict[str, list[WorkerEvent]] = defaultdict(list)
+        self.arrivals: dict[str, list[str]] = defaultdict(list)
+        """Per attempt, in arrival order: 'shard:<step>:<rank>', 'event:<kind>', 'status:<state>'."""
+        self.shard_batches: dict[str, list[int]] = defaultdict(list)
+        """Sizes of the shard batches received."""
+        self.senders: dict[str, set[tuple[str, int]]] = defaultdict(set)
+        """(fencing token, node rank) of the shard and event batches received."""
         self.stale: set[str] = set()
+        self.stale_shards: set[str] = set()
+        """Attempts whose shards and events get a fencing 409 (status reports are still accepted)."""
+        self.conflicting_keys: set[str] = set()
+        """Shard keys refused with a 409 of type 'conflict' (not stale)."""
         self.stop_requested: set[str] = set()
         self.down = False
         self._server = ThreadingHTTPServer((host, port), self._handler())
@@ -86,6 +107,10 @@ class FakeControlPlane:
     def status_count(self, attempt_id: str) -> int:
         with self.lock:
             return len(self.statuses.get(attempt_id, []))
+
+    def arrived(self, attempt_id: str) -> list[str]:
+        with self.lock:
+            return list(self.arrivals.get(attempt_id, []))
 
     def last_heartbeat(self, node: str) -> HeartbeatRequest | None:
         with self.lock:
@@ -148,15 +173,46 @@ class FakeControlPlane:
             attempt_id, kind = match.groups()
             if attempt_id in self.stale:
                 return 409, {"title": "Conflict", "status": 409, "detail": "stale attempt"}
+            if kind in ("shards", "events"):
+                return self._checkpoint_report(attempt_id, kind, body)
             if kind == "status":
                 report = AttemptStatusReport.model_validate_json(body)
                 self.statuses[attempt_id].append(report)
+                self.arrivals[attempt_id].append(f"status:{report.state}")
                 ack = AttemptStatusAck(attempt_state="running", stop=attempt_id in self.stop_requested)
                 return 200, ack.model_dump(mode="json")
             batch = LogBatch.model_validate_json(body)
             for chunk in batch.chunks:
                 self.logs[(attempt_id, batch.node_rank, chunk.rank, chunk.stream)][chunk.offset] = chunk.data
             return 200, LogAck(accepted=len(batch.chunks)).model_dump(mode="json")
+
+    def _checkpoint_report(self, attempt_id: str, kind: str, body: bytes) -> tuple[int, dict[str, Any]]:
+        if attempt_id in self.stale_shards:
+            return 409, {"title": "Conflict", "status": 409, "detail": "stale attempt"}
+        if kind == "events":
+            batch = WorkerEventBatch.model_validate_json(body)
+            self.senders[attempt_id].add((batch.fencing_token, batch.node_rank))
+            self.events[attempt_id].extend(batch.events)
+            self.arrivals[attempt_id].extend(f"event:{ev.kind}" for ev in batch.events)
+            return 200, WorkerEventAck(accepted=len(batch.events)).model_dump(mode="json")
+        report = ShardReport.model_validate_json(body)
+        for shard in report.shards:
+            if shard.key in self.conflicting_keys:  # the whole batch is refused, as one transaction
+                detail = f"shard key {shard.key!r} is not under this attempt's prefix"
+                return 409, {"type": CONFLICT_TYPE, "title": "Conflict", "status": 409, "detail": detail}
+        self.shard_batches[attempt_id].append(len(report.shards))
+        self.senders[attempt_id].add((report.fencing_token, report.node_rank))
+        have = {(s.step, s.rank) for s in self.shards[attempt_id]}
+        for shard in report.shards:
+            if (shard.step, shard.rank) not in have:  # keyed by (attempt, step, rank): stored once
+                self.shards[attempt_id].append(shard)
+                have.add((shard.step, shard.rank))
+            self.arrivals[attempt_id].append(f"shard:{shard.step}:{shard.rank}")
+        complete = sorted(
+            step for step in {s.step for s in report.shards}
+            if sum(1 for s in self.shards[attempt_id] if s.step == step) == report.shards[0].world_size
+        )
+        return 200, ShardAck(accepted=len(report.shards), committed_steps=complete).model_dump(mode="json")
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         plane = self

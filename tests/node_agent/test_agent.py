@@ -43,6 +43,47 @@ if rank == 0:
 
 SLEEPER = "import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n"
 
+CHECKPOINTER = """
+import json, os, sys, time, urllib.error, urllib.request
+
+base = f"{os.environ['TRAINYARD_AGENT_URL']}/v1/local/attempts/{os.environ['TRAINYARD_ATTEMPT_ID']}"
+mode, out = sys.argv[1], sys.argv[2]
+
+def post(path, body):
+    body["fencing_token"] = os.environ["TRAINYARD_FENCING_TOKEN"]
+    headers = {"Content-Type": "application/json"}
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=40) as resp:
+            return [resp.status, json.loads(resp.read())]
+    except urllib.error.HTTPError as exc:
+        return [exc.code, json.loads(exc.read())]
+
+def shard(step):
+    key = f"ckpt/step-{step}/rank-0"
+    return {"rank": 0, "step": step, "world_size": 1, "key": key, "size_bytes": 3, "sha256": "ab" * 32}
+
+def event(kind):
+    return {"rank": 0, "kind": kind, "message": kind, "data": {"step": 0}}
+
+def write(name, value):
+    with open(out + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(out + ".tmp", out + name)
+
+if mode == "stale":
+    write(".wait", post("/shards?wait=1", shard(10)))
+    time.sleep(120)
+env = {k: v for k, v in os.environ.items() if k.startswith(("TRAINYARD_S3_", "TRAINYARD_CHECKPOINT_PREFIX"))}
+posts = [post("/events", event("checkpoint.restored")), post("/shards", shard(10)),
+         post("/events", event("train.note")), post("/shards", shard(20))]
+write(".first", {"env": env, "posts": [code for code, _ in posts], "wait": post("/shards?wait=1", shard(30))})
+while not os.path.exists(out + ".go"):
+    time.sleep(0.02)
+# The control plane is down now: queued all the same, just before the exit.
+write(".last", [post("/shards", shard(40))[0], post("/events", event("train.end"))[0]])
+"""
+
 
 class Agents:
     def __init__(self, tmp_path: Path, plane: FakeControlPlane) -> None:
@@ -213,6 +254,64 @@ def test_stale_attempt_is_stopped_and_no_longer_reported(agents: Agents, plane: 
     wait_for(lambda: plane.heartbeat_attempts(NODE) == set(), timeout=5, what="heartbeats without it")
     wait_for(lambda: agent.run(spec.attempt_id) is None, timeout=5, what="the agent to forget it")
     assert plane.last_status(spec.attempt_id).state == NodeAttemptState.running  # type: ignore[union-attr]
+
+
+STORAGE = {"endpoint": "127.0.0.1:9000", "bucket": "ckpts", "access_key": "AK", "secret_key": "s3cr3t-value",
+           "secure": True, "region": "us-east-1", "prefix": "jobs/job-1/checkpoints"}
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_shards_and_events_are_relayed_in_order_across_an_outage(agents: Agents, plane: FakeControlPlane) -> None:
+    agent = agents.start()
+    out = agents.tmp_path / "ckpt"
+    spec = agents.spec("ckpt.py", CHECKPOINTER, nproc_per_node=1, gpu_indices=[0], args=["run", str(out)],
+                       storage=STORAGE)
+    plane.assign(NODE, spec)
+    first = wait_for(lambda: read_json(out.with_suffix(".first")), what="the worker's first posts")
+    assert first["posts"] == [202, 202, 202, 202]  # queued, not waiting on the control plane
+    code, ack = first["wait"]  # the ShardAck of the batch holding step 30 (step 20 may be in it too)
+    assert code == 200 and 30 in ack["committed_steps"] and ack["accepted"] >= 1
+    assert first["env"] == {
+        "TRAINYARD_S3_ENDPOINT": "127.0.0.1:9000", "TRAINYARD_S3_BUCKET": "ckpts", "TRAINYARD_S3_ACCESS_KEY": "AK",
+        "TRAINYARD_S3_SECRET_KEY": "s3cr3t-value", "TRAINYARD_S3_SECURE": "1", "TRAINYARD_S3_REGION": "us-east-1",
+        "TRAINYARD_CHECKPOINT_PREFIX": "jobs/job-1/checkpoints",
+    }
+    state = (agents.tmp_path / "agent" / "attempts" / spec.attempt_id / "state.json").read_text()
+    assert "s3cr3t-value" not in state
+
+    plane.down = True  # the worker's last shard and event are buffered, its exit is not reported
+    (out.with_suffix(".go")).touch()
+    assert wait_for(lambda: read_json(out.with_suffix(".last")), what="the last posts") == [202, 202]
+    run = agent.run(spec.attempt_id)
+    assert run is not None
+    wait_for(lambda: run.finished and agent.relay.failed_sends > 0, what="the worker's exit during the outage")
+    assert agent.outbox.pending(spec.attempt_id) == 2
+    plane.down = False
+    wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
+    arrived = plane.arrived(spec.attempt_id)
+    relayed = [a for a in arrived if not a.startswith("status:")]
+    assert relayed == ["event:checkpoint.restored", "shard:10:0", "event:train.note", "shard:20:0", "shard:30:0",
+                       "shard:40:0", "event:train.end"]
+    # The end is reported only after the checkpoint reported just before it.
+    assert arrived.index("status:exited") > arrived.index("event:train.end")
+    assert plane.senders[spec.attempt_id] == {(spec.fencing_token, 0)}
+
+
+def test_stale_answer_to_a_shard_stops_the_attempt(agents: Agents, plane: FakeControlPlane) -> None:
+    agent = agents.start()
+    out = agents.tmp_path / "stale"
+    spec = agents.spec("ckpt.py", CHECKPOINTER, nproc_per_node=1, gpu_indices=[0], args=["stale", str(out)])
+    plane.stale_shards.add(spec.attempt_id)  # status reports are still accepted: the shard's 409 alone
+    plane.assign(NODE, spec)
+    code, problem = wait_for(lambda: read_json(out.with_suffix(".wait")), what="the worker's shard answer")
+    assert code == 409 and problem["status"] == 409
+    wait_for(lambda: agent.run(spec.attempt_id) is None, timeout=10, what="the agent to stop and forget it")
+    assert not attempt_pids(spec.attempt_id)
+    last = plane.last_status(spec.attempt_id)
+    assert last is None or last.state in (NodeAttemptState.launching, NodeAttemptState.running)
 
 
 def test_control_plane_stop_ack_stops_the_attempt(agents: Agents, plane: FakeControlPlane) -> None:

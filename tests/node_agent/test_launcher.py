@@ -13,7 +13,14 @@ import psutil
 from control_plane.schemas.agent import NodeAttemptState, WorkerState
 from node_agent import processes
 from node_agent.attempt import AttemptRun
-from node_agent.launcher import AttemptPaths, NodeContext, entrypoint_kind, torchrun_command, worker_env
+from node_agent.launcher import (
+    AttemptPaths,
+    NodeContext,
+    entrypoint_kind,
+    storage_env,
+    torchrun_command,
+    worker_env,
+)
 from tests.node_agent.helpers import Launcher, make_spec, read_log, wait_finished, wait_for, write_script
 
 ALL_REDUCE = """
@@ -104,6 +111,24 @@ def test_worker_env(tmp_path: Path) -> None:
     assert gpu["CUDA_VISIBLE_DEVICES"] == "2,3" and gpu["TRAINYARD_DEVICE"] == "cuda"
     assert gpu["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert "GLOO_SOCKET_IFNAME" not in gpu
+    assert not any(k.startswith("TRAINYARD_S3_") for k in gpu)  # no storage in the spec
+
+
+def test_storage_env(tmp_path: Path) -> None:
+    storage = {"endpoint": "s3:9000", "bucket": "b", "access_key": "ak", "secret_key": "sk", "secure": False,
+               "region": "r", "prefix": "jobs/j/checkpoints", "other": "ignored"}
+    assert storage_env(storage) == {
+        "TRAINYARD_S3_ENDPOINT": "s3:9000", "TRAINYARD_S3_BUCKET": "b", "TRAINYARD_S3_ACCESS_KEY": "ak",
+        "TRAINYARD_S3_SECRET_KEY": "sk", "TRAINYARD_S3_SECURE": "0", "TRAINYARD_S3_REGION": "r",
+        "TRAINYARD_CHECKPOINT_PREFIX": "jobs/j/checkpoints",
+    }
+    assert storage_env({"secure": "true", "region": None}) == {"TRAINYARD_S3_SECURE": "1"}  # only keys present
+    assert storage_env({}) == {}
+    base = {"TRAINYARD_S3_BUCKET": "the-agent's", "TRAINYARD_CHECKPOINT_PREFIX": "x"}
+    spec = make_spec(storage={"bucket": "b"}, env={"TRAINYARD_S3_BUCKET": "job's"})
+    env = worker_env(spec, NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env=base),
+                     AttemptPaths(tmp_path))
+    assert env["TRAINYARD_S3_BUCKET"] == "b" and "TRAINYARD_CHECKPOINT_PREFIX" not in env
 
 
 def _check_ranks(runs: list[AttemptRun], world: int) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http import HTTPStatus
 
 import httpx
 import pytest
 
+from control_plane.schemas.agent import ShardInfo, WorkerEvent
 from node_agent.local_api import LocalApi
+from node_agent.relay import Outbox
 
 
 @pytest.fixture
@@ -67,3 +72,114 @@ def test_invalid_body_is_422_and_unknown_route_404(api: LocalApi) -> None:
     bad_json = httpx.post(f"{api.url}/v1/local/attempts/att-1/result", content=b"{nope", timeout=5)
     assert bad_json.status_code == 422
     assert post(api, "att-1", "other", {}).status_code == 404
+
+
+SHA = "ab" * 32
+
+
+def shard(step: int, rank: int = 0, token: str = "fence-1") -> dict[str, object]:
+    key = f"jobs/j/checkpoints/step-{step:09d}/attempt-0001/rank-{rank}"
+    return {"fencing_token": token, "rank": rank, "step": step, "world_size": 2, "key": key,
+            "size_bytes": 10, "sha256": SHA}
+
+
+def event(kind: str, token: str = "fence-1") -> dict[str, object]:
+    return {"fencing_token": token, "rank": 0, "kind": kind, "message": f"{kind} happened", "data": {"step": 1}}
+
+
+def test_shards_and_events_are_queued_in_order_and_fenced(api: LocalApi) -> None:
+    for kind, body in [("events", event("checkpoint.restored")), ("shards", shard(10)), ("shards", shard(10, 1))]:
+        resp = post(api, "att-1", kind, body)
+        assert resp.status_code == 202 and resp.json() == {"accepted": True, "queued": True}
+    for resp in (
+        post(api, "att-2", "shards", shard(20)),
+        post(api, "att-1", "shards", shard(20, token="old")),
+        post(api, "att-1", "events", event("checkpoint.fallback", token="old")),
+        post(api, "att-2", "shards?wait=1", shard(20)),
+    ):
+        assert resp.status_code == 409
+        assert resp.headers["content-type"] == "application/problem+json"
+    assert post(api, "att-1", "shards", {**shard(30), "sha256": "nope"}).status_code == 422
+    assert post(api, "att-1", "events", {**event("x"), "kind": "Bad Kind"}).status_code == 422
+    first = api.outbox.next_batch("att-1")
+    assert first is not None and first.kind == "event"
+    (item,) = first.items
+    assert item.body.model_dump()["at"] is not None  # stamped when queued: it may be delivered much later
+    api.outbox.settle(first, HTTPStatus.OK, {"accepted": 1})
+    second = api.outbox.next_batch("att-1")
+    assert second is not None and second.kind == "shard"
+    assert [(i.body.model_dump()["step"], i.body.rank) for i in second.items] == [(10, 0), (10, 1)]
+    assert not hasattr(second.items[0].body, "fencing_token")
+    assert api.outbox.pending("att-1") == 2 and api.outbox.attempts() == ["att-1"]
+
+
+def test_wait_returns_the_control_plane_ack(api: LocalApi) -> None:
+    def control_plane() -> None:
+        deadline = time.monotonic() + 5
+        while (batch := api.outbox.next_batch("att-1")) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batch is not None
+        api.outbox.settle(batch, HTTPStatus.OK, {"accepted": len(batch), "committed_steps": [10]})
+
+    thread = threading.Thread(target=control_plane)
+    thread.start()
+    resp = post(api, "att-1", "shards?wait=1", shard(10))
+    thread.join()
+    assert resp.status_code == 200 and resp.json() == {"accepted": 1, "committed_steps": [10]}
+
+
+def test_wait_answers_each_outcome() -> None:
+    api = LocalApi("127.0.0.2", 0, shard_wait_s=0.3)
+    api.start()
+    api.reports.register("att-1", "fence-1")
+    try:
+        resp = post(api, "att-1", "shards?wait=1", shard(10))  # nobody relays it
+        assert resp.status_code == 504 and "stays queued" in resp.json()["detail"]
+        assert api.outbox.pending("att-1") == 1
+
+        def later(action: Callable[[], object]) -> threading.Thread:
+            def run() -> None:
+                while api.outbox.pending("att-1") < 2:
+                    time.sleep(0.01)
+                action()
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        thread = later(lambda: api.outbox.drop("att-1", HTTPStatus.CONFLICT, "stale attempt: fenced"))
+        resp = post(api, "att-1", "shards?wait=1", shard(20))
+        thread.join()
+        assert resp.status_code == 409 and resp.json()["detail"] == "stale attempt: fenced"
+
+        post(api, "att-1", "shards", shard(30))
+
+        def refuse() -> None:
+            batch = api.outbox.next_batch("att-1")
+            assert batch is not None
+            api.outbox.settle(batch, HTTPStatus.UNPROCESSABLE_ENTITY, {"detail": "refused", "upstream_status": 409})
+
+        thread = later(refuse)
+        resp = post(api, "att-1", "shards?wait=1", shard(40))
+        thread.join()
+        assert resp.status_code == 422 and resp.json()["upstream_status"] == 409
+    finally:
+        api.stop()
+
+
+def test_outbox_drops_the_oldest_when_full() -> None:
+    outbox = Outbox(max_items=3, max_batch=2)
+    waiter = outbox.put("a", "event", WorkerEvent(rank=0, kind="first", message=""), wait=True)
+    for i in range(4):
+        outbox.put("a", "event", WorkerEvent(rank=0, kind=f"e{i}", message=""))
+    assert waiter is not None and waiter.wait(0) and waiter.status == HTTPStatus.SERVICE_UNAVAILABLE
+    batch = outbox.next_batch("a")
+    assert batch is not None and [i.body.model_dump()["kind"] for i in batch.items] == ["e1", "e2"]
+    outbox.put("a", "event", WorkerEvent(rank=0, kind="e4", message=""))  # e1, in flight, overflows
+    outbox.settle(batch, HTTPStatus.OK, {})
+    rest = outbox.next_batch("a")
+    assert rest is not None and [i.body.model_dump()["kind"] for i in rest.items] == ["e3", "e4"]
+    assert outbox.close() == 2
+    closed = outbox.put("a", "shard", ShardInfo(rank=0, step=1, world_size=1, key="k", size_bytes=0, sha256=SHA),
+                        wait=True)
+    assert closed is not None and closed.status == HTTPStatus.SERVICE_UNAVAILABLE
