@@ -17,6 +17,7 @@ from worker_runtime.context import WorkerContext
 from worker_runtime.reporting import Reporter, ReportError, StaleAttemptError
 
 if TYPE_CHECKING:
+    from worker_runtime.checkpoint.manager import CheckpointManager
     from worker_runtime.distributed import (
         device_of,
         init_distributed,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "CheckpointManager": "worker_runtime.checkpoint.manager",
     "device_of": "worker_runtime.distributed",
     "init_distributed": "worker_runtime.distributed",
     "is_distributed": "worker_runtime.distributed",
@@ -64,6 +66,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckpointManager",
     "DataPosition",
     "ReportError",
     "Reporter",

@@ -28,6 +28,25 @@ ENV_NODE_RANK = "TRAINYARD_NODE_RANK"
 ENV_DEVICE = "TRAINYARD_DEVICE"
 ENV_CHECKPOINT = "TRAINYARD_CHECKPOINT"
 ENV_RESTORE_FROM = "TRAINYARD_RESTORE_FROM"
+# Checkpoint storage (LaunchSpec.storage, passed on by the agent). The prefix is the job's
+# `jobs/<job_id>/checkpoints`; the agent sets it but the wire contract does not name it yet.
+ENV_S3_ENDPOINT = "TRAINYARD_S3_ENDPOINT"
+ENV_S3_ACCESS_KEY = "TRAINYARD_S3_ACCESS_KEY"
+ENV_S3_SECRET_KEY = "TRAINYARD_S3_SECRET_KEY"
+ENV_S3_BUCKET = "TRAINYARD_S3_BUCKET"
+ENV_S3_SECURE = "TRAINYARD_S3_SECURE"
+ENV_S3_REGION = "TRAINYARD_S3_REGION"
+ENV_CHECKPOINT_PREFIX = "TRAINYARD_CHECKPOINT_PREFIX"
+
+# Storage key (as in LaunchSpec.storage and S3Config.from_mapping) -> variable.
+_STORAGE_ENV = {
+    "endpoint": ENV_S3_ENDPOINT,
+    "access_key": ENV_S3_ACCESS_KEY,
+    "secret_key": ENV_S3_SECRET_KEY,
+    "bucket": ENV_S3_BUCKET,
+    "secure": ENV_S3_SECURE,
+    "region": ENV_S3_REGION,
+}
 
 # Set by torchrun (torch.distributed.run) for every worker it starts.
 ENV_RANK = "RANK"
@@ -74,7 +93,12 @@ class WorkerContext:
     checkpoint: dict[str, Any] = field(default_factory=dict)
     """The job's checkpoint settings, as the control plane sent them (opaque here)."""
     restore_from: dict[str, Any] | None = None
-    """Manifest of the committed checkpoint this attempt must resume from, if any."""
+    """The restore plan, ``{"candidates": [manifest, ...]}`` newest committed first, or None."""
+    storage: dict[str, str] = field(default_factory=dict, repr=False)
+    """Checkpoint storage: endpoint, bucket, access_key, secret_key, secure, region (the keys
+    present). Holds a secret, so it stays out of repr."""
+    checkpoint_prefix: str | None = None
+    """Where this job's checkpoints live in the bucket (``jobs/<job_id>/checkpoints``)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -129,6 +153,8 @@ class WorkerContext:
             agent_url=agent_url.rstrip("/") if agent_url else None,
             checkpoint=_json_object(env, ENV_CHECKPOINT) or {},
             restore_from=_json_object(env, ENV_RESTORE_FROM),
+            storage={key: env[name] for key, name in _STORAGE_ENV.items() if env.get(name)},
+            checkpoint_prefix=(env.get(ENV_CHECKPOINT_PREFIX) or "").strip("/") or None,
         )
 
 

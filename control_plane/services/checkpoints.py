@@ -33,6 +33,9 @@ from control_plane.services.jobs import now
 
 log = structlog.get_logger("trainyard.checkpoints")
 
+# Keys that events.record takes as arguments: a worker's event data must not collide with them.
+RESERVED_EVENT_KEYS = frozenset({"session", "kind", "message", "job_id", "attempt_id", "node_id", "rank", "event"})
+
 
 class ObjectStore(Protocol):
     def put_object(self, key: str, data: Any, *, length: int | None = None) -> Any: ...
@@ -213,7 +216,7 @@ def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, ba
             continue
         events.record(session, ev.kind if ev.kind.startswith("checkpoint.") else f"worker.{ev.kind}",
                       f"rank {ev.rank}: {ev.message}", job_id=job.id, attempt_id=attempt.id,
-                      rank=ev.rank, **{k: v for k, v in ev.data.items() if isinstance(k, str)})
+                      rank=ev.rank, **{k: v for k, v in ev.data.items() if k not in RESERVED_EVENT_KEYS})
     return len(batch.events)
 
 

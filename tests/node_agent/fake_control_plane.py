@@ -61,6 +61,7 @@ class FakeControlPlane:
         """(fencing token, node rank) of the shard and event batches received."""
         self.stale: set[str] = set()
         self.stale_shards: set[str] = set()
+        self.refused_stale: dict[str, int] = defaultdict(int)
         """Attempts whose shards and events get a fencing 409 (status reports are still accepted)."""
         self.conflicting_keys: set[str] = set()
         """Shard keys refused with a 409 of type 'conflict' (not stale)."""
@@ -188,6 +189,7 @@ class FakeControlPlane:
 
     def _checkpoint_report(self, attempt_id: str, kind: str, body: bytes) -> tuple[int, dict[str, Any]]:
         if attempt_id in self.stale_shards:
+            self.refused_stale[attempt_id] += 1
             return 409, {"title": "Conflict", "status": 409, "detail": "stale attempt"}
         if kind == "events":
             batch = WorkerEventBatch.model_validate_json(body)

@@ -1,4 +1,9 @@
-"""A fake node agent: the local API on a real socket, recording what workers send."""
+"""A fake node agent: the local API on a real socket, recording what workers send.
+
+Like the real one (node_agent/local_api.py) it answers progress and result with 200, shards and
+events with 202 (queued), and ``shards?wait=1`` with the control plane's ShardAck. A status queued
+in ``statuses`` or set in ``always`` replaces the answer (an error body then).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Any
 class Request:
     path: str
     body: dict[str, Any]
+    query: str = ""
 
 
 @dataclass
@@ -29,14 +35,17 @@ class FakeAgent:
     statuses: dict[str, list[int]] = field(default_factory=dict)
     always: dict[str, int] = field(default_factory=dict)
     gate: threading.Event = field(default_factory=threading.Event)
+    committed_steps: list[int] = field(default_factory=list)
+    """What a ``shards?wait=1`` answer says is committed."""
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
-    def answer(self, kind: str) -> int:
+    def answer(self, kind: str) -> int | None:
+        """The status queued or set for ``kind``; None for the normal answer."""
         with self._cond:
             queued = self.statuses.get(kind)
             if queued:
                 return queued.pop(0)
-            return self.always.get(kind, 200)
+            return self.always.get(kind)
 
     def record(self, request: Request) -> None:
         with self._cond:
@@ -46,6 +55,14 @@ class FakeAgent:
     def of(self, kind: str) -> list[Request]:
         with self._cond:
             return [r for r in self.requests if r.path.endswith("/" + kind)]
+
+    def shards(self, step: int | None = None) -> list[dict[str, Any]]:
+        """Bodies of the shard reports (of ``step``), in arrival order."""
+        return [r.body for r in self.of("shards") if step is None or r.body["step"] == step]
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """Bodies of the event reports (of ``kind``), in arrival order."""
+        return [r.body for r in self.of("events") if kind is None or r.body["kind"] == kind]
 
     def wait_for(self, kind: str, count: int, timeout: float = 10.0) -> list[Request]:
         with self._cond:
@@ -64,9 +81,19 @@ def _handler(agent: FakeAgent) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802 - stdlib naming
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             agent.gate.wait(30)
-            agent.record(Request(self.path, json.loads(raw)))
-            status = agent.answer(self.path.rsplit("/", 1)[-1])
-            body = json.dumps({"accepted": status == 200, "status": status}).encode()
+            path, _, query = self.path.partition("?")
+            agent.record(Request(path, json.loads(raw), query))
+            kind = path.rsplit("/", 1)[-1]
+            status = agent.answer(kind)
+            if status is not None:
+                payload: dict[str, Any] = {"accepted": status < 300, "status": status}
+            elif kind == "shards" and "wait=1" in query:
+                status, payload = 200, {"accepted": 1, "committed_steps": list(agent.committed_steps)}
+            elif kind in ("shards", "events"):
+                status, payload = 202, {"accepted": True, "queued": True}
+            else:
+                status, payload = 200, {"accepted": True, "status": 200}
+            body = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -93,3 +120,37 @@ def serve_fake_agent() -> Iterator[FakeAgent]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def manifest_from_shards(
+    shards: list[dict[str, Any]],
+    *,
+    job_id: str,
+    attempt_id: str,
+    attempt_number: int,
+    step: int,
+    world_size: int,
+    num_nodes: int = 1,
+) -> dict[str, Any]:
+    """The manifest the control plane would commit from these shard reports (``_manifest`` in
+    control_plane/services/checkpoints.py), checking what ``record_shards`` checks."""
+    from control_plane.services.checkpoints import checkpoint_prefix
+
+    prefix = checkpoint_prefix(job_id, step, attempt_number)
+    mine = {s["rank"]: s for s in shards if s["step"] == step}
+    assert sorted(mine) == list(range(world_size)), f"step {step} has shards of ranks {sorted(mine)}"
+    for s in mine.values():
+        assert s["world_size"] == world_size and s["key"].startswith(prefix + "/"), s
+    return {
+        "format": "trainyard.checkpoint/1",
+        "job_id": job_id,
+        "checkpoint_id": f"ckpt-{step}",
+        "step": step,
+        "attempt_id": attempt_id,
+        "attempt_number": attempt_number,
+        "world_size": world_size,
+        "layout": {"num_nodes": num_nodes, "gpus_per_node": world_size // num_nodes},
+        "manifest_key": prefix + "/manifest.json",
+        "shards": [{"rank": r, "key": mine[r]["key"], "size_bytes": mine[r]["size_bytes"],
+                    "sha256": mine[r]["sha256"]} for r in sorted(mine)],
+    }

@@ -2,20 +2,17 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
 
 import torch
 
+from tests.conftest import S3Bucket
 from tests.helpers import ProcessReaper
-from tests.worker_runtime.fake_agent import serve_fake_agent
+from tests.worker_runtime.fake_agent import manifest_from_shards, serve_fake_agent
+from tests.worker_runtime.torchrun import run_torchrun
 from worker_runtime import Reporter, WorkerContext
+from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.examples.tiny_gpt import Config, Trainer
 
-REPO = Path(__file__).resolve().parents[2]
 TINY_GPT_20 = ["worker_runtime.examples.tiny_gpt", "--steps", "20", "--log-every", "5"]
 SMALL = Config(steps=12, batch_size=4, seq_len=16, d_model=32, layers=1, heads=2, log_every=4)
 
@@ -57,27 +54,6 @@ def test_resuming_from_saved_state_is_bit_identical() -> None:
     assert result["final_loss"] == uninterrupted["final_loss"]
 
 
-def _torchrun(reaper: ProcessReaper, module_args: list[str], extra_env: dict[str, str]) -> tuple[dict[str, Any], str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("TRAINYARD_") and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(
-        OMP_NUM_THREADS="1",
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-        **extra_env,
-    )
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    args += ["-m", *module_args]
-    proc = reaper.spawn(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout}\n{stderr}"
-    [line] = [line for line in stdout.splitlines() if line.startswith("{")]
-    return json.loads(line), stdout
-
-
 def test_torchrun_is_deterministic_and_learns(process_reaper: ProcessReaper) -> None:
     with serve_fake_agent() as agent:
         managed_env = {
@@ -86,10 +62,10 @@ def test_torchrun_is_deterministic_and_learns(process_reaper: ProcessReaper) -> 
             "TRAINYARD_FENCING_TOKEN": "tok-7",
             "TRAINYARD_DEVICE": "cpu",
         }
-        first, stdout = _torchrun(process_reaper, TINY_GPT_20, managed_env)
+        first, stdout = run_torchrun(process_reaper, TINY_GPT_20, managed_env)
         progress = [r.body for r in agent.of("progress")]
         results = [r.body for r in agent.of("result")]
-    second, _ = _torchrun(process_reaper, TINY_GPT_20, {"TRAINYARD_DEVICE": "cpu"})
+    second, _ = run_torchrun(process_reaper, TINY_GPT_20, {"TRAINYARD_DEVICE": "cpu"})
 
     assert set(first) >= {"final_loss", "weights_sha256", "steps", "world_size"}
     assert (first["steps"], first["world_size"]) == (20, 2)
@@ -102,8 +78,50 @@ def test_torchrun_is_deterministic_and_learns(process_reaper: ProcessReaper) -> 
 
 
 def test_ddp_resume_is_bit_identical(process_reaper: ProcessReaper) -> None:
-    both, stdout = _torchrun(process_reaper, ["tests.worker_runtime.ddp_resume_worker"], {})
+    both, stdout = run_torchrun(process_reaper, ["tests.worker_runtime.ddp_resume_worker"], {})
     resumed, uninterrupted = both["resumed"], both["uninterrupted"]
     assert resumed["weights_sha256"] == uninterrupted["weights_sha256"], stdout
     assert resumed["final_loss"] == uninterrupted["final_loss"]
     assert (resumed["steps"], resumed["world_size"]) == (12, 2)
+
+
+def test_torchrun_resumes_from_s3_checkpoints_bit_identical(process_reaper: ProcessReaper, s3_bucket: S3Bucket) -> None:
+    job = "job-resume"
+    with serve_fake_agent() as agent:
+        env = {
+            "TRAINYARD_AGENT_URL": agent.url,
+            "TRAINYARD_DEVICE": "cpu",
+            "TRAINYARD_JOB_ID": job,
+            "TRAINYARD_CHECKPOINT": json.dumps({"interval_steps": 5, "keep_last": 3}),
+            "TRAINYARD_S3_ENDPOINT": s3_bucket.endpoint,
+            "TRAINYARD_S3_ACCESS_KEY": s3_bucket.access_key,
+            "TRAINYARD_S3_SECRET_KEY": s3_bucket.secret_key,
+            "TRAINYARD_S3_BUCKET": s3_bucket.bucket,
+            "TRAINYARD_S3_SECURE": "0",
+            "TRAINYARD_CHECKPOINT_PREFIX": f"jobs/{job}/checkpoints",
+        }
+        attempt0 = {"TRAINYARD_ATTEMPT_ID": "att-0", "TRAINYARD_ATTEMPT_NUMBER": "0", "TRAINYARD_FENCING_TOKEN": "t0"}
+        first, _ = run_torchrun(process_reaper, TINY_GPT_20, {**env, **attempt0})
+        shards = agent.shards()
+        manifests = {step: manifest_from_shards(shards, job_id=job, attempt_id="att-0", attempt_number=0,
+                                                step=step, world_size=2) for step in (10, 15)}
+        # Rank 1's shard of step 15 is damaged, rank 0's is fine: every rank must still agree to
+        # fall back to step 10 together.
+        store = S3Storage(S3Config(endpoint=s3_bucket.endpoint, bucket=s3_bucket.bucket,
+                                   access_key=s3_bucket.access_key, secret_key=s3_bucket.secret_key))
+        key = manifests[15]["shards"][1]["key"]
+        store.put_bytes(key, store.get_bytes(key)[::-1])
+        plan = {"candidates": [manifests[15], manifests[10]]}
+        attempt1 = {"TRAINYARD_ATTEMPT_ID": "att-1", "TRAINYARD_ATTEMPT_NUMBER": "1", "TRAINYARD_FENCING_TOKEN": "t1",
+                    "TRAINYARD_RESTORE_FROM": json.dumps(plan)}
+        resumed, stdout = run_torchrun(process_reaper, TINY_GPT_20, {**env, **attempt1})
+        events = [r.body for r in agent.of("events")]
+
+    assert sorted((s["step"], s["rank"]) for s in shards) == [(st, r) for st in (5, 10, 15, 20) for r in (0, 1)]
+    assert first["checkpoints_saved"] == 4 and first["restored_from_step"] is None
+    assert resumed["restored_from_step"] == 10, stdout
+    assert resumed["weights_sha256"] == first["weights_sha256"]
+    assert resumed["final_loss"] == first["final_loss"]
+    assert [(e["kind"], e["rank"], e["data"]["step"]) for e in events] == [
+        ("checkpoint.fallback", 0, 15), ("checkpoint.restored", 0, 10)]
+    assert events[0]["data"]["reason"] == "rank 1: shard sha256 differs from the manifest"

@@ -1,12 +1,14 @@
-"""Checkpoint storage seam: the Protocol an object store (S3 / MinIO / SeaweedFS) implements.
+"""Checkpoints: the storage seam, its S3 implementation, and the manager a training loop uses.
 
-Only the interface lives here for now; the S3 implementation and the checkpoint manager (which
-saves a :class:`worker_runtime.state.TrainState` in two phases and writes the commit marker last,
-see docs/architecture.md) come later and plug in behind it. Tests can use any object with these
-methods.
+- this module: :class:`CheckpointStorage`, the Protocol an object store (S3 / MinIO / SeaweedFS)
+  implements; tests can use any object with these methods. Imports no torch.
+- ``s3``: :class:`S3Storage` (the MinIO SDK), shared with the control plane.
+- ``manager``: :class:`CheckpointManager`, which saves a :class:`worker_runtime.state.TrainState`
+  shard per rank and restores from the control plane's plan (two-phase checkpoints,
+  docs/architecture.md); ``restore`` and ``notify`` are its parts.
 
-Keys are ``/``-separated paths relative to the job's checkpoint prefix. Objects stream: shards of a
-large model never have to fit in memory twice.
+Keys are ``/``-separated paths in the bucket. Objects stream: shards of a large model never have to
+fit in memory twice.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ really falls towards the chain's entropy); the batch of step ``s`` on rank ``r``
 So the same world size and steps give the same weights_sha256, and a run resumed from a state
 saved at step k ends bit-identical to one that never stopped.
 
+Checkpoints: with the job's ``interval_steps`` and storage set (TRAINYARD_CHECKPOINT,
+TRAINYARD_S3_*), every rank saves its shard after the optimizer step of every interval step, and a
+new attempt first restores the newest good checkpoint of its restore plan (TRAINYARD_RESTORE_FROM)
+and goes on from the step after it.
+
 Rank 0 prints the result as one JSON line on stdout and reports it to the agent.
 """
 
@@ -32,6 +37,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from worker_runtime import (
+    CheckpointManager,
     DataPosition,
     Reporter,
     RngState,
@@ -61,10 +67,16 @@ class Config:
     heads: int = 4
     vocab: int = 64
     log_every: int = 10
+    step_delay_s: float = 0.0
+    """Sleep after every step: makes a run slow enough for a test to kill it mid-way."""
+    ckpt_upload_delay_s: float = 0.0
+    """Sleep between a checkpoint shard's upload and its report: lets a test kill mid-checkpoint."""
 
     def __post_init__(self) -> None:
         if min(self.steps, self.batch_size, self.seq_len, self.d_model, self.layers, self.log_every) < 1:
             raise ValueError("steps, batch size, seq len, d_model, layers and log_every must be >= 1")
+        if min(self.step_delay_s, self.ckpt_upload_delay_s) < 0:
+            raise ValueError("delays must be >= 0")
         if self.d_model % self.heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
 
@@ -154,8 +166,14 @@ class Trainer:
             packed[0] /= self.ctx.world_size
         return float(packed[0]), bool(packed[1] > 0)
 
-    def fit(self, reporter: Reporter, until: int | None = None) -> dict[str, Any] | None:
-        """Train up to step ``until`` (default: the configured steps); None if told to stop."""
+    def fit(
+        self, reporter: Reporter, until: int | None = None, checkpoints: CheckpointManager | None = None
+    ) -> dict[str, Any] | None:
+        """Train up to step ``until`` (default: the configured steps); None if told to stop.
+
+        Starts from the current step (a restored state resumes where it was saved). With
+        ``checkpoints`` every rank saves after the optimizer step of each interval step.
+        """
         until = self.cfg.steps if until is None else until
         started = time.monotonic()
         # None when this process did not see it (a run resumed past step 1, or at its end).
@@ -164,6 +182,10 @@ class Trainer:
         while self.step.value < until:
             loss = self.train_step()
             step = self.step.value
+            if checkpoints is not None and checkpoints.should_save(step):
+                checkpoints.save(step)
+            if self.cfg.step_delay_s:
+                time.sleep(self.cfg.step_delay_s)
             if step == 1 or step % self.cfg.log_every == 0 or step == until:
                 # The stop flag rides on the loss collective: every rank stops at the same step.
                 mean, stop = self.global_mean(loss, stop=reporter.stale)
@@ -194,8 +216,30 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     for name in ("steps", "seed", "batch_size", "seq_len", "d_model", "layers", "heads", "log_every"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--step-delay-s", type=float, default=defaults.step_delay_s)
+    parser.add_argument("--ckpt-upload-delay-s", type=float, default=defaults.ckpt_upload_delay_s)
     args = parser.parse_args(argv)
     return Config(**vars(args))
+
+
+def train(cfg: Config, ctx: WorkerContext, reporter: Reporter) -> dict[str, Any] | None:
+    """Restore (if planned), train, drain the last checkpoint upload; the result, or None if stale.
+
+    Its own function so that the trainer, its DDP module and the checkpoint manager holding its
+    state are gone before the process group is destroyed (see shutdown_distributed).
+    """
+    trainer = Trainer(cfg, ctx)
+    with CheckpointManager(ctx, trainer.state, upload_delay_s=cfg.ckpt_upload_delay_s) as checkpoints:
+        restored = checkpoints.restore()
+        if restored is not None and ctx.is_main:
+            print(f"tiny_gpt: restored step {restored}; resuming at step {restored + 1}", flush=True)
+        result = trainer.fit(reporter, checkpoints=checkpoints)
+        # Leaving the block drains the upload in flight: the last checkpoint is reported before
+        # the result (an attempt that succeeded keeps its final checkpoint).
+    if result is not None:
+        result["restored_from_step"] = restored
+        result["checkpoints_saved"] = sum(1 for s in checkpoints.saves if s.ok)
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -203,14 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = WorkerContext.from_env()
     if ctx.device == "cpu":
         torch.use_deterministic_algorithms(True)
-    if ctx.restore_from is not None:
-        print("tiny_gpt: restoring checkpoints is not implemented yet; starting at step 0", file=sys.stderr)
     init_distributed(ctx, timeout=300)
     try:
         with Reporter(ctx, echo=False) as reporter:
-            # The trainer (and its DDP module) is dropped right after fit, before the process
-            # group is destroyed: see shutdown_distributed.
-            result = Trainer(cfg, ctx).fit(reporter)
+            result = train(cfg, ctx, reporter)
             if result is None:
                 print("tiny_gpt: attempt is stale; stopping without a result", file=sys.stderr)
                 return 1

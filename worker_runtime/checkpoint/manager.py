@@ -1,0 +1,299 @@
+"""The worker's side of two-phase checkpoints: save this rank's shard, restore from a plan.
+
+Saving (phase 1 of docs/architecture.md, "Two-phase checkpoints"): every rank serialises its whole
+:class:`TrainState` with ``torch.save`` into memory (the consistency point: the loop is paused for
+exactly that long), then a single background thread hashes it, uploads it to
+
+    <prefix>/step-<step:09d>/attempt-<attempt:04d>/rank-<rank:05d>.pt
+
+and reports it to the agent (LocalShard). The control plane commits the checkpoint once every rank
+has reported (phase 2); no collective is needed here. At most one save is in flight: a save that
+finds the previous upload still running waits for it. A failed upload never stops training: it
+is logged and reported as ``checkpoint.save_failed``, and the control plane aborts that step.
+
+What a shard holds: ``TrainState.state_dict()`` of the rank, i.e. everything registered (model,
+optimizer, scheduler, scaler, data position, RNG, step, ...). Under DDP the replicated model and
+optimizer are in every rank's shard (simple, and any rank's shard restores its rank alone).
+Sharded state (FSDP2 / DTensor state dicts) works as is: ``torch.save`` of a DTensor stores the
+rank's *local* shard plus its placement, so each rank's file holds only its own part and must be
+restored by the same rank of the same world size (checked: the manifest's world size must match).
+
+Restoring: see :mod:`worker_runtime.checkpoint.restore` for how ranks verify and agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker_runtime.checkpoint import CheckpointStorage
+from worker_runtime.checkpoint.notify import (
+    FALLBACK,
+    RESTORE_FAILED,
+    RESTORED,
+    SAVE_FAILED,
+    CheckpointReporter,
+    ShardSink,
+)
+from worker_runtime.checkpoint.restore import Problem, agree, candidates_of, describe, fetch_shard
+from worker_runtime.context import WorkerContext
+from worker_runtime.distributed import device_of
+from worker_runtime.state import TrainState
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointUnavailableError(RuntimeError):
+    """There is a restore plan but its storage cannot be reached (starting fresh would waste the
+    job's progress; failing the attempt lets the control plane retry later)."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """A verified shard did not load into the TrainState on some rank; the state is undefined."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveRecord:
+    """What one save did on this rank (``CheckpointManager.saves``)."""
+
+    step: int
+    key: str
+    ok: bool
+    size_bytes: int = 0
+    sha256: str = ""
+    blocked_s: float = 0.0
+    """Time the loop waited for the previous upload before this save could start."""
+    snapshot_s: float = 0.0
+    """Time the loop was paused serialising the state (the synchronous part)."""
+    upload_s: float = 0.0
+    """Hashing and uploading, in the background."""
+    reported: bool = False
+    error: str | None = None
+
+
+def shard_key(prefix: str, step: int, attempt_number: int, rank: int) -> str:
+    """The object key of one rank's shard; under the control plane's checkpoint_prefix rule."""
+    return f"{prefix.rstrip('/')}/step-{step:09d}/attempt-{attempt_number:04d}/rank-{rank:05d}.pt"
+
+
+def storage_from_context(ctx: WorkerContext, *, timeout_s: float = 10.0, retries: int = 1) -> CheckpointStorage | None:
+    """S3 storage from the TRAINYARD_S3_* variables, or None when no endpoint and bucket are set.
+
+    Short timeouts and one retry: a dead S3 must cost a save seconds, not minutes.
+    """
+    if not (ctx.storage.get("endpoint") and ctx.storage.get("bucket")):
+        return None
+    from worker_runtime.checkpoint.s3 import S3Config, S3Storage
+
+    return S3Storage(S3Config.from_mapping(dict(ctx.storage)), timeout_s=timeout_s, retries=retries)
+
+
+class CheckpointManager:
+    """Saves and restores one rank's :class:`TrainState`; a no-op without interval or storage.
+
+    ``interval_steps`` and ``storage`` default to the job's settings (``ctx.checkpoint``) and the
+    TRAINYARD_S3_* storage; ``reporter`` to the agent of ``ctx``. ``async_upload=False`` makes
+    ``save`` return only after the upload and report. ``upload_delay_s`` sleeps between upload and
+    report (tests use it to kill a worker mid-checkpoint).
+    """
+
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        state: TrainState,
+        *,
+        storage: CheckpointStorage | None = None,
+        interval_steps: int | None = None,
+        reporter: ShardSink | None = None,
+        async_upload: bool = True,
+        upload_delay_s: float = 0.0,
+    ) -> None:
+        interval = interval_steps if interval_steps is not None else ctx.checkpoint.get("interval_steps")
+        if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool) or interval < 1):
+            raise ValueError(f"interval_steps must be a positive integer or None, got {interval!r}")
+        self.ctx = ctx
+        self.state = state
+        self.interval_steps: int | None = interval
+        self.storage = storage if storage is not None else storage_from_context(ctx)
+        self.reporter: ShardSink = reporter if reporter is not None else CheckpointReporter(ctx)
+        self.prefix = (ctx.checkpoint_prefix or f"jobs/{ctx.job_id}/checkpoints").strip("/")
+        self._async = async_upload
+        self._upload_delay_s = upload_delay_s
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[SaveRecord] | None = None
+        self._closed = False
+        self.saves: deque[SaveRecord] = deque(maxlen=1000)
+        """Every save of this process, oldest first."""
+        if not self.enabled and ctx.is_main:
+            why = "no interval_steps" if interval is None else "no checkpoint storage (TRAINYARD_S3_*)"
+            log.info("checkpoints disabled: %s", why)
+
+    @property
+    def enabled(self) -> bool:
+        """True when this manager saves (an interval and a storage are both set)."""
+        return self.interval_steps is not None and self.storage is not None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def should_save(self, step: int) -> bool:
+        return self.enabled and step > 0 and step % (self.interval_steps or 1) == 0
+
+    def shard_key(self, step: int) -> str:
+        return shard_key(self.prefix, step, self.ctx.attempt_number, self.ctx.rank)
+
+    # --- saving ---
+
+    def save(self, step: int) -> bool:
+        """Snapshot the state now and upload it in the background; False if disabled or stale.
+
+        Call it on every rank after the optimizer step of ``step``. It raises only when the state
+        cannot be serialised (a bug); storage and agent failures are reported, never raised.
+        """
+        if not self.enabled or self._closed or getattr(self.reporter, "stale", False):
+            return False
+        t0 = time.monotonic()
+        self.wait()
+        t1 = time.monotonic()
+        buffer = io.BytesIO()
+        torch.save(self.state.state_dict(), buffer)
+        timing = (t1 - t0, time.monotonic() - t1)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-checkpoint")
+        self._pending = self._executor.submit(self._upload, step, buffer, timing)
+        if not self._async:
+            self.wait()
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the save in flight (if any); False if it is still running after ``timeout``."""
+        pending = self._pending
+        if pending is None:
+            return True
+        try:
+            pending.result(timeout)
+        except FutureTimeout:
+            return False
+        except Exception:  # a custom reporter raised: the save is over either way
+            log.exception("checkpoint upload thread failed")
+        self._pending = None
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Drain the save in flight and stop the upload thread; idempotent. False if it timed out."""
+        drained = self.wait(timeout)
+        if self._executor is not None:
+            self._executor.shutdown(wait=drained)
+        self._closed = True
+        return drained
+
+    def _upload(self, step: int, buffer: io.BytesIO, timing: tuple[float, float]) -> SaveRecord:
+        key = self.shard_key(step)
+        blocked_s, snapshot_s = timing
+        started = time.monotonic()
+        size, digest = 0, ""
+        try:
+            with buffer.getbuffer() as view:
+                size, digest = view.nbytes, hashlib.sha256(view).hexdigest()
+            buffer.seek(0)
+            assert self.storage is not None
+            info = self.storage.put_object(key, buffer, length=size)
+            if info.size != size:
+                raise OSError(f"storage holds {info.size} bytes under {key}, {size} were sent")
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.error("checkpoint of step %d not saved (upload of %s failed: %s); training continues",
+                      step, key, error)
+            self.reporter.event(SAVE_FAILED, f"upload of {key} failed: {error}"[:4096], {"step": step})
+            record = SaveRecord(step=step, key=key, ok=False, size_bytes=size, sha256=digest,
+                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=time.monotonic() - started,
+                                error=error)
+        else:
+            upload_s = time.monotonic() - started
+            if self._upload_delay_s > 0:
+                time.sleep(self._upload_delay_s)
+            reported = self.reporter.shard(step=step, key=key, size_bytes=size, sha256=digest)
+            record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
+                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, reported=reported)
+            log.info("checkpoint shard of step %d saved: %s (%d bytes, paused %.3fs, upload %.3fs)",
+                     step, key, size, snapshot_s, upload_s)
+        finally:
+            buffer.close()
+        self.saves.append(record)
+        return record
+
+    # --- restoring ---
+
+    def restore(self) -> int | None:
+        """Restore the newest good candidate of ``ctx.restore_from``; its step, or None (fresh).
+
+        Collective when distributed: call it on every rank, after init_distributed. Raises
+        CheckpointUnavailableError when candidates exist but storage could not serve any of them,
+        and CheckpointLoadError when a verified shard does not load (the state is then undefined).
+        """
+        candidates = candidates_of(self.ctx.restore_from)
+        if not candidates:
+            return None
+        if self.storage is None:
+            raise CheckpointUnavailableError(
+                f"{len(candidates)} checkpoint(s) to restore but no checkpoint storage (TRAINYARD_S3_*) is set")
+        main, rank, world = self.ctx.is_main, self.ctx.rank, self.ctx.world_size
+        device = device_of(self.ctx)
+        tried: list[Any] = []
+        storage_trouble = False
+        for manifest in candidates:
+            step = manifest.get("step")
+            tried.append(step)
+            fetched = fetch_shard(self.storage, manifest, rank=rank, world_size=world,
+                                  names=self.state.names(), device=device)
+            if fetched.problem:
+                log.warning("rank %d cannot restore step %s: %s", rank, step, fetched.detail)
+            codes = agree(fetched.problem, rank=rank, world_size=world)
+            if not any(codes):
+                assert fetched.state is not None and isinstance(step, int)
+                self._load(fetched.state, step)
+                if main:
+                    log.info("restored checkpoint of step %d (%d candidate(s) tried)", step, len(tried))
+                    self.reporter.event(RESTORED, f"restored the checkpoint of step {step}", {"step": step})
+                return step
+            fetched.state = None
+            reason = describe(codes)
+            storage_trouble |= Problem.STORAGE in codes
+            if main:
+                log.warning("checkpoint of step %s unusable (%s); trying the next candidate", step, reason)
+                self.reporter.event(FALLBACK, f"checkpoint of step {step} not restored: {reason}",
+                                    {"step": step, "reason": reason})
+        message = f"none of {len(tried)} checkpoint(s) (steps {tried}) could be restored"
+        if storage_trouble:
+            if main:
+                self.reporter.event(RESTORE_FAILED, message + "; storage unreachable", {"steps": tried})
+            raise CheckpointUnavailableError(message + ": storage errors (see the warnings above)")
+        log.error("%s; STARTING FROM SCRATCH", message)
+        if main:
+            self.reporter.event(RESTORE_FAILED, message + "; starting from scratch", {"steps": tried})
+        return None
+
+    def _load(self, state: dict[str, Any], step: int) -> None:
+        error: Exception | None = None
+        try:
+            self.state.load_state_dict(state, strict=True)
+        except Exception as exc:
+            error = exc
+            log.error("rank %d could not load the checkpoint of step %d: %r", self.ctx.rank, step, exc)
+        # Every rank learns whether all loaded, so none trains on while another raises.
+        codes = agree(int(error is not None), rank=self.ctx.rank, world_size=self.ctx.world_size)
+        if any(codes):
+            failed = [r for r, c in enumerate(codes) if c]
+            raise CheckpointLoadError(f"the checkpoint of step {step} did not load on ranks {failed}") from error

@@ -1,0 +1,145 @@
+"""Tell the node agent about checkpoint shards and checkpoint events (every rank may send).
+
+Bodies are the wire contract's LocalShard and LocalEvent (``control_plane/schemas/agent.py``):
+
+- ``POST /v1/local/attempts/{id}/shards``  after a shard is in storage (phase 1 of the two-phase
+  commit, docs/architecture.md). The agent queues it for the control plane and answers 202; with
+  ``wait_ack`` it asks for ``?wait=1`` and gets the control plane's ShardAck.
+- ``POST /v1/local/attempts/{id}/events``  checkpoint.restored / .fallback / .save_failed.
+
+Unlike the result, nothing here may stop training: a report that cannot be delivered after a few
+short tries is logged and dropped (an undelivered shard leaves its checkpoint pending, and the
+control plane aborts it). A 409 means the attempt is stale; later reports are not sent.
+Standalone (no agent) the reports are only logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any, Protocol
+from urllib.parse import quote
+
+import httpx
+
+from worker_runtime.context import WorkerContext
+from worker_runtime.reporting import LOCAL_API_PREFIX
+
+log = logging.getLogger(__name__)
+
+# Kinds the control plane turns into checkpoint facts (control_plane/services/checkpoints.py).
+RESTORED = "checkpoint.restored"
+FALLBACK = "checkpoint.fallback"
+SAVE_FAILED = "checkpoint.save_failed"
+RESTORE_FAILED = "checkpoint.restore_failed"
+
+
+class ShardSink(Protocol):
+    """Where the checkpoint manager reports shards and events (a fake in tests)."""
+
+    def shard(self, *, step: int, key: str, size_bytes: int, sha256: str) -> bool: ...
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> bool: ...
+
+
+class CheckpointReporter:
+    """Posts this rank's shards and events to its agent; thread-safe, never raises."""
+
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        *,
+        timeout_s: float = 5.0,
+        tries: int = 3,
+        backoff_s: float = 0.25,
+        wait_ack: bool = False,
+        ack_timeout_s: float = 35.0,
+    ) -> None:
+        self._ctx = ctx
+        self._timeout = timeout_s
+        self._tries = max(1, tries)
+        self._backoff = backoff_s
+        self._wait_ack = wait_ack
+        self._ack_timeout = ack_timeout_s
+        self._base = None
+        if ctx.agent_url is not None:
+            self._base = f"{ctx.agent_url}{LOCAL_API_PREFIX}/attempts/{quote(ctx.attempt_id, safe='')}"
+        self._lock = threading.Lock()
+        self.stale = False
+        """True once the agent answered 409 (this attempt is superseded)."""
+        self.committed_steps: set[int] = set()
+        """Steps the control plane said are committed (only with ``wait_ack``)."""
+
+    def shard(self, *, step: int, key: str, size_bytes: int, sha256: str) -> bool:
+        """Report an uploaded shard; True if the agent took it."""
+        body = {
+            "fencing_token": self._ctx.fencing_token,
+            "rank": self._ctx.rank,
+            "step": step,
+            "world_size": self._ctx.world_size,
+            "key": key,
+            "size_bytes": size_bytes,
+            "sha256": sha256,
+        }
+        if self._base is None:
+            log.info("checkpoint shard step=%d rank=%d %s (%d bytes)", step, self._ctx.rank, key, size_bytes)
+            return True
+        # Waiting for the control plane takes longer than a plain post: the agent holds it up to
+        # its shard_wait_s (30 s by default).
+        suffix, timeout = ("?wait=1", self._ack_timeout) if self._wait_ack else ("", self._timeout)
+        answer = self._post(f"shards{suffix}", body, timeout)
+        if isinstance(answer, dict) and isinstance(answer.get("committed_steps"), list):
+            with self._lock:
+                self.committed_steps.update(int(s) for s in answer["committed_steps"])
+        return answer is not None
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> bool:
+        """Report a checkpoint event; True if the agent took it."""
+        body = {
+            "fencing_token": self._ctx.fencing_token,
+            "rank": self._ctx.rank,
+            "kind": kind,
+            "message": message[:4096],
+            "data": dict(data or {}),
+            "at": datetime.now(UTC).isoformat(),
+        }
+        if self._base is None:
+            log.info("checkpoint event %s rank=%d: %s %s", kind, self._ctx.rank, message, body["data"])
+            return True
+        return self._post("events", body, self._timeout) is not None
+
+    def _post(self, kind: str, body: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """The answer's JSON body ({} if none) on success; None when not delivered."""
+        if self.stale:
+            return None
+        last = "no try made"
+        with httpx.Client(timeout=timeout, trust_env=False) as client:
+            for attempt in range(1, self._tries + 1):
+                try:
+                    response = client.post(f"{self._base}/{kind}", json=body)
+                except httpx.HTTPError as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                else:
+                    if response.is_success:
+                        try:
+                            answer = response.json()
+                        except ValueError:
+                            answer = {}
+                        return answer if isinstance(answer, dict) else {}
+                    if response.status_code == 409:
+                        self.stale = True
+                        log.warning("agent answered 409 (%s): attempt %s is stale", kind, self._ctx.attempt_id)
+                        return None
+                    if response.status_code == 504 and "wait=1" in kind:
+                        # The control plane did not answer in time; the agent keeps the shard queued.
+                        log.info("shard queued by the agent, not yet acknowledged by the control plane")
+                        return {}
+                    last = f"HTTP {response.status_code} {response.text[:200]}"
+                    if response.status_code < 500 and response.status_code not in (408, 429):
+                        break  # our bug or a contract mismatch: a retry cannot help
+                if attempt < self._tries:
+                    time.sleep(self._backoff * 2 ** (attempt - 1))
+        log.warning("%s report not delivered (%s); training continues", kind.split("?")[0], last)
+        return None

@@ -1,0 +1,175 @@
+"""Fetch and verify this rank's shard of a committed checkpoint, and agree on it with every rank.
+
+A restore must be all or nothing: ranks that resumed from different steps would train on silently
+inconsistent state. So each rank verifies its own shard against the manifest (size, sha256, and
+that it deserialises to exactly the registered state), then one all_reduce of a per-rank problem
+code tells every rank whether all shards are good; if one is not, every rank moves on to the
+same next candidate. Summing a vector with one slot per rank (rather than a single flag) costs
+nothing more and lets rank 0 say which ranks failed and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from worker_runtime.checkpoint import CheckpointStorage, ObjectNotFoundError
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FORMAT = "trainyard.checkpoint/1"
+_CHUNK = 8 * 1024 * 1024
+_MAX_CUDA_ORDINAL = 256  # above any GPU count per node
+
+
+class Problem(IntEnum):
+    """Why a rank cannot use a candidate (0: it can)."""
+
+    OK = 0
+    FORMAT = 1
+    WORLD_SIZE = 2
+    NO_SHARD = 3
+    MISSING = 4
+    SIZE = 5
+    SHA256 = 6
+    UNREADABLE = 7
+    STATE_MISMATCH = 8
+    STORAGE = 9
+
+
+_WHY: dict[int, str] = {
+    Problem.FORMAT: "unknown manifest format",
+    Problem.WORLD_SIZE: "world size differs from this attempt's",
+    Problem.NO_SHARD: "manifest has no shard for the rank",
+    Problem.MISSING: "shard object missing",
+    Problem.SIZE: "shard size differs from the manifest",
+    Problem.SHA256: "shard sha256 differs from the manifest",
+    Problem.UNREADABLE: "shard does not deserialise",
+    Problem.STATE_MISMATCH: "shard holds other state than the loop registers",
+    Problem.STORAGE: "storage error while downloading",
+}
+
+
+@dataclass
+class Fetched:
+    problem: Problem
+    detail: str = ""
+    state: dict[str, Any] | None = None
+
+
+def candidates_of(plan: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The manifests of a restore plan, newest first (as the control plane ordered them)."""
+    if not plan:
+        return []
+    if "shards" in plan:  # a bare manifest
+        return [dict(plan)]
+    return [dict(c) for c in plan.get("candidates") or [] if isinstance(c, Mapping)]
+
+
+def fetch_shard(
+    storage: CheckpointStorage,
+    manifest: Mapping[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    names: Iterable[str],
+    device: torch.device,
+) -> Fetched:
+    """Download and verify ``rank``'s shard; the loaded state dict if it is good."""
+    if manifest.get("format") != MANIFEST_FORMAT:
+        return Fetched(Problem.FORMAT, f"format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+    if not isinstance(manifest.get("step"), int):
+        return Fetched(Problem.FORMAT, f"manifest step {manifest.get('step')!r} is not an integer")
+    if manifest.get("world_size") != world_size:
+        return Fetched(Problem.WORLD_SIZE, f"saved with world_size={manifest.get('world_size')}, "
+                                           f"this attempt has {world_size}; resharding is not supported")
+    entry = next((s for s in manifest.get("shards") or [] if s.get("rank") == rank), None)
+    if entry is None:
+        return Fetched(Problem.NO_SHARD, f"no shard for rank {rank}")
+    key, size, sha = str(entry["key"]), int(entry["size_bytes"]), str(entry["sha256"])
+    try:
+        data = _download(storage, key, limit=size + 1)
+    except ObjectNotFoundError:
+        return Fetched(Problem.MISSING, f"{key} does not exist")
+    except Exception as exc:  # unreachable, denied, timed out: not evidence against the checkpoint
+        return Fetched(Problem.STORAGE, f"{key}: {type(exc).__name__}: {exc}")
+    if len(data) != size:
+        return Fetched(Problem.SIZE, f"{key} has {'more than ' if len(data) > size else ''}{len(data)} bytes, "
+                                     f"manifest says {size}")
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha:
+        return Fetched(Problem.SHA256, f"{key} has sha256 {got}, manifest says {sha}")
+    try:
+        state = torch.load(io.BytesIO(data), map_location=_mapper(device), weights_only=True)
+    except Exception as exc:
+        return Fetched(Problem.UNREADABLE, f"{key}: {type(exc).__name__}: {exc}")
+    del data
+    expected = list(names)
+    if not isinstance(state, dict) or set(state) != set(expected):
+        have = sorted(state) if isinstance(state, dict) else type(state).__name__
+        return Fetched(Problem.STATE_MISMATCH, f"{key} holds {have}, the loop registers {sorted(expected)}")
+    return Fetched(Problem.OK, state=state)
+
+
+def agree(problem: int, *, rank: int, world_size: int) -> list[int]:
+    """Every rank's problem code (one all_reduce when distributed); all zero means all good."""
+    if not (dist.is_available() and dist.is_initialized()) or world_size == 1:
+        return [int(problem)]
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    codes = torch.zeros(world_size, dtype=torch.int64, device=device)
+    codes[rank] = int(problem)
+    dist.all_reduce(codes)
+    return [int(c) for c in codes.tolist()]
+
+
+def describe(codes: list[int]) -> str:
+    """A one-line reason from every rank's code, e.g. 'rank 1: shard sha256 differs ...'."""
+    groups: dict[int, list[int]] = {}
+    for r, code in enumerate(codes):
+        if code:
+            groups.setdefault(code, []).append(r)
+    parts = []
+    for code, ranks in sorted(groups.items()):
+        if len(codes) > 1 and len(ranks) == len(codes):
+            who = "all ranks"
+        else:
+            who = ("ranks " if len(ranks) > 1 else "rank ") + ",".join(map(str, ranks[:8]))
+            who += ",..." if len(ranks) > 8 else ""
+        parts.append(f"{who}: {_WHY.get(code, f'problem {code}')}")
+    return "; ".join(parts)
+
+
+def _download(storage: CheckpointStorage, key: str, *, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``key`` (a shard larger than its manifest is not read in full)."""
+    stream = storage.get_object(key)
+    out = io.BytesIO()
+    try:
+        while out.tell() < limit:
+            chunk = stream.read(min(_CHUNK, limit - out.tell()))
+            if not chunk:
+                break
+            out.write(chunk)
+    finally:
+        stream.close()
+        release = getattr(stream, "release_conn", None)
+        if release is not None:
+            release()
+    return out.getvalue()
+
+
+def _mapper(device: torch.device) -> dict[str, str]:
+    """CUDA storages go to this rank's GPU (the saving rank's ordinal may differ, or not exist
+    here); CPU storages stay on the CPU (RNG states must). A dict, not a callable: torch.load
+    refuses callables for tensor subclasses such as DTensor."""
+    target = str(device) if device.type == "cuda" else "cpu"
+    return {f"cuda:{i}": target for i in range(_MAX_CUDA_ORDINAL)} | {"cuda": target}
