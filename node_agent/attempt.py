@@ -173,7 +173,7 @@ class AttemptRun:
 
     def _refresh(self, table: processes.ProcessTable) -> bool:
         """Update the set of the attempt's processes from a scan; True if any is left."""
-        members = set(table.by_attempt.get(self.attempt_id, ()))
+        members = set(table.by_part.get((self.attempt_id, str(self.spec.node_rank)), ()))
         if self.pgid is not None:
             self._pgids.add(self.pgid)
         self._pgids.update(table.pgid_of[pid] for pid in members)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from control_plane.schemas.agent import ENV_ATTEMPT_ID
+from control_plane.schemas.agent import ENV_ATTEMPT_ID, ENV_NODE_RANK
 
 
 @dataclass
@@ -28,6 +28,9 @@ class ProcessTable:
     """One scan of this user's live (non-zombie) processes."""
 
     by_attempt: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
+    # (attempt id, node rank): several agents on one machine (a dev cluster) run parts of the same
+    # attempt as the same user, and each must find and signal only its own part.
+    by_part: dict[tuple[str, str], set[int]] = field(default_factory=lambda: defaultdict(set))
     by_pgid: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     pgid_of: dict[int, int] = field(default_factory=dict)
 
@@ -53,6 +56,7 @@ def scan() -> ProcessTable:
         attempt_id = env.get(ENV_ATTEMPT_ID)
         if attempt_id:
             table.by_attempt[attempt_id].add(proc.pid)
+            table.by_part[(attempt_id, env.get(ENV_NODE_RANK, ""))].add(proc.pid)
     return table
 
 

@@ -101,6 +101,7 @@ def _schema_template(embedded_pg: PostgresAdmin) -> Iterator[_Template]:
 @pytest.fixture
 def fresh_database_url(embedded_pg: PostgresAdmin, _schema_template: _Template) -> Iterator[str]:
     """SQLAlchemy URL (psycopg 3) of a new database with the schema at Alembic head; dropped after."""
+    _check_alive(embedded_pg)
     template = _schema_template.get()
     name = f"trainyard_test_{secrets.token_hex(6)}"
     url = embedded_pg.create_database(name, template=template)
@@ -108,6 +109,14 @@ def fresh_database_url(embedded_pg: PostgresAdmin, _schema_template: _Template) 
         yield url
     finally:
         embedded_pg.drop_database(name)
+
+
+def _check_alive(pg: PostgresAdmin) -> None:
+    """Fail with the server's log, not with a connection error, when the session server died."""
+    if isinstance(pg, EmbeddedPostgres) and not pg.is_running():
+        log = pg.data_dir / "log"
+        tail = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else []
+        pytest.fail(f"the session's PostgreSQL ({pg.data_dir}) is no longer running; log tail:\n" + "\n".join(tail))
 
 
 class S3Bucket(NamedTuple):

@@ -7,6 +7,7 @@ the lock, the database refuses a second lease on a GPU and a partial gang (see m
 
 from __future__ import annotations
 
+import secrets
 import uuid
 
 import structlog
@@ -102,7 +103,9 @@ def schedule_pass(session: Session, settings: Settings) -> list[Placement]:
         return []
     nodes = {str(n.id): n for n in session.scalars(select(Node).where(Node.state == "ready"))}
     used_ports = _ports_in_use(session)
-    seed = int(session.scalar(select(func.count(Attempt.id))) or 0)
+    # A random start spreads attempts over the range, so a port a just-ended attempt (or another
+    # cluster on the same machine) still holds is unlikely to be picked again at once.
+    seed = secrets.randbelow(settings.rdzv_port_max - settings.rdzv_port_min + 1)
     for i, p in enumerate(decisions):
         job = session.get(Job, uuid.UUID(p.job_id), with_for_update=True)
         if job is None or job.state not in WAITING_STATES:

@@ -29,7 +29,9 @@ def test_two_node_tiny_gpt_succeeds_with_a_result(cluster):
     assert result["final_loss"] < result["initial_loss"]
     assert done["progress"]["step"] == 120
 
-    (attempt,) = cluster.get(f"/v1/jobs/{job['id']}/attempts")
+    attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")
+    assert len(attempts) == 1, [a["end_reason"] for a in attempts]
+    (attempt,) = attempts
     assert attempt["outcome"] == "succeeded"
     assert sorted(n["node_rank"] for n in attempt["nodes"]) == [0, 1]
     assert {n["node_name"] for n in attempt["nodes"]} == {"node-1", "node-2"}

@@ -1,0 +1,49 @@
+"""Recovery end to end: a SIGKILLed worker's job resumes from its last committed checkpoint and
+ends with exactly the weights of a run that never failed."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.factories import job_body
+
+pytestmark = pytest.mark.e2e
+ENDED = {"succeeded", "failed", "cancelled"}
+ARGS = ["--steps", "80", "--step-delay-s", "0.05"]
+
+
+def _worker_pids(cluster, job_id: str) -> dict[int, int]:
+    attempts = cluster.get(f"/v1/jobs/{job_id}/attempts")
+    current = attempts[-1]
+    return {w["rank"]: w["pid"] for n in current["nodes"] for w in n["workers"]
+            if w["pid"] and w["state"] == "running"}
+
+
+def _committed(cluster, job_id: str) -> list[dict]:
+    return [c for c in cluster.get(f"/v1/jobs/{job_id}/checkpoints") if c["state"] == "committed"]
+
+
+def test_sigkill_mid_run_resumes_exactly(cluster):
+    body = job_body(args=ARGS, checkpoint={"interval_steps": 20}, num_nodes=2, gpus_per_node=1)
+    clean = cluster.submit({**body, "name": "clean"})
+    done = cluster.wait_state(clean["id"], ENDED, timeout=180)
+    assert done["state"] == "succeeded", done["end_reason"]
+
+    job = cluster.submit({**body, "name": "killed"})
+    cluster.wait_for("a committed checkpoint", lambda: _committed(cluster, job["id"]), timeout=120)
+    pids = cluster.wait_for("running workers", lambda: _worker_pids(cluster, job["id"]), timeout=30)
+    victim = pids[max(pids)]
+    os.kill(victim, signal.SIGKILL)
+
+    resumed = cluster.wait_state(job["id"], ENDED, timeout=240)
+    assert resumed["state"] == "succeeded", resumed["end_reason"]
+    attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")
+    assert len(attempts) == 2 and attempts[0]["outcome"] == "failed"
+    assert "exited with code -9" in attempts[0]["end_reason"]
+    assert attempts[1]["restored_from_step"] is not None and attempts[1]["restored_from_step"] >= 20
+    assert resumed["result"]["weights_sha256"] == done["result"]["weights_sha256"]
+    kinds = [e["kind"] for e in cluster.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000})["items"]]
+    assert "checkpoint.committed" in kinds and "checkpoint.restored" in kinds and "job.recovering" in kinds
