@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,11 +38,21 @@ def embedded_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresAd
     if external:
         yield PostgresAdmin(external)
         return
-    server = EmbeddedPostgres(tmp_path_factory.mktemp("postgres") / "pgdata")
+    base = postgres_base_dir()
+    server = EmbeddedPostgres(base / "pgdata")
     try:
         yield server
     finally:
         server.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def postgres_base_dir() -> Path:
+    """A new directory for a PGDATA, outside pytest's temp root. As root, pgserver runs PostgreSQL as
+    user ``pgserver`` and opens the parent directories to it (o+rx); but every pytest session that
+    starts on the machine resets /tmp/pytest-of-root to 0700, and a server whose data dir lies below
+    it then PANICs ("could not stat data directory: Permission denied")."""
+    return Path(tempfile.mkdtemp(prefix="trainyard-test-pg-"))
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from minio import Minio
 from minio.error import S3Error
 
-from tests.conftest import S3Bucket
+from tests.conftest import S3Bucket, postgres_base_dir
 from tests.helpers import ProcessReaper, free_port, pid_gone, wait_for
 from trainyard.embedded import EmbeddedPostgres, EmbeddedS3, PostgresAdmin, S3Endpoint, port_is_free
 
@@ -62,8 +63,15 @@ def test_postgres_url_works_with_sqlalchemy(embedded_pg: PostgresAdmin) -> None:
         engine.dispose()
 
 
-def test_postgres_stop_leaves_no_process_and_data_survives_restart(tmp_path: Path) -> None:
-    data_dir = tmp_path / "pgdata"
+def test_postgres_stop_leaves_no_process_and_data_survives_restart() -> None:
+    base = postgres_base_dir()
+    try:
+        _stop_and_restart(base / "pgdata")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _stop_and_restart(data_dir: Path) -> None:
     with EmbeddedPostgres(data_dir) as pg:
         pid = pg.pid
         assert pid is not None and pg.is_running()

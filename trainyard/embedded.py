@@ -179,7 +179,9 @@ class EmbeddedPostgres(PostgresAdmin):
 
     When running as root, pgserver runs PostgreSQL as a system user ``pgserver`` (created with
     ``useradd`` if missing), chowns ``data_dir`` to it and adds o+rx to every parent directory so
-    that user can reach it. Root still connects through the socket.
+    that user can reach it. Root still connects through the socket. Keep such a data dir out of
+    directories something else may close again while the server runs (pytest resets
+    /tmp/pytest-of-root to 0700 whenever a session starts): PostgreSQL then PANICs.
 
     ``url`` is the SQLAlchemy URL of ``database`` (created if missing); ``admin_url`` that of the
     ``postgres`` maintenance database.
