@@ -7,19 +7,14 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
+from control_plane.schemas.jobs import SUBMIT_EXAMPLE
+
 ADMIN_TOKEN = "test-admin-token"
 JOIN_TOKEN = "test-join-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
-TINY_GPT: dict[str, Any] = {
-    "name": "tiny-gpt",
-    "num_nodes": 2,
-    "gpus_per_node": 2,
-    "entrypoint": "worker_runtime.examples.tiny_gpt",
-    "args": ["--steps", "300"],
-    "checkpoint": {"interval_steps": 50},
-    "max_failures": 3,
-}
+# The README's submit body, defined once as the API schema's example.
+TINY_GPT: dict[str, Any] = SUBMIT_EXAMPLE
 
 
 def job_body(**overrides: Any) -> dict[str, Any]:
