@@ -156,6 +156,10 @@ class Attempt(Base):
     rdzv_host: Mapped[str] = mapped_column(String(255))
     rdzv_port: Mapped[int] = mapped_column(Integer)
     restored_from_step: Mapped[int | None] = mapped_column(Integer)
+    progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this attempt reported.")
+    failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
+    )
     restore_manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
     started_at: Mapped[datetime | None] = _ts(doc="When every worker was running.")

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import secrets
 import uuid
+from collections import Counter
+from dataclasses import dataclass
 
 import structlog
 from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session
 
-from control_plane.models import Attempt, Gpu, GpuLease, Job, Node
-from control_plane.scheduler.policy import JobDemand, NodeCapacity, Placement, decide
+from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
+from control_plane.scheduler.policy import JobDemand, NodeCapacity, Placement, decide, place
 from control_plane.services import attempts
+from control_plane.services.jobs import set_job_state
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.scheduler")
@@ -59,7 +62,53 @@ def free_capacity(session: Session) -> list[NodeCapacity]:
     ]
 
 
-def _demand(job: Job) -> JobDemand:
+@dataclass(frozen=True)
+class RecoveryHistory:
+    """What a recovering job's earlier attempts say about where to place the next one."""
+
+    prefer: frozenset[str] = frozenset()
+    """Nodes of the last attempt that were not blamed for its failure."""
+    avoid: frozenset[str] = frozenset()
+    """Nodes blamed for AVOID_AFTER_FAILURES or more of the job's failures."""
+
+
+# A node blamed for this many failures of one job is not used for that job again.
+AVOID_AFTER_FAILURES = 2
+
+
+def recovery_history(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, RecoveryHistory]:
+    if not job_ids:
+        return {}
+    rows = session.execute(
+        select(Attempt.job_id, Attempt.id, Attempt.number, Attempt.failed_node_id)
+        .where(Attempt.job_id.in_(job_ids))
+        .order_by(Attempt.job_id, Attempt.number)
+    ).all()
+    last: dict[uuid.UUID, uuid.UUID] = {}
+    blamed: dict[uuid.UUID, Counter[str]] = {}
+    for job_id, attempt_id, _number, failed_node in rows:
+        last[job_id] = attempt_id
+        if failed_node is not None:
+            blamed.setdefault(job_id, Counter())[str(failed_node)] += 1
+    last_nodes: dict[uuid.UUID, set[str]] = {}
+    if last:
+        for attempt_id, node_id in session.execute(
+            select(AttemptNode.attempt_id, AttemptNode.node_id).where(AttemptNode.attempt_id.in_(list(last.values())))
+        ):
+            last_nodes.setdefault(attempt_id, set()).add(str(node_id))
+    failed_node_of = {attempt_id: failed for _, attempt_id, _, failed in rows}
+    out = {}
+    for job_id, attempt_id in last.items():
+        counts = blamed.get(job_id, Counter())
+        avoid = frozenset(n for n, c in counts.items() if c >= AVOID_AFTER_FAILURES)
+        failed = failed_node_of.get(attempt_id)
+        prefer = frozenset(last_nodes.get(attempt_id, set()) - avoid - ({str(failed)} if failed else set()))
+        out[job_id] = RecoveryHistory(prefer=prefer, avoid=avoid)
+    return out
+
+
+def _demand(job: Job, history: RecoveryHistory | None = None) -> JobDemand:
+    history = history or RecoveryHistory()
     return JobDemand(
         job_id=str(job.id),
         num_nodes=job.num_nodes,
@@ -68,7 +117,43 @@ def _demand(job: Job) -> JobDemand:
         submitted_at=job.created_at,
         recovering=job.state == "recovering",
         gpu_kind=job.gpu_kind,
+        avoid_nodes=history.avoid,
+        prefer_nodes=history.prefer,
     )
+
+
+def all_capacity(session: Session) -> list[NodeCapacity]:
+    """Every GPU of every node that is not removed, as if all were free: what could ever fit."""
+    rows = session.execute(
+        select(Node.id, Node.name, Gpu.index, Gpu.kind).join(Gpu, Gpu.node_id == Node.id)
+        .where(Node.state != "removed").order_by(Node.name, Gpu.index)
+    ).all()
+    by_node: dict[uuid.UUID, tuple[str, list[int], str]] = {}
+    for node_id, name, index, kind in rows:
+        by_node.setdefault(node_id, (name, [], kind))[1].append(index)
+    return [NodeCapacity(node_id=str(nid), name=name, free=tuple(ix), total=len(ix), gpu_kind=kind)
+            for nid, (name, ix, kind) in by_node.items()]
+
+
+def _fail_unplaceable(session: Session, jobs: list[Job], demands: dict[str, JobDemand]) -> list[Job]:
+    """Fail recovering jobs that avoiding their twice-failed nodes leaves nowhere to run."""
+    avoiding = [j for j in jobs if demands[str(j.id)].avoid_nodes]
+    if not avoiding:
+        return jobs
+    everything = all_capacity(session)
+    names = {n.node_id: n.name for n in everything}
+    kept = []
+    for job in jobs:
+        demand = demands[str(job.id)]
+        if demand.avoid_nodes and place(demand, everything) is None:
+            locked = session.get(Job, job.id, with_for_update=True)
+            if locked is not None and locked.state == "recovering":
+                avoided = ", ".join(sorted(names.get(n, n) for n in demand.avoid_nodes))
+                set_job_state(session, locked, "failed",
+                              f"the cluster cannot hold the job without {avoided}, which failed it twice each")
+            continue
+        kept.append(job)
+    return kept
 
 
 def _ports_in_use(session: Session) -> set[int]:
@@ -96,10 +181,13 @@ def schedule_pass(session: Session, settings: Settings) -> list[Placement]:
     if not jobs:
         session.rollback()
         return []
+    history = recovery_history(session, [j.id for j in jobs if j.state == "recovering"])
+    demands = {str(j.id): _demand(j, history.get(j.id)) for j in jobs}
+    jobs = _fail_unplaceable(session, jobs, demands)
     capacity = free_capacity(session)
-    decisions = decide([_demand(j) for j in jobs], capacity)
+    decisions = decide([demands[str(j.id)] for j in jobs], capacity)
     if not decisions:
-        session.rollback()
+        session.commit()  # what _fail_unplaceable decided, if anything
         return []
     nodes = {str(n.id): n for n in session.scalars(select(Node).where(Node.state == "ready"))}
     used_ports = _ports_in_use(session)

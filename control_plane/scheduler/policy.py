@@ -36,6 +36,10 @@ class JobDemand:
     recovering: bool = False
     gpu_kind: str | None = None
     avoid_nodes: frozenset[str] = frozenset()
+    """Nodes this job must not use (each failed it twice)."""
+    prefer_nodes: frozenset[str] = frozenset()
+    """Nodes to use first: a recovering job's healthy nodes of its last attempt, so that recovery
+    replaces only what failed."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -62,7 +66,8 @@ def queue_order(jobs: Iterable[JobDemand]) -> list[JobDemand]:
 def place(job: JobDemand, nodes: Sequence[NodeCapacity]) -> Placement | None:
     """Best fit: the job's nodes are those with the fewest free GPUs that still hold its share.
 
-    Filling partly used nodes first keeps whole nodes free for multi-node gangs.
+    Filling partly used nodes first keeps whole nodes free for multi-node gangs. Preferred nodes
+    (a recovering job's healthy nodes) come before any other.
     """
     fits = [
         n
@@ -73,7 +78,7 @@ def place(job: JobDemand, nodes: Sequence[NodeCapacity]) -> Placement | None:
     ]
     if len(fits) < job.num_nodes:
         return None
-    chosen = sorted(fits, key=lambda n: (len(n.free), n.name))[: job.num_nodes]
+    chosen = sorted(fits, key=lambda n: (n.node_id not in job.prefer_nodes, len(n.free), n.name))[: job.num_nodes]
     # Node rank 0 hosts the rendezvous; order the rest by name for stable rank placement.
     chosen.sort(key=lambda n: n.name)
     return Placement(

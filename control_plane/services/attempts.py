@@ -122,10 +122,17 @@ def end_attempt(session: Session, attempt: Attempt, *, outcome: str, reason: str
     return True
 
 
-def fail_attempt(session: Session, job: Job, attempt: Attempt, reason: str) -> None:
-    """End a failed attempt, count the failure, and move the job on (recover or fail)."""
+def fail_attempt(
+    session: Session, job: Job, attempt: Attempt, reason: str, *, node_id: uuid.UUID | None = None
+) -> None:
+    """End a failed attempt, count the failure, and move the job on (recover or fail).
+
+    ``node_id`` is the node blamed for the failure (its worker died first, its torchrun failed, or
+    it was lost): a node blamed twice by one job is avoided for that job (scheduler/allocate.py).
+    """
     if not end_attempt(session, attempt, outcome="failed", reason=reason):
         return
+    attempt.failed_node_id = node_id
     if job.state in TERMINAL or job.state == "cancelling":
         return
     job.failures = (job.failures or 0) + 1
@@ -219,6 +226,8 @@ def apply_status(
         job.progress_at = report.progress.at
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
+    if report.progress is not None and (attempt.progress_step or -1) < report.progress.step:
+        attempt.progress_step = report.progress.step
     # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank.
     if report.result is not None and job.result is None:
         job.result = report.result
@@ -269,12 +278,14 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
             job,
             attempt,
             f"rank {first.rank} on {names[part.node_id]} exited with code {first.exit_code}",
+            node_id=part.node_id,
         )
         return
     for p in parts:
         if p.error or (p.state in ("exited", "stopped") and p.exit_code not in (0, None)):
             detail = p.error or f"torchrun exited with code {p.exit_code}"
-            fail_attempt(session, job, attempt, f"node rank {p.node_rank} on {names[p.node_id]}: {detail}")
+            fail_attempt(session, job, attempt, f"node rank {p.node_rank} on {names[p.node_id]}: {detail}",
+                         node_id=p.node_id)
             return
     world = attempt.num_gpus
     running = sum(1 for w in workers if w.state in ("running", "exited"))

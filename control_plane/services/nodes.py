@@ -122,6 +122,7 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
                 attempts.fail_attempt(
                     session, job, attempt,
                     f"processes of node rank {part.node_rank} on {node.name} vanished without an exit report",
+                    node_id=node.id,
                 )
                 attempts.release_part(session, part)
 
@@ -179,7 +180,7 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime)
             .where(AttemptNode.node_id == node.id, Attempt.outcome.is_(None))
         ).all()
         for attempt, job in rows:
-            attempts.fail_attempt(session, job, attempt, f"node {node.name} lost")
+            attempts.fail_attempt(session, job, attempt, f"node {node.name} lost", node_id=node.id)
     return list(lost)
 
 

@@ -79,3 +79,10 @@ def test_decisions_are_whole_gangs_within_free_capacity(nodes, jobs):
     # Admitted jobs are a prefix of the service order.
     order = [j.job_id for j in queue_order(jobs)]
     assert [d.job_id for d in decisions] == order[: len(decisions)]
+
+
+def test_recovering_job_prefers_its_healthy_nodes_and_replaces_only_the_failed_one():
+    nodes = [node("n1", (0, 1)), node("n2", (0, 1)), node("n3", (0, 1)), node("n4", (0, 1))]
+    rec = job("r", 2, 2, recovering=True, prefer_nodes=frozenset({"n3"}), avoid_nodes=frozenset({"n1"}))
+    p = place(rec, nodes)
+    assert p is not None and {nid for nid, _ in p.nodes} == {"n2", "n3"}
