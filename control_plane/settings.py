@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     s3_secure: bool = False
     s3_region: str = "us-east-1"
 
+    failpoints: str = Field(
+        "", description="Testing only: 'name=sleep(S)' or 'name=exit' pairs, ';'-separated (failpoints.py)."
+    )
+
     run_loops: bool = Field(True, description="Run the scheduler and monitor loops in this process.")
     log_json: bool = True
     log_level: str = "INFO"
@@ -49,6 +53,9 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.rdzv_port_min > self.rdzv_port_max:
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
+        from control_plane import failpoints
+
+        failpoints.configure(self.failpoints)
         return self
 
 

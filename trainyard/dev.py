@@ -79,6 +79,8 @@ class DevConfig:
     """Between SIGTERM and SIGKILL when stopping an agent or the control plane."""
     python: str = field(default_factory=lambda: sys.executable)
     """Interpreter that runs the control plane and the agents."""
+    control_plane_env: dict[str, str] = field(default_factory=dict)
+    """Extra control-plane settings (TRAINYARD_* variables), e.g. a short node-lost timeout."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -99,6 +101,9 @@ class DevConfig:
             raise ValueError("--s3-access-key/--s3-secret-key only go with --s3-endpoint")
         if self.ready_timeout_s <= 0 or self.stop_grace_s <= 0:
             raise ValueError("timeouts must be > 0")
+        bad = [k for k in self.control_plane_env if not k.startswith("TRAINYARD_")]
+        if bad:
+            raise ValueError(f"control-plane settings must be TRAINYARD_* variables, not {', '.join(bad)}")
 
     @property
     def api_url(self) -> str:
@@ -129,6 +134,7 @@ class DevCluster:
         self.database_url = config.database_url or ""
         self.control_plane: _Child | None = None
         self.agents: list[_Child] = []
+        self._control_plane_env: dict[str, str] = {}
         self._stop_requested = threading.Event()
         self._descendants: dict[tuple[int, float], Any] = {}
         self._stopped = False
@@ -177,14 +183,11 @@ class DevCluster:
             "TRAINYARD_S3_ACCESS_KEY": s3_access,
             "TRAINYARD_S3_SECRET_KEY": s3_secret,
             "TRAINYARD_S3_BUCKET": cfg.s3_bucket,
+            **cfg.control_plane_env,
         }
+        self._control_plane_env = env
         self._say(f"starting the control plane on {cfg.api_url}")
-        self.control_plane = self._spawn(
-            "control-plane",
-            ["-m", "trainyard", "server", "--host", cfg.host, "--port", str(cfg.port)],
-            env,
-        )
-        self._wait("the control plane to be ready", self._control_plane_ready)
+        self._start_control_plane()
 
         for i in range(1, cfg.nodes + 1):
             name = f"node-{i}"
@@ -200,6 +203,41 @@ class DevCluster:
             self.agents.append(self._spawn(name, args, {}))
         self._say(f"waiting for {cfg.nodes} node(s) to register")
         self._wait(f"{cfg.nodes} ready node(s)", self._nodes_ready)
+
+    def _start_control_plane(self, extra_env: dict[str, str] | None = None) -> None:
+        self.control_plane = self._spawn(
+            "control-plane",
+            ["-m", "trainyard", "server", "--host", self.config.host, "--port", str(self.config.port)],
+            {**self._control_plane_env, **(extra_env or {})},
+        )
+        self._wait("the control plane to be ready", self._control_plane_ready)
+
+    def restart_control_plane(self, *, kill: bool = True, down_s: float = 0.0,
+                              extra_env: dict[str, str] | None = None) -> None:
+        """Stop the control plane (SIGKILL with ``kill``, else TERM and wait), stay down ``down_s``,
+        then start a new one (with ``extra_env`` on top of its settings) and wait until it is
+        ready. The agents and their workers are left alone: that is the point."""
+        old = self.control_plane
+        if old is not None:
+            self._say("killing the control plane" if kill else "stopping the control plane")
+            if kill:
+                signal_group(old.proc, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    old.proc.wait(10.0)
+                old.log.close()
+            else:
+                _stop_children([old], self.config.stop_grace_s)
+            self.control_plane = None
+        self._stop_requested.wait(down_s)
+        self._say("starting the control plane again")
+        self._start_control_plane(extra_env)
+
+    def agent(self, name: str) -> subprocess.Popen[bytes]:
+        """The process of the agent of node ``name`` (node-1, node-2, ...)."""
+        for child in self.agents:
+            if child.name == name:
+                return child.proc
+        raise KeyError(f"no agent named {name!r}")
 
     def _start_s3(self) -> tuple[str, str, str]:
         cfg = self.config

@@ -78,10 +78,16 @@ class Loops:
             session.close()
 
     def monitor_once(self) -> int:
-        with session_scope(self._factory) as session:
-            lost = nodes.mark_lost_nodes(
-                session, timeout_s=self._settings.node_lost_timeout_s, not_before=self._not_before
-            )
+        try:
+            with session_scope(self._factory) as session:
+                lost = nodes.mark_lost_nodes(
+                    session, timeout_s=self._settings.node_lost_timeout_s, not_before=self._not_before
+                )
+        except Exception:
+            # The database was unreachable, so heartbeats were refused too: once it is back, give
+            # the agents the same grace as after a restart before calling anyone lost.
+            self._not_before = now() + timedelta(seconds=self._settings.startup_grace_s)
+            raise
         if lost:
             self.wake_scheduler()
         return len(lost)

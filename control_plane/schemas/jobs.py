@@ -164,14 +164,32 @@ class AttemptNodeOut(BaseModel):
     workers: list[WorkerOut]
 
 
+class RecoveryOut(BaseModel):
+    """How this attempt took over from the failed one before it. Durations in seconds; a phase that
+    has not happened yet is null."""
+
+    after_attempt: int = Field(description="Number of the failed attempt this one replaced.")
+    failure_at: datetime = Field(description="First evidence of the failure (a worker's exit, or the decision).")
+    detection_s: float | None = Field(description="Failure -> the control plane failed the attempt.")
+    reallocation_s: float | None = Field(description="Failed -> this attempt's gang was allocated.")
+    start_s: float | None = Field(description="Allocated -> every worker running.")
+    restore_s: float | None = Field(
+        description="Every worker running -> the first step reported: loading the checkpoint, then one step.")
+    to_first_step_s: float | None = Field(description="Failure -> this attempt's first step reported.")
+    steps_lost: int | None = Field(description="Steps the failed attempt had reported beyond the restored step.")
+
+
 class AttemptOut(BaseModel):
     id: str
     number: int
     state: str
     outcome: str | None
     end_reason: str | None
+    failed_node: str | None = Field(description="The node blamed for the failure, if one is.")
     rendezvous: str
     restored_from_step: int | None
+    progress_step: int | None = Field(description="The last step this attempt reported.")
+    recovery: RecoveryOut | None = Field(description="Set when this attempt replaced a failed one.")
     created_at: datetime
     started_at: datetime | None
     first_progress_at: datetime | None

@@ -220,14 +220,15 @@ def apply_status(
     if report.error and not part.error:
         part.error = report.error
     _merge_workers(session, attempt, part, report)
-    if report.progress is not None and (job.progress_step is None or report.progress.step >= job.progress_step):
+    # Progress only moves forward within an attempt; the job shows its current attempt's, which
+    # after a recovery starts again from the restored step.
+    if report.progress is not None and (attempt.progress_step is None or report.progress.step >= attempt.progress_step):
+        attempt.progress_step = report.progress.step
         job.progress_step = report.progress.step
         job.progress_loss = report.progress.loss
         job.progress_at = report.progress.at
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
-    if report.progress is not None and (attempt.progress_step or -1) < report.progress.step:
-        attempt.progress_step = report.progress.step
     # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank.
     if report.result is not None and job.result is None:
         job.result = report.result
@@ -291,7 +292,8 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
     running = sum(1 for w in workers if w.state in ("running", "exited"))
     if attempt.state == "starting" and running >= world:
         attempt.state = "running"
-        attempt.started_at = now()
+        # A worker that reported a step was running: the same report may carry both facts.
+        attempt.started_at = min(now(), attempt.first_progress_at or now())
         events.record(
             session, "attempt.running", f"all {world} workers of attempt {attempt.number} running",
             job_id=job.id, attempt_id=attempt.id,

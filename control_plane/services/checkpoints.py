@@ -23,6 +23,7 @@ import structlog
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from control_plane import failpoints
 from control_plane.db import session_scope
 from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
@@ -134,6 +135,9 @@ def commit_ready(factory: sessionmaker[Session], store: ObjectStore, checkpoint_
     except Exception as exc:  # S3 down: leave it pending; the loop retries, then aborts
         log.warning("checkpoint commit deferred", checkpoint_id=str(checkpoint_id), error=repr(exc))
         return False
+    # A crash here leaves a manifest object beside a pending row: not a commit (readers go by the
+    # row), and the next maintenance pass writes the same manifest again and commits.
+    failpoints.hit("checkpoint.before_commit")
     with session_scope(factory) as s:
         job = s.get(Job, manifest_job_id := uuid.UUID(manifest["job_id"]), with_for_update=True)
         if job is None or str(job.current_attempt_id) != manifest["attempt_id"]:
@@ -199,7 +203,9 @@ def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, ba
         if ev.kind == "checkpoint.restored" and isinstance(step, int):
             if attempt.restored_from_step is None:
                 attempt.restored_from_step = step
-                lost = (job.progress_step or 0) - step
+                before = session.scalar(select(Attempt.progress_step).where(
+                    Attempt.job_id == job.id, Attempt.number == attempt.number - 1))
+                lost = (before or 0) - step
                 events.record(session, "checkpoint.restored", f"attempt {attempt.number} restored step {step}",
                               job_id=job.id, attempt_id=attempt.id, step=step, steps_lost=max(lost, 0))
             continue

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane.errors import NotFound, Unauthorized
+from control_plane.errors import InvalidState, NotFound, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
 from control_plane.schemas.agent import HeartbeatRequest, LaunchSpec, RegisterRequest
 from control_plane.services import attempts, events
@@ -53,7 +53,13 @@ def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
         node.agent_version = req.agent_version
         node.agent_instance = None
         node.heartbeat_seq = 0
-        events.record(session, "node.reregistered", f"node {req.name} registered again", node_id=node.id)
+        if node.state == "removed":
+            # Back after an operator removed it: its old attempts were released then, so its agent
+            # gets none of them assigned and stops whatever of them still runs.
+            node.state, node.schedulable, node.last_heartbeat_at = "ready", True, t
+            events.record(session, "node.rejoined", f"removed node {req.name} registered again", node_id=node.id)
+        else:
+            events.record(session, "node.reregistered", f"node {req.name} registered again", node_id=node.id)
     _sync_gpus(session, node, req)
     session.commit()
     return node, token
@@ -177,11 +183,52 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime)
             select(Attempt, Job)
             .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
             .join(Job, Job.id == Attempt.job_id)
-            .where(AttemptNode.node_id == node.id, Attempt.outcome.is_(None))
+            .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None), Attempt.state != "ended")
         ).all()
         for attempt, job in rows:
-            attempts.fail_attempt(session, job, attempt, f"node {node.name} lost", node_id=node.id)
+            if attempt.outcome is None:
+                attempts.fail_attempt(session, job, attempt, f"node {node.name} lost", node_id=node.id)
+            elif attempt.outcome == "failed" and attempt.failed_node_id != node.id:
+                # The workers of the other nodes saw their peer vanish and exited first, so the
+                # attempt failed before this node was declared lost: the lost node is the cause.
+                attempt.failed_node_id = node.id
+                attempt.end_reason = f"node {node.name} lost ({attempt.end_reason})"
+                events.record(session, "attempt.blame", f"attempt {attempt.number}: node {node.name} was lost",
+                              job_id=job.id, attempt_id=attempt.id, node_id=node.id)
     return list(lost)
+
+
+def remove_node(session: Session, node_id: uuid.UUID) -> Node:
+    """An operator removes a node: its credential stops working and, if it was lost, its leases are
+    released (the operator vouches that its processes are gone). A node that is not lost and still
+    runs or stops an attempt is refused: its processes exist, and its GPUs must not be given away."""
+    node = session.get(Node, node_id, with_for_update=True)
+    if node is None or node.state == "removed":
+        raise NotFound(f"node {node_id} does not exist")
+    parts = session.execute(
+        select(AttemptNode, Attempt, Job)
+        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+        .join(Job, Job.id == Attempt.job_id)
+        .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
+        .with_for_update(of=AttemptNode)
+    ).all()
+    if parts and node.state != "lost":
+        running = ", ".join(sorted({f"attempt {a.number} of job {j.name} ({j.id})" for _, a, j in parts}))
+        raise InvalidState(
+            f"node {node.name} is {node.state} and still holds {running}; cancel those jobs or wait until "
+            "they end (a lost node can be removed at any time)"
+        )
+    node.state = "removed"
+    node.schedulable = False
+    node.token_hash = hash_token(secrets.token_urlsafe(32))  # its credential stops working
+    events.record(session, "node.removed", f"node {node.name} removed by an operator", node_id=node.id,
+                  released_parts=len(parts))
+    for part, attempt, job in parts:
+        if attempt.outcome is None:
+            attempts.fail_attempt(session, job, attempt, f"node {node.name} removed", node_id=node.id)
+        attempts.release_part(session, part)
+    session.commit()
+    return node
 
 
 def get_node(session: Session, node_id: uuid.UUID) -> Node:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
@@ -17,6 +18,7 @@ from control_plane.schemas.jobs import (
     EventOut,
     JobOut,
     Progress,
+    RecoveryOut,
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
@@ -92,6 +94,10 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
             selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
         )
     ).all()
+    names = dict(session.execute(
+        select(Node.id, Node.name).where(Node.id.in_({a.failed_node_id for a in attempts if a.failed_node_id}))
+    ).all()) if any(a.failed_node_id for a in attempts) else {}
+    previous: dict[uuid.UUID, Attempt] = {b.id: a for a, b in zip(attempts, attempts[1:], strict=False)}
     return [
         AttemptOut(
             id=str(a.id),
@@ -99,8 +105,11 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
             state=a.state,
             outcome=a.outcome,
             end_reason=a.end_reason,
+            failed_node=names.get(a.failed_node_id) if a.failed_node_id else None,
             rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
             restored_from_step=a.restored_from_step,
+            progress_step=a.progress_step,
+            recovery=_recovery(previous.get(a.id), a),
             created_at=a.created_at,
             started_at=a.started_at,
             first_progress_at=a.first_progress_at,
@@ -128,6 +137,32 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
         )
         for a in attempts
     ]
+
+
+def _seconds(start: datetime | None, end: datetime | None) -> float | None:
+    return round((end - start).total_seconds(), 3) if start is not None and end is not None else None
+
+
+def _recovery(prev: Attempt | None, a: Attempt) -> RecoveryOut | None:
+    """The phases of the recovery from ``prev``'s failure to ``a``'s first step."""
+    if prev is None or prev.outcome != "failed" or prev.failed_at is None:
+        return None
+    exits = [w.ended_at for p in prev.nodes for w in p.workers
+             if w.ended_at is not None and w.exit_code not in (0, None)]
+    failure_at = min([prev.failed_at, *exits])
+    lost = None
+    if prev.progress_step is not None:
+        lost = max(prev.progress_step - (a.restored_from_step or 0), 0)
+    return RecoveryOut(
+        after_attempt=prev.number,
+        failure_at=failure_at,
+        detection_s=_seconds(failure_at, prev.failed_at),
+        reallocation_s=_seconds(prev.failed_at, a.created_at),
+        start_s=_seconds(a.created_at, a.started_at),
+        restore_s=_seconds(a.started_at, a.first_progress_at),
+        to_first_step_s=_seconds(failure_at, a.first_progress_at),
+        steps_lost=lost,
+    )
 
 
 def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:

@@ -149,3 +149,50 @@ def test_report_for_a_rank_the_node_does_not_hold_is_403(client, schedule, two_n
     job, (sa, sb) = _start(client, schedule, two_nodes)
     r = a.status(sb, "running")
     assert r.status_code == 403
+
+
+def test_old_exit_after_a_newer_attempt_started_moves_nothing_backwards(client, schedule, two_nodes):
+    a, b = two_nodes
+    job, (sa, sb) = _start(client, schedule, two_nodes, job_body(max_failures=2))
+    b.status(sb, "exited", exit_code=1, workers=workers_for(sb, "exited", 1))
+    a.heartbeat([])
+    b.heartbeat([])
+    assert schedule() == 1
+    new = {agent.name: agent.heartbeat()["assignments"][0] for agent in (a, b)}
+    for agent in (a, b):
+        spec = new[agent.name]
+        assert agent.status(spec, "running", workers=workers_for(spec, "running")).status_code == 200
+    before = _job(client, job["id"])
+    assert before["state"] == "running" and before["current_attempt"]["number"] == 2
+
+    # Attempt 1's messages, replayed and reordered: a success with a result, its failure again,
+    # a heartbeat with an old sequence number, a worker event. All refused or ignored.
+    ok = a.status(sa, "exited", exit_code=0, workers=workers_for(sa, "exited", 0), result={"weights_sha256": "x"})
+    again = b.status(sb, "exited", exit_code=1, workers=workers_for(sb, "exited", 1))
+    assert ok.status_code == again.status_code == 409
+    event = client.post(f"/v1/agent/attempts/{sa['attempt_id']}/events", headers=a.headers, json={
+        "fencing_token": sa["fencing_token"], "node_rank": sa["node_rank"],
+        "events": [{"rank": 0, "kind": "checkpoint.restored", "message": "late", "data": {"step": 5}}]})
+    assert event.status_code == 409
+    a.heartbeat([], seq=1)
+    after = _job(client, job["id"])
+    assert after["state"] == "running" and after["result"] is None and after["failures"] == 1
+    assert after["current_attempt"] == before["current_attempt"]
+    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    assert [(x["number"], x["outcome"], x["restored_from_step"]) for x in attempts] == [(1, "failed", None),
+                                                                                        (2, None, None)]
+    assert all(n["released_at"] is None for n in attempts[1]["nodes"])  # attempt 2 keeps its GPUs
+
+
+def test_duplicated_worker_events_are_recorded_once(client, schedule, two_nodes):
+    a, _b = two_nodes
+    _job_view, (sa, _sb) = _start(client, schedule, two_nodes)
+    body = {"fencing_token": sa["fencing_token"], "node_rank": sa["node_rank"],
+            "events": [{"rank": 0, "kind": "checkpoint.restored", "message": "restored", "data": {"step": 40}}]}
+    for _ in range(3):
+        assert client.post(f"/v1/agent/attempts/{sa['attempt_id']}/events", headers=a.headers,
+                           json=body).status_code == 200
+    events = client.get(f"/v1/jobs/{sa['job_id']}/events", headers=ADMIN).json()["items"]
+    assert [e["kind"] for e in events].count("checkpoint.restored") == 1
+    attempt = client.get(f"/v1/jobs/{sa['job_id']}/attempts", headers=ADMIN).json()[0]
+    assert attempt["restored_from_step"] == 40

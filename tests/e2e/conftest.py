@@ -3,57 +3,22 @@ with a real control plane and real agents running real torchrun workers."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.e2e.harness import Cluster, LiveCluster, live_cluster
 from tests.helpers import ProcessReaper
 from trainyard.embedded import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Cluster:
-    url: str
-    token: str
-    http: httpx.Client
-    log: Path
-
-    def get(self, path: str, **kw: Any) -> Any:
-        r = self.http.get(path, **kw)
-        r.raise_for_status()
-        return r.json()
-
-    def submit(self, body: dict[str, Any]) -> dict[str, Any]:
-        r = self.http.post("/v1/jobs", json=body)
-        assert r.status_code == 201, r.text
-        return r.json()
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        return self.get(f"/v1/jobs/{job_id}")
-
-    def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.3) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = check()
-            if value:
-                return value
-            time.sleep(every)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; cluster log: {self.log}")
-
-    def wait_state(self, job_id: str, states: set[str], timeout: float = 120.0) -> dict[str, Any]:
-        def check() -> dict[str, Any] | None:
-            j = self.job(job_id)
-            return j if j["state"] in states else None
-        return self.wait_for(f"job {job_id} in {states}", check, timeout)
 
 
 @pytest.fixture
@@ -91,3 +56,59 @@ def subprocess_stdout() -> int:
     import subprocess
 
     return subprocess.STDOUT
+
+
+# Fault tests: failures are detected in seconds, not the production defaults' tens of seconds.
+FAST_SETTINGS = {
+    "TRAINYARD_NODE_LOST_TIMEOUT_S": "4",
+    "TRAINYARD_STARTUP_GRACE_S": "6",
+    "TRAINYARD_CHECKPOINT_MAINTENANCE_INTERVAL_S": "0.5",
+}
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path, fresh_database_url: str, s3_bucket: Any) -> Iterator[Callable[..., LiveCluster]]:
+    """``make_cluster(nodes=3, gpus_per_node=1, settings={...}, proxy_s3=False)``: a cluster run in
+    this process, whose agents, workers, control plane and S3 connection the test can break."""
+    with contextlib.ExitStack() as stack:
+        def make(*, nodes: int = 3, gpus_per_node: int = 1, settings: dict[str, str] | None = None,
+                 proxy_s3: bool = False) -> LiveCluster:
+            return stack.enter_context(live_cluster(
+                tmp_path, fresh_database_url, s3_bucket, nodes=nodes, gpus_per_node=gpus_per_node,
+                settings={**FAST_SETTINGS, **(settings or {})}, proxy_s3=proxy_s3,
+            ))
+        yield make
+
+
+_reference: dict[tuple[str, ...], dict[str, Any]] = {}
+# tiny_gpt flags that change timing or inject faults, never the weights.
+_NOT_MODEL = {"--step-delay-s", "--ckpt-upload-delay-s", "--ckpt-slow-rank", "--crash-at-step", "--crash-rank"}
+
+
+def _model_args(args: list[str]) -> list[str]:
+    out, it = [], iter(args)
+    for a in it:
+        if a in _NOT_MODEL:
+            next(it, None)
+        else:
+            out.append(a)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_result() -> Callable[[list[str]], dict[str, Any]]:
+    """tiny_gpt's result for ``args`` on 2 ranks under bare torchrun, with no failure: what any run
+    of the same arguments and world size must end with (computed once per argument list)."""
+    from tests.worker_runtime.torchrun import run_torchrun
+
+    def get(args: list[str]) -> dict[str, Any]:
+        key = tuple(_model_args(args))
+        if key not in _reference:
+            reaper = ProcessReaper()
+            try:
+                _reference[key], _ = run_torchrun(reaper, ["worker_runtime.examples.tiny_gpt", *key],
+                                                  {"TRAINYARD_DEVICE": "cpu"})
+            finally:
+                reaper.reap()
+        return _reference[key]
+    return get

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -71,12 +72,19 @@ class Config:
     """Sleep after every step: makes a run slow enough for a test to kill it mid-way."""
     ckpt_upload_delay_s: float = 0.0
     """Sleep between a checkpoint shard's upload and its report: lets a test kill mid-checkpoint."""
+    ckpt_slow_rank: int = -1
+    """The only rank that sleeps ckpt_upload_delay_s (-1: every rank)."""
+    crash_at_step: int = 0
+    """Fault injection: at this step (if this process runs it), crash_rank exits with code 3."""
+    crash_rank: int = 0
 
     def __post_init__(self) -> None:
         if min(self.steps, self.batch_size, self.seq_len, self.d_model, self.layers, self.log_every) < 1:
             raise ValueError("steps, batch size, seq len, d_model, layers and log_every must be >= 1")
         if min(self.step_delay_s, self.ckpt_upload_delay_s) < 0:
             raise ValueError("delays must be >= 0")
+        if self.crash_at_step < 0 or self.crash_rank < 0:
+            raise ValueError("crash_at_step and crash_rank must be >= 0")
         if self.d_model % self.heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
 
@@ -179,14 +187,20 @@ class Trainer:
         # None when this process did not see it (a run resumed past step 1, or at its end).
         initial_loss: float | None = None
         final_loss: float | None = None
+        first = self.step.value + 1  # 1, or the step after the restored one
         while self.step.value < until:
             loss = self.train_step()
             step = self.step.value
+            if step == self.cfg.crash_at_step and self.ctx.rank == self.cfg.crash_rank:
+                print(f"tiny_gpt: crashing at step {step} as asked (--crash-at-step)", file=sys.stderr, flush=True)
+                os._exit(3)
             if checkpoints is not None and checkpoints.should_save(step):
                 checkpoints.save(step)
             if self.cfg.step_delay_s:
                 time.sleep(self.cfg.step_delay_s)
-            if step == 1 or step % self.cfg.log_every == 0 or step == until:
+            # The first step of every attempt is reported at once: the control plane times
+            # recoveries by it (failure -> first new step).
+            if step in (first, until) or step % self.cfg.log_every == 0:
                 # The stop flag rides on the loss collective: every rank stops at the same step.
                 mean, stop = self.global_mean(loss, stop=reporter.stale)
                 # Stdout carries the result as strict JSON, which has no NaN: a diverged loss is null.
@@ -213,7 +227,8 @@ class Trainer:
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     defaults = Config()
     parser = argparse.ArgumentParser(prog="tiny_gpt", description=__doc__.splitlines()[0])
-    for name in ("steps", "seed", "batch_size", "seq_len", "d_model", "layers", "heads", "log_every"):
+    for name in ("steps", "seed", "batch_size", "seq_len", "d_model", "layers", "heads", "log_every",
+                 "ckpt_slow_rank", "crash_at_step", "crash_rank"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--step-delay-s", type=float, default=defaults.step_delay_s)
@@ -229,7 +244,8 @@ def train(cfg: Config, ctx: WorkerContext, reporter: Reporter) -> dict[str, Any]
     state are gone before the process group is destroyed (see shutdown_distributed).
     """
     trainer = Trainer(cfg, ctx)
-    with CheckpointManager(ctx, trainer.state, upload_delay_s=cfg.ckpt_upload_delay_s) as checkpoints:
+    delay = cfg.ckpt_upload_delay_s if cfg.ckpt_slow_rank in (-1, ctx.rank) else 0.0
+    with CheckpointManager(ctx, trainer.state, upload_delay_s=delay) as checkpoints:
         restored = checkpoints.restore()
         if restored is not None and ctx.is_main:
             print(f"tiny_gpt: restored step {restored}; resuming at step {restored + 1}", flush=True)

@@ -1,0 +1,203 @@
+"""Two-phase checkpoints on the control plane, against real PostgreSQL and a real S3 server: only a
+checkpoint whose every shard arrived from the current attempt, for one step, and exists in S3 with
+its size is ever committed; two replicas commit it once; old and aborted ones are collected."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import threading
+import uuid
+
+import pytest
+from fastapi.testclient import TestClient
+
+from control_plane.app import create_app, object_store
+from control_plane.db import make_engine, make_session_factory
+from control_plane.services import checkpoints
+from control_plane.services.checkpoints import checkpoint_prefix
+from control_plane.settings import Settings
+from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
+
+
+@pytest.fixture
+def s3_settings(settings: Settings, s3_bucket) -> Settings:
+    return settings.model_copy(update={
+        "s3_endpoint": s3_bucket.endpoint, "s3_access_key": s3_bucket.access_key,
+        "s3_secret_key": s3_bucket.secret_key, "s3_bucket": s3_bucket.bucket,
+    })
+
+
+@pytest.fixture
+def s3_client(s3_settings: Settings):
+    app = create_app(s3_settings)
+    with TestClient(app) as c:
+        yield c
+
+
+class Gang:
+    """A 2-node x 1-GPU job running on fake agents that speak the real wire protocol."""
+
+    def __init__(self, client: TestClient, body: dict | None = None) -> None:
+        self.client = client
+        self.agents = [FakeAgentSession(client, "node-1", 1), FakeAgentSession(client, "node-2", 1)]
+        self.job = client.post("/v1/jobs", json=body or job_body(num_nodes=2, gpus_per_node=1, max_failures=2),
+                               headers=ADMIN).json()
+        client.app.state.loops.schedule_once()
+        self.specs = [a.heartbeat()["assignments"][0] for a in self.agents]
+        self.store = object_store(client.app.state.settings)
+
+    def spec_of_rank(self, rank: int) -> tuple[FakeAgentSession, dict]:
+        agent, spec = next((a, s) for a, s in zip(self.agents, self.specs, strict=True) if s["node_rank"] == rank)
+        return agent, spec
+
+    def upload(self, step: int, rank: int, data: bytes, *, attempt: int = 1) -> dict:
+        key = f"{checkpoint_prefix(self.job['id'], step, attempt)}/rank-{rank:05d}.pt"
+        assert self.store is not None
+        self.store.put_object(key, io.BytesIO(data), length=len(data))
+        return {"rank": rank, "step": step, "world_size": 2, "key": key, "size_bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest()}
+
+    def report(self, rank: int, *shards: dict, spec: dict | None = None):
+        agent, own = self.spec_of_rank(rank)
+        spec = spec or own
+        return self.client.post(f"/v1/agent/attempts/{spec['attempt_id']}/shards", headers=agent.headers,
+                                json={"fencing_token": spec["fencing_token"], "node_rank": spec["node_rank"],
+                                      "shards": list(shards)})
+
+    def checkpoints(self) -> list[dict]:
+        return self.client.get(f"/v1/jobs/{self.job['id']}/checkpoints", headers=ADMIN).json()
+
+    def maintain(self, pending_timeout_s: float = 600.0) -> None:
+        checkpoints.maintenance(self.client.app.state.session_factory, self.store,
+                                pending_timeout_s=pending_timeout_s)
+
+
+def test_every_shard_present_commits_and_publishes_the_manifest(s3_client):
+    g = Gang(s3_client)
+    assert g.report(0, g.upload(20, 0, b"rank zero")).json() == {"accepted": 1, "committed_steps": []}
+    assert g.checkpoints()[0]["state"] == "pending"
+    ack = g.report(1, g.upload(20, 1, b"rank one!")).json()
+    assert ack == {"accepted": 1, "committed_steps": [20]}
+    [ckpt] = g.checkpoints()
+    assert ckpt["state"] == "committed" and ckpt["size_bytes"] == 18 and ckpt["shards"] == 2
+    manifest = json.load(g.store.get_object(ckpt["manifest_key"]))
+    assert manifest["step"] == 20 and manifest["world_size"] == 2 and manifest["attempt_number"] == 1
+    assert [s["rank"] for s in manifest["shards"]] == [0, 1]
+    assert manifest["shards"][1]["sha256"] == hashlib.sha256(b"rank one!").hexdigest()
+
+
+def test_reported_but_missing_shard_object_aborts(s3_client):
+    g = Gang(s3_client)
+    g.report(0, g.upload(20, 0, b"here"))
+    ghost = g.upload(20, 1, b"gone")
+    g.store.delete(ghost["key"])
+    assert g.report(1, ghost).json()["committed_steps"] == []
+    [ckpt] = g.checkpoints()
+    assert ckpt["state"] == "aborted" and "missing or has the wrong size" in ckpt["reason"]
+
+
+def test_shards_of_different_steps_never_make_a_checkpoint(s3_client):
+    g = Gang(s3_client)
+    g.report(0, g.upload(20, 0, b"a"))
+    g.report(1, g.upload(40, 1, b"b"))
+    assert sorted((c["step"], c["state"], c["shards"]) for c in g.checkpoints()) == [
+        (20, "pending", 1), (40, "pending", 1)]
+    g.maintain(pending_timeout_s=0.0)
+    assert {c["state"] for c in g.checkpoints()} == {"aborted"}
+
+
+def test_refused_shards_change_nothing(s3_client):
+    g = Gang(s3_client)
+    good = g.upload(20, 0, b"good")
+    elsewhere = {**good, "key": f"jobs/{g.job['id']}/checkpoints/step-000000020/attempt-0002/rank-00000.pt"}
+    assert g.report(0, elsewhere).status_code == 409  # not under this attempt's prefix
+    assert g.report(0, {**good, "world_size": 4}).status_code == 409
+    assert g.report(0, {**good, "rank": 7}).status_code == 409
+    agent, spec = g.spec_of_rank(0)
+    r = g.client.post(f"/v1/agent/attempts/{spec['attempt_id']}/shards", headers=agent.headers,
+                      json={"fencing_token": "forged", "node_rank": 0, "shards": [good]})
+    assert r.status_code == 409 and r.json()["type"].endswith("stale-attempt")
+    assert g.checkpoints() == []
+    # A resent shard is stored once; a different one for the same (step, rank) is refused.
+    assert g.report(0, good).status_code == 200 and g.report(0, good).status_code == 200
+    assert g.report(0, {**good, "sha256": "0" * 64}).status_code == 409
+    assert [c["shards"] for c in g.checkpoints()] == [1]
+
+
+def test_a_late_shard_of_a_stale_attempt_is_refused(s3_client):
+    g = Gang(s3_client)
+    g.report(0, g.upload(20, 0, b"old attempt, rank 0"))
+    late = g.upload(20, 1, b"old attempt, rank 1")
+    # Attempt 1 fails and attempt 2 starts; then rank 1's report of attempt 1 arrives.
+    agent1, spec1 = g.spec_of_rank(1)
+    agent1.status(spec1, "exited", exit_code=1, workers=workers_for(spec1, "exited", 1))
+    for a in g.agents:
+        a.heartbeat([])
+    assert g.client.app.state.loops.schedule_once() == 1
+    r = g.report(1, late, spec=spec1)
+    assert r.status_code == 409 and "stale" in r.json()["detail"]
+    g.maintain()
+    [ckpt] = g.checkpoints()
+    assert ckpt["attempt_number"] == 1 and ckpt["state"] == "aborted" and ckpt["shards"] == 1
+
+
+def test_two_replicas_commit_a_checkpoint_once(s3_settings, s3_bucket):
+    # No object store in the request path: the checkpoint waits complete and pending for phase 2.
+    app = create_app(s3_settings.model_copy(update={"s3_endpoint": ""}))
+    with TestClient(app) as client:
+        g = Gang(client)
+        g.store = object_store(s3_settings)
+        g.report(0, g.upload(20, 0, b"zero"))
+        g.report(1, g.upload(20, 1, b"one"))
+        [ckpt] = g.checkpoints()
+        assert ckpt["state"] == "pending" and ckpt["shards"] == 2
+        engines = [make_engine(s3_settings.database_url, pool_size=2) for _ in range(4)]
+        results: list[bool] = []
+        barrier = threading.Barrier(len(engines))
+
+        def replica(engine) -> None:
+            barrier.wait()
+            results.append(checkpoints.commit_ready(make_session_factory(engine), g.store, uuid.UUID(ckpt["id"])))
+
+        threads = [threading.Thread(target=replica, args=(e,)) for e in engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for e in engines:
+            e.dispose()
+        assert sorted(results) == [False, False, False, True]
+        assert g.checkpoints()[0]["state"] == "committed"
+        events = client.get(f"/v1/jobs/{g.job['id']}/events", params={"limit": 1000}, headers=ADMIN).json()
+        assert [e["kind"] for e in events["items"]].count("checkpoint.committed") == 1
+
+
+def test_retention_keeps_the_last_k_and_collects_the_rest(s3_client):
+    g = Gang(s3_client, job_body(num_nodes=2, gpus_per_node=1, checkpoint={"interval_steps": 10, "keep_last": 2}))
+    for step in (10, 20, 30):
+        g.report(0, g.upload(step, 0, b"x" * step))
+        g.report(1, g.upload(step, 1, b"y" * step))
+    g.report(0, g.upload(40, 0, b"never completed"))
+    g.maintain(pending_timeout_s=0.0)
+    states = {c["step"]: c["state"] for c in g.checkpoints()}
+    assert states == {40: "aborted", 30: "committed", 20: "committed", 10: "deleted"}
+    for step, gone in ((10, True), (40, True), (20, False), (30, False)):
+        prefix = checkpoint_prefix(g.job["id"], step, 1) + "/"
+        assert (list(g.store.list_keys(prefix)) == []) is gone, step
+
+
+def test_a_rank_that_could_not_save_aborts_that_step(s3_client):
+    g = Gang(s3_client)
+    g.report(0, g.upload(20, 0, b"fine"))
+    agent, spec = g.spec_of_rank(1)
+    r = g.client.post(f"/v1/agent/attempts/{spec['attempt_id']}/events", headers=agent.headers, json={
+        "fencing_token": spec["fencing_token"], "node_rank": 1,
+        "events": [{"rank": 1, "kind": "checkpoint.save_failed", "message": "S3 unreachable", "data": {"step": 20}}]})
+    assert r.status_code == 200
+    [ckpt] = g.checkpoints()
+    assert ckpt["state"] == "aborted" and "rank 1 could not save: S3 unreachable" in ckpt["reason"]
+    # Its late shard, should it arrive after all, does not revive it.
+    g.report(1, g.upload(20, 1, b"late"))
+    assert g.checkpoints()[0]["state"] == "aborted"

@@ -1,0 +1,153 @@
+"""Recovery decisions over the agent protocol, against real PostgreSQL: lost nodes, blame, avoiding a
+node that failed a job twice, operator removal, the recovery facts of the job view."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from control_plane.db import session_scope
+from control_plane.scheduler.loops import Loops
+from control_plane.services import nodes
+from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
+
+
+@pytest.fixture
+def three_nodes(client):
+    return [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2, 3)]
+
+
+def _job(client, job_id):
+    return client.get(f"/v1/jobs/{job_id}", headers=ADMIN).json()
+
+
+def _attempts(client, job_id):
+    return client.get(f"/v1/jobs/{job_id}/attempts", headers=ADMIN).json()
+
+
+def _assignments(agents) -> dict[str, dict]:
+    out = {}
+    for agent in agents:
+        for spec in agent.heartbeat()["assignments"]:
+            out[agent.name] = spec
+    return out
+
+
+def _lose(app, agents, lost, *, healthy):
+    """Let ``lost`` miss its heartbeats while ``healthy`` keep theirs, then run the liveness check."""
+    time.sleep(0.6)
+    for agent in healthy:
+        agent.heartbeat()
+    with session_scope(app.state.session_factory) as s:
+        names = [n.name for n in nodes.mark_lost_nodes(s, timeout_s=0.5, not_before=nodes.now())]
+    assert names == [lost.name]
+
+
+def _fail(agent, spec, code=1):
+    r = agent.status(spec, "exited", exit_code=code, workers=workers_for(spec, "exited", code))
+    assert r.status_code == 200, r.text
+
+
+def test_lost_node_takes_the_blame_and_keeps_its_gpus_until_removed(app, client, schedule, three_nodes):
+    job = client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1), headers=ADMIN).json()
+    assert schedule() == 1
+    specs = _assignments(three_nodes)
+    (dead, dead_spec), (alive, alive_spec) = [(a, specs[a.name]) for a in three_nodes if a.name in specs]
+    spare = next(a for a in three_nodes if a.name not in specs)
+    # The surviving worker notices its peer vanish and exits first.
+    _fail(alive, alive_spec)
+    alive.heartbeat([])
+    assert _attempts(client, job["id"])[0]["failed_node"] == alive.name
+    _lose(app, three_nodes, dead, healthy=[alive, spare])
+    first = _attempts(client, job["id"])[0]
+    assert first["failed_node"] == dead.name and first["end_reason"].startswith(f"node {dead.name} lost")
+
+    assert schedule() == 1
+    second = _assignments([alive, spare])
+    assert set(second) == {alive.name, spare.name}  # the healthy node kept, the dead one replaced
+    held = [g for n in client.get("/v1/nodes", headers=ADMIN).json() if n["name"] == dead.name for g in n["gpus"]]
+    assert [g["attempt_id"] for g in held] == [dead_spec["attempt_id"]]
+
+    # A node that still runs an attempt cannot be removed; a lost one can, which frees its GPU.
+    r = client.delete(f"/v1/nodes/{alive.node_id}", headers=ADMIN)
+    assert r.status_code == 409 and "cancel those jobs" in r.json()["detail"]
+    r = client.delete(f"/v1/nodes/{dead.node_id}", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["state"] == "removed"
+    assert dead.node_id not in {n["id"] for n in client.get("/v1/nodes", headers=ADMIN).json()}
+    assert _attempts(client, job["id"])[0]["state"] == "ended"
+    # Its old credential is dead; registering again brings it back empty.
+    r = client.post("/v1/agent/heartbeat", json={"agent_instance": "x", "seq": 99, "attempts": []},
+                    headers=dead.headers)
+    assert r.status_code == 401
+    back = FakeAgentSession(client, dead.name, 1)
+    assert back.node_id == dead.node_id and back.heartbeat([dead_spec["attempt_id"]])["assignments"] == []
+    assert {n["name"]: n["state"] for n in client.get("/v1/nodes", headers=ADMIN).json()}[dead.name] == "ready"
+
+
+def test_a_node_that_failed_a_job_twice_is_avoided(client, schedule, three_nodes):
+    client.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=1, max_failures=5), headers=ADMIN)
+    by_name = {a.name: a for a in three_nodes}
+    used = []
+    for _ in range(3):
+        assert schedule() == 1
+        [(name, spec)] = _assignments(three_nodes).items()
+        used.append(name)
+        if len(used) < 3:
+            # Fail it on node-1 twice: the scheduler's best fit picks node-1 again as long as it may.
+            _fail(by_name[name], spec)
+            by_name[name].heartbeat([])
+    assert used[:2] == ["node-1", "node-1"] and used[2] != "node-1"
+
+
+def test_a_job_that_only_fits_on_a_twice_failed_node_fails(client, schedule):
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
+    job = client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1, max_failures=5),
+                      headers=ADMIN).json()
+    for _ in range(2):
+        assert schedule() == 1
+        specs = _assignments(agents)
+        _fail(agents[0], specs["node-1"])
+        for a in agents:
+            a.heartbeat([])
+    assert schedule() == 0
+    view = _job(client, job["id"])
+    assert view["state"] == "failed" and "without node-1, which failed it twice" in view["end_reason"]
+
+
+def test_job_view_tells_how_each_recovery_went(client, schedule, three_nodes):
+    job = client.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=1), headers=ADMIN).json()
+    assert schedule() == 1
+    [(name, spec)] = _assignments(three_nodes).items()
+    agent = next(a for a in three_nodes if a.name == name)
+    p = {"step": 57, "loss": 1.0, "at": "2026-12-02T10:00:00Z"}
+    agent.status(spec, "running", workers=workers_for(spec, "running"), progress=p)
+    _fail(agent, spec, code=-9)
+    agent.heartbeat([])
+    assert schedule() == 1
+    [(name2, spec2)] = _assignments(three_nodes).items()
+    agent2 = next(a for a in three_nodes if a.name == name2)
+    client.post(f"/v1/agent/attempts/{spec2['attempt_id']}/events", headers=agent2.headers, json={
+        "fencing_token": spec2["fencing_token"], "node_rank": 0,
+        "events": [{"rank": 0, "kind": "checkpoint.restored", "message": "restored", "data": {"step": 40}}]})
+    agent2.status(spec2, "running", workers=workers_for(spec2, "running"),
+                  progress={"step": 41, "loss": 1.0, "at": "2026-12-02T10:01:00Z"})
+    first, second = _attempts(client, job["id"])
+    assert first["recovery"] is None and first["progress_step"] == 57 and first["failed_node"] == name
+    rec = second["recovery"]
+    assert rec["after_attempt"] == 1 and rec["steps_lost"] == 17 and second["restored_from_step"] == 40
+    for phase in ("detection_s", "reallocation_s", "start_s", "restore_s", "to_first_step_s"):
+        assert rec[phase] is not None and rec[phase] >= 0, phase
+    assert rec["to_first_step_s"] >= rec["reallocation_s"]
+
+
+def test_after_a_database_outage_nobody_is_declared_lost_at_once(settings):
+    class Broken:
+        def __call__(self):
+            raise ConnectionError("database unreachable")
+
+    loops = Loops(Broken(), settings.model_copy(update={"startup_grace_s": 30}))  # type: ignore[arg-type]
+    loops._not_before = nodes.now()
+    with pytest.raises(ConnectionError):
+        loops.monitor_once()
+    assert (loops._not_before - nodes.now()).total_seconds() > 25

@@ -1,0 +1,248 @@
+"""Fault injection for end-to-end tests: a dev cluster run in this process (so a test can kill,
+freeze or restart each part of it) and a TCP proxy that can cut the way to a real S3 server.
+
+Nothing here imitates a server: the control plane, the agents, torchrun, PostgreSQL and S3 are the
+real ones; the test only breaks the processes and connections between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from trainyard.dev import DevCluster, DevConfig
+
+
+@dataclass
+class Cluster:
+    url: str
+    token: str
+    http: httpx.Client
+    log: Path
+
+    def get(self, path: str, **kw: Any) -> Any:
+        r = self.http.get(path, **kw)
+        r.raise_for_status()
+        return r.json()
+
+    def submit(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = self.http.post("/v1/jobs", json=body)
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self.get(f"/v1/jobs/{job_id}")
+
+    def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.3) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = check()
+            if value:
+                return value
+            time.sleep(every)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; cluster log: {self.log}")
+
+    def wait_state(self, job_id: str, states: set[str], timeout: float = 120.0) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            j = self.job(job_id)
+            return j if j["state"] in states else None
+        return self.wait_for(f"job {job_id} in {states}", check, timeout)
+
+
+class TcpProxy:
+    """Forwards ``127.0.0.1:port`` to ``target``. ``cut()`` resets every open connection and refuses
+    new ones (the server looks down to its clients) until ``restore()``."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self._listener = self._listen(0)
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._stopped = threading.Event()
+        self._accepting: threading.Thread | None = None
+        self._start_accepting()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _listen(self, port: int) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(64)
+        sock.settimeout(0.2)
+        return sock
+
+    def _start_accepting(self) -> None:
+        self._accepting = threading.Thread(target=self._accept_loop, args=(self._listener,), daemon=True)
+        self._accepting.start()
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # the listener was closed: cut or stopped
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns |= {client, upstream}
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                self._drop(s, reset=False)
+
+    def _drop(self, sock: socket.socket, *, reset: bool) -> None:
+        with self._lock:
+            self._conns.discard(sock)
+        with contextlib.suppress(OSError):
+            if reset:  # RST rather than FIN: the client sees the connection break, not end
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.close()
+
+    def cut(self) -> None:
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for sock in conns:
+            self._drop(sock, reset=True)
+
+    def restore(self) -> None:
+        self._listener = self._listen(self.port)
+        self._start_accepting()
+
+    def close(self) -> None:
+        self._stopped.set()
+        self.cut()
+
+
+@dataclass
+class LiveCluster(Cluster):
+    """A dev cluster whose processes belong to this test: kill an agent, freeze a node, restart
+    the control plane, cut S3."""
+
+    dev: DevCluster = field(default=None)  # type: ignore[assignment]
+    s3_proxy: TcpProxy | None = None
+    s3: Any = None
+
+    def node_processes(self, name: str) -> list[psutil.Process]:
+        """The agent of node ``name`` and everything it started (torchrun, shims, workers)."""
+        agent = psutil.Process(self.dev.agent(name).pid)
+        return [agent, *agent.children(recursive=True)]
+
+    def signal_node(self, name: str, sig: signal.Signals) -> list[psutil.Process]:
+        procs = self.node_processes(name)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+        return procs
+
+    def node_id(self, name: str) -> str:
+        return next(n["id"] for n in self.get("/v1/nodes") if n["name"] == name)
+
+    def node(self, name: str) -> dict[str, Any]:
+        return next(n for n in self.get("/v1/nodes") if n["name"] == name)
+
+    def attempts(self, job_id: str) -> list[dict[str, Any]]:
+        return self.get(f"/v1/jobs/{job_id}/attempts")
+
+    def checkpoints(self, job_id: str, state: str | None = None) -> list[dict[str, Any]]:
+        items = self.get(f"/v1/jobs/{job_id}/checkpoints")
+        return [c for c in items if state is None or c["state"] == state]
+
+    def events(self, job_id: str, kind: str | None = None) -> list[dict[str, Any]]:
+        items = self.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000})["items"]
+        return [e for e in items if kind is None or e["kind"] == kind]
+
+    def log_text(self, name: str) -> str:
+        return (self.dev.logs_dir / f"{name}.log").read_text(errors="replace")
+
+    def worker_pids(self, job_id: str) -> dict[int, tuple[str, int]]:
+        """Running workers of the current attempt: rank -> (node name, pid)."""
+        current = self.attempts(job_id)[-1]
+        return {w["rank"]: (n["node_name"], w["pid"]) for n in current["nodes"] for w in n["workers"]
+                if w["pid"] and w["state"] == "running"}
+
+
+@contextlib.contextmanager
+def live_cluster(
+    tmp_path: Path, database_url: str, bucket: Any, *, nodes: int, gpus_per_node: int = 1,
+    settings: dict[str, str] | None = None, proxy_s3: bool = False,
+) -> Iterator[LiveCluster]:
+    """Start a dev cluster of ``nodes`` agents on ``database_url`` and ``bucket`` (through a
+    cuttable proxy with ``proxy_s3``); stop it, and every process it started, at the end."""
+    from trainyard.embedded import free_port
+
+    proxy = TcpProxy(bucket.endpoint) if proxy_s3 else None
+    port = free_port()
+    data_dir = tmp_path / "cluster"
+    config = DevConfig(
+        nodes=nodes, gpus_per_node=gpus_per_node, port=port, data_dir=data_dir, token="e2e-admin",
+        database_url=database_url, s3_endpoint=proxy.endpoint if proxy else bucket.endpoint,
+        s3_access_key=bucket.access_key, s3_secret_key=bucket.secret_key, s3_bucket=bucket.bucket,
+        stop_grace_s=3.0, control_plane_env=settings or {},
+    )
+    log = tmp_path / "dev.log"
+    out = log.open("w")
+    dev = DevCluster(config, out)
+    http = httpx.Client(base_url=config.api_url, headers={"Authorization": f"Bearer {dev.token}"}, timeout=30)
+    try:
+        dev.start()
+        yield LiveCluster(url=config.api_url, token=dev.token, http=http, log=dev.logs_dir, dev=dev,
+                          s3_proxy=proxy, s3=bucket)
+    finally:
+        http.close()
+        for p in _processes_under(data_dir):  # frozen ones first get to die, not to wait for a CONT
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGCONT)
+        dev.stop()
+        _kill_processes_under(data_dir)  # orphans of a SIGKILLed agent: workers in their own sessions
+        if proxy is not None:
+            proxy.close()
+        out.close()
+
+
+def _processes_under(directory: Path) -> list[psutil.Process]:
+    """Processes whose working directory lies under ``directory`` (workers run in attempt dirs)."""
+    prefix = str(directory.resolve())
+    found = []
+    for p in psutil.process_iter(["cwd"]):
+        cwd = p.info.get("cwd") or ""
+        if p.pid != os.getpid() and (cwd == prefix or cwd.startswith(prefix + os.sep)):
+            found.append(p)
+    return found
+
+
+def _kill_processes_under(directory: Path) -> None:
+    procs = _processes_under(directory)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(procs, timeout=5)
