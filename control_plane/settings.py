@@ -45,7 +45,9 @@ class Settings(BaseSettings):
         "", description="Testing only: 'name=sleep(S)' or 'name=exit' pairs, ';'-separated (failpoints.py)."
     )
 
-    run_loops: bool = Field(True, description="Run the scheduler and monitor loops in this process.")
+    run_loops: bool = Field(
+        True, description="Run the scheduler and monitor loops in this process (and a pass when GPUs are freed)."
+    )
     log_json: bool = True
     log_level: str = "INFO"
 

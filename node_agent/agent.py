@@ -114,6 +114,7 @@ class Agent:
             "report": self._report_step,
             "relay": self._relay_step,
         }
+        self._wakes = {name: threading.Event() for name in self._loops}
         self._lifecycle = threading.Lock()
         self._started = False
         self._stopped = False
@@ -161,6 +162,7 @@ class Agent:
         deadline = time.monotonic() + (self.config.stop_grace_s + 10.0 if timeout is None else timeout)
         with self._runs_lock:  # after this, the heartbeat loop launches nothing more
             self._stop_event.set()
+        self._wake(*self._loops)
         self.outbox.wake()
         for thread in self._threads.values():
             # An in-flight request may hold a loop for up to http_timeout_s; its thread is a daemon.
@@ -243,7 +245,14 @@ class Agent:
                 failures += 1
                 self.log.exception("loop_failed", loop=name, failures=failures)
                 wait = min(30.0, 0.5 * 2 ** min(failures, 6))
-            self._stop_event.wait(wait)
+            wake = self._wakes[name]
+            wake.wait(wait)  # stop() sets every wake event too
+            wake.clear()
+
+    def _wake(self, *names: str) -> None:
+        """Run these loops now rather than at their next period (a local fact changed)."""
+        for name in names:
+            self._wakes[name].set()
 
     def _monitor(self) -> None:
         while not self._stop_event.wait(1.0):
@@ -365,7 +374,13 @@ class Agent:
         runs = self.runs()
         table = processes.scan() if runs else None  # one scan of the process table for all
         for run in runs:
+            before = run.signature()
             run.poll(table)
+            after = run.signature()
+            if after != before:
+                # A worker started or exited, or the last process went: tell the control plane at
+                # once (a failure is decided, or the GPUs are released, a period sooner).
+                self._wake("report", *(("heartbeat",) if after[0] != before[0] else ()))
             if not run.alive and (run.done or run.stale):
                 if run.stale:
                     run.mark_done()  # nothing more to tell about a fenced-off attempt

@@ -245,6 +245,12 @@ class AttemptRun:
             if changed:
                 self._persist()
 
+    def signature(self) -> tuple[object, ...]:
+        """What the control plane would want to hear about at once when it changes: whether any
+        process is left (first), torchrun's end, each worker's state."""
+        with self._lock:
+            return (self.alive, self.torchrun_done, tuple((w.rank, w.state, w.exit_code) for w in self._workers))
+
     @property
     def finished(self) -> bool:
         """torchrun has exited and no process of the attempt is left."""

@@ -46,8 +46,9 @@ class FakeAgentSession:
     reordering, stale attempts) that a real agent produces only by chance.
     """
 
-    def __init__(self, client: TestClient, name: str, gpus: int = 2, instance: str = "i1") -> None:
-        reg = register_node(client, name, gpus)
+    def __init__(self, client: TestClient, name: str, gpus: int = 2, instance: str = "i1",
+                 kind: str = "virtual-cpu") -> None:
+        reg = register_node(client, name, gpus, kind=kind)
         self.client = client
         self.name = name
         self.node_id = reg["node_id"]

@@ -42,11 +42,18 @@ def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, 
 def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, settings: SettingsDep,
               request: Request) -> HeartbeatResponse:
     released_before = session.info.get("released", 0)
-    specs = nodes.heartbeat(session, node, body, request.app.state.worker_storage)
+    storage = request.app.state.worker_storage
+    specs = nodes.heartbeat(session, node, body, storage)
     state = node.state
     session.commit()
     if session.info.get("released", 0) != released_before:
-        request.app.state.wake_scheduler()
+        # GPUs were just freed, perhaps the last ones a recovering job waits for: schedule now
+        # (its own transaction) and answer with the result, rather than a heartbeat later.
+        if settings.run_loops and request.app.state.loops.schedule_once():
+            specs = nodes.assignments(session, node, storage)
+            session.commit()
+        else:
+            request.app.state.wake_scheduler()
     return HeartbeatResponse(node_id=str(node.id), node_state=state, assignments=specs,
                              heartbeat_interval_s=settings.heartbeat_interval_s)
 

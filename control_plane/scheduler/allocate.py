@@ -70,6 +70,8 @@ class RecoveryHistory:
     """Nodes of the last attempt that were not blamed for its failure."""
     avoid: frozenset[str] = frozenset()
     """Nodes blamed for AVOID_AFTER_FAILURES or more of the job's failures."""
+    gpu_kind: str | None = None
+    """The GPU kind the job ran on: a recovery replaces GPUs with GPUs of the same kind."""
 
 
 # A node blamed for this many failures of one job is not used for that job again.
@@ -91,11 +93,15 @@ def recovery_history(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UU
         if failed_node is not None:
             blamed.setdefault(job_id, Counter())[str(failed_node)] += 1
     last_nodes: dict[uuid.UUID, set[str]] = {}
+    kinds: dict[uuid.UUID, str] = {}
     if last:
-        for attempt_id, node_id in session.execute(
-            select(AttemptNode.attempt_id, AttemptNode.node_id).where(AttemptNode.attempt_id.in_(list(last.values())))
+        for attempt_id, node_id, kind in session.execute(
+            select(AttemptNode.attempt_id, AttemptNode.node_id, Gpu.kind)
+            .join(Gpu, Gpu.node_id == AttemptNode.node_id)
+            .where(AttemptNode.attempt_id.in_(list(last.values())), Gpu.index == AttemptNode.gpu_indices[1])
         ):
             last_nodes.setdefault(attempt_id, set()).add(str(node_id))
+            kinds[attempt_id] = kind
     failed_node_of = {attempt_id: failed for _, attempt_id, _, failed in rows}
     out = {}
     for job_id, attempt_id in last.items():
@@ -103,7 +109,7 @@ def recovery_history(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UU
         avoid = frozenset(n for n, c in counts.items() if c >= AVOID_AFTER_FAILURES)
         failed = failed_node_of.get(attempt_id)
         prefer = frozenset(last_nodes.get(attempt_id, set()) - avoid - ({str(failed)} if failed else set()))
-        out[job_id] = RecoveryHistory(prefer=prefer, avoid=avoid)
+        out[job_id] = RecoveryHistory(prefer=prefer, avoid=avoid, gpu_kind=kinds.get(attempt_id))
     return out
 
 
@@ -116,7 +122,7 @@ def _demand(job: Job, history: RecoveryHistory | None = None) -> JobDemand:
         priority=job.priority,
         submitted_at=job.created_at,
         recovering=job.state == "recovering",
-        gpu_kind=job.gpu_kind,
+        gpu_kind=job.gpu_kind or history.gpu_kind,
         avoid_nodes=history.avoid,
         prefer_nodes=history.prefer,
     )

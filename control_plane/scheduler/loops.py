@@ -60,13 +60,14 @@ class Loops:
 
     def _run(self, name: str, fn: Callable[[], object], period: float) -> None:
         while not self._stop.is_set():
+            if name == "scheduler":
+                self._wake.clear()  # before the pass: a wake-up during it runs another one at once
             try:
                 fn()
             except Exception:
                 log.exception("loop iteration failed", loop=name)
             if name == "scheduler":
                 self._wake.wait(period)
-                self._wake.clear()
             else:
                 self._stop.wait(period)
 

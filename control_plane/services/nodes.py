@@ -95,7 +95,7 @@ def heartbeat(
     node = session.get(Node, node.id, with_for_update=True) or node
     if node.agent_instance == req.agent_instance and req.seq <= node.heartbeat_seq:
         # A delayed or duplicated heartbeat: it carries older truth than what we have.
-        return _desired_specs(session, node, storage)
+        return assignments(session, node, storage)
     node.agent_instance = req.agent_instance
     node.heartbeat_seq = req.seq
     node.last_heartbeat_at = now()
@@ -105,7 +105,7 @@ def heartbeat(
     alive = {a.attempt_id for a in req.attempts if a.processes_alive}
     _confirm_stopped(session, node, alive)
     session.flush()
-    return _desired_specs(session, node, storage)
+    return assignments(session, node, storage)
 
 
 def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
@@ -133,7 +133,7 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
                 attempts.release_part(session, part)
 
 
-def _desired_specs(session: Session, node: Node, storage: dict[str, object] | None) -> list[LaunchSpec]:
+def assignments(session: Session, node: Node, storage: dict[str, object] | None) -> list[LaunchSpec]:
     specs = []
     for attempt, part, job in attempts.desired_for_node(session, node):
         specs.append(

@@ -83,6 +83,7 @@ def make_cluster(tmp_path: Path, fresh_database_url: str, s3_bucket: Any) -> Ite
 _reference: dict[tuple[str, ...], dict[str, Any]] = {}
 # tiny_gpt flags that change timing or inject faults, never the weights.
 _NOT_MODEL = {"--step-delay-s", "--ckpt-upload-delay-s", "--ckpt-slow-rank", "--crash-at-step", "--crash-rank"}
+_NOT_MODEL_FLAGS = {"--crash-kill", "--crash-once"}
 
 
 def _model_args(args: list[str]) -> list[str]:
@@ -90,7 +91,7 @@ def _model_args(args: list[str]) -> list[str]:
     for a in it:
         if a in _NOT_MODEL:
             next(it, None)
-        else:
+        elif a not in _NOT_MODEL_FLAGS:
             out.append(a)
     return out
 

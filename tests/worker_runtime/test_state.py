@@ -111,6 +111,32 @@ def test_train_state_saves_and_loads_every_registered_object() -> None:
     assert other["optimizer"].state_dict()["state"][0]["step"] == 1
 
 
+def test_lr_schedule_and_gradient_scaler_resume_where_they_were() -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    state = TrainState()
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+        state.register(name, obj)
+    for _ in range(3):
+        scaler.scale(model(torch.ones(1, 3)).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+    saved = _roundtrip(state.state_dict())
+
+    other_optimizer = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=1.0)
+    other_scheduler = torch.optim.lr_scheduler.StepLR(other_optimizer, step_size=2, gamma=0.5)
+    other_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    other = TrainState()
+    for name, obj in (("optimizer", other_optimizer), ("scheduler", other_scheduler), ("scaler", other_scaler)):
+        other.register(name, obj)
+    other.load_state_dict(saved)
+    assert other_scheduler.last_epoch == 3 and other_scheduler.get_last_lr() == scheduler.get_last_lr() == [0.5]
+    assert other_scaler.get_scale() == scaler.get_scale() == 8192.0
+
+
 def test_train_state_strict_load_names_what_is_missing() -> None:
     state = TrainState()
     state.register("step", StepCounter())

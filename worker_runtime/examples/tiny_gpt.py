@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -77,6 +78,10 @@ class Config:
     crash_at_step: int = 0
     """Fault injection: at this step (if this process runs it), crash_rank exits with code 3."""
     crash_rank: int = 0
+    crash_kill: bool = False
+    """Crash by SIGKILL to itself (exit code -9) rather than exit code 3."""
+    crash_once: bool = False
+    """Crash only in the first run: Trainyard attempt 1, or torchrun's first worker group."""
 
     def __post_init__(self) -> None:
         if min(self.steps, self.batch_size, self.seq_len, self.d_model, self.layers, self.log_every) < 1:
@@ -166,6 +171,12 @@ class Trainer:
         self.step.value += 1
         return loss.detach()
 
+    def _may_crash(self) -> bool:
+        if not self.cfg.crash_once:
+            return True
+        first_group = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        return first_group and self.ctx.attempt_number <= 1
+
     def global_mean(self, loss: torch.Tensor, stop: bool = False) -> tuple[float, bool]:
         """Mean loss over ranks, and whether any rank wants to stop (one small collective)."""
         packed = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
@@ -191,8 +202,10 @@ class Trainer:
         while self.step.value < until:
             loss = self.train_step()
             step = self.step.value
-            if step == self.cfg.crash_at_step and self.ctx.rank == self.cfg.crash_rank:
+            if step == self.cfg.crash_at_step and self.ctx.rank == self.cfg.crash_rank and self._may_crash():
                 print(f"tiny_gpt: crashing at step {step} as asked (--crash-at-step)", file=sys.stderr, flush=True)
+                if self.cfg.crash_kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 os._exit(3)
             if checkpoints is not None and checkpoints.should_save(step):
                 checkpoints.save(step)
@@ -231,6 +244,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                  "ckpt_slow_rank", "crash_at_step", "crash_rank"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL rather than exit code 3")
+    parser.add_argument("--crash-once", action="store_true", help="crash only in the first attempt")
     parser.add_argument("--step-delay-s", type=float, default=defaults.step_delay_s)
     parser.add_argument("--ckpt-upload-delay-s", type=float, default=defaults.ckpt_upload_delay_s)
     args = parser.parse_args(argv)
@@ -254,7 +269,15 @@ def train(cfg: Config, ctx: WorkerContext, reporter: Reporter) -> dict[str, Any]
         # the result (an attempt that succeeded keeps its final checkpoint).
     if result is not None:
         result["restored_from_step"] = restored
-        result["checkpoints_saved"] = sum(1 for s in checkpoints.saves if s.ok)
+        saved = [s for s in checkpoints.saves if s.ok]
+        result["checkpoints_saved"] = len(saved)
+        if saved:
+            # This rank's side of its saves: what a checkpoint costs the loop, and in the background.
+            result["checkpoint_stats"] = {
+                "bytes": saved[-1].size_bytes,
+                "mean_pause_s": round(sum(s.snapshot_s + s.blocked_s for s in saved) / len(saved), 4),
+                "mean_upload_s": round(sum(s.upload_s for s in saved) / len(saved), 4),
+            }
     return result
 
 
