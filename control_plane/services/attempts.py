@@ -20,7 +20,7 @@ from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node,
 from control_plane.schemas.agent import AttemptStatusReport
 from control_plane.services import events
 from control_plane.services.checkpoints import restore_plan
-from control_plane.services.fencing import authorize_report
+from control_plane.services.fencing import authorize_report, lock_attempt
 from control_plane.services.jobs import TERMINAL, now, set_job_state
 
 WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
@@ -162,6 +162,13 @@ def fail_attempt(
 
 def release_part(session: Session, part: AttemptNode) -> None:
     """A node confirmed its processes of this attempt are gone: release its leases."""
+    locked = lock_attempt(session, part.attempt_id)
+    assert locked is not None
+    job, attempt = locked
+    part = session.scalars(
+        select(AttemptNode).where(AttemptNode.id == part.id).with_for_update()
+        .execution_options(populate_existing=True)
+    ).one()
     if part.released_at is not None:
         return
     t = now()
@@ -177,8 +184,6 @@ def release_part(session: Session, part: AttemptNode) -> None:
         )
         .values(released_at=t)
     ).rowcount
-    attempt = session.get(Attempt, part.attempt_id)
-    assert attempt is not None
     events.record(
         session,
         "leases.released",
@@ -187,20 +192,23 @@ def release_part(session: Session, part: AttemptNode) -> None:
         attempt_id=attempt.id,
         node_id=part.node_id,
     )
-    finish_if_released(session, attempt)
+    finish_if_released(session, job, attempt)
 
 
-def finish_if_released(session: Session, attempt: Attempt) -> None:
-    """Mark the attempt ended once every node released; finish a cancelling job."""
+def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
+    """Mark the attempt ended once every node released; finish a cancelling job.
+
+    The caller holds the job and attempt locks (lock_attempt), so a release that committed before
+    is seen here: two nodes releasing at once cannot both conclude that the other has not."""
     if attempt.state == "ended" or attempt.outcome is None:
         return
-    parts = session.scalars(select(AttemptNode).where(AttemptNode.attempt_id == attempt.id)).all()
+    parts = session.scalars(
+        select(AttemptNode).where(AttemptNode.attempt_id == attempt.id).execution_options(populate_existing=True)
+    ).all()
     if any(p.released_at is None for p in parts):
         return
     attempt.state = "ended"
     attempt.ended_at = now()
-    job = session.get(Job, attempt.job_id, with_for_update=True)
-    assert job is not None
     if job.state == "cancelling":
         set_job_state(session, job, "cancelled", "every worker stopped and every lease released")
 

@@ -13,15 +13,32 @@ from control_plane.errors import Forbidden, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, Job, Node
 
 
+def lock_attempt(session: Session, attempt_id: uuid.UUID) -> tuple[Job, Attempt] | None:
+    """Lock an attempt's job, then the attempt (FOR UPDATE), and load both afresh; None if unknown.
+
+    Every transaction that changes an attempt's fate takes its locks in one order, node -> job ->
+    attempt -> attempt parts, so two of them never deadlock, and a decision that reads the other
+    parts (is every node released?) sees what the transactions before it committed.
+    """
+    job_id = session.scalar(select(Attempt.job_id).where(Attempt.id == attempt_id))
+    if job_id is None:
+        return None
+    fresh = {"populate_existing": True}
+    job = session.scalars(select(Job).where(Job.id == job_id).with_for_update().execution_options(**fresh)).one()
+    attempt = session.scalars(
+        select(Attempt).where(Attempt.id == attempt_id).with_for_update().execution_options(**fresh)
+    ).one()
+    return job, attempt
+
+
 def authorize_report(
     session: Session, node: Node, attempt_id: uuid.UUID, fencing_token: str, node_rank: int
 ) -> tuple[Job, Attempt, AttemptNode]:
     """Fencing: refuse anything not from the job's current attempt with the right token."""
-    attempt = session.get(Attempt, attempt_id, with_for_update=True)
-    if attempt is None or not secrets.compare_digest(attempt.fencing_token, fencing_token):
+    locked = lock_attempt(session, attempt_id)
+    if locked is None or not secrets.compare_digest(locked[1].fencing_token, fencing_token):
         raise StaleAttempt(f"attempt {attempt_id} is unknown or its fencing token does not match")
-    job = session.get(Job, attempt.job_id, with_for_update=True)
-    assert job is not None
+    job, attempt = locked
     if job.current_attempt_id != attempt.id:
         raise StaleAttempt(
             f"attempt {attempt.number} of job {job.id} is stale: the current attempt is another one",

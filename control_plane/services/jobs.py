@@ -215,11 +215,11 @@ def cancel(session: Session, job_id: uuid.UUID) -> Job:
         raise InvalidState(f"job {job.id} already ended ({job.state}); there is nothing to cancel")
     if job.state == "cancelling":
         return job
-    attempt = session.get(Attempt, job.current_attempt_id) if job.current_attempt_id else None
+    attempt = session.get(Attempt, job.current_attempt_id, with_for_update=True) if job.current_attempt_id else None
     if attempt is not None and attempt.state != "ended":
         attempts.end_attempt(session, attempt, outcome="cancelled", reason="cancelled by user")
         set_job_state(session, job, "cancelling", "cancel requested; stopping every worker")
-        attempts.finish_if_released(session, attempt)
+        attempts.finish_if_released(session, job, attempt)
     else:
         set_job_state(session, job, "cancelled", "cancelled by user")
     session.commit()

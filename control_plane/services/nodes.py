@@ -14,6 +14,7 @@ from control_plane.errors import InvalidState, NotFound, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
 from control_plane.schemas.agent import HeartbeatRequest, LaunchSpec, RegisterRequest
 from control_plane.services import attempts, events
+from control_plane.services.fencing import lock_attempt
 from control_plane.services.jobs import now
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
@@ -109,22 +110,28 @@ def heartbeat(
 
 
 def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
-    parts = session.execute(
-        select(AttemptNode, Attempt)
-        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+    candidates = session.execute(
+        select(AttemptNode.id, AttemptNode.attempt_id)
         .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
-        .with_for_update(of=AttemptNode)
+        .order_by(AttemptNode.attempt_id)
     ).all()
-    for part, attempt in parts:
-        if str(attempt.id) in alive:
+    for part_id, attempt_id in candidates:
+        if str(attempt_id) in alive:
+            continue
+        locked = lock_attempt(session, attempt_id)  # job, then attempt: see lock_attempt
+        assert locked is not None
+        job, attempt = locked
+        part = session.scalars(
+            select(AttemptNode).where(AttemptNode.id == part_id).with_for_update()
+            .execution_options(populate_existing=True)
+        ).one()
+        if part.released_at is not None:
             continue
         if part.desired == "stop" or part.state in ("exited", "stopped"):
             attempts.release_part(session, part)
         elif part.state in ("launching", "running") and part.reported_at is not None:
             silent = (now() - part.reported_at).total_seconds()
             if silent > VANISHED_AFTER_S:
-                job = session.get(Job, attempt.job_id, with_for_update=True)
-                assert job is not None
                 attempts.fail_attempt(
                     session, job, attempt,
                     f"processes of node rank {part.node_rank} on {node.name} vanished without an exit report",
@@ -179,13 +186,16 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime)
         node.state = "lost"
         events.record(session, "node.lost", f"node {node.name} missed heartbeats for {timeout_s:g}s",
                       node_id=node.id)
-        rows = session.execute(
-            select(Attempt, Job)
+        attempt_ids = session.scalars(
+            select(Attempt.id)
             .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
-            .join(Job, Job.id == Attempt.job_id)
             .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None), Attempt.state != "ended")
+            .order_by(Attempt.id)
         ).all()
-        for attempt, job in rows:
+        for attempt_id in attempt_ids:
+            locked = lock_attempt(session, attempt_id)
+            assert locked is not None
+            job, attempt = locked
             if attempt.outcome is None:
                 attempts.fail_attempt(session, job, attempt, f"node {node.name} lost", node_id=node.id)
             elif attempt.outcome == "failed" and attempt.failed_node_id != node.id:
@@ -210,7 +220,7 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
         .join(Attempt, Attempt.id == AttemptNode.attempt_id)
         .join(Job, Job.id == Attempt.job_id)
         .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
-        .with_for_update(of=AttemptNode)
+        .order_by(Attempt.id)
     ).all()
     if parts and node.state != "lost":
         running = ", ".join(sorted({f"attempt {a.number} of job {j.name} ({j.id})" for _, a, j in parts}))
@@ -223,7 +233,10 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
     node.token_hash = hash_token(secrets.token_urlsafe(32))  # its credential stops working
     events.record(session, "node.removed", f"node {node.name} removed by an operator", node_id=node.id,
                   released_parts=len(parts))
-    for part, attempt, job in parts:
+    for part, attempt, _ in parts:
+        locked = lock_attempt(session, attempt.id)
+        assert locked is not None
+        job, attempt = locked
         if attempt.outcome is None:
             attempts.fail_attempt(session, job, attempt, f"node {node.name} removed", node_id=node.id)
         attempts.release_part(session, part)

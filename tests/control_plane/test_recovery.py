@@ -3,12 +3,17 @@ node that failed a job twice, operator removal, the recovery facts of the job vi
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+import uuid
 
 import pytest
 
 from control_plane.db import session_scope
+from control_plane.models import Node
 from control_plane.scheduler.loops import Loops
+from control_plane.schemas.agent import HeartbeatRequest
 from control_plane.services import nodes
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 
@@ -166,3 +171,37 @@ def test_recovery_replaces_gpus_with_gpus_of_the_same_kind(client, schedule):
     assert schedule() == 1
     placed = _assignments(agents[1:])
     assert list(placed) == ["c-1"]
+
+
+def test_two_nodes_releasing_at_once_still_end_the_attempt(app, client, schedule):
+    """Each release checks whether every node has released; without the job/attempt locks, two
+    concurrent releases would each see the other's part unreleased and the attempt never end."""
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
+    job = client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1, max_failures=0), headers=ADMIN).json()
+    assert schedule() == 1
+    specs = _assignments(agents)
+    _fail(agents[1], specs["node-2"])  # the job fails; both nodes must now confirm their processes gone
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def release(agent: FakeAgentSession) -> None:
+        session = app.state.session_factory()
+        try:
+            node = session.get(Node, uuid.UUID(agent.node_id))
+            nodes.heartbeat(session, node, HeartbeatRequest(agent_instance="race", seq=1000, attempts=[]))
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(timeout=1.0)  # both inside their transaction, if the other is not blocked
+            session.commit()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            session.close()
+
+    threads = [threading.Thread(target=release, args=(a,)) for a in agents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    [attempt] = _attempts(client, job["id"])
+    assert all(n["released_at"] for n in attempt["nodes"]) and attempt["state"] == "ended"

@@ -44,13 +44,15 @@ class Cluster:
     def job(self, job_id: str) -> dict[str, Any]:
         return self.get(f"/v1/jobs/{job_id}")
 
-    def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.3) -> Any:
+    def wait_for(self, what: str | Callable[[], str], check: Callable[[], Any], timeout: float = 120.0,
+                 every: float = 0.3) -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = check()
             if value:
                 return value
             time.sleep(every)
+        what = what() if callable(what) else what
         raise AssertionError(f"timed out after {timeout}s waiting for {what}; cluster log: {self.log}")
 
     def wait_state(self, job_id: str, states: set[str], timeout: float = 120.0) -> dict[str, Any]:

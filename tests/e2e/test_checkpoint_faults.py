@@ -124,7 +124,7 @@ def test_max_failures_exhausted_fails_the_job_with_every_reason(make_cluster):
     assert [a["outcome"] for a in attempts] == ["failed", "failed"]
     cluster.wait_for("every lease released", lambda: all(
         g["job_id"] is None for n in cluster.get("/v1/nodes") for g in n["gpus"]), timeout=30)
-    cluster.wait_for("both attempts ended", lambda: all(
+    cluster.wait_for(lambda: f"both attempts ended: {cluster.attempts(job['id'])}", lambda: all(
         a["state"] == "ended" for a in cluster.attempts(job["id"])), timeout=30)
     failed = cluster.events(job["id"], "job.failed")
     assert len(failed) == 1 and len(failed[0]["data"]["reasons"]) == 2
