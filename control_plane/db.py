@@ -10,11 +10,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import CursorResult, Engine, create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def rowcount(result: Any) -> int:
+    """Rows a DML statement matched (``Result`` is a ``CursorResult`` for INSERT/UPDATE/DELETE)."""
+    return int(cast(CursorResult[Any], result).rowcount or 0)
 
 
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:

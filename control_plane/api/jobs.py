@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
@@ -17,8 +17,8 @@ from control_plane.services import events, jobs, logs, views
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-_PROBLEM = {"content": {"application/problem+json": {}}}
-ERRORS = {401: _PROBLEM, 404: _PROBLEM, 409: _PROBLEM, 422: _PROBLEM}
+_PROBLEM: dict[str, Any] = {"content": {"application/problem+json": {}}}
+ERRORS: dict[int | str, dict[str, Any]] = {401: _PROBLEM, 404: _PROBLEM, 409: _PROBLEM, 422: _PROBLEM}
 
 
 @router.post("", response_model=JobOut, status_code=status.HTTP_201_CREATED, responses=ERRORS,
@@ -111,13 +111,13 @@ def get_logs(
 ) -> StreamingResponse:
     jobs.get_job(session, job_id)
     factory = request.app.state.session_factory
-    filters = {"attempt_number": attempt, "node_rank": node_rank, "rank": rank, "stream": stream}
 
     def body() -> Iterator[str]:
         after = 0
         while True:
             with session_scope(factory) as s:
-                chunks = logs.read(s, job_id, after=after, **filters)
+                chunks = logs.read(s, job_id, after=after, attempt_number=attempt, node_rank=node_rank,
+                                   rank=rank, stream=stream)
                 ended = jobs.get_job(s, job_id).state in jobs.TERMINAL
             for chunk, number in chunks:
                 after = chunk.id

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from control_plane.db import rowcount
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
 from control_plane.schemas.agent import AttemptStatusReport
 from control_plane.services import events
@@ -175,7 +176,7 @@ def release_part(session: Session, part: AttemptNode) -> None:
     part.released_at = t
     part.state = "gone"
     session.info["released"] = session.info.get("released", 0) + 1  # lets the caller wake the scheduler
-    released = session.execute(
+    released = rowcount(session.execute(
         update(GpuLease)
         .where(
             GpuLease.attempt_id == part.attempt_id,
@@ -183,7 +184,7 @@ def release_part(session: Session, part: AttemptNode) -> None:
             GpuLease.released_at.is_(None),
         )
         .values(released_at=t)
-    ).rowcount
+    ))
     events.record(
         session,
         "leases.released",

@@ -24,7 +24,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
-from control_plane.db import session_scope
+from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
 from control_plane.schemas.agent import ShardReport
@@ -145,11 +145,11 @@ def commit_ready(factory: sessionmaker[Session], store: ObjectStore, checkpoint_
             _abort(factory, checkpoint_id, "its attempt is no longer the job's current one")
             return False
         size = sum(sh["size_bytes"] for sh in manifest["shards"])
-        done = s.execute(
+        done = rowcount(s.execute(
             update(Checkpoint)
             .where(Checkpoint.id == checkpoint_id, Checkpoint.state == "pending")
             .values(state="committed", manifest_key=key, manifest=manifest, size_bytes=size, committed_at=now())
-        ).rowcount
+        ))
         if done:
             events.record(s, "checkpoint.committed",
                           f"checkpoint of step {manifest['step']} committed ({size} bytes, "

@@ -7,6 +7,7 @@ import hashlib
 import json
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import IntegrityError
@@ -40,7 +41,7 @@ def can_transition(src: str, dst: str) -> bool:
     return dst in TRANSITIONS.get(src, frozenset())
 
 
-def set_job_state(session: Session, job: Job, new_state: str, reason: str, **data: object) -> bool:
+def set_job_state(session: Session, job: Job, new_state: str, reason: str, **data: Any) -> bool:
     """Move ``job`` to ``new_state`` and record the event; the only writer of ``Job.state``.
 
     Returns False (and changes nothing) when the job is already in ``new_state``; raises

@@ -9,6 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from control_plane.db import rowcount
 from control_plane.errors import Forbidden, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, LogChunk, Node
 from control_plane.schemas.agent import LogBatch
@@ -44,7 +45,7 @@ def append(session: Session, node: Node, attempt_id: uuid.UUID, batch: LogBatch)
     ]
     result = session.execute(insert(LogChunk).values(rows).on_conflict_do_nothing())
     session.commit()
-    return result.rowcount or 0
+    return rowcount(result)
 
 
 def read(
