@@ -5,13 +5,40 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainyard.embedded import free_port, free_ports, has_exited, signal_group, wait_exited
 
-__all__ = ["ProcessReaper", "free_port", "free_ports", "wait_for", "pid_gone"]
+__all__ = ["ProcessReaper", "free_port", "free_ports", "in_parallel", "wait_for", "pid_gone"]
+
+
+def in_parallel(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(*args)`` for every args tuple on its own thread, all released at once by a barrier
+    (as concurrent requests or replicas would be); their results in order. Raises the first error."""
+    barrier = threading.Barrier(len(calls))
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int, args: tuple[Any, ...]) -> None:
+        try:
+            barrier.wait(timeout)
+            results[i] = fn(*args)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, args), daemon=True) for i, args in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        raise AssertionError(f"{fn.__name__} still running after {timeout}s")
+    if errors:
+        raise errors[0]
+    return results
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import threading
 import uuid
 
 import pytest
@@ -19,6 +18,7 @@ from control_plane.services import checkpoints
 from control_plane.services.checkpoints import checkpoint_prefix
 from control_plane.settings import Settings
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
+from tests.helpers import in_parallel
 
 
 @pytest.fixture
@@ -154,20 +154,15 @@ def test_two_replicas_commit_a_checkpoint_once(s3_settings, s3_bucket):
         [ckpt] = g.checkpoints()
         assert ckpt["state"] == "pending" and ckpt["shards"] == 2
         engines = [make_engine(s3_settings.database_url, pool_size=2) for _ in range(4)]
-        results: list[bool] = []
-        barrier = threading.Barrier(len(engines))
 
-        def replica(engine) -> None:
-            barrier.wait()
-            results.append(checkpoints.commit_ready(make_session_factory(engine), g.store, uuid.UUID(ckpt["id"])))
+        def replica(engine) -> bool:
+            return checkpoints.commit_ready(make_session_factory(engine), g.store, uuid.UUID(ckpt["id"]))
 
-        threads = [threading.Thread(target=replica, args=(e,)) for e in engines]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        for e in engines:
-            e.dispose()
+        try:
+            results = in_parallel(replica, [(e,) for e in engines])
+        finally:
+            for e in engines:
+                e.dispose()
         assert sorted(results) == [False, False, False, True]
         assert g.checkpoints()[0]["state"] == "committed"
         events = client.get(f"/v1/jobs/{g.job['id']}/events", params={"limit": 1000}, headers=ADMIN).json()

@@ -16,6 +16,7 @@ from control_plane.scheduler.loops import Loops
 from control_plane.schemas.agent import HeartbeatRequest
 from control_plane.services import nodes
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
+from tests.helpers import in_parallel
 
 
 @pytest.fixture
@@ -181,8 +182,7 @@ def test_two_nodes_releasing_at_once_still_end_the_attempt(app, client, schedule
     assert schedule() == 1
     specs = _assignments(agents)
     _fail(agents[1], specs["node-2"])  # the job fails; both nodes must now confirm their processes gone
-    barrier = threading.Barrier(2)
-    errors: list[BaseException] = []
+    both_inside = threading.Barrier(2)
 
     def release(agent: FakeAgentSession) -> None:
         session = app.state.session_factory()
@@ -190,18 +190,11 @@ def test_two_nodes_releasing_at_once_still_end_the_attempt(app, client, schedule
             node = session.get(Node, uuid.UUID(agent.node_id))
             nodes.heartbeat(session, node, HeartbeatRequest(agent_instance="race", seq=1000, attempts=[]))
             with contextlib.suppress(threading.BrokenBarrierError):
-                barrier.wait(timeout=1.0)  # both inside their transaction, if the other is not blocked
+                both_inside.wait(timeout=1.0)  # both in their transaction, unless one waits for the other
             session.commit()
-        except BaseException as exc:
-            errors.append(exc)
         finally:
             session.close()
 
-    threads = [threading.Thread(target=release, args=(a,)) for a in agents]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert errors == []
+    in_parallel(release, [(a,) for a in agents], timeout=30)
     [attempt] = _attempts(client, job["id"])
     assert all(n["released_at"] for n in attempt["nodes"]) and attempt["state"] == "ended"
