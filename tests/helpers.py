@@ -41,15 +41,18 @@ def in_parallel(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], timeou
     return results
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> Any:
-    """Poll ``predicate`` until it returns something truthy (returned) or ``timeout`` passes (fail)."""
+def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
+             what: str | Callable[[], str] = "") -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned) or ``timeout`` passes (fail,
+    saying ``what``; a callable is asked only then, so it can describe the state at the end)."""
     deadline = time.monotonic() + timeout
     while True:
         result = predicate()
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate!r}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout}s waiting for {said or predicate!r}")
         time.sleep(interval)
 
 

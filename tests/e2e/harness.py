@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 import psutil
 
+from tests.helpers import wait_for
 from trainyard.dev import DevCluster, DevConfig
 
 
@@ -46,14 +46,9 @@ class Cluster:
 
     def wait_for(self, what: str | Callable[[], str], check: Callable[[], Any], timeout: float = 120.0,
                  every: float = 0.3) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = check()
-            if value:
-                return value
-            time.sleep(every)
-        what = what() if callable(what) else what
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; cluster log: {self.log}")
+        def said() -> str:
+            return f"{what() if callable(what) else what}; cluster log: {self.log}"
+        return wait_for(check, timeout, every, what=said)
 
     def wait_state(self, job_id: str, states: set[str], timeout: float = 120.0) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:

@@ -5,36 +5,19 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from control_plane.schemas.agent import LaunchSpec
 from node_agent.attempt import AttemptRun, attempt_paths
 from node_agent.launcher import NodeContext
+from tests.helpers import free_port, wait_for
+
+__all__ = ["REPO_ROOT", "free_port", "wait_for", "make_spec", "write_script", "Launcher", "read_log", "wait_finished"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05, what: str = "") -> Any:
-    """Poll until `predicate` returns something truthy (returned), failing after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def make_spec(**overrides: Any) -> LaunchSpec:
