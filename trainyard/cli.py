@@ -128,6 +128,9 @@ def dev_up(
     nodes: Annotated[int, typer.Option(min=1, max=200, help="Number of node agents.")] = 2,
     gpus_per_node: Annotated[int, typer.Option(min=1, help="Virtual GPU slots per node.")] = 2,
     port: Annotated[int, typer.Option(min=1, max=65535, help="Control-plane port.")] = 8000,
+    replicas: Annotated[
+        int, typer.Option(min=1, max=16, help="Control-plane replicas on one database (ports PORT, PORT+1, ...).")
+    ] = 1,
     host: Annotated[str, typer.Option(help="Control-plane address.")] = "127.0.0.1",
     data_dir: Annotated[Path, typer.Option(help="Where databases, objects, logs and node dirs live.")] = Path(
         ".trainyard/dev"
@@ -154,6 +157,7 @@ def dev_up(
             nodes=nodes,
             gpus_per_node=gpus_per_node,
             port=port,
+            replicas=replicas,
             host=host,
             data_dir=data_dir,
             token=token,

@@ -60,7 +60,9 @@ class DevConfig:
     gpus_per_node: int = 2
     """Virtual (CPU-only) GPU slots each agent offers."""
     port: int = 8000
-    """Control-plane port."""
+    """Control-plane port (replica i listens on port + i)."""
+    replicas: int = 1
+    """Control-plane processes on one database; node i's agent talks to replica i % replicas."""
     host: str = "127.0.0.1"
     """Control-plane listen address."""
     data_dir: Path = field(default_factory=lambda: Path(".trainyard/dev"))
@@ -88,8 +90,10 @@ class DevConfig:
             raise ValueError("--nodes must be between 1 and 253")
         if self.gpus_per_node < 1:
             raise ValueError("--gpus-per-node must be at least 1")
-        if not 1 <= self.port <= 65535:
-            raise ValueError("--port must be 1-65535")
+        if not 1 <= self.replicas <= 16:
+            raise ValueError("--replicas must be between 1 and 16")
+        if not 1 <= self.port <= 65535 - self.replicas + 1:
+            raise ValueError("--port must be 1-65535 (and leave room for the replicas' ports)")
         if self.database_url is not None and not self.database_url.startswith("postgresql"):
             raise ValueError("--database-url must be a postgresql:// or postgresql+psycopg:// URL")
         if self.s3_endpoint is not None:
@@ -107,8 +111,11 @@ class DevConfig:
 
     @property
     def api_url(self) -> str:
+        return self.replica_url(0)
+
+    def replica_url(self, index: int) -> str:
         reach = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{reach}:{self.port}"
+        return f"http://{reach}:{self.port + index}"
 
 
 @dataclass
@@ -132,7 +139,7 @@ class DevCluster:
         self.pg: EmbeddedPostgres | None = None
         self.s3: EmbeddedS3 | None = None
         self.database_url = config.database_url or ""
-        self.control_plane: _Child | None = None
+        self.control_planes: list[_Child | None] = [None] * config.replicas
         self.agents: list[_Child] = []
         self._control_plane_env: dict[str, str] = {}
         self._stop_requested = threading.Event()
@@ -149,8 +156,9 @@ class DevCluster:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         (cfg.data_dir / "nodes").mkdir(parents=True, exist_ok=True)
         _kill_leftovers(cfg.data_dir / "dev-up.pids", self._say)
-        if not port_is_free(cfg.port, cfg.host):
-            raise DevError(f"port {cfg.port} on {cfg.host} is already in use; choose another with --port")
+        for port in range(cfg.port, cfg.port + cfg.replicas):
+            if not port_is_free(port, cfg.host):
+                raise DevError(f"port {port} on {cfg.host} is already in use; choose another with --port")
 
         if cfg.database_url is None:
             self._say(f"starting PostgreSQL (data: {cfg.data_dir / 'postgres'})")
@@ -186,14 +194,15 @@ class DevCluster:
             **cfg.control_plane_env,
         }
         self._control_plane_env = env
-        self._say(f"starting the control plane on {cfg.api_url}")
-        self._start_control_plane()
+        for i in range(cfg.replicas):
+            self._say(f"starting the control plane on {cfg.replica_url(i)}")
+            self._start_control_plane(i)
 
         for i in range(1, cfg.nodes + 1):
             name = f"node-{i}"
             args = [
                 "-m", "trainyard", "agent",
-                "--control-plane", cfg.api_url,
+                "--control-plane", cfg.replica_url((i - 1) % cfg.replicas),
                 "--join-token", self.join_token,
                 "--name", name,
                 "--address", f"127.0.0.{i + 1}",
@@ -204,20 +213,28 @@ class DevCluster:
         self._say(f"waiting for {cfg.nodes} node(s) to register")
         self._wait(f"{cfg.nodes} ready node(s)", self._nodes_ready)
 
-    def _start_control_plane(self, extra_env: dict[str, str] | None = None) -> None:
-        self.control_plane = self._spawn(
-            "control-plane",
-            ["-m", "trainyard", "server", "--host", self.config.host, "--port", str(self.config.port)],
+    @property
+    def control_plane(self) -> _Child | None:
+        """The first replica's process."""
+        return self.control_planes[0]
+
+    def _start_control_plane(self, index: int, extra_env: dict[str, str] | None = None) -> None:
+        name = "control-plane" if index == 0 else f"control-plane-{index + 1}"
+        port = str(self.config.port + index)
+        self.control_planes[index] = self._spawn(
+            name,
+            ["-m", "trainyard", "server", "--host", self.config.host, "--port", port],
             {**self._control_plane_env, **(extra_env or {})},
         )
-        self._wait("the control plane to be ready", self._control_plane_ready)
+        url = self.config.replica_url(index)
+        self._wait(f"the control plane at {url} to be ready", lambda: self._control_plane_ready(url))
 
-    def restart_control_plane(self, *, kill: bool = True, down_s: float = 0.0,
+    def restart_control_plane(self, *, replica: int = 0, kill: bool = True, down_s: float = 0.0,
                               extra_env: dict[str, str] | None = None) -> None:
-        """Stop the control plane (SIGKILL with ``kill``, else TERM and wait), stay down ``down_s``,
-        then start a new one (with ``extra_env`` on top of its settings) and wait until it is
-        ready. The agents and their workers are left alone: that is the point."""
-        old = self.control_plane
+        """Stop a control-plane replica (SIGKILL with ``kill``, else TERM and wait), stay down
+        ``down_s``, then start a new one (with ``extra_env`` on top of its settings) and wait until
+        it is ready. The agents and their workers are left alone: that is the point."""
+        old = self.control_planes[replica]
         if old is not None:
             self._say("killing the control plane" if kill else "stopping the control plane")
             if kill:
@@ -227,10 +244,10 @@ class DevCluster:
                 old.log.close()
             else:
                 _stop_children([old], self.config.stop_grace_s)
-            self.control_plane = None
+            self.control_planes[replica] = None
         self._stop_requested.wait(down_s)
         self._say("starting the control plane again")
-        self._start_control_plane(extra_env)
+        self._start_control_plane(replica, extra_env)
 
     def agent(self, name: str) -> subprocess.Popen[bytes]:
         """The process of the agent of node ``name`` (node-1, node-2, ...)."""
@@ -288,6 +305,8 @@ class DevCluster:
             f"Trainyard dev cluster is up: {self.config.nodes} node(s)"
             f" x {self.config.gpus_per_node} virtual GPU slot(s)",
             f"  API:         {url}   (docs: {url}/docs)",
+            *([f"  replicas:    {', '.join(self.config.replica_url(i) for i in range(self.config.replicas))}"]
+              if self.config.replicas > 1 else []),
             f"  admin token: {token}",
             f"  logs:        {self.logs_dir}",
             "",
@@ -331,9 +350,10 @@ class DevCluster:
         if self.agents:
             self._say("stopping agents")
             _stop_children(self.agents, self.config.stop_grace_s)
-        if self.control_plane is not None:
+        running = [cp for cp in self.control_planes if cp is not None]
+        if running:
             self._say("stopping the control plane")
-            _stop_children([self.control_plane], self.config.stop_grace_s)
+            _stop_children(running, self.config.stop_grace_s)
         # Whatever a child started and left behind (say, an agent killed before it could stop its
         # workers, which run in sessions of their own) goes too.
         _kill_all(list(self._descendants.values()))
@@ -350,7 +370,7 @@ class DevCluster:
     # -- helpers ------------------------------------------------------------------------------------
 
     def _children(self) -> list[_Child]:
-        return [*([self.control_plane] if self.control_plane else []), *self.agents]
+        return [*(cp for cp in self.control_planes if cp is not None), *self.agents]
 
     def _scan_descendants(self) -> None:
         """Remember every process our children started, to end any that outlive them."""
@@ -409,11 +429,11 @@ class DevCluster:
                 raise DevError(f"timed out after {waited:.0f}s waiting for {what}; logs: {self.logs_dir}")
             self._stop_requested.wait(0.25)
 
-    def _control_plane_ready(self) -> bool:
+    def _control_plane_ready(self, url: str) -> bool:
         import httpx
 
         try:
-            return httpx.get(f"{self.config.api_url}/readyz", timeout=2.0).status_code == 200
+            return httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -72,10 +72,10 @@ def make_cluster(tmp_path: Path, fresh_database_url: str, s3_bucket: Any) -> Ite
     this process, whose agents, workers, control plane and S3 connection the test can break."""
     with contextlib.ExitStack() as stack:
         def make(*, nodes: int = 3, gpus_per_node: int = 1, settings: dict[str, str] | None = None,
-                 proxy_s3: bool = False) -> LiveCluster:
+                 proxy_s3: bool = False, replicas: int = 1) -> LiveCluster:
             return stack.enter_context(live_cluster(
                 tmp_path, fresh_database_url, s3_bucket, nodes=nodes, gpus_per_node=gpus_per_node,
-                settings={**FAST_SETTINGS, **(settings or {})}, proxy_s3=proxy_s3,
+                settings={**FAST_SETTINGS, **(settings or {})}, proxy_s3=proxy_s3, replicas=replicas,
             ))
         yield make
 

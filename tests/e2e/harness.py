@@ -191,17 +191,15 @@ class LiveCluster(Cluster):
 @contextlib.contextmanager
 def live_cluster(
     tmp_path: Path, database_url: str, bucket: Any, *, nodes: int, gpus_per_node: int = 1,
-    settings: dict[str, str] | None = None, proxy_s3: bool = False,
+    settings: dict[str, str] | None = None, proxy_s3: bool = False, replicas: int = 1,
 ) -> Iterator[LiveCluster]:
     """Start a dev cluster of ``nodes`` agents on ``database_url`` and ``bucket`` (through a
     cuttable proxy with ``proxy_s3``); stop it, and every process it started, at the end."""
-    from trainyard.embedded import free_port
-
     proxy = TcpProxy(bucket.endpoint) if proxy_s3 else None
-    port = free_port()
+    port = _free_port_run(replicas)
     data_dir = tmp_path / "cluster"
     config = DevConfig(
-        nodes=nodes, gpus_per_node=gpus_per_node, port=port, data_dir=data_dir, token="e2e-admin",
+        nodes=nodes, gpus_per_node=gpus_per_node, port=port, replicas=replicas, data_dir=data_dir, token="e2e-admin",
         database_url=database_url, s3_endpoint=proxy.endpoint if proxy else bucket.endpoint,
         s3_access_key=bucket.access_key, s3_secret_key=bucket.secret_key, s3_bucket=bucket.bucket,
         stop_grace_s=3.0, control_plane_env=settings or {},
@@ -224,6 +222,17 @@ def live_cluster(
         if proxy is not None:
             proxy.close()
         out.close()
+
+
+def _free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free ports (control-plane replicas listen on port + i)."""
+    from trainyard.embedded import free_port, port_is_free
+
+    for _ in range(100):
+        first = free_port()
+        if all(port_is_free(first + i) for i in range(count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def _processes_under(directory: Path) -> list[psutil.Process]:

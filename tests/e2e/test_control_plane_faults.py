@@ -44,3 +44,29 @@ def test_control_plane_restarts_never_stop_training_or_double_commit(make_cluste
     assert cluster.events(job["id"], "checkpoint.aborted") == []
     kept = cluster.checkpoints(job["id"], "committed")
     assert [c["step"] for c in kept] == [120, 100, 80]  # keep_last=3
+
+
+def test_two_replicas_share_the_work_and_commit_each_checkpoint_once(make_cluster, reference_result):
+    import httpx
+
+    cluster = make_cluster(nodes=2, replicas=2)  # node-1 reports to replica 1, node-2 to replica 2
+    second = httpx.Client(base_url=cluster.dev.config.replica_url(1), headers=dict(cluster.http.headers), timeout=30)
+    args = ["--steps", "80", "--step-delay-s", "0.05"]
+    try:
+        r = second.post("/v1/jobs", json=job_body(name="replicated", args=args, num_nodes=2, gpus_per_node=1,
+                                                   checkpoint={"interval_steps": 10, "keep_last": 100},
+                                                   max_failures=0))
+        assert r.status_code == 201, r.text
+        job = r.json()
+        done = cluster.wait_state(job["id"], ENDED, timeout=180)
+        assert done["state"] == "succeeded", done["end_reason"]
+        assert second.get(f"/v1/jobs/{job['id']}").json()["state"] == "succeeded"
+    finally:
+        second.close()
+    assert done["result"]["weights_sha256"] == reference_result(args)["weights_sha256"]
+    assert len(cluster.attempts(job["id"])) == 1
+    # Both replicas ran the commit path (shard reports reach both; both run the maintenance loop).
+    commits = Counter(e["data"]["step"] for e in cluster.events(job["id"], "checkpoint.committed"))
+    assert commits == Counter({step: 1 for step in range(10, 81, 10)}), commits
+    logs = cluster.log_text("control-plane") + cluster.log_text("control-plane-2")
+    assert logs.count('"kind": "checkpoint.committed"') == 8
