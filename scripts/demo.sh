@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The Trainyard demo: a 2-node dev cluster on this machine (2 virtual GPU slots per node), one
-# tiny-gpt job submitted with curl and followed to the end, then the cluster is stopped.
+# tiny-gpt job submitted with curl and followed to the end, then the cluster is stopped. Midway, one
+# worker is SIGKILLed (TRAINYARD_DEMO_KILL=0 skips that): the job comes back from its last committed
+# checkpoint and ends with the weights it would have had anyway.
 #
 # Run through `make demo` (which creates the virtual environment first). Exit status 0 only when
 # the job succeeded. The cluster is stopped on every way out: success, failure, Ctrl-C.
@@ -12,6 +14,8 @@ PORT="${TRAINYARD_DEMO_PORT:-8000}"
 DATA_DIR="${TRAINYARD_DEMO_DIR:-.trainyard/demo}"
 READY_TIMEOUT_S="${TRAINYARD_DEMO_READY_TIMEOUT_S:-180}"
 JOB_TIMEOUT_S="${TRAINYARD_DEMO_JOB_TIMEOUT_S:-900}"
+KILL_AT_STEP="${TRAINYARD_DEMO_KILL_AT_STEP:-130}"
+[[ "${TRAINYARD_DEMO_KILL:-1}" == 0 ]] && KILL_AT_STEP=""
 PY="${PYTHON:-python}"
 [[ -x .venv/bin/python ]] && PY=.venv/bin/python
 TRAINYARD=(.venv/bin/trainyard)
@@ -116,6 +120,17 @@ while :; do
         printf '%s  %s\n' "$(date +%T)" "$line"
         last="$line"
     fi
+    step="$(json progress.step <<<"$JOB")"
+    if [[ -n "$KILL_AT_STEP" && "$STATE" == running && "${step:-0}" -ge "$KILL_AT_STEP" ]]; then
+        KILL_AT_STEP=""
+        VICTIM="$(curl -sS "$URL/v1/jobs/$JOB_ID/attempts" -H "Authorization: Bearer $TOKEN" | "$PY" -c 'import json, sys
+workers = [w for n in json.load(sys.stdin)[-1]["nodes"] for w in n["workers"] if w["state"] == "running"]
+print(max(workers, key=lambda w: w["rank"])["pid"] if workers else "")')"
+        if [[ -n "$VICTIM" ]]; then
+            say "killing a worker (SIGKILL pid $VICTIM) to show recovery"
+            kill -KILL "$VICTIM" 2>/dev/null || true
+        fi
+    fi
     case "$STATE" in
         succeeded | failed | cancelled) break ;;
     esac
@@ -135,6 +150,19 @@ say "result"
 "$PY" -c 'import json, sys
 job = json.load(sys.stdin)
 print(json.dumps({k: job.get(k) for k in ("state", "end_reason", "failures", "progress", "result")}, indent=2))' <<<"$JOB"
+
+say "attempts"
+show "curl -sS $URL/v1/jobs/$JOB_ID/attempts -H 'Authorization: Bearer $TOKEN'"
+curl -sS "$URL/v1/jobs/$JOB_ID/attempts" -H "Authorization: Bearer $TOKEN" | "$PY" -c 'import json, sys
+for a in json.load(sys.stdin):
+    line = "attempt %s: %s" % (a["number"], a["outcome"])
+    if a["outcome"] == "failed":
+        line += " (%s)" % a["end_reason"]
+    rec = a.get("recovery")
+    if rec:
+        line += "; restored step %s, %s steps lost, first new step %.1f s after the failure" % (
+            a["restored_from_step"], rec["steps_lost"], rec["to_first_step_s"] or 0)
+    print(line)'
 
 say "last log lines"
 show "curl -sS '$URL/v1/jobs/$JOB_ID/logs' -H 'Authorization: Bearer $TOKEN' | tail -n 8"
