@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         device_of,
         init_distributed,
         is_distributed,
+        settle_ddp_buckets,
         shutdown_distributed,
     )
     from worker_runtime.state import (
@@ -41,6 +42,7 @@ _LAZY = {
     "device_of": "worker_runtime.distributed",
     "init_distributed": "worker_runtime.distributed",
     "is_distributed": "worker_runtime.distributed",
+    "settle_ddp_buckets": "worker_runtime.distributed",
     "shutdown_distributed": "worker_runtime.distributed",
     "DataPosition": "worker_runtime.state",
     "RngState": "worker_runtime.state",
@@ -82,6 +84,7 @@ __all__ = [
     "init_distributed",
     "is_distributed",
     "restore_rng_state",
+    "settle_ddp_buckets",
     "shutdown_distributed",
     "weights_sha256",
 ]

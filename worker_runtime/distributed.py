@@ -78,6 +78,26 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def settle_ddp_buckets(ddp: torch.nn.Module, *example: torch.Tensor) -> None:
+    """Run one forward and backward on ``example`` and throw the gradients away, so that DDP has
+    rebuilt its gradient buckets before the first real step. Call it on every rank, right after
+    wrapping the model.
+
+    DDP reduces the first backward of a process in one bucket in parameter order and every later
+    one in buckets ordered by when gradients become ready. The bucket layout decides how elements
+    are chunked for the ring all-reduce, hence the order in which more than two ranks' values are
+    summed: without this, the first step after a restore sums in another order than the
+    uninterrupted run did at that step, and a resumed run with three or more ranks ends a few ulps
+    away from it. The example batch changes no state (no optimizer step, no data consumed; a model
+    without dropout draws no random numbers).
+    """
+    out = ddp(*example)
+    loss = out.float().sum() * 0.0
+    loss.backward()
+    for p in ddp.parameters():
+        p.grad = None
+
+
 def device_of(ctx: WorkerContext) -> torch.device:
     """The torch device this worker computes on."""
     return torch.device("cuda", ctx.local_rank) if ctx.device == "cuda" else torch.device("cpu")

@@ -27,7 +27,7 @@ def _committed(cluster, job_id: str) -> list[dict]:
 
 
 def test_sigkill_mid_run_resumes_exactly(cluster):
-    body = job_body(args=ARGS, checkpoint={"interval_steps": 20}, num_nodes=2, gpus_per_node=1)
+    body = job_body(args=ARGS, checkpoint={"interval_steps": 20}, num_nodes=2, gpus_per_node=2)  # 4 ranks
     clean = cluster.submit({**body, "name": "clean"})
     done = cluster.wait_state(clean["id"], ENDED, timeout=180)
     assert done["state"] == "succeeded", done["end_reason"]

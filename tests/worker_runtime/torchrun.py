@@ -1,4 +1,4 @@
-"""Run a module under ``torchrun --standalone`` with two CPU ranks (for worker_runtime tests)."""
+"""Run a module under ``torchrun --standalone`` with CPU ranks (two by default; for worker_runtime tests)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from tests.helpers import ProcessReaper
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_torchrun(reaper: ProcessReaper, module_args: list[str], extra_env: dict[str, str]) -> tuple[Any, str]:
+def run_torchrun(reaper: ProcessReaper, module_args: list[str], extra_env: dict[str, str],
+                 nproc: int = 2) -> tuple[Any, str]:
     """Rank 0's one JSON line on stdout (parsed), and the whole stdout; the run must succeed."""
     env = {
         k: v
@@ -27,7 +28,7 @@ def run_torchrun(reaper: ProcessReaper, module_args: list[str], extra_env: dict[
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
         **extra_env,
     )
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     args += ["-m", *module_args]
     proc = reaper.spawn(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=120)

@@ -50,6 +50,7 @@ from worker_runtime import (
     device_of,
     init_distributed,
     is_distributed,
+    settle_ddp_buckets,
     shutdown_distributed,
     weights_sha256,
 )
@@ -139,6 +140,8 @@ class Trainer:
         if is_distributed():
             device_ids = [ctx.local_rank] if ctx.device == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
+            # Every step, the first after a restore too, then reduces in the same bucket layout.
+            settle_ddp_buckets(self.ddp, torch.zeros(1, cfg.seq_len, dtype=torch.long, device=self.device))
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
