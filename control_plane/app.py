@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from control_plane.api import agent, health, jobs, nodes
+from control_plane.api import agent, health, jobs, nodes, tenants
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TrainyardError, Unauthorized
 from control_plane.logging import configure_logging
@@ -123,6 +123,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, agent):
+    for module in (health, jobs, nodes, tenants, agent):
         app.include_router(module.router)
     return app

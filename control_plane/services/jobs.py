@@ -110,7 +110,10 @@ def submit(
         )
         if existing is not None:
             return _same_request(existing, digest), False
+    from control_plane.services.tenants import check_quota  # tenants imports this module
+
     check_fits_cluster(session, body)
+    check_quota(session, body.tenant, body.num_nodes * body.gpus_per_node)
     job = Job(
         id=uuid.uuid4(),
         name=body.name,

@@ -20,6 +20,7 @@ from control_plane.schemas.jobs import (
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
+from control_plane.services.nodes import scheduling_state
 
 
 def _s(value: uuid.UUID | None) -> str | None:
@@ -147,9 +148,11 @@ def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:
                    job_id=_s(lease.job_id) if lease else None,
                    attempt_id=_s(lease.attempt_id) if lease else None)
         )
+    busy = {lease.node_id for lease in leases.values()}
     return [
         NodeOut(id=str(n.id), name=n.name, address=n.address, state=n.state, schedulable=n.schedulable,
-                labels=dict(n.labels or {}), last_heartbeat_at=n.last_heartbeat_at,
+                scheduling=scheduling_state(n, n.id in busy), labels=n.effective_labels,
+                label_overrides=dict(n.label_overrides or {}), last_heartbeat_at=n.last_heartbeat_at,
                 registered_at=n.registered_at, gpus=by_node.get(n.id, []))
         for n in nodes
     ]
