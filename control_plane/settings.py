@@ -29,6 +29,7 @@ class Settings(BaseSettings):
     checkpoint_pending_timeout_s: float = Field(
         600.0, gt=0, description="A checkpoint still missing shards after this long is aborted."
     )
+    limits_interval_s: float = Field(1.0, gt=0, description="Period of the time-limit loop.")
     rdzv_port_min: int = Field(29500, ge=1024, le=65535)
     rdzv_port_max: int = Field(39499, ge=1024, le=65535)
     max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")

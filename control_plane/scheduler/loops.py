@@ -1,4 +1,4 @@
-"""Background loops of a control-plane replica: scheduling passes and node liveness.
+"""Background loops of a control-plane replica: scheduling passes, node liveness, time limits.
 
 Each loop runs in its own thread under a ``Loops`` monitor with an idempotent ``stop``. A loop
 iteration is one short transaction; an exception is logged and the loop carries on. Every
@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.db import session_scope
 from control_plane.scheduler.allocate import schedule_pass
-from control_plane.services import checkpoints, nodes
+from control_plane.services import checkpoints, limits, nodes
 from control_plane.services.jobs import now
 from control_plane.settings import Settings
 
@@ -45,6 +45,7 @@ class Loops:
             ("scheduler", self.schedule_once, self._settings.scheduler_interval_s),
             ("monitor", self.monitor_once, self._settings.monitor_interval_s),
             ("checkpoints", self.checkpoints_once, self._settings.checkpoint_maintenance_interval_s),
+            ("limits", self.limits_once, self._settings.limits_interval_s),
         ):
             t = threading.Thread(target=self._run, args=(name, fn, period), name=f"trainyard-{name}", daemon=True)
             t.start()
@@ -85,6 +86,12 @@ class Loops:
         if lost:
             self.wake_scheduler()
         return len(lost)
+
+    def limits_once(self) -> int:
+        """Stop attempts past their job's time limit (no network calls: agents learn at heartbeat)."""
+        with session_scope(self._factory) as session:
+            failed = limits.enforce_time_limits(session)
+        return len(failed)
 
     def checkpoints_once(self) -> None:
         checkpoints.maintenance(
