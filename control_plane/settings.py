@@ -29,6 +29,17 @@ class Settings(BaseSettings):
     checkpoint_pending_timeout_s: float = Field(
         600.0, gt=0, description="A checkpoint still missing shards after this long is aborted."
     )
+    max_reservations: int = Field(
+        4, ge=0, le=1000, description="Blocked jobs that hold a reservation at once (recovering jobs always do)."
+    )
+    topology_label: str = Field(
+        "rack", description="Node label naming a topology domain; a gang is kept inside one if it can be. "
+        "Empty: no topology preference."
+    )
+    recovery_reserve_nodes: int | dict[str, int] = Field(
+        0, description='Nodes kept for recovering jobs only: a number for every GPU kind, or JSON such as '
+        '{"h100": 2} per kind.'
+    )
     limits_interval_s: float = Field(1.0, gt=0, description="Period of the time-limit loop.")
     rdzv_port_min: int = Field(29500, ge=1024, le=65535)
     rdzv_port_max: int = Field(39499, ge=1024, le=65535)
@@ -50,6 +61,10 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.rdzv_port_min > self.rdzv_port_max:
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
+        reserve = self.recovery_reserve_nodes
+        sizes = reserve.values() if isinstance(reserve, dict) else [reserve]
+        if any(n < 0 for n in sizes):
+            raise ValueError("recovery_reserve_nodes must be >= 0")
         return self
 
 

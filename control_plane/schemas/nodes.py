@@ -7,6 +7,8 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from control_plane.schemas.scheduling import SchedulingOut
+
 LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 
 
@@ -71,6 +73,7 @@ class QueuedJobOut(BaseModel):
     state: str
     gpus: int
     priority: int
+    tenant: str
     position: int
     waiting_s: float
 
@@ -78,4 +81,5 @@ class QueuedJobOut(BaseModel):
 class ClusterOut(BaseModel):
     capacity: CapacityOut
     jobs_by_state: dict[str, int]
-    queue: list[QueuedJobOut]
+    queue: list[QueuedJobOut] = Field(description="Waiting jobs in service order (at the start of a pass).")
+    scheduling: SchedulingOut = Field(description="Reservations and the recovery reserve, with their idle cost.")

@@ -20,6 +20,7 @@ from control_plane.schemas.jobs import (
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
+from control_plane.services import reservations
 from control_plane.services.nodes import scheduling_state
 
 
@@ -41,6 +42,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             .options(selectinload(Attempt.nodes).selectinload(AttemptNode.node))
         )
     } if attempt_ids else {}
+    held = reservations.active_for_jobs(session, [j.id for j in jobs if j.state in ("queued", "recovering")])
     out = []
     for job in jobs:
         attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
@@ -75,6 +77,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 current_attempt=AttemptRef(id=str(attempt.id), number=attempt.number, state=attempt.state,
                                            outcome=attempt.outcome) if attempt else None,
                 allocation=allocation,
+                reservation=held.get(job.id),
                 created_at=job.created_at,
                 started_at=job.started_at,
                 ended_at=job.ended_at,
