@@ -249,6 +249,11 @@ def _pick_port(used: set[int], settings: Settings, seed: int) -> int:
     raise RuntimeError("no free rendezvous port in the configured range")
 
 
+def _try_lock(session: Session) -> bool:
+    """The pass lock, held until the transaction ends: one replica schedules at a time."""
+    return bool(session.scalar(select(func.pg_try_advisory_xact_lock(SCHEDULER_LOCK))))
+
+
 def policy_options(settings: Settings, mode: Mode = "fair") -> PolicyOptions:
     reserve = settings.recovery_reserve_nodes
     return PolicyOptions(
@@ -265,7 +270,7 @@ def schedule_pass(session: Session, settings: Settings, *, mode: Mode = "fair") 
 
     ``mode`` other than "fair" runs a baseline policy (bench/scheduler.py compares against them).
     """
-    if not session.scalar(select(func.pg_try_advisory_xact_lock(SCHEDULER_LOCK))):
+    if not _try_lock(session):
         session.rollback()
         return []
     at = now()
