@@ -15,12 +15,13 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
 import structlog
-from sqlalchemy import and_, exists, func, or_, select
+from sqlalchemy import String, Text, and_, cast, exists, func, literal, or_, select
 from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
@@ -47,9 +48,10 @@ WAITING_STATES = ("queued", "recovering")
 
 
 class PendingJob(NamedTuple):
-    """The columns of a waiting job the policy needs."""
+    """The columns of a waiting job the policy needs (``pending_jobs`` returns rows of this shape)."""
 
-    id: uuid.UUID
+    id: str
+    """The job's id as text: the policy's key (a UUID is made only for the few jobs that need one)."""
     state: str
     num_nodes: int
     gpus_per_node: int
@@ -60,16 +62,19 @@ class PendingJob(NamedTuple):
     created_at: datetime
 
 
-def pending_jobs(session: Session) -> list[PendingJob]:
-    """Waiting jobs, oldest first. A recovering job whose failed attempt is still live waits."""
+def pending_jobs(session: Session) -> Sequence[PendingJob]:
+    """Waiting jobs, oldest first. A recovering job whose failed attempt is still live waits.
+
+    Plain result rows (named like ``PendingJob``): a pass reads ~10^4 of them, and every object
+    made per row costs (and feeds the garbage collector)."""
     live = exists().where(Attempt.job_id == Job.id, Attempt.state.in_(("starting", "running")))
     rows = session.execute(
-        select(Job.id, Job.state, Job.num_nodes, Job.gpus_per_node, Job.priority, Job.tenant, Job.gpu_kind,
-               Job.time_limit_s, Job.created_at)
+        select(cast(Job.id, Text).label("id"), Job.state, Job.num_nodes, Job.gpus_per_node, Job.priority,
+               Job.tenant, Job.gpu_kind, Job.time_limit_s, Job.created_at)
         .where(Job.state.in_(WAITING_STATES), or_(Job.state == "queued", ~live))
         .order_by(Job.created_at, Job.id)
     )
-    return [PendingJob(*row) for row in rows]
+    return rows.all()  # type: ignore[return-value]
 
 
 class NodeRef(NamedTuple):
@@ -89,15 +94,19 @@ class ClusterState:
     usage: dict[str, int]
 
 
-def cluster_state(session: Session, at: datetime) -> ClusterState:
-    free_rows = session.execute(
-        select(Node.id, Node.name, Node.address, Node.labels, Node.label_overrides, Gpu.index, Gpu.kind,
-               GpuLease.id.is_(None))
+def cluster_state(session: Session, at: datetime, *, label_key: str | None = None) -> ClusterState:
+    """One row per schedulable node (its free GPU indices aggregated in SQL), and what runs."""
+    label = (func.coalesce(Node.label_overrides[label_key].astext, Node.labels[label_key].astext)
+             if label_key else literal(None, String))
+    node_rows = session.execute(
+        select(Node.id, Node.name, Node.address, label, func.min(Gpu.kind), func.count(Gpu.id),
+               func.array_agg(Gpu.index).filter(GpuLease.id.is_(None)))
         .join(Gpu, Gpu.node_id == Node.id)
         .outerjoin(GpuLease, and_(GpuLease.gpu_id == Gpu.id, GpuLease.released_at.is_(None)))
         .where(Node.state == "ready", Node.schedulable.is_(True))
-        .order_by(Node.name, Gpu.index)
-    )
+        .group_by(Node.id)
+        .order_by(Node.name)
+    ).all()
     # What holds GPUs, per node and attempt: released at the attempt's allocation + its job's time
     # limit (services/limits.py stops it then), at once if it is already stopping, never without one.
     running_rows = session.execute(
@@ -113,26 +122,19 @@ def cluster_state(session: Session, at: datetime) -> ClusterState:
         ends = at if outcome is not None else (max(at, created + timedelta(seconds=limit)) if limit else None)
         running.setdefault(node_id, []).append(Running(gpus=n, ends_at=ends))
         usage[tenant] += n
-    by_node: dict[uuid.UUID, tuple[NodeRef, dict[str, str], list[int], list[int], str]] = {}
-    for node_id, name, address, labels, overrides, index, kind, free in free_rows:
-        entry = by_node.get(node_id)
-        if entry is None:
-            entry = by_node[node_id] = (NodeRef(node_id, name, address), {**labels, **overrides}, [], [], kind)
-        entry[2].append(index)
-        if free:
-            entry[3].append(index)
     capacity = [
-        NodeCapacity(node_id=str(ref.id), name=ref.name, free=tuple(free), total=len(every), gpu_kind=kind,
-                     labels=labels, running=tuple(running.get(ref.id, ())))
-        for ref, labels, every, free, kind in by_node.values()
+        NodeCapacity(node_id=str(node_id), name=name, free=tuple(sorted(free or ())), total=total, gpu_kind=kind,
+                     labels={label_key: value} if label_key and value is not None else {},
+                     running=tuple(running.get(node_id, ())))
+        for node_id, name, _, value, kind, total, free in node_rows
     ]
-    return ClusterState(capacity=capacity, nodes={str(ref.id): ref for ref, *_ in by_node.values()},
-                        usage=dict(usage))
+    refs = {str(node_id): NodeRef(node_id, name, address) for node_id, name, address, *_ in node_rows}
+    return ClusterState(capacity=capacity, nodes=refs, usage=dict(usage))
 
 
-def free_capacity(session: Session) -> list[NodeCapacity]:
+def free_capacity(session: Session, *, label_key: str | None = "rack") -> list[NodeCapacity]:
     """Every schedulable node's free GPUs (and what runs on it) now."""
-    return cluster_state(session, now()).capacity
+    return cluster_state(session, now(), label_key=label_key).capacity
 
 
 @dataclass(frozen=True)
@@ -180,8 +182,11 @@ def recovery_history(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UU
     return out
 
 
+NO_HISTORY = RecoveryHistory()
+
+
 def _demand(job: PendingJob | Job, history: RecoveryHistory | None = None) -> JobDemand:
-    history = history or RecoveryHistory()
+    history = history or NO_HISTORY
     return JobDemand(
         job_id=str(job.id),
         num_nodes=job.num_nodes,
@@ -211,11 +216,11 @@ def all_capacity(session: Session) -> list[NodeCapacity]:
 
 
 def _fail_unplaceable(
-    session: Session, jobs: list[PendingJob], demands: dict[str, JobDemand]
-) -> list[PendingJob]:
+    session: Session, jobs: Sequence[PendingJob], demands: dict[str, JobDemand]
+) -> Sequence[PendingJob]:
     """Fail recovering jobs that avoiding their twice-failed nodes leaves nowhere to run."""
-    avoiding = [j for j in jobs if demands[str(j.id)].avoid_nodes]
-    if not avoiding:
+    # Only recovering jobs avoid nodes; the queue may hold thousands of others.
+    if not any(demands[str(j.id)].avoid_nodes for j in jobs if j.state == "recovering"):
         return jobs
     everything = all_capacity(session)
     names = {n.node_id: n.name for n in everything}
@@ -223,7 +228,7 @@ def _fail_unplaceable(
     for job in jobs:
         demand = demands[str(job.id)]
         if demand.avoid_nodes and place(demand, everything) is None:
-            locked = session.get(Job, job.id, with_for_update=True)
+            locked = session.get(Job, uuid.UUID(str(job.id)), with_for_update=True)
             if locked is not None and locked.state == "recovering":
                 avoided = ", ".join(sorted(names.get(n, n) for n in demand.avoid_nodes))
                 set_job_state(session, locked, "failed",
@@ -280,18 +285,23 @@ def schedule_pass(session: Session, settings: Settings, *, mode: Mode = "fair") 
     if not jobs and not reserve_on and not reservations.has_active(session):
         session.rollback()
         return []
-    history = recovery_history(session, [j.id for j in jobs if j.state == "recovering"])
-    demands = {str(j.id): _demand(j, history.get(j.id)) for j in jobs}
-    jobs = _fail_unplaceable(session, jobs, demands)
-    state = cluster_state(session, at)
+    history = {str(job_id): h for job_id, h in recovery_history(
+        session, [uuid.UUID(j.id) for j in jobs if j.state == "recovering"]).items()}
+    queue = [_demand(j, history.get(j.id)) for j in jobs]
+    demands = {d.job_id: d for d in queue}
+    kept = _fail_unplaceable(session, jobs, demands)
+    if len(kept) != len(jobs):
+        ids = {str(j.id) for j in kept}
+        queue = [d for d in queue if d.job_id in ids]
+    state = cluster_state(session, at, label_key=options.topology_label)
     configured = tenants.all_tenants(session)
     shares = {
         name: TenantShare(weight=row.weight if row else 1.0, gpu_quota=row.gpu_quota if row else None,
                           gpus_in_use=state.usage.get(name, 0))
-        for name in set(configured) | set(state.usage) | {j.tenant for j in jobs}
+        for name in set(configured) | set(state.usage) | {d.tenant for d in queue}
         for row in [configured.get(name)]
     }
-    decision = decide([demands[str(j.id)] for j in jobs], state.capacity, now=at, tenants=shares,
+    decision = decide(queue, state.capacity, now=at, tenants=shares,
                       previous=reservations.previous(session), options=options)
     admitted = _admit(session, settings, decision.placements, state.nodes)
     _account(session, at, decision, admitted, state)
@@ -346,5 +356,5 @@ def _account(session: Session, at: datetime, decision: Decision, admitted: list[
             for h in decision.recovery_reserve
         ],
         started={uuid.UUID(p.job_id) for p in admitted},
-        waiting={uuid.UUID(j) for j in decision.waiting},
+        waiting=decision.waiting.keys(),
     )

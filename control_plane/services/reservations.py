@@ -9,7 +9,7 @@ and for recoveries; this module keeps one row per hold and accounts its idle cos
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -74,10 +74,11 @@ def record(
     holds: Iterable[JobHold],
     reserve: Iterable[ReserveHold],
     started: set[uuid.UUID],
-    waiting: set[uuid.UUID],
+    waiting: Collection[str],
 ) -> None:
     """Account the pass at ``at`` (in the caller's transaction): accrue every active row's cost
-    until now, then write what is held from now on; end the rows no longer held."""
+    until now, then write what is held from now on; end the rows no longer held. ``started``: jobs
+    the pass admitted; ``waiting``: ids (text) of jobs still waiting after it."""
     active = list(session.scalars(
         select(ReservationRow).where(ReservationRow.ended_at.is_(None)).with_for_update()
     ))
@@ -94,7 +95,7 @@ def record(
         gone.ended_at = at
         gone.held_gpus = 0
         gone.end_reason = ("started" if job_id in started else
-                           "released" if job_id in waiting else "the job left the queue")
+                           "released" if str(job_id) in waiting else "the job left the queue")
     for r in reserve:
         spare = by_kind.pop(r.gpu_kind) if r.gpu_kind in by_kind else None
         if spare is None:

@@ -1,4 +1,5 @@
-"""fair scheduling: tenants, reservations (idle-cost accounting), node drain and operator labels
+"""fair scheduling: tenants, reservations (idle-cost accounting), node drain and operator labels;
+the gang check counts each attempt once per commit
 
 Revision ID: 0004
 Revises: 0003
@@ -15,6 +16,53 @@ revision = "0004"
 down_revision = "0003"
 branch_labels = None
 depends_on = None
+
+
+# The gang check (0001) fires at commit once per lease and counts every active lease of the
+# lease's attempt: quadratic in the gang size (a 128-GPU gang: 128 x 128 rows). An attempt's
+# leases are inserted together, so its deferred checks come up one after another: count once per
+# attempt per firing batch. The mark carries the firing statement's timestamp, so checks fired
+# earlier in the transaction (SET CONSTRAINTS ... IMMEDIATE) never stand in for the ones at commit.
+GANG_FUNCTION_ONCE_PER_ATTEMPT = """
+CREATE OR REPLACE FUNCTION trainyard_check_gang_complete() RETURNS trigger AS $$
+DECLARE
+    want integer;
+    have integer;
+    mark text := NEW.attempt_id::text || '@' || statement_timestamp()::text;
+BEGIN
+    IF current_setting('trainyard.gang_checked', true) = mark THEN
+        RETURN NULL;
+    END IF;
+    SELECT num_gpus INTO want FROM attempts WHERE id = NEW.attempt_id;
+    SELECT count(*) INTO have FROM gpu_leases
+        WHERE attempt_id = NEW.attempt_id AND released_at IS NULL;
+    IF have <> want THEN
+        RAISE EXCEPTION 'partial gang allocation: attempt % holds % of % GPUs', NEW.attempt_id, have, want
+            USING ERRCODE = 'integrity_constraint_violation';
+    END IF;
+    PERFORM set_config('trainyard.gang_checked', mark, true);
+    RETURN NULL;
+END;
+$$ LANGUAGE plpgsql
+"""
+
+GANG_FUNCTION_0001 = """
+CREATE OR REPLACE FUNCTION trainyard_check_gang_complete() RETURNS trigger AS $$
+DECLARE
+    want integer;
+    have integer;
+BEGIN
+    SELECT num_gpus INTO want FROM attempts WHERE id = NEW.attempt_id;
+    SELECT count(*) INTO have FROM gpu_leases
+        WHERE attempt_id = NEW.attempt_id AND released_at IS NULL;
+    IF have <> want THEN
+        RAISE EXCEPTION 'partial gang allocation: attempt % holds % of % GPUs', NEW.attempt_id, have, want
+            USING ERRCODE = 'integrity_constraint_violation';
+    END IF;
+    RETURN NULL;
+END;
+$$ LANGUAGE plpgsql
+"""
 
 
 def upgrade() -> None:
@@ -57,9 +105,11 @@ def upgrade() -> None:
     op.add_column("nodes", sa.Column("label_overrides", postgresql.JSONB(astext_type=sa.Text()),
                                      server_default=sa.text("'{}'::jsonb"), nullable=False))
     op.create_check_constraint(op.f("ck_nodes_drain_unschedulable"), "nodes", "NOT (draining AND schedulable)")
+    op.execute(GANG_FUNCTION_ONCE_PER_ATTEMPT)
 
 
 def downgrade() -> None:
+    op.execute(GANG_FUNCTION_0001)
     op.drop_constraint(op.f("ck_nodes_drain_unschedulable"), "nodes", type_="check")
     op.drop_column("nodes", "label_overrides")
     op.drop_column("nodes", "draining")
