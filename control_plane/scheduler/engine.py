@@ -8,6 +8,7 @@ nodes that can hold a share (best fit first). Times are POSIX seconds; INF is "n
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,7 +48,7 @@ class _Res:
 
 
 class _Node:
-    __slots__ = ("id", "name", "kind", "label", "total", "free", "rel", "res", "share", "avail", "strict",
+    __slots__ = ("id", "name", "kind", "label", "total", "free", "rel", "res", "share", "avail", "strict", "guard",
                  "reserve", "key")
 
     def __init__(self, cap: NodeCapacity, label_key: str | None) -> None:
@@ -63,6 +64,7 @@ class _Node:
         self.share = 0  # the reservation's GPUs per node
         self.avail = 0  # GPUs free at the reservation's start, given what runs and was placed
         self.strict = False
+        self.guard = 0  # strict: GPUs kept from others (the largest share among its recovering jobs)
         self.reserve = False
         self.key = -1  # the bucket it is in (-1: none)
 
@@ -72,7 +74,7 @@ class _Node:
         if self.res is None:
             return f
         if self.strict:
-            return max(0, f - self.share)
+            return max(0, f - self.guard)
         return max(0, min(f, self.avail - self.share))
 
     def ready_at(self, gpus: int, now: float) -> float:
@@ -145,12 +147,23 @@ class Pass:
         self.res_of: dict[str, _Res] = {}  # job id -> its reservation, in the order they were made
         self.failed: set[tuple[object, ...]] = set()  # shapes that did not fit (cleared when capacity grows)
         self.drops = 0  # holds dropped so far: each gives capacity back
+        self.held_for_queue = 0  # reservations of jobs that are not recovering (max_reservations)
+        self.starts: list[float] | None = None  # reservations' starts, sorted (None: to recompute)
+        self.res_version = 0  # bumped by every new reservation: part of a failed shape's key
+        self.never: dict[tuple[str | None, int, int], bool] = {}
         # Healthy nodes of recovering jobs: held for them, so never in another hold.
         # In service order: recovering jobs go by priority and submit time (they held a place).
         self.recovering = sorted((j for j in jobs if j.recovering),
                                  key=lambda j: (-j.priority, j.submitted_at, j.job_id))
         self.healthy = {nid for j in self.recovering for nid in j.prefer_nodes}
         self.unserved = {j.job_id for j in self.recovering}  # recovering jobs whose turn has not come
+        # A healthy node shared by recovering jobs is kept, for the whole pass, for the largest share
+        # among them (jobs over their quota hold nothing; usage only grows during a pass).
+        self.guard_of: dict[str, int] = {}
+        for j in self.recovering:
+            if not self._over_quota(j):
+                for nid in j.prefer_nodes:
+                    self.guard_of[nid] = max(self.guard_of.get(nid, 0), j.gpus_per_node)
         self.decision = Decision()
 
     # -- the pass -----------------------------------------------------------------------------------
@@ -215,10 +228,15 @@ class Pass:
         if held is not None and held.partial:
             plan = self._plan(j)  # its healthy nodes are its own, so they are in the plan
             if plan is None:
-                if self._never_fits(j):
-                    self._drop(held)  # holding for a job that can never run helps nobody
-                    return WAIT_NEVER
-                return WAIT_RESERVED  # the other nodes it needs are held for others: keep its own
+                if self._fits_ever(j, self.pool_of[held.nodes[0].id]):
+                    return WAIT_RESERVED  # the other nodes it needs are held for others: keep its own
+                # Its healthy nodes' GPU kind can never hold it: holding them helps nobody.
+                self._drop(held)
+                plan = self._plan(j)
+                if plan is None:
+                    return WAIT_NEVER if self._never_fits(j) else WAIT_CAPACITY
+                self._establish(j, *plan)
+                return WAIT_RESERVED
             self._replace(held, *plan)
             return WAIT_RESERVED
         if held is not None:
@@ -236,8 +254,7 @@ class Pass:
         return WAIT_RESERVED
 
     def _may_reserve_more(self) -> bool:
-        held = sum(1 for r in self.res_of.values() if not r.job.recovering)
-        return self.opts.mode == "fair" and held < self.opts.max_reservations
+        return self.opts.mode == "fair" and self.held_for_queue < self.opts.max_reservations
 
     def _over_quota(self, j: JobDemand) -> bool:
         quota = self.tenants.get(j.tenant, DEFAULT_TENANT).gpu_quota
@@ -319,8 +336,12 @@ class Pass:
             return None
         plain = not (j.recovering or j.avoid_nodes or j.prefer_nodes or j.job_id in self.res_of)
         if plain:
-            backfills = tuple(id(r) for r in self.res_of.values() if jend < INF and jend <= r.start)
-            shape = (pool.kind, g, k, backfills)
+            # The reservations it may backfill are those starting no earlier than it ends: with the
+            # set of reservations (its version), their number says which.
+            if self.starts is None:
+                self.starts = sorted(r.start for r in self.res_of.values())
+            backfills = len(self.starts) - bisect.bisect_left(self.starts, jend) if jend < INF else 0
+            shape = (pool.kind, g, k, backfills, self.res_version)
             if shape in self.failed:
                 return None
         first, last = self._special(j, jend, pool, g)
@@ -409,20 +430,33 @@ class Pass:
     # -- reservations -------------------------------------------------------------------------------
 
     def _never_fits(self, j: JobDemand) -> bool:
+        if j.avoid_nodes:
+            return self._never_fits_now(j)
+        key = (j.gpu_kind, j.gpus_per_node, j.num_nodes)
+        if key not in self.never:  # node totals do not change during a pass
+            self.never[key] = self._never_fits_now(j)
+        return self.never[key]
+
+    def _never_fits_now(self, j: JobDemand) -> bool:
+        return not any(self._fits_ever(j, pool) for pool in self._pools_for(j))
+
+    @staticmethod
+    def _fits_ever(j: JobDemand, pool: _Pool) -> bool:
+        """Whether the nodes of ``pool`` could hold ``j`` when empty (node totals, avoided nodes)."""
         g = j.gpus_per_node
-        for pool in self._pools_for(j):
-            if g > pool.maxcap:
-                continue
-            avoided = sum(1 for nid in j.avoid_nodes if nid in pool.by_id and pool.by_id[nid].total >= g)
-            if pool.total_ge[g] - avoided >= j.num_nodes:
-                return False
-        return True
+        if g > pool.maxcap:
+            return False
+        avoided = sum(1 for nid in j.avoid_nodes if nid in pool.by_id and pool.by_id[nid].total >= g)
+        return pool.total_ge[g] - avoided >= j.num_nodes
 
     def _plan(self, j: JobDemand) -> tuple[float, list[_Node]] | None:
         """The nodes where ``j`` fits soonest (free now or released by time limits), among nodes
         no other reservation holds; its healthy nodes first if it is recovering."""
         best: tuple[float, list[_Node]] | None = None
-        for pool in self._pools_for(j):
+        held = self.res_of.get(j.job_id)
+        # A recovering job's healthy nodes, held since the start of the pass, fix its GPU kind.
+        pools = [self.pool_of[held.nodes[0].id]] if held is not None and held.partial else self._pools_for(j)
+        for pool in pools:
             plan = self._plan_in(j, pool)
             if plan is not None and (best is None or plan[0] < best[0]):
                 best = plan
@@ -467,9 +501,13 @@ class Pass:
             n.res = res
             n.share = j.gpus_per_node
             n.strict = n.id in prefer
+            n.guard = max(j.gpus_per_node, self.guard_of.get(n.id, 0)) if n.strict else 0
             n.avail = n.free_by(start)
             self.pool_of[n.id].reindex(n)
         self.res_of[j.job_id] = res
+        self.held_for_queue += not j.recovering
+        self.starts = None
+        self.res_version += 1
 
     def _replace(self, old: _Res, start: float, nodes: list[_Node]) -> None:
         """Move a job's hold to ``nodes``; only the nodes it leaves are offered to others."""
@@ -482,6 +520,8 @@ class Pass:
         if res is None:
             return
         del self.res_of[res.job.job_id]
+        self.held_for_queue -= not res.job.recovering
+        self.starts = None
         self.drops += 1
         for n in res.nodes:
             n.res = None

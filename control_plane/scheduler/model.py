@@ -49,9 +49,12 @@ class NodeCapacity:
     running: tuple[Running, ...] = ()
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class JobDemand:
-    """A job waiting for a gang: ``num_nodes`` nodes with ``gpus_per_node`` free GPUs each."""
+    """A job waiting for a gang: ``num_nodes`` nodes with ``gpus_per_node`` free GPUs each.
+
+    Treat as immutable (not frozen only because a pass builds ~10^4 of them, and frozen
+    dataclasses are several times slower to build)."""
 
     job_id: str
     num_nodes: int

@@ -211,6 +211,16 @@ def test_recovering_job_keeps_its_healthy_nodes_even_against_backfill():
     assert d.waiting["tiny"] == WAIT_CAPACITY
 
 
+def test_healthy_nodes_of_a_kind_that_cannot_hold_the_gang_are_not_held():
+    # r's healthy node is of kind a, where two 8-GPU nodes do not exist; kind b could hold it.
+    nodes = [node("a1", tuple(range(8)), kind="a"), busy("b1", 8, ends=100, kind="b"),
+             busy("b2", 8, ends=50, kind="b")]
+    rec = job("r", 2, 8, recovering=True, prefer_nodes=frozenset({"a1"}))
+    d = run([rec, job("small", 1, 8, t=1)], nodes)
+    assert d.waiting["r"] == WAIT_RESERVED and set(d.reservations[0].node_ids) == {"b1", "b2"}
+    assert placed(d) == {"small": ("a1",)}
+
+
 def test_job_that_can_never_fit_blocks_nobody():
     d = run([job("huge", 3, 2), job("small", 1, 1, t=1)], [node("n1", (0, 1)), node("n2", (0, 1))])
     assert d.waiting == {"huge": WAIT_NEVER} and set(placed(d)) == {"small"}
@@ -329,9 +339,18 @@ def _taken_by_strangers(d: Decision, jobs: list[JobDemand], nid: str, owner: Job
                and not (by_id[p.job_id].recovering and nid in by_id[p.job_id].prefer_nodes))
 
 
-def _usable(j: JobDemand, nid: str, d: Decision, free, rel, now: float) -> int:
+def _kept(jobs: list[JobDemand], tenants, nid: str) -> int:
+    """What a healthy node keeps: the largest share among the recovering jobs that prefer it (those
+    over their quota at the start of the pass hold nothing)."""
+    def over(j: JobDemand) -> bool:
+        t = tenants.get(j.tenant, TenantShare())
+        return t.gpu_quota is not None and t.gpus_in_use + j.num_gpus > t.gpu_quota
+    return max((j.gpus_per_node for j in jobs if j.recovering and nid in j.prefer_nodes and not over(j)), default=0)
+
+
+def _usable(j: JobDemand, nid: str, d: Decision, free, rel, now: float, kept: int = 0) -> int:
     """GPUs ``j`` could take on ``nid`` after the decision without breaking any hold (the rules,
-    written independently of the engine)."""
+    written independently of the engine). ``kept``: what the node keeps if it is a healthy one."""
     f = len(free[nid])
     for h in d.recovery_reserve:
         if nid in h.node_ids:
@@ -342,7 +361,7 @@ def _usable(j: JobDemand, nid: str, d: Decision, free, rel, now: float) -> int:
             continue
         hn = held[nid]
         if hn.strict:
-            return max(0, f - hn.gpus)
+            return max(0, f - max(hn.gpus, kept))
         start = (r.earliest_start - T0).total_seconds() if r.earliest_start else float("inf")
         if _end(j, now) <= start and j.time_limit_s:
             return f
@@ -401,7 +420,8 @@ def test_no_job_waits_that_could_fit_without_delaying_a_reservation(scenario):
             if j.gpu_kind not in (None, kind):
                 continue
             fits = [n.node_id for n in nodes if n.gpu_kind == kind and n.node_id not in j.avoid_nodes
-                    and _usable(j, n.node_id, d, free, rel, now) >= j.gpus_per_node]
+                    and _usable(j, n.node_id, d, free, rel, now, _kept(jobs, tenants, n.node_id))
+                    >= j.gpus_per_node]
             assert len(fits) < j.num_nodes, f"{jid} waits ({why}) but fits on {fits}"
 
 
