@@ -17,11 +17,11 @@ import uuid
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import NamedTuple
 
 import structlog
-from sqlalchemy import String, Text, and_, cast, exists, func, literal, or_, select
+from sqlalchemy import DateTime, String, Text, and_, case, cast, exists, func, literal, or_, select
 from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
@@ -39,6 +39,7 @@ from control_plane.scheduler.policy import (
 )
 from control_plane.services import attempts, reservations, tenants
 from control_plane.services.jobs import now, set_job_state
+from control_plane.services.limits import ONE_SECOND
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.scheduler")
@@ -107,20 +108,24 @@ def cluster_state(session: Session, at: datetime, *, label_key: str | None = Non
         .group_by(Node.id)
         .order_by(Node.name)
     ).all()
-    # What holds GPUs, per node and attempt: released at the attempt's allocation + its job's time
-    # limit (services/limits.py stops it then), at once if it is already stopping, never without one.
-    running_rows = session.execute(
-        select(GpuLease.node_id, Attempt.created_at, Attempt.outcome, Job.time_limit_s, Job.tenant, func.count())
+    # What holds GPUs, per node: released at the attempt's allocation + its job's time limit
+    # (services/limits.py stops it then), at once if it is already stopping, never without a limit.
+    ends = case(
+        (Attempt.outcome.is_not(None), literal(at, DateTime(timezone=True))),
+        (Job.time_limit_s.is_not(None),
+         func.greatest(literal(at, DateTime(timezone=True)), Attempt.created_at + Job.time_limit_s * ONE_SECOND)),
+        else_=None,
+    ).label("ends")
+    running: dict[uuid.UUID, list[Running]] = {}
+    usage: Counter[str] = Counter()
+    for node_id, ends_at, tenant, n in session.execute(
+        select(GpuLease.node_id, ends, Job.tenant, func.count())
         .join(Attempt, Attempt.id == GpuLease.attempt_id)
         .join(Job, Job.id == GpuLease.job_id)
         .where(GpuLease.released_at.is_(None))
-        .group_by(GpuLease.node_id, Attempt.id, Job.id)
-    )
-    running: dict[uuid.UUID, list[Running]] = {}
-    usage: Counter[str] = Counter()
-    for node_id, created, outcome, limit, tenant, n in running_rows:
-        ends = at if outcome is not None else (max(at, created + timedelta(seconds=limit)) if limit else None)
-        running.setdefault(node_id, []).append(Running(gpus=n, ends_at=ends))
+        .group_by(GpuLease.node_id, ends, Job.tenant)
+    ):
+        running.setdefault(node_id, []).append(Running(gpus=n, ends_at=ends_at))
         usage[tenant] += n
     capacity = [
         NodeCapacity(node_id=str(node_id), name=name, free=tuple(sorted(free or ())), total=total, gpu_kind=kind,
