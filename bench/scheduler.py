@@ -17,13 +17,15 @@ blocking) and greedy first fit without reservations (large gangs can starve).
 What is real: nodes register through ``services.nodes.register``; every scheduling pass is
 ``scheduler.allocate.schedule_pass`` (advisory lock, queue and capacity reads, the pure policy,
 bulk attempt/lease inserts, reservation accounting) on an embedded PostgreSQL, timed by the wall
-clock; the time-limit loop runs before each pass. What is simulated: time (``services.jobs.
-use_clock``; a pass every ``--tick`` simulated seconds) and the agents: when an attempt's run
-time is over, the bench ends it through the services an agent's reports reach (``end_attempt``,
-the job to succeeded, ``release_part`` per node), so leases come back as they would. Jobs are
-inserted as queued rows when they arrive, the way submit writes them (not timed; after the bulk
-load of the backlog the bench runs ANALYZE, as autovacuum would shortly). Like the
-control plane once started (app.py), the bench freezes its startup heap for the garbage collector.
+clock, with the ``PendingCache`` the control plane's scheduler loop keeps between passes (the first
+pass reads every waiting job in full); the time-limit loop runs before each pass. What is
+simulated: time (``services.jobs.use_clock``; a pass every ``--tick`` simulated seconds) and the
+agents: when an attempt's run time is over, the bench ends it through the services an agent's
+reports reach (``end_attempt``, the job to succeeded, ``release_part`` per node), so leases come
+back as they would. Jobs are inserted as queued rows when they arrive, the way submit writes them
+(not timed; after the bulk load of the backlog the bench runs ANALYZE, as autovacuum would
+shortly). Like the control plane once started (app.py), the bench freezes its startup heap for the
+garbage collector.
 
 It prints a table per scenario with ratios to the baselines, then the targets. Timings are
 printed, never asserted.
@@ -56,7 +58,7 @@ from sqlalchemy.orm import Session  # noqa: E402
 from control_plane.db import make_engine, make_session_factory, run_migrations  # noqa: E402
 from control_plane.logging import configure_logging  # noqa: E402
 from control_plane.models import Attempt, AttemptNode, Job  # noqa: E402
-from control_plane.scheduler.allocate import schedule_pass  # noqa: E402
+from control_plane.scheduler.allocate import PendingCache, schedule_pass  # noqa: E402
 from control_plane.schemas.agent import GpuInfo, RegisterRequest  # noqa: E402
 from control_plane.services import attempts, limits, nodes, reservations  # noqa: E402
 from control_plane.services.jobs import set_job_state, use_clock  # noqa: E402
@@ -228,6 +230,7 @@ def simulate(policy: str, url: str, sc: Scenario, args: argparse.Namespace) -> R
     engine = make_engine(url, pool_size=2)
     factory = make_session_factory(engine)
     by_id = {s.id: s for s in sc.specs}
+    cache = PendingCache()  # what the control plane's scheduler loop keeps between passes (loops.py)
     arrivals = deque(sorted(sc.specs, key=lambda s: (s.arrival_s, s.index)))
     ends: list[tuple[float, uuid.UUID, int]] = []  # (end time, attempt, GPUs)
     busy = waiting = 0
@@ -260,7 +263,7 @@ def simulate(policy: str, url: str, sc: Scenario, args: argparse.Namespace) -> R
             s.commit()
         with factory() as s:
             started = time.perf_counter()
-            placed = schedule_pass(s, settings, mode=policy)
+            placed = schedule_pass(s, settings, mode=policy, cache=cache)
             result.pass_ms.append((time.perf_counter() - started) * 1000)
         result.admitted_per_pass.append(len(placed))
         if placed:

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import structlog
 from sqlalchemy import DateTime, String, Text, and_, case, cast, exists, func, literal, or_, select
@@ -63,19 +63,55 @@ class PendingJob(NamedTuple):
     created_at: datetime
 
 
-def pending_jobs(session: Session) -> Sequence[PendingJob]:
+_PENDING_COLUMNS = (cast(Job.id, Text).label("id"), Job.state, Job.num_nodes, Job.gpus_per_node, Job.priority,
+                    Job.tenant, Job.gpu_kind, Job.time_limit_s, Job.created_at)
+
+
+def _waiting() -> Any:
+    live = exists().where(Attempt.job_id == Job.id, Attempt.state.in_(("starting", "running")))
+    return and_(Job.state.in_(WAITING_STATES), or_(Job.state == "queued", ~live))
+
+
+class PendingCache:
+    """What a replica's scheduler keeps between passes: a job's scheduling columns never change
+    after submit (only its state does), so a pass reads the ids and states of the waiting jobs and
+    the full rows of those it has not seen. Replicas each keep their own; nothing here can go stale."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, PendingJob] = {}
+        self.demands: dict[str, JobDemand] = {}  # of queued jobs (recovering ones change each pass)
+
+
+def pending_jobs(session: Session, cache: PendingCache | None = None) -> Sequence[PendingJob]:
     """Waiting jobs, oldest first. A recovering job whose failed attempt is still live waits.
 
     Plain result rows (named like ``PendingJob``): a pass reads ~10^4 of them, and every object
     made per row costs (and feeds the garbage collector)."""
-    live = exists().where(Attempt.job_id == Job.id, Attempt.state.in_(("starting", "running")))
-    rows = session.execute(
-        select(cast(Job.id, Text).label("id"), Job.state, Job.num_nodes, Job.gpus_per_node, Job.priority,
-               Job.tenant, Job.gpu_kind, Job.time_limit_s, Job.created_at)
-        .where(Job.state.in_(WAITING_STATES), or_(Job.state == "queued", ~live))
-        .order_by(Job.created_at, Job.id)
-    )
-    return rows.all()  # type: ignore[return-value]
+    if cache is None:
+        rows = session.execute(select(*_PENDING_COLUMNS).where(_waiting()).order_by(Job.created_at, Job.id))
+        return rows.all()  # type: ignore[return-value]
+    ids = session.execute(
+        select(cast(Job.id, Text), Job.state).where(_waiting()).order_by(Job.created_at, Job.id)
+    ).all()
+    known = cache.rows
+    missing = [job_id for job_id, _ in ids if job_id not in known]
+    if len(missing) > len(ids) // 2:  # a cold cache: one read of everything beats long IN lists
+        for fetched in session.execute(select(*_PENDING_COLUMNS).where(_waiting())):
+            known[fetched.id] = PendingJob(*fetched)
+        missing = []
+    for start in range(0, len(missing), 5000):
+        chunk = [uuid.UUID(j) for j in missing[start:start + 5000]]
+        for fetched in session.execute(select(*_PENDING_COLUMNS).where(Job.id.in_(chunk))):
+            known[fetched.id] = PendingJob(*fetched)
+    out: list[PendingJob] = []
+    for job_id, state in ids:
+        job = known.get(job_id)
+        if job is None:  # it left the queue between the two reads
+            continue
+        out.append(job if job.state == state else job._replace(state=state))
+    cache.rows = {job.id: job for job in out}
+    cache.demands = {k: d for k, d in cache.demands.items() if k in cache.rows}
+    return out
 
 
 class NodeRef(NamedTuple):
@@ -190,6 +226,13 @@ def recovery_history(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UU
 NO_HISTORY = RecoveryHistory()
 
 
+def _cached_demand(cache: PendingCache, job: PendingJob) -> JobDemand:
+    demand = cache.demands.get(job.id)
+    if demand is None:
+        demand = cache.demands[job.id] = _demand(job)
+    return demand
+
+
 def _demand(job: PendingJob | Job, history: RecoveryHistory | None = None) -> JobDemand:
     history = history or NO_HISTORY
     return JobDemand(
@@ -275,16 +318,19 @@ def policy_options(settings: Settings, mode: Mode = "fair") -> PolicyOptions:
     )
 
 
-def schedule_pass(session: Session, settings: Settings, *, mode: Mode = "fair") -> list[Placement]:
+def schedule_pass(
+    session: Session, settings: Settings, *, mode: Mode = "fair", cache: PendingCache | None = None
+) -> list[Placement]:
     """Run one pass in the caller's session; commits what it decided and returns the gangs admitted.
 
     ``mode`` other than "fair" runs a baseline policy (bench/scheduler.py compares against them).
+    ``cache``: the waiting jobs' columns kept between this replica's passes (``PendingCache``).
     """
     if not _try_lock(session):
         session.rollback()
         return []
     at = now()
-    jobs = pending_jobs(session)
+    jobs = pending_jobs(session, cache)
     options = policy_options(settings, mode)
     reserve_on = bool(options.recovery_reserve_default or any(options.recovery_reserve.values()))
     if not jobs and not reserve_on and not reservations.has_active(session):
@@ -292,7 +338,8 @@ def schedule_pass(session: Session, settings: Settings, *, mode: Mode = "fair") 
         return []
     history = {str(job_id): h for job_id, h in recovery_history(
         session, [uuid.UUID(j.id) for j in jobs if j.state == "recovering"]).items()}
-    queue = [_demand(j, history.get(j.id)) for j in jobs]
+    queue = [_cached_demand(cache, j) if j.state == "queued" and cache is not None
+             else _demand(j, history.get(j.id)) for j in jobs]
     demands = {d.job_id: d for d in queue}
     kept = _fail_unplaceable(session, jobs, demands)
     if len(kept) != len(jobs):

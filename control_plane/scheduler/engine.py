@@ -495,19 +495,23 @@ class Pass:
         return max(ready[n.id] for n in chosen), chosen
 
     def _establish(self, j: JobDemand, start: float, nodes: list[_Node], partial: bool = False) -> None:
-        res = _Res(j, start, nodes, partial)
-        prefer = j.prefer_nodes if j.recovering else frozenset()
+        res = _Res(j, start, [], partial)
         for n in nodes:
-            n.res = res
-            n.share = j.gpus_per_node
-            n.strict = n.id in prefer
-            n.guard = max(j.gpus_per_node, self.guard_of.get(n.id, 0)) if n.strict else 0
-            n.avail = n.free_by(start)
-            self.pool_of[n.id].reindex(n)
+            self._attach(res, n)
         self.res_of[j.job_id] = res
         self.held_for_queue += not j.recovering
         self.starts = None
         self.res_version += 1
+
+    def _attach(self, res: _Res, n: _Node) -> None:
+        j = res.job
+        res.nodes.append(n)
+        n.res = res
+        n.share = j.gpus_per_node
+        n.strict = j.recovering and n.id in j.prefer_nodes
+        n.guard = max(j.gpus_per_node, self.guard_of.get(n.id, 0)) if n.strict else 0
+        n.avail = n.free_by(res.start)
+        self.pool_of[n.id].reindex(n)
 
     def _replace(self, old: _Res, start: float, nodes: list[_Node]) -> None:
         """Move a job's hold to ``nodes``; only the nodes it leaves are offered to others."""
@@ -558,8 +562,11 @@ class Pass:
             self._hold_one(j)
 
     def _hold_one(self, j: JobDemand) -> None:
+        """Hold ``j``'s free healthy nodes (or add those freed since to its partial hold)."""
+        held = self.res_of.get(j.job_id)
         # Usage only grows during a pass: a job over its quota now stays so, and holds nothing.
-        if not j.prefer_nodes or j.job_id in self.res_of or self._over_quota(j) or self._never_fits(j):
+        if (not j.prefer_nodes or (held is not None and not held.partial) or self._over_quota(j)
+                or self._never_fits(j)):
             return
         by_kind: dict[str, list[_Node]] = {}
         for nid in sorted(j.prefer_nodes):
@@ -567,7 +574,10 @@ class Pass:
             if (n is not None and n.res is None and not n.reserve and n.total >= j.gpus_per_node
                     and nid not in j.avoid_nodes and (j.gpu_kind is None or n.kind == j.gpu_kind)):
                 by_kind.setdefault(n.kind, []).append(n)
-        if by_kind:  # a gang is of one kind: the kind most of its healthy nodes are
+        if held is not None:
+            for n in by_kind.get(held.nodes[0].kind, [])[: j.num_nodes - len(held.nodes)]:
+                self._attach(held, n)
+        elif by_kind:  # a gang is of one kind: the kind most of its healthy nodes are
             nodes = max(sorted(by_kind.items()), key=lambda kv: len(kv[1]))[1]
             self._establish(j, INF, nodes[: j.num_nodes], partial=True)
 

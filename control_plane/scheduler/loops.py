@@ -16,7 +16,7 @@ import structlog
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.db import session_scope
-from control_plane.scheduler.allocate import schedule_pass
+from control_plane.scheduler.allocate import PendingCache, schedule_pass
 from control_plane.services import checkpoints, limits, nodes
 from control_plane.services.jobs import now
 from control_plane.settings import Settings
@@ -32,6 +32,7 @@ class Loops:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._pending = PendingCache()  # used by the scheduler thread only
         # After a (re)start, agents need time to reach us again before anyone is declared lost.
         self._not_before = now() + timedelta(seconds=settings.startup_grace_s)
 
@@ -74,7 +75,7 @@ class Loops:
     def schedule_once(self) -> int:
         session = self._factory()
         try:
-            return len(schedule_pass(session, self._settings))
+            return len(schedule_pass(session, self._settings, cache=self._pending))
         finally:
             session.close()
 

@@ -183,3 +183,25 @@ def test_recovery_reserve_is_kept_for_recoveries_and_its_cost_shown(reserve_clie
     assert get_job(client, waits["id"])["state"] == "queued"
     (after,) = client.get("/v1/cluster", headers=ADMIN).json()["scheduling"]["recovery_reserve"]
     assert after["recoveries_served"] == 1 and after["idle_gpu_seconds"] == pytest.approx(2 * 30)
+
+
+def test_pending_cache_reads_what_a_fresh_read_does(client, app, schedule):
+    from control_plane.scheduler.allocate import PendingCache, pending_jobs
+
+    register_node(client, "node-1", 2)
+    jobs = [submit(client, name=f"j{i}", num_nodes=1, gpus_per_node=2, priority=i % 2) for i in range(4)]
+    cache = PendingCache()
+    factory = app.state.session_factory
+
+    def both() -> tuple[list[tuple], list[tuple]]:
+        with factory() as s:
+            return [tuple(r) for r in pending_jobs(s, cache)], [tuple(r) for r in pending_jobs(s)]
+
+    cached, fresh = both()
+    assert cached == fresh and len(cached) == 4 and set(cache.rows) == {j["id"] for j in jobs}
+    client.post(f"/v1/jobs/{jobs[1]['id']}/cancel", headers=ADMIN)
+    assert schedule() == 1  # j3 (priority 1) starts
+    late = submit(client, name="late", num_nodes=1, gpus_per_node=1)
+    cached, fresh = both()
+    assert cached == fresh and {r[0] for r in cached} == {jobs[0]["id"], jobs[2]["id"], late["id"]}
+    assert set(cache.rows) == {r[0] for r in cached}  # those that left are forgotten
