@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
@@ -18,7 +18,7 @@ from control_plane.services import events, jobs, logs, views
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 _PROBLEM = {"content": {"application/problem+json": {}}}
-ERRORS = {401: _PROBLEM, 404: _PROBLEM, 409: _PROBLEM, 422: _PROBLEM}
+ERRORS: dict[int | str, dict[str, Any]] = {401: _PROBLEM, 404: _PROBLEM, 409: _PROBLEM, 422: _PROBLEM}
 
 
 @router.post("", response_model=JobOut, status_code=status.HTTP_201_CREATED, responses=ERRORS,
