@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    CheckConstraint,
     DateTime,
     Float,
     ForeignKey,
@@ -57,13 +58,27 @@ def _ts(nullable: bool = True, **kw: Any) -> Any:
 
 class Node(Base):
     __tablename__ = "nodes"
+    __table_args__ = (
+        # Draining is a kind of not schedulable; uncordon clears both.
+        CheckConstraint("NOT (draining AND schedulable)", name="drain_unschedulable"),
+    )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     address: Mapped[str] = mapped_column(String(255), doc="Rendezvous address of the node.")
     state: Mapped[str] = mapped_column(String(16), doc="ready | lost | removed")
-    schedulable: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
-    labels: Mapped[dict[str, str]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    schedulable: Mapped[bool] = mapped_column(
+        Boolean, server_default=text("true"), doc="False once cordoned or draining: no new work."
+    )
+    draining: Mapped[bool] = mapped_column(
+        Boolean, server_default=text("false"), doc="Drain asked: no new work, running jobs finish."
+    )
+    labels: Mapped[dict[str, str]] = mapped_column(
+        JSONB, server_default=text("'{}'::jsonb"), doc="Topology labels the agent reports."
+    )
+    label_overrides: Mapped[dict[str, str]] = mapped_column(
+        JSONB, server_default=text("'{}'::jsonb"), doc="Labels the operator set; they win over the agent's."
+    )
     token_hash: Mapped[str] = mapped_column(String(64), doc="sha256 of the node credential.")
     agent_version: Mapped[str] = mapped_column(String(64), server_default="0")
     agent_instance: Mapped[str | None] = mapped_column(String(64))
@@ -72,6 +87,28 @@ class Node(Base):
     registered_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
 
     gpus: Mapped[list[Gpu]] = relationship(back_populates="node", order_by="Gpu.index")
+
+    @property
+    def effective_labels(self) -> dict[str, str]:
+        return {**(self.labels or {}), **(self.label_overrides or {})}
+
+
+class Tenant(Base):
+    """A team sharing the cluster. Jobs of a tenant without a row get weight 1 and no quota."""
+
+    __tablename__ = "tenants"
+    __table_args__ = (
+        CheckConstraint("weight > 0", name="weight_positive"),
+        CheckConstraint("gpu_quota IS NULL OR gpu_quota >= 0", name="quota_not_negative"),
+    )
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    weight: Mapped[float] = mapped_column(
+        Float, server_default=text("1"), doc="Share weight: GPUs in use / weight orders the queue."
+    )
+    gpu_quota: Mapped[int | None] = mapped_column(Integer, doc="Most GPUs its running jobs may hold.")
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+    updated_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
 
 
 class Gpu(Base):
@@ -309,3 +346,36 @@ class LogChunk(Base):
     offset: Mapped[int] = mapped_column(BigInteger)
     data: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+
+
+class Reservation(Base):
+    """GPUs the scheduler holds idle, and what that costs (docs/architecture.md, "Reservations").
+
+    kind ``job``: a blocked job's reservation, one active row per job; ``recovery-reserve``: the
+    spare nodes of one GPU kind kept for recovering jobs, one active row per kind. Each scheduling
+    pass adds ``held_gpus`` x (now - ``updated_at``) to ``idle_gpu_seconds`` and writes the new
+    ``held_gpus``; a row ends (``ended_at``) when its job starts or leaves the queue.
+    """
+
+    __tablename__ = "reservations"
+    __table_args__ = (
+        Index("uq_reservations_active_job", "job_id", unique=True,
+              postgresql_where=text("ended_at IS NULL AND kind = 'job'")),
+        Index("uq_reservations_active_reserve", "gpu_kind", unique=True,
+              postgresql_where=text("ended_at IS NULL AND kind = 'recovery-reserve'")),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    kind: Mapped[str] = mapped_column(String(16), doc="job | recovery-reserve")
+    job_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    gpu_kind: Mapped[str | None] = mapped_column(String(128))
+    node_ids: Mapped[list[uuid.UUID]] = mapped_column(ARRAY(UUID(as_uuid=True)), doc="The nodes held now.")
+    earliest_start: Mapped[datetime | None] = _ts(doc="When the job fits there at the latest; None: unknown.")
+    first_earliest_start: Mapped[datetime | None] = _ts(doc="The earliest start promised when it was made.")
+    held_gpus: Mapped[int] = mapped_column(Integer, server_default=text("0"), doc="Idle GPUs held now.")
+    idle_gpu_seconds: Mapped[float] = mapped_column(Float, server_default=text("0"), doc="Until updated_at.")
+    served: Mapped[int] = mapped_column(Integer, server_default=text("0"), doc="Recoveries it ran (reserve).")
+    created_at: Mapped[datetime] = _ts(nullable=False)
+    updated_at: Mapped[datetime] = _ts(nullable=False)
+    ended_at: Mapped[datetime | None] = _ts()
+    end_reason: Mapped[str | None] = mapped_column(Text)

@@ -29,6 +29,18 @@ class Settings(BaseSettings):
     checkpoint_pending_timeout_s: float = Field(
         600.0, gt=0, description="A checkpoint still missing shards after this long is aborted."
     )
+    max_reservations: int = Field(
+        4, ge=0, le=1000, description="Blocked jobs that hold a reservation at once (recovering jobs always do)."
+    )
+    topology_label: str = Field(
+        "rack", description="Node label naming a topology domain; a gang is kept inside one if it can be. "
+        "Empty: no topology preference."
+    )
+    recovery_reserve_nodes: int | dict[str, int] = Field(
+        0, description='Nodes kept for recovering jobs only: a number for every GPU kind, or JSON such as '
+        '{"h100": 2} per kind.'
+    )
+    limits_interval_s: float = Field(1.0, gt=0, description="Period of the time-limit loop.")
     rdzv_port_min: int = Field(29500, ge=1024, le=65535)
     rdzv_port_max: int = Field(39499, ge=1024, le=65535)
     max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")
@@ -58,6 +70,10 @@ class Settings(BaseSettings):
         from control_plane import failpoints
 
         failpoints.configure(self.failpoints)
+        reserve = self.recovery_reserve_nodes
+        sizes = reserve.values() if isinstance(reserve, dict) else [reserve]
+        if any(n < 0 for n in sizes):
+            raise ValueError("recovery_reserve_nodes must be >= 0")
         return self
 
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 
 from control_plane.api.deps import PrincipalDep, SessionDep
 from control_plane.api.jobs import ERRORS
-from control_plane.schemas.nodes import ClusterOut, NodeOut
+from control_plane.schemas.nodes import ClusterOut, NodeLabelsIn, NodeOut
 from control_plane.services import cluster, nodes, views
 
 router = APIRouter(prefix="/v1", tags=["cluster"])
@@ -32,6 +32,33 @@ def remove_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep, reques
     node = nodes.remove_node(session, node_id)
     request.app.state.wake_scheduler()
     return views.node_out(session, [node])[0]
+
+
+@router.post("/nodes/{node_id}/cordon", response_model=NodeOut, responses=ERRORS, summary="Cordon a node")
+def cordon_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep) -> NodeOut:
+    """No new work on the node; its running jobs keep running."""
+    return views.node_out(session, [nodes.cordon(session, node_id)])[0]
+
+
+@router.post("/nodes/{node_id}/drain", response_model=NodeOut, responses=ERRORS, summary="Drain a node")
+def drain_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep) -> NodeOut:
+    """No new work; running jobs finish (none is stopped). `scheduling` is `drained` once nothing runs."""
+    return views.node_out(session, [nodes.drain(session, node_id)])[0]
+
+
+@router.post("/nodes/{node_id}/uncordon", response_model=NodeOut, responses=ERRORS, summary="Uncordon a node")
+def uncordon_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep, request: Request) -> NodeOut:
+    """The node takes new work again (after cordon or drain)."""
+    node = nodes.uncordon(session, node_id)
+    request.app.state.wake_scheduler()
+    return views.node_out(session, [node])[0]
+
+
+@router.put("/nodes/{node_id}/labels", response_model=NodeOut, responses=ERRORS, summary="Set a node's labels")
+def set_node_labels(node_id: uuid.UUID, body: NodeLabelsIn, session: SessionDep, _: PrincipalDep) -> NodeOut:
+    """The operator's labels (e.g. `rack`, used for topology-aware placement) replace earlier ones and
+    win over the labels the agent reports."""
+    return views.node_out(session, [nodes.set_labels(session, node_id, body.labels)])[0]
 
 
 @router.get("/cluster", response_model=ClusterOut, responses=ERRORS)

@@ -1,8 +1,13 @@
-"""One scheduling pass: read the queue and capacity, ask the policy, apply in one transaction.
+"""One scheduling pass: read the queue, the nodes and what runs, ask the policy, apply in one
+transaction.
 
 Passes from several control-plane replicas are serialized by a transaction-scoped advisory
 lock; a replica that cannot take it skips the pass (another is doing the work). Even without
-the lock, the database refuses a second lease on a GPU and a partial gang (see models.py).
+the lock, the database refuses a second lease on a GPU and a partial gang (see models.py), and
+every admitted job is locked and re-checked as still waiting before its attempt is created.
+
+A pass at scale (~10^4 waiting jobs, ~10^3 nodes) reads plain columns (no ORM objects but for the
+jobs it admits), groups what runs per node in SQL, and inserts attempts, parts and leases in bulk.
 """
 
 from __future__ import annotations
@@ -10,16 +15,31 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple
 
 import structlog
-from sqlalchemy import exists, func, select
+from sqlalchemy import DateTime, String, Text, and_, case, cast, exists, func, literal, or_, select
 from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
-from control_plane.scheduler.policy import JobDemand, NodeCapacity, Placement, decide, place
-from control_plane.services import attempts
-from control_plane.services.jobs import set_job_state
+from control_plane.scheduler.policy import (
+    Decision,
+    JobDemand,
+    Mode,
+    NodeCapacity,
+    Placement,
+    PolicyOptions,
+    Running,
+    TenantShare,
+    decide,
+    place,
+)
+from control_plane.services import attempts, reservations, tenants
+from control_plane.services.jobs import now, set_job_state
+from control_plane.services.limits import ONE_SECOND
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.scheduler")
@@ -28,38 +48,134 @@ SCHEDULER_LOCK = 7212002
 WAITING_STATES = ("queued", "recovering")
 
 
-def pending_jobs(session: Session) -> list[Job]:
-    has_live_attempt = exists().where(Attempt.job_id == Job.id, Attempt.state.in_(("starting", "running")))
-    return list(
-        session.scalars(
-            select(Job).where(Job.state.in_(WAITING_STATES), ~has_live_attempt).order_by(Job.created_at)
-        )
-    )
+class PendingJob(NamedTuple):
+    """The columns of a waiting job the policy needs (``pending_jobs`` returns rows of this shape)."""
+
+    id: str
+    """The job's id as text: the policy's key (a UUID is made only for the few jobs that need one)."""
+    state: str
+    num_nodes: int
+    gpus_per_node: int
+    priority: int
+    tenant: str
+    gpu_kind: str | None
+    time_limit_s: int | None
+    created_at: datetime
 
 
-def free_capacity(session: Session) -> list[NodeCapacity]:
-    leased = select(GpuLease.gpu_id).where(GpuLease.released_at.is_(None))
-    rows = session.execute(
-        select(Node, Gpu)
-        .join(Gpu, Gpu.node_id == Node.id)
-        .where(Node.state == "ready", Node.schedulable.is_(True))
-        .order_by(Node.name, Gpu.index)
+_PENDING_COLUMNS = (cast(Job.id, Text).label("id"), Job.state, Job.num_nodes, Job.gpus_per_node, Job.priority,
+                    Job.tenant, Job.gpu_kind, Job.time_limit_s, Job.created_at)
+
+
+def _waiting() -> Any:
+    live = exists().where(Attempt.job_id == Job.id, Attempt.state.in_(("starting", "running")))
+    return and_(Job.state.in_(WAITING_STATES), or_(Job.state == "queued", ~live))
+
+
+class PendingCache:
+    """What a replica's scheduler keeps between passes: a job's scheduling columns never change
+    after submit (only its state does), so a pass reads the ids and states of the waiting jobs and
+    the full rows of those it has not seen. Replicas each keep their own; nothing here can go stale."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, PendingJob] = {}
+        self.demands: dict[str, JobDemand] = {}  # of queued jobs (recovering ones change each pass)
+
+
+def pending_jobs(session: Session, cache: PendingCache | None = None) -> Sequence[PendingJob]:
+    """Waiting jobs, oldest first. A recovering job whose failed attempt is still live waits.
+
+    Plain result rows (named like ``PendingJob``): a pass reads ~10^4 of them, and every object
+    made per row costs (and feeds the garbage collector)."""
+    if cache is None:
+        rows = session.execute(select(*_PENDING_COLUMNS).where(_waiting()).order_by(Job.created_at, Job.id))
+        return rows.all()  # type: ignore[return-value]
+    ids = session.execute(
+        select(cast(Job.id, Text), Job.state).where(_waiting()).order_by(Job.created_at, Job.id)
     ).all()
-    leased_ids = set(session.scalars(leased))
-    by_node: dict[uuid.UUID, tuple[Node, list[Gpu]]] = {}
-    for node, gpu in rows:
-        by_node.setdefault(node.id, (node, []))[1].append(gpu)
-    return [
-        NodeCapacity(
-            node_id=str(node.id),
-            name=node.name,
-            free=tuple(g.index for g in gpus if g.id not in leased_ids),
-            total=len(gpus),
-            gpu_kind=gpus[0].kind if gpus else "",
-            labels=dict(node.labels or {}),
-        )
-        for node, gpus in by_node.values()
+    known = cache.rows
+    missing = [job_id for job_id, _ in ids if job_id not in known]
+    if len(missing) > len(ids) // 2:  # a cold cache: one read of everything beats long IN lists
+        for fetched in session.execute(select(*_PENDING_COLUMNS).where(_waiting())):
+            known[fetched.id] = PendingJob(*fetched)
+        missing = []
+    for start in range(0, len(missing), 5000):
+        chunk = [uuid.UUID(j) for j in missing[start:start + 5000]]
+        for fetched in session.execute(select(*_PENDING_COLUMNS).where(Job.id.in_(chunk))):
+            known[fetched.id] = PendingJob(*fetched)
+    out: list[PendingJob] = []
+    for job_id, state in ids:
+        job = known.get(job_id)
+        if job is None:  # it left the queue between the two reads
+            continue
+        out.append(job if job.state == state else job._replace(state=state))
+    cache.rows = {job.id: job for job in out}
+    cache.demands = {k: d for k, d in cache.demands.items() if k in cache.rows}
+    return out
+
+
+class NodeRef(NamedTuple):
+    """What creating an attempt needs of a node."""
+
+    id: uuid.UUID
+    name: str
+    address: str
+
+
+@dataclass
+class ClusterState:
+    """Schedulable nodes with their free GPUs and what runs on them; GPUs in use per tenant."""
+
+    capacity: list[NodeCapacity]
+    nodes: dict[str, NodeRef]
+    usage: dict[str, int]
+
+
+def cluster_state(session: Session, at: datetime, *, label_key: str | None = None) -> ClusterState:
+    """One row per schedulable node (its free GPU indices aggregated in SQL), and what runs."""
+    label = (func.coalesce(Node.label_overrides[label_key].astext, Node.labels[label_key].astext)
+             if label_key else literal(None, String))
+    node_rows = session.execute(
+        select(Node.id, Node.name, Node.address, label, func.min(Gpu.kind), func.count(Gpu.id),
+               func.array_agg(Gpu.index).filter(GpuLease.id.is_(None)))
+        .join(Gpu, Gpu.node_id == Node.id)
+        .outerjoin(GpuLease, and_(GpuLease.gpu_id == Gpu.id, GpuLease.released_at.is_(None)))
+        .where(Node.state == "ready", Node.schedulable.is_(True))
+        .group_by(Node.id)
+        .order_by(Node.name)
+    ).all()
+    # What holds GPUs, per node: released at the attempt's allocation + its job's time limit
+    # (services/limits.py stops it then), at once if it is already stopping, never without a limit.
+    ends = case(
+        (Attempt.outcome.is_not(None), literal(at, DateTime(timezone=True))),
+        (Job.time_limit_s.is_not(None),
+         func.greatest(literal(at, DateTime(timezone=True)), Attempt.created_at + Job.time_limit_s * ONE_SECOND)),
+        else_=None,
+    ).label("ends")
+    running: dict[uuid.UUID, list[Running]] = {}
+    usage: Counter[str] = Counter()
+    for node_id, ends_at, tenant, n in session.execute(
+        select(GpuLease.node_id, ends, Job.tenant, func.count())
+        .join(Attempt, Attempt.id == GpuLease.attempt_id)
+        .join(Job, Job.id == GpuLease.job_id)
+        .where(GpuLease.released_at.is_(None))
+        .group_by(GpuLease.node_id, ends, Job.tenant)
+    ):
+        running.setdefault(node_id, []).append(Running(gpus=n, ends_at=ends_at))
+        usage[tenant] += n
+    capacity = [
+        NodeCapacity(node_id=str(node_id), name=name, free=tuple(sorted(free or ())), total=total, gpu_kind=kind,
+                     labels={label_key: value} if label_key and value is not None else {},
+                     running=tuple(running.get(node_id, ())))
+        for node_id, name, _, value, kind, total, free in node_rows
     ]
+    refs = {str(node_id): NodeRef(node_id, name, address) for node_id, name, address, *_ in node_rows}
+    return ClusterState(capacity=capacity, nodes=refs, usage=dict(usage))
+
+
+def free_capacity(session: Session, *, label_key: str | None = "rack") -> list[NodeCapacity]:
+    """Every schedulable node's free GPUs (and what runs on it) now."""
+    return cluster_state(session, now(), label_key=label_key).capacity
 
 
 @dataclass(frozen=True)
@@ -113,8 +229,18 @@ def recovery_history(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UU
     return out
 
 
-def _demand(job: Job, history: RecoveryHistory | None = None) -> JobDemand:
-    history = history or RecoveryHistory()
+NO_HISTORY = RecoveryHistory()
+
+
+def _cached_demand(cache: PendingCache, job: PendingJob) -> JobDemand:
+    demand = cache.demands.get(job.id)
+    if demand is None:
+        demand = cache.demands[job.id] = _demand(job)
+    return demand
+
+
+def _demand(job: PendingJob | Job, history: RecoveryHistory | None = None) -> JobDemand:
+    history = history or NO_HISTORY
     return JobDemand(
         job_id=str(job.id),
         num_nodes=job.num_nodes,
@@ -125,6 +251,8 @@ def _demand(job: Job, history: RecoveryHistory | None = None) -> JobDemand:
         gpu_kind=job.gpu_kind or history.gpu_kind,
         avoid_nodes=history.avoid,
         prefer_nodes=history.prefer,
+        tenant=job.tenant,
+        time_limit_s=job.time_limit_s,
     )
 
 
@@ -141,10 +269,12 @@ def all_capacity(session: Session) -> list[NodeCapacity]:
             for nid, (name, ix, kind) in by_node.items()]
 
 
-def _fail_unplaceable(session: Session, jobs: list[Job], demands: dict[str, JobDemand]) -> list[Job]:
+def _fail_unplaceable(
+    session: Session, jobs: Sequence[PendingJob], demands: dict[str, JobDemand]
+) -> Sequence[PendingJob]:
     """Fail recovering jobs that avoiding their twice-failed nodes leaves nowhere to run."""
-    avoiding = [j for j in jobs if demands[str(j.id)].avoid_nodes]
-    if not avoiding:
+    # Only recovering jobs avoid nodes; the queue may hold thousands of others.
+    if not any(demands[str(j.id)].avoid_nodes for j in jobs if j.state == "recovering"):
         return jobs
     everything = all_capacity(session)
     names = {n.node_id: n.name for n in everything}
@@ -152,7 +282,7 @@ def _fail_unplaceable(session: Session, jobs: list[Job], demands: dict[str, JobD
     for job in jobs:
         demand = demands[str(job.id)]
         if demand.avoid_nodes and place(demand, everything) is None:
-            locked = session.get(Job, job.id, with_for_update=True)
+            locked = session.get(Job, uuid.UUID(str(job.id)), with_for_update=True)
             if locked is not None and locked.state == "recovering":
                 avoided = ", ".join(sorted(names.get(n, n) for n in demand.avoid_nodes))
                 set_job_state(session, locked, "failed",
@@ -178,35 +308,111 @@ def _pick_port(used: set[int], settings: Settings, seed: int) -> int:
     raise RuntimeError("no free rendezvous port in the configured range")
 
 
-def schedule_pass(session: Session, settings: Settings) -> list[Placement]:
-    """Run one pass in the caller's session; commits what it decided."""
-    if not session.scalar(select(func.pg_try_advisory_xact_lock(SCHEDULER_LOCK))):
+def _try_lock(session: Session) -> bool:
+    """The pass lock, held until the transaction ends: one replica schedules at a time."""
+    return bool(session.scalar(select(func.pg_try_advisory_xact_lock(SCHEDULER_LOCK))))
+
+
+def policy_options(settings: Settings, mode: Mode = "fair") -> PolicyOptions:
+    reserve = settings.recovery_reserve_nodes
+    return PolicyOptions(
+        mode=mode,
+        max_reservations=settings.max_reservations,
+        topology_label=settings.topology_label or None,
+        recovery_reserve=reserve if isinstance(reserve, dict) else {},
+        recovery_reserve_default=reserve if isinstance(reserve, int) else 0,
+    )
+
+
+def schedule_pass(
+    session: Session, settings: Settings, *, mode: Mode = "fair", cache: PendingCache | None = None
+) -> list[Placement]:
+    """Run one pass in the caller's session; commits what it decided and returns the gangs admitted.
+
+    ``mode`` other than "fair" runs a baseline policy (bench/scheduler.py compares against them).
+    ``cache``: the waiting jobs' columns kept between this replica's passes (``PendingCache``).
+    """
+    if not _try_lock(session):
         session.rollback()
         return []
-    jobs = pending_jobs(session)
-    if not jobs:
+    at = now()
+    jobs = pending_jobs(session, cache)
+    options = policy_options(settings, mode)
+    reserve_on = bool(options.recovery_reserve_default or any(options.recovery_reserve.values()))
+    if not jobs and not reserve_on and not reservations.has_active(session):
         session.rollback()
         return []
-    history = recovery_history(session, [j.id for j in jobs if j.state == "recovering"])
-    demands = {str(j.id): _demand(j, history.get(j.id)) for j in jobs}
-    jobs = _fail_unplaceable(session, jobs, demands)
-    capacity = free_capacity(session)
-    decisions = decide([demands[str(j.id)] for j in jobs], capacity)
-    if not decisions:
-        session.commit()  # what _fail_unplaceable decided, if anything
+    history = {str(job_id): h for job_id, h in recovery_history(
+        session, [uuid.UUID(j.id) for j in jobs if j.state == "recovering"]).items()}
+    queue = [_cached_demand(cache, j) if j.state == "queued" and cache is not None
+             else _demand(j, history.get(j.id)) for j in jobs]
+    demands = {d.job_id: d for d in queue}
+    kept = _fail_unplaceable(session, jobs, demands)
+    if len(kept) != len(jobs):
+        ids = {str(j.id) for j in kept}
+        queue = [d for d in queue if d.job_id in ids]
+    state = cluster_state(session, at, label_key=options.topology_label)
+    configured = tenants.all_tenants(session)
+    shares = {
+        name: TenantShare(weight=row.weight if row else 1.0, gpu_quota=row.gpu_quota if row else None,
+                          gpus_in_use=state.usage.get(name, 0))
+        for name in set(configured) | set(state.usage) | {d.tenant for d in queue}
+        for row in [configured.get(name)]
+    }
+    decision = decide(queue, state.capacity, now=at, tenants=shares,
+                      previous=reservations.previous(session), options=options)
+    admitted = _admit(session, settings, decision.placements, state.nodes)
+    _account(session, at, decision, admitted, state)
+    session.commit()
+    if admitted:
+        log.info("scheduled", admitted=len(admitted), reservations=len(decision.reservations),
+                 jobs=[p.job_id for p in admitted[:20]])
+    return admitted
+
+
+def _admit(session: Session, settings: Settings, placements: list[Placement],
+           nodes: dict[str, NodeRef]) -> list[Placement]:
+    """Create the attempts of the placements whose jobs are still waiting (locked, re-checked)."""
+    if not placements:
         return []
-    nodes = {str(n.id): n for n in session.scalars(select(Node).where(Node.state == "ready"))}
+    locked = {
+        str(job.id): job
+        for job in session.scalars(
+            select(Job).where(Job.id.in_([uuid.UUID(p.job_id) for p in placements])).with_for_update()
+        )
+        if job.state in WAITING_STATES
+    }
     used_ports = _ports_in_use(session)
     # A random start spreads attempts over the range, so a port a just-ended attempt (or another
     # cluster on the same machine) still holds is unlikely to be picked again at once.
     seed = secrets.randbelow(settings.rdzv_port_max - settings.rdzv_port_min + 1)
-    for i, p in enumerate(decisions):
-        job = session.get(Job, uuid.UUID(p.job_id), with_for_update=True)
-        if job is None or job.state not in WAITING_STATES:
-            continue
-        placement = [(nodes[node_id], ix) for node_id, ix in p.nodes]
-        attempts.create_attempt(session, job, placement, rdzv_port=_pick_port(used_ports, settings, seed + i))
-    session.commit()
-    if decisions:
-        log.info("scheduled", admitted=len(decisions), jobs=[p.job_id for p in decisions])
-    return decisions
+    admitted = [p for p in placements if p.job_id in locked]
+    attempts.create_attempts(session, [
+        (locked[p.job_id], [(nodes[node_id], ix) for node_id, ix in p.nodes],
+         _pick_port(used_ports, settings, seed + i))
+        for i, p in enumerate(admitted)
+    ])
+    return admitted
+
+
+def _account(session: Session, at: datetime, decision: Decision, admitted: list[Placement],
+             state: ClusterState) -> None:
+    """Write the pass's holds and their idle cost (services/reservations.py)."""
+    kind_of = {n.node_id: n.gpu_kind for n in state.capacity}
+    served: Counter[str] = Counter(kind_of[p.nodes[0][0]] for p in admitted if p.from_reserve)
+    reservations.record(
+        session,
+        at=at,
+        holds=[
+            reservations.JobHold(job_id=uuid.UUID(r.job_id), node_ids=[uuid.UUID(n) for n in r.node_ids],
+                                 earliest_start=r.earliest_start, held_gpus=r.held_gpus)
+            for r in decision.reservations
+        ],
+        reserve=[
+            reservations.ReserveHold(gpu_kind=h.gpu_kind, node_ids=[uuid.UUID(n) for n in h.node_ids],
+                                     idle_gpus=h.idle_gpus, served=served[h.gpu_kind])
+            for h in decision.recovery_reserve
+        ],
+        started={uuid.UUID(p.job_id) for p in admitted},
+        waiting=decision.waiting.keys(),
+    )

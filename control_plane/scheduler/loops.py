@@ -1,4 +1,4 @@
-"""Background loops of a control-plane replica: scheduling passes and node liveness.
+"""Background loops of a control-plane replica: scheduling passes, node liveness, time limits.
 
 Each loop runs in its own thread under a ``Loops`` monitor with an idempotent ``stop``. A loop
 iteration is one short transaction; an exception is logged and the loop carries on. Every
@@ -16,8 +16,8 @@ import structlog
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.db import session_scope
-from control_plane.scheduler.allocate import schedule_pass
-from control_plane.services import checkpoints, nodes
+from control_plane.scheduler.allocate import PendingCache, schedule_pass
+from control_plane.services import checkpoints, limits, nodes
 from control_plane.services.jobs import now
 from control_plane.settings import Settings
 
@@ -32,6 +32,7 @@ class Loops:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._pending = PendingCache()  # used by the scheduler thread only
         # After a (re)start, agents need time to reach us again before anyone is declared lost.
         self._not_before = now() + timedelta(seconds=settings.startup_grace_s)
 
@@ -45,6 +46,7 @@ class Loops:
             ("scheduler", self.schedule_once, self._settings.scheduler_interval_s),
             ("monitor", self.monitor_once, self._settings.monitor_interval_s),
             ("checkpoints", self.checkpoints_once, self._settings.checkpoint_maintenance_interval_s),
+            ("limits", self.limits_once, self._settings.limits_interval_s),
         ):
             t = threading.Thread(target=self._run, args=(name, fn, period), name=f"trainyard-{name}", daemon=True)
             t.start()
@@ -74,7 +76,7 @@ class Loops:
     def schedule_once(self) -> int:
         session = self._factory()
         try:
-            return len(schedule_pass(session, self._settings))
+            return len(schedule_pass(session, self._settings, cache=self._pending))
         finally:
             session.close()
 
@@ -92,6 +94,12 @@ class Loops:
         if lost:
             self.wake_scheduler()
         return len(lost)
+
+    def limits_once(self) -> int:
+        """Stop attempts past their job's time limit (no network calls: agents learn at heartbeat)."""
+        with session_scope(self._factory) as session:
+            failed = limits.enforce_time_limits(session)
+        return len(failed)
 
     def checkpoints_once(self) -> None:
         checkpoints.maintenance(

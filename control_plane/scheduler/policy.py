@@ -1,117 +1,94 @@
-"""Pure scheduling policy: given the queue and free capacity, decide whole-gang placements.
+"""Pure scheduling policy: given the queue, the nodes and what runs on them, decide one pass.
 
-No database, no clock, no I/O: ``decide`` is a function of its inputs, so its invariants
-(never more GPUs than free, never a partial gang, one decision per job) are property-tested.
-The transaction that applies decisions lives in ``allocate.py``.
+No database, no clock, no I/O: ``decide`` is a function of its inputs, so its invariants are
+property-tested (tests/control_plane/test_policy.py). ``allocate.py`` reads the inputs and applies
+the decision in one transaction. docs/architecture.md ("Scheduling policy") is the long version:
+
+- Order of service: recovering jobs (by priority and submit time), then priority, then the tenant's
+  weighted share of GPUs in use (lowest first, updated as the pass admits jobs), then submit time.
+- A job is admitted only as a whole gang that fits now and keeps its tenant within its quota.
+- The first ``max_reservations`` blocked jobs (recovering jobs always) get a reservation: the nodes
+  where they fit soonest given the running jobs' time limits. A reservation is kept from pass to
+  pass on the same nodes (its earliest start only moves earlier) until its job starts. Other jobs
+  use a reserved node's free GPUs only as backfill that ends before the earliest start, or beyond
+  what the reservation needs at that time.
+- A recovering job's healthy nodes (``prefer_nodes``) are held strictly: not even backfill.
+- ``recovery_reserve`` nodes (per GPU kind) run recovering jobs only.
+- Nothing running is ever touched: the policy only places waiting work.
+
+The data types live in ``model.py`` (re-exported here); the pass itself, written for ~10^4
+waiting jobs and ~10^3 nodes, in ``engine.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+
+from control_plane.scheduler.engine import Pass
+from control_plane.scheduler.model import (
+    DEFAULT_TENANT,
+    INF,
+    MODES,
+    WAIT_BEHIND,
+    WAIT_CAPACITY,
+    WAIT_NEVER,
+    WAIT_QUOTA,
+    WAIT_RESERVED,
+    Decision,
+    HeldNode,
+    JobDemand,
+    Mode,
+    NodeCapacity,
+    Placement,
+    PolicyOptions,
+    Reservation,
+    ReserveHold,
+    Running,
+    TenantShare,
+)
+
+__all__ = [
+    "DEFAULT_TENANT", "INF", "MODES", "WAIT_BEHIND", "WAIT_CAPACITY", "WAIT_NEVER", "WAIT_QUOTA", "WAIT_RESERVED",
+    "Decision", "HeldNode", "JobDemand", "Mode", "NodeCapacity", "Placement", "PolicyOptions", "Reservation",
+    "ReserveHold", "Running", "TenantShare", "decide", "place", "queue_order",
+]
+
+def queue_order(jobs: Iterable[JobDemand], tenants: Mapping[str, TenantShare] | None = None) -> list[JobDemand]:
+    """The service order at the start of a pass (``decide`` updates shares as it admits jobs):
+    recovering jobs first (they already held a place: by priority and submit time only), then
+    priority, then the tenant's weighted share of GPUs in use, then submit time."""
+    tenants = tenants or {}
+
+    def share(j: JobDemand) -> float:
+        if j.recovering:
+            return 0.0
+        s = tenants.get(j.tenant, DEFAULT_TENANT)
+        return s.gpus_in_use / s.weight
+
+    return sorted(jobs, key=lambda j: (not j.recovering, -j.priority, share(j), j.submitted_at, j.job_id))
 
 
-@dataclass(frozen=True, kw_only=True)
-class NodeCapacity:
-    """A schedulable node and the GPU indices free on it now."""
-
-    node_id: str
-    name: str
-    free: tuple[int, ...]
-    total: int
-    gpu_kind: str = ""
-    labels: dict[str, str] = field(default_factory=dict)
+def place(job: JobDemand, nodes: Sequence[NodeCapacity], *, topology_label: str | None = "rack") -> Placement | None:
+    """Where ``job`` would go on these nodes now, ignoring reservations and quotas (or None)."""
+    p = Pass([job], nodes, now=datetime.fromtimestamp(0, UTC), tenants={}, previous={},
+              options=PolicyOptions(mode="greedy", topology_label=topology_label))
+    return p.try_place(job, INF)
 
 
-@dataclass(frozen=True, kw_only=True)
-class JobDemand:
-    """A job waiting for a gang: ``num_nodes`` nodes with ``gpus_per_node`` free GPUs each."""
+def decide(
+    jobs: Iterable[JobDemand],
+    nodes: Sequence[NodeCapacity],
+    *,
+    now: datetime,
+    tenants: Mapping[str, TenantShare] | None = None,
+    previous: Mapping[str, Sequence[str]] | None = None,
+    options: PolicyOptions | None = None,
+) -> Decision:
+    """Decide one pass: whole-gang placements, reservations, the recovery reserve.
 
-    job_id: str
-    num_nodes: int
-    gpus_per_node: int
-    priority: int = 0
-    submitted_at: datetime
-    recovering: bool = False
-    gpu_kind: str | None = None
-    avoid_nodes: frozenset[str] = frozenset()
-    """Nodes this job must not use (each failed it twice)."""
-    prefer_nodes: frozenset[str] = frozenset()
-    """Nodes to use first: a recovering job's healthy nodes of its last attempt, so that recovery
-    replaces only what failed."""
-
-    def __post_init__(self) -> None:
-        if self.num_nodes < 1 or self.gpus_per_node < 1:
-            raise ValueError("a job needs at least one node and one GPU per node")
-
-    @property
-    def num_gpus(self) -> int:
-        return self.num_nodes * self.gpus_per_node
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Every GPU of one attempt: ``nodes[i]`` is node rank i with its GPU indices."""
-
-    job_id: str
-    nodes: tuple[tuple[str, tuple[int, ...]], ...]
-
-
-def queue_order(jobs: Iterable[JobDemand]) -> list[JobDemand]:
-    """Recovering jobs first (they already held a place), then priority, then submit time."""
-    return sorted(jobs, key=lambda j: (not j.recovering, -j.priority, j.submitted_at, j.job_id))
-
-
-def place(job: JobDemand, nodes: Sequence[NodeCapacity]) -> Placement | None:
-    """Best fit: the job's nodes are those with the fewest free GPUs that still hold its share.
-
-    Filling partly used nodes first keeps whole nodes free for multi-node gangs. Preferred nodes
-    (a recovering job's healthy nodes) come before any other.
+    ``previous`` maps the jobs that held a reservation after the last pass to its nodes, in the
+    order the reservations were made: each is kept on those nodes while they can still hold it.
     """
-    fits = [
-        n
-        for n in nodes
-        if len(n.free) >= job.gpus_per_node
-        and n.node_id not in job.avoid_nodes
-        and (job.gpu_kind is None or n.gpu_kind == job.gpu_kind)
-    ]
-    if len(fits) < job.num_nodes:
-        return None
-    chosen = sorted(fits, key=lambda n: (n.node_id not in job.prefer_nodes, len(n.free), n.name))[: job.num_nodes]
-    # Node rank 0 hosts the rendezvous; order the rest by name for stable rank placement.
-    chosen.sort(key=lambda n: n.name)
-    return Placement(
-        job_id=job.job_id,
-        nodes=tuple((n.node_id, tuple(sorted(n.free)[: job.gpus_per_node])) for n in chosen),
-    )
-
-
-def _take(nodes: list[NodeCapacity], placement: Placement) -> list[NodeCapacity]:
-    used = {node_id: set(ix) for node_id, ix in placement.nodes}
-    out = []
-    for n in nodes:
-        if n.node_id in used:
-            n = NodeCapacity(
-                node_id=n.node_id, name=n.name, total=n.total, gpu_kind=n.gpu_kind, labels=n.labels,
-                free=tuple(i for i in n.free if i not in used[n.node_id]),
-            )
-        out.append(n)
-    return out
-
-
-def decide(jobs: Iterable[JobDemand], nodes: Sequence[NodeCapacity]) -> list[Placement]:
-    """Place jobs in queue order; stop at the first that cannot fit (no job jumps the head).
-
-    Strict order keeps a large job from being starved by a stream of small ones; reservations
-    with backfill (which let small jobs run without delaying the head) come in a later stage.
-    """
-    free = list(nodes)
-    decisions: list[Placement] = []
-    for job in queue_order(jobs):
-        p = place(job, free)
-        if p is None:
-            break
-        decisions.append(p)
-        free = _take(free, p)
-    return decisions
+    return Pass(list(jobs), nodes, now=now, tenants=tenants or {}, previous=previous or {},
+                 options=options or PolicyOptions()).run()

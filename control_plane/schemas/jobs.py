@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from control_plane.schemas.scheduling import ReservationOut
+
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_BYTES = 32 * 1024
 RESERVED_ENV_PREFIXES = ("TRAINYARD_",)
@@ -131,6 +133,9 @@ class JobOut(BaseModel):
     end_reason: str | None
     current_attempt: AttemptRef | None
     allocation: list[AllocationEntry]
+    reservation: ReservationOut | None = Field(
+        default=None, description="The nodes held for this waiting job, when it holds a reservation."
+    )
     created_at: datetime
     started_at: datetime | None
     ended_at: datetime | None

@@ -12,8 +12,9 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections.abc import Sequence
+from typing import Any, Protocol
 
-from sqlalchemy import select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
 from control_plane.db import rowcount
@@ -28,81 +29,104 @@ WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
 NODE_ORDER = {"assigned": 0, "launching": 1, "running": 2, "exited": 3, "stopped": 3, "gone": 4}
 
 
-def create_attempt(
-    session: Session,
-    job: Job,
-    placement: Sequence[tuple[Node, Sequence[int]]],
-    *,
-    rdzv_port: int,
-) -> Attempt:
+class NodeLike(Protocol):
+    """What placing an attempt needs of a node (a ``Node`` row, or the scheduler's light copy)."""
+
+    @property
+    def id(self) -> uuid.UUID: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+
+
+NodePlacement = Sequence[tuple[NodeLike, Sequence[int]]]
+"""Node rank i is ``placement[i]``: the node and its GPU indices."""
+
+
+def create_attempt(session: Session, job: Job, placement: NodePlacement, *, rdzv_port: int) -> Attempt:
     """Create the attempt, its per-node parts and every GPU lease, in the caller's transaction.
 
     The database refuses a lease on a GPU that is already leased, and refuses at commit an
     attempt whose leases do not cover its whole gang.
     """
-    last = session.scalar(
-        select(Attempt.number).where(Attempt.job_id == job.id).order_by(Attempt.number.desc()).limit(1)
-    )
-    number = (last or 0) + 1
-    plan = restore_plan(session, job)
-    attempt = Attempt(
-        restore_manifest=plan,
-        id=uuid.uuid4(),
-        job_id=job.id,
-        number=number,
-        fencing_token=secrets.token_hex(24),
-        state="starting",
-        num_gpus=job.num_gpus,
-        rdzv_host=placement[0][0].address,
-        rdzv_port=rdzv_port,
-        created_at=now(),
-    )
-    session.add(attempt)
-    session.flush()
-    gpu_ids = {
-        (g.node_id, g.index): g.id
-        for g in session.scalars(select(Gpu).where(Gpu.node_id.in_([n.id for n, _ in placement])))
-    }
-    for node_rank, (node, indices) in enumerate(placement):
-        part = AttemptNode(
-            id=uuid.uuid4(),
-            attempt_id=attempt.id,
-            node_id=node.id,
-            node_rank=node_rank,
-            gpu_indices=list(indices),
-            desired="run",
-            state="assigned",
-        )
-        session.add(part)
-        for index in indices:
-            session.add(
-                GpuLease(
-                    gpu_id=gpu_ids[(node.id, index)],
-                    node_id=node.id,
-                    attempt_id=attempt.id,
-                    job_id=job.id,
-                )
-            )
-    job.current_attempt_id = attempt.id
-    layout = [{"node": n.name, "node_rank": r, "gpus": list(ix)} for r, (n, ix) in enumerate(placement)]
-    set_job_state(
-        session,
-        job,
-        "starting",
-        f"attempt {number} allocated {job.num_gpus} GPUs on {len(placement)} nodes",
-        attempt_id=str(attempt.id),
-        placement=layout,
-    )
-    events.record(
-        session,
-        "attempt.allocated",
-        f"attempt {number} gang-allocated",
-        job_id=job.id,
-        attempt_id=attempt.id,
-        placement=layout,
-        rendezvous=f"{attempt.rdzv_host}:{rdzv_port}",
-    )
+    (attempt_id,) = create_attempts(session, [(job, placement, rdzv_port)])
+    attempt = session.get(Attempt, attempt_id)
+    assert attempt is not None
     return attempt
+
+
+def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlacement, int]]) -> list[uuid.UUID]:
+    """``create_attempt`` for many (job, placement, rendezvous port) at once: a scheduling pass may
+    admit hundreds of gangs, so attempts, parts and leases go in as three bulk INSERTs. The jobs
+    must be locked by the caller and waiting; each moves to ``starting``. Returns the attempt ids.
+    """
+    if not allocations:
+        return []
+    job_ids = [job.id for job, _, _ in allocations]
+    last: dict[uuid.UUID, int] = {
+        job_id: number
+        for job_id, number in session.execute(
+            select(Attempt.job_id, func.max(Attempt.number)).where(Attempt.job_id.in_(job_ids))
+            .group_by(Attempt.job_id)
+        )
+    }
+    node_ids = {node.id for _, placement, _ in allocations for node, _ in placement}
+    gpu_ids = {
+        (node_id, index): gpu_id
+        for gpu_id, node_id, index in session.execute(
+            select(Gpu.id, Gpu.node_id, Gpu.index).where(Gpu.node_id.in_(node_ids))
+        )
+    }
+    t = now()
+    attempt_rows: list[dict[str, Any]] = []
+    part_rows: list[dict[str, Any]] = []
+    lease_rows: list[dict[str, Any]] = []
+    for job, placement, port in allocations:
+        attempt_id = uuid.uuid4()
+        earlier = last.get(job.id)
+        attempt_rows.append({
+            "id": attempt_id, "job_id": job.id, "number": (earlier or 0) + 1,
+            "fencing_token": secrets.token_hex(24), "state": "starting", "num_gpus": job.num_gpus,
+            "rdzv_host": placement[0][0].address, "rdzv_port": port, "created_at": t,
+            # Only a job that ran before can have checkpoints to restore from.
+            "restore_manifest": restore_plan(session, job) if earlier else None,
+        })
+        for node_rank, (node, indices) in enumerate(placement):
+            part_rows.append({
+                "id": uuid.uuid4(), "attempt_id": attempt_id, "node_id": node.id, "node_rank": node_rank,
+                "gpu_indices": list(indices), "desired": "run", "state": "assigned",
+            })
+            lease_rows += [
+                {"id": uuid.uuid4(), "gpu_id": gpu_ids[(node.id, index)], "node_id": node.id,
+                 "attempt_id": attempt_id, "job_id": job.id, "created_at": t}
+                for index in indices
+            ]
+    session.execute(insert(Attempt), attempt_rows)
+    session.execute(insert(AttemptNode), part_rows)
+    session.execute(insert(GpuLease), lease_rows)
+    for (job, placement, port), row in zip(allocations, attempt_rows, strict=True):
+        number, attempt_id = row["number"], row["id"]
+        job.current_attempt_id = attempt_id
+        layout = [{"node": n.name, "node_rank": r, "gpus": list(ix)} for r, (n, ix) in enumerate(placement)]
+        set_job_state(
+            session,
+            job,
+            "starting",
+            f"attempt {number} allocated {job.num_gpus} GPUs on {len(placement)} nodes",
+            attempt_id=str(attempt_id),
+            placement=layout,
+        )
+        events.record(
+            session,
+            "attempt.allocated",
+            f"attempt {number} gang-allocated",
+            job_id=job.id,
+            attempt_id=attempt_id,
+            placement=layout,
+            rendezvous=f"{row['rdzv_host']}:{port}",
+        )
+    return [row["id"] for row in attempt_rows]
 
 
 def end_attempt(session: Session, attempt: Attempt, *, outcome: str, reason: str) -> bool:

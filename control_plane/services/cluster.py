@@ -1,12 +1,18 @@
-"""Cluster summary: capacity, utilization and the queue."""
+"""Cluster summary: capacity, utilization, the queue in service order, and the scheduler's holds."""
 
 from __future__ import annotations
+
+import heapq
+import uuid
+from datetime import datetime
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from control_plane.models import Gpu, GpuLease, Job, Node
 from control_plane.schemas.nodes import CapacityOut, ClusterOut, QueuedJobOut
+from control_plane.services import reservations, tenants
 from control_plane.services.jobs import now
 
 QUEUE_STATES = ("recovering", "queued")
@@ -33,18 +39,32 @@ def summary(session: Session, *, queue_limit: int = 50) -> ClusterOut:
         utilization=round(in_use / allocatable, 4) if allocatable else 0.0,
     )
     by_state = dict(session.execute(select(Job.state, func.count()).group_by(Job.state)).all())
-    queued = session.scalars(
-        select(Job)
-        .where(Job.state.in_(QUEUE_STATES))
-        .order_by((Job.state == "recovering").desc(), Job.priority.desc(), Job.created_at)
-        .limit(queue_limit)
-    ).all()
     t = now()
     queue = [
         QueuedJobOut(
-            id=str(j.id), name=j.name, state=j.state, gpus=j.num_gpus, priority=j.priority,
+            id=str(j.id), name=j.name, state=j.state, gpus=j.num_gpus, priority=j.priority, tenant=j.tenant,
             position=i + 1, waiting_s=round((t - j.created_at).total_seconds(), 3),
         )
-        for i, j in enumerate(queued)
+        for i, j in enumerate(_service_order(session, queue_limit))
     ]
-    return ClusterOut(capacity=capacity, jobs_by_state=by_state, queue=queue)
+    return ClusterOut(capacity=capacity, jobs_by_state=by_state, queue=queue,
+                      scheduling=reservations.summary(session))
+
+
+def _service_order(session: Session, limit: int) -> list[Job]:
+    """The first waiting jobs in the order the next pass serves them: recovering, priority, the
+    tenant's weighted share of GPUs in use (scheduler/policy.py), submit time."""
+    rows = session.execute(
+        select(Job.id, Job.state, Job.priority, Job.tenant, Job.created_at).where(Job.state.in_(QUEUE_STATES))
+    ).all()
+    weights = {name: t.weight for name, t in tenants.all_tenants(session).items()}
+    usage = tenants.gpus_in_use(session)
+
+    def key(row: Any) -> tuple[bool, int, float, datetime, uuid.UUID]:
+        recovering = row.state == "recovering"  # they held a place: shares do not reorder them
+        share = 0.0 if recovering else usage.get(row.tenant, 0) / weights.get(row.tenant, tenants.DEFAULT_WEIGHT)
+        return (not recovering, -row.priority, share, row.created_at, row.id)
+
+    first = [row.id for row in heapq.nsmallest(limit, rows, key=key)]
+    by_id = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(first)))} if first else {}
+    return [by_id[i] for i in first if i in by_id]

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,8 +34,23 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
-def now() -> datetime:
+def _wall_clock() -> datetime:
     return datetime.now(UTC)
+
+
+_clock: Callable[[], datetime] = _wall_clock
+
+
+def now() -> datetime:
+    """The control plane's time. Every service and loop reads it here, so a simulation
+    (bench/scheduler.py) can run the real code on simulated time with ``use_clock``."""
+    return _clock()
+
+
+def use_clock(clock: Callable[[], datetime] | None) -> None:
+    """Replace the clock (None: the wall clock again). For simulations and tests only."""
+    global _clock
+    _clock = clock or _wall_clock
 
 
 def can_transition(src: str, dst: str) -> bool:
@@ -111,7 +127,10 @@ def submit(
         )
         if existing is not None:
             return _same_request(existing, digest), False
+    from control_plane.services.tenants import check_quota  # tenants imports this module
+
     check_fits_cluster(session, body)
+    check_quota(session, body.tenant, body.num_nodes * body.gpus_per_node)
     job = Job(
         id=uuid.uuid4(),
         name=body.name,

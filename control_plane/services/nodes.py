@@ -260,3 +260,66 @@ def active_leases(session: Session, node_ids: list[uuid.UUID] | None = None) -> 
     if node_ids is not None:
         stmt = stmt.where(GpuLease.node_id.in_(node_ids))
     return {lease.gpu_id: lease for lease in session.scalars(stmt)}
+
+
+# -- Cordon, drain, uncordon, operator labels ---------------------------------------------------
+# None of these stops anything: a cordoned or draining node gets no new work and its running jobs
+# finish (no preemption, ever). The scheduler reads only ``schedulable``; ``draining`` says why.
+
+SCHEDULABLE, CORDONED, DRAINING, DRAINED = "schedulable", "cordoned", "draining", "drained"
+
+
+def scheduling_state(node: Node, busy: bool) -> str:
+    """How the scheduler treats the node; ``busy``: some attempt still holds GPUs on it."""
+    if node.schedulable:
+        return SCHEDULABLE
+    if node.draining:
+        return DRAINING if busy else DRAINED
+    return CORDONED
+
+
+def _for_update(session: Session, node_id: uuid.UUID) -> Node:
+    node = session.get(Node, node_id, with_for_update=True)
+    if node is None:
+        raise NotFound(f"node {node_id} does not exist")
+    if node.state == "removed":
+        raise InvalidState(f"node {node.name} was removed")
+    return node
+
+
+def _set_scheduling(session: Session, node_id: uuid.UUID, *, schedulable: bool, draining: bool,
+                    kind: str, message: str) -> Node:
+    node = _for_update(session, node_id)
+    if (node.schedulable, node.draining) != (schedulable, draining):
+        node.schedulable, node.draining = schedulable, draining
+        events.record(session, kind, f"node {node.name} {message}", node_id=node.id)
+    session.commit()
+    return node
+
+
+def cordon(session: Session, node_id: uuid.UUID) -> Node:
+    """No new work on the node; what runs there keeps running. Idempotent."""
+    return _set_scheduling(session, node_id, schedulable=False, draining=False, kind="node.cordoned",
+                           message="cordoned: no new work")
+
+
+def drain(session: Session, node_id: uuid.UUID) -> Node:
+    """No new work; running jobs finish, then the node shows as drained. Idempotent."""
+    return _set_scheduling(session, node_id, schedulable=False, draining=True, kind="node.draining",
+                           message="draining: no new work, running jobs finish")
+
+
+def uncordon(session: Session, node_id: uuid.UUID) -> Node:
+    """The node takes new work again. Idempotent."""
+    return _set_scheduling(session, node_id, schedulable=True, draining=False, kind="node.uncordoned",
+                           message="uncordoned: takes new work")
+
+
+def set_labels(session: Session, node_id: uuid.UUID, labels: dict[str, str]) -> Node:
+    """Replace the operator's labels of the node; they win over the labels its agent reports."""
+    node = _for_update(session, node_id)
+    node.label_overrides = dict(labels)
+    events.record(session, "node.labels", f"node {node.name} labels set by the operator", node_id=node.id,
+                  labels=dict(labels))
+    session.commit()
+    return node

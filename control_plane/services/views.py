@@ -22,6 +22,8 @@ from control_plane.schemas.jobs import (
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
+from control_plane.services import reservations
+from control_plane.services.nodes import scheduling_state
 
 
 def _s(value: uuid.UUID | None) -> str | None:
@@ -42,6 +44,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             .options(selectinload(Attempt.nodes).selectinload(AttemptNode.node))
         )
     } if attempt_ids else {}
+    held = reservations.active_for_jobs(session, [j.id for j in jobs if j.state in ("queued", "recovering")])
     out = []
     for job in jobs:
         attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
@@ -76,6 +79,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 current_attempt=AttemptRef(id=str(attempt.id), number=attempt.number, state=attempt.state,
                                            outcome=attempt.outcome) if attempt else None,
                 allocation=allocation,
+                reservation=held.get(job.id),
                 created_at=job.created_at,
                 started_at=job.started_at,
                 ended_at=job.ended_at,
@@ -182,9 +186,11 @@ def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:
                    job_id=_s(lease.job_id) if lease else None,
                    attempt_id=_s(lease.attempt_id) if lease else None)
         )
+    busy = {lease.node_id for lease in leases.values()}
     return [
         NodeOut(id=str(n.id), name=n.name, address=n.address, state=n.state, schedulable=n.schedulable,
-                labels=dict(n.labels or {}), last_heartbeat_at=n.last_heartbeat_at,
+                scheduling=scheduling_state(n, n.id in busy), labels=n.effective_labels,
+                label_overrides=dict(n.label_overrides or {}), last_heartbeat_at=n.last_heartbeat_at,
                 registered_at=n.registered_at, gpus=by_node.get(n.id, []))
         for n in nodes
     ]

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from control_plane.app import create_app
+from control_plane.services.jobs import use_clock
 from control_plane.settings import Settings
 from tests.factories import ADMIN_TOKEN, JOIN_TOKEN
 
@@ -39,3 +41,26 @@ def client(app: FastAPI) -> Iterator[TestClient]:
 def schedule(app: FastAPI):
     """Run one scheduling pass; returns how many gangs it admitted."""
     return app.state.loops.schedule_once
+
+
+class Clock:
+    """The control plane's clock, moved by hand (services.jobs.use_clock)."""
+
+    def __init__(self) -> None:
+        self.t = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def clock() -> Iterator[Clock]:
+    c = Clock()
+    use_clock(c)
+    try:
+        yield c
+    finally:
+        use_clock(None)

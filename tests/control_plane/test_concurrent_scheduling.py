@@ -1,4 +1,5 @@
-"""Scheduling passes run concurrently (as several replicas would) never allocate a GPU twice."""
+"""Scheduling passes run concurrently (as several replicas would) never allocate a GPU twice and
+never apply the same decision twice."""
 
 from __future__ import annotations
 
@@ -7,28 +8,58 @@ import threading
 from sqlalchemy import create_engine, text
 
 from control_plane.db import make_engine, make_session_factory
+from control_plane.scheduler import allocate
 from control_plane.scheduler.allocate import schedule_pass
 from tests.factories import ADMIN, job_body, register_node
 
 
-def test_parallel_passes_never_double_allocate(client, settings):
-    for i in range(4):
-        register_node(client, f"node-{i}", 2)
-    for i in range(12):
-        client.post("/v1/jobs", json=job_body(name=f"j{i}", num_nodes=1 + i % 2, gpus_per_node=1 + i % 2),
-                    headers=ADMIN)
+def _invariants(url: str) -> dict[str, object]:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        def scalar(sql: str) -> object:
+            return conn.execute(text(sql)).scalar()
 
-    engines = [make_engine(settings.database_url, pool_size=2) for _ in range(4)]
+        out = {
+            "double_leased": conn.execute(text(
+                "SELECT gpu_id FROM gpu_leases WHERE released_at IS NULL GROUP BY gpu_id HAVING count(*) > 1"
+            )).all(),
+            "partial": conn.execute(text(
+                "SELECT a.id FROM attempts a LEFT JOIN gpu_leases l ON l.attempt_id = a.id "
+                "GROUP BY a.id, a.num_gpus HAVING count(l.id) <> a.num_gpus"
+            )).all(),
+            # No job failed here, so a job with two attempts is a decision applied twice.
+            "attempts_per_job": dict(conn.execute(text("SELECT job_id, count(*) FROM attempts GROUP BY job_id")).all()),
+            "allocated_events": scalar("SELECT count(*) FROM events WHERE kind = 'attempt.allocated'"),
+            "leased": scalar("SELECT count(*) FROM gpu_leases WHERE released_at IS NULL"),
+            "node_in_two_reservations": conn.execute(text(
+                "SELECT n FROM reservations, unnest(node_ids) AS n WHERE ended_at IS NULL "
+                "GROUP BY n HAVING count(*) > 1"
+            )).all(),
+            "active_reservations_per_job": conn.execute(text(
+                "SELECT job_id FROM reservations WHERE ended_at IS NULL AND kind = 'job' GROUP BY job_id "
+                "HAVING count(*) > 1"
+            )).all(),
+        }
+    engine.dispose()
+    return out
+
+
+def _replicas(settings, count: int, passes: int) -> tuple[list[int], list[BaseException]]:
+    engines = [make_engine(settings.database_url, pool_size=2) for _ in range(count)]
     factories = [make_session_factory(e) for e in engines]
     admitted: list[int] = []
-    barrier = threading.Barrier(len(factories))
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(count)
 
     def replica(factory) -> None:
         barrier.wait()
-        for _ in range(5):
+        for _ in range(passes):
             s = factory()
             try:
                 admitted.append(len(schedule_pass(s, settings)))
+            except Exception as exc:  # the database refusing a conflicting decision
+                errors.append(exc)
+                s.rollback()
             finally:
                 s.close()
 
@@ -39,22 +70,53 @@ def test_parallel_passes_never_double_allocate(client, settings):
         t.join(60)
     for e in engines:
         e.dispose()
+    return admitted, errors
 
-    engine = create_engine(settings.database_url)
-    with engine.connect() as conn:
-        dup = conn.execute(text(
-            "SELECT gpu_id FROM gpu_leases WHERE released_at IS NULL GROUP BY gpu_id HAVING count(*) > 1"
-        )).all()
-        leased = conn.execute(text("SELECT count(*) FROM gpu_leases WHERE released_at IS NULL")).scalar()
-        partial = conn.execute(text(
-            "SELECT a.id FROM attempts a LEFT JOIN gpu_leases l ON l.attempt_id = a.id "
-            "GROUP BY a.id, a.num_gpus HAVING count(l.id) <> a.num_gpus"
-        )).all()
-        per_job = conn.execute(text(
-            "SELECT job_id FROM attempts WHERE state IN ('starting','running') GROUP BY job_id HAVING count(*) > 1"
-        )).all()
-    engine.dispose()
-    assert dup == [] and partial == [] and per_job == []
+
+def test_parallel_passes_never_double_allocate(client, settings):
+    for i in range(4):
+        register_node(client, f"node-{i}", 2)
+    for i in range(12):
+        client.post("/v1/jobs", json=job_body(name=f"j{i}", num_nodes=1 + i % 2, gpus_per_node=1 + i % 2),
+                    headers=ADMIN)
+
+    admitted, errors = _replicas(settings, count=4, passes=5)
+
+    state = _invariants(settings.database_url)
+    assert errors == []
+    assert state["double_leased"] == [] and state["partial"] == []
+    assert state["node_in_two_reservations"] == [] and state["active_reservations_per_job"] == []
     started = client.get("/v1/jobs", params={"state": "starting"}, headers=ADMIN).json()["items"]
     assert started and sum(admitted) == len(started)  # each decision applied exactly once
-    assert leased == sum(j["num_nodes"] * j["gpus_per_node"] for j in started) <= 8
+    assert set(state["attempts_per_job"].values()) == {1} and state["allocated_events"] == len(started)
+    assert state["leased"] == sum(j["num_nodes"] * j["gpus_per_node"] for j in started) <= 8
+
+
+def test_two_passes_deciding_on_the_same_snapshot_apply_it_once(client, settings, monkeypatch):
+    """Without the advisory lock, two passes read the same queue and capacity and reach the same
+    decision; the admitted jobs are locked and re-checked, so only one pass applies it."""
+    for i in range(3):
+        register_node(client, f"node-{i}", 2)
+    for i in range(5):
+        client.post("/v1/jobs", json=job_body(name=f"j{i}", num_nodes=1, gpus_per_node=2), headers=ADMIN)
+    decided = threading.Barrier(2)
+    real_decide = allocate.decide
+    decisions = []
+
+    def decide_then_wait(*args, **kwargs):
+        d = real_decide(*args, **kwargs)
+        decisions.append(sorted(p.job_id for p in d.placements))
+        decided.wait(30)  # both passes hold the same decision before either applies it
+        return d
+
+    monkeypatch.setattr(allocate, "_try_lock", lambda session: True)
+    monkeypatch.setattr(allocate, "decide", decide_then_wait)
+
+    admitted, errors = _replicas(settings, count=2, passes=1)
+
+    assert len(decisions) == 2 and decisions[0] == decisions[1] and len(decisions[0]) == 3
+    assert sorted(admitted) == [0, 3] and errors == []  # the second found the jobs already started
+    state = _invariants(settings.database_url)
+    assert state["double_leased"] == [] and state["partial"] == []
+    assert set(state["attempts_per_job"].values()) == {1} and len(state["attempts_per_job"]) == 3
+    assert state["allocated_events"] == 3 and state["leased"] == 6

@@ -76,3 +76,48 @@ def test_database_refuses_double_lease(fresh_database_url):
         a2 = _attempt(conn, job, num_gpus=1, port=2)
         _lease(conn, gpus[0], node, a2, job)
     engine.dispose()
+
+
+def test_gang_check_counts_each_attempt_and_still_refuses_a_partial_one(fresh_database_url):
+    """The check counts an attempt once per commit (0004): interleaved gangs are still checked
+    one by one, and a lease added after an early (IMMEDIATE) check is checked again at commit."""
+    engine = create_engine(fresh_database_url)
+    with pytest.raises(IntegrityError, match=r"holds 1 of 2"), engine.begin() as conn:
+        node, gpus, job = _seed(conn, gpus=4)
+        a, b = _attempt(conn, job, num_gpus=2, port=1), _attempt(conn, job, num_gpus=2, port=2)
+        _lease(conn, gpus[0], node, a, job)
+        _lease(conn, gpus[1], node, b, job)
+        _lease(conn, gpus[2], node, a, job)  # a is whole, b is not
+    with pytest.raises(IntegrityError, match=r"holds 3 of 2"), engine.begin() as conn:
+        node, gpus, job = _seed(conn, gpus=3)
+        a = _attempt(conn, job, num_gpus=2, port=3)
+        _lease(conn, gpus[0], node, a, job)
+        _lease(conn, gpus[1], node, a, job)
+        conn.execute(text("SET CONSTRAINTS ALL IMMEDIATE"))  # checked now: whole
+        conn.execute(text("SET CONSTRAINTS ALL DEFERRED"))
+        _lease(conn, gpus[2], node, a, job)  # one too many: checked again at commit
+    with engine.begin() as conn:  # a whole gang of many leases commits
+        node, gpus, job = _seed(conn, gpus=8)
+        a = _attempt(conn, job, num_gpus=8, port=4)
+        for g in gpus:
+            _lease(conn, g, node, a, job)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM gpu_leases")).scalar() == 8
+    engine.dispose()
+
+
+def test_downgrade_to_0003_and_back(fresh_database_url):
+    from alembic import command
+
+    from control_plane.db import alembic_config
+
+    cfg = alembic_config(fresh_database_url)
+    command.downgrade(cfg, "0003")
+    engine = create_engine(fresh_database_url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT to_regclass('tenants')")).scalar() is None
+    command.upgrade(cfg, "head")
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        assert compare_metadata(ctx, Base.metadata) == []
+    engine.dispose()

@@ -1,4 +1,8 @@
-"""Pure placement policy: unit tests and hypothesis invariants."""
+"""Pure scheduling policy: unit tests of each rule, and hypothesis properties of ``decide``.
+
+The properties check the decision against the inputs with an independent model of the rules
+(``_usable`` below), not with the engine's own bookkeeping.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,57 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.scheduler.policy import JobDemand, NodeCapacity, decide, place, queue_order
+from control_plane.scheduler.policy import (
+    WAIT_BEHIND,
+    WAIT_CAPACITY,
+    WAIT_NEVER,
+    WAIT_QUOTA,
+    WAIT_RESERVED,
+    Decision,
+    JobDemand,
+    NodeCapacity,
+    PolicyOptions,
+    Running,
+    TenantShare,
+    decide,
+    place,
+    queue_order,
+)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def node(name: str, free: tuple[int, ...], total: int | None = None, kind: str = "k") -> NodeCapacity:
-    return NodeCapacity(node_id=name, name=name, free=free, total=total or len(free), gpu_kind=kind)
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def node(name: str, free: tuple[int, ...], total: int | None = None, kind: str = "k", *,
+         running: tuple[Running, ...] = (), rack: str | None = None) -> NodeCapacity:
+    return NodeCapacity(node_id=name, name=name, free=free, total=total or len(free), gpu_kind=kind,
+                        running=running, labels={"rack": rack} if rack else {})
+
+
+def busy(name: str, total: int, ends: float | None, *, free: int = 0, kind: str = "k",
+         rack: str | None = None) -> NodeCapacity:
+    """A node whose used GPUs are held by one attempt ending at ``ends`` (None: no time limit)."""
+    used = total - free
+    return node(name, tuple(range(used, total)), total, kind, rack=rack,
+                running=(Running(gpus=used, ends_at=at(ends) if ends is not None else None),) if used else ())
 
 
 def job(jid: str, nodes: int, per: int, t: int = 0, **kw) -> JobDemand:
-    return JobDemand(job_id=jid, num_nodes=nodes, gpus_per_node=per, submitted_at=T0 + timedelta(seconds=t), **kw)
+    return JobDemand(job_id=jid, num_nodes=nodes, gpus_per_node=per, submitted_at=at(t), **kw)
+
+
+def run(jobs, nodes, now: float = 0, **kw) -> Decision:
+    return decide(jobs, nodes, now=at(now), **kw)
+
+
+def placed(d: Decision) -> dict[str, tuple[str, ...]]:
+    return {p.job_id: tuple(n for n, _ in p.nodes) for p in d.placements}
+
+
+# -- placement ----------------------------------------------------------------------------------
 
 
 def test_best_fit_prefers_partly_used_nodes():
@@ -36,49 +80,10 @@ def test_gpu_kind_and_avoided_nodes_are_respected():
     assert place(job("a", 2, 2, gpu_kind="a100"), nodes) is None
 
 
-def test_queue_order_recovering_then_priority_then_age():
-    jobs = [job("old", 1, 1, t=0), job("new-high", 1, 1, t=5, priority=5), job("rec", 1, 1, t=9, recovering=True)]
-    assert [j.job_id for j in queue_order(jobs)] == ["rec", "new-high", "old"]
-
-
-def test_head_of_line_is_not_jumped():
-    # The 2x2 job at the head does not fit; the 1-GPU job behind it must not take its place.
-    decisions = decide([job("big", 2, 2, t=0), job("small", 1, 1, t=1)], [node("n1", (0, 1)), node("n2", (0,))])
-    assert decisions == []
-
-
-def test_second_job_waits_for_the_first():
-    nodes = [node("n1", (0, 1)), node("n2", (0, 1))]
-    decisions = decide([job("a", 2, 2, t=0), job("b", 1, 2, t=1)], nodes)
-    assert [d.job_id for d in decisions] == ["a"]
-
-
-clusters = st.lists(st.integers(min_value=0, max_value=8), min_size=1, max_size=8).map(
-    lambda frees: [node(f"n{i}", tuple(range(f)), total=8) for i, f in enumerate(frees)]
-)
-queues = st.lists(
-    st.tuples(st.integers(1, 4), st.integers(1, 8), st.integers(-2, 2), st.booleans()), max_size=12
-).map(lambda js: [job(f"j{i}", n, g, t=i, priority=p, recovering=r) for i, (n, g, p, r) in enumerate(js)])
-
-
-@settings(max_examples=300, deadline=None)
-@given(clusters, queues)
-def test_decisions_are_whole_gangs_within_free_capacity(nodes, jobs):
-    decisions = decide(jobs, nodes)
-    free = {n.node_id: set(n.free) for n in nodes}
-    by_id = {j.job_id: j for j in jobs}
-    assert len({d.job_id for d in decisions}) == len(decisions)  # one decision per job
-    for d in decisions:
-        j = by_id[d.job_id]
-        assert len(d.nodes) == j.num_nodes  # never a partial gang
-        assert len({nid for nid, _ in d.nodes}) == j.num_nodes
-        for nid, ix in d.nodes:
-            assert len(ix) == j.gpus_per_node
-            assert set(ix) <= free[nid]  # never a GPU that is not free
-            free[nid] -= set(ix)  # never the same GPU twice
-    # Admitted jobs are a prefix of the service order.
-    order = [j.job_id for j in queue_order(jobs)]
-    assert [d.job_id for d in decisions] == order[: len(decisions)]
+def test_a_gang_without_a_kind_uses_one_kind():
+    nodes = [node("a1", (0, 1), kind="a100"), node("h1", (0, 1), kind="h100"), node("h2", (0, 1), kind="h100")]
+    p = place(job("x", 2, 2), nodes)
+    assert p is not None and {n for n, _ in p.nodes} == {"h1", "h2"}
 
 
 def test_recovering_job_prefers_its_healthy_nodes_and_replaces_only_the_failed_one():
@@ -86,3 +91,456 @@ def test_recovering_job_prefers_its_healthy_nodes_and_replaces_only_the_failed_o
     rec = job("r", 2, 2, recovering=True, prefer_nodes=frozenset({"n3"}), avoid_nodes=frozenset({"n1"}))
     p = place(rec, nodes)
     assert p is not None and {nid for nid, _ in p.nodes} == {"n2", "n3"}
+
+
+def test_a_gang_stays_in_one_rack_when_it_can():
+    # Best fit alone would take a1 (2 free) and b1 (2 free); rack b holds the whole gang.
+    nodes = [node("a1", (0, 1), 4, rack="a"), node("a2", (0, 1, 2, 3), rack="a"),
+             node("b1", (2, 3), 4, rack="b"), node("b2", (1, 2, 3), 4, rack="b"), node("b3", (0, 1, 2, 3), rack="b")]
+    p = place(job("x", 3, 2), nodes)
+    assert p is not None and {n for n, _ in p.nodes} == {"b1", "b2", "b3"}
+    # Two racks are needed: the fewest racks, the fullest rack first.
+    p = place(job("y", 4, 2), nodes)
+    assert p is not None and {n for n, _ in p.nodes} >= {"b1", "b2", "b3"}
+
+
+def test_topology_can_be_turned_off():
+    nodes = [node("a1", (0, 1), 4, rack="a"), node("b1", (2, 3), 4, rack="b"), node("b2", (0, 1, 2, 3), rack="b")]
+    p = place(job("x", 2, 2), nodes, topology_label=None)
+    assert p is not None and {n for n, _ in p.nodes} == {"a1", "b1"}
+
+
+# -- order of service ---------------------------------------------------------------------------
+
+
+def test_queue_order_recovering_then_priority_then_share_then_age():
+    jobs = [job("old", 1, 1, t=0, tenant="big"), job("new-high", 1, 1, t=5, priority=5),
+            job("rec", 1, 1, t=9, recovering=True), job("young-small-tenant", 1, 1, t=3, tenant="small")]
+    tenants = {"big": TenantShare(gpus_in_use=8), "small": TenantShare(gpus_in_use=4, weight=2.0)}
+    assert [j.job_id for j in queue_order(jobs, tenants)] == ["rec", "new-high", "young-small-tenant", "old"]
+
+
+def test_tenants_take_turns_by_weighted_share_within_a_pass():
+    # One 8-GPU node; a (weight 1) and b (weight 3) each queue four 1-GPU jobs, a's first.
+    jobs = [job(f"a{i}", 1, 1, t=i, tenant="a") for i in range(4)] + [job(f"b{i}", 1, 1, t=10 + i, tenant="b")
+                                                                       for i in range(4)]
+    d = run(jobs, [node("n", tuple(range(5)), 8)], tenants={"a": TenantShare(), "b": TenantShare(weight=3)})
+    # Shares after each admission: b is served while 3 x its usage stays below a's usage.
+    assert [p.job_id for p in d.placements] == ["a0", "b0", "b1", "b2", "a1"]
+
+
+def test_quota_holds_a_tenant_back_and_others_go_on():
+    jobs = [job("a1", 1, 2, t=0, tenant="a"), job("a2", 1, 2, t=1, tenant="a"), job("b1", 1, 2, t=2, tenant="b")]
+    d = run(jobs, [node("n1", (0, 1, 2, 3)), node("n2", (0, 1))],
+            tenants={"a": TenantShare(gpu_quota=3, gpus_in_use=0)})
+    assert set(placed(d)) == {"a1", "b1"}
+    assert d.waiting == {"a2": WAIT_QUOTA}
+
+
+# -- reservations and backfill ------------------------------------------------------------------
+
+
+def test_head_job_gets_the_nodes_where_it_fits_soonest():
+    nodes = [busy("n1", 2, ends=100), busy("n2", 2, ends=30), busy("n3", 2, ends=60), node("n4", (0, 1))]
+    d = run([job("big", 2, 2)], nodes)
+    (r,) = d.reservations
+    assert r.job_id == "big" and set(r.node_ids) == {"n2", "n4"} and r.earliest_start == at(30)
+    assert d.waiting == {"big": WAIT_RESERVED}
+    assert r.held_gpus == 2  # n4's free GPUs wait for n2: the measured idle cost
+
+
+def test_small_jobs_go_around_a_reservation_and_backfill_only_when_they_end_in_time():
+    # big (2x2) waits for n2 (free at t=50); n3 is free, n1 has one free GPU.
+    nodes = [busy("n1", 2, ends=500, free=1), busy("n2", 2, ends=50), node("n3", (0, 1))]
+    jobs = [job("big", 2, 2, t=0), job("forever", 1, 1, t=1), job("short", 1, 1, t=2, time_limit_s=40),
+            job("too-long", 1, 1, t=3, time_limit_s=60), job("short2", 1, 1, t=4, time_limit_s=50)]
+    d = run(jobs, nodes, options=PolicyOptions(max_reservations=1))
+    assert set(d.reservations[0].node_ids) == {"n2", "n3"}
+    where = placed(d)
+    assert where["forever"] == ("n1",)  # outside the reservation
+    assert where["short"] == ("n3",) and where["short2"] == ("n3",)  # backfill: back by t=50
+    assert "too-long" not in where and d.waiting["too-long"] == WAIT_CAPACITY
+    assert [p.backfill for p in d.placements] == [False, True, True]
+
+
+def test_gpus_beyond_what_the_reservation_needs_are_free_for_anyone():
+    # big needs 2 per node; n2 has 4 free, so 2 of them may go to a job without a time limit.
+    nodes = [busy("n1", 4, ends=100, free=1), node("n2", (0, 1, 2, 3))]
+    d = run([job("big", 2, 2), job("forever", 1, 2, t=1), job("forever2", 1, 1, t=2)], nodes)
+    assert set(d.reservations[0].node_ids) == {"n1", "n2"}
+    assert placed(d) == {"forever": ("n2",), "forever2": ("n1",)}
+    assert d.reservations[0].held_gpus == 2
+
+
+def test_reservation_is_kept_on_its_nodes_and_its_start_only_moves_earlier():
+    nodes = [busy("n1", 2, ends=100), busy("n2", 2, ends=50), busy("n3", 2, ends=60)]
+    first = run([job("big", 2, 2)], nodes).reservations[0]
+    assert set(first.node_ids) == {"n2", "n3"} and first.earliest_start == at(60)
+    # Later, n1 would be as good as n3; the reservation stays where it is, and n3 ended early.
+    later = [busy("n1", 2, ends=60), busy("n2", 2, ends=50), busy("n3", 2, ends=55)]
+    kept = run([job("big", 2, 2)], later, now=10, previous={"big": first.node_ids}).reservations[0]
+    assert set(kept.node_ids) == {"n2", "n3"} and kept.earliest_start == at(55)
+
+
+def test_a_later_higher_priority_job_does_not_take_a_kept_reservation():
+    nodes = [busy("n1", 2, ends=100), node("n2", (0, 1))]
+    urgent = job("urgent", 1, 2, t=5, priority=10)
+    d = run([job("big", 2, 2), urgent], nodes, previous={"big": ("n1", "n2")},
+            options=PolicyOptions(max_reservations=2))
+    assert placed(d) == {} and d.reservations[0].job_id == "big"
+    assert d.waiting["urgent"] == WAIT_CAPACITY  # nothing left outside big's nodes to reserve
+
+
+def test_reservations_are_capped_but_recovering_jobs_always_hold():
+    nodes = [busy(f"n{i}", 2, ends=10 * i) for i in range(1, 7)]
+    jobs = [job(f"j{i}", 2, 2, t=i) for i in range(3)] + [job("rec", 2, 2, t=9, recovering=True)]
+    d = run(jobs, nodes, options=PolicyOptions(max_reservations=1))
+    assert [r.job_id for r in d.reservations] == ["rec", "j0"]
+    assert d.waiting["j1"] == d.waiting["j2"] == WAIT_CAPACITY
+
+
+def test_recovering_job_keeps_its_healthy_nodes_even_against_backfill():
+    # r needs 2 nodes x 2; its healthy node n1 is free, its failed one is gone; n2 frees at t=100.
+    nodes = [node("n1", (0, 1)), busy("n2", 2, ends=100)]
+    rec = job("r", 2, 2, recovering=True, prefer_nodes=frozenset({"n1"}))
+    d = run([rec, job("tiny", 1, 1, t=1, time_limit_s=5)], nodes)
+    assert placed(d) == {}
+    (r,) = d.reservations
+    held = {n.node_id: n for n in r.nodes}
+    assert held["n1"].strict and held["n1"].held == 2
+    assert d.waiting["tiny"] == WAIT_CAPACITY
+
+
+def test_healthy_nodes_of_a_kind_that_cannot_hold_the_gang_are_not_held():
+    # r's healthy node is of kind a, where two 8-GPU nodes do not exist; kind b could hold it.
+    nodes = [node("a1", tuple(range(8)), kind="a"), busy("b1", 8, ends=100, kind="b"),
+             busy("b2", 8, ends=50, kind="b")]
+    rec = job("r", 2, 8, recovering=True, prefer_nodes=frozenset({"a1"}))
+    d = run([rec, job("small", 1, 8, t=1)], nodes)
+    assert d.waiting["r"] == WAIT_RESERVED and set(d.reservations[0].node_ids) == {"b1", "b2"}
+    assert placed(d) == {"small": ("a1",)}
+
+
+def test_job_that_can_never_fit_blocks_nobody():
+    d = run([job("huge", 3, 2), job("small", 1, 1, t=1)], [node("n1", (0, 1)), node("n2", (0, 1))])
+    assert d.waiting == {"huge": WAIT_NEVER} and set(placed(d)) == {"small"}
+
+
+def test_recovery_reserve_runs_recovering_jobs_only():
+    nodes = [node("n1", (0, 1)), node("n2", (0, 1)), busy("n3", 2, ends=None, free=1)]
+    opts = PolicyOptions(recovery_reserve={"k": 1})
+    d = run([job("a", 1, 2), job("b", 1, 2, t=1)], nodes, options=opts)
+    (reserve,) = d.recovery_reserve
+    assert reserve.node_ids == ("n1",) and reserve.idle_gpus == 2  # the emptiest node
+    assert placed(d) == {"a": ("n2",)} and d.waiting["b"] == WAIT_RESERVED
+    assert "n1" not in d.reservations[0].node_ids and d.reservations[0].earliest_start is None
+    # A recovering job uses ordinary capacity first and the reserve when there is no other.
+    d = run([job("r", 1, 2, recovering=True), job("b", 1, 2, t=1)], nodes, options=opts)
+    assert placed(d) == {"r": ("n2",)} and not d.placements[0].from_reserve
+    full = [node("n1", (0, 1)), busy("n2", 2, ends=None), busy("n3", 2, ends=None, free=1)]
+    d = run([job("r", 1, 2, recovering=True), job("b", 1, 2, t=1)], full, options=opts)
+    assert placed(d) == {"r": ("n1",)} and d.placements[0].from_reserve and d.recovery_reserve[0].idle_gpus == 0
+
+
+def test_baselines_fifo_stops_and_greedy_skips():
+    nodes = [busy("n1", 2, ends=50), node("n2", (0, 1))]
+    jobs = [job("big", 2, 2), job("small", 1, 1, t=1)]
+    fifo = run(jobs, nodes, options=PolicyOptions(mode="fifo"))
+    assert placed(fifo) == {} and fifo.reservations == [] and fifo.waiting["small"] == WAIT_BEHIND
+    greedy = run(jobs, nodes, options=PolicyOptions(mode="greedy"))
+    assert set(placed(greedy)) == {"small"} and greedy.reservations == []
+    fair = run(jobs, nodes)
+    assert placed(fair) == {} and fair.reservations[0].job_id == "big"  # small has no time limit
+
+
+# -- properties ---------------------------------------------------------------------------------
+
+KINDS = ("a", "b")
+
+
+@st.composite
+def clusters(draw) -> list[NodeCapacity]:
+    out = []
+    for i in range(draw(st.integers(1, 7))):
+        total = draw(st.sampled_from((2, 4, 8)))
+        kind = draw(st.sampled_from(KINDS))
+        used = draw(st.integers(0, total))
+        free = tuple(sorted(draw(st.permutations(range(total)))[used:]))
+        running, left = [], used
+        while left:
+            n = draw(st.integers(1, left))
+            ends = draw(st.one_of(st.none(), st.integers(0, 300)))
+            running.append(Running(gpus=n, ends_at=at(ends) if ends is not None else None))
+            left -= n
+        out.append(NodeCapacity(node_id=f"n{i}", name=f"n{i}", free=free, total=total, gpu_kind=kind,
+                                labels={"rack": draw(st.sampled_from(("r1", "r2")))}, running=tuple(running)))
+    return out
+
+
+@st.composite
+def queues(draw, node_ids: list[str]) -> list[JobDemand]:
+    jobs = []
+    for i in range(draw(st.integers(0, 12))):
+        recovering = draw(st.booleans()) and draw(st.booleans())
+        healthy = draw(st.lists(st.sampled_from(node_ids), max_size=2)) if recovering else []
+        jobs.append(JobDemand(
+            job_id=f"j{i}", num_nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.sampled_from((1, 2, 4, 8))),
+            priority=draw(st.integers(-1, 1)), submitted_at=at(i), recovering=recovering,
+            gpu_kind=draw(st.one_of(st.none(), st.sampled_from(KINDS))),
+            tenant=draw(st.sampled_from(("t1", "t2", "t3"))),
+            time_limit_s=draw(st.one_of(st.none(), st.integers(1, 400))),
+            avoid_nodes=frozenset(draw(st.lists(st.sampled_from(node_ids), max_size=1))),
+            prefer_nodes=frozenset(healthy),
+        ))
+    return jobs
+
+
+tenant_tables = st.fixed_dictionaries({
+    t: st.builds(lambda w, q, u: TenantShare(weight=w, gpu_quota=q, gpus_in_use=u),
+                 st.sampled_from((0.5, 1.0, 3.0)), st.one_of(st.none(), st.integers(0, 24)), st.integers(0, 8))
+    for t in ("t1", "t2")
+})
+
+
+@st.composite
+def scenarios(draw):
+    nodes = draw(clusters())
+    jobs = draw(queues([n.node_id for n in nodes]))
+    opts = PolicyOptions(mode=draw(st.sampled_from(("fair", "fair", "greedy"))),
+                         max_reservations=draw(st.integers(0, 3)),
+                         recovery_reserve={"a": draw(st.integers(0, 1))},
+                         topology_label=draw(st.sampled_from(("rack", None))))
+    return nodes, jobs, draw(tenant_tables), opts, draw(st.integers(0, 100))
+
+
+def _end(j: JobDemand, now: float) -> float:
+    return now + j.time_limit_s if j.time_limit_s else float("inf")
+
+
+def _final_state(nodes, d: Decision, jobs, now: float):
+    """Free GPUs after the decision, and each node's releases (ends, GPUs) including placements."""
+    by_id = {j.job_id: j for j in jobs}
+    free = {n.node_id: set(n.free) for n in nodes}
+    rel = {n.node_id: [((r.ends_at - T0).total_seconds() if r.ends_at else float("inf"), r.gpus) for r in n.running]
+           for n in nodes}
+    for p in d.placements:
+        for nid, ix in p.nodes:
+            free[nid] -= set(ix)
+            rel[nid].append((_end(by_id[p.job_id], now), len(ix)))
+    return free, rel
+
+
+def _taken_by_strangers(d: Decision, jobs: list[JobDemand], nid: str, owner: JobDemand) -> int:
+    """GPUs placed on ``nid`` by jobs for which it is not a healthy node too (a node shared by
+    recovering jobs is theirs together)."""
+    by_id = {j.job_id: j for j in jobs}
+    return sum(len(ix) for p in d.placements for n, ix in p.nodes
+               if n == nid and p.job_id != owner.job_id
+               and not (by_id[p.job_id].recovering and nid in by_id[p.job_id].prefer_nodes))
+
+
+def _kept(jobs: list[JobDemand], tenants, nid: str) -> int:
+    """What a healthy node keeps: the largest share among the recovering jobs that prefer it (those
+    over their quota at the start of the pass hold nothing)."""
+    def over(j: JobDemand) -> bool:
+        t = tenants.get(j.tenant, TenantShare())
+        return t.gpu_quota is not None and t.gpus_in_use + j.num_gpus > t.gpu_quota
+    return max((j.gpus_per_node for j in jobs if j.recovering and nid in j.prefer_nodes and not over(j)), default=0)
+
+
+def _usable(j: JobDemand, nid: str, d: Decision, free, rel, now: float, kept: int = 0) -> int:
+    """GPUs ``j`` could take on ``nid`` after the decision without breaking any hold (the rules,
+    written independently of the engine). ``kept``: what the node keeps if it is a healthy one."""
+    f = len(free[nid])
+    for h in d.recovery_reserve:
+        if nid in h.node_ids:
+            return f if j.recovering else 0
+    for r in d.reservations:
+        held = {n.node_id: n for n in r.nodes}
+        if nid not in held or r.job_id == j.job_id:
+            continue
+        hn = held[nid]
+        if hn.strict:
+            return max(0, f - max(hn.gpus, kept))
+        start = (r.earliest_start - T0).total_seconds() if r.earliest_start else float("inf")
+        if _end(j, now) <= start and j.time_limit_s:
+            return f
+        by_start = f + sum(g for e, g in rel[nid] if e <= start and e != float("inf"))
+        return max(0, min(f, by_start - hn.gpus))
+    return f
+
+
+@settings(max_examples=400, deadline=None)
+@given(scenarios())
+def test_decisions_are_whole_gangs_within_free_capacity_and_quotas(scenario):
+    nodes, jobs, tenants, opts, now = scenario
+    d = decide(jobs, nodes, now=at(now), tenants=tenants, options=opts)
+    caps = {n.node_id: n for n in nodes}
+    by_id = {j.job_id: j for j in jobs}
+    free = {n.node_id: set(n.free) for n in nodes}
+    reserve = {nid for h in d.recovery_reserve for nid in h.node_ids}
+    assert len({p.job_id for p in d.placements}) == len(d.placements)  # one decision per job
+    assert not ({p.job_id for p in d.placements} & set(d.waiting))
+    assert {p.job_id for p in d.placements} | set(d.waiting) == set(by_id)
+    used = {t: s.gpus_in_use for t, s in tenants.items()}
+    for p in d.placements:
+        j = by_id[p.job_id]
+        assert len(p.nodes) == j.num_nodes == len({nid for nid, _ in p.nodes})  # never a partial gang
+        kinds = {caps[nid].gpu_kind for nid, _ in p.nodes}
+        assert len(kinds) == 1 and (j.gpu_kind is None or kinds == {j.gpu_kind})  # one kind, the right one
+        for nid, ix in p.nodes:
+            assert len(ix) == j.gpus_per_node
+            assert set(ix) <= free[nid]  # never a GPU that is not free, never one twice
+            free[nid] -= set(ix)
+            assert nid not in j.avoid_nodes
+            assert j.recovering or nid not in reserve
+        used[j.tenant] = used.get(j.tenant, 0) + j.num_gpus
+        quota = tenants.get(j.tenant, TenantShare()).gpu_quota
+        assert quota is None or used[j.tenant] <= quota  # quotas respected
+    assert sum(len(f) for f in free.values()) >= 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(scenarios())
+def test_no_job_waits_that_could_fit_without_delaying_a_reservation(scenario):
+    nodes, jobs, tenants, opts, now = scenario
+    d = decide(jobs, nodes, now=at(now), tenants=tenants, options=opts)
+    free, rel = _final_state(nodes, d, jobs, now)
+    by_id = {j.job_id: j for j in jobs}
+    used = {t: s.gpus_in_use for t, s in tenants.items()}
+    for p in d.placements:
+        used[by_id[p.job_id].tenant] = used.get(by_id[p.job_id].tenant, 0) + by_id[p.job_id].num_gpus
+    for jid, why in d.waiting.items():
+        j = by_id[jid]
+        if why == WAIT_QUOTA:
+            quota = tenants.get(j.tenant, TenantShare()).gpu_quota
+            assert quota is not None and used.get(j.tenant, 0) + j.num_gpus > quota
+            continue
+        for kind in {n.gpu_kind for n in nodes}:
+            if j.gpu_kind not in (None, kind):
+                continue
+            fits = [n.node_id for n in nodes if n.gpu_kind == kind and n.node_id not in j.avoid_nodes
+                    and _usable(j, n.node_id, d, free, rel, now, _kept(jobs, tenants, n.node_id))
+                    >= j.gpus_per_node]
+            assert len(fits) < j.num_nodes, f"{jid} waits ({why}) but fits on {fits}"
+
+
+@settings(max_examples=400, deadline=None)
+@given(scenarios())
+def test_reservations_hold_what_their_job_needs_at_the_earliest_start(scenario):
+    nodes, jobs, tenants, opts, now = scenario
+    d = decide(jobs, nodes, now=at(now), tenants=tenants, options=opts)
+    free, rel = _final_state(nodes, d, jobs, now)
+    initial = {n.node_id: len(n.free) for n in nodes}
+    by_id = {j.job_id: j for j in jobs}
+    holders = [r.job_id for r in d.reservations]
+    assert len(set(holders)) == len(holders)
+    assert sum(1 for jid in holders if not by_id[jid].recovering) <= opts.max_reservations
+    seen: set[str] = set()
+    for r in d.reservations:
+        j = by_id[r.job_id]
+        assert d.waiting[r.job_id] == WAIT_RESERVED
+        # Whole, or only a recovering job's healthy nodes (the rest it needs is held for others).
+        assert len(r.nodes) == j.num_nodes or (j.recovering and all(n.strict for n in r.nodes))
+        assert not (set(r.node_ids) & seen)  # a node is in one reservation at most
+        seen |= set(r.node_ids)
+        start = (r.earliest_start - T0).total_seconds() if r.earliest_start else None
+        assert start is None or start >= now
+        for hn in r.nodes:
+            assert hn.gpus == j.gpus_per_node and 0 <= hn.held <= len(free[hn.node_id])
+            if hn.strict:
+                # A recovering job's healthy node: others took only GPUs beyond its share.
+                assert j.recovering and hn.node_id in j.prefer_nodes
+                taken = _taken_by_strangers(d, jobs, hn.node_id, j)
+                assert taken <= max(0, initial[hn.node_id] - j.gpus_per_node)
+            elif start is not None:
+                by_start = len(free[hn.node_id]) + sum(g for e, g in rel[hn.node_id] if e <= start)
+                assert by_start >= j.gpus_per_node, (r, hn)
+
+
+@settings(max_examples=400, deadline=None)
+@given(scenarios())
+def test_a_blocked_recovering_job_keeps_its_healthy_nodes(scenario):
+    """A waiting recovering job's reservation takes its healthy nodes (of the GPU kind it will
+    run on) first, strictly: jobs that do not share them take only GPUs beyond its share."""
+    nodes, jobs, tenants, opts, now = scenario
+    d = decide(jobs, nodes, now=at(now), tenants=tenants, options=opts)
+    caps = {n.node_id: n for n in nodes}
+    by_job = {r.job_id: r for r in d.reservations}
+    for j in jobs:
+        r = by_job.get(j.job_id)
+        if not j.recovering or r is None:
+            continue
+        (kind,) = {caps[nid].gpu_kind for nid in r.node_ids}
+        others = {nid for o in d.reservations if o.job_id != j.job_id for nid in o.node_ids}
+        eligible = {nid for nid in j.prefer_nodes - j.avoid_nodes - others
+                    if caps[nid].gpu_kind == kind and caps[nid].total >= j.gpus_per_node}
+        in_res = {hn.node_id for hn in r.nodes if hn.node_id in j.prefer_nodes}
+        assert len(in_res) == min(j.num_nodes, len(eligible)) and in_res <= eligible
+        for hn in r.nodes:
+            assert hn.strict == (hn.node_id in j.prefer_nodes)
+            if hn.strict:
+                n = caps[hn.node_id]
+                assert _taken_by_strangers(d, jobs, hn.node_id, j) <= max(0, len(n.free) - j.gpus_per_node)
+
+
+@st.composite
+def streams(draw):
+    """A cluster with running jobs and a stream of arriving jobs, each with a time limit (a few
+    without) and a run time within it."""
+    nodes = [(f"n{i}", draw(st.sampled_from((2, 4)))) for i in range(draw(st.integers(2, 5)))]
+    jobs = []
+    for i in range(draw(st.integers(1, 14))):
+        limit = draw(st.one_of(st.none(), st.integers(5, 200)))
+        runs = draw(st.integers(1, limit)) if limit else draw(st.integers(1, 200))
+        jobs.append((draw(st.integers(0, 150)), JobDemand(
+            job_id=f"j{i}", num_nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.sampled_from((1, 2, 4))),
+            submitted_at=at(i), tenant=draw(st.sampled_from(("t1", "t2"))), time_limit_s=limit,
+            priority=draw(st.sampled_from((0, 0, 1))),
+        ), runs))
+    return nodes, jobs, draw(st.integers(1, 3))
+
+
+@settings(max_examples=250, deadline=None)
+@given(streams())
+def test_a_reserved_job_starts_no_later_than_its_earliest_start(stream):
+    """Simulate passes at every arrival and end; jobs end within their time limits. Once a job
+    holds a reservation with a known earliest start, it starts by then."""
+    node_specs, arrivals, depth = stream
+    now = 0.0
+    running: dict[str, tuple[dict[str, tuple[int, ...]], float, float | None]] = {}  # job -> gpus, ends, limit end
+    waiting: list[JobDemand] = []
+    pending = sorted(arrivals, key=lambda a: (a[0], a[1].job_id))
+    runs = {j.job_id: r for _, j, r in arrivals}
+    promise: dict[str, float] = {}
+    previous: dict[str, tuple[str, ...]] = {}
+    opts = PolicyOptions(max_reservations=depth)
+    for _ in range(200):
+        waiting += [j for t, j, _ in pending if t <= now]
+        pending = [a for a in pending if a[0] > now]
+        for jid in [jid for jid, (_, ends, _) in running.items() if ends <= now]:
+            del running[jid]
+        caps = []
+        for name, total in node_specs:
+            held = [(g, limit_end) for gpus, _, limit_end in running.values() for nid, g in gpus.items() if nid == name]
+            used = {i for gpus, _, _ in running.values() for i in gpus.get(name, ())}
+            caps.append(NodeCapacity(
+                node_id=name, name=name, total=total, free=tuple(i for i in range(total) if i not in used),
+                running=tuple(Running(gpus=len(g), ends_at=at(e) if e is not None else None) for g, e in held)))
+        d = decide(waiting, caps, now=at(now), previous=previous, options=opts)
+        for p in d.placements:
+            if p.job_id in promise:
+                assert now <= promise[p.job_id] + 1e-6, f"{p.job_id} started at {now}, promised {promise[p.job_id]}"
+            j = next(w for w in waiting if w.job_id == p.job_id)
+            running[p.job_id] = (dict(p.nodes), now + runs[p.job_id],
+                                 now + j.time_limit_s if j.time_limit_s else None)
+        admitted = {p.job_id for p in d.placements}
+        waiting = [w for w in waiting if w.job_id not in admitted]
+        previous = {r.job_id: r.node_ids for r in d.reservations}
+        for r in d.reservations:
+            if r.earliest_start is not None and r.job_id not in promise:
+                promise[r.job_id] = (r.earliest_start - T0).total_seconds()
+        events = [ends for _, ends, _ in running.values() if ends > now] + [t for t, _, _ in pending]
+        if not events:
+            break
+        now = min(events)

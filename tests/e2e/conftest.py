@@ -23,14 +23,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def cluster(
-    tmp_path: Path, fresh_database_url: str, s3_bucket: Any, process_reaper: ProcessReaper
+    request: pytest.FixtureRequest, tmp_path: Path, fresh_database_url: str, s3_bucket: Any,
+    process_reaper: ProcessReaper,
 ) -> Iterator[Cluster]:
+    """2 nodes x 2 GPU slots; another size with ``@pytest.mark.parametrize("cluster", [{"nodes": 3,
+    "gpus_per_node": 2}], indirect=True)``."""
+    size = {"nodes": 2, "gpus_per_node": 2, **getattr(request, "param", {})}
     token = secrets.token_urlsafe(16)
     port = free_port()
     log = tmp_path / "dev-up.log"
     out = log.open("w")
     proc = process_reaper.spawn(
-        [sys.executable, "-m", "trainyard", "dev", "up", "--nodes", "2", "--gpus-per-node", "2",
+        [sys.executable, "-m", "trainyard", "dev", "up", "--nodes", str(size["nodes"]),
+         "--gpus-per-node", str(size["gpus_per_node"]),
          "--port", str(port), "--data-dir", str(tmp_path / "cluster"), "--token", token,
          "--database-url", fresh_database_url, "--s3-endpoint", s3_bucket.endpoint,
          "--s3-access-key", s3_bucket.access_key, "--s3-secret-key", s3_bucket.secret_key,

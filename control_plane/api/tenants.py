@@ -1,0 +1,30 @@
+"""/v1/tenants: weights and quotas of the teams sharing the cluster (admin)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+
+from control_plane.api.deps import PrincipalDep, SessionDep
+from control_plane.api.jobs import ERRORS
+from control_plane.schemas.tenants import TENANT_NAME, TenantIn, TenantOut
+from control_plane.services import tenants
+
+router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
+
+TenantName = Annotated[str, Path(min_length=1, max_length=128, pattern=TENANT_NAME)]
+
+
+@router.get("", response_model=list[TenantOut], responses=ERRORS, summary="List tenants")
+def list_tenants(session: SessionDep, _: PrincipalDep) -> list[TenantOut]:
+    """Configured tenants and every tenant with waiting or running jobs, with GPUs in use."""
+    return tenants.list_tenants(session)
+
+
+@router.put("/{name}", response_model=TenantOut, responses=ERRORS, summary="Set a tenant's weight and quota")
+def put_tenant(name: TenantName, body: TenantIn, session: SessionDep, _: PrincipalDep, request: Request) -> TenantOut:
+    """Create or replace. A lower quota stops nothing: the tenant's next jobs wait until it is under."""
+    tenants.put_tenant(session, name, body)
+    request.app.state.wake_scheduler()  # a higher weight or quota may admit jobs now
+    return tenants.tenant_out(session, name)

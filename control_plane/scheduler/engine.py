@@ -1,0 +1,619 @@
+"""The pass behind ``policy.decide``: pure, but written for ~10^4 waiting jobs and ~10^3 nodes.
+
+Nodes of a GPU kind are indexed by how many GPUs an ordinary job may take on them
+(``_Pool.buckets``), so "does a gang of k x g fit" is a sum over at most max-GPUs-per-node
+buckets, a shape that did not fit is not tried again until capacity grows, and placing scans only
+nodes that can hold a share (best fit first). Times are POSIX seconds; INF is "no time limit".
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+
+from control_plane.scheduler.model import (
+    DEFAULT_TENANT,
+    INF,
+    WAIT_BEHIND,
+    WAIT_CAPACITY,
+    WAIT_NEVER,
+    WAIT_QUOTA,
+    WAIT_RESERVED,
+    Decision,
+    HeldNode,
+    JobDemand,
+    NodeCapacity,
+    Placement,
+    PolicyOptions,
+    Reservation,
+    ReserveHold,
+    TenantShare,
+)
+
+
+class _Res:
+    """A reservation being built or kept during a pass; ``partial``: only a recovering job's healthy
+    nodes, held from the start of the pass until the job's turn completes or drops it."""
+
+    __slots__ = ("job", "start", "nodes", "partial")
+
+    def __init__(self, job: JobDemand, start: float, nodes: list[_Node], partial: bool = False) -> None:
+        self.job = job
+        self.start = start
+        self.nodes = nodes
+        self.partial = partial
+
+
+class _Node:
+    __slots__ = ("id", "name", "kind", "label", "total", "free", "rel", "res", "share", "avail", "strict", "guard",
+                 "reserve", "key")
+
+    def __init__(self, cap: NodeCapacity, label_key: str | None) -> None:
+        self.id = cap.node_id
+        self.name = cap.name
+        self.kind = cap.gpu_kind
+        self.label = cap.labels.get(label_key) if label_key else None
+        self.total = cap.total
+        self.free = sorted(cap.free)
+        # (release time, GPUs) of what runs here, including what this pass places.
+        self.rel = [(r.ends_at.timestamp() if r.ends_at is not None else INF, r.gpus) for r in cap.running]
+        self.res: _Res | None = None
+        self.share = 0  # the reservation's GPUs per node
+        self.avail = 0  # GPUs free at the reservation's start, given what runs and was placed
+        self.strict = False
+        self.guard = 0  # strict: GPUs kept from others (the largest share among its recovering jobs)
+        self.reserve = False
+        self.key = -1  # the bucket it is in (-1: none)
+
+    def general(self) -> int:
+        """GPUs an ordinary job (no reservation of its own, no backfill) may take here."""
+        f = len(self.free)
+        if self.res is None:
+            return f
+        if self.strict:
+            return max(0, f - self.guard)
+        return max(0, min(f, self.avail - self.share))
+
+    def ready_at(self, gpus: int, now: float) -> float:
+        """When ``gpus`` GPUs are free here at the latest, if jobs end by their time limits."""
+        missing = gpus - len(self.free)
+        if missing <= 0:
+            return now
+        for end, n in sorted(self.rel):
+            missing -= n
+            if missing <= 0:
+                return max(end, now)
+        return INF
+
+    def free_by(self, t: float) -> int:
+        return len(self.free) + sum(n for end, n in self.rel if end <= t and end < INF)
+
+
+class _Pool:
+    """The nodes of one GPU kind, bucketed by ``general()``."""
+
+    def __init__(self, kind: str, nodes: list[_Node]) -> None:
+        self.kind = kind
+        self.nodes = nodes
+        self.maxcap = max(n.total for n in nodes)
+        self.buckets: list[dict[_Node, None]] = [{} for _ in range(self.maxcap + 1)]
+        self.reserve: list[_Node] = []
+        self.by_id = {n.id: n for n in nodes}
+        # total_ge[g]: nodes with at least g GPUs in all (whether a gang could ever fit).
+        self.total_ge = [sum(1 for n in nodes if n.total >= g) for g in range(self.maxcap + 1)]
+        for n in nodes:
+            self.reindex(n)
+
+    def reindex(self, n: _Node) -> None:
+        k = -1 if n.reserve else n.general()
+        if k != n.key:
+            if n.key >= 0:
+                del self.buckets[n.key][n]
+            if k >= 0:
+                self.buckets[k][n] = None
+            n.key = k
+
+    def count_ge(self, g: int) -> int:
+        return sum(len(b) for b in self.buckets[g:])
+
+
+class Pass:
+    def __init__(
+        self,
+        jobs: list[JobDemand],
+        nodes: Sequence[NodeCapacity],
+        *,
+        now: datetime,
+        tenants: Mapping[str, TenantShare],
+        previous: Mapping[str, Sequence[str]],
+        options: PolicyOptions,
+    ) -> None:
+        self.jobs = jobs
+        self.now = now.timestamp()
+        self.opts = options
+        self.tenants = tenants
+        self.previous = previous
+        self.usage = {t: s.gpus_in_use for t, s in tenants.items()}
+        by_kind: dict[str, list[_Node]] = {}
+        for cap in sorted(nodes, key=lambda c: c.name):
+            by_kind.setdefault(cap.gpu_kind, []).append(_Node(cap, options.topology_label))
+        self.pools = {k: _Pool(k, ns) for k, ns in sorted(by_kind.items())}
+        self.by_id = {n.id: n for pool in self.pools.values() for n in pool.nodes}
+        self.pool_of = {n.id: pool for pool in self.pools.values() for n in pool.nodes}
+        self.free_total = sum(len(n.free) for n in self.by_id.values())
+        self.res_of: dict[str, _Res] = {}  # job id -> its reservation, in the order they were made
+        self.failed: set[tuple[object, ...]] = set()  # shapes that did not fit (cleared when capacity grows)
+        self.drops = 0  # holds dropped so far: each gives capacity back
+        self.held_for_queue = 0  # reservations of jobs that are not recovering (max_reservations)
+        self.starts: list[float] | None = None  # reservations' starts, sorted (None: to recompute)
+        self.res_version = 0  # bumped by every new reservation: part of a failed shape's key
+        self.never: dict[tuple[str | None, int, int], bool] = {}
+        # Healthy nodes of recovering jobs: held for them, so never in another hold.
+        # In service order: recovering jobs go by priority and submit time (they held a place).
+        self.recovering = sorted((j for j in jobs if j.recovering),
+                                 key=lambda j: (-j.priority, j.submitted_at, j.job_id))
+        self.healthy = {nid for j in self.recovering for nid in j.prefer_nodes}
+        self.unserved = {j.job_id for j in self.recovering}  # recovering jobs whose turn has not come
+        # A healthy node shared by recovering jobs is kept, for the whole pass, for the largest share
+        # among them (jobs over their quota hold nothing; usage only grows during a pass).
+        self.guard_of: dict[str, int] = {}
+        for j in self.recovering:
+            if not self._over_quota(j):
+                for nid in j.prefer_nodes:
+                    self.guard_of[nid] = max(self.guard_of.get(nid, 0), j.gpus_per_node)
+        self.decision = Decision()
+
+    # -- the pass -----------------------------------------------------------------------------------
+
+    def run(self) -> Decision:
+        jobs_by_id = {j.job_id: j for j in self.jobs}
+        if self.opts.mode == "fair":
+            self._keep_previous(jobs_by_id)
+        self._hold_healthy()
+        self._pick_recovery_reserve()
+        waiting = self.decision.waiting
+        blocked: list[tuple[JobDemand, float, int]] = []  # (job, end, drops when it was tried)
+        order = self._service_order()
+        for j in order:
+            self.unserved.discard(j.job_id)
+            if self._over_quota(j):
+                waiting[j.job_id] = WAIT_QUOTA
+                self._drop(self.res_of.get(j.job_id))
+                continue
+            jend = self.now + j.time_limit_s if j.time_limit_s else INF
+            placement = self.try_place(j, jend)
+            if placement is not None:
+                self.decision.placements.append(placement)
+                continue
+            waiting[j.job_id] = self._blocked(j)
+            blocked.append((j, jend, self.drops))
+            if self.opts.mode == "fifo":
+                for rest in order:
+                    waiting[rest.job_id] = WAIT_BEHIND
+            elif self.free_total == 0 and not j.recovering and not self._may_reserve_more():
+                # Nothing can be placed and no reservation made (recovering jobs come first).
+                for rest in order:
+                    waiting[rest.job_id] = WAIT_CAPACITY
+        if self.opts.mode != "fifo":
+            self._retry(blocked)
+        self._report()
+        return self.decision
+
+    def _retry(self, blocked: list[tuple[JobDemand, float, int]]) -> None:
+        """A hold dropped later in the pass (its job started elsewhere, or is over its quota) gave
+        capacity back: try again, in service order, the jobs that were blocked before it."""
+        while self.free_total and any(tried < self.drops for _, _, tried in blocked):
+            again, blocked = blocked, []
+            for j, jend, tried in again:
+                if tried == self.drops or j.job_id not in self.decision.waiting:
+                    blocked.append((j, jend, tried))
+                    continue
+                if self._over_quota(j):
+                    self.decision.waiting[j.job_id] = WAIT_QUOTA
+                    self._drop(self.res_of.get(j.job_id))
+                    continue
+                placement = self.try_place(j, jend)
+                if placement is not None:
+                    self.decision.placements.append(placement)
+                    del self.decision.waiting[j.job_id]
+                else:
+                    blocked.append((j, jend, self.drops))
+
+    def _blocked(self, j: JobDemand) -> str:
+        """``j`` does not fit now: keep, improve or make its reservation. Returns the wait reason."""
+        held = self.res_of.get(j.job_id)
+        if held is not None and held.partial:
+            plan = self._plan(j)  # its healthy nodes are its own, so they are in the plan
+            if plan is None:
+                if self._fits_ever(j, self.pool_of[held.nodes[0].id]):
+                    return WAIT_RESERVED  # the other nodes it needs are held for others: keep its own
+                # Its healthy nodes' GPU kind can never hold it: holding them helps nobody.
+                self._drop(held)
+                plan = self._plan(j)
+                if plan is None:
+                    return WAIT_NEVER if self._never_fits(j) else WAIT_CAPACITY
+                self._establish(j, *plan)
+                return WAIT_RESERVED
+            self._replace(held, *plan)
+            return WAIT_RESERVED
+        if held is not None:
+            if held.start == INF:  # a better (finite) start may have appeared elsewhere
+                better = self._plan(j)
+                if better is not None and better[0] < INF:
+                    self._replace(held, *better)
+            return WAIT_RESERVED
+        if not (j.recovering or (self.opts.mode == "fair" and self._may_reserve_more())):
+            return WAIT_NEVER if self._never_fits(j) else WAIT_CAPACITY
+        plan = self._plan(j)
+        if plan is None:
+            return WAIT_NEVER if self._never_fits(j) else WAIT_CAPACITY
+        self._establish(j, *plan)
+        return WAIT_RESERVED
+
+    def _may_reserve_more(self) -> bool:
+        return self.opts.mode == "fair" and self.held_for_queue < self.opts.max_reservations
+
+    def _over_quota(self, j: JobDemand) -> bool:
+        quota = self.tenants.get(j.tenant, DEFAULT_TENANT).gpu_quota
+        return quota is not None and self.usage.get(j.tenant, 0) + j.num_gpus > quota
+
+    def _share(self, tenant: str) -> float:
+        return self.usage.get(tenant, 0) / self.tenants.get(tenant, DEFAULT_TENANT).weight
+
+    def _service_order(self) -> Iterator[JobDemand]:
+        """Jobs in service order. The tenant share is read when a tenant's next job is due, so
+        admissions earlier in the pass count (a generator: the caller admits between yields)."""
+        classes: dict[tuple[bool, int], dict[str, list[JobDemand]]] = {}
+        for j in self.jobs:
+            classes.setdefault((not j.recovering, -j.priority), {}).setdefault(j.tenant, []).append(j)
+        for key in sorted(classes):
+            if not key[0]:  # recovering: they held a place already, the tenants' shares do not reorder them
+                yield from sorted((j for js in classes[key].values() for j in js),
+                                  key=lambda j: (j.submitted_at, j.job_id))
+                continue
+            queues = {t: deque(sorted(js, key=lambda j: (j.submitted_at, j.job_id)))
+                      for t, js in classes[key].items()}
+            if len(queues) == 1:
+                yield from next(iter(queues.values()))
+                continue
+            heap = [(self._share(t), q[0].submitted_at, q[0].job_id, t) for t, q in queues.items()]
+            heapq.heapify(heap)
+            while heap:
+                t = heapq.heappop(heap)[3]
+                q = queues[t]
+                yield q.popleft()
+                if q:
+                    heapq.heappush(heap, (self._share(t), q[0].submitted_at, q[0].job_id, t))
+
+    # -- placing ------------------------------------------------------------------------------------
+
+    def _pools_for(self, j: JobDemand) -> list[_Pool]:
+        if j.gpu_kind is not None:
+            pool = self.pools.get(j.gpu_kind)
+            return [pool] if pool is not None else []
+        return list(self.pools.values())
+
+    def _usable(self, n: _Node, j: JobDemand, jend: float) -> int:
+        """GPUs ``j`` may take on ``n`` now without delaying any reservation."""
+        if n.reserve:
+            return len(n.free) if j.recovering else 0
+        r = n.res
+        if r is None or r.job is j:
+            return len(n.free)
+        if not n.strict and jend < INF and jend <= r.start:
+            return len(n.free)  # backfill: its GPUs are back before the reservation starts
+        return n.general()
+
+    def _special(self, j: JobDemand, jend: float, pool: _Pool, g: int) -> tuple[list[_Node], list[_Node]]:
+        """Nodes where ``j`` may take more than an ordinary job and that hold its share: (its own
+        reservation's and reserved nodes it can backfill, to use first; recovery-reserve nodes for
+        a recovering job, to use last)."""
+        own: list[_Node] = []
+        holes: list[_Node] = []
+        for r in self.res_of.values():
+            if r.job is j:
+                own += [n for n in r.nodes if n.key < g <= len(n.free) and self.pool_of[n.id] is pool]
+            elif jend < INF and jend <= r.start:
+                holes += [n for n in r.nodes if not n.strict and n.key < g <= len(n.free)
+                          and self.pool_of[n.id] is pool]
+        holes.sort(key=lambda n: (len(n.free), n.name))
+        spare = [n for n in pool.reserve if len(n.free) >= g] if j.recovering else []
+        return own + holes, spare
+
+    def try_place(self, j: JobDemand, jend: float) -> Placement | None:
+        for pool in self._pools_for(j):
+            chosen = self._fit(j, jend, pool)
+            if chosen is not None:
+                return self._commit(j, jend, pool, chosen)
+        return None
+
+    def _fit(self, j: JobDemand, jend: float, pool: _Pool) -> list[_Node] | None:
+        g, k = j.gpus_per_node, j.num_nodes
+        if g > pool.maxcap:
+            return None
+        plain = not (j.recovering or j.avoid_nodes or j.prefer_nodes or j.job_id in self.res_of)
+        if plain:
+            # The reservations it may backfill are those starting no earlier than it ends: with the
+            # set of reservations (its version), their number says which.
+            if self.starts is None:
+                self.starts = sorted(r.start for r in self.res_of.values())
+            backfills = len(self.starts) - bisect.bisect_left(self.starts, jend) if jend < INF else 0
+            shape = (pool.kind, g, k, backfills, self.res_version)
+            if shape in self.failed:
+                return None
+        first, last = self._special(j, jend, pool, g)
+        if pool.count_ge(g) + len(first) + len(last) < k:
+            if plain:
+                self.failed.add(shape)
+            return None
+        avoid = j.avoid_nodes
+        pinned: list[_Node] = []
+        for nid in sorted(j.prefer_nodes):
+            n = self.by_id.get(nid)
+            if (n is not None and len(pinned) < k and self.pool_of[n.id] is pool and nid not in avoid
+                    and self._usable(n, j, jend) >= g):
+                pinned.append(n)
+        skip = {n.id for n in pinned} | avoid
+
+        def candidates() -> Iterator[_Node]:
+            seen: set[str] = set()
+            for n in first:
+                if n.id not in skip:
+                    seen.add(n.id)
+                    yield n
+            for bucket in pool.buckets[g:]:
+                for n in bucket:
+                    if n.id not in skip and n.id not in seen:
+                        yield n
+            for n in last:
+                if n.id not in skip:
+                    yield n
+
+        chosen = self._choose(pinned, candidates(), k)
+        if chosen is None and plain:
+            self.failed.add(shape)
+        return chosen
+
+    def _choose(self, pinned: list[_Node], stream: Iterator[_Node], k: int) -> list[_Node] | None:
+        """``k`` nodes: the pinned ones, then from ``stream`` (best first), inside one topology
+        domain if possible (the pinned nodes' domain first), else across the fewest domains."""
+        need = k - len(pinned)
+        if need <= 0:
+            return pinned[:k]
+        if not self.opts.topology_label:
+            rest = [n for _, n in zip(range(need), stream, strict=False)]
+            return pinned + rest if len(rest) == need else None
+        target = pinned[0].label if pinned else None
+        groups: dict[str | None, list[_Node]] = {}
+        seen = 0
+        for n in stream:
+            seen += 1
+            grp = groups.setdefault(n.label, [])
+            grp.append(n)
+            if len(grp) >= need and (not pinned or n.label == target):
+                return pinned + grp
+        if seen < need:
+            return None
+        ordered = sorted(groups.items(), key=lambda kv: (kv[0] != target if pinned else False, -len(kv[1])))
+        rest = []
+        for _, grp in ordered:
+            rest += grp[: need - len(rest)]
+            if len(rest) == need:
+                break
+        return pinned + rest
+
+    def _commit(self, j: JobDemand, jend: float, pool: _Pool, chosen: list[_Node]) -> Placement:
+        g = j.gpus_per_node
+        backfill = from_reserve = False
+        parts = []
+        for n in sorted(chosen, key=lambda n: n.name):
+            taken = tuple(n.free[:g])
+            del n.free[:g]
+            r = n.res
+            if r is not None and r.job is not j:
+                if not n.strict and jend < INF and jend <= r.start:
+                    backfill = True  # back before the start: what the reservation counts on is intact
+                else:
+                    n.avail -= g
+            from_reserve |= n.reserve
+            n.rel.append((jend, g))
+            pool.reindex(n)
+            parts.append((n.id, taken))
+        self.free_total -= j.num_gpus
+        self.usage[j.tenant] = self.usage.get(j.tenant, 0) + j.num_gpus
+        self._drop(self.res_of.get(j.job_id))  # it starts: its reservation ends
+        return Placement(job_id=j.job_id, nodes=tuple(parts), backfill=backfill, from_reserve=from_reserve)
+
+    # -- reservations -------------------------------------------------------------------------------
+
+    def _never_fits(self, j: JobDemand) -> bool:
+        if j.avoid_nodes:
+            return self._never_fits_now(j)
+        key = (j.gpu_kind, j.gpus_per_node, j.num_nodes)
+        if key not in self.never:  # node totals do not change during a pass
+            self.never[key] = self._never_fits_now(j)
+        return self.never[key]
+
+    def _never_fits_now(self, j: JobDemand) -> bool:
+        return not any(self._fits_ever(j, pool) for pool in self._pools_for(j))
+
+    @staticmethod
+    def _fits_ever(j: JobDemand, pool: _Pool) -> bool:
+        """Whether the nodes of ``pool`` could hold ``j`` when empty (node totals, avoided nodes)."""
+        g = j.gpus_per_node
+        if g > pool.maxcap:
+            return False
+        avoided = sum(1 for nid in j.avoid_nodes if nid in pool.by_id and pool.by_id[nid].total >= g)
+        return pool.total_ge[g] - avoided >= j.num_nodes
+
+    def _plan(self, j: JobDemand) -> tuple[float, list[_Node]] | None:
+        """The nodes where ``j`` fits soonest (free now or released by time limits), among nodes
+        no other reservation holds; its healthy nodes first if it is recovering."""
+        best: tuple[float, list[_Node]] | None = None
+        held = self.res_of.get(j.job_id)
+        # A recovering job's healthy nodes, held since the start of the pass, fix its GPU kind.
+        pools = [self.pool_of[held.nodes[0].id]] if held is not None and held.partial else self._pools_for(j)
+        for pool in pools:
+            plan = self._plan_in(j, pool)
+            if plan is not None and (best is None or plan[0] < best[0]):
+                best = plan
+        return best
+
+    def _plan_in(self, j: JobDemand, pool: _Pool) -> tuple[float, list[_Node]] | None:
+        g, k = j.gpus_per_node, j.num_nodes
+        if g > pool.maxcap:
+            return None
+        prefer = j.prefer_nodes if j.recovering else frozenset()
+        forced: list[tuple[float, _Node]] = []
+        others: list[tuple[float, int, str, _Node]] = []
+        for n in pool.nodes:
+            if n.total < g or n.id in j.avoid_nodes or n.reserve or (n.res is not None and n.res.job is not j):
+                continue
+            t = n.ready_at(g, self.now)
+            if n.id in prefer:
+                forced.append((t, n))
+            else:
+                # Ties: sooner, then the node that frees the most without forever-running jobs.
+                others.append((t, -n.free_by(INF), n.name, n))
+        if len(forced) + len(others) < k:
+            return None
+        forced.sort(key=lambda x: (x[0], x[1].name))
+        forced = forced[:k]
+        need = k - len(forced)
+        chosen = [n for _, n in forced]
+        if need:
+            others.sort(key=lambda x: x[:3])
+            cutoff = others[need - 1][0]
+            within = (x[3] for x in others if x[0] <= cutoff)
+            picked = self._choose(chosen, within, k)
+            assert picked is not None  # at least ``need`` nodes are within the cutoff
+            chosen = picked
+        ready = {n.id: t for t, n in forced} | {x[3].id: x[0] for x in others}
+        return max(ready[n.id] for n in chosen), chosen
+
+    def _establish(self, j: JobDemand, start: float, nodes: list[_Node], partial: bool = False) -> None:
+        res = _Res(j, start, [], partial)
+        for n in nodes:
+            self._attach(res, n)
+        self.res_of[j.job_id] = res
+        self.held_for_queue += not j.recovering
+        self.starts = None
+        self.res_version += 1
+
+    def _attach(self, res: _Res, n: _Node) -> None:
+        j = res.job
+        res.nodes.append(n)
+        n.res = res
+        n.share = j.gpus_per_node
+        n.strict = j.recovering and n.id in j.prefer_nodes
+        n.guard = max(j.gpus_per_node, self.guard_of.get(n.id, 0)) if n.strict else 0
+        n.avail = n.free_by(res.start)
+        self.pool_of[n.id].reindex(n)
+
+    def _replace(self, old: _Res, start: float, nodes: list[_Node]) -> None:
+        """Move a job's hold to ``nodes``; only the nodes it leaves are offered to others."""
+        self._drop(old, rehold=False)
+        self._establish(old.job, start, nodes)
+        if old.job.recovering and self.unserved:
+            self._rehold([n for n in old.nodes if n.res is None])
+
+    def _drop(self, res: _Res | None, *, rehold: bool = True) -> None:
+        if res is None:
+            return
+        del self.res_of[res.job.job_id]
+        self.held_for_queue -= not res.job.recovering
+        self.starts = None
+        self.drops += 1
+        for n in res.nodes:
+            n.res = None
+            n.strict = False
+            self.pool_of[n.id].reindex(n)
+        self.failed.clear()  # capacity grew: shapes that failed may fit now
+        if rehold and res.job.recovering and self.unserved:
+            self._rehold(res.nodes)
+
+    def _keep_previous(self, jobs: Mapping[str, JobDemand]) -> None:
+        """Re-establish last pass's reservations on the same nodes while they can hold the job."""
+        for job_id, node_ids in self.previous.items():
+            j = jobs.get(job_id)
+            if j is None or not (j.recovering or self._may_reserve_more()):
+                continue
+            nodes = [self.by_id.get(nid) for nid in node_ids]
+            if len(nodes) != j.num_nodes or any(
+                n is None or n.res is not None or n.total < j.gpus_per_node or n.id in j.avoid_nodes
+                or (n.id in self.healthy and n.id not in j.prefer_nodes)
+                or (j.gpu_kind is not None and n.kind != j.gpu_kind)
+                for n in nodes
+            ):
+                continue
+            kept = [n for n in nodes if n is not None]
+            if len({n.kind for n in kept}) != 1:
+                continue
+            start = max(n.ready_at(j.gpus_per_node, self.now) for n in kept)
+            self._establish(j, start, kept)
+
+    def _hold_healthy(self) -> None:
+        """Hold every recovering job's healthy nodes from the start of the pass: nobody else, not
+        even a job served before it, takes its share of them (it uses them first if it fits)."""
+        for j in self.recovering:
+            self._hold_one(j)
+
+    def _hold_one(self, j: JobDemand) -> None:
+        """Hold ``j``'s free healthy nodes (or add those freed since to its partial hold)."""
+        held = self.res_of.get(j.job_id)
+        # Usage only grows during a pass: a job over its quota now stays so, and holds nothing.
+        if (not j.prefer_nodes or (held is not None and not held.partial) or self._over_quota(j)
+                or self._never_fits(j)):
+            return
+        by_kind: dict[str, list[_Node]] = {}
+        for nid in sorted(j.prefer_nodes):
+            n = self.by_id.get(nid)
+            if (n is not None and n.res is None and not n.reserve and n.total >= j.gpus_per_node
+                    and nid not in j.avoid_nodes and (j.gpu_kind is None or n.kind == j.gpu_kind)):
+                by_kind.setdefault(n.kind, []).append(n)
+        if held is not None:
+            for n in by_kind.get(held.nodes[0].kind, [])[: j.num_nodes - len(held.nodes)]:
+                self._attach(held, n)
+        elif by_kind:  # a gang is of one kind: the kind most of its healthy nodes are
+            nodes = max(sorted(by_kind.items()), key=lambda kv: len(kv[1]))[1]
+            self._establish(j, INF, nodes[: j.num_nodes], partial=True)
+
+    def _rehold(self, freed: list[_Node]) -> None:
+        """A recovering job's hold was dropped: recovering jobs not served yet that share those
+        healthy nodes hold them now, before anyone else is served."""
+        ids = {n.id for n in freed}
+        for j in self.recovering:
+            if j.job_id in self.unserved and ids & j.prefer_nodes:
+                self._hold_one(j)
+
+    def _pick_recovery_reserve(self) -> None:
+        """Per GPU kind, the nodes with the most free GPUs that no reservation holds run
+        recovering jobs only; they drain into whole idle nodes as their jobs end."""
+        for pool in self.pools.values():
+            want = self.opts.reserve_nodes(pool.kind)
+            if not want:
+                continue
+            free_nodes = sorted((n for n in pool.nodes if n.res is None and n.id not in self.healthy),
+                                key=lambda n: (-len(n.free), n.name))
+            for n in free_nodes[:want]:
+                n.reserve = True
+                pool.reindex(n)
+                pool.reserve.append(n)
+
+    def _report(self) -> None:
+        for res in self.res_of.values():
+            self.decision.reservations.append(Reservation(
+                job_id=res.job.job_id,
+                earliest_start=datetime.fromtimestamp(res.start, UTC) if res.start < INF else None,
+                nodes=tuple(HeldNode(node_id=n.id, gpus=n.share, free_at_start=n.avail,
+                                     held=len(n.free) - n.general(), strict=n.strict) for n in res.nodes),
+            ))
+        for pool in self.pools.values():
+            if pool.reserve:
+                self.decision.recovery_reserve.append(ReserveHold(
+                    gpu_kind=pool.kind, node_ids=tuple(n.id for n in pool.reserve),
+                    idle_gpus=sum(len(n.free) for n in pool.reserve),
+                ))
