@@ -16,7 +16,7 @@ PACKAGES := control_plane node_agent worker_runtime trainyard
 
 help:
 	@echo "make venv       create $(VENV) and install trainyard[dev] (pinned by constraints.txt)"
-	@echo "make test       ruff, then the whole pytest suite (real PostgreSQL and S3, no GPU needed)"
+	@echo "make test       ruff, mypy, then the whole pytest suite (real PostgreSQL and S3, no GPU needed)"
 	@echo "make lint       ruff and mypy"
 	@echo "make demo       a 2-node dev cluster on this machine, running one tiny-gpt job end to end"
 	@echo "make clean      remove caches and .trainyard/ (demo data); distclean also removes $(VENV)"
@@ -32,6 +32,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy $(PACKAGES)
 	$(PY) -m pytest -q
 
 lint: venv

@@ -160,19 +160,16 @@ def test_after_a_database_outage_nobody_is_declared_lost_at_once(settings):
 
 
 def test_recovery_replaces_gpus_with_gpus_of_the_same_kind(client, schedule):
-    agents = [FakeAgentSession(client, "a-1", 1, kind="h100"), FakeAgentSession(client, "b-1", 1, kind="a100"),
-              FakeAgentSession(client, "c-1", 1, kind="h100")]
+    first = FakeAgentSession(client, "a-1", 1, kind="h100")
     client.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=1), headers=ADMIN)  # any kind
     assert schedule() == 1
-    [(name, spec)] = _assignments(agents).items()
-    assert name == "a-1"
-    _fail(agents[0], spec)
+    [(name, spec)] = _assignments([first]).items()
+    others = [FakeAgentSession(client, "b-1", 1, kind="a100"), FakeAgentSession(client, "c-1", 1, kind="h100")]
+    _fail(first, spec)
     # a-1 still holds its GPU (no heartbeat has confirmed its processes gone): the free GPUs are
-    # b-1's (another kind, and first by name) and c-1's (the same kind).
+    # b-1's (another kind, and first by name) and c-1's (the same kind as the failed attempt's).
     assert schedule() == 1
-    placed = _assignments(agents[1:])
-    assert list(placed) == ["c-1"]
-
+    assert list(_assignments(others)) == ["c-1"]
 
 def test_two_nodes_releasing_at_once_still_end_the_attempt(app, client, schedule):
     """Each release checks whether every node has released; without the job/attempt locks, two
