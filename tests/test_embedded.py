@@ -212,7 +212,8 @@ def _listening_addresses(server: EmbeddedS3) -> set[str]:
 
 
 def test_process_reaper_kills_the_whole_group(process_reaper: ProcessReaper) -> None:
-    # A parent that ignores TERM and a grandchild: both must be gone after reap().
+    # A parent that ignores TERM and a grandchild (which inherits the ignored TERM): both must die.
+    # The orphaned grandchild dies a moment after the group's KILL, so its end is waited for.
     script = (
         "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
@@ -224,7 +225,7 @@ def test_process_reaper_kills_the_whole_group(process_reaper: ProcessReaper) -> 
     process_reaper.grace_s = 0.5
     process_reaper.reap()
     assert proc.returncode is not None
-    assert all(pid_gone(p.pid) for p in group)
+    wait_for(lambda: all(pid_gone(p.pid) for p in group), timeout=5, what="grandchild killed")
 
 
 def test_free_port_is_bindable() -> None:
