@@ -202,22 +202,21 @@ def submit(session: Session, specs: list[JobSpec]) -> None:
 
 def finish(session: Session, attempt_ids: list[uuid.UUID]) -> None:
     """The simulated agents: every worker exited 0, then every node's processes are gone. The rows
-    are read (and locked) in three queries and written in one flush at commit; each attempt still
-    ends through end_attempt, set_job_state and release_part, as an agent's reports make it end."""
-    with session.no_autoflush:
-        found = {a.id: a for a in session.scalars(
-            select(Attempt).where(Attempt.id.in_(attempt_ids)).with_for_update())}
-        jobs = {j.id: j for j in session.scalars(
-            select(Job).where(Job.id.in_([a.job_id for a in found.values()])).with_for_update())}
-        parts: dict[uuid.UUID, list[AttemptNode]] = defaultdict(list)
-        for part in session.scalars(select(AttemptNode).where(AttemptNode.attempt_id.in_(attempt_ids))):
-            parts[part.attempt_id].append(part)
-        for attempt_id in attempt_ids:
-            attempt = found[attempt_id]
-            attempts.end_attempt(session, attempt, outcome="succeeded", reason="simulated run finished")
-            set_job_state(session, jobs[attempt.job_id], "succeeded", f"attempt {attempt.number} finished")
-            for part in parts[attempt_id]:
-                attempts.release_part(session, part)
+    are read (and locked) in three queries; each attempt ends through end_attempt, set_job_state and
+    release_part, as an agent's reports make it end."""
+    found = {a.id: a for a in session.scalars(
+        select(Attempt).where(Attempt.id.in_(attempt_ids)).with_for_update())}
+    jobs = {j.id: j for j in session.scalars(
+        select(Job).where(Job.id.in_([a.job_id for a in found.values()])).with_for_update())}
+    parts: dict[uuid.UUID, list[AttemptNode]] = defaultdict(list)
+    for part in session.scalars(select(AttemptNode).where(AttemptNode.attempt_id.in_(attempt_ids))):
+        parts[part.attempt_id].append(part)
+    for attempt_id in attempt_ids:
+        attempt = found[attempt_id]
+        attempts.end_attempt(session, attempt, outcome="succeeded", reason="simulated run finished")
+        set_job_state(session, jobs[attempt.job_id], "succeeded", f"attempt {attempt.number} finished")
+        for part in parts[attempt_id]:
+            attempts.release_part(session, part)
     session.commit()
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
-from sqlalchemy import CursorResult, Engine, create_engine
+from sqlalchemy import CursorResult, Engine, ScalarResult, Select, create_engine
 from sqlalchemy.orm import Session, sessionmaker
+
+T = TypeVar("T")
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -49,6 +51,14 @@ def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def reload(session: Session, stmt: Select[T]) -> ScalarResult[T]:
+    """Run an ORM SELECT whose rows replace what the session holds of them (``populate_existing``),
+    after flushing the session's pending changes: a reload would otherwise overwrite them, and a
+    caller inside ``Session.no_autoflush`` would silently lose its writes."""
+    session.flush()
+    return session.scalars(stmt.execution_options(populate_existing=True))
 
 
 def alembic_config(database_url: str):  # type: ignore[no-untyped-def]

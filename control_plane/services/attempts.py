@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
-from control_plane.db import rowcount
+from control_plane.db import reload, rowcount
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
 from control_plane.schemas.agent import AttemptStatusReport
 from control_plane.services import events
@@ -190,10 +190,7 @@ def release_part(session: Session, part: AttemptNode) -> None:
     locked = lock_attempt(session, part.attempt_id)
     assert locked is not None
     job, attempt = locked
-    part = session.scalars(
-        select(AttemptNode).where(AttemptNode.id == part.id).with_for_update()
-        .execution_options(populate_existing=True)
-    ).one()
+    part = reload(session, select(AttemptNode).where(AttemptNode.id == part.id).with_for_update()).one()
     if part.released_at is not None:
         return
     t = now()
@@ -227,9 +224,7 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
     is seen here: two nodes releasing at once cannot both conclude that the other has not."""
     if attempt.state == "ended" or attempt.outcome is None:
         return
-    parts = session.scalars(
-        select(AttemptNode).where(AttemptNode.attempt_id == attempt.id).execution_options(populate_existing=True)
-    ).all()
+    parts = reload(session, select(AttemptNode).where(AttemptNode.attempt_id == attempt.id)).all()
     if any(p.released_at is None for p in parts):
         return
     attempt.state = "ended"

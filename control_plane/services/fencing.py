@@ -9,6 +9,7 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from control_plane.db import reload
 from control_plane.errors import Forbidden, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, Job, Node
 
@@ -23,11 +24,8 @@ def lock_attempt(session: Session, attempt_id: uuid.UUID) -> tuple[Job, Attempt]
     job_id = session.scalar(select(Attempt.job_id).where(Attempt.id == attempt_id))
     if job_id is None:
         return None
-    fresh = {"populate_existing": True}
-    job = session.scalars(select(Job).where(Job.id == job_id).with_for_update().execution_options(**fresh)).one()
-    attempt = session.scalars(
-        select(Attempt).where(Attempt.id == attempt_id).with_for_update().execution_options(**fresh)
-    ).one()
+    job = reload(session, select(Job).where(Job.id == job_id).with_for_update()).one()
+    attempt = reload(session, select(Attempt).where(Attempt.id == attempt_id).with_for_update()).one()
     return job, attempt
 
 

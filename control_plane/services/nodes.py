@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from control_plane.db import reload
 from control_plane.errors import InvalidState, NotFound, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
 from control_plane.schemas.agent import HeartbeatRequest, LaunchSpec, RegisterRequest
@@ -121,10 +122,7 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
         locked = lock_attempt(session, attempt_id)  # job, then attempt: see lock_attempt
         assert locked is not None
         job, attempt = locked
-        part = session.scalars(
-            select(AttemptNode).where(AttemptNode.id == part_id).with_for_update()
-            .execution_options(populate_existing=True)
-        ).one()
+        part = reload(session, select(AttemptNode).where(AttemptNode.id == part_id).with_for_update()).one()
         if part.released_at is not None:
             continue
         if part.desired == "stop" or part.state in ("exited", "stopped"):

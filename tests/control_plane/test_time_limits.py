@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from control_plane.services import limits
+import uuid
+
+from sqlalchemy import select
+
+from control_plane.models import Attempt, AttemptNode, Job
+from control_plane.services import attempts, limits
+from control_plane.services.jobs import set_job_state
 from tests.control_plane.helpers import get_job, submit
 from tests.factories import ADMIN, FakeAgentSession, workers_for
 
@@ -34,3 +40,27 @@ def test_time_limit_stops_the_attempt_and_fails_the_job(client, schedule, app, c
     assert app.state.loops.limits_once() == 0
     attempts = client.get(f"/v1/jobs/{limited['id']}/attempts", headers=ADMIN).json()
     assert attempts[0]["outcome"] == "failed" and attempts[0]["state"] == "ended"
+
+
+def test_an_ending_written_without_autoflush_is_not_lost_to_the_reload_of_the_locks(client, schedule, app, clock):
+    """Ending an attempt and releasing its node in one session, without autoflush (as a batch
+    writer would): the locks' reload must not overwrite the unflushed ending, or the time-limit
+    loop later fails a job that had succeeded (bench/scheduler.py once counted thousands)."""
+    FakeAgentSession(client, "node-1")
+    job = submit(client, num_nodes=1, gpus_per_node=1, time_limit_s=60)
+    assert schedule() == 1
+    factory = app.state.session_factory
+    with factory() as s, s.no_autoflush:
+        row = s.get(Job, uuid.UUID(job["id"]))
+        attempt = s.get(Attempt, row.current_attempt_id)
+        attempts.end_attempt(s, attempt, outcome="succeeded", reason="finished")
+        set_job_state(s, row, "succeeded", "attempt 1 finished")
+        for part in s.scalars(select(AttemptNode).where(AttemptNode.attempt_id == attempt.id)).all():
+            attempts.release_part(s, part)
+        s.commit()
+    clock.advance(120)
+    assert app.state.loops.limits_once() == 0
+    view = get_job(client, job["id"])
+    assert view["state"] == "succeeded" and view["allocation"] == []
+    listed = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    assert listed[0]["outcome"] == "succeeded" and listed[0]["state"] == "ended"
