@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar, cast, runtime_checkable
@@ -36,7 +37,9 @@ class TrainState:
     """A registry of the named stateful objects a training loop owns.
 
     ``per_rank`` marks state that differs between ranks (data position, RNG) and must be saved by
-    every rank; the rest (a DDP model and its optimizer) is replicated and rank 0's copy suffices.
+    every rank; the rest (a DDP model and its optimizer) is replicated and rank 0's copy suffices:
+    only rank 0 saves it, and every rank restores it from rank 0's shard. State that holds DTensors
+    (FSDP2, sharded state dicts) is each rank's own part, so every rank saves it (``shard_state_dict``).
     Register the unwrapped module (``ddp.module``) so checkpoints do not depend on the wrapper.
     """
 
@@ -67,6 +70,13 @@ class TrainState:
         """Registered names in registration order; filtered to per-rank or replicated state."""
         return [n for n in self._objects if per_rank is None or (n in self._per_rank) == per_rank]
 
+    def shard_state_dict(self, rank: int) -> dict[str, Any]:
+        """What ``rank`` saves: everything on rank 0; elsewhere per-rank and sharded state only."""
+        state = self.state_dict()
+        if rank == 0:
+            return state
+        return {name: sd for name, sd in state.items() if name in self._per_rank or holds_dtensor(sd)}
+
     def state_dict(self, names: Iterable[str] | None = None) -> dict[str, Any]:
         """``{name: obj.state_dict()}`` for ``names`` (all by default)."""
         selected = self.names() if names is None else list(names)
@@ -85,6 +95,25 @@ class TrainState:
         for name, obj in self._objects.items():
             if name in state:
                 obj.load_state_dict(state[name])
+
+
+def holds_dtensor(obj: Any) -> bool:
+    """Whether a state dict (nested dicts, lists, tuples) holds a DTensor: state sharded over ranks.
+
+    A DTensor exists only once its module is imported; importing it here would cost every worker
+    half a second of startup for nothing."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and _holds(obj, module.DTensor)
+
+
+def _holds(obj: Any, kind: type) -> bool:
+    if isinstance(obj, kind):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_holds(v, kind) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds(v, kind) for v in obj)
+    return False
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,8 +18,10 @@ from tests.worker_runtime.torchrun import run_torchrun
 from worker_runtime import CheckpointManager, Reporter, WorkerContext
 from worker_runtime.checkpoint.manager import CheckpointUnavailableError, shard_key
 from worker_runtime.checkpoint.notify import CheckpointReporter
+from worker_runtime.checkpoint.restore import MANIFEST_FORMAT, Problem, fetch_shard
 from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.examples.tiny_gpt import Config, Trainer
+from worker_runtime.state import DataPosition, StepCounter, TrainState
 
 SMALL = Config(steps=12, batch_size=4, seq_len=16, d_model=32, layers=1, heads=2, log_every=4)
 JOB = "job-ckpt"
@@ -251,3 +254,41 @@ def test_sharded_fsdp2_state_saves_local_shards_and_restores(process_reaper: Pro
     assert [r["local_numel"] * 2 for r in ranks] == [r["global_numel"] for r in ranks]
     full_fp32 = 3 * 4 * ranks[0]["global_numel"]  # parameters + two AdamW moments
     assert all(r["size_bytes"] < full_fp32 for r in ranks), ranks
+
+
+def test_a_rank_restores_replicated_state_from_rank_zeros_verified_shard(s3_bucket: S3Bucket) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    states = []
+    for rank in (0, 1):
+        state = TrainState()
+        state.register("model", model)
+        state.register("step", StepCounter(6))
+        state.register("data", DataPosition(world_size=2, offset=6 + rank), per_rank=True)  # differs by rank
+        states.append(state.shard_state_dict(rank))
+    store = _raw(s3_bucket)
+    shards = []
+    for rank, saved in enumerate(states):
+        buffer = io.BytesIO()
+        torch.save(saved, buffer)
+        key = f"restore-test/step-6/rank-{rank}.pt"
+        store.put_bytes(key, buffer.getvalue())
+        shards.append({"rank": rank, "key": key, "size_bytes": len(buffer.getvalue()),
+                       "sha256": hashlib.sha256(buffer.getvalue()).hexdigest()})
+    assert shards[1]["size_bytes"] < shards[0]["size_bytes"] / 2  # rank 1 wrote no weights
+    manifest = {"format": MANIFEST_FORMAT, "step": 6, "world_size": 2, "shards": shards}
+    names, per_rank = ["model", "step", "data"], ["data"]
+
+    def fetch(rank: int) -> Any:
+        return fetch_shard(store, manifest, rank=rank, world_size=2, names=names, per_rank=per_rank,
+                           device=torch.device("cpu"))
+
+    got = fetch(1)
+    assert got.problem == Problem.OK and got.state is not None
+    assert torch.equal(got.state["model"]["weight"], model.weight) and got.state["step"] == {"step": 6}
+    assert got.state["data"]["offset"] == 7  # its own position, not rank 0's
+    store.put_bytes(shards[0]["key"], store.get_bytes(shards[0]["key"])[::-1])  # rank 0's shard damaged
+    damaged = fetch(1)
+    assert damaged.problem == Problem.SHA256 and "rank 0's shard" in damaged.detail
+    store.delete(shards[1]["key"])
+    assert fetch(1).problem == Problem.MISSING  # its own per-rank state is never taken from rank 0

@@ -111,6 +111,16 @@ def test_train_state_saves_and_loads_every_registered_object() -> None:
     assert other["optimizer"].state_dict()["state"][0]["step"] == 1
 
 
+def test_only_rank_zero_saves_replicated_state() -> None:
+    model = torch.nn.Linear(3, 2)
+    state = TrainState()
+    state.register("model", model)
+    state.register("step", StepCounter(3))
+    state.register("data", DataPosition(world_size=2, offset=5), per_rank=True)
+    assert sorted(state.shard_state_dict(0)) == ["data", "model", "step"]
+    assert sorted(state.shard_state_dict(1)) == ["data"]  # its own position; model and step are rank 0's
+
+
 def test_lr_schedule_and_gradient_scaler_resume_where_they_were() -> None:
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -120,6 +120,8 @@ def test_torchrun_resumes_from_s3_checkpoints_bit_identical(process_reaper: Proc
         events = [r.body for r in agent.of("events")]
 
     assert sorted((s["step"], s["rank"]) for s in shards) == [(st, r) for st in (5, 10, 15, 20) for r in (0, 1)]
+    sizes = {(s["step"], s["rank"]): s["size_bytes"] for s in shards}
+    assert all(sizes[step, 1] < sizes[step, 0] / 4 for step in (5, 10, 15, 20)), sizes  # weights: rank 0's only
     assert first["checkpoints_saved"] == 4 and first["restored_from_step"] is None
     assert resumed["restored_from_step"] == 10, stdout
     assert resumed["weights_sha256"] == first["weights_sha256"]

@@ -11,12 +11,14 @@ has reported (phase 2); no collective is needed here. At most one save is in fli
 finds the previous upload still running waits for it. A failed upload never stops training: it
 is logged and reported as ``checkpoint.save_failed``, and the control plane aborts that step.
 
-What a shard holds: ``TrainState.state_dict()`` of the rank, i.e. everything registered (model,
-optimizer, scheduler, scaler, data position, RNG, step, ...). Under DDP the replicated model and
-optimizer are in every rank's shard (simple, and any rank's shard restores its rank alone).
-Sharded state (FSDP2 / DTensor state dicts) works as is: ``torch.save`` of a DTensor stores the
-rank's *local* shard plus its placement, so each rank's file holds only its own part and must be
-restored by the same rank of the same world size (checked: the manifest's world size must match).
+What a shard holds (``TrainState.shard_state_dict``): rank 0's holds everything registered
+(model, optimizer, scheduler, scaler, data position, RNG, step, ...); another rank's holds only
+what differs between ranks: its per-rank state (data position, RNG) and sharded state. Under DDP
+the replicated model and optimizer are therefore written once, not once per rank, and a restoring
+rank reads them from rank 0's shard (verified like its own). Sharded state (FSDP2 / DTensor state
+dicts) is in every rank's shard: ``torch.save`` of a DTensor stores the rank's *local* shard plus
+its placement, so each rank's file holds only its own part and must be restored by the same rank
+of the same world size (checked: the manifest's world size must match).
 
 Restoring: see :mod:`worker_runtime.checkpoint.restore` for how ranks verify and agree.
 """
@@ -168,7 +170,7 @@ class CheckpointManager:
         self.wait()
         t1 = time.monotonic()
         buffer = io.BytesIO()
-        torch.save(self.state.state_dict(), buffer)
+        torch.save(self.state.shard_state_dict(self.ctx.rank), buffer)
         timing = (t1 - t0, time.monotonic() - t1)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-checkpoint")
@@ -257,7 +259,7 @@ class CheckpointManager:
             step = manifest.get("step")
             tried.append(step)
             fetched = fetch_shard(self.storage, manifest, rank=rank, world_size=world,
-                                  names=self.state.names(), device=device)
+                                  names=self.state.names(), device=device, per_rank=self.state.names(per_rank=True))
             if fetched.problem:
                 log.warning("rank %d cannot restore step %s: %s", rank, step, fetched.detail)
             codes = agree(fetched.problem, rank=rank, world_size=world)

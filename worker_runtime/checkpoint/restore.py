@@ -82,8 +82,12 @@ def fetch_shard(
     world_size: int,
     names: Iterable[str],
     device: torch.device,
+    per_rank: Iterable[str] = (),
 ) -> Fetched:
-    """Download and verify ``rank``'s shard; the loaded state dict if it is good."""
+    """Download and verify ``rank``'s shard; the loaded state dict if it is good.
+
+    Replicated state is in rank 0's shard only (``CheckpointManager.save``): the names another
+    rank's shard lacks come from rank 0's, verified the same way; per-rank names never do."""
     if manifest.get("format") != MANIFEST_FORMAT:
         return Fetched(Problem.FORMAT, f"format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
     if not isinstance(manifest.get("step"), int):
@@ -91,6 +95,25 @@ def fetch_shard(
     if manifest.get("world_size") != world_size:
         return Fetched(Problem.WORLD_SIZE, f"saved with world_size={manifest.get('world_size')}, "
                                            f"this attempt has {world_size}; resharding is not supported")
+    own = _fetch_entry(storage, manifest, rank, device)
+    if own.problem or own.state is None:
+        return own
+    state, expected = own.state, set(names)
+    missing = expected - set(state)
+    if missing and rank != 0 and not missing & set(per_rank):
+        zero = _fetch_entry(storage, manifest, 0, device)
+        if zero.problem or zero.state is None:
+            return Fetched(zero.problem, f"rank 0's shard (the replicated state): {zero.detail}")
+        state.update({name: zero.state[name] for name in missing if name in zero.state})
+    if set(state) != expected:
+        source = " with rank 0's replicated state" if missing else ""
+        return Fetched(Problem.STATE_MISMATCH, f"the shard of rank {rank}{source} holds {sorted(state)}, "
+                                               f"the loop registers {sorted(expected)}")
+    return own
+
+
+def _fetch_entry(storage: CheckpointStorage, manifest: Mapping[str, Any], rank: int, device: torch.device) -> Fetched:
+    """``rank``'s shard of ``manifest``, verified against its size and sha256, deserialised."""
     entry = next((s for s in manifest.get("shards") or [] if s.get("rank") == rank), None)
     if entry is None:
         return Fetched(Problem.NO_SHARD, f"no shard for rank {rank}")
@@ -112,10 +135,8 @@ def fetch_shard(
     except Exception as exc:
         return Fetched(Problem.UNREADABLE, f"{key}: {type(exc).__name__}: {exc}")
     del data
-    expected = list(names)
-    if not isinstance(state, dict) or set(state) != set(expected):
-        have = sorted(state) if isinstance(state, dict) else type(state).__name__
-        return Fetched(Problem.STATE_MISMATCH, f"{key} holds {have}, the loop registers {sorted(expected)}")
+    if not isinstance(state, dict):
+        return Fetched(Problem.STATE_MISMATCH, f"{key} holds a {type(state).__name__}, not a state dict")
     return Fetched(Problem.OK, state=state)
 
 
