@@ -1,6 +1,6 @@
 """Scheduler at cluster scale: the real control plane and PostgreSQL, simulated agents and time.
 
-    .venv/bin/python bench/scheduler.py            # both scenarios, full scale (~5 minutes on 2 cores)
+    .venv/bin/python bench/scheduler.py            # both scenarios, full scale (6-10 minutes on 2 cores)
     .venv/bin/python bench/scheduler.py --quick    # a smoke run (~1 minute)
 
 Two scenarios, each run three times in the same process on the same seeded job stream: with the
