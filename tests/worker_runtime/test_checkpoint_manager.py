@@ -291,4 +291,4 @@ def test_a_rank_restores_replicated_state_from_rank_zeros_verified_shard(s3_buck
     damaged = fetch(1)
     assert damaged.problem == Problem.SHA256 and "rank 0's shard" in damaged.detail
     store.delete(shards[1]["key"])
-    assert fetch(1).problem == Problem.MISSING  # its own per-rank state is never taken from rank 0
+    assert fetch(1).problem == Problem.MISSING  # rank 0's shard never stands in for its own
