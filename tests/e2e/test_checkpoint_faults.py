@@ -75,6 +75,7 @@ def test_corrupt_committed_shard_is_detected_and_restore_falls_back(make_cluster
     assert len(attempts) == 2 and attempts[1]["restored_from_step"] == 20
     fallback = cluster.events(job["id"], "checkpoint.fallback")
     assert fallback and fallback[0]["data"]["step"] == 40 and "sha256" in fallback[0]["message"]
+    assert "rank 1: rank 0's shard, which holds the replicated state" in fallback[0]["message"]
     assert fallback[0]["attempt_id"] == attempts[1]["id"]
     restored = cluster.events(job["id"], "checkpoint.restored")
     assert [e["data"]["step"] for e in restored] == [20]

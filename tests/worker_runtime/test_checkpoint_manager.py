@@ -18,7 +18,7 @@ from tests.worker_runtime.torchrun import run_torchrun
 from worker_runtime import CheckpointManager, Reporter, WorkerContext
 from worker_runtime.checkpoint.manager import CheckpointUnavailableError, shard_key
 from worker_runtime.checkpoint.notify import CheckpointReporter
-from worker_runtime.checkpoint.restore import MANIFEST_FORMAT, Problem, fetch_shard
+from worker_runtime.checkpoint.restore import MANIFEST_FORMAT, Problem, describe, fetch_shard
 from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.examples.tiny_gpt import Config, Trainer
 from worker_runtime.state import DataPosition, StepCounter, TrainState
@@ -289,6 +289,9 @@ def test_a_rank_restores_replicated_state_from_rank_zeros_verified_shard(s3_buck
     assert got.state["data"]["offset"] == 7  # its own position, not rank 0's
     store.put_bytes(shards[0]["key"], store.get_bytes(shards[0]["key"])[::-1])  # rank 0's shard damaged
     damaged = fetch(1)
-    assert damaged.problem == Problem.SHA256 and "rank 0's shard" in damaged.detail
+    assert damaged.problem == Problem.REPLICATED and "sha256" in damaged.detail
+    assert describe([Problem.SHA256, Problem.REPLICATED]) == (
+        "rank 0: shard sha256 differs from the manifest; "
+        "rank 1: rank 0's shard, which holds the replicated state, is unusable")
     store.delete(shards[1]["key"])
     assert fetch(1).problem == Problem.MISSING  # rank 0's shard never stands in for its own

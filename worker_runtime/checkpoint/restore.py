@@ -43,6 +43,7 @@ class Problem(IntEnum):
     UNREADABLE = 7
     STATE_MISMATCH = 8
     STORAGE = 9
+    REPLICATED = 10
 
 
 _WHY: dict[int, str] = {
@@ -55,6 +56,7 @@ _WHY: dict[int, str] = {
     Problem.UNREADABLE: "shard does not deserialise",
     Problem.STATE_MISMATCH: "shard holds other state than the loop registers",
     Problem.STORAGE: "storage error while downloading",
+    Problem.REPLICATED: "rank 0's shard, which holds the replicated state, is unusable",
 }
 
 
@@ -103,7 +105,10 @@ def fetch_shard(
     if missing and rank != 0 and not missing & set(per_rank):
         zero = _fetch_entry(storage, manifest, 0, device)
         if zero.problem or zero.state is None:
-            return Fetched(zero.problem, f"rank 0's shard (the replicated state): {zero.detail}")
+            # Rank 0 reports what is wrong with its shard; the others say whose shard failed them.
+            # Storage trouble stays storage trouble: it must not read as a bad checkpoint.
+            code = Problem.STORAGE if zero.problem == Problem.STORAGE else Problem.REPLICATED
+            return Fetched(code, f"rank 0's shard (the replicated state): {zero.detail}")
         state.update({name: zero.state[name] for name in missing if name in zero.state})
     if set(state) != expected:
         source = " with rank 0's replicated state" if missing else ""
