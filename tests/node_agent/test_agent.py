@@ -216,12 +216,17 @@ def test_runs_an_assigned_attempt_and_reports_it(agents: Agents, plane: FakeCont
 
     wait_for(shipped, what="every rank's stdout and stderr to be shipped")
     wait_for(lambda: plane.heartbeat_attempts(NODE) == set(), what="the attempt to leave heartbeats")
+    # It leaves heartbeats once its processes are gone, which may be before its final status is
+    # acknowledged (and it is done after that): once both happened, nothing about it changes.
+    state_file = agents.tmp_path / "agent" / "attempts" / spec.attempt_id / "state.json"
+    wait_for(lambda: all(json.loads(state_file.read_text())[k] for k in ("final_acked", "done")),
+             what="the final status to be acknowledged and the attempt done")
     # Still assigned, but it ran here once: it is never launched again.
-    state = json.loads((agents.tmp_path / "agent" / "attempts" / spec.attempt_id / "state.json").read_text())
+    state = json.loads(state_file.read_text())
     count = plane.status_count(spec.attempt_id)
     seq = plane.last_heartbeat(NODE).seq  # type: ignore[union-attr]
     wait_for(lambda: plane.last_heartbeat(NODE).seq >= seq + 5, what="more heartbeats")  # type: ignore[union-attr]
-    assert json.loads((agents.tmp_path / "agent" / "attempts" / spec.attempt_id / "state.json").read_text()) == state
+    assert json.loads(state_file.read_text()) == state
     assert state["done"] and state["final_acked"]
     assert plane.status_count(spec.attempt_id) == count
     assert not attempt_pids(spec.attempt_id)
