@@ -19,7 +19,7 @@ What is real: nodes register through ``services.nodes.register``; every scheduli
 bulk attempt/lease inserts, reservation accounting) on an embedded PostgreSQL, timed by the wall
 clock, with the ``PendingCache`` the control plane's scheduler loop keeps between passes (the first
 pass reads every waiting job in full); the time-limit loop runs before each pass. What is
-simulated: time (``services.jobs.use_clock``; a pass every ``--tick`` simulated seconds) and the
+simulated: time (``control_plane.clock.use_clock``; a pass every ``--tick`` simulated seconds) and the
 agents: when an attempt's run time is over, the bench ends it through the services an agent's
 reports reach (``end_attempt``, the job to succeeded, ``release_part`` per node), so leases come
 back as they would. Jobs are inserted as queued rows when they arrive, the way submit writes them
@@ -55,13 +55,14 @@ sys.path.insert(0, str(ROOT))
 from sqlalchemy import func, insert, select, text  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
+from control_plane.clock import use_clock  # noqa: E402
 from control_plane.db import make_engine, make_session_factory, run_migrations  # noqa: E402
 from control_plane.logging import configure_logging  # noqa: E402
 from control_plane.models import Attempt, AttemptNode, Job  # noqa: E402
 from control_plane.scheduler.allocate import PendingCache, schedule_pass  # noqa: E402
 from control_plane.schemas.agent import GpuInfo, RegisterRequest  # noqa: E402
 from control_plane.services import attempts, limits, nodes, reservations  # noqa: E402
-from control_plane.services.jobs import set_job_state, use_clock  # noqa: E402
+from control_plane.services.jobs import set_job_state  # noqa: E402
 from control_plane.settings import Settings  # noqa: E402
 from trainyard.embedded import EmbeddedPostgres, PostgresAdmin  # noqa: E402
 

@@ -7,17 +7,21 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from control_plane import clock
 from control_plane.api import agent, health, jobs, nodes, tenants
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TrainyardError, Unauthorized
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
 from control_plane.settings import Settings
+
+log = structlog.get_logger("trainyard.app")
 
 API_DESCRIPTION = """
 Trainyard runs multi-node `torchrun` training jobs: it gang-allocates every GPU a job needs in one
@@ -106,6 +110,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # process: keep it out of the garbage collector's full collections, which otherwise walk it
         # in the middle of scheduling passes (tens of ms each at 10^4 waiting jobs).
         gc.freeze()
+        try:
+            skew = clock.anchor(engine)
+            if abs(skew.total_seconds()) > 1:
+                log.warning("wall clock differs from the database clock; decisions use the database's",
+                            skew_s=round(skew.total_seconds(), 3))
+        except Exception:
+            log.warning("database clock not readable at start; anchoring on the first loop", exc_info=True)
         if settings.run_loops:
             loops.start()
         try:

@@ -24,6 +24,7 @@ import structlog
 from sqlalchemy import DateTime, String, Text, and_, case, cast, exists, func, literal, or_, select
 from sqlalchemy.orm import Session
 
+from control_plane.clock import now
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
 from control_plane.scheduler.policy import (
     Decision,
@@ -38,7 +39,7 @@ from control_plane.scheduler.policy import (
     place,
 )
 from control_plane.services import attempts, reservations, tenants
-from control_plane.services.jobs import now, set_job_state
+from control_plane.services.jobs import set_job_state
 from control_plane.services.limits import ONE_SECOND
 from control_plane.settings import Settings
 

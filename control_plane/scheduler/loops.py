@@ -15,10 +15,11 @@ from datetime import timedelta
 import structlog
 from sqlalchemy.orm import Session, sessionmaker
 
+from control_plane import clock
+from control_plane.clock import now
 from control_plane.db import session_scope
 from control_plane.scheduler.allocate import PendingCache, schedule_pass
 from control_plane.services import checkpoints, limits, nodes
-from control_plane.services.jobs import now
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.loops")
@@ -82,6 +83,9 @@ class Loops:
 
     def monitor_once(self) -> int:
         try:
+            bind = self._factory.kw.get("bind")
+            if bind is not None:
+                clock.maybe_anchor(bind)  # liveness compares instants other replicas wrote
             with session_scope(self._factory) as session:
                 lost = nodes.mark_lost_nodes(
                     session, timeout_s=self._settings.node_lost_timeout_s, not_before=self._not_before

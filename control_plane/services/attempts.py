@@ -17,13 +17,14 @@ from typing import Any, Protocol
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
+from control_plane.clock import now
 from control_plane.db import reload, rowcount
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
 from control_plane.schemas.agent import AttemptStatusReport
 from control_plane.services import events
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, lock_attempt
-from control_plane.services.jobs import TERMINAL, now, set_job_state
+from control_plane.services.jobs import TERMINAL, set_job_state
 
 WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
 NODE_ORDER = {"assigned": 0, "launching": 1, "running": 2, "exited": 3, "stopped": 3, "gone": 4}

@@ -24,13 +24,13 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
+from control_plane.clock import now
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
 from control_plane.schemas.agent import ShardReport
 from control_plane.services import events
 from control_plane.services.fencing import authorize_report
-from control_plane.services.jobs import now
 
 log = structlog.get_logger("trainyard.checkpoints")
 

@@ -10,10 +10,10 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from control_plane.clock import now
 from control_plane.models import Gpu, GpuLease, Job, Node
 from control_plane.schemas.nodes import CapacityOut, ClusterOut, QueuedJobOut
 from control_plane.services import reservations, tenants
-from control_plane.services.jobs import now
 
 QUEUE_STATES = ("recovering", "queued")
 

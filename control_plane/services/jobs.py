@@ -6,14 +6,14 @@ import base64
 import hashlib
 import json
 import uuid
-from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from control_plane.clock import now
 from control_plane.errors import IdempotencyMismatch, InvalidState, NotFound, Unprocessable
 from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
@@ -32,25 +32,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     "failed": frozenset(),
     "cancelled": frozenset(),
 }
-
-
-def _wall_clock() -> datetime:
-    return datetime.now(UTC)
-
-
-_clock: Callable[[], datetime] = _wall_clock
-
-
-def now() -> datetime:
-    """The control plane's time. Every service and loop reads it here, so a simulation
-    (bench/scheduler.py) can run the real code on simulated time with ``use_clock``."""
-    return _clock()
-
-
-def use_clock(clock: Callable[[], datetime] | None) -> None:
-    """Replace the clock (None: the wall clock again). For simulations and tests only."""
-    global _clock
-    _clock = clock or _wall_clock
 
 
 def can_transition(src: str, dst: str) -> bool:

@@ -14,9 +14,10 @@ from datetime import datetime
 from sqlalchemy import Interval, literal_column, select
 from sqlalchemy.orm import Session
 
+from control_plane.clock import now
 from control_plane.models import Attempt, Job
 from control_plane.services.attempts import end_attempt
-from control_plane.services.jobs import now, set_job_state
+from control_plane.services.jobs import set_job_state
 
 ONE_SECOND = literal_column("interval '1 second'", Interval)
 

@@ -10,13 +10,13 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from control_plane.clock import now
 from control_plane.db import reload
 from control_plane.errors import InvalidState, NotFound, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
 from control_plane.schemas.agent import HeartbeatRequest, LaunchSpec, RegisterRequest
 from control_plane.services import attempts, events
 from control_plane.services.fencing import lock_attempt
-from control_plane.services.jobs import now
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
 VANISHED_AFTER_S = 10.0

@@ -16,11 +16,11 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from control_plane.clock import now
 from control_plane.models import Job, Node
 from control_plane.models import Reservation as ReservationRow
 from control_plane.schemas.scheduling import RecoveryReserveOut, ReservationOut, SchedulingOut
 from control_plane.services import events
-from control_plane.services.jobs import now
 
 JOB, RESERVE = "job", "recovery-reserve"
 

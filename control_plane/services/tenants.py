@@ -9,10 +9,10 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from control_plane.clock import now
 from control_plane.errors import Unprocessable
 from control_plane.models import GpuLease, Job, Tenant
 from control_plane.schemas.tenants import TenantIn, TenantOut
-from control_plane.services.jobs import now
 
 DEFAULT_WEIGHT = 1.0
 WAITING = ("queued", "recovering")

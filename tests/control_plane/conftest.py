@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from control_plane.app import create_app
-from control_plane.services.jobs import use_clock
+from control_plane.clock import use_clock
 from control_plane.settings import Settings
 from tests.factories import ADMIN_TOKEN, JOIN_TOKEN
 
@@ -44,7 +44,7 @@ def schedule(app: FastAPI):
 
 
 class Clock:
-    """The control plane's clock, moved by hand (services.jobs.use_clock)."""
+    """The control plane's clock, moved by hand (control_plane.clock.use_clock)."""
 
     def __init__(self) -> None:
         self.t = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from control_plane import clock
 from control_plane.db import session_scope
 from control_plane.models import Node
 from control_plane.scheduler.loops import Loops
@@ -46,7 +47,7 @@ def _lose(app, agents, lost, *, healthy):
     for agent in healthy:
         agent.heartbeat()
     with session_scope(app.state.session_factory) as s:
-        names = [n.name for n in nodes.mark_lost_nodes(s, timeout_s=0.5, not_before=nodes.now())]
+        names = [n.name for n in nodes.mark_lost_nodes(s, timeout_s=0.5, not_before=clock.now())]
     assert names == [lost.name]
 
 
@@ -153,10 +154,10 @@ def test_after_a_database_outage_nobody_is_declared_lost_at_once(settings):
             raise ConnectionError("database unreachable")
 
     loops = Loops(Broken(), settings.model_copy(update={"startup_grace_s": 30}))  # type: ignore[arg-type]
-    loops._not_before = nodes.now()
+    loops._not_before = clock.now()
     with pytest.raises(ConnectionError):
         loops.monitor_once()
-    assert (loops._not_before - nodes.now()).total_seconds() > 25
+    assert (loops._not_before - clock.now()).total_seconds() > 25
 
 
 def test_recovery_replaces_gpus_with_gpus_of_the_same_kind(client, schedule):
