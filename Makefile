@@ -16,8 +16,8 @@ PACKAGES := control_plane node_agent worker_runtime trainyard
 
 help:
 	@echo "make venv       create $(VENV) and install trainyard[dev] (pinned by constraints.txt)"
-	@echo "make test       ruff, mypy, then the whole pytest suite (real PostgreSQL and S3, no GPU needed)"
-	@echo "make lint       ruff and mypy"
+	@echo "make test       ruff, mypy, import contracts, then the whole pytest suite (real PostgreSQL and S3, no GPU needed)"
+	@echo "make lint       ruff, mypy and the import contracts (lint-imports)"
 	@echo "make demo       a 2-node dev cluster on this machine, running one tiny-gpt job end to end"
 	@echo "make clean      remove caches and .trainyard/ (demo data); distclean also removes $(VENV)"
 
@@ -33,11 +33,13 @@ $(STAMP): pyproject.toml constraints.txt
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy $(PACKAGES)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy $(PACKAGES)
+	$(VENV)/bin/lint-imports
 
 demo: venv
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh
