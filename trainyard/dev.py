@@ -83,6 +83,9 @@ class DevConfig:
     """Interpreter that runs the control plane and the agents."""
     control_plane_env: dict[str, str] = field(default_factory=dict)
     """Extra control-plane settings (TRAINYARD_* variables), e.g. a short node-lost timeout."""
+    agent_control_plane: dict[str, str] = field(default_factory=dict)
+    """node name -> the control-plane URL its agent uses instead of its replica's (fault tests put
+    a proxy there)."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -202,7 +205,7 @@ class DevCluster:
             name = f"node-{i}"
             args = [
                 "-m", "trainyard", "agent",
-                "--control-plane", cfg.replica_url((i - 1) % cfg.replicas),
+                "--control-plane", cfg.agent_control_plane.get(name) or cfg.replica_url((i - 1) % cfg.replicas),
                 "--join-token", self.join_token,
                 "--name", name,
                 "--address", f"127.0.0.{i + 1}",

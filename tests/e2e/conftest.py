@@ -73,14 +73,16 @@ FAST_SETTINGS = {
 
 @pytest.fixture
 def make_cluster(tmp_path: Path, fresh_database_url: str, s3_bucket: Any) -> Iterator[Callable[..., LiveCluster]]:
-    """``make_cluster(nodes=3, gpus_per_node=1, settings={...}, proxy_s3=False)``: a cluster run in
-    this process, whose agents, workers, control plane and S3 connection the test can break."""
+    """``make_cluster(nodes=3, gpus_per_node=1, settings={...}, proxy_s3=False, proxy_agents=())``: a
+    cluster run in this process, whose agents, workers, control plane, S3 connection and agents'
+    connections to the control plane the test can break."""
     with contextlib.ExitStack() as stack:
         def make(*, nodes: int = 3, gpus_per_node: int = 1, settings: dict[str, str] | None = None,
-                 proxy_s3: bool = False, replicas: int = 1) -> LiveCluster:
+                 proxy_s3: bool = False, replicas: int = 1, proxy_agents: tuple[str, ...] = ()) -> LiveCluster:
             return stack.enter_context(live_cluster(
                 tmp_path, fresh_database_url, s3_bucket, nodes=nodes, gpus_per_node=gpus_per_node,
                 settings={**FAST_SETTINGS, **(settings or {})}, proxy_s3=proxy_s3, replicas=replicas,
+                proxy_agents=proxy_agents,
             ))
         yield make
 

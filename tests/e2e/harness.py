@@ -59,7 +59,10 @@ class Cluster:
 
 class TcpProxy:
     """Forwards ``127.0.0.1:port`` to ``target``. ``cut()`` resets every open connection and refuses
-    new ones (the server looks down to its clients) until ``restore()``."""
+    new ones (the server looks down to its clients) until ``restore()``. ``blackhole()`` is a
+    partition rather than an outage: connections stay open and new ones are accepted, but no byte
+    gets through in either direction, so clients wait until their own timeouts; ``heal()`` resets
+    what was held (its requests were lost) and forwards again."""
 
     def __init__(self, target: str) -> None:
         host, port = target.rsplit(":", 1)
@@ -69,6 +72,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._stopped = threading.Event()
+        self._blackholed = threading.Event()
         self._accepting: threading.Thread | None = None
         self._start_accepting()
 
@@ -96,6 +100,10 @@ class TcpProxy:
                 continue
             except OSError:
                 return  # the listener was closed: cut or stopped
+            if self._blackholed.is_set():
+                with self._lock:
+                    self._conns.add(client)  # held open, never answered, reset at heal()
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:
@@ -109,7 +117,8 @@ class TcpProxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while chunk := src.recv(65536):
-                dst.sendall(chunk)
+                if not self._blackholed.is_set():
+                    dst.sendall(chunk)
         except OSError:
             pass
         finally:
@@ -135,6 +144,16 @@ class TcpProxy:
         self._listener = self._listen(self.port)
         self._start_accepting()
 
+    def blackhole(self) -> None:
+        self._blackholed.set()
+
+    def heal(self) -> None:
+        with self._lock:
+            conns = list(self._conns)
+        for sock in conns:
+            self._drop(sock, reset=True)
+        self._blackholed.clear()
+
     def close(self) -> None:
         self._stopped.set()
         self.cut()
@@ -147,6 +166,8 @@ class LiveCluster(Cluster):
 
     dev: DevCluster = field(default=None)  # type: ignore[assignment]
     s3_proxy: TcpProxy | None = None
+    agent_proxies: dict[str, TcpProxy] = field(default_factory=dict)
+    """node name -> the proxy between its agent and the control plane (``proxy_agents``)."""
     s3: Any = None
 
     def node_processes(self, name: str) -> list[psutil.Process]:
@@ -192,17 +213,24 @@ class LiveCluster(Cluster):
 def live_cluster(
     tmp_path: Path, database_url: str, bucket: Any, *, nodes: int, gpus_per_node: int = 1,
     settings: dict[str, str] | None = None, proxy_s3: bool = False, replicas: int = 1,
+    proxy_agents: tuple[str, ...] = (),
 ) -> Iterator[LiveCluster]:
     """Start a dev cluster of ``nodes`` agents on ``database_url`` and ``bucket`` (through a
-    cuttable proxy with ``proxy_s3``); stop it, and every process it started, at the end."""
+    cuttable proxy with ``proxy_s3``; the agents named in ``proxy_agents`` reach the control plane
+    through a proxy each); stop it, and every process it started, at the end."""
     proxy = TcpProxy(bucket.endpoint) if proxy_s3 else None
     port = _free_port_run(replicas)
+    agent_proxies = {}
+    for name in proxy_agents:
+        replica = (int(name.rsplit("-", 1)[1]) - 1) % replicas
+        agent_proxies[name] = TcpProxy(f"127.0.0.1:{port + replica}")
     data_dir = tmp_path / "cluster"
     config = DevConfig(
         nodes=nodes, gpus_per_node=gpus_per_node, port=port, replicas=replicas, data_dir=data_dir, token="e2e-admin",
         database_url=database_url, s3_endpoint=proxy.endpoint if proxy else bucket.endpoint,
         s3_access_key=bucket.access_key, s3_secret_key=bucket.secret_key, s3_bucket=bucket.bucket,
         stop_grace_s=3.0, control_plane_env=settings or {},
+        agent_control_plane={name: f"http://{p.endpoint}" for name, p in agent_proxies.items()},
     )
     log = tmp_path / "dev.log"
     out = log.open("w")
@@ -211,7 +239,7 @@ def live_cluster(
     try:
         dev.start()
         yield LiveCluster(url=config.api_url, token=dev.token, http=http, log=dev.logs_dir, dev=dev,
-                          s3_proxy=proxy, s3=bucket)
+                          s3_proxy=proxy, s3=bucket, agent_proxies=agent_proxies)
     finally:
         http.close()
         for p in _processes_under(data_dir):  # frozen ones first get to die, not to wait for a CONT
@@ -219,8 +247,9 @@ def live_cluster(
                 p.send_signal(signal.SIGCONT)
         dev.stop()
         _kill_processes_under(data_dir)  # orphans of a SIGKILLed agent: workers in their own sessions
-        if proxy is not None:
-            proxy.close()
+        for p in [proxy, *agent_proxies.values()]:
+            if p is not None:
+                p.close()
         out.close()
 
 

@@ -7,8 +7,10 @@ import atexit
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
+import time
 import warnings
 from pathlib import Path
 from types import TracebackType
@@ -247,6 +249,27 @@ class EmbeddedPostgres(PostgresAdmin):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             _wait_gone(pid, 5.0)
+
+    def restart(self, *, down_s: float = 0.0, timeout: float = 20.0) -> None:
+        """Stop the server (fast shutdown: every session is cut), stay down ``down_s``, and start
+        it again on the same socket and port with the same data. For fault tests."""
+        if self._server is None:
+            raise EmbeddedError("the server is not running")
+        from pgserver._commands import POSTGRES_BIN_PATH
+
+        # The options the server was started with (socket dir, listen address, port), minus -D.
+        opts = shlex.split((self.data_dir / "postmaster.opts").read_text())[1:]
+        options = [a for i, a in enumerate(opts) if a != "-D" and (i == 0 or opts[i - 1] != "-D")]
+        pg_ctl = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.data_dir), "-w", "-t", str(int(timeout))]
+
+        def run(*args: str) -> None:
+            subprocess.run([*pg_ctl, *args], user=self._server.system_user, check=True, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout + 5)
+
+        run("-m", "fast", "stop")
+        time.sleep(down_s)
+        run("-l", str(self.data_dir / "log"), "-o", shlex.join(options), "start")
+        self._pid = int((self.data_dir / "postmaster.pid").read_text().splitlines()[0])
 
     def __enter__(self) -> Self:
         return self

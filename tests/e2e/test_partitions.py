@@ -1,0 +1,84 @@
+"""Faults between processes that all stay up: a node's agent partitioned from the control plane
+(a proxy that blackholes its connections, so requests hang instead of failing), and PostgreSQL
+restarted under a running job and in the middle of a commit. Every run ends with the weights of a
+run that never failed."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.e2e.harness import LiveCluster
+from tests.factories import job_body
+from trainyard.embedded import EmbeddedPostgres
+
+pytestmark = pytest.mark.e2e
+ENDED = {"succeeded", "failed", "cancelled"}
+
+
+def _held_by(cluster: LiveCluster, node: str) -> set[str | None]:
+    return {g["attempt_id"] for g in cluster.node(node)["gpus"]}
+
+
+def test_partitioned_agent_is_lost_job_recovers_and_stale_workers_stop_after_heal(make_cluster, reference_result):
+    cluster = make_cluster(nodes=3, proxy_agents=("node-1", "node-2", "node-3"))
+    args = ["--steps", "160", "--step-delay-s", "0.05"]
+    job = cluster.submit(job_body(name="partition", args=args, num_nodes=2, gpus_per_node=1,
+                                  checkpoint={"interval_steps": 20}, max_failures=2))
+    cluster.wait_for("a committed checkpoint", lambda: cluster.checkpoints(job["id"], "committed"), timeout=120)
+    first = cluster.attempts(job["id"])[0]
+    victim = next(n["node_name"] for n in first["nodes"] if n["node_rank"] == 1)
+
+    cluster.agent_proxies[victim].blackhole()
+    try:
+        lost = cluster.wait_for(f"{victim} lost", lambda: cluster.node(victim)["state"] == "lost", timeout=60)
+        assert lost
+        done = cluster.wait_state(job["id"], ENDED, timeout=240)
+        assert done["state"] == "succeeded", done["end_reason"]
+        # While it is cut off, the lost node's GPU stays leased to the attempt that ran there: its
+        # workers may still run for all the control plane knows.
+        assert _held_by(cluster, victim) == {first["id"]}
+    finally:
+        cluster.agent_proxies[victim].heal()
+
+    assert done["result"]["weights_sha256"] == reference_result(args)["weights_sha256"]
+    attempts = cluster.attempts(job["id"])
+    assert [a["outcome"] for a in attempts] == ["failed", "succeeded"], [a["end_reason"] for a in attempts]
+    assert attempts[0]["failed_node"] == victim and "lost" in attempts[0]["end_reason"]
+    assert victim not in {n["node_name"] for n in attempts[1]["nodes"]}
+
+    # Healed: the agent comes back, stops whatever of the stale attempt still runs, and only then
+    # are its GPUs free again.
+    cluster.wait_for(f"{victim} back and its GPU free",
+                     lambda: cluster.node(victim)["state"] == "ready" and _held_by(cluster, victim) == {None},
+                     timeout=90)
+    stale = [p for p in cluster.node_processes(victim)[1:] if p.is_running()]
+    assert stale == [], [p.cmdline() for p in stale]
+
+
+def test_postgres_restarted_mid_run_and_mid_commit(make_cluster, reference_result, embedded_pg):
+    if not isinstance(embedded_pg, EmbeddedPostgres):
+        pytest.skip("restarts the embedded PostgreSQL server; TRAINYARD_TEST_DATABASE_URL names one it cannot restart")
+    cluster = make_cluster(nodes=2, settings={"TRAINYARD_FAILPOINTS": "checkpoint.before_commit=sleep(4)"})
+    args = ["--steps", "140", "--step-delay-s", "0.1"]
+    job = cluster.submit(job_body(name="pg-restart", args=args, num_nodes=2, gpus_per_node=1,
+                                  checkpoint={"interval_steps": 20, "keep_last": 100}, max_failures=0))
+    cluster.wait_for("progress", lambda: (cluster.job(job["id"])["progress"]["step"] or 0) >= 10, timeout=120)
+
+    embedded_pg.restart(down_s=3.0)  # 1. under a running job, between commits
+
+    # 2. In the middle of a commit: the manifest is written, the conditional UPDATE is not.
+    hits = cluster.log_text("control-plane").count("failpoint hit")
+    cluster.wait_for("a commit paused at the failpoint",
+                     lambda: cluster.log_text("control-plane").count("failpoint hit") > hits, timeout=120, every=0.1)
+    embedded_pg.restart(down_s=2.0)
+
+    done = cluster.wait_state(job["id"], ENDED, timeout=240)
+    assert done["state"] == "succeeded", done["end_reason"]
+    assert done["result"]["weights_sha256"] == reference_result(args)["weights_sha256"]
+    attempts = cluster.attempts(job["id"])
+    assert len(attempts) == 1, [a["end_reason"] for a in attempts]  # no node was declared lost
+    commits = Counter(e["data"]["step"] for e in cluster.events(job["id"], "checkpoint.committed"))
+    assert commits == Counter({step: 1 for step in range(20, 141, 20)}), commits
+    assert [c["step"] for c in cluster.checkpoints(job["id"], "committed")] == list(range(140, 19, -20))
