@@ -217,7 +217,6 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict
             ENV_FENCING_TOKEN: spec.fencing_token,
             ENV_AGENT_URL: node.agent_url,
             ENV_NODE_RANK: str(spec.node_rank),
-            ENV_NODE_NAME: node.node_name,
             ENV_CHECKPOINT: json.dumps(spec.checkpoint),
             ENV_RESTORE_FROM: json.dumps(spec.restore_from),
             ENV_STATUS_DIR: str(paths.status_dir),
@@ -225,6 +224,8 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
     )
+    if node.node_name:
+        env[ENV_NODE_NAME] = node.node_name
     return env
 
 

@@ -45,6 +45,13 @@ def _marked(attempt_id: str) -> list[psutil.Process]:
     return found
 
 
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
 def _start_agent(cluster: LiveCluster, reaper: ProcessReaper, work_dir: Path, log: Path):
     """Another agent process for node-1 (the name of the cluster's own agent)."""
     dev = cluster.dev
@@ -128,7 +135,7 @@ def test_restarted_agent_with_wiped_work_dir_stops_orphans_before_the_gpu_is_fre
         assert cluster.job(waiting["id"])["state"] != "running"
         assert time.monotonic() < deadline, f"orphans of {attempt} still alive; agent log:\n{log.read_text()[-3000:]}"
         time.sleep(0.2)
-    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in orphans)
+    cluster.wait_for("the orphans to be gone", lambda: all(_gone(p) for p in orphans), timeout=10)
     assert "orphaned_workers_stopping" in log.read_text()
     assert not (work_dir / "attempts" / attempt).exists()  # the new instance never started it again
 
