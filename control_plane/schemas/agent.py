@@ -8,7 +8,8 @@ Endpoints (all under /v1/agent, JSON bodies):
 
 - ``POST /v1/agent/register``  (``Authorization: Bearer <join token>``)
     RegisterRequest -> RegisterResponse. Idempotent per node name: re-registering the same name
-    returns the same node id and a fresh node credential.
+    returns the same node id and a fresh node credential of the next agent epoch; the credentials
+    of earlier epochs are refused from then on with 409 problem+json of type .../stale-agent.
 - ``POST /v1/agent/heartbeat``  (``Authorization: Bearer <node token>``)
     HeartbeatRequest -> HeartbeatResponse. The response is the node's *desired state*: the
     attempts it must run. The agent stops every attempt it runs that is not listed.
