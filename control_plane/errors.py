@@ -65,6 +65,12 @@ class StaleAttempt(Conflict):
     slug = "stale-attempt"
 
 
+class StaleAgent(Conflict):
+    """Another agent instance registered as this node."""
+
+    slug = "stale-agent"
+
+
 class IdempotencyMismatch(Conflict):
     """The Idempotency-Key was used before with a different request body."""
 

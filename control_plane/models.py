@@ -82,6 +82,9 @@ class Node(Base):
     token_hash: Mapped[str] = mapped_column(String(64), doc="sha256 of the node credential.")
     agent_version: Mapped[str] = mapped_column(String(64), server_default="0")
     agent_instance: Mapped[str | None] = mapped_column(String(64))
+    agent_epoch: Mapped[int] = mapped_column(
+        BigInteger, server_default=text("0"), doc="Registrations so far; the credential of an older one is stale."
+    )
     heartbeat_seq: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     last_heartbeat_at: Mapped[datetime | None] = _ts()
     registered_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())

@@ -57,6 +57,7 @@ from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource, gpu_source
 from node_agent.launcher import NodeContext
 from node_agent.local_api import LocalApi, LocalReports
+from node_agent.orphans import OrphanSweeper
 from node_agent.rank_shim import write_json_atomic
 from node_agent.relay import Outbox, Relay
 
@@ -70,6 +71,9 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _REPORT_INTERVAL_S = 0.5
 _LOG_BATCHES_PER_ROUND = 4
 _FINAL_STATES = (NodeAttemptState.exited, NodeAttemptState.stopped)
+_ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned workers of its node
+EXIT_SUPERSEDED = 3
+"""Exit status of an agent that stopped because another instance registered as its node."""
 
 
 class Agent:
@@ -84,6 +88,12 @@ class Agent:
             timeout_s=config.http_timeout_s,
             stop=self._stop_event,
         )
+        self.client.on_stale_agent = self._superseded
+        self.superseded: str | None = None
+        """Why this agent stopped: another instance registered as this node (409 stale-agent)."""
+        self.epoch = 0
+        self.orphans = OrphanSweeper(config.name, grace_s=config.stop_grace_s, log=self.log)
+        self._next_orphan_scan = 0.0
         self.reports = LocalReports()
         self.outbox = Outbox()
         self.relay = Relay(
@@ -143,8 +153,11 @@ class Agent:
             virtual=self._gpu_source.virtual,
             join_timeout_s=self.config.rdzv_join_timeout_s,
             shutdown_timeout_s=math.ceil(self.config.stop_grace_s),
+            node_name=self.config.name,
         )
         self._adopt_existing()
+        # Before the first registration: no heartbeat of this instance may omit an orphan.
+        self._sweep_orphans(processes.scan())
         self.log.info("agent_started", gpus=len(self.gpus), local_api=self._api.url, instance=self.instance)
         for name in self._loops:
             self._start_loop(name)
@@ -167,7 +180,8 @@ class Agent:
         for thread in self._threads.values():
             # An in-flight request may hold a loop for up to http_timeout_s; its thread is a daemon.
             thread.join(max(0.0, min(1.0, deadline - time.monotonic())))
-        if not self.config.keep_workers_on_exit:
+        if not self.config.keep_workers_on_exit or self.superseded is not None:
+            # A superseded agent's workers belong to no one the control plane trusts: stop them.
             self._stop_all_workers(deadline)
         lost = self.outbox.close()  # releases workers waiting on a shard
         if lost:
@@ -229,6 +243,30 @@ class Agent:
                 self._runs[run.attempt_id] = run
                 self.reports.register(run.attempt_id, run.spec.fencing_token)
 
+    def _sweep_orphans(self, table: processes.ProcessTable) -> None:
+        """Stop this node's processes that no attempt of this instance owns (node_agent/orphans.py);
+        their attempts are never launched by this instance."""
+        with self._runs_lock:  # after the scan: a launch that the scan saw is in _runs by now
+            owned = set(self._runs)
+        before = self.orphans.alive
+        new = self.orphans.sweep(table, owned)
+        with self._runs_lock:
+            self._known |= new
+        if self.orphans.alive != before:
+            self._wake("heartbeat")
+
+    def _superseded(self, exc: Exception) -> None:
+        """Another agent instance registered as this node: the newer one wins. Stop launching, stop
+        the workers and exit; never register again (two agents would take the node in turns)."""
+        with self._lifecycle:
+            if self.superseded is not None or self._stopped:
+                return
+            self.superseded = str(exc)
+        self.log.error("agent_superseded_stopping", reason=str(exc), instance=self.instance, epoch=self.epoch)
+        with self._runs_lock:
+            self._stop_event.set()  # nothing more is launched
+        threading.Thread(target=self.stop, name="agent-superseded-stop", daemon=True).start()
+
     def _start_loop(self, name: str) -> None:
         thread = threading.Thread(target=self._run_loop, args=(name,), name=f"agent-{name}", daemon=True)
         self._threads[name] = thread
@@ -278,7 +316,10 @@ class Agent:
             gpus=self.gpus,
             labels=self.config.labels,
             agent_version=AGENT_VERSION,
+            agent_instance=self.instance,
         )
+        if self.superseded is not None:
+            return False
         try:
             resp = self.client.register(request)
         except ControlPlaneUnavailable as exc:
@@ -288,11 +329,13 @@ class Agent:
             self.log.error("registration_rejected", error=str(exc))
             return False
         self.node_id = resp.node_id
+        self.epoch = resp.agent_epoch
         self._heartbeat_interval_s = resp.heartbeat_interval_s
         self.log = log.bind(node=self.config.name, node_id=resp.node_id)
         self._need_register.clear()
         self.registered.set()
-        self.log.info("registered", heartbeat_interval_s=resp.heartbeat_interval_s)
+        self.log.info("registered", heartbeat_interval_s=resp.heartbeat_interval_s, instance=self.instance,
+                      epoch=resp.agent_epoch)
         return True
 
     def _heartbeat_step(self) -> float:
@@ -304,7 +347,7 @@ class Agent:
         request = HeartbeatRequest(
             agent_instance=self.instance,
             seq=self._seq,
-            attempts=[LocalAttempt(attempt_id=run.attempt_id) for run in self.runs() if run.alive],
+            attempts=[LocalAttempt(attempt_id=attempt_id) for attempt_id in self._alive_attempts()],
         )
         try:
             resp = self.client.heartbeat(request)
@@ -321,6 +364,10 @@ class Agent:
         self._heartbeat_interval_s = resp.heartbeat_interval_s
         self._reconcile(resp.assignments)
         return max(0.0, self._heartbeat_interval_s - (time.monotonic() - started))
+
+    def _alive_attempts(self) -> list[str]:
+        """Attempts with processes on this node: ours, and orphans still being stopped."""
+        return sorted({run.attempt_id for run in self.runs() if run.alive} | self.orphans.alive)
 
     def _reconcile(self, assignments: list[LaunchSpec]) -> None:
         assigned = {spec.attempt_id for spec in assignments}
@@ -347,6 +394,11 @@ class Agent:
             if spec.attempt_id in self._known or self._stop_event.is_set():
                 return
             self._known.add(spec.attempt_id)  # at most once in this agent's life, whatever happens
+            if spec.launched:
+                # Started by an earlier instance of this node whose work dir is gone: its processes,
+                # if any, were swept as orphans; starting it again would run it twice.
+                self.log.warning("attempt_started_by_another_instance_not_launching", attempt_id=spec.attempt_id)
+                return
             if not _SAFE_ID.match(spec.attempt_id):
                 self.log.error("attempt_id_rejected", attempt_id=spec.attempt_id)
                 return
@@ -372,7 +424,11 @@ class Agent:
 
     def _supervise_step(self) -> float:
         runs = self.runs()
-        table = processes.scan() if runs else None  # one scan of the process table for all
+        scan_orphans = bool(self.orphans.alive) or time.monotonic() >= self._next_orphan_scan
+        table = processes.scan() if runs or scan_orphans else None  # one scan of the process table for all
+        if table is not None:
+            self._sweep_orphans(table)
+            self._next_orphan_scan = time.monotonic() + _ORPHAN_SCAN_S
         for run in runs:
             before = run.signature()
             run.poll(table)
@@ -506,9 +562,11 @@ def run_agent(config: AgentConfig) -> None:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         agent.start()
-        while not received.wait(1.0):
+        while not received.wait(1.0) and agent.superseded is None:
             pass
     finally:
         agent.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if agent.superseded is not None:
+        raise SystemExit(EXIT_SUPERSEDED)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -72,6 +73,18 @@ class StaleAttempt(ControlPlaneError):
         return kind is None or kind == "about:blank" or kind.rstrip("/").endswith("/stale-attempt")
 
 
+class StaleAgent(ControlPlaneUnavailable):
+    """Another agent instance registered as this node (409 .../stale-agent): this agent must stop.
+
+    A kind of ControlPlaneUnavailable so that every call site keeps what it was sending (nothing
+    is dropped or marked stale on its account); the client tells the agent once, through
+    ``on_stale_agent``, and the agent stops."""
+
+
+def _is_stale_agent(problem_type: str | None) -> bool:
+    return problem_type is not None and problem_type.rstrip("/").endswith("/stale-agent")
+
+
 class RequestRejected(ControlPlaneError):
     """The control plane rejected the request (4xx other than 401/409); resending won't help."""
 
@@ -111,6 +124,8 @@ class ControlPlaneClient:
         self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
         self.retry = retry or RetryPolicy()
         self._stop = stop or threading.Event()
+        self.on_stale_agent: Callable[[StaleAgent], None] | None = None
+        """Called (on the calling thread) when the control plane says another instance took over."""
         self._local = threading.local()
         self._clients: list[httpx.Client] = []
         self._lock = threading.Lock()
@@ -137,6 +152,7 @@ class ControlPlaneClient:
     def _post(self, path: str, body: BaseModel, response: type[R], *, token: str | None) -> R:
         if token is None:
             raise Unauthorized("not registered")
+        node_call = token is not self.join_token
         payload = body.model_dump(mode="json")
         headers = {"Authorization": f"Bearer {token}"}
         last: str = ""
@@ -153,6 +169,18 @@ class ControlPlaneClient:
                 continue
             if resp.status_code == 401:
                 raise Unauthorized(_detail(resp), status=401)
+            if resp.status_code == 409 and _is_stale_agent(_problem_type(resp)):
+                if node_call and self.node_token is not None and self.node_token != token:
+                    # This agent registered again while the request was out: send it again with the
+                    # new credential (our own older registration is stale, not us).
+                    token = self.node_token
+                    headers = {"Authorization": f"Bearer {token}"}
+                    last = "sent with this agent's previous credential"
+                    continue
+                stale = StaleAgent(_detail(resp), status=409, problem_type=_problem_type(resp))
+                if self.on_stale_agent is not None:
+                    self.on_stale_agent(stale)
+                raise stale
             if resp.status_code == 409:
                 raise StaleAttempt(_detail(resp), status=409, problem_type=_problem_type(resp))
             if resp.status_code >= 400:

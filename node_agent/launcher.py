@@ -36,6 +36,7 @@ from control_plane.schemas.agent import (
     ENV_FENCING_TOKEN,
     ENV_JOB_ID,
     ENV_JOB_NAME,
+    ENV_NODE_NAME,
     ENV_NODE_RANK,
     ENV_RESTORE_FROM,
     ENV_S3_ACCESS_KEY,
@@ -82,6 +83,9 @@ class NodeContext:
     """How often torchrun checks its workers, hence how soon it notices a failed rank."""
     python: str = field(default=sys.executable)
     base_env: dict[str, str] | None = None
+    node_name: str = ""
+    """Given to every process as TRAINYARD_NODE_NAME: the marker a later agent instance of this
+    node finds its orphaned workers by (node_agent/orphans.py)."""
     """Environment every worker inherits; None means this process's environment."""
     cwd: str = field(default_factory=os.getcwd)
     """Relative entrypoint paths and top-level modules resolve against this directory, as if the
@@ -220,6 +224,8 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
     )
+    if node.node_name:
+        env[ENV_NODE_NAME] = node.node_name
     return env
 
 

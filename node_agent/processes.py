@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from control_plane.schemas.agent import ENV_ATTEMPT_ID, ENV_NODE_RANK
+from control_plane.schemas.agent import ENV_ATTEMPT_ID, ENV_NODE_NAME, ENV_NODE_RANK
 
 
 @dataclass
@@ -31,6 +31,8 @@ class ProcessTable:
     # (attempt id, node rank): several agents on one machine (a dev cluster) run parts of the same
     # attempt as the same user, and each must find and signal only its own part.
     by_part: dict[tuple[str, str], set[int]] = field(default_factory=lambda: defaultdict(set))
+    # (node name, attempt id): what a new agent instance of a node sweeps for orphans.
+    by_node: dict[tuple[str, str], set[int]] = field(default_factory=lambda: defaultdict(set))
     by_pgid: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     pgid_of: dict[int, int] = field(default_factory=dict)
 
@@ -57,6 +59,8 @@ def scan() -> ProcessTable:
         if attempt_id:
             table.by_attempt[attempt_id].add(proc.pid)
             table.by_part[(attempt_id, env.get(ENV_NODE_RANK, ""))].add(proc.pid)
+            if env.get(ENV_NODE_NAME):
+                table.by_node[(env[ENV_NODE_NAME], attempt_id)].add(proc.pid)
     return table
 
 

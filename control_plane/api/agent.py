@@ -35,7 +35,8 @@ def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, 
     request.app.state.wake_scheduler()
     return RegisterResponse(node_id=str(node.id), node_token=token,
                             heartbeat_interval_s=settings.heartbeat_interval_s,
-                            node_lost_timeout_s=settings.node_lost_timeout_s)
+                            node_lost_timeout_s=settings.node_lost_timeout_s,
+                            agent_instance=node.agent_instance, agent_epoch=node.agent_epoch)
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse, responses=ERRORS)

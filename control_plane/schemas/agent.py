@@ -8,7 +8,8 @@ Endpoints (all under /v1/agent, JSON bodies):
 
 - ``POST /v1/agent/register``  (``Authorization: Bearer <join token>``)
     RegisterRequest -> RegisterResponse. Idempotent per node name: re-registering the same name
-    returns the same node id and a fresh node credential.
+    returns the same node id and a fresh node credential of the next agent epoch; the credentials
+    of earlier epochs are refused from then on with 409 problem+json of type .../stale-agent.
 - ``POST /v1/agent/heartbeat``  (``Authorization: Bearer <node token>``)
     HeartbeatRequest -> HeartbeatResponse. The response is the node's *desired state*: the
     attempts it must run. The agent stops every attempt it runs that is not listed.
@@ -51,6 +52,10 @@ class RegisterRequest(_Wire):
     gpus: list[GpuInfo]
     labels: dict[str, str] = Field(default_factory=dict, description="Topology labels, e.g. rack.")
     agent_version: str = "0"
+    agent_instance: str | None = Field(
+        default=None, max_length=64,
+        description="Random id of this agent process; the control plane makes one up when absent.",
+    )
 
 
 class RegisterResponse(_Wire):
@@ -58,6 +63,15 @@ class RegisterResponse(_Wire):
     node_token: str = Field(description="Per-node credential for every later call.")
     heartbeat_interval_s: float
     node_lost_timeout_s: float
+    agent_instance: str | None = Field(
+        default=None, description="The instance this registration fenced in; heartbeats must carry it."
+    )
+    agent_epoch: int = Field(
+        default=0,
+        description="Grows by one with every registration of the node. A request with the credential "
+        "of an older registration is refused with 409 problem+json of type .../stale-agent: another "
+        "agent instance registered as this node, and the old one must stop.",
+    )
 
 
 class LocalAttempt(_Wire):
@@ -96,6 +110,11 @@ class LaunchSpec(_Wire):
     restore_from: dict[str, Any] | None = Field(
         default=None,
         description="Restore plan: {'candidates': [manifest, ...]} newest committed first, or None.",
+    )
+    launched: bool = Field(
+        default=False,
+        description="An agent already reported this part as started (perhaps a previous agent instance "
+        "of this node): never start it again; adopt it from the work dir or leave it to be failed.",
     )
     storage: dict[str, Any] = Field(
         default_factory=dict,
@@ -208,6 +227,7 @@ ENV_ATTEMPT_NUMBER = "TRAINYARD_ATTEMPT_NUMBER"
 ENV_FENCING_TOKEN = "TRAINYARD_FENCING_TOKEN"
 ENV_AGENT_URL = "TRAINYARD_AGENT_URL"
 ENV_NODE_RANK = "TRAINYARD_NODE_RANK"
+ENV_NODE_NAME = "TRAINYARD_NODE_NAME"  # the node whose agent started it: a new agent instance finds orphans by it
 ENV_DEVICE = "TRAINYARD_DEVICE"  # "cpu" (virtual slots, gloo) or "cuda" (NCCL)
 ENV_CHECKPOINT = "TRAINYARD_CHECKPOINT"  # JSON of the job's checkpoint settings
 ENV_RESTORE_FROM = "TRAINYARD_RESTORE_FROM"  # JSON manifest of the checkpoint to restore, if any

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.db import reload
-from control_plane.errors import InvalidState, NotFound, Unauthorized
+from control_plane.errors import InvalidState, NotFound, StaleAgent, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
 from control_plane.schemas.agent import HeartbeatRequest, LaunchSpec, RegisterRequest
 from control_plane.services import attempts, events
@@ -26,14 +26,25 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def _node_token(node_id: uuid.UUID, epoch: int) -> str:
+    """A fresh credential naming the node and its registration epoch (see authenticate)."""
+    return f"tyn_{node_id.hex}.{epoch}.{secrets.token_urlsafe(32)}"
+
+
 def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
-    """Register (or re-register) a node by name; returns it and a fresh node credential."""
-    token = "tyn_" + secrets.token_urlsafe(32)
+    """Register (or re-register) a node by name; returns it and a fresh node credential.
+
+    Every registration is a new agent instance with the next epoch: the credential of any earlier
+    one is refused from now on as stale (409 stale-agent, see authenticate), so the newer of two
+    agents with one name wins and the older one is told to stop."""
     node = session.scalar(select(Node).where(Node.name == req.name).with_for_update())
     t = now()
+    instance = req.agent_instance  # None: the first heartbeat names it, as before
     if node is None:
+        node_id = uuid.uuid4()
+        token = _node_token(node_id, 1)
         node = Node(
-            id=uuid.uuid4(),
+            id=node_id,
             name=req.name,
             address=req.address,
             state="ready",
@@ -41,6 +52,8 @@ def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
             labels=req.labels,
             token_hash=hash_token(token),
             agent_version=req.agent_version,
+            agent_instance=instance,
+            agent_epoch=1,
             last_heartbeat_at=t,
             registered_at=t,
         )
@@ -51,9 +64,11 @@ def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
     else:
         node.address = req.address
         node.labels = req.labels or node.labels
+        node.agent_epoch = (node.agent_epoch or 0) + 1
+        token = _node_token(node.id, node.agent_epoch)
         node.token_hash = hash_token(token)
         node.agent_version = req.agent_version
-        node.agent_instance = None
+        node.agent_instance = instance
         node.heartbeat_seq = 0
         if node.state == "removed":
             # Back after an operator removed it: its old attempts were released then, so its agent
@@ -61,7 +76,8 @@ def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
             node.state, node.schedulable, node.last_heartbeat_at = "ready", True, t
             events.record(session, "node.rejoined", f"removed node {req.name} registered again", node_id=node.id)
         else:
-            events.record(session, "node.reregistered", f"node {req.name} registered again", node_id=node.id)
+            events.record(session, "node.reregistered", f"node {req.name} registered again", node_id=node.id,
+                          agent_instance=instance, agent_epoch=node.agent_epoch)
     _sync_gpus(session, node, req)
     session.commit()
     return node, token
@@ -85,9 +101,30 @@ def _sync_gpus(session: Session, node: Node, req: RegisterRequest) -> None:
 
 def authenticate(session: Session, token: str) -> Node:
     node = session.scalar(select(Node).where(Node.token_hash == hash_token(token)))
+    if node is None:
+        _refuse_stale_instance(session, token)
     if node is None or node.state == "removed":
         raise Unauthorized("unknown node credential; register the agent again")
     return node
+
+
+def _refuse_stale_instance(session: Session, token: str) -> None:
+    """A credential of an earlier registration of a node that is still there: another agent instance
+    registered as that node since. 409, not 401: the old instance must stop, not register again
+    (two agents with one name would take the node from each other forever)."""
+    try:
+        node_hex, epoch_text, _ = token.removeprefix("tyn_").split(".", 2)
+        node_id, epoch = uuid.UUID(hex=node_hex), int(epoch_text)
+    except ValueError:
+        return
+    node = session.get(Node, node_id)
+    if node is None or node.state == "removed" or epoch >= (node.agent_epoch or 0):
+        return
+    raise StaleAgent(
+        f"another agent instance registered as node {node.name} (epoch {node.agent_epoch}; this credential "
+        f"is of epoch {epoch}): this agent must stop",
+        node=node.name, agent_epoch=node.agent_epoch, credential_epoch=epoch,
+    )
 
 
 def heartbeat(
@@ -159,6 +196,7 @@ def assignments(session: Session, node: Node, storage: dict[str, object] | None)
                 env=dict(job.env),
                 checkpoint=dict(job.checkpoint),
                 restore_from=attempt.restore_manifest,
+                launched=part.state != "assigned",
                 storage={**(storage or {}), "prefix": f"jobs/{job.id}/checkpoints"},
             )
         )
