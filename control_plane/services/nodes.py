@@ -58,7 +58,9 @@ def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
         if node.state == "removed":
             # Back after an operator removed it: its old attempts were released then, so its agent
             # gets none of them assigned and stops whatever of them still runs.
-            node.state, node.schedulable, node.last_heartbeat_at = "ready", True, t
+            # It comes back as a fresh node: schedulable, neither cordoned nor draining (both were
+            # set at removal; leaving ``draining`` would break ck_nodes_drain_unschedulable).
+            node.state, node.schedulable, node.draining, node.last_heartbeat_at = "ready", True, False, t
             events.record(session, "node.rejoined", f"removed node {req.name} registered again", node_id=node.id)
         else:
             events.record(session, "node.reregistered", f"node {req.name} registered again", node_id=node.id)
@@ -220,11 +222,18 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
         .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
         .order_by(Attempt.id)
     ).all()
-    if parts and node.state != "lost":
-        running = ", ".join(sorted({f"attempt {a.number} of job {j.name} ({j.id})" for _, a, j in parts}))
+    if node.state != "lost":
+        # A live node's agent would register it again within a heartbeat, under the same id and
+        # without its cordon: only a node whose agent stopped (lost) can be removed.
+        if parts:
+            running = ", ".join(sorted({f"attempt {a.number} of job {j.name} ({j.id})" for _, a, j in parts}))
+            raise InvalidState(
+                f"node {node.name} is {node.state} and still holds {running}; cancel those jobs or wait until "
+                "they end, then stop its agent (a lost node can be removed at any time)"
+            )
         raise InvalidState(
-            f"node {node.name} is {node.state} and still holds {running}; cancel those jobs or wait until "
-            "they end (a lost node can be removed at any time)"
+            f"node {node.name} is {node.state}: its agent still heartbeats and would register it again; "
+            "drain it, stop its agent, and remove it once it shows as lost"
         )
     node.state = "removed"
     node.schedulable = False
