@@ -39,14 +39,14 @@ from control_plane.scheduler.policy import (
     place,
 )
 from control_plane.services import attempts, reservations, tenants
-from control_plane.services.jobs import set_job_state
 from control_plane.services.limits import ONE_SECOND
+from control_plane.services.states import ATTEMPT_HOLDING, ATTEMPT_LIVE, JOB_WAITING, set_job_state
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.scheduler")
 
 SCHEDULER_LOCK = 7212002
-WAITING_STATES = ("queued", "recovering")
+WAITING_STATES = JOB_WAITING
 
 
 class PendingJob(NamedTuple):
@@ -69,7 +69,7 @@ _PENDING_COLUMNS = (cast(Job.id, Text).label("id"), Job.state, Job.num_nodes, Jo
 
 
 def _waiting() -> Any:
-    live = exists().where(Attempt.job_id == Job.id, Attempt.state.in_(("starting", "running")))
+    live = exists().where(Attempt.job_id == Job.id, Attempt.state.in_(ATTEMPT_LIVE))
     return and_(Job.state.in_(WAITING_STATES), or_(Job.state == "queued", ~live))
 
 
@@ -295,7 +295,7 @@ def _fail_unplaceable(
 
 def _ports_in_use(session: Session) -> set[int]:
     return set(
-        session.scalars(select(Attempt.rdzv_port).where(Attempt.state.in_(("starting", "running", "stopping"))))
+        session.scalars(select(Attempt.rdzv_port).where(Attempt.state.in_(ATTEMPT_HOLDING)))
     )
 
 

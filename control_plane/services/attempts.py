@@ -24,10 +24,19 @@ from control_plane.schemas.agent import AttemptStatusReport
 from control_plane.services import events
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, lock_attempt
-from control_plane.services.jobs import TERMINAL, set_job_state
+from control_plane.services.states import (
+    ATTEMPT_LIVE,
+    JOB_ACTIVE,
+    JOB_TERMINAL,
+    PART_DONE,
+    PART_ORDER,
+    advance_part,
+    set_attempt_state,
+    set_job_state,
+)
 
 WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
-NODE_ORDER = {"assigned": 0, "launching": 1, "running": 2, "exited": 3, "stopped": 3, "gone": 4}
+NODE_ORDER = PART_ORDER
 
 
 class NodeLike(Protocol):
@@ -136,15 +145,12 @@ def end_attempt(session: Session, attempt: Attempt, *, outcome: str, reason: str
         return False
     attempt.outcome = outcome
     attempt.end_reason = reason
-    attempt.state = "stopping"
     if outcome != "succeeded":
         attempt.failed_at = now()
     session.execute(
         update(AttemptNode).where(AttemptNode.attempt_id == attempt.id).values(desired="stop")
     )
-    events.record(
-        session, f"attempt.{outcome}", reason, job_id=attempt.job_id, attempt_id=attempt.id
-    )
+    set_attempt_state(session, attempt, "stopping", reason, kind=f"attempt.{outcome}")
     return True
 
 
@@ -159,7 +165,7 @@ def fail_attempt(
     if not end_attempt(session, attempt, outcome="failed", reason=reason):
         return
     attempt.failed_node_id = node_id
-    if job.state in TERMINAL or job.state == "cancelling":
+    if job.state in JOB_TERMINAL or job.state == "cancelling":
         return
     job.failures = (job.failures or 0) + 1
     if job.failures > job.max_failures:
@@ -196,7 +202,7 @@ def release_part(session: Session, part: AttemptNode) -> None:
         return
     t = now()
     part.released_at = t
-    part.state = "gone"
+    advance_part(session, part, "gone", job_id=attempt.job_id)
     session.info["released"] = session.info.get("released", 0) + 1  # lets the caller wake the scheduler
     released = rowcount(session.execute(
         update(GpuLease)
@@ -228,8 +234,7 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
     parts = reload(session, select(AttemptNode).where(AttemptNode.attempt_id == attempt.id)).all()
     if any(p.released_at is None for p in parts):
         return
-    attempt.state = "ended"
-    attempt.ended_at = now()
+    set_attempt_state(session, attempt, "ended", f"attempt {attempt.number}: every node released its GPUs")
     if job.state == "cancelling":
         set_job_state(session, job, "cancelled", "every worker stopped and every lease released")
 
@@ -241,11 +246,8 @@ def apply_status(
     job, attempt, part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank)
     t = now()
     part.reported_at = t
-    new_state = report.state.value
-    if NODE_ORDER.get(new_state, 0) > NODE_ORDER.get(part.state, 0):
-        part.state = new_state
-        if report.exit_code is not None:
-            part.exit_code = report.exit_code
+    if advance_part(session, part, report.state.value, job_id=job.id) and report.exit_code is not None:
+        part.exit_code = report.exit_code
     if report.error and not part.error:
         part.error = report.error
     _merge_workers(session, attempt, part, report)
@@ -312,7 +314,7 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
         )
         return
     for p in parts:
-        if p.error or (p.state in ("exited", "stopped") and p.exit_code not in (0, None)):
+        if p.error or (p.state in PART_DONE and p.exit_code not in (0, None)):
             detail = p.error or f"torchrun exited with code {p.exit_code}"
             fail_attempt(session, job, attempt, f"node rank {p.node_rank} on {names[p.node_id]}: {detail}",
                          node_id=p.node_id)
@@ -320,19 +322,15 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
     world = attempt.num_gpus
     running = sum(1 for w in workers if w.state in ("running", "exited"))
     if attempt.state == "starting" and running >= world:
-        attempt.state = "running"
+        set_attempt_state(session, attempt, "running", f"all {world} workers of attempt {attempt.number} running")
         # A worker that reported a step was running: the same report may carry both facts.
         attempt.started_at = min(now(), attempt.first_progress_at or now())
-        events.record(
-            session, "attempt.running", f"all {world} workers of attempt {attempt.number} running",
-            job_id=job.id, attempt_id=attempt.id,
-        )
         if job.state == "starting":
             set_job_state(session, job, "running", f"attempt {attempt.number}: all {world} workers running")
     # A node part may already be "gone" (released) when the last node's exit report arrives.
     if all(p.state in ("exited", "gone") and p.exit_code == 0 for p in parts):
         end_attempt(session, attempt, outcome="succeeded", reason="every worker exited with code 0")
-        if job.state in ("starting", "running"):
+        if job.state in JOB_ACTIVE:
             set_job_state(session, job, "succeeded", f"attempt {attempt.number} finished")
 
 
@@ -345,7 +343,7 @@ def desired_for_node(session: Session, node: Node) -> list[tuple[Attempt, Attemp
         .where(
             AttemptNode.node_id == node.id,
             AttemptNode.desired == "run",
-            Attempt.state.in_(("starting", "running")),
+            Attempt.state.in_(ATTEMPT_LIVE),
         )
     ).all()
     return [(a, p, j) for a, p, j in rows]

@@ -14,8 +14,9 @@ from control_plane.clock import now
 from control_plane.models import Gpu, GpuLease, Job, Node
 from control_plane.schemas.nodes import CapacityOut, ClusterOut, QueuedJobOut
 from control_plane.services import reservations, tenants
+from control_plane.services.states import JOB_WAITING
 
-QUEUE_STATES = ("recovering", "queued")
+QUEUE_STATES = JOB_WAITING
 
 
 def summary(session: Session, *, queue_limit: int = 50) -> ClusterOut:

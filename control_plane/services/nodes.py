@@ -17,6 +17,7 @@ from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
 from control_plane.schemas.agent import HeartbeatRequest, LaunchSpec, RegisterRequest
 from control_plane.services import attempts, events
 from control_plane.services.fencing import lock_attempt
+from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
 VANISHED_AFTER_S = 10.0
@@ -59,9 +60,9 @@ def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
             # Back after an operator removed it: its old attempts were released then, so its agent
             # gets none of them assigned and stops whatever of them still runs.
             # It comes back as a fresh node: schedulable, neither cordoned nor draining (both were
-            # set at removal; leaving ``draining`` would break ck_nodes_drain_unschedulable).
-            node.state, node.schedulable, node.draining, node.last_heartbeat_at = "ready", True, False, t
-            events.record(session, "node.rejoined", f"removed node {req.name} registered again", node_id=node.id)
+            # set at removal; set_node_state clears them together: ck_nodes_drain_unschedulable).
+            node.last_heartbeat_at = t
+            set_node_state(session, node, "ready", f"removed node {req.name} registered again", kind="node.rejoined")
         else:
             events.record(session, "node.reregistered", f"node {req.name} registered again", node_id=node.id)
     _sync_gpus(session, node, req)
@@ -104,8 +105,7 @@ def heartbeat(
     node.heartbeat_seq = req.seq
     node.last_heartbeat_at = now()
     if node.state == "lost":
-        node.state = "ready"
-        events.record(session, "node.returned", f"node {node.name} is back", node_id=node.id)
+        set_node_state(session, node, "ready", f"node {node.name} is back", kind="node.returned")
     alive = {a.attempt_id for a in req.attempts if a.processes_alive}
     _confirm_stopped(session, node, alive)
     session.flush()
@@ -127,9 +127,9 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
         part = reload(session, select(AttemptNode).where(AttemptNode.id == part_id).with_for_update()).one()
         if part.released_at is not None:
             continue
-        if part.desired == "stop" or part.state in ("exited", "stopped"):
+        if part.desired == "stop" or part.state in PART_DONE:
             attempts.release_part(session, part)
-        elif part.state in ("launching", "running") and part.reported_at is not None:
+        elif part.state in PART_STARTED and part.reported_at is not None:
             silent = (now() - part.reported_at).total_seconds()
             if silent > VANISHED_AFTER_S:
                 attempts.fail_attempt(
@@ -183,13 +183,13 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime)
         .with_for_update(skip_locked=True)
     ).all()
     for node in lost:
-        node.state = "lost"
-        events.record(session, "node.lost", f"node {node.name} missed heartbeats for {timeout_s:g}s",
-                      node_id=node.id)
+        set_node_state(session, node, "lost", f"node {node.name} missed heartbeats for {timeout_s:g}s",
+                       kind="node.lost")
         attempt_ids = session.scalars(
             select(Attempt.id)
             .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
-            .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None), Attempt.state != "ended")
+            .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None),
+                   Attempt.state.in_(ATTEMPT_HOLDING))
             .order_by(Attempt.id)
         ).all()
         for attempt_id in attempt_ids:
@@ -235,11 +235,9 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
             f"node {node.name} is {node.state}: its agent still heartbeats and would register it again; "
             "drain it, stop its agent, and remove it once it shows as lost"
         )
-    node.state = "removed"
-    node.schedulable = False
     node.token_hash = hash_token(secrets.token_urlsafe(32))  # its credential stops working
-    events.record(session, "node.removed", f"node {node.name} removed by an operator", node_id=node.id,
-                  released_parts=len(parts))
+    set_node_state(session, node, "removed", f"node {node.name} removed by an operator", kind="node.removed",
+                   released_parts=len(parts))
     for part, attempt, _ in parts:
         locked = lock_attempt(session, attempt.id)
         assert locked is not None

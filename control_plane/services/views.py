@@ -24,6 +24,7 @@ from control_plane.schemas.jobs import (
 from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.services import reservations
 from control_plane.services.nodes import scheduling_state
+from control_plane.services.states import JOB_WAITING
 
 
 def _s(value: uuid.UUID | None) -> str | None:
@@ -44,7 +45,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             .options(selectinload(Attempt.nodes).selectinload(AttemptNode.node))
         )
     } if attempt_ids else {}
-    held = reservations.active_for_jobs(session, [j.id for j in jobs if j.state in ("queued", "recovering")])
+    held = reservations.active_for_jobs(session, [j.id for j in jobs if j.state in JOB_WAITING])
     out = []
     for job in jobs:
         attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
