@@ -376,6 +376,22 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
     """Create the attempts of the placements whose jobs are still waiting (locked, re-checked)."""
     if not placements:
         return []
+    # Lock the placements' nodes first (node -> job, the documented order; FOR KEY SHARE is the lock
+    # the new rows' foreign keys take anyway) and re-check them: a node declared lost or cordoned
+    # since the pass read the cluster must get nothing, and mark_lost_nodes (FOR UPDATE) then waits
+    # for this pass to commit, so it sees the attempts placed here and fails them.
+    node_ids = sorted({uuid.UUID(n) for p in placements for n, _ in p.nodes})
+    usable = {
+        str(node_id)
+        for node_id, state, schedulable in session.execute(
+            select(Node.id, Node.state, Node.schedulable).where(Node.id.in_(node_ids))
+            .order_by(Node.id).with_for_update(key_share=True)
+        )
+        if state == "ready" and schedulable
+    }
+    placements = [p for p in placements if all(n in usable for n, _ in p.nodes)]
+    if not placements:
+        return []
     locked = {
         str(job.id): job
         for job in session.scalars(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import func, insert, select, update
@@ -30,6 +31,7 @@ from control_plane.services.states import (
     JOB_TERMINAL,
     PART_DONE,
     PART_ORDER,
+    PART_UNLAUNCHED,
     advance_part,
     set_attempt_state,
     set_job_state,
@@ -190,6 +192,45 @@ def fail_attempt(
             "recovering",
             f"attempt {attempt.number} failed ({reason}); recovery {job.failures} of {job.max_failures}",
         )
+
+
+def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> list[uuid.UUID]:
+    """Fail every attempt with a part its agent has not confirmed launching ``timeout_s`` after
+    allocation (a maintenance step of the monitor loop); returns those attempts.
+
+    A part stays ``assigned`` until its agent reports it: an agent that never picks it up (it was
+    assigned on a node being declared lost, or the agent cannot launch it and says nothing) would
+    otherwise hold the gang's GPUs for ever. Its leases are released as usual, when its node's
+    heartbeat does not list it (or the node is removed)."""
+    cutoff = now() - timedelta(seconds=timeout_s)
+    rows = session.execute(
+        select(AttemptNode.attempt_id, AttemptNode.id)
+        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+        .where(AttemptNode.state.in_(PART_UNLAUNCHED), AttemptNode.released_at.is_(None),
+               Attempt.outcome.is_(None), Attempt.created_at < cutoff)
+        .order_by(AttemptNode.attempt_id, AttemptNode.node_rank)
+        .limit(batch)
+    ).all()
+    failed: list[uuid.UUID] = []
+    for attempt_id, part_id in rows:
+        if attempt_id in failed:
+            continue
+        locked = lock_attempt(session, attempt_id)  # job, then attempt: see lock_attempt
+        if locked is None:
+            continue
+        job, attempt = locked
+        part = reload(session, select(AttemptNode).where(AttemptNode.id == part_id).with_for_update()).one()
+        if attempt.outcome is not None or part.state not in PART_UNLAUNCHED:
+            continue
+        name = session.scalar(select(Node.name).where(Node.id == part.node_id))
+        fail_attempt(
+            session, job, attempt,
+            f"node rank {part.node_rank} on {name} was not confirmed launching within {timeout_s:g}s "
+            "(attempt_launch_timeout_s): its agent never picked it up",
+            node_id=part.node_id,
+        )
+        failed.append(attempt_id)
+    return failed
 
 
 def release_part(session: Session, part: AttemptNode) -> None:
