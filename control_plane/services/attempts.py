@@ -29,6 +29,7 @@ from control_plane.services.states import (
     ATTEMPT_LIVE,
     JOB_ACTIVE,
     JOB_TERMINAL,
+    NODE_UNREACHABLE,
     PART_DONE,
     PART_ORDER,
     PART_UNLAUNCHED,
@@ -268,16 +269,32 @@ def release_part(session: Session, part: AttemptNode) -> None:
 def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
     """Mark the attempt ended once every node released; finish a cancelling job.
 
+    A cancelling job does not wait for a lost node: it is ``cancelled`` once every part is released
+    or on a lost (or removed) node. That node's leases stay held, shown in the node view, until it
+    returns and confirms or an operator removes it; only then does the attempt end.
+
     The caller holds the job and attempt locks (lock_attempt), so a release that committed before
     is seen here: two nodes releasing at once cannot both conclude that the other has not."""
-    if attempt.state == "ended" or attempt.outcome is None:
+    if attempt.outcome is None:
         return
     parts = reload(session, select(AttemptNode).where(AttemptNode.attempt_id == attempt.id)).all()
-    if any(p.released_at is None for p in parts):
+    held = [p for p in parts if p.released_at is None]
+    if not held and attempt.state != "ended":
+        set_attempt_state(session, attempt, "ended", f"attempt {attempt.number}: every node released its GPUs")
+    if job.state != "cancelling":
         return
-    set_attempt_state(session, attempt, "ended", f"attempt {attempt.number}: every node released its GPUs")
-    if job.state == "cancelling":
+    if not held:
         set_job_state(session, job, "cancelled", "every worker stopped and every lease released")
+        return
+    nodes = {n.id: n for n in session.scalars(select(Node).where(Node.id.in_([p.node_id for p in held])))}
+    if all(nodes[p.node_id].state in NODE_UNREACHABLE for p in held):
+        names = sorted(nodes[p.node_id].name for p in held)
+        set_job_state(
+            session, job, "cancelled",
+            f"every reachable worker stopped; {', '.join(names)} lost: its GPU leases stay held on it until it "
+            "returns or is removed",
+            lost_nodes=names,
+        )
 
 
 def apply_status(

@@ -205,6 +205,8 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime)
                 attempt.end_reason = f"node {node.name} lost ({attempt.end_reason})"
                 events.record(session, "attempt.blame", f"attempt {attempt.number}: node {node.name} was lost",
                               job_id=job.id, attempt_id=attempt.id, node_id=node.id)
+            # A cancel does not wait for a lost node (its leases stay held, visibly, on it).
+            attempts.finish_if_released(session, job, attempt)
     return list(lost)
 
 

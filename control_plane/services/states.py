@@ -73,7 +73,7 @@ JOB: dict[str, State] = {
     "cancelling": _s("cancelled", exit=Exit(
         "each node's heartbeat confirms its workers stopped; a part on a lost node counts as stopped "
         "for the job (its leases stay held on the node until it returns or is removed)",
-        settings=("node_lost_timeout_s",), message="heartbeat")),
+        settings=("node_lost_timeout_s", "monitor_interval_s"), message="heartbeat")),
     "succeeded": _s(),
     "failed": _s(),
     "cancelled": _s(),
@@ -154,6 +154,8 @@ NODE: dict[str, State] = {
 }
 
 NODE_WAITS_FOR_OPERATOR = frozenset({"lost", "removed"})
+NODE_UNREACHABLE = ("lost", "removed")
+"""Nodes nobody waits for: a cancel ends without their confirmation (their leases stay held)."""
 """Node states with no timeout exit, on purpose (see above); no job state is in this position."""
 
 
