@@ -97,6 +97,7 @@ def test_cancel_ends_even_when_a_node_of_the_attempt_is_lost(clock, app, client,
     # Its lease stays held, visibly, on the lost node until it comes back.
     assert view["leases_held"] == 1 and view["releasing"] is True
     assert _held(client, "node-2") == [job["id"]]
+    assert client.get("/v1/cluster", headers=ADMIN).json()["capacity"]["gpus_releasing"] == 1
     agents[1].heartbeat([])  # back, its workers gone
     view = get_job(client, job["id"])
     assert view["leases_held"] == 0 and view["releasing"] is False and _held(client, "node-2") == []
@@ -135,3 +136,4 @@ def test_a_job_that_ended_shows_releasing_until_its_nodes_give_its_gpus_back(cli
     agents[1].heartbeat([])
     view = get_job(client, job["id"])
     assert view["leases_held"] == 0 and view["releasing"] is False
+    assert client.get("/v1/cluster", headers=ADMIN).json()["capacity"]["gpus_releasing"] == 0
