@@ -62,6 +62,19 @@ def _install_error_handlers(app: FastAPI) -> None:
             "errors": errors,
         })
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a refusal: logged at error level with its traceback (a 500 must never pass
+        # as routine), answered as problem+json.
+        log.error("unhandled error", path=request.url.path, method=request.method, exc_info=exc)
+        return _problem(500, {
+            "type": "about:blank",
+            "title": "Internal error",
+            "status": 500,
+            "detail": f"{type(exc).__name__}: the control plane failed to handle this request (see its log)",
+            "instance": request.url.path,
+        })
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _problem(exc.status_code, {

@@ -41,6 +41,11 @@ class Settings(BaseSettings):
         '{"h100": 2} per kind.'
     )
     limits_interval_s: float = Field(1.0, gt=0, description="Period of the time-limit loop.")
+    attempt_launch_timeout_s: float = Field(
+        60.0, gt=0, description="A node's part of an attempt that its agent has not confirmed launching this "
+        "long after allocation fails the attempt. Longer than node_lost_timeout_s: a silent node is "
+        "declared lost first (the clearer reason); this catches a live agent that never picks the part up."
+    )
     rdzv_port_min: int = Field(29500, ge=1024, le=65535)
     rdzv_port_max: int = Field(39499, ge=1024, le=65535)
     max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")
@@ -67,6 +72,8 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.rdzv_port_min > self.rdzv_port_max:
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
+        if self.attempt_launch_timeout_s <= self.node_lost_timeout_s:
+            raise ValueError("attempt_launch_timeout_s must exceed node_lost_timeout_s")
         from control_plane import failpoints
 
         failpoints.configure(self.failpoints)

@@ -27,8 +27,9 @@ def get_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep) -> NodeOu
 @router.delete("/nodes/{node_id}", response_model=NodeOut, responses=ERRORS, summary="Remove a node")
 def remove_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep, request: Request) -> NodeOut:
     """Forget a node. A **lost** node's GPU leases are released: you vouch that its workers are gone
-    (powered off, reinstalled). A node that is not lost and still holds an attempt is refused (409).
-    If its agent comes back later, it registers again as a new, empty node."""
+    (powered off, reinstalled). Only a **lost** node can be removed: a node whose agent still
+    heartbeats is refused (409; drain it, stop its agent, remove it once it shows as lost). If its
+    agent comes back later, it registers again as an empty, schedulable node (same id, no cordon)."""
     node = nodes.remove_node(session, node_id)
     request.app.state.wake_scheduler()
     return views.node_out(session, [node])[0]

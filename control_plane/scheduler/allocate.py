@@ -39,14 +39,14 @@ from control_plane.scheduler.policy import (
     place,
 )
 from control_plane.services import attempts, reservations, tenants
-from control_plane.services.jobs import set_job_state
 from control_plane.services.limits import ONE_SECOND
+from control_plane.services.states import ATTEMPT_HOLDING, ATTEMPT_LIVE, JOB_WAITING, set_job_state
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.scheduler")
 
 SCHEDULER_LOCK = 7212002
-WAITING_STATES = ("queued", "recovering")
+WAITING_STATES = JOB_WAITING
 
 
 class PendingJob(NamedTuple):
@@ -69,7 +69,7 @@ _PENDING_COLUMNS = (cast(Job.id, Text).label("id"), Job.state, Job.num_nodes, Jo
 
 
 def _waiting() -> Any:
-    live = exists().where(Attempt.job_id == Job.id, Attempt.state.in_(("starting", "running")))
+    live = exists().where(Attempt.job_id == Job.id, Attempt.state.in_(ATTEMPT_LIVE))
     return and_(Job.state.in_(WAITING_STATES), or_(Job.state == "queued", ~live))
 
 
@@ -295,7 +295,7 @@ def _fail_unplaceable(
 
 def _ports_in_use(session: Session) -> set[int]:
     return set(
-        session.scalars(select(Attempt.rdzv_port).where(Attempt.state.in_(("starting", "running", "stopping"))))
+        session.scalars(select(Attempt.rdzv_port).where(Attempt.state.in_(ATTEMPT_HOLDING)))
     )
 
 
@@ -374,6 +374,22 @@ def schedule_pass(
 def _admit(session: Session, settings: Settings, placements: list[Placement],
            nodes: dict[str, NodeRef]) -> list[Placement]:
     """Create the attempts of the placements whose jobs are still waiting (locked, re-checked)."""
+    if not placements:
+        return []
+    # Lock the placements' nodes first (node -> job, the documented order; FOR KEY SHARE is the lock
+    # the new rows' foreign keys take anyway) and re-check them: a node declared lost or cordoned
+    # since the pass read the cluster must get nothing, and mark_lost_nodes (FOR UPDATE) then waits
+    # for this pass to commit, so it sees the attempts placed here and fails them.
+    node_ids = sorted({uuid.UUID(n) for p in placements for n, _ in p.nodes})
+    usable = {
+        str(node_id)
+        for node_id, state, schedulable in session.execute(
+            select(Node.id, Node.state, Node.schedulable).where(Node.id.in_(node_ids))
+            .order_by(Node.id).with_for_update(key_share=True)
+        )
+        if state == "ready" and schedulable
+    }
+    placements = [p for p in placements if all(n in usable for n, _ in p.nodes)]
     if not placements:
         return []
     locked = {

@@ -19,7 +19,7 @@ from control_plane import clock
 from control_plane.clock import now
 from control_plane.db import session_scope
 from control_plane.scheduler.allocate import PendingCache, schedule_pass
-from control_plane.services import checkpoints, limits, nodes
+from control_plane.services import attempts, checkpoints, limits, nodes
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.loops")
@@ -90,12 +90,19 @@ class Loops:
                 lost = nodes.mark_lost_nodes(
                     session, timeout_s=self._settings.node_lost_timeout_s, not_before=self._not_before
                 )
+            unlaunched: list[object] = []
+            if now() >= self._not_before:  # agents get the same grace to report a launch
+                with session_scope(self._factory) as session:
+                    # Parts never confirmed launching: after the lost nodes, so a silent node is
+                    # blamed as lost (the clearer reason) before its parts time out.
+                    unlaunched = list(attempts.fail_unlaunched(
+                        session, timeout_s=self._settings.attempt_launch_timeout_s))
         except Exception:
             # The database was unreachable, so heartbeats were refused too: once it is back, give
             # the agents the same grace as after a restart before calling anyone lost.
             self._not_before = now() + timedelta(seconds=self._settings.startup_grace_s)
             raise
-        if lost:
+        if lost or unlaunched:
             self.wake_scheduler()
         return len(lost)
 

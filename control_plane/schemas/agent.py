@@ -29,7 +29,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 AGENT_API_PREFIX = "/v1/agent"
 
@@ -41,21 +41,29 @@ class _Wire(BaseModel):
 
 class GpuInfo(_Wire):
     index: int = Field(ge=0, description="Device index on the node (CUDA ordinal or virtual slot).")
-    uuid: str = Field(description="Stable device id (NVML UUID, or 'virtual-<node>-<index>').")
-    kind: str = Field(description="GPU model, e.g. 'NVIDIA H100 80GB HBM3', or 'virtual-cpu'.")
+    uuid: str = Field(max_length=128, description="Stable device id (NVML UUID, or 'virtual-<node>-<index>').")
+    kind: str = Field(max_length=128, description="GPU model, e.g. 'NVIDIA H100 80GB HBM3', or 'virtual-cpu'.")
     memory_mb: int = Field(ge=0, description="Device memory in MiB (0 for virtual slots).")
 
 
 class RegisterRequest(_Wire):
     name: str = Field(min_length=1, max_length=128)
-    address: str = Field(description="Address other nodes reach this node at (rendezvous host).")
+    address: str = Field(max_length=255, description="Address other nodes reach this node at (rendezvous host).")
     gpus: list[GpuInfo]
     labels: dict[str, str] = Field(default_factory=dict, description="Topology labels, e.g. rack.")
-    agent_version: str = "0"
+    agent_version: str = Field("0", max_length=64)
     agent_instance: str | None = Field(
         default=None, max_length=64,
         description="Random id of this agent process; the control plane makes one up when absent.",
     )
+
+    @field_validator("gpus")
+    @classmethod
+    def _unique_indices(cls, gpus: list[GpuInfo]) -> list[GpuInfo]:
+        indices = [g.index for g in gpus]
+        if len(set(indices)) != len(indices):
+            raise ValueError("GPU indices must be unique on a node")
+        return gpus
 
 
 class RegisterResponse(_Wire):

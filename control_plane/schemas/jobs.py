@@ -136,6 +136,18 @@ class JobOut(BaseModel):
     reservation: ReservationOut | None = Field(
         default=None, description="The nodes held for this waiting job, when it holds a reservation."
     )
+    waiting_for: str | None = Field(
+        default=None, description="What a queued, recovering, starting or cancelling job waits for, e.g. "
+        "'no node with GPU kind h100', 'needs 4 nodes with 8 free GPUs, the cluster has 2 such nodes now', "
+        "'reservation on nodes ..., earliest start ...', 'quota: ...', 'node gpu-3 to confirm its workers stopped'."
+    )
+    leases_held: int = Field(
+        default=0, description="GPU leases the job's attempts still hold. After the job ends they are held "
+        "until each node confirms its processes gone (a lost node: until it returns or is removed)."
+    )
+    releasing: bool = Field(
+        default=False, description="The job ended but its GPUs are not free yet (leases_held > 0)."
+    )
     created_at: datetime
     started_at: datetime | None
     ended_at: datetime | None

@@ -65,6 +65,10 @@ class CapacityOut(BaseModel):
     gpus_in_use: int
     gpus_free: int
     utilization: float = Field(description="Leased GPUs / allocatable GPUs.")
+    gpus_releasing: int = Field(
+        default=0, description="Leased GPUs of jobs that already ended: held until their node confirms its "
+        "processes gone (a lost node: until it returns or is removed)."
+    )
 
 
 class QueuedJobOut(BaseModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import func, insert, select, update
@@ -24,10 +25,21 @@ from control_plane.schemas.agent import AttemptStatusReport
 from control_plane.services import events
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, lock_attempt
-from control_plane.services.jobs import TERMINAL, set_job_state
+from control_plane.services.states import (
+    ATTEMPT_LIVE,
+    JOB_ACTIVE,
+    JOB_TERMINAL,
+    NODE_UNREACHABLE,
+    PART_DONE,
+    PART_ORDER,
+    PART_UNLAUNCHED,
+    advance_part,
+    set_attempt_state,
+    set_job_state,
+)
 
 WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
-NODE_ORDER = {"assigned": 0, "launching": 1, "running": 2, "exited": 3, "stopped": 3, "gone": 4}
+NODE_ORDER = PART_ORDER
 
 
 class NodeLike(Protocol):
@@ -136,15 +148,12 @@ def end_attempt(session: Session, attempt: Attempt, *, outcome: str, reason: str
         return False
     attempt.outcome = outcome
     attempt.end_reason = reason
-    attempt.state = "stopping"
     if outcome != "succeeded":
         attempt.failed_at = now()
     session.execute(
         update(AttemptNode).where(AttemptNode.attempt_id == attempt.id).values(desired="stop")
     )
-    events.record(
-        session, f"attempt.{outcome}", reason, job_id=attempt.job_id, attempt_id=attempt.id
-    )
+    set_attempt_state(session, attempt, "stopping", reason, kind=f"attempt.{outcome}")
     return True
 
 
@@ -159,7 +168,7 @@ def fail_attempt(
     if not end_attempt(session, attempt, outcome="failed", reason=reason):
         return
     attempt.failed_node_id = node_id
-    if job.state in TERMINAL or job.state == "cancelling":
+    if job.state in JOB_TERMINAL or job.state == "cancelling":
         return
     job.failures = (job.failures or 0) + 1
     if job.failures > job.max_failures:
@@ -186,6 +195,45 @@ def fail_attempt(
         )
 
 
+def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> list[uuid.UUID]:
+    """Fail every attempt with a part its agent has not confirmed launching ``timeout_s`` after
+    allocation (a maintenance step of the monitor loop); returns those attempts.
+
+    A part stays ``assigned`` until its agent reports it: an agent that never picks it up (it was
+    assigned on a node being declared lost, or the agent cannot launch it and says nothing) would
+    otherwise hold the gang's GPUs for ever. Its leases are released as usual, when its node's
+    heartbeat does not list it (or the node is removed)."""
+    cutoff = now() - timedelta(seconds=timeout_s)
+    rows = session.execute(
+        select(AttemptNode.attempt_id, AttemptNode.id)
+        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+        .where(AttemptNode.state.in_(PART_UNLAUNCHED), AttemptNode.released_at.is_(None),
+               Attempt.outcome.is_(None), Attempt.created_at < cutoff)
+        .order_by(AttemptNode.attempt_id, AttemptNode.node_rank)
+        .limit(batch)
+    ).all()
+    failed: list[uuid.UUID] = []
+    for attempt_id, part_id in rows:
+        if attempt_id in failed:
+            continue
+        locked = lock_attempt(session, attempt_id)  # job, then attempt: see lock_attempt
+        if locked is None:
+            continue
+        job, attempt = locked
+        part = reload(session, select(AttemptNode).where(AttemptNode.id == part_id).with_for_update()).one()
+        if attempt.outcome is not None or part.state not in PART_UNLAUNCHED:
+            continue
+        name = session.scalar(select(Node.name).where(Node.id == part.node_id))
+        fail_attempt(
+            session, job, attempt,
+            f"node rank {part.node_rank} on {name} was not confirmed launching within {timeout_s:g}s "
+            "(attempt_launch_timeout_s): its agent never picked it up",
+            node_id=part.node_id,
+        )
+        failed.append(attempt_id)
+    return failed
+
+
 def release_part(session: Session, part: AttemptNode) -> None:
     """A node confirmed its processes of this attempt are gone: release its leases."""
     locked = lock_attempt(session, part.attempt_id)
@@ -196,7 +244,7 @@ def release_part(session: Session, part: AttemptNode) -> None:
         return
     t = now()
     part.released_at = t
-    part.state = "gone"
+    advance_part(session, part, "gone", job_id=attempt.job_id)
     session.info["released"] = session.info.get("released", 0) + 1  # lets the caller wake the scheduler
     released = rowcount(session.execute(
         update(GpuLease)
@@ -221,17 +269,32 @@ def release_part(session: Session, part: AttemptNode) -> None:
 def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
     """Mark the attempt ended once every node released; finish a cancelling job.
 
+    A cancelling job does not wait for a lost node: it is ``cancelled`` once every part is released
+    or on a lost (or removed) node. That node's leases stay held, shown in the node view, until it
+    returns and confirms or an operator removes it; only then does the attempt end.
+
     The caller holds the job and attempt locks (lock_attempt), so a release that committed before
     is seen here: two nodes releasing at once cannot both conclude that the other has not."""
-    if attempt.state == "ended" or attempt.outcome is None:
+    if attempt.outcome is None:
         return
     parts = reload(session, select(AttemptNode).where(AttemptNode.attempt_id == attempt.id)).all()
-    if any(p.released_at is None for p in parts):
+    held = [p for p in parts if p.released_at is None]
+    if not held and attempt.state != "ended":
+        set_attempt_state(session, attempt, "ended", f"attempt {attempt.number}: every node released its GPUs")
+    if job.state != "cancelling":
         return
-    attempt.state = "ended"
-    attempt.ended_at = now()
-    if job.state == "cancelling":
+    if not held:
         set_job_state(session, job, "cancelled", "every worker stopped and every lease released")
+        return
+    nodes = {n.id: n for n in session.scalars(select(Node).where(Node.id.in_([p.node_id for p in held])))}
+    if all(nodes[p.node_id].state in NODE_UNREACHABLE for p in held):
+        names = sorted(nodes[p.node_id].name for p in held)
+        set_job_state(
+            session, job, "cancelled",
+            f"every reachable worker stopped; {', '.join(names)} lost: its GPU leases stay held on it until it "
+            "returns or is removed",
+            lost_nodes=names,
+        )
 
 
 def apply_status(
@@ -241,11 +304,8 @@ def apply_status(
     job, attempt, part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank)
     t = now()
     part.reported_at = t
-    new_state = report.state.value
-    if NODE_ORDER.get(new_state, 0) > NODE_ORDER.get(part.state, 0):
-        part.state = new_state
-        if report.exit_code is not None:
-            part.exit_code = report.exit_code
+    if advance_part(session, part, report.state.value, job_id=job.id) and report.exit_code is not None:
+        part.exit_code = report.exit_code
     if report.error and not part.error:
         part.error = report.error
     _merge_workers(session, attempt, part, report)
@@ -312,7 +372,7 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
         )
         return
     for p in parts:
-        if p.error or (p.state in ("exited", "stopped") and p.exit_code not in (0, None)):
+        if p.error or (p.state in PART_DONE and p.exit_code not in (0, None)):
             detail = p.error or f"torchrun exited with code {p.exit_code}"
             fail_attempt(session, job, attempt, f"node rank {p.node_rank} on {names[p.node_id]}: {detail}",
                          node_id=p.node_id)
@@ -320,19 +380,15 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
     world = attempt.num_gpus
     running = sum(1 for w in workers if w.state in ("running", "exited"))
     if attempt.state == "starting" and running >= world:
-        attempt.state = "running"
+        set_attempt_state(session, attempt, "running", f"all {world} workers of attempt {attempt.number} running")
         # A worker that reported a step was running: the same report may carry both facts.
         attempt.started_at = min(now(), attempt.first_progress_at or now())
-        events.record(
-            session, "attempt.running", f"all {world} workers of attempt {attempt.number} running",
-            job_id=job.id, attempt_id=attempt.id,
-        )
         if job.state == "starting":
             set_job_state(session, job, "running", f"attempt {attempt.number}: all {world} workers running")
     # A node part may already be "gone" (released) when the last node's exit report arrives.
     if all(p.state in ("exited", "gone") and p.exit_code == 0 for p in parts):
         end_attempt(session, attempt, outcome="succeeded", reason="every worker exited with code 0")
-        if job.state in ("starting", "running"):
+        if job.state in JOB_ACTIVE:
             set_job_state(session, job, "succeeded", f"attempt {attempt.number} finished")
 
 
@@ -345,7 +401,7 @@ def desired_for_node(session: Session, node: Node) -> list[tuple[Attempt, Attemp
         .where(
             AttemptNode.node_id == node.id,
             AttemptNode.desired == "run",
-            Attempt.state.in_(("starting", "running")),
+            Attempt.state.in_(ATTEMPT_LIVE),
         )
     ).all()
     return [(a, p, j) for a, p, j in rows]

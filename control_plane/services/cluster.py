@@ -14,8 +14,9 @@ from control_plane.clock import now
 from control_plane.models import Gpu, GpuLease, Job, Node
 from control_plane.schemas.nodes import CapacityOut, ClusterOut, QueuedJobOut
 from control_plane.services import reservations, tenants
+from control_plane.services.states import JOB_TERMINAL, JOB_WAITING
 
-QUEUE_STATES = ("recovering", "queued")
+QUEUE_STATES = JOB_WAITING
 
 
 def summary(session: Session, *, queue_limit: int = 50) -> ClusterOut:
@@ -26,6 +27,10 @@ def summary(session: Session, *, queue_limit: int = 50) -> ClusterOut:
         .group_by(Node.id)
     ).all()
     in_use = session.scalar(select(func.count(GpuLease.id)).where(GpuLease.released_at.is_(None))) or 0
+    releasing = session.scalar(
+        select(func.count(GpuLease.id)).join(Job, Job.id == GpuLease.job_id)
+        .where(GpuLease.released_at.is_(None), Job.state.in_(JOB_TERMINAL))
+    ) or 0
     total = sum(n for _, _, n in nodes)
     allocatable = sum(n for state, sched, n in nodes if state == "ready" and sched)
     capacity = CapacityOut(
@@ -37,6 +42,7 @@ def summary(session: Session, *, queue_limit: int = 50) -> ClusterOut:
         gpus_in_use=in_use,
         gpus_free=max(allocatable - in_use, 0),
         utilization=round(in_use / allocatable, 4) if allocatable else 0.0,
+        gpus_releasing=releasing,
     )
     by_state = dict(session.execute(select(Job.state, func.count()).group_by(Job.state)).all())
     t = now()

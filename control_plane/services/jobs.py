@@ -7,7 +7,6 @@ import hashlib
 import json
 import uuid
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import IntegrityError
@@ -18,50 +17,13 @@ from control_plane.errors import IdempotencyMismatch, InvalidState, NotFound, Un
 from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
 from control_plane.services import events
+from control_plane.services.states import ATTEMPT_HOLDING, JOB, JOB_TERMINAL, can_transition, set_job_state
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
-
-# Allowed transitions: the job state machine, written down once (docs/architecture.md).
-TRANSITIONS: dict[str, frozenset[str]] = {
-    "queued": frozenset({"starting", "cancelled", "failed"}),
-    "starting": frozenset({"running", "succeeded", "recovering", "failed", "cancelling"}),
-    "running": frozenset({"succeeded", "recovering", "failed", "cancelling"}),
-    "recovering": frozenset({"starting", "failed", "cancelling", "cancelled"}),
-    "cancelling": frozenset({"cancelled"}),
-    "succeeded": frozenset(),
-    "failed": frozenset(),
-    "cancelled": frozenset(),
-}
-
-
-def can_transition(src: str, dst: str) -> bool:
-    return dst in TRANSITIONS.get(src, frozenset())
-
-
-def set_job_state(session: Session, job: Job, new_state: str, reason: str, **data: Any) -> bool:
-    """Move ``job`` to ``new_state`` and record the event; the only writer of ``Job.state``.
-
-    Returns False (and changes nothing) when the job is already in ``new_state``; raises
-    InvalidState for a transition the state machine does not allow.
-    """
-    if job.state == new_state:
-        return False
-    if not can_transition(job.state, new_state):
-        raise InvalidState(f"job {job.id} cannot go from {job.state} to {new_state}")
-    old = job.state
-    job.state = new_state
-    t = now()
-    job.updated_at = t
-    if new_state == "running" and job.started_at is None:
-        job.started_at = t
-    if new_state in TERMINAL:
-        job.ended_at = t
-        if new_state != "succeeded":
-            job.end_reason = reason
-    events.record(
-        session, f"job.{new_state}", reason, job_id=job.id, from_state=old, to_state=new_state, **data
-    )
-    return True
+# The job state machine and its one mutator live in services/states.py (with those of attempts,
+# attempt parts and nodes); these names stay importable from here.
+TERMINAL = JOB_TERMINAL
+TRANSITIONS: dict[str, frozenset[str]] = {state: spec.to for state, spec in JOB.items()}
+__all__ = ["TERMINAL", "TRANSITIONS", "can_transition", "set_job_state"]
 
 
 def _request_hash(body: JobSubmit) -> str:
@@ -217,7 +179,7 @@ def cancel(session: Session, job_id: uuid.UUID) -> Job:
     if job.state == "cancelling":
         return job
     attempt = session.get(Attempt, job.current_attempt_id, with_for_update=True) if job.current_attempt_id else None
-    if attempt is not None and attempt.state != "ended":
+    if attempt is not None and attempt.state in ATTEMPT_HOLDING:
         attempts.end_attempt(session, attempt, outcome="cancelled", reason="cancelled by user")
         set_job_state(session, job, "cancelling", "cancel requested; stopping every worker")
         attempts.finish_if_released(session, job, attempt)

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import now
 from control_plane.models import Attempt, Job
 from control_plane.services.attempts import end_attempt
-from control_plane.services.jobs import set_job_state
+from control_plane.services.states import ATTEMPT_LIVE, JOB_ACTIVE, set_job_state
 
 ONE_SECOND = literal_column("interval '1 second'", Interval)
 
@@ -30,7 +30,7 @@ def enforce_time_limits(session: Session, *, at: datetime | None = None, batch: 
         select(Attempt, Job)
         .join(Job, Job.id == Attempt.job_id)
         .where(
-            Attempt.state.in_(("starting", "running")),
+            Attempt.state.in_(ATTEMPT_LIVE),
             Attempt.outcome.is_(None),
             Job.time_limit_s.is_not(None),
             Attempt.created_at + Job.time_limit_s * ONE_SECOND <= t,
@@ -44,7 +44,7 @@ def enforce_time_limits(session: Session, *, at: datetime | None = None, batch: 
         reason = f"time limit of {job.time_limit_s}s exceeded"
         if not end_attempt(session, attempt, outcome="failed", reason=reason):
             continue
-        if job.state in ("starting", "running"):
+        if job.state in JOB_ACTIVE:
             set_job_state(session, job, "failed", reason, attempt_id=str(attempt.id))
             failed.append(job.id)
     return failed

@@ -17,6 +17,7 @@ from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
 from control_plane.schemas.agent import HeartbeatRequest, LaunchSpec, RegisterRequest
 from control_plane.services import attempts, events
 from control_plane.services.fencing import lock_attempt
+from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
 VANISHED_AFTER_S = 10.0
@@ -73,8 +74,10 @@ def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
         if node.state == "removed":
             # Back after an operator removed it: its old attempts were released then, so its agent
             # gets none of them assigned and stops whatever of them still runs.
-            node.state, node.schedulable, node.last_heartbeat_at = "ready", True, t
-            events.record(session, "node.rejoined", f"removed node {req.name} registered again", node_id=node.id)
+            # It comes back as a fresh node: schedulable, neither cordoned nor draining (both were
+            # set at removal; set_node_state clears them together: ck_nodes_drain_unschedulable).
+            node.last_heartbeat_at = t
+            set_node_state(session, node, "ready", f"removed node {req.name} registered again", kind="node.rejoined")
         else:
             events.record(session, "node.reregistered", f"node {req.name} registered again", node_id=node.id,
                           agent_instance=instance, agent_epoch=node.agent_epoch)
@@ -139,8 +142,7 @@ def heartbeat(
     node.heartbeat_seq = req.seq
     node.last_heartbeat_at = now()
     if node.state == "lost":
-        node.state = "ready"
-        events.record(session, "node.returned", f"node {node.name} is back", node_id=node.id)
+        set_node_state(session, node, "ready", f"node {node.name} is back", kind="node.returned")
     alive = {a.attempt_id for a in req.attempts if a.processes_alive}
     _confirm_stopped(session, node, alive)
     session.flush()
@@ -162,9 +164,9 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
         part = reload(session, select(AttemptNode).where(AttemptNode.id == part_id).with_for_update()).one()
         if part.released_at is not None:
             continue
-        if part.desired == "stop" or part.state in ("exited", "stopped"):
+        if part.desired == "stop" or part.state in PART_DONE:
             attempts.release_part(session, part)
-        elif part.state in ("launching", "running") and part.reported_at is not None:
+        elif part.state in PART_STARTED and part.reported_at is not None:
             silent = (now() - part.reported_at).total_seconds()
             if silent > VANISHED_AFTER_S:
                 attempts.fail_attempt(
@@ -219,13 +221,13 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime)
         .with_for_update(skip_locked=True)
     ).all()
     for node in lost:
-        node.state = "lost"
-        events.record(session, "node.lost", f"node {node.name} missed heartbeats for {timeout_s:g}s",
-                      node_id=node.id)
+        set_node_state(session, node, "lost", f"node {node.name} missed heartbeats for {timeout_s:g}s",
+                       kind="node.lost")
         attempt_ids = session.scalars(
             select(Attempt.id)
             .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
-            .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None), Attempt.state != "ended")
+            .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None),
+                   Attempt.state.in_(ATTEMPT_HOLDING))
             .order_by(Attempt.id)
         ).all()
         for attempt_id in attempt_ids:
@@ -241,6 +243,8 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime)
                 attempt.end_reason = f"node {node.name} lost ({attempt.end_reason})"
                 events.record(session, "attempt.blame", f"attempt {attempt.number}: node {node.name} was lost",
                               job_id=job.id, attempt_id=attempt.id, node_id=node.id)
+            # A cancel does not wait for a lost node (its leases stay held, visibly, on it).
+            attempts.finish_if_released(session, job, attempt)
     return list(lost)
 
 
@@ -258,17 +262,22 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
         .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
         .order_by(Attempt.id)
     ).all()
-    if parts and node.state != "lost":
-        running = ", ".join(sorted({f"attempt {a.number} of job {j.name} ({j.id})" for _, a, j in parts}))
+    if node.state != "lost":
+        # A live node's agent would register it again within a heartbeat, under the same id and
+        # without its cordon: only a node whose agent stopped (lost) can be removed.
+        if parts:
+            running = ", ".join(sorted({f"attempt {a.number} of job {j.name} ({j.id})" for _, a, j in parts}))
+            raise InvalidState(
+                f"node {node.name} is {node.state} and still holds {running}; cancel those jobs or wait until "
+                "they end, then stop its agent (a lost node can be removed at any time)"
+            )
         raise InvalidState(
-            f"node {node.name} is {node.state} and still holds {running}; cancel those jobs or wait until "
-            "they end (a lost node can be removed at any time)"
+            f"node {node.name} is {node.state}: its agent still heartbeats and would register it again; "
+            "drain it, stop its agent, and remove it once it shows as lost"
         )
-    node.state = "removed"
-    node.schedulable = False
     node.token_hash = hash_token(secrets.token_urlsafe(32))  # its credential stops working
-    events.record(session, "node.removed", f"node {node.name} removed by an operator", node_id=node.id,
-                  released_parts=len(parts))
+    set_node_state(session, node, "removed", f"node {node.name} removed by an operator", kind="node.removed",
+                   released_parts=len(parts))
     for part, attempt, _ in parts:
         locked = lock_attempt(session, attempt.id)
         assert locked is not None

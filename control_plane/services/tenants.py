@@ -13,10 +13,11 @@ from control_plane.clock import now
 from control_plane.errors import Unprocessable
 from control_plane.models import GpuLease, Job, Tenant
 from control_plane.schemas.tenants import TenantIn, TenantOut
+from control_plane.services.states import JOB_ACTIVE, JOB_WAITING
 
 DEFAULT_WEIGHT = 1.0
-WAITING = ("queued", "recovering")
-RUNNING = ("starting", "running")
+WAITING = JOB_WAITING
+RUNNING = JOB_ACTIVE
 
 
 def all_tenants(session: Session) -> dict[str, Tenant]:

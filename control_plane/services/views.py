@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from control_plane.models import Attempt, AttemptNode, Checkpoint, CheckpointShard, Event, Gpu, GpuLease, Job, Node
@@ -22,8 +23,10 @@ from control_plane.schemas.jobs import (
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
-from control_plane.services import reservations
+from control_plane.schemas.scheduling import ReservationOut
+from control_plane.services import reservations, tenants
 from control_plane.services.nodes import scheduling_state
+from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 
 
 def _s(value: uuid.UUID | None) -> str | None:
@@ -44,7 +47,13 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             .options(selectinload(Attempt.nodes).selectinload(AttemptNode.node))
         )
     } if attempt_ids else {}
-    held = reservations.active_for_jobs(session, [j.id for j in jobs if j.state in ("queued", "recovering")])
+    held = reservations.active_for_jobs(session, [j.id for j in jobs if j.state in JOB_WAITING])
+    leases = dict(session.execute(
+        select(GpuLease.job_id, func.count()).where(GpuLease.job_id.in_([j.id for j in jobs]),
+                                                    GpuLease.released_at.is_(None))
+        .group_by(GpuLease.job_id)
+    ).all()) if jobs else {}
+    waiting = _waiting_for(session, jobs, attempts, held)
     out = []
     for job in jobs:
         attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
@@ -80,12 +89,104 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                                            outcome=attempt.outcome) if attempt else None,
                 allocation=allocation,
                 reservation=held.get(job.id),
+                waiting_for=waiting.get(job.id),
+                leases_held=leases.get(job.id, 0),
+                releasing=job.state in JOB_TERMINAL and leases.get(job.id, 0) > 0,
                 created_at=job.created_at,
                 started_at=job.started_at,
                 ended_at=job.ended_at,
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class _NodeCap:
+    name: str
+    state: str
+    schedulable: bool
+    draining: bool
+    kind: str
+    total: int
+    free: int
+
+
+def _node_caps(session: Session) -> list[_NodeCap]:
+    rows = session.execute(
+        select(Node.name, Node.state, Node.schedulable, Node.draining, func.min(Gpu.kind), func.count(Gpu.id),
+               func.count(Gpu.id).filter(GpuLease.id.is_(None)))
+        .join(Gpu, Gpu.node_id == Node.id)
+        .outerjoin(GpuLease, and_(GpuLease.gpu_id == Gpu.id, GpuLease.released_at.is_(None)))
+        .where(Node.state != "removed")
+        .group_by(Node.id)
+        .order_by(Node.name)
+    ).all()
+    return [_NodeCap(*row) for row in rows]
+
+
+def _why_not(n: _NodeCap) -> str:
+    if n.state != "ready":
+        return f"{n.name} {n.state}"
+    return f"{n.name} {'draining' if n.draining else 'cordoned'}"
+
+
+def _waiting_for(session: Session, jobs: list[Job], attempts: dict[uuid.UUID, Attempt],
+                 held: dict[uuid.UUID, ReservationOut]) -> dict[uuid.UUID, str]:
+    """What each job that is not running or ended waits for, in words (the job view's waiting_for)."""
+    out: dict[uuid.UUID, str] = {}
+    queued = [j for j in jobs if j.state in JOB_WAITING]
+    caps = _node_caps(session) if queued else []
+    quotas = tenants.all_tenants(session) if queued else {}
+    usage = tenants.gpus_in_use(session) if any(t.gpu_quota is not None for t in quotas.values()) else {}
+    for job in jobs:
+        attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
+        reasons: list[str] = []
+        if job.state in JOB_WAITING:
+            reasons = _queue_reasons(job, caps)
+            quota = quotas.get(job.tenant)
+            if quota is not None and quota.gpu_quota is not None:
+                used = usage.get(job.tenant, 0)
+                if used + job.num_gpus > quota.gpu_quota:
+                    reasons.append(f"quota: tenant {job.tenant} uses {used} of its {quota.gpu_quota} GPUs and "
+                                   f"the job needs {job.num_gpus}")
+            res = held.get(job.id)
+            if res is not None:
+                start = res.earliest_start.isoformat() if res.earliest_start else \
+                    "unknown (a job it waits for has no time limit)"
+                reasons.append(f"reservation on nodes {', '.join(res.nodes)}, earliest start {start}")
+            if not reasons:
+                reasons.append("its turn: it fits now and jobs ahead of it in the queue go first")
+        elif job.state == "starting" and attempt is not None:
+            reasons = [f"node {p.node.name} to launch node rank {p.node_rank}"
+                       for p in attempt.nodes if p.state in PART_UNLAUNCHED and p.released_at is None]
+            reasons = reasons or ["every worker to report running"]
+        elif job.state == "cancelling" and attempt is not None:
+            reasons = [f"node {p.node.name} to confirm its workers stopped"
+                       for p in attempt.nodes if p.released_at is None and p.node.state not in NODE_UNREACHABLE]
+        if reasons:
+            out[job.id] = "; ".join(reasons)
+    return out
+
+
+def _queue_reasons(job: Job, caps: list[_NodeCap]) -> list[str]:
+    """Why the cluster cannot place the job now: no node of its kind, too few usable nodes, or too
+    few with enough free GPUs."""
+    k, g = job.num_nodes, job.gpus_per_node
+    kind = f" of kind {job.gpu_kind}" if job.gpu_kind else ""
+    of_kind = [n for n in caps if job.gpu_kind is None or n.kind == job.gpu_kind]
+    if not of_kind:
+        return [f"no node with GPU kind {job.gpu_kind}" if job.gpu_kind else "no node is registered"]
+    big = [n for n in of_kind if n.total >= g]
+    usable = [n for n in big if n.state == "ready" and n.schedulable]
+    if len(usable) < k:
+        others = [_why_not(n) for n in big if n not in usable]
+        return [f"needs {k} nodes with {g} GPUs{kind}, the cluster has {len(usable)} such nodes that take work"
+                + (f" (also {', '.join(others)})" if others else "")]
+    free = [n for n in usable if n.free >= g]
+    if len(free) < k:
+        return [f"needs {k} nodes with {g} free GPUs{kind}, the cluster has {len(free)} such nodes now "
+                "(the others' GPUs are in use)"]
+    return []
 
 
 def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:

@@ -1,0 +1,250 @@
+"""The state machines of jobs, attempts, attempt parts and nodes, written down once.
+
+Each entity has a transition table (``JOB``, ``ATTEMPT``, ``PART``, ``NODE``): for every state,
+the states it may move to and, for every state that is not terminal, the mechanism that gets an
+entity out of it without anyone having to act (``Exit``): a loop that acts after a timeout setting,
+or a message that always comes. tests/control_plane/test_state_tables.py walks the tables and
+checks that every non-terminal state has such an exit and that each named setting exists. The
+state groups (``JOB_WAITING``, ``ATTEMPT_LIVE``, ...) are the only spelling of those sets.
+
+Each entity has one mutator (``set_job_state``, ``set_attempt_state``, ``advance_part``,
+``set_node_state``): the only writers of its ``state`` column. A mutator refuses a transition the
+table does not allow and records an event. (Checkpoints have their own machine in
+services/checkpoints.py.) docs/architecture.md, "State machines", shows the tables.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from control_plane.clock import now
+from control_plane.errors import InvalidState
+from control_plane.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Job, Node
+from control_plane.services import events
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How an entity leaves a state on its own.
+
+    ``settings``: the timeouts/periods (names of ``Settings`` fields) after which a loop acts;
+    ``message``: a message that always comes (from the agent, a loop, a user) and moves it on.
+    ``operator``: an operator action that also ends the state (never the only exit of a job state).
+    """
+
+    how: str
+    settings: tuple[str, ...] = ()
+    message: str | None = None
+    operator: str | None = None
+
+
+@dataclass(frozen=True)
+class State:
+    to: frozenset[str]
+    exit: Exit | None = None  # None only for terminal states
+
+
+def _s(*to: str, exit: Exit | None = None) -> State:
+    return State(frozenset(to), exit)
+
+
+# -- Jobs ---------------------------------------------------------------------------------------
+
+JOB: dict[str, State] = {
+    "queued": _s("starting", "cancelled", "failed", exit=Exit(
+        "the scheduler loop starts it when it fits; the job view's waiting_for says what it waits for",
+        settings=("scheduler_interval_s",), message="DELETE /v1/jobs/{id} (cancel)")),
+    "starting": _s("running", "succeeded", "recovering", "failed", "cancelling", exit=Exit(
+        "every worker reports running, or a part not launching within the launch timeout fails the "
+        "attempt, or its node is lost, or the time limit ends it",
+        settings=("attempt_launch_timeout_s", "node_lost_timeout_s", "limits_interval_s"),
+        message="attempt status report")),
+    "running": _s("succeeded", "recovering", "failed", "cancelling", exit=Exit(
+        "the workers exit (status reports), a node is lost, or the time limit ends it",
+        settings=("node_lost_timeout_s", "limits_interval_s"), message="attempt status report")),
+    "recovering": _s("starting", "failed", "cancelling", "cancelled", exit=Exit(
+        "the scheduler loop places the next attempt, or fails the job when the cluster cannot hold it "
+        "without its twice-failed nodes; waiting_for says what it waits for",
+        settings=("scheduler_interval_s",), message="DELETE /v1/jobs/{id} (cancel)")),
+    "cancelling": _s("cancelled", exit=Exit(
+        "each node's heartbeat confirms its workers stopped; a part on a lost node counts as stopped "
+        "for the job (its leases stay held on the node until it returns or is removed)",
+        settings=("node_lost_timeout_s", "monitor_interval_s"), message="heartbeat")),
+    "succeeded": _s(),
+    "failed": _s(),
+    "cancelled": _s(),
+}
+
+JOB_TERMINAL = frozenset(s for s, st in JOB.items() if not st.to)
+JOB_WAITING = ("queued", "recovering")
+"""In the queue: waiting for the scheduler."""
+JOB_ACTIVE = ("starting", "running")
+"""An attempt is placed and should be running."""
+JOB_STATES = tuple(JOB)
+
+
+# -- Attempts -----------------------------------------------------------------------------------
+
+ATTEMPT: dict[str, State] = {
+    "starting": _s("running", "stopping", exit=Exit(
+        "every worker reports running, or a part not launching within the launch timeout (or on a "
+        "lost node, or past the time limit) fails it",
+        settings=("attempt_launch_timeout_s", "node_lost_timeout_s", "limits_interval_s"),
+        message="attempt status report")),
+    "running": _s("stopping", exit=Exit(
+        "its workers exit, its node is lost, or the time limit ends it",
+        settings=("node_lost_timeout_s", "limits_interval_s"), message="attempt status report")),
+    "stopping": _s("ended", exit=Exit(
+        "each node's heartbeat stops listing it; a lost node's part waits for the node to return",
+        settings=("node_lost_timeout_s",), message="heartbeat", operator="DELETE /v1/nodes/{id}")),
+    "ended": _s(),
+}
+
+ATTEMPT_LIVE = ("starting", "running")
+"""Decided to run: its nodes are told to run it."""
+ATTEMPT_HOLDING = ACTIVE_ATTEMPT_STATES
+"""Still holds GPUs or its rendezvous port (``starting``, ``running``, ``stopping``)."""
+assert set(ATTEMPT_HOLDING) == set(ATTEMPT) - {"ended"}
+
+
+# -- Attempt parts (one node's share of an attempt) ---------------------------------------------
+
+PART: dict[str, State] = {
+    "assigned": _s("launching", "running", "exited", "stopped", "gone", exit=Exit(
+        "the agent reports it launching at its next heartbeat; a part still assigned after the launch "
+        "timeout fails its attempt (the maintenance step of the monitor loop)",
+        settings=("attempt_launch_timeout_s", "monitor_interval_s"), message="attempt status report")),
+    "launching": _s("running", "exited", "stopped", "gone", exit=Exit(
+        "the agent reports its workers running or exited; a lost node fails it",
+        settings=("node_lost_timeout_s",), message="attempt status report")),
+    "running": _s("exited", "stopped", "gone", exit=Exit(
+        "the agent reports torchrun's exit; a lost node fails it",
+        settings=("node_lost_timeout_s",), message="attempt status report")),
+    "exited": _s("gone", exit=Exit("the heartbeat that no longer lists it releases it",
+                                   settings=("heartbeat_interval_s",), message="heartbeat")),
+    "stopped": _s("gone", exit=Exit("the heartbeat that no longer lists it releases it",
+                                    settings=("heartbeat_interval_s",), message="heartbeat")),
+    "gone": _s(),
+}
+
+PART_ORDER = {"assigned": 0, "launching": 1, "running": 2, "exited": 3, "stopped": 3, "gone": 4}
+"""Reports merge monotonically: a part's state only moves to a higher rank."""
+PART_UNLAUNCHED = ("assigned",)
+PART_STARTED = ("launching", "running")
+PART_DONE = ("exited", "stopped")
+
+
+# -- Nodes --------------------------------------------------------------------------------------
+
+NODE: dict[str, State] = {
+    "ready": _s("lost", "removed", exit=Exit(
+        "the monitor loop declares it lost after missed heartbeats",
+        settings=("node_lost_timeout_s", "monitor_interval_s"), message="heartbeat")),
+    # Lost is the one state only the node or an operator ends: its workers may still run (a
+    # partition), so its GPUs are never given away on a timeout. Its jobs do not wait for it.
+    "lost": _s("ready", "removed", exit=Exit(
+        "its agent's heartbeat brings it back; an operator who knows it is gone removes it",
+        message="heartbeat", operator="DELETE /v1/nodes/{id}")),
+    "removed": _s("ready", exit=Exit("its agent registering again brings it back (empty)",
+                                     message="register", operator="none needed")),
+}
+
+NODE_WAITS_FOR_OPERATOR = frozenset({"lost", "removed"})
+NODE_UNREACHABLE = ("lost", "removed")
+"""Nodes nobody waits for: a cancel ends without their confirmation (their leases stay held)."""
+"""Node states with no timeout exit, on purpose (see above); no job state is in this position."""
+
+
+# -- Mutators -----------------------------------------------------------------------------------
+
+def _check(table: dict[str, State], what: str, ident: object, src: str, dst: str) -> None:
+    if dst not in table:
+        raise ValueError(f"unknown {what} state {dst!r}")
+    if dst not in table[src].to:
+        raise InvalidState(f"{what} {ident} cannot go from {src} to {dst}")
+
+
+def can_transition(src: str, dst: str) -> bool:
+    """Whether the job state machine allows ``src`` -> ``dst``."""
+    return dst in JOB.get(src, State(frozenset())).to
+
+
+def set_job_state(session: Session, job: Job, new_state: str, reason: str, **data: Any) -> bool:
+    """Move ``job`` to ``new_state`` and record the event; the only writer of ``Job.state``.
+
+    Returns False (and changes nothing) when the job is already in ``new_state``; raises
+    InvalidState for a transition the state machine does not allow.
+    """
+    if job.state == new_state:
+        return False
+    _check(JOB, "job", job.id, job.state, new_state)
+    old = job.state
+    job.state = new_state
+    t = now()
+    job.updated_at = t
+    if new_state == "running" and job.started_at is None:
+        job.started_at = t
+    if new_state in JOB_TERMINAL:
+        job.ended_at = t
+        if new_state != "succeeded":
+            job.end_reason = reason
+    events.record(
+        session, f"job.{new_state}", reason, job_id=job.id, from_state=old, to_state=new_state, **data
+    )
+    return True
+
+
+def set_attempt_state(session: Session, attempt: Attempt, new_state: str, reason: str, *,
+                      kind: str | None = None, **data: Any) -> bool:
+    """Move ``attempt`` to ``new_state`` and record the event (``kind``, default
+    ``attempt.<state>``); the only writer of ``Attempt.state``. False when already there."""
+    if attempt.state == new_state:
+        return False
+    _check(ATTEMPT, "attempt", attempt.id, attempt.state, new_state)
+    old = attempt.state
+    attempt.state = new_state
+    t = now()
+    if new_state == "ended":
+        attempt.ended_at = t
+    events.record(session, kind or f"attempt.{new_state}", reason, job_id=attempt.job_id, attempt_id=attempt.id,
+                  from_state=old, to_state=new_state, **data)
+    return True
+
+
+def advance_part(session: Session, part: AttemptNode, new_state: str, *, job_id: uuid.UUID | None = None) -> bool:
+    """Move a node's part of an attempt forward to ``new_state``; the only writer of
+    ``AttemptNode.state``. Reports merge monotonically: a state that is not higher than the
+    current one (``PART_ORDER``) changes nothing and returns False."""
+    if new_state not in PART:
+        raise ValueError(f"unknown attempt part state {new_state!r}")
+    if PART_ORDER[new_state] <= PART_ORDER[part.state]:
+        return False
+    _check(PART, "attempt part", part.id, part.state, new_state)
+    old = part.state
+    part.state = new_state
+    events.record(session, f"part.{new_state}", f"node rank {part.node_rank}: {old} -> {new_state}",
+                  job_id=job_id, attempt_id=part.attempt_id, node_id=part.node_id,
+                  from_state=old, to_state=new_state)
+    return True
+
+
+def set_node_state(session: Session, node: Node, new_state: str, reason: str, *, kind: str,
+                   **data: Any) -> bool:
+    """Move ``node`` to ``new_state`` and record the event ``kind``; the only writer of
+    ``Node.state``. Removing makes it unschedulable; coming back from removal makes it schedulable
+    and not draining (one write, so ck_nodes_drain_unschedulable always holds)."""
+    if node.state == new_state:
+        return False
+    _check(NODE, "node", node.name, node.state, new_state)
+    old = node.state
+    node.state = new_state
+    if new_state == "removed":
+        node.schedulable = False
+    elif old == "removed":
+        node.schedulable, node.draining = True, False
+    events.record(session, kind, reason, node_id=node.id, from_state=old, to_state=new_state, **data)
+    return True

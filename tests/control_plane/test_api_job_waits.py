@@ -1,0 +1,139 @@
+"""Jobs never wait silently and cancel always ends (issue 9, findings 14 and 16), through the HTTP
+API on real PostgreSQL: the job view says what a waiting job waits for; a cancel ends ``cancelled``
+even when a node of the attempt is lost (that node's leases stay held, shown in the node view,
+until it returns); a job that ended shows ``releasing`` while its nodes still hold its GPUs."""
+
+from __future__ import annotations
+
+from control_plane.db import session_scope
+from control_plane.services import nodes
+from tests.control_plane.helpers import get_job, submit
+from tests.factories import ADMIN, FakeAgentSession, register_node, workers_for
+
+
+def _specs(agents, job_id):
+    out = {}
+    for agent in agents:
+        for spec in agent.heartbeat()["assignments"]:
+            if spec["job_id"] == job_id:
+                out[agent.name] = spec
+    return out
+
+
+def _run(agents, specs):
+    for agent in agents:
+        if agent.name in specs:
+            spec = specs[agent.name]
+            r = agent.status(spec, "running", workers=workers_for(spec, "running"))
+            assert r.status_code == 200, r.text
+
+
+def _lose(app, clock, lost, healthy):
+    clock.advance(5)
+    for agent in healthy:
+        agent.heartbeat(agent.alive)
+    with session_scope(app.state.session_factory) as s:
+        assert [n.name for n in nodes.mark_lost_nodes(s, timeout_s=2, not_before=clock.t)] == [lost.name]
+
+
+def _held(client, name):
+    [node] = [n for n in client.get("/v1/nodes", headers=ADMIN).json() if n["name"] == name]
+    return [g["job_id"] for g in node["gpus"] if g["job_id"]]
+
+
+def test_a_waiting_job_says_what_it_waits_for(client, schedule):
+    a, b = FakeAgentSession(client, "gpu-a", 2), FakeAgentSession(client, "gpu-b", 2)
+    job = submit(client, num_nodes=2, gpus_per_node=2, gpu_kind="virtual-cpu")
+    assert client.post(f"/v1/nodes/{b.node_id}/cordon", headers=ADMIN).status_code == 200
+    assert schedule() == 0
+    why = get_job(client, job["id"])["waiting_for"]
+    assert "needs 2 nodes with 2 GPUs of kind virtual-cpu, the cluster has 1 such nodes that take work" in why
+    assert "gpu-b cordoned" in why
+    # Both nodes now report another GPU kind: nothing could ever hold the job.
+    for name in ("gpu-a", "gpu-b"):
+        register_node(client, name, 2, kind="h100")
+    assert get_job(client, job["id"])["waiting_for"] == "no node with GPU kind virtual-cpu"
+    assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).status_code in (200, 202)
+
+    # Too few free GPUs, and a tenant at its quota.
+    a, b = FakeAgentSession(client, "gpu-a", 2), FakeAgentSession(client, "gpu-b", 2)  # virtual-cpu again
+    assert client.post(f"/v1/nodes/{b.node_id}/uncordon", headers=ADMIN).status_code == 200
+    assert client.put("/v1/tenants/vision", json={"weight": 1, "gpu_quota": 3}, headers=ADMIN).status_code == 200
+    first = submit(client, num_nodes=1, gpus_per_node=2, tenant="vision")
+    assert schedule() == 1
+    _specs([a, b], first["id"])
+    big = submit(client, num_nodes=2, gpus_per_node=2)
+    capped = submit(client, num_nodes=1, gpus_per_node=2, tenant="vision")
+    schedule()
+    why = get_job(client, big["id"])["waiting_for"]
+    assert "needs 2 nodes with 2 free GPUs, the cluster has 1 such nodes now" in why
+    capped_view = get_job(client, capped["id"])
+    assert capped_view["state"] == "queued", capped_view
+    assert "quota: tenant vision uses 2 of its 3 GPUs and the job needs 2" in capped_view["waiting_for"]
+    assert get_job(client, first["id"])["waiting_for"].endswith("to launch node rank 0")  # not reported yet
+
+
+def test_cancel_ends_even_when_a_node_of_the_attempt_is_lost(clock, app, client, schedule):
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
+    job = submit(client, num_nodes=2, gpus_per_node=1)
+    assert schedule() == 1
+    specs = _specs(agents, job["id"])
+    _run(agents, specs)
+    assert get_job(client, job["id"])["state"] == "running"
+    attempt_id = specs["node-1"]["attempt_id"]
+    for agent in agents:
+        agent.alive = [attempt_id]
+
+    assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).status_code in (200, 202)
+    agents[0].alive = []
+    agents[0].heartbeat([])  # node-1 stopped its workers; node-2 goes silent
+    view = get_job(client, job["id"])
+    assert view["state"] == "cancelling" and view["waiting_for"] == "node node-2 to confirm its workers stopped"
+
+    _lose(app, clock, agents[1], healthy=[agents[0]])
+    view = get_job(client, job["id"])
+    assert view["state"] == "cancelled", view
+    assert "node-2 lost" in view["end_reason"]
+    # Its lease stays held, visibly, on the lost node until it comes back.
+    assert view["leases_held"] == 1 and view["releasing"] is True
+    assert _held(client, "node-2") == [job["id"]]
+    assert client.get("/v1/cluster", headers=ADMIN).json()["capacity"]["gpus_releasing"] == 1
+    agents[1].heartbeat([])  # back, its workers gone
+    view = get_job(client, job["id"])
+    assert view["leases_held"] == 0 and view["releasing"] is False and _held(client, "node-2") == []
+    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    assert attempt["state"] == "ended"
+
+
+def test_cancel_of_a_recovering_job_whose_old_attempt_is_on_a_lost_node_ends(clock, app, client, schedule):
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
+    job = submit(client, num_nodes=2, gpus_per_node=1, max_failures=3)
+    assert schedule() == 1
+    specs = _specs(agents, job["id"])
+    _run(agents, specs)
+    agents[0].alive = []
+    _lose(app, clock, agents[1], healthy=[agents[0]])
+    assert get_job(client, job["id"])["state"] == "recovering"
+    agents[0].heartbeat([])  # the healthy node stopped its part
+    assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).status_code in (200, 202)
+    view = get_job(client, job["id"])
+    assert view["state"] == "cancelled" and view["releasing"] is True and _held(client, "node-2") == [job["id"]]
+
+
+def test_a_job_that_ended_shows_releasing_until_its_nodes_give_its_gpus_back(client, schedule):
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
+    job = submit(client, num_nodes=2, gpus_per_node=1)
+    assert schedule() == 1
+    specs = _specs(agents, job["id"])
+    for agent in agents:
+        spec = specs[agent.name]
+        agent.status(spec, "exited", exit_code=0, workers=workers_for(spec, "exited", 0))
+    view = get_job(client, job["id"])
+    assert view["state"] == "succeeded"
+    assert view["leases_held"] == 2 and view["releasing"] is True  # the interval, shown
+    agents[0].heartbeat([])
+    assert get_job(client, job["id"])["leases_held"] == 1
+    agents[1].heartbeat([])
+    view = get_job(client, job["id"])
+    assert view["leases_held"] == 0 and view["releasing"] is False
+    assert client.get("/v1/cluster", headers=ADMIN).json()["capacity"]["gpus_releasing"] == 0

@@ -1,0 +1,125 @@
+"""The state tables of services/states.py (issue 9, design): every non-terminal state has an
+automatic exit whose timeouts are real settings, every state can reach an end, the mutators are
+the only writers of the state columns and refuse what the tables do not allow, and no module
+spells a state group by hand."""
+
+from __future__ import annotations
+
+import ast
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy.orm import Session
+
+from control_plane.errors import InvalidState
+from control_plane.models import Attempt, AttemptNode, Job, Node
+from control_plane.schemas.jobs import JOB_STATES
+from control_plane.services import states
+from control_plane.settings import Settings
+
+TABLES = {"job": states.JOB, "attempt": states.ATTEMPT, "part": states.PART, "node": states.NODE}
+ROOT = Path(__file__).resolve().parents[2] / "control_plane"
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_every_non_terminal_state_has_an_automatic_exit(name):
+    table = TABLES[name]
+    settings = set(Settings.model_fields)
+    for state, spec in table.items():
+        assert spec.to <= set(table), (name, state, spec.to - set(table))
+        if not spec.to:
+            assert spec.exit is None, (name, state)  # terminal
+            continue
+        assert spec.exit is not None and spec.exit.how, f"{name} {state}: no exit written down"
+        for setting in spec.exit.settings:
+            assert setting in settings, f"{name} {state}: {setting} is not a setting"
+        if name == "node" and state in states.NODE_WAITS_FOR_OPERATOR:
+            # On purpose: a lost node's GPUs are never given away on a timeout. Its agent's
+            # return (a message) or an operator ends it; no job or attempt waits on that alone.
+            assert spec.exit.message and spec.exit.operator, state
+            continue
+        assert spec.exit.settings, f"{name} {state}: no timeout gets it out"
+        assert all(Settings.model_fields[s].default > 0 for s in spec.exit.settings)
+
+
+@pytest.mark.parametrize("name", ["job", "attempt", "part"])
+def test_every_state_can_reach_an_end(name):
+    table = TABLES[name]
+    ends = {s for s, spec in table.items() if not spec.to}
+    for state in table:
+        seen, frontier = set(), {state}
+        while frontier:
+            s = frontier.pop()
+            seen.add(s)
+            frontier |= table[s].to - seen
+        assert seen & ends, (name, state)
+
+
+def test_the_groups_match_the_tables_and_the_schema():
+    assert set(states.JOB) == set(JOB_STATES)
+    assert {"succeeded", "failed", "cancelled"} == states.JOB_TERMINAL
+    for group in (states.JOB_WAITING, states.JOB_ACTIVE):
+        assert set(group) <= set(states.JOB) - states.JOB_TERMINAL
+    assert set(states.ATTEMPT_LIVE) < set(states.ATTEMPT_HOLDING) < set(states.ATTEMPT)
+    assert set(states.PART_ORDER) == set(states.PART)
+    for src, spec in states.PART.items():  # a part only moves forward
+        assert all(states.PART_ORDER[dst] > states.PART_ORDER[src] for dst in spec.to), src
+
+
+def _py_files():
+    return [p for p in ROOT.rglob("*.py") if p.name != "states.py"]
+
+
+def test_only_the_mutators_write_state_columns():
+    # Checkpoints (services/checkpoints.py) and workers (``w``) have their own merges.
+    allowed = {("checkpoints.py", None), ("attempts.py", "w")}
+    offenders = []
+    for path in _py_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AugAssign | ast.AnnAssign) else []
+            for t in targets:
+                for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if isinstance(el, ast.Attribute) and el.attr == "state":
+                        owner = el.value.id if isinstance(el.value, ast.Name) else None
+                        if (path.name, None) in allowed or (path.name, owner) in allowed:
+                            continue
+                        offenders.append(f"{path.relative_to(ROOT)}:{el.lineno}")
+    assert offenders == []
+
+
+def test_no_module_spells_a_state_group_by_hand():
+    groups = {frozenset(g) for g in (states.JOB_WAITING, states.JOB_ACTIVE, states.ATTEMPT_LIVE,
+                                     states.ATTEMPT_HOLDING, states.PART_STARTED, states.PART_DONE)}
+    offenders = []
+    for path in _py_files():
+        if path.name == "models.py":  # the partial index is written in SQL there
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            strings = isinstance(node, ast.Tuple | ast.Set) and node.elts and all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
+            if strings and frozenset(e.value for e in node.elts) in groups:  # type: ignore[attr-defined]
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
+
+
+def test_mutators_refuse_what_the_tables_do_not_allow(clock):
+    session = Session()  # unbound: the mutators only add event rows
+    job = Job(id=uuid.uuid4(), state="succeeded")
+    with pytest.raises(InvalidState):
+        states.set_job_state(session, job, "running", "no")
+    attempt = Attempt(id=uuid.uuid4(), job_id=job.id, state="ended")
+    with pytest.raises(InvalidState):
+        states.set_attempt_state(session, attempt, "running", "no")
+    part = AttemptNode(id=uuid.uuid4(), attempt_id=attempt.id, node_id=uuid.uuid4(), node_rank=0, state="running")
+    assert states.advance_part(session, part, "launching") is False and part.state == "running"  # monotonic
+    assert states.advance_part(session, part, "exited") is True and part.state == "exited"
+    node = Node(id=uuid.uuid4(), name="n", state="removed", schedulable=False, draining=True)
+    assert states.set_node_state(session, node, "ready", "back", kind="node.rejoined")
+    assert (node.state, node.schedulable, node.draining) == ("ready", True, False)
+    with pytest.raises(InvalidState):
+        states.set_node_state(session, Node(id=uuid.uuid4(), name="m", state="removed"), "lost", "x", kind="k")
+    with pytest.raises(ValueError):
+        states.set_node_state(session, node, "sleeping", "x", kind="k")
+    assert sorted(e.kind for e in session.new) == ["node.rejoined", "part.exited"]  # each change recorded
