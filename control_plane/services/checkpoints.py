@@ -49,12 +49,12 @@ def checkpoint_prefix(job_id: uuid.UUID | str, step: int, attempt_number: int) -
     return f"jobs/{job_id}/checkpoints/step-{step:09d}/attempt-{attempt_number:04d}"
 
 
-def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport) -> list[uuid.UUID]:
-    """Phase 1. Returns the checkpoints that now have every shard (ready to commit)."""
+def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport) -> dict[uuid.UUID, int]:
+    """Phase 1. Returns the checkpoints that now have every shard (ready to commit), with their step."""
     job, attempt, _part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank)
     if attempt.outcome is not None and attempt.outcome != "failed":
         raise StaleAttempt(f"attempt {attempt.number} already ended ({attempt.outcome}); shard refused")
-    ready: list[uuid.UUID] = []
+    ready: dict[uuid.UUID, int] = {}
     for shard in report.shards:
         if shard.world_size != attempt.num_gpus:
             raise Conflict(f"shard of rank {shard.rank} says world size {shard.world_size}; "
@@ -90,8 +90,17 @@ def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
         session.flush()
         count = len(session.scalars(select(CheckpointShard.id).where(CheckpointShard.checkpoint_id == ckpt.id)).all())
         if count == ckpt.world_size:
-            ready.append(ckpt.id)
+            ready[ckpt.id] = ckpt.step
     return ready
+
+
+def committed_steps(session: Session, attempt_id: uuid.UUID, steps: set[int]) -> list[int]:
+    """Which of ``steps`` have a committed checkpoint of this attempt (for the shard ack: a step
+    is acknowledged as committed only if its own checkpoint is, whoever committed it)."""
+    if not steps:
+        return []
+    return sorted(session.scalars(select(Checkpoint.step).where(
+        Checkpoint.attempt_id == attempt_id, Checkpoint.step.in_(steps), Checkpoint.state == "committed")))
 
 
 def _manifest(job: Job, attempt: Attempt, ckpt: Checkpoint, shards: list[CheckpointShard], key: str) -> dict[str, Any]:

@@ -88,6 +88,17 @@ def test_every_shard_present_commits_and_publishes_the_manifest(s3_client):
     assert manifest["shards"][1]["sha256"] == hashlib.sha256(b"rank one!").hexdigest()
 
 
+def test_the_ack_names_only_the_steps_that_committed(s3_client):
+    g = Gang(s3_client)
+    g.report(0, g.upload(20, 0, b"rank zero"))
+    # One batch: rank 1's shard completes step 20; its shard of step 30 leaves step 30 pending.
+    ack = g.report(1, g.upload(20, 1, b"rank one"), g.upload(30, 1, b"rank one, later")).json()
+    assert ack == {"accepted": 2, "committed_steps": [20]}
+    assert sorted((c["step"], c["state"]) for c in g.checkpoints()) == [(20, "committed"), (30, "pending")]
+    # A resent shard of an already committed step is acknowledged as committed.
+    assert g.report(1, g.upload(20, 1, b"rank one")).json()["committed_steps"] == [20]
+
+
 def test_reported_but_missing_shard_object_aborts(s3_client):
     g = Gang(s3_client)
     g.report(0, g.upload(20, 0, b"here"))
