@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import time
@@ -18,7 +19,7 @@ from tests.worker_runtime.torchrun import run_torchrun
 from worker_runtime import CheckpointManager, Reporter, WorkerContext
 from worker_runtime.checkpoint.manager import CheckpointUnavailableError, shard_key
 from worker_runtime.checkpoint.notify import CheckpointReporter
-from worker_runtime.checkpoint.restore import MANIFEST_FORMAT, Problem, describe, fetch_shard
+from worker_runtime.checkpoint.restore import MANIFEST_FORMAT, Problem, agree, describe, fetch_shard
 from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.examples.tiny_gpt import Config, Trainer
 from worker_runtime.state import DataPosition, StepCounter, TrainState
@@ -295,3 +296,19 @@ def test_a_rank_restores_replicated_state_from_rank_zeros_verified_shard(s3_buck
         "rank 1: rank 0's shard, which holds the replicated state, is unusable")
     store.delete(shards[1]["key"])
     assert fetch(1).problem == Problem.MISSING  # rank 0's shard never stands in for its own
+
+
+def test_ranks_never_decide_alone_without_a_process_group(s3_bucket: S3Bucket, fake_agent: FakeAgent) -> None:
+    assert not torch.distributed.is_initialized()
+    assert agree(3, rank=0, world_size=1) == [3]
+    for problem in (0, 6):  # a good shard or a bad one: either way no rank may decide alone
+        with pytest.raises(RuntimeError, match="without a process group"):
+            agree(problem, rank=1, world_size=2)
+    # Through the manager: a 2-rank context with a restore plan but no process group refuses to
+    # restore rather than loading what only this rank has checked.
+    manifests = _first_attempt(s3_bucket, fake_agent)
+    ctx = dataclasses.replace(_ctx(_storage_env(s3_bucket), fake_agent, attempt=1,
+                                   restore_from={"candidates": [manifests[8]]}), world_size=2)
+    with CheckpointManager(ctx, Trainer(SMALL, ctx).state) as ckpt, \
+            pytest.raises(RuntimeError, match="without a process group"):
+        ckpt.restore()

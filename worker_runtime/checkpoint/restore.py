@@ -146,9 +146,15 @@ def _fetch_entry(storage: CheckpointStorage, manifest: Mapping[str, Any], rank: 
 
 
 def agree(problem: int, *, rank: int, world_size: int) -> list[int]:
-    """Every rank's problem code (one all_reduce when distributed); all zero means all good."""
-    if not (dist.is_available() and dist.is_initialized()) or world_size == 1:
+    """Every rank's problem code (one all_reduce when distributed); all zero means all good.
+
+    With more than one rank there must be a process group: a rank that decided alone could
+    restore a checkpoint that another rank rejects, and the ranks would train on different state."""
+    if world_size == 1:
         return [int(problem)]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"rank {rank} of {world_size} cannot agree on a checkpoint without a process group: "
+                           f"call init_distributed before restoring")
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
