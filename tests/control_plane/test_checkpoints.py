@@ -262,6 +262,7 @@ def test_the_restore_plan_does_not_grow_with_the_world_size(s3_client, tmp_path)
         responses = _recover(s3_client, agents)
         spec = responses[0]["assignments"][0]
         assert spec["attempt_number"] == 2
+        assert len(json.dumps(spec["restore_from"])) < 1024  # 512 whole shard entries were ~60 KB
         [candidate] = spec["restore_from"]["candidates"]
         assert candidate["checkpoint_id"] == ckpt["id"] and candidate["step"] == 100
         # The reference leads to the manifest the commit wrote, and the plan can verify it.
@@ -390,3 +391,12 @@ def test_a_new_runs_lower_steps_are_the_lineage_not_superseded(s3_client):
         attempt = s.get(Attempt, uuid.UUID(g.specs[0]["attempt_id"]))
         assert attempt is not None
         assert str(attempt.restored_from_checkpoint_id) == plan["candidates"][0]["checkpoint_id"]
+
+
+def test_the_checkpoint_state_table():
+    table = checkpoints.TRANSITIONS
+    assert set(table) == {"pending", "committed", "unusable", "aborted", "deleted"}
+    assert all(to in table for exits in table.values() for to in exits)
+    # Every state either has an exit or is terminal with its objects collected.
+    assert checkpoints.TERMINAL == set(checkpoints.COLLECTED) == {"unusable", "aborted", "deleted"}
+    assert table["committed"]["unusable"] == "checkpoint.unusable"
