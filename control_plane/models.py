@@ -196,6 +196,9 @@ class Attempt(Base):
     rdzv_host: Mapped[str] = mapped_column(String(255))
     rdzv_port: Mapped[int] = mapped_column(Integer)
     restored_from_step: Mapped[int | None] = mapped_column(Integer)
+    restored_from_checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
+        UUID(as_uuid=True), doc="The checkpoint this attempt restored (its lineage); None: from scratch."
+    )
     progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this attempt reported.")
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
@@ -293,9 +296,13 @@ class Checkpoint(Base):
     attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
     world_size: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16), doc="pending | committed | aborted | deleted")
+    state: Mapped[str] = mapped_column(
+        String(16), doc="pending | committed | unusable | aborted | deleted (services/checkpoints.py TRANSITIONS)"
+    )
     objects_deleted: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     manifest_key: Mapped[str | None] = mapped_column(Text)
+    manifest_sha256: Mapped[str | None] = mapped_column(String(64), doc="Of the manifest object, at commit.")
+    manifest_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONB, doc="Published at commit.")
     size_bytes: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())

@@ -218,7 +218,7 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict
             ENV_AGENT_URL: node.agent_url,
             ENV_NODE_RANK: str(spec.node_rank),
             ENV_CHECKPOINT: json.dumps(spec.checkpoint),
-            ENV_RESTORE_FROM: json.dumps(spec.restore_from),
+            ENV_RESTORE_FROM: json.dumps(spec.restore_from.model_dump(mode="json") if spec.restore_from else None),
             ENV_STATUS_DIR: str(paths.status_dir),
             # torchrun 2.x can hang at shutdown when workers share the rendezvous TCP store.
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",

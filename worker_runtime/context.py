@@ -93,7 +93,8 @@ class WorkerContext:
     checkpoint: dict[str, Any] = field(default_factory=dict)
     """The job's checkpoint settings, as the control plane sent them (opaque here)."""
     restore_from: dict[str, Any] | None = None
-    """The restore plan, ``{"candidates": [manifest, ...]}`` newest committed first, or None."""
+    """The restore plan, ``{"candidates": [reference, ...]}`` most recent first (each reference names a
+    checkpoint and its manifest in storage; see checkpoint.restore.resolve), or None."""
     storage: dict[str, str] = field(default_factory=dict, repr=False)
     """Checkpoint storage: endpoint, bucket, access_key, secret_key, secure, region (the keys
     present). Holds a secret, so it stays out of repr."""

@@ -79,12 +79,13 @@ def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity,
     """Phase 1 of a checkpoint; when the last shard of a step arrives, phase 2 commits it."""
     ready = checkpoints.record_shards(session, node, attempt_id, body)
     session.commit()
-    committed = []
     store = request.app.state.object_store
     for checkpoint_id in ready:
-        if store is not None and checkpoints.commit_ready(request.app.state.session_factory, store, checkpoint_id):
-            committed.append(checkpoint_id)
-    steps = sorted({s.step for s in body.shards}) if committed else []
+        if store is not None:
+            checkpoints.commit_ready(request.app.state.session_factory, store, checkpoint_id)
+    # Only the steps whose own checkpoint is committed (by this request or another replica).
+    steps = checkpoints.committed_steps(session, attempt_id, {s.step for s in body.shards})
+    session.commit()
     return ShardAck(accepted=len(body.shards), committed_steps=steps)
 
 

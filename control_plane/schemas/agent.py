@@ -97,6 +97,32 @@ class HeartbeatRequest(_Wire):
     )
 
 
+RESTORE_PLAN_FORMAT = "trainyard.restore/2"
+RESTORE_CANDIDATES_MAX = 8  # a plan never names more, whatever keep_last is
+
+
+class RestoreCandidate(_Wire):
+    """A reference to one committed checkpoint: workers read its manifest (every shard's key,
+    size and sha256, written by the commit next to the shards) from checkpoint storage, so the
+    plan's size does not grow with the world size."""
+
+    checkpoint_id: str
+    step: int = Field(ge=0)
+    attempt_number: int = Field(ge=0, description="The attempt that saved it.")
+    world_size: int = Field(ge=1)
+    manifest_key: str = Field(min_length=1, description="Object key of the checkpoint's manifest.json.")
+    manifest_sha256: str | None = Field(default=None, pattern="^[0-9a-f]{64}$",
+                                        description="sha256 of the manifest object (verified by workers).")
+    manifest_size_bytes: int | None = Field(default=None, ge=0)
+
+
+class RestorePlan(_Wire):
+    """The checkpoints a new attempt may restore from, most recent of the job's lineage first."""
+
+    format: str = RESTORE_PLAN_FORMAT
+    candidates: list[RestoreCandidate] = Field(default_factory=list, max_length=RESTORE_CANDIDATES_MAX)
+
+
 class LaunchSpec(_Wire):
     """Everything an agent needs to start its part of an attempt."""
 
@@ -115,9 +141,10 @@ class LaunchSpec(_Wire):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     checkpoint: dict[str, Any] = Field(default_factory=dict)
-    restore_from: dict[str, Any] | None = Field(
+    restore_from: RestorePlan | None = Field(
         default=None,
-        description="Restore plan: {'candidates': [manifest, ...]} newest committed first, or None.",
+        description="Restore plan: references to at most RESTORE_CANDIDATES_MAX usable checkpoints "
+        "(not their manifests), or None.",
     )
     launched: bool = Field(
         default=False,
@@ -238,7 +265,7 @@ ENV_NODE_RANK = "TRAINYARD_NODE_RANK"
 ENV_NODE_NAME = "TRAINYARD_NODE_NAME"  # the node whose agent started it: a new agent instance finds orphans by it
 ENV_DEVICE = "TRAINYARD_DEVICE"  # "cpu" (virtual slots, gloo) or "cuda" (NCCL)
 ENV_CHECKPOINT = "TRAINYARD_CHECKPOINT"  # JSON of the job's checkpoint settings
-ENV_RESTORE_FROM = "TRAINYARD_RESTORE_FROM"  # JSON manifest of the checkpoint to restore, if any
+ENV_RESTORE_FROM = "TRAINYARD_RESTORE_FROM"  # JSON RestorePlan (references, not manifests), or null
 ENV_STATUS_DIR = "TRAINYARD_STATUS_DIR"  # where the rank shim writes rank-<r>.json
 
 

@@ -236,7 +236,7 @@ class CheckpointOut(BaseModel):
     step: int
     attempt_id: str
     attempt_number: int
-    state: str = Field(description="pending | committed | aborted | deleted")
+    state: str = Field(description="pending | committed | unusable (a restore found it bad) | aborted | deleted")
     world_size: int
     size_bytes: int
     shards: int = Field(description="Shards recorded so far.")

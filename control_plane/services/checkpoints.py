@@ -10,17 +10,26 @@ and the manifest is written next to them; then one transaction flips ``pending -
 with ``WHERE state = 'pending'`` while the attempt is still the job's current one. That row
 update is the commit point: two replicas racing to commit produce one commit, and a crash before
 it leaves a pending checkpoint that the next pass commits or aborts. See docs/architecture.md.
+
+Usability and lineage: a committed checkpoint that a restore found bad (a worker's
+``checkpoint.fallback`` event) becomes ``unusable`` with the reason, and no restore plan names it
+again. Checkpoints are ranked by lineage, not by step alone: a later attempt continues from what
+it restored (or from scratch), so its checkpoints are more recent than any of an earlier attempt,
+whatever their steps. Retention keeps the newest ``keep_last`` usable ones in that order, and only
+a more recent checkpoint of the lineage supersedes a pending one. Every state change goes through
+:func:`transition`, over the table ``TRANSITIONS``, and records an event.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import uuid
 from typing import Any, Protocol
 
 import structlog
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, and_, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
@@ -28,7 +37,13 @@ from control_plane.clock import now
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
-from control_plane.schemas.agent import ShardReport
+from control_plane.schemas.agent import (
+    RESTORE_CANDIDATES_MAX,
+    RESTORE_PLAN_FORMAT,
+    RestoreCandidate,
+    RestorePlan,
+    ShardReport,
+)
 from control_plane.services import events
 from control_plane.services.fencing import authorize_report
 
@@ -36,6 +51,35 @@ log = structlog.get_logger("trainyard.checkpoints")
 
 # Keys that events.record takes as arguments: a worker's event data must not collide with them.
 RESERVED_EVENT_KEYS = frozenset({"session", "kind", "message", "job_id", "attempt_id", "node_id", "rank", "event"})
+
+
+# Checkpoint states: from -> {to: event kind}. ``pending`` exits on commit, on abort (its attempt
+# ended, a rank could not save, superseded) or after the pending timeout; ``committed`` exits when
+# a restore finds it bad or retention drops it. The rest are terminal (their objects are collected).
+TRANSITIONS: dict[str, dict[str, str]] = {
+    "pending": {"committed": "checkpoint.committed", "aborted": "checkpoint.aborted"},
+    "committed": {"unusable": "checkpoint.unusable", "deleted": "checkpoint.deleted"},
+    "unusable": {},
+    "aborted": {},
+    "deleted": {},
+}
+TERMINAL = frozenset(state for state, exits in TRANSITIONS.items() if not exits)
+COLLECTED = ("unusable", "aborted", "deleted")  # states whose objects are deleted from storage
+
+
+def transition(session: Session, ckpt: Checkpoint, to: str, message: str, *, reason: str | None = None,
+               **data: Any) -> bool:
+    """The one mutator of a checkpoint's state: applies ``ckpt.state -> to`` if the table allows it
+    and records the event; False (and nothing changes) otherwise."""
+    kind = TRANSITIONS.get(ckpt.state, {}).get(to)
+    if kind is None:
+        return False
+    ckpt.state = to
+    if reason is not None:
+        ckpt.reason = reason
+    events.record(session, kind, message, job_id=ckpt.job_id, attempt_id=ckpt.attempt_id, step=ckpt.step,
+                  checkpoint_id=str(ckpt.id), **data)
+    return True
 
 
 class ObjectStore(Protocol):
@@ -49,12 +93,12 @@ def checkpoint_prefix(job_id: uuid.UUID | str, step: int, attempt_number: int) -
     return f"jobs/{job_id}/checkpoints/step-{step:09d}/attempt-{attempt_number:04d}"
 
 
-def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport) -> list[uuid.UUID]:
-    """Phase 1. Returns the checkpoints that now have every shard (ready to commit)."""
+def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport) -> dict[uuid.UUID, int]:
+    """Phase 1. Returns the checkpoints that now have every shard (ready to commit), with their step."""
     job, attempt, _part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank)
     if attempt.outcome is not None and attempt.outcome != "failed":
         raise StaleAttempt(f"attempt {attempt.number} already ended ({attempt.outcome}); shard refused")
-    ready: list[uuid.UUID] = []
+    ready: dict[uuid.UUID, int] = {}
     for shard in report.shards:
         if shard.world_size != attempt.num_gpus:
             raise Conflict(f"shard of rank {shard.rank} says world size {shard.world_size}; "
@@ -90,8 +134,17 @@ def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
         session.flush()
         count = len(session.scalars(select(CheckpointShard.id).where(CheckpointShard.checkpoint_id == ckpt.id)).all())
         if count == ckpt.world_size:
-            ready.append(ckpt.id)
+            ready[ckpt.id] = ckpt.step
     return ready
+
+
+def committed_steps(session: Session, attempt_id: uuid.UUID, steps: set[int]) -> list[int]:
+    """Which of ``steps`` have a committed checkpoint of this attempt (for the shard ack: a step
+    is acknowledged as committed only if its own checkpoint is, whoever committed it)."""
+    if not steps:
+        return []
+    return sorted(session.scalars(select(Checkpoint.step).where(
+        Checkpoint.attempt_id == attempt_id, Checkpoint.step.in_(steps), Checkpoint.state == "committed")))
 
 
 def _manifest(job: Job, attempt: Attempt, ckpt: Checkpoint, shards: list[CheckpointShard], key: str) -> dict[str, Any]:
@@ -132,6 +185,7 @@ def commit_ready(factory: sessionmaker[Session], store: ObjectStore, checkpoint_
                 return _abort(factory, checkpoint_id, f"shard of rank {shard['rank']} is missing or has the wrong size")
         payload = json.dumps(manifest, indent=1, sort_keys=True).encode()
         store.put_object(key, io.BytesIO(payload), length=len(payload))
+        manifest_sha256 = hashlib.sha256(payload).hexdigest()
     except Exception as exc:  # S3 down: leave it pending; the loop retries, then aborts
         log.warning("checkpoint commit deferred", checkpoint_id=str(checkpoint_id), error=repr(exc))
         return False
@@ -145,17 +199,21 @@ def commit_ready(factory: sessionmaker[Session], store: ObjectStore, checkpoint_
             _abort(factory, checkpoint_id, "its attempt is no longer the job's current one")
             return False
         size = sum(sh["size_bytes"] for sh in manifest["shards"])
+        # The commit point: a compare-and-set of pending -> committed (TRANSITIONS), so that two
+        # replicas racing here commit once; the winner records the event.
         done = rowcount(s.execute(
             update(Checkpoint)
             .where(Checkpoint.id == checkpoint_id, Checkpoint.state == "pending")
-            .values(state="committed", manifest_key=key, manifest=manifest, size_bytes=size, committed_at=now())
+            .values(state="committed", manifest_key=key, manifest=manifest, size_bytes=size, committed_at=now(),
+                    manifest_sha256=manifest_sha256, manifest_size_bytes=len(payload))
         ))
         if done:
-            events.record(s, "checkpoint.committed",
+            events.record(s, TRANSITIONS["pending"]["committed"],
                           f"checkpoint of step {manifest['step']} committed ({size} bytes, "
                           f"{manifest['world_size']} shards)",
                           job_id=manifest_job_id, attempt_id=uuid.UUID(manifest["attempt_id"]),
-                          step=manifest["step"], size_bytes=size, manifest_key=key)
+                          step=manifest["step"], size_bytes=size, manifest_key=key,
+                          checkpoint_id=str(checkpoint_id))
         return bool(done)
 
 
@@ -168,12 +226,13 @@ def _abort(factory: sessionmaker[Session], checkpoint_id: uuid.UUID, reason: str
 
 
 def abort(session: Session, ckpt: Checkpoint, reason: str) -> None:
-    if ckpt.state != "pending":
-        return
-    ckpt.state = "aborted"
-    ckpt.reason = reason
-    events.record(session, "checkpoint.aborted", f"checkpoint of step {ckpt.step} aborted: {reason}",
-                  job_id=ckpt.job_id, attempt_id=ckpt.attempt_id, step=ckpt.step)
+    transition(session, ckpt, "aborted", f"checkpoint of step {ckpt.step} aborted: {reason}", reason=reason)
+
+
+def demote(session: Session, ckpt: Checkpoint, reason: str) -> bool:
+    """A restore found this committed checkpoint bad: no restore plan names it again."""
+    return transition(session, ckpt, "unusable", f"checkpoint of step {ckpt.step} is unusable: {reason}",
+                      reason=reason)
 
 
 def list_checkpoints(session: Session, job_id: uuid.UUID, *, states: tuple[str, ...] | None = None) -> list[Checkpoint]:
@@ -187,12 +246,70 @@ def list_checkpoints(session: Session, job_id: uuid.UUID, *, states: tuple[str, 
     return list(session.scalars(stmt))
 
 
+def usable_by_lineage(session: Session, job_id: uuid.UUID) -> list[tuple[Checkpoint, int]]:
+    """The job's committed (usable) checkpoints with their attempt's number, most recent of the
+    lineage first: a later attempt's before an earlier one's, then by step."""
+    return [(c, int(n)) for c, n in session.execute(
+        select(Checkpoint, Attempt.number)
+        .join(Attempt, Attempt.id == Checkpoint.attempt_id)
+        .where(Checkpoint.job_id == job_id, Checkpoint.state == "committed")
+        .order_by(Attempt.number.desc(), Checkpoint.step.desc())
+    ).all()]
+
+
+def _more_recent(ckpt: Checkpoint, attempt_number: int) -> ColumnElement[bool]:
+    """Checkpoints of the job more recent in its lineage than ``ckpt`` (of attempt ``attempt_number``)."""
+    return and_(Checkpoint.job_id == ckpt.job_id, or_(
+        Attempt.number > attempt_number,
+        and_(Checkpoint.attempt_id == ckpt.attempt_id, Checkpoint.step > ckpt.step),
+    ))
+
+
 def restore_plan(session: Session, job: Job) -> dict[str, Any] | None:
-    """The committed manifests a new attempt may restore from, newest first."""
-    committed = [c for c in list_checkpoints(session, job.id, states=("committed",)) if c.manifest]
-    if not committed:
+    """References to the usable checkpoints a new attempt may restore from, most recent first.
+
+    Bounded by keep_last (and RESTORE_CANDIDATES_MAX), never by the world size: workers read each
+    candidate's manifest from storage and check it against the sha256 and size given here."""
+    keep = min(_keep_last(job), RESTORE_CANDIDATES_MAX)
+    candidates = [
+        RestoreCandidate(checkpoint_id=str(c.id), step=c.step, attempt_number=number, world_size=c.world_size,
+                         manifest_key=c.manifest_key, manifest_sha256=c.manifest_sha256,
+                         manifest_size_bytes=c.manifest_size_bytes)
+        for c, number in usable_by_lineage(session, job.id) if c.manifest_key
+    ][:keep]
+    if not candidates:
         return None
-    return {"candidates": [c.manifest for c in committed]}
+    return RestorePlan(format=RESTORE_PLAN_FORMAT, candidates=candidates).model_dump(mode="json")
+
+
+def _keep_last(job: Job) -> int:
+    return max(int((job.checkpoint or {}).get("keep_last") or 3), 1)
+
+
+def _job_checkpoint(session: Session, job: Job, data: dict[str, Any]) -> Checkpoint | None:
+    """The job's checkpoint a worker event names (by checkpoint_id, else by a committed step)."""
+    raw = data.get("checkpoint_id")
+    if raw is not None:
+        try:
+            cid = uuid.UUID(str(raw))
+        except ValueError:
+            return None
+        return session.scalar(select(Checkpoint).where(Checkpoint.id == cid, Checkpoint.job_id == job.id)
+                              .with_for_update())
+    step = data.get("step")
+    if not isinstance(step, int):
+        return None
+    return session.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.step == step,
+                                                   Checkpoint.state == "committed")
+                          .order_by(Checkpoint.created_at.desc()).limit(1).with_for_update())
+
+
+def _found_bad(data: dict[str, Any], message: str) -> bool:
+    """Whether a fallback is evidence against the checkpoint (storage trouble is not)."""
+    flag = data.get("unusable")
+    if isinstance(flag, bool):
+        return flag
+    return "storage error" not in message  # a worker runtime that predates the flag
 
 
 def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, batch: Any) -> int:
@@ -203,12 +320,20 @@ def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, ba
         if ev.kind == "checkpoint.restored" and isinstance(step, int):
             if attempt.restored_from_step is None:
                 attempt.restored_from_step = step
+                restored = _job_checkpoint(session, job, ev.data)
+                attempt.restored_from_checkpoint_id = restored.id if restored is not None else None
                 before = session.scalar(select(Attempt.progress_step).where(
                     Attempt.job_id == job.id, Attempt.number == attempt.number - 1))
                 lost = (before or 0) - step
                 events.record(session, "checkpoint.restored", f"attempt {attempt.number} restored step {step}",
                               job_id=job.id, attempt_id=attempt.id, step=step, steps_lost=max(lost, 0))
             continue
+        if ev.kind == "checkpoint.fallback":
+            bad = _job_checkpoint(session, job, ev.data)
+            if bad is not None and _found_bad(ev.data, ev.message):
+                reason = str(ev.data.get("reason") or ev.message)[:1024]
+                demote(session, bad, f"attempt {attempt.number} could not restore it: {reason}")
+            # and the fallback itself is recorded below, as every other worker event
         if ev.kind == "checkpoint.save_failed" and isinstance(step, int):
             ckpt = session.scalar(select(Checkpoint).where(
                 Checkpoint.job_id == job.id, Checkpoint.attempt_id == attempt.id, Checkpoint.step == step
@@ -235,8 +360,12 @@ def maintenance(factory: sessionmaker[Session], store: ObjectStore | None, *, pe
             attempt = s.get(Attempt, c.attempt_id)
             job = s.get(Job, c.job_id)
             shards = len(s.scalars(select(CheckpointShard.id).where(CheckpointShard.checkpoint_id == c.id)).all())
-            newer = s.scalar(select(Checkpoint.id).where(
-                Checkpoint.job_id == c.job_id, Checkpoint.state == "committed", Checkpoint.step > c.step).limit(1))
+            # Superseded only by a more recent checkpoint of the lineage: not by an earlier
+            # attempt's at a higher step (after a fallback or a fresh start, the new run's lower
+            # steps are the newest state there is).
+            newer = None if attempt is None else s.scalar(
+                select(Checkpoint.id).join(Attempt, Attempt.id == Checkpoint.attempt_id)
+                .where(_more_recent(c, attempt.number), Checkpoint.state == "committed").limit(1))
             age = (now() - c.created_at).total_seconds()
             if shards == c.world_size and job is not None and job.current_attempt_id == c.attempt_id:
                 ready.append(c.id)
@@ -260,12 +389,9 @@ def _retention(session: Session) -> None:
     for job in session.scalars(select(Job).where(Job.id.in_(
         select(Checkpoint.job_id).where(Checkpoint.state == "committed").distinct()
     ))):
-        keep = int((job.checkpoint or {}).get("keep_last") or 3)
-        committed = list_checkpoints(session, job.id, states=("committed",))
-        for c in committed[keep:]:
-            c.state = "deleted"
-            events.record(session, "checkpoint.deleted", f"checkpoint of step {c.step} deleted (keep_last={keep})",
-                          job_id=job.id, attempt_id=c.attempt_id, step=c.step)
+        keep = _keep_last(job)
+        for c, _number in usable_by_lineage(session, job.id)[keep:]:  # unusable ones do not count
+            transition(session, c, "deleted", f"checkpoint of step {c.step} deleted (keep_last={keep})")
 
 
 def _delete_objects(factory: sessionmaker[Session], store: ObjectStore) -> None:
@@ -274,7 +400,7 @@ def _delete_objects(factory: sessionmaker[Session], store: ObjectStore) -> None:
             (c.id, checkpoint_prefix(c.job_id, c.step, a.number) + "/")
             for c, a in s.execute(
                 select(Checkpoint, Attempt).join(Attempt, Attempt.id == Checkpoint.attempt_id).where(
-                    Checkpoint.state.in_(("aborted", "deleted")), Checkpoint.objects_deleted.is_(False)
+                    Checkpoint.state.in_(COLLECTED), Checkpoint.objects_deleted.is_(False)
                 ).limit(100)
             )
         ]

@@ -88,6 +88,17 @@ def test_every_shard_present_commits_and_publishes_the_manifest(s3_client):
     assert manifest["shards"][1]["sha256"] == hashlib.sha256(b"rank one!").hexdigest()
 
 
+def test_the_ack_names_only_the_steps_that_committed(s3_client):
+    g = Gang(s3_client)
+    g.report(0, g.upload(20, 0, b"rank zero"))
+    # One batch: rank 1's shard completes step 20; its shard of step 30 leaves step 30 pending.
+    ack = g.report(1, g.upload(20, 1, b"rank one"), g.upload(30, 1, b"rank one, later")).json()
+    assert ack == {"accepted": 2, "committed_steps": [20]}
+    assert sorted((c["step"], c["state"]) for c in g.checkpoints()) == [(20, "committed"), (30, "pending")]
+    # A resent shard of an already committed step is acknowledged as committed.
+    assert g.report(1, g.upload(20, 1, b"rank one")).json()["committed_steps"] == [20]
+
+
 def test_reported_but_missing_shard_object_aborts(s3_client):
     g = Gang(s3_client)
     g.report(0, g.upload(20, 0, b"here"))
@@ -196,3 +207,196 @@ def test_a_rank_that_could_not_save_aborts_that_step(s3_client):
     # Its late shard, should it arrive after all, does not revive it.
     g.report(1, g.upload(20, 1, b"late"))
     assert g.checkpoints()[0]["state"] == "aborted"
+
+
+def _commit_one_checkpoint(client: TestClient, store, agents: list[FakeAgentSession], job: dict, step: int) -> None:
+    """Every rank of the job's current attempt uploads a tiny shard of ``step`` and its node reports them."""
+    specs = [a.heartbeat()["assignments"][0] for a in agents]
+    world = specs[0]["nnodes"] * specs[0]["nproc_per_node"]
+
+    def node(agent: FakeAgentSession, spec: dict) -> dict:
+        shards = []
+        for local in range(spec["nproc_per_node"]):
+            rank = spec["node_rank"] * spec["nproc_per_node"] + local
+            data = f"rank {rank} of step {step}".encode()
+            key = f"{checkpoint_prefix(job['id'], step, spec['attempt_number'])}/rank-{rank:05d}.pt"
+            store.put_object(key, io.BytesIO(data), length=len(data))
+            shards.append({"rank": rank, "step": step, "world_size": world, "key": key, "size_bytes": len(data),
+                           "sha256": hashlib.sha256(data).hexdigest()})
+        r = client.post(f"/v1/agent/attempts/{spec['attempt_id']}/shards", headers=agent.headers,
+                        json={"fencing_token": spec["fencing_token"], "node_rank": spec["node_rank"], "shards": shards})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    acks = in_parallel(node, list(zip(agents, specs, strict=True)), timeout=300)
+    assert [step] in [a["committed_steps"] for a in acks]
+
+
+def _recover(client: TestClient, agents: list[FakeAgentSession]) -> list[dict]:
+    """Rank 0's node reports its part failed; the next attempt's launch specs, and the heartbeat
+    responses that carried them."""
+    first = [a.heartbeat()["assignments"][0] for a in agents]
+    agents[0].status(first[0], "exited", exit_code=1, workers=workers_for(first[0], "exited", 1))
+    for a in agents:
+        a.heartbeat([])
+    assert client.app.state.loops.schedule_once() == 1
+    return [a.heartbeat() for a in agents]
+
+
+def test_the_restore_plan_does_not_grow_with_the_world_size(s3_client, tmp_path):
+    """512 ranks (8 nodes x 64): the plan that reaches every worker as TRAINYARD_RESTORE_FROM, and
+    the heartbeat that carries it, are as small as for 1 rank; workers read the manifest from S3."""
+    from control_plane.schemas.agent import LaunchSpec
+    from node_agent.launcher import AttemptPaths, NodeContext, worker_env
+
+    store = object_store(s3_client.app.state.settings)
+    sizes = {}
+    for nodes, gpus in ((1, 1), (8, 64)):
+        agents = [FakeAgentSession(s3_client, f"w{nodes}-{i}", gpus) for i in range(nodes)]
+        job = s3_client.post("/v1/jobs", json=job_body(num_nodes=nodes, gpus_per_node=gpus, max_failures=2),
+                             headers=ADMIN).json()
+        assert s3_client.app.state.loops.schedule_once() == 1
+        _commit_one_checkpoint(s3_client, store, agents, job, step=100)
+        [ckpt] = s3_client.get(f"/v1/jobs/{job['id']}/checkpoints", headers=ADMIN).json()
+        assert ckpt["state"] == "committed" and ckpt["shards"] == nodes * gpus
+        responses = _recover(s3_client, agents)
+        spec = responses[0]["assignments"][0]
+        assert spec["attempt_number"] == 2
+        assert len(json.dumps(spec["restore_from"])) < 1024  # 512 whole shard entries were ~60 KB
+        [candidate] = spec["restore_from"]["candidates"]
+        assert candidate["checkpoint_id"] == ckpt["id"] and candidate["step"] == 100
+        # The reference leads to the manifest the commit wrote, and the plan can verify it.
+        raw = store.get_object(candidate["manifest_key"]).read()
+        assert hashlib.sha256(raw).hexdigest() == candidate["manifest_sha256"]
+        assert len(raw) == candidate["manifest_size_bytes"]
+        assert len(json.loads(raw)["shards"]) == nodes * gpus
+        env = worker_env(LaunchSpec.model_validate(spec), NodeContext(local_addr="127.0.0.1", agent_url="http://a:1",
+                                                                      virtual=True, base_env={}),
+                         AttemptPaths(tmp_path))
+        sizes[nodes * gpus] = (len(env["TRAINYARD_RESTORE_FROM"]), max(len(json.dumps(r)) for r in responses))
+    (env_1, _), (env_512, beat_512) = sizes[1], sizes[512]
+    # The same reference whatever the world size (a few more digits in world_size and manifest size).
+    assert env_1 < 1024 and env_512 - env_1 < 16, sizes
+    # A node's heartbeat grows only with its own ranks (its 64 GPU indices), not the job's 512.
+    assert beat_512 < 4096, sizes
+
+
+def _next_attempt(g: Gang) -> dict | None:
+    """Attempt n fails (a rank exits 1, on alternating nodes so that neither is blamed twice);
+    attempt n+1 is launched: its restore plan."""
+    agent, spec = g.spec_of_rank(g.specs[0]["attempt_number"] % 2)
+    agent.status(spec, "exited", exit_code=1, workers=workers_for(spec, "exited", 1))
+    for a in g.agents:
+        a.heartbeat([])
+    assert g.client.app.state.loops.schedule_once() == 1
+    g.specs = [a.heartbeat()["assignments"][0] for a in g.agents]
+    return g.specs[0]["restore_from"]
+
+
+def _save(g: Gang, step: int, *, ranks: tuple[int, ...] = (0, 1)) -> None:
+    attempt = g.specs[0]["attempt_number"]
+    for rank in ranks:
+        assert g.report(rank, g.upload(step, rank, f"{rank}@{step}".encode(), attempt=attempt)).status_code == 200
+
+
+def _worker_event(g: Gang, kind: str, data: dict, message: str = "") -> None:
+    agent, spec = g.spec_of_rank(0)
+    r = g.client.post(f"/v1/agent/attempts/{spec['attempt_id']}/events", headers=agent.headers, json={
+        "fencing_token": spec["fencing_token"], "node_rank": 0,
+        "events": [{"rank": 0, "kind": kind, "message": message or kind, "data": data}]})
+    assert r.status_code == 200, r.text
+
+
+def _fallback(g: Gang, candidate: dict, why: str = "rank 1: shard sha256 differs from the manifest") -> None:
+    """What the worker runtime reports when every rank agreed a candidate is bad."""
+    _worker_event(g, "checkpoint.fallback", {"step": candidate["step"], "reason": why, "unusable": True,
+                                             "checkpoint_id": candidate["checkpoint_id"]})
+
+
+def _states(g: Gang) -> dict[tuple[int, int], str]:
+    return {(c["attempt_number"], c["step"]): c["state"] for c in g.checkpoints()}
+
+
+def _plan_steps(plan: dict | None) -> list[tuple[int, int]]:
+    return [(c["attempt_number"], c["step"]) for c in (plan or {}).get("candidates", [])]
+
+
+def test_keep_last_1_with_a_corrupt_shard_keeps_the_new_runs_checkpoint(s3_client):
+    g = Gang(s3_client, job_body(num_nodes=2, gpus_per_node=1, max_failures=3,
+                                 checkpoint={"interval_steps": 10, "keep_last": 1}))
+    _save(g, 10)
+    _save(g, 20)
+    g.maintain()
+    assert _states(g) == {(1, 10): "deleted", (1, 20): "committed"}
+    plan = _next_attempt(g)
+    assert _plan_steps(plan) == [(1, 20)]
+    # Attempt 2 finds rank 1's shard of step 20 corrupt: no candidate left, it starts from scratch.
+    _fallback(g, plan["candidates"][0])
+    _worker_event(g, "checkpoint.restore_failed", {"steps": [20]}, "none of 1 checkpoint(s) could be restored")
+    [bad] = [c for c in g.checkpoints() if c["step"] == 20]
+    assert bad["state"] == "unusable" and "sha256 differs" in bad["reason"]
+    _save(g, 5)
+    g.maintain()
+    assert _states(g) == {(1, 10): "deleted", (1, 20): "unusable", (2, 5): "committed"}
+    assert list(g.store.list_keys(checkpoint_prefix(g.job["id"], 20, 1) + "/")) == []  # collected
+    # The next recovery restores the new run's step 5, not step 0.
+    assert _plan_steps(_next_attempt(g)) == [(2, 5)]
+
+
+def test_two_corrupt_checkpoints_in_a_row(s3_client):
+    g = Gang(s3_client, job_body(num_nodes=2, gpus_per_node=1, max_failures=3,
+                                 checkpoint={"interval_steps": 10, "keep_last": 2}))
+    for step in (10, 20):
+        _save(g, step)
+    plan = _next_attempt(g)
+    assert _plan_steps(plan) == [(1, 20), (1, 10)]
+    for candidate in plan["candidates"]:
+        _fallback(g, candidate)
+    _save(g, 4)
+    _save(g, 8)
+    g.maintain()
+    assert _states(g) == {(1, 10): "unusable", (1, 20): "unusable", (2, 4): "committed", (2, 8): "committed"}
+    plan = _next_attempt(g)
+    assert _plan_steps(plan) == [(2, 8), (2, 4)]
+    # A fallback for storage trouble is no evidence: the checkpoint it names stays usable.
+    newest = plan["candidates"][0]["checkpoint_id"]
+    _worker_event(g, "checkpoint.fallback", {"step": 8, "reason": "rank 0: storage error while downloading",
+                                             "unusable": False, "checkpoint_id": newest})
+    assert _states(g)[(2, 8)] == "committed"
+    events = g.client.get(f"/v1/jobs/{g.job['id']}/events", params={"limit": 1000}, headers=ADMIN).json()["items"]
+    assert [e["kind"] for e in events].count("checkpoint.unusable") == 2
+
+
+def test_a_new_runs_lower_steps_are_the_lineage_not_superseded(s3_client):
+    """Attempt 2 started from scratch while attempt 1's step 20 is still committed (its restore
+    was skipped, or its fallback lost): attempt 2's step 5, and its pending step 8, are the newest
+    state of the job; step 20 is not more recent for being higher."""
+    g = Gang(s3_client, job_body(num_nodes=2, gpus_per_node=1, max_failures=3,
+                                 checkpoint={"interval_steps": 10, "keep_last": 1}))
+    _save(g, 20)
+    assert _plan_steps(_next_attempt(g)) == [(1, 20)]
+    _save(g, 5)
+    _save(g, 8, ranks=(0,))  # in flight: rank 1's shard has not arrived yet
+    g.maintain()
+    assert _states(g) == {(1, 20): "deleted", (2, 5): "committed", (2, 8): "pending"}
+    _save(g, 8, ranks=(1,))
+    g.maintain()
+    assert _states(g) == {(1, 20): "deleted", (2, 5): "deleted", (2, 8): "committed"}
+    plan = _next_attempt(g)
+    assert _plan_steps(plan) == [(2, 8)]
+    # Attempt 3 restores it: the lineage records which checkpoint each attempt continued from.
+    _worker_event(g, "checkpoint.restored", {"step": 8, "checkpoint_id": plan["candidates"][0]["checkpoint_id"]})
+    with g.client.app.state.session_factory() as s:
+        from control_plane.models import Attempt
+        attempt = s.get(Attempt, uuid.UUID(g.specs[0]["attempt_id"]))
+        assert attempt is not None
+        assert str(attempt.restored_from_checkpoint_id) == plan["candidates"][0]["checkpoint_id"]
+
+
+def test_the_checkpoint_state_table():
+    table = checkpoints.TRANSITIONS
+    assert set(table) == {"pending", "committed", "unusable", "aborted", "deleted"}
+    assert all(to in table for exits in table.values() for to in exits)
+    # Every state either has an exit or is terminal with its objects collected.
+    assert checkpoints.TERMINAL == set(checkpoints.COLLECTED) == {"unusable", "aborted", "deleted"}
+    assert table["committed"]["unusable"] == "checkpoint.unusable"

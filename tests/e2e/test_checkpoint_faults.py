@@ -79,6 +79,9 @@ def test_corrupt_committed_shard_is_detected_and_restore_falls_back(make_cluster
     assert fallback[0]["attempt_id"] == attempts[1]["id"]
     restored = cluster.events(job["id"], "checkpoint.restored")
     assert [e["data"]["step"] for e in restored] == [20]
+    # The bad checkpoint is demoted: no later restore plan names it.
+    [demoted] = cluster.checkpoints(job["id"], "unusable")
+    assert demoted["id"] == step_40["id"] and "sha256" in demoted["reason"], demoted
 
 
 def _client(cluster: LiveCluster):

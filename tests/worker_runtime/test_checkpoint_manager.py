@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +20,7 @@ from tests.worker_runtime.torchrun import run_torchrun
 from worker_runtime import CheckpointManager, Reporter, WorkerContext
 from worker_runtime.checkpoint.manager import CheckpointUnavailableError, shard_key
 from worker_runtime.checkpoint.notify import CheckpointReporter
-from worker_runtime.checkpoint.restore import MANIFEST_FORMAT, Problem, describe, fetch_shard
+from worker_runtime.checkpoint.restore import MANIFEST_FORMAT, Problem, agree, describe, fetch_shard
 from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.examples.tiny_gpt import Config, Trainer
 from worker_runtime.state import DataPosition, StepCounter, TrainState
@@ -295,3 +297,78 @@ def test_a_rank_restores_replicated_state_from_rank_zeros_verified_shard(s3_buck
         "rank 1: rank 0's shard, which holds the replicated state, is unusable")
     store.delete(shards[1]["key"])
     assert fetch(1).problem == Problem.MISSING  # rank 0's shard never stands in for its own
+
+
+def test_ranks_never_decide_alone_without_a_process_group(s3_bucket: S3Bucket, fake_agent: FakeAgent) -> None:
+    assert not torch.distributed.is_initialized()
+    assert agree(3, rank=0, world_size=1) == [3]
+    for problem in (0, 6):  # a good shard or a bad one: either way no rank may decide alone
+        with pytest.raises(RuntimeError, match="without a process group"):
+            agree(problem, rank=1, world_size=2)
+    # Through the manager: a 2-rank context with a restore plan but no process group refuses to
+    # restore rather than loading what only this rank has checked.
+    manifests = _first_attempt(s3_bucket, fake_agent)
+    ctx = dataclasses.replace(_ctx(_storage_env(s3_bucket), fake_agent, attempt=1,
+                                   restore_from={"candidates": [manifests[8]]}), world_size=2)
+    with CheckpointManager(ctx, Trainer(SMALL, ctx).state) as ckpt, \
+            pytest.raises(RuntimeError, match="without a process group"):
+        ckpt.restore()
+
+
+def _publish(store: S3Storage, manifest: dict[str, Any], checkpoint_id: str) -> dict[str, Any]:
+    """What the control plane's commit does (manifest.json beside the shards) and the reference
+    to it that its restore plan hands out instead of the manifest."""
+    payload = json.dumps({**manifest, "checkpoint_id": checkpoint_id}, indent=1, sort_keys=True).encode()
+    store.put_bytes(manifest["manifest_key"], payload)
+    return {"checkpoint_id": checkpoint_id, "step": manifest["step"], "attempt_number": manifest["attempt_number"],
+            "world_size": manifest["world_size"], "manifest_key": manifest["manifest_key"],
+            "manifest_sha256": hashlib.sha256(payload).hexdigest(), "manifest_size_bytes": len(payload)}
+
+
+def test_restores_from_a_reference_by_reading_the_manifest_from_s3(s3_bucket: S3Bucket, fake_agent: FakeAgent,
+                                                                    reference: str) -> None:
+    manifests = _first_attempt(s3_bucket, fake_agent)
+    store = _raw(s3_bucket)
+    refs = {step: _publish(store, m, f"id-{step}") for step, m in manifests.items()}
+    plan = {"format": "trainyard.restore/2", "candidates": [refs[8], refs[4]]}
+    result, restored = _run(_ctx(_storage_env(s3_bucket), fake_agent, attempt=1, restore_from=plan))
+    assert restored == 8 and result["weights_sha256"] == reference
+    assert [e["data"] for e in fake_agent.events("checkpoint.restored")] == [{"step": 8, "checkpoint_id": "id-8"}]
+    assert fake_agent.events("checkpoint.fallback") == []
+
+
+@pytest.mark.parametrize("damage", ["tampered", "missing", "other checkpoint", "bad shard"])
+def test_a_bad_referenced_manifest_falls_back_and_names_the_checkpoint(
+    s3_bucket: S3Bucket, fake_agent: FakeAgent, reference: str, damage: str
+) -> None:
+    manifests = _first_attempt(s3_bucket, fake_agent)
+    store = _raw(s3_bucket)
+    refs = {step: _publish(store, m, f"id-{step}") for step, m in manifests.items()}
+    key = refs[8]["manifest_key"]
+    if damage == "tampered":
+        store.put_bytes(key, store.get_bytes(key).replace(b'"step": 8', b'"step": 9'))
+    elif damage == "missing":
+        store.delete(key)
+    elif damage == "other checkpoint":
+        refs[8] = {**_publish(store, manifests[8], "id-someone-else"), "checkpoint_id": "id-8"}
+    else:
+        _flip_a_byte(store, manifests[8])
+    plan = {"candidates": [refs[8], refs[4]]}
+    result, restored = _run(_ctx(_storage_env(s3_bucket), fake_agent, attempt=1, restore_from=plan))
+    assert restored == 4 and result["weights_sha256"] == reference
+    [fallback] = fake_agent.events("checkpoint.fallback")
+    assert fallback["data"]["checkpoint_id"] == "id-8" and fallback["data"]["unusable"] is True, fallback
+    expected = "sha256 differs" if damage == "bad shard" else "manifest"
+    assert expected in fallback["data"]["reason"], fallback
+
+
+def test_a_manifest_storage_cannot_serve_is_not_evidence_against_the_checkpoint(
+        s3_bucket: S3Bucket, fake_agent: FakeAgent) -> None:
+    manifests = _first_attempt(s3_bucket, fake_agent)
+    ref = _publish(_raw(s3_bucket), manifests[8], "id-8")
+    dead = _storage_env(s3_bucket, endpoint=f"127.0.0.1:{free_port()}")
+    ctx = _ctx(dead, fake_agent, attempt=1, restore_from={"candidates": [ref]})
+    with pytest.raises(CheckpointUnavailableError, match="storage"):
+        CheckpointManager(ctx, Trainer(SMALL, ctx).state).restore()
+    [fallback] = fake_agent.events("checkpoint.fallback")
+    assert fallback["data"]["unusable"] is False and fallback["data"]["checkpoint_id"] == "id-8"

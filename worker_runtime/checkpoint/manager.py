@@ -46,7 +46,15 @@ from worker_runtime.checkpoint.notify import (
     CheckpointReporter,
     ShardSink,
 )
-from worker_runtime.checkpoint.restore import Problem, agree, candidates_of, describe, fetch_shard
+from worker_runtime.checkpoint.restore import (
+    Problem,
+    agree,
+    candidates_of,
+    describe,
+    fetch_shard,
+    is_bad,
+    resolve,
+)
 from worker_runtime.context import WorkerContext
 from worker_runtime.distributed import device_of
 from worker_runtime.state import TrainState
@@ -255,11 +263,13 @@ class CheckpointManager:
         device = device_of(self.ctx)
         tried: list[Any] = []
         storage_trouble = False
-        for manifest in candidates:
-            step = manifest.get("step")
+        for candidate in candidates:
+            step = candidate.get("step")
             tried.append(step)
-            fetched = fetch_shard(self.storage, manifest, rank=rank, world_size=world,
-                                  names=self.state.names(), device=device, per_rank=self.state.names(per_rank=True))
+            manifest, fetched = resolve(self.storage, candidate)  # a reference: read the manifest
+            if manifest is not None:
+                fetched = fetch_shard(self.storage, manifest, rank=rank, world_size=world, names=self.state.names(),
+                                      device=device, per_rank=self.state.names(per_rank=True))
             if fetched.problem:
                 log.warning("rank %d cannot restore step %s: %s", rank, step, fetched.detail)
             codes = agree(fetched.problem, rank=rank, world_size=world)
@@ -268,7 +278,8 @@ class CheckpointManager:
                 self._load(fetched.state, step)
                 if main:
                     log.info("restored checkpoint of step %d (%d candidate(s) tried)", step, len(tried))
-                    self.reporter.event(RESTORED, f"restored the checkpoint of step {step}", {"step": step})
+                    self.reporter.event(RESTORED, f"restored the checkpoint of step {step}",
+                                        {"step": step, **_named(candidate)})
                 return step
             fetched.state = None
             reason = describe(codes)
@@ -276,7 +287,7 @@ class CheckpointManager:
             if main:
                 log.warning("checkpoint of step %s unusable (%s); trying the next candidate", step, reason)
                 self.reporter.event(FALLBACK, f"checkpoint of step {step} not restored: {reason}",
-                                    {"step": step, "reason": reason})
+                                    {"step": step, "reason": reason, "unusable": is_bad(codes), **_named(candidate)})
         message = f"none of {len(tried)} checkpoint(s) (steps {tried}) could be restored"
         if storage_trouble:
             if main:
@@ -299,3 +310,9 @@ class CheckpointManager:
         if any(codes):
             failed = [r for r, c in enumerate(codes) if c]
             raise CheckpointLoadError(f"the checkpoint of step {step} did not load on ranks {failed}") from error
+
+
+def _named(candidate: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint id a plan's reference gives (the control plane demotes it by id), if any."""
+    cid = candidate.get("checkpoint_id")
+    return {"checkpoint_id": cid} if isinstance(cid, str) and "shards" not in candidate else {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 MANIFEST_FORMAT = "trainyard.checkpoint/1"
 _CHUNK = 8 * 1024 * 1024
 _MAX_CUDA_ORDINAL = 256  # above any GPU count per node
+_MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # when a plan does not give the manifest's size
 
 
 class Problem(IntEnum):
@@ -44,6 +46,7 @@ class Problem(IntEnum):
     STATE_MISMATCH = 8
     STORAGE = 9
     REPLICATED = 10
+    MANIFEST = 11
 
 
 _WHY: dict[int, str] = {
@@ -57,7 +60,13 @@ _WHY: dict[int, str] = {
     Problem.STATE_MISMATCH: "shard holds other state than the loop registers",
     Problem.STORAGE: "storage error while downloading",
     Problem.REPLICATED: "rank 0's shard, which holds the replicated state, is unusable",
+    Problem.MANIFEST: "manifest missing, damaged or not the planned checkpoint's",
 }
+
+# Problems that are evidence against a checkpoint (storage trouble is not: it may pass).
+def is_bad(codes: Iterable[int]) -> bool:
+    return any(code not in (Problem.OK, Problem.STORAGE) for code in codes)
+
 
 
 @dataclass
@@ -68,12 +77,49 @@ class Fetched:
 
 
 def candidates_of(plan: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """The manifests of a restore plan, newest first (as the control plane ordered them)."""
+    """The candidates of a restore plan, most recent first (as the control plane ordered them).
+
+    A candidate is a reference to a checkpoint (``checkpoint_id``, ``step``, ``manifest_key`` and
+    the manifest's ``manifest_sha256`` / ``manifest_size_bytes``: the control plane's plans, whose
+    size does not grow with the world size; see :func:`resolve`) or a whole manifest (``shards``)."""
     if not plan:
         return []
     if "shards" in plan:  # a bare manifest
         return [dict(plan)]
     return [dict(c) for c in plan.get("candidates") or [] if isinstance(c, Mapping)]
+
+
+def resolve(storage: CheckpointStorage, candidate: Mapping[str, Any]) -> tuple[dict[str, Any] | None, Fetched]:
+    """The manifest a candidate names: read from storage (a reference) and verified against the
+    plan's size and sha256, or the candidate itself (a whole manifest)."""
+    if "shards" in candidate:
+        return dict(candidate), Fetched(Problem.OK)
+    key = candidate.get("manifest_key")
+    if not isinstance(key, str) or not key:
+        return None, Fetched(Problem.FORMAT, f"candidate {dict(candidate)!r} names no manifest")
+    size, sha = candidate.get("manifest_size_bytes"), candidate.get("manifest_sha256")
+    limit = int(size) + 1 if isinstance(size, int) else _MAX_MANIFEST_BYTES
+    try:
+        data = _download(storage, key, limit=limit)
+    except ObjectNotFoundError:
+        return None, Fetched(Problem.MANIFEST, f"manifest {key} does not exist")
+    except Exception as exc:  # unreachable, denied, timed out: not evidence against the checkpoint
+        return None, Fetched(Problem.STORAGE, f"manifest {key}: {type(exc).__name__}: {exc}")
+    if isinstance(size, int) and len(data) != size:
+        return None, Fetched(Problem.MANIFEST, f"manifest {key} has {len(data)} bytes, the plan says {size}")
+    if isinstance(sha, str) and hashlib.sha256(data).hexdigest() != sha:
+        return None, Fetched(Problem.MANIFEST, f"manifest {key} has another sha256 than the plan says")
+    try:
+        manifest = json.loads(data)
+    except ValueError as exc:
+        return None, Fetched(Problem.MANIFEST, f"manifest {key} is not JSON: {exc}")
+    if not isinstance(manifest, dict):
+        return None, Fetched(Problem.MANIFEST, f"manifest {key} is not a JSON object")
+    for field in ("checkpoint_id", "step", "world_size"):
+        if field in candidate and manifest.get(field) != candidate[field]:
+            return None, Fetched(Problem.MANIFEST, f"manifest {key} says {field}={manifest.get(field)!r}, "
+                                                   f"the plan says {candidate[field]!r}")
+    return manifest, Fetched(Problem.OK)
 
 
 def fetch_shard(
@@ -146,9 +192,15 @@ def _fetch_entry(storage: CheckpointStorage, manifest: Mapping[str, Any], rank: 
 
 
 def agree(problem: int, *, rank: int, world_size: int) -> list[int]:
-    """Every rank's problem code (one all_reduce when distributed); all zero means all good."""
-    if not (dist.is_available() and dist.is_initialized()) or world_size == 1:
+    """Every rank's problem code (one all_reduce when distributed); all zero means all good.
+
+    With more than one rank there must be a process group: a rank that decided alone could
+    restore a checkpoint that another rank rejects, and the ranks would train on different state."""
+    if world_size == 1:
         return [int(problem)]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"rank {rank} of {world_size} cannot agree on a checkpoint without a process group: "
+                           f"call init_distributed before restoring")
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
