@@ -347,24 +347,34 @@ class Agent:
             if spec.attempt_id in self._known or self._stop_event.is_set():
                 return
             self._known.add(spec.attempt_id)  # at most once in this agent's life, whatever happens
-            if not _SAFE_ID.match(spec.attempt_id):
-                self.log.error("attempt_id_rejected", attempt_id=spec.attempt_id)
-                return
             paths = attempt_paths(self.config.work_dir, spec.attempt_id)
             grace = self.config.stop_grace_s
-            try:
-                problem = self._spec_problem(spec)
-                if problem is not None:
-                    self.log.error("attempt_not_runnable", attempt_id=spec.attempt_id, problem=problem)
-                    run = AttemptRun.failed(spec, paths, problem, stop_grace_s=grace)
-                else:
-                    run = AttemptRun.launch(spec, self._node, paths, stop_grace_s=grace)
-            except FileExistsError:
-                self.log.warning("attempt_dir_exists_not_relaunching", attempt_id=spec.attempt_id)
-                return
-            except OSError as exc:
-                self.log.error("attempt_dir_failed", attempt_id=spec.attempt_id, error=str(exc))
-                return
+            # Every launch failure is reported as this part's exit, with the reason: the control
+            # plane then fails the attempt at once instead of waiting for a part that never runs.
+            if not _SAFE_ID.match(spec.attempt_id):
+                self.log.error("attempt_id_rejected", attempt_id=spec.attempt_id)
+                run = AttemptRun.failed(spec, paths, "attempt id not usable as a directory name on this node",
+                                        stop_grace_s=grace, create_dir=False)
+            else:
+                try:
+                    problem = self._spec_problem(spec)
+                    if problem is not None:
+                        self.log.error("attempt_not_runnable", attempt_id=spec.attempt_id, problem=problem)
+                        run = AttemptRun.failed(spec, paths, problem, stop_grace_s=grace)
+                    else:
+                        run = AttemptRun.launch(spec, self._node, paths, stop_grace_s=grace)
+                except FileExistsError:
+                    if paths.root.is_dir():
+                        # Launched here before (adoption missed it): never launched twice.
+                        self.log.warning("attempt_dir_exists_not_relaunching", attempt_id=spec.attempt_id)
+                        return
+                    reason = f"could not create the attempt directory {paths.root}: something else is there"
+                    self.log.error("attempt_dir_failed", attempt_id=spec.attempt_id, error=reason)
+                    run = AttemptRun.failed(spec, paths, reason, stop_grace_s=grace, create_dir=False)
+                except OSError as exc:
+                    reason = f"could not create the attempt directory {paths.root}: {exc}"
+                    self.log.error("attempt_dir_failed", attempt_id=spec.attempt_id, error=reason)
+                    run = AttemptRun.failed(spec, paths, reason, stop_grace_s=grace, create_dir=False)
             self._runs[spec.attempt_id] = run
             self.reports.register(spec.attempt_id, spec.fencing_token)
 

@@ -57,6 +57,8 @@ class AttemptRun:
         self.pgid: int | None = None
         self.create_time: float | None = None
         self.adopted = False
+        self.in_memory = False
+        """No directory of its own (it could not be made): nothing is written for it."""
         self.exit_code: int | None = None
         self.torchrun_done = False
         self.alive = True
@@ -105,10 +107,16 @@ class AttemptRun:
         return run
 
     @classmethod
-    def failed(cls, spec: LaunchSpec, paths: AttemptPaths, error: str, *, stop_grace_s: float) -> AttemptRun:
-        """An assigned attempt this node cannot run (reported as exited with `error`)."""
-        paths.root.mkdir(parents=True, exist_ok=True)
+    def failed(
+        cls, spec: LaunchSpec, paths: AttemptPaths, error: str, *, stop_grace_s: float, create_dir: bool = True
+    ) -> AttemptRun:
+        """An assigned attempt this node cannot run (reported as exited with `error`). Without
+        `create_dir` (the directory cannot be made, or must not be touched) it lives in memory only:
+        it is still reported, once per agent life."""
+        if create_dir:
+            paths.root.mkdir(parents=True, exist_ok=True)
         run = cls(spec, paths, stop_grace_s=stop_grace_s)
+        run.in_memory = not create_dir
         run.error, run.torchrun_done, run.alive = error, True, False
         run._persist()
         return run
@@ -147,6 +155,8 @@ class AttemptRun:
         return run
 
     def _persist(self) -> None:
+        if self.in_memory:
+            return
         spec = self.spec.model_dump(mode="json")
         if "secret_key" in spec["storage"]:
             # Only the launch needs it, and an adopted attempt is never launched again.
