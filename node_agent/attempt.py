@@ -143,11 +143,8 @@ class AttemptRun:
         if run.pid is None:
             run.torchrun_done, run.alive = True, False
             run.error = run.error or "the agent stopped while launching this attempt"
-        elif not run.torchrun_done and not processes.pid_alive(run.pid, run.create_time):
-            # It ended while no agent watched: its exit code is lost (the ranks' are in their files).
-            run.torchrun_done, run.stopped = True, run.stop_reason is not None
-            if not run.stopped:
-                run.error = run.error or "torchrun ended while the agent was down; its exit code is unknown"
+        # A torchrun that ended while no agent watched is seen by poll below, which takes the exit
+        # code from the rank shims' files.
         if run.stop_reason is not None:
             run._term_sent_at = time.monotonic()  # resume the escalation to SIGKILL
         run.poll()
@@ -228,8 +225,11 @@ class AttemptRun:
                     if code is not None:
                         self.exit_code, self.torchrun_done, changed = code, True, True
                 elif self.pid is None or not processes.pid_alive(self.pid, self.create_time):
+                    # Not our child (adopted after an agent restart): its exit status is lost, but
+                    # every rank's shim wrote its worker's exact exit code.
                     self.torchrun_done, changed = True, True
-                    self.error = self.error or "torchrun ended while not a child of this agent; exit code unknown"
+                    self.exit_code, error = self._exit_from_rank_files()
+                    self.error = self.error or error
                 if changed:
                     self.stopped = self.stop_reason is not None
                     self.log.info("torchrun_exited", exit_code=self.exit_code, stopped=self.stopped)
@@ -254,6 +254,23 @@ class AttemptRun:
             self.alive = alive
             if changed:
                 self._persist()
+
+    def _exit_from_rank_files(self) -> tuple[int | None, str | None]:
+        """torchrun's exit code as its ranks' files tell it: 0 when every local rank exited 0, the
+        first failing rank's code otherwise; None (with why) when some rank left no exit."""
+        ranks = {w.local_rank: w for w in self._workers}
+        exits = [ranks.get(local) for local in range(self.spec.nproc_per_node)]
+        failed = [w for w in exits if w is not None and w.state == WorkerState.exited and w.exit_code != 0]
+        if failed:
+            w = failed[0]
+            return 1, f"rank {w.rank} exited with {w.exit_code} (torchrun was not a child of this agent)"
+        if all(w is not None and w.state == WorkerState.exited and w.exit_code == 0 for w in exits):
+            return 0, None
+        missing = [local for local, w in enumerate(exits) if w is None or w.state != WorkerState.exited]
+        return None, (
+            "torchrun ended while not a child of this agent and local ranks "
+            f"{missing} recorded no exit; exit code unknown"
+        )
 
     def signature(self) -> tuple[object, ...]:
         """What the control plane would want to hear about at once when it changes: whether any

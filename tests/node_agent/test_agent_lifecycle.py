@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import shutil
 
-from control_plane.schemas.agent import NodeAttemptState
+from control_plane.schemas.agent import LaunchSpec, NodeAttemptState
+from node_agent.agent import Agent
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.test_agent import NODE, SLEEPER, Agents, agents, plane, wait_state  # noqa: F401
 
@@ -26,3 +27,41 @@ def test_attempt_dir_that_cannot_be_made_is_reported_as_the_parts_failure(
     assert final.fencing_token == spec.fencing_token
     # Reported once, never launched: the agent keeps no process and forgets it after the ack.
     assert agent.run(spec.attempt_id) is None or not agent.run(spec.attempt_id).alive  # type: ignore[union-attr]
+
+
+WAIT_THEN_EXIT = """
+import os, sys, time
+go = sys.argv[1]
+print('waiting', flush=True)
+while not os.path.exists(go):
+    time.sleep(0.05)
+sys.exit(int(sys.argv[2]) if int(os.environ['RANK']) == 1 else 0)
+"""
+
+
+def _restart_mid_attempt(agents: Agents, plane: FakeControlPlane, code: int) -> tuple[Agent, LaunchSpec]:
+    first = agents.start(keep_workers_on_exit=True)
+    go = agents.tmp_path / f"go-{code}"
+    spec = agents.spec("wait.py", WAIT_THEN_EXIT, args=[str(go), str(code)])
+    plane.assign(NODE, spec)
+    wait_state(plane, spec.attempt_id, NodeAttemptState.running)
+    first.stop()  # the workers stay; torchrun is no child of the next agent
+    second = agents.start()
+    run = second.run(spec.attempt_id)
+    assert run is not None and run.adopted and run.alive
+    go.touch()
+    return second, spec
+
+
+def test_adopted_attempt_that_exits_cleanly_succeeds(agents: Agents, plane: FakeControlPlane) -> None:
+    _, spec = _restart_mid_attempt(agents, plane, 0)
+    final = wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
+    assert final.exit_code == 0 and final.error is None
+    assert [(w.rank, w.exit_code) for w in final.workers] == [(0, 0), (1, 0)]
+
+
+def test_adopted_attempt_with_a_failed_rank_names_it(agents: Agents, plane: FakeControlPlane) -> None:
+    _, spec = _restart_mid_attempt(agents, plane, 3)
+    final = wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
+    assert final.exit_code not in (0, None)
+    assert final.error is not None and "rank 1 exited with 3" in final.error
