@@ -3,8 +3,9 @@
 Four loops run on their own threads under a monitor (which restarts a loop that died):
 
 - heartbeat: (re-)register when needed, send a heartbeat listing the attempts with live
-  processes, reconcile against the desired state in the answer: launch what is assigned and
-  was never launched here, stop what runs and is no longer assigned.
+  processes or a final status not yet acknowledged, reconcile against the desired state in the
+  answer: launch what is assigned and was never launched here, stop what runs and is no longer
+  assigned.
 - supervise: look at local processes and rank files; escalate stops from SIGTERM to SIGKILL.
 - report: send each attempt's status when it changes (and every status_interval_s), ship new log
   bytes, and send the final status and last bytes after the end until acknowledged. The final
@@ -304,7 +305,14 @@ class Agent:
         request = HeartbeatRequest(
             agent_instance=self.instance,
             seq=self._seq,
-            attempts=[LocalAttempt(attempt_id=run.attempt_id) for run in self.runs() if run.alive],
+            attempts=[
+                # Listed until its final status is acknowledged, not only while its processes
+                # live: the control plane must not read "vanished" into a report still on its way.
+                LocalAttempt(attempt_id=run.attempt_id, processes_alive=run.alive,
+                             final_status_pending=not run.alive)
+                for run in self.runs()
+                if run.alive or not (run.final_acked or run.stale)
+            ],
         )
         try:
             resp = self.client.heartbeat(request)

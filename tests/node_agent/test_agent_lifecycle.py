@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import shutil
 
-from control_plane.schemas.agent import LaunchSpec, NodeAttemptState
+from control_plane.schemas.agent import LaunchSpec, LocalAttempt, NodeAttemptState
 from node_agent.agent import Agent
 from tests.node_agent.fake_control_plane import FakeControlPlane
+from tests.node_agent.helpers import wait_for
 from tests.node_agent.test_agent import NODE, SLEEPER, Agents, agents, plane, wait_state  # noqa: F401
 
 __all__ = ["agents", "plane"]
@@ -65,3 +66,29 @@ def test_adopted_attempt_with_a_failed_rank_names_it(agents: Agents, plane: Fake
     final = wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
     assert final.exit_code not in (0, None)
     assert final.error is not None and "rank 1 exited with 3" in final.error
+
+
+QUICK = "import sys\nprint('done', flush=True)\nsys.exit(0)\n"
+
+
+def test_attempt_stays_listed_until_its_final_status_is_acknowledged(agents: Agents, plane: FakeControlPlane) -> None:
+    agent = agents.start()
+    spec = agents.spec("quick.py", QUICK)
+    plane.refuse_status.add(spec.attempt_id)  # its final status cannot be delivered for now
+    plane.assign(NODE, spec)
+    run = wait_for(lambda: agent.run(spec.attempt_id), what="the launch")
+    wait_for(lambda: run.finished, what="the processes to end")
+
+    def listed() -> list[LocalAttempt]:
+        hb = plane.last_heartbeat(NODE)
+        return [] if hb is None else [a for a in hb.attempts if a.attempt_id == spec.attempt_id]
+
+    seq = plane.last_heartbeat(NODE).seq  # type: ignore[union-attr]
+    wait_for(lambda: plane.last_heartbeat(NODE).seq >= seq + 5, what="heartbeats")  # type: ignore[union-attr]
+    # Processes gone, final status pending: still listed, so the control plane cannot call it vanished.
+    assert [(a.processes_alive, a.final_status_pending) for a in listed()] == [(False, True)]
+    assert plane.last_status(spec.attempt_id) is None
+    plane.refuse_status.clear()
+    final = wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
+    assert final.exit_code == 0 and final.error is None
+    wait_for(lambda: not listed(), what="the attempt to leave heartbeats once acknowledged")
