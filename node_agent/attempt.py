@@ -56,6 +56,8 @@ class AttemptRun:
         self.pid: int | None = None
         self.pgid: int | None = None
         self.create_time: float | None = None
+        self.boot_id: str | None = None
+        """pid, pgid and create_time identify torchrun only within this boot."""
         self.adopted = False
         self.in_memory = False
         """No directory of its own (it could not be made): nothing is written for it."""
@@ -71,6 +73,7 @@ class AttemptRun:
         self._workers: list[WorkerStatus] = []
         self._members: set[int] = set()
         self._pgids: set[int] = set()
+        self._seen: set[tuple[int, float | None]] = set()
         # Reporting state, owned by the agent's reporter loop.
         self.stale = False
         self.final_acked = False
@@ -102,6 +105,7 @@ class AttemptRun:
             return run
         run._proc, run.pid, run.pgid = proc, proc.pid, proc.pid
         run.create_time = processes.process_create_time(proc.pid)
+        run.boot_id = processes.boot_id()
         run._persist()
         run.log.info("attempt_launched", pid=proc.pid, nnodes=spec.nnodes, nproc_per_node=spec.nproc_per_node)
         return run
@@ -136,6 +140,12 @@ class AttemptRun:
         run = cls(spec, paths, stop_grace_s=stop_grace_s)
         run.adopted = True
         run.pid, run.pgid, run.create_time = state.get("pid"), state.get("pgid"), state.get("create_time")
+        run.boot_id = state.get("boot_id")
+        if run.pid is not None and run.boot_id is not None and run.boot_id != processes.boot_id():
+            # The node rebooted: the saved pid and pgid now name unrelated processes, if any.
+            run.pgid = run.create_time = None
+            if not run.torchrun_done and run.stop_reason is None:
+                run.error = run.error or "the node rebooted while the attempt ran"
         run.error, run.stop_reason = state.get("error"), state.get("stop_reason")
         run.stopped = bool(state.get("stopped"))
         run.exit_code, run.final_acked = state.get("exit_code"), bool(state.get("final_acked"))
@@ -163,6 +173,7 @@ class AttemptRun:
             "pid": self.pid,
             "pgid": self.pgid,
             "create_time": self.create_time,
+            "boot_id": self.boot_id,
             "torchrun_done": self.torchrun_done,
             "exit_code": self.exit_code,
             "error": self.error,
@@ -180,14 +191,21 @@ class AttemptRun:
 
     def _refresh(self, table: processes.ProcessTable) -> bool:
         """Update the set of the attempt's processes from a scan; True if any is left."""
+        # A group is signalled only while its identity is proven, never by its number alone: after
+        # a reboot or a long outage that number may name an unrelated process group.
         members = set(table.by_part.get((self.attempt_id, str(self.spec.node_rank)), ()))
-        if self.pgid is not None:
-            self._pgids.add(self.pgid)
-        self._pgids.update(table.pgid_of[pid] for pid in members)
-        # Forget emptied groups at once: their number may be reused by an unrelated process.
-        self._pgids = {pgid for pgid in self._pgids if table.by_pgid.get(pgid)}
-        for pgid in self._pgids:
-            members |= table.by_pgid[pgid]
+        pgids = {table.pgid_of[pid] for pid in members}  # groups of processes carrying our id
+        if self.pgid is not None and self.pgid == self.pid and table.same_process(self.pgid, self.create_time):
+            pgids.add(self.pgid)  # torchrun's group, while its leader is the torchrun we started
+        for pgid in self._pgids - pgids:
+            # Seen before, its members carrying our id gone: still ours while a process seen in it
+            # before (same pid and start time) is in it; an emptied group's number may be reused.
+            if any((pid, table.started.get(pid)) in self._seen for pid in table.by_pgid.get(pgid, ())):
+                pgids.add(pgid)
+        for pgid in pgids:
+            members |= table.by_pgid.get(pgid, set())
+        self._pgids = pgids
+        self._seen = {(pid, table.started.get(pid)) for pid in members}
         self._members = members
         return bool(members)
 
@@ -224,7 +242,11 @@ class AttemptRun:
                     code = self._proc.poll()
                     if code is not None:
                         self.exit_code, self.torchrun_done, changed = code, True, True
-                elif self.pid is None or not processes.pid_alive(self.pid, self.create_time):
+                elif (
+                    self.pid is None
+                    or self.create_time is None  # no identity: a live pid may be anyone's
+                    or not processes.pid_alive(self.pid, self.create_time)
+                ):
                     # Not our child (adopted after an agent restart): its exit status is lost, but
                     # every rank's shim wrote its worker's exact exit code.
                     self.torchrun_done, changed = True, True

@@ -3,12 +3,21 @@ agent restarted mid-attempt, a final status that arrives late, process groups wh
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
 
 from control_plane.schemas.agent import LaunchSpec, LocalAttempt, NodeAttemptState
 from node_agent.agent import Agent
+from node_agent.attempt import AttemptRun, attempt_paths
 from tests.node_agent.fake_control_plane import FakeControlPlane
-from tests.node_agent.helpers import wait_for
+from tests.node_agent.helpers import make_spec, wait_for
 from tests.node_agent.test_agent import NODE, SLEEPER, Agents, agents, plane, wait_state  # noqa: F401
 
 __all__ = ["agents", "plane"]
@@ -92,3 +101,38 @@ def test_attempt_stays_listed_until_its_final_status_is_acknowledged(agents: Age
     final = wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
     assert final.exit_code == 0 and final.error is None
     wait_for(lambda: not listed(), what="the attempt to leave heartbeats once acknowledged")
+
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+@pytest.mark.parametrize("mismatch", ["start_time", "boot_id"])
+def test_a_reused_process_group_id_is_never_signalled(tmp_path: Path, mismatch: str) -> None:
+    # An unrelated process group whose id equals the pgid a previous agent saved (as after a reboot
+    # or a long outage): the adopted attempt must neither count it as its own nor signal it.
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        started = psutil.Process(bystander.pid).create_time()
+        spec = make_spec()
+        paths = attempt_paths(tmp_path / "agent", spec.attempt_id)
+        paths.root.mkdir(parents=True)
+        state = {
+            "spec": spec.model_dump(mode="json"), "pid": bystander.pid, "pgid": bystander.pid,
+            "create_time": started - 1000.0 if mismatch == "start_time" else started,
+            "boot_id": "00000000-0000-0000-0000-000000000000" if mismatch == "boot_id" else BOOT_ID.read_text().strip(),
+            "torchrun_done": False, "exit_code": None, "error": None, "stop_reason": None, "stopped": False,
+            "final_acked": False, "done": False,
+        }
+        paths.state_file.write_text(json.dumps(state))
+        run = AttemptRun.adopt(paths, stop_grace_s=0.1)
+        assert run is not None
+        for _ in range(5):
+            run.poll()
+            run.kill_now()
+            time.sleep(0.05)
+        assert not run.alive and run.finished
+        assert bystander.poll() is None, "the unrelated process group was signalled"
+        assert run.report(None, None).error is not None
+    finally:
+        bystander.kill()
+        bystander.wait(5)
