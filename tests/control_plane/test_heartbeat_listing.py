@@ -62,3 +62,34 @@ def test_old_agent_heartbeat_without_the_new_field_parses(client, schedule, cloc
     _heartbeat(a, [{"attempt_id": sa["attempt_id"]}])  # processes_alive defaults to True
     _heartbeat(b, [{"attempt_id": sb["attempt_id"], "processes_alive": True}])
     assert _job(client, job["id"])["state"] == "running"
+
+
+def _workers_view(client, job_id):
+    (attempt,) = client.get(f"/v1/jobs/{job_id}/attempts", headers=ADMIN).json()
+    return {n["node_name"]: n["workers"] for n in attempt["nodes"]}, attempt
+
+
+def test_surviving_workers_show_as_exited_once_their_part_is_released(client, schedule, clock):
+    # Finding 19: node 1's workers were running when node 2's rank failed; node 1's part is then
+    # stopped and its processes confirmed gone without any final worker exit reaching the control
+    # plane. The attempt view must not keep showing those workers as running.
+    job, (a, b), (sa, sb) = _start(client, schedule)
+    workers = workers_for(sb, "exited", 0)
+    workers[1].update(exit_code=3)
+    b.status(sb, "exited", exit_code=1, workers=workers)
+    views, attempt = _workers_view(client, job["id"])
+    assert attempt["outcome"] == "failed"
+    assert {w["state"] for w in views["node-1"]} == {"running"}  # not released yet: still running
+    _heartbeat(a, [])  # node 1 confirms its processes gone (its stop report never came)
+    _heartbeat(b, [])
+    views, attempt = _workers_view(client, job["id"])
+    assert attempt["state"] == "ended"
+    for w in views["node-1"]:
+        assert (w["state"], w["exit_code"]) == ("exited", None)
+        assert w["reason"] and "no exit was recorded" in w["reason"]
+    # Recorded exits keep their code and carry no reason.
+    assert sorted((w["exit_code"], w["reason"]) for w in views["node-2"]) == [(0, None), (3, None)]
+    # A late report of the real exit only adds the code (monotonic: the state never goes back).
+    a.status(sa, "stopped", workers=workers_for(sa, "exited", -15))
+    views, _ = _workers_view(client, job["id"])
+    assert {(w["state"], w["exit_code"]) for w in views["node-1"]} <= {("exited", None), ("exited", -15)}
