@@ -449,7 +449,17 @@ class Agent:
         except Unauthorized:
             self._need_register.set()
             return
-        except (ControlPlaneUnavailable, RequestRejected) as exc:
+        except RequestRejected as exc:
+            if finished:
+                # An answer, not a missing message: resending it would be refused forever, so the
+                # attempt stops being listed as pending and the control plane decides without it.
+                run.log.error("final_status_rejected", error=str(exc))
+                run.mark_final_acked()
+                return
+            run.log.warning("status_report_failed", error=str(exc))
+            run.next_try_at = now + min(self.config.status_interval_s, 2.0)
+            return
+        except ControlPlaneUnavailable as exc:
             run.log.warning("status_report_failed", error=str(exc))
             run.next_try_at = now + min(self.config.status_interval_s, 2.0)
             return

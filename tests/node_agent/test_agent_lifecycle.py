@@ -136,3 +136,19 @@ def test_a_reused_process_group_id_is_never_signalled(tmp_path: Path, mismatch: 
     finally:
         bystander.kill()
         bystander.wait(5)
+
+
+def test_a_rejected_final_status_is_an_answer_and_the_attempt_leaves(agents: Agents, plane: FakeControlPlane) -> None:
+    # A 4xx (not 401/409) will be given again to every resend: the attempt must not stay listed as
+    # pending forever (the control plane then decides without its final status).
+    agent = agents.start()
+    spec = agents.spec("quick.py", QUICK)
+    plane.reject_status.add(spec.attempt_id)
+    plane.assign(NODE, spec)
+    run = wait_for(lambda: agent.run(spec.attempt_id), what="the launch")
+    wait_for(lambda: run.finished, what="the processes to end")
+    wait_for(lambda: agent.run(spec.attempt_id) is None, what="the agent to be done with it")
+    hb = plane.last_heartbeat(NODE)
+    seq = hb.seq  # type: ignore[union-attr]
+    wait_for(lambda: plane.last_heartbeat(NODE).seq > seq, what="a heartbeat")  # type: ignore[union-attr]
+    assert spec.attempt_id not in {a.attempt_id for a in plane.last_heartbeat(NODE).attempts}  # type: ignore[union-attr]
