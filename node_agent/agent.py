@@ -3,8 +3,9 @@
 Four loops run on their own threads under a monitor (which restarts a loop that died):
 
 - heartbeat: (re-)register when needed, send a heartbeat listing the attempts with live
-  processes, reconcile against the desired state in the answer: launch what is assigned and
-  was never launched here, stop what runs and is no longer assigned.
+  processes or a final status not yet acknowledged, reconcile against the desired state in the
+  answer: launch what is assigned and was never launched here, stop what runs and is no longer
+  assigned.
 - supervise: look at local processes and rank files; escalate stops from SIGTERM to SIGKILL.
 - report: send each attempt's status when it changes (and every status_interval_s), ship new log
   bytes, and send the final status and last bytes after the end until acknowledged. The final
@@ -347,7 +348,7 @@ class Agent:
         request = HeartbeatRequest(
             agent_instance=self.instance,
             seq=self._seq,
-            attempts=[LocalAttempt(attempt_id=attempt_id) for attempt_id in self._alive_attempts()],
+            attempts=self._listed_attempts(),
         )
         try:
             resp = self.client.heartbeat(request)
@@ -368,6 +369,19 @@ class Agent:
     def _alive_attempts(self) -> list[str]:
         """Attempts with processes on this node: ours, and orphans still being stopped."""
         return sorted({run.attempt_id for run in self.runs() if run.alive} | self.orphans.alive)
+
+    def _listed_attempts(self) -> list[LocalAttempt]:
+        """What the heartbeat lists: every attempt with live processes (orphans included), and every
+        finished one until its final status is acknowledged, not only while its processes live: the
+        control plane must not read "vanished" into a report still on its way."""
+        alive = set(self._alive_attempts())
+        listed = [LocalAttempt(attempt_id=attempt_id) for attempt_id in sorted(alive)]
+        listed += [
+            LocalAttempt(attempt_id=run.attempt_id, processes_alive=False, final_status_pending=True)
+            for run in self.runs()
+            if run.attempt_id not in alive and not (run.final_acked or run.stale)
+        ]
+        return listed
 
     def _reconcile(self, assignments: list[LaunchSpec]) -> None:
         assigned = {spec.attempt_id for spec in assignments}
@@ -399,24 +413,34 @@ class Agent:
                 # if any, were swept as orphans; starting it again would run it twice.
                 self.log.warning("attempt_started_by_another_instance_not_launching", attempt_id=spec.attempt_id)
                 return
-            if not _SAFE_ID.match(spec.attempt_id):
-                self.log.error("attempt_id_rejected", attempt_id=spec.attempt_id)
-                return
             paths = attempt_paths(self.config.work_dir, spec.attempt_id)
             grace = self.config.stop_grace_s
-            try:
-                problem = self._spec_problem(spec)
-                if problem is not None:
-                    self.log.error("attempt_not_runnable", attempt_id=spec.attempt_id, problem=problem)
-                    run = AttemptRun.failed(spec, paths, problem, stop_grace_s=grace)
-                else:
-                    run = AttemptRun.launch(spec, self._node, paths, stop_grace_s=grace)
-            except FileExistsError:
-                self.log.warning("attempt_dir_exists_not_relaunching", attempt_id=spec.attempt_id)
-                return
-            except OSError as exc:
-                self.log.error("attempt_dir_failed", attempt_id=spec.attempt_id, error=str(exc))
-                return
+            # Every launch failure is reported as this part's exit, with the reason: the control
+            # plane then fails the attempt at once instead of waiting for a part that never runs.
+            if not _SAFE_ID.match(spec.attempt_id):
+                self.log.error("attempt_id_rejected", attempt_id=spec.attempt_id)
+                run = AttemptRun.failed(spec, paths, "attempt id not usable as a directory name on this node",
+                                        stop_grace_s=grace, create_dir=False)
+            else:
+                try:
+                    problem = self._spec_problem(spec)
+                    if problem is not None:
+                        self.log.error("attempt_not_runnable", attempt_id=spec.attempt_id, problem=problem)
+                        run = AttemptRun.failed(spec, paths, problem, stop_grace_s=grace)
+                    else:
+                        run = AttemptRun.launch(spec, self._node, paths, stop_grace_s=grace)
+                except FileExistsError:
+                    if paths.root.is_dir():
+                        # Launched here before (adoption missed it): never launched twice.
+                        self.log.warning("attempt_dir_exists_not_relaunching", attempt_id=spec.attempt_id)
+                        return
+                    reason = f"could not create the attempt directory {paths.root}: something else is there"
+                    self.log.error("attempt_dir_failed", attempt_id=spec.attempt_id, error=reason)
+                    run = AttemptRun.failed(spec, paths, reason, stop_grace_s=grace, create_dir=False)
+                except OSError as exc:
+                    reason = f"could not create the attempt directory {paths.root}: {exc}"
+                    self.log.error("attempt_dir_failed", attempt_id=spec.attempt_id, error=reason)
+                    run = AttemptRun.failed(spec, paths, reason, stop_grace_s=grace, create_dir=False)
             self._runs[spec.attempt_id] = run
             self.reports.register(spec.attempt_id, spec.fencing_token)
 
@@ -487,7 +511,17 @@ class Agent:
         except Unauthorized:
             self._need_register.set()
             return
-        except (ControlPlaneUnavailable, RequestRejected) as exc:
+        except RequestRejected as exc:
+            if finished:
+                # An answer, not a missing message: resending it would be refused forever, so the
+                # attempt stops being listed as pending and the control plane decides without it.
+                run.log.error("final_status_rejected", error=str(exc))
+                run.mark_final_acked()
+                return
+            run.log.warning("status_report_failed", error=str(exc))
+            run.next_try_at = now + min(self.config.status_interval_s, 2.0)
+            return
+        except ControlPlaneUnavailable as exc:
             run.log.warning("status_report_failed", error=str(exc))
             run.next_try_at = now + min(self.config.status_interval_s, 2.0)
             return

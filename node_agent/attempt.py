@@ -56,7 +56,11 @@ class AttemptRun:
         self.pid: int | None = None
         self.pgid: int | None = None
         self.create_time: float | None = None
+        self.boot_id: str | None = None
+        """pid, pgid and create_time identify torchrun only within this boot."""
         self.adopted = False
+        self.in_memory = False
+        """No directory of its own (it could not be made): nothing is written for it."""
         self.exit_code: int | None = None
         self.torchrun_done = False
         self.alive = True
@@ -69,6 +73,7 @@ class AttemptRun:
         self._workers: list[WorkerStatus] = []
         self._members: set[int] = set()
         self._pgids: set[int] = set()
+        self._seen: set[tuple[int, float | None]] = set()
         # Reporting state, owned by the agent's reporter loop.
         self.stale = False
         self.final_acked = False
@@ -100,15 +105,22 @@ class AttemptRun:
             return run
         run._proc, run.pid, run.pgid = proc, proc.pid, proc.pid
         run.create_time = processes.process_create_time(proc.pid)
+        run.boot_id = processes.boot_id()
         run._persist()
         run.log.info("attempt_launched", pid=proc.pid, nnodes=spec.nnodes, nproc_per_node=spec.nproc_per_node)
         return run
 
     @classmethod
-    def failed(cls, spec: LaunchSpec, paths: AttemptPaths, error: str, *, stop_grace_s: float) -> AttemptRun:
-        """An assigned attempt this node cannot run (reported as exited with `error`)."""
-        paths.root.mkdir(parents=True, exist_ok=True)
+    def failed(
+        cls, spec: LaunchSpec, paths: AttemptPaths, error: str, *, stop_grace_s: float, create_dir: bool = True
+    ) -> AttemptRun:
+        """An assigned attempt this node cannot run (reported as exited with `error`). Without
+        `create_dir` (the directory cannot be made, or must not be touched) it lives in memory only:
+        it is still reported, once per agent life."""
+        if create_dir:
+            paths.root.mkdir(parents=True, exist_ok=True)
         run = cls(spec, paths, stop_grace_s=stop_grace_s)
+        run.in_memory = not create_dir
         run.error, run.torchrun_done, run.alive = error, True, False
         run._persist()
         return run
@@ -128,6 +140,12 @@ class AttemptRun:
         run = cls(spec, paths, stop_grace_s=stop_grace_s)
         run.adopted = True
         run.pid, run.pgid, run.create_time = state.get("pid"), state.get("pgid"), state.get("create_time")
+        run.boot_id = state.get("boot_id")
+        if run.pid is not None and run.boot_id is not None and run.boot_id != processes.boot_id():
+            # The node rebooted: the saved pid and pgid now name unrelated processes, if any.
+            run.pgid = run.create_time = None
+            if not run.torchrun_done and run.stop_reason is None:
+                run.error = run.error or "the node rebooted while the attempt ran"
         run.error, run.stop_reason = state.get("error"), state.get("stop_reason")
         run.stopped = bool(state.get("stopped"))
         run.exit_code, run.final_acked = state.get("exit_code"), bool(state.get("final_acked"))
@@ -135,11 +153,8 @@ class AttemptRun:
         if run.pid is None:
             run.torchrun_done, run.alive = True, False
             run.error = run.error or "the agent stopped while launching this attempt"
-        elif not run.torchrun_done and not processes.pid_alive(run.pid, run.create_time):
-            # It ended while no agent watched: its exit code is lost (the ranks' are in their files).
-            run.torchrun_done, run.stopped = True, run.stop_reason is not None
-            if not run.stopped:
-                run.error = run.error or "torchrun ended while the agent was down; its exit code is unknown"
+        # A torchrun that ended while no agent watched is seen by poll below, which takes the exit
+        # code from the rank shims' files.
         if run.stop_reason is not None:
             run._term_sent_at = time.monotonic()  # resume the escalation to SIGKILL
         run.poll()
@@ -147,6 +162,8 @@ class AttemptRun:
         return run
 
     def _persist(self) -> None:
+        if self.in_memory:
+            return
         spec = self.spec.model_dump(mode="json")
         if "secret_key" in spec["storage"]:
             # Only the launch needs it, and an adopted attempt is never launched again.
@@ -156,6 +173,7 @@ class AttemptRun:
             "pid": self.pid,
             "pgid": self.pgid,
             "create_time": self.create_time,
+            "boot_id": self.boot_id,
             "torchrun_done": self.torchrun_done,
             "exit_code": self.exit_code,
             "error": self.error,
@@ -173,14 +191,21 @@ class AttemptRun:
 
     def _refresh(self, table: processes.ProcessTable) -> bool:
         """Update the set of the attempt's processes from a scan; True if any is left."""
+        # A group is signalled only while its identity is proven, never by its number alone: after
+        # a reboot or a long outage that number may name an unrelated process group.
         members = set(table.by_part.get((self.attempt_id, str(self.spec.node_rank)), ()))
-        if self.pgid is not None:
-            self._pgids.add(self.pgid)
-        self._pgids.update(table.pgid_of[pid] for pid in members)
-        # Forget emptied groups at once: their number may be reused by an unrelated process.
-        self._pgids = {pgid for pgid in self._pgids if table.by_pgid.get(pgid)}
-        for pgid in self._pgids:
-            members |= table.by_pgid[pgid]
+        pgids = {table.pgid_of[pid] for pid in members}  # groups of processes carrying our id
+        if self.pgid is not None and self.pgid == self.pid and table.same_process(self.pgid, self.create_time):
+            pgids.add(self.pgid)  # torchrun's group, while its leader is the torchrun we started
+        for pgid in self._pgids - pgids:
+            # Seen before, its members carrying our id gone: still ours while a process seen in it
+            # before (same pid and start time) is in it; an emptied group's number may be reused.
+            if any((pid, table.started.get(pid)) in self._seen for pid in table.by_pgid.get(pgid, ())):
+                pgids.add(pgid)
+        for pgid in pgids:
+            members |= table.by_pgid.get(pgid, set())
+        self._pgids = pgids
+        self._seen = {(pid, table.started.get(pid)) for pid in members}
         self._members = members
         return bool(members)
 
@@ -217,9 +242,16 @@ class AttemptRun:
                     code = self._proc.poll()
                     if code is not None:
                         self.exit_code, self.torchrun_done, changed = code, True, True
-                elif self.pid is None or not processes.pid_alive(self.pid, self.create_time):
+                elif (
+                    self.pid is None
+                    or self.create_time is None  # no identity: a live pid may be anyone's
+                    or not processes.pid_alive(self.pid, self.create_time)
+                ):
+                    # Not our child (adopted after an agent restart): its exit status is lost, but
+                    # every rank's shim wrote its worker's exact exit code.
                     self.torchrun_done, changed = True, True
-                    self.error = self.error or "torchrun ended while not a child of this agent; exit code unknown"
+                    self.exit_code, error = self._exit_from_rank_files()
+                    self.error = self.error or error
                 if changed:
                     self.stopped = self.stop_reason is not None
                     self.log.info("torchrun_exited", exit_code=self.exit_code, stopped=self.stopped)
@@ -244,6 +276,23 @@ class AttemptRun:
             self.alive = alive
             if changed:
                 self._persist()
+
+    def _exit_from_rank_files(self) -> tuple[int | None, str | None]:
+        """torchrun's exit code as its ranks' files tell it: 0 when every local rank exited 0, the
+        first failing rank's code otherwise; None (with why) when some rank left no exit."""
+        ranks = {w.local_rank: w for w in self._workers}
+        exits = [ranks.get(local) for local in range(self.spec.nproc_per_node)]
+        failed = [w for w in exits if w is not None and w.state == WorkerState.exited and w.exit_code != 0]
+        if failed:
+            w = failed[0]
+            return 1, f"rank {w.rank} exited with {w.exit_code} (torchrun was not a child of this agent)"
+        if all(w is not None and w.state == WorkerState.exited and w.exit_code == 0 for w in exits):
+            return 0, None
+        missing = [local for local, w in enumerate(exits) if w is None or w.state != WorkerState.exited]
+        return None, (
+            "torchrun ended while not a child of this agent and local ranks "
+            f"{missing} recorded no exit; exit code unknown"
+        )
 
     def signature(self) -> tuple[object, ...]:
         """What the control plane would want to hear about at once when it changes: whether any

@@ -17,6 +17,7 @@ import signal
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
@@ -35,12 +36,20 @@ class ProcessTable:
     by_node: dict[tuple[str, str], set[int]] = field(default_factory=lambda: defaultdict(set))
     by_pgid: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     pgid_of: dict[int, int] = field(default_factory=dict)
+    started: dict[int, float] = field(default_factory=dict)
+    """Each pid's start time (psutil create_time): with the pid, a process's identity (pids and
+    process-group ids are reused)."""
+
+    def same_process(self, pid: int, create_time: float | None) -> bool:
+        """True if `pid` is in this scan and is the process that started at `create_time`."""
+        started = self.started.get(pid)
+        return started is not None and create_time is not None and abs(started - create_time) < 0.5
 
 
 def scan() -> ProcessTable:
     table = ProcessTable()
     uid, me = os.getuid(), os.getpid()
-    for proc in psutil.process_iter(["uids", "status"]):
+    for proc in psutil.process_iter(["uids", "status", "create_time"]):
         info = proc.info
         uids = info.get("uids")
         # Zombies hold nothing (and in containers whose init does not reap, they linger forever).
@@ -54,6 +63,8 @@ def scan() -> ProcessTable:
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
         table.pgid_of[proc.pid] = pgid
+        if info.get("create_time") is not None:
+            table.started[proc.pid] = info["create_time"]
         table.by_pgid[pgid].add(proc.pid)
         attempt_id = env.get(ENV_ATTEMPT_ID)
         if attempt_id:
@@ -74,6 +85,14 @@ def signal_processes(pids: Iterable[int], pgids: Iterable[int], sig: signal.Sign
         if pid != me:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
+
+
+def boot_id() -> str | None:
+    """This boot's id (Linux): a pid, pgid or start time saved before a reboot means nothing now."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def process_create_time(pid: int) -> float | None:

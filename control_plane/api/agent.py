@@ -6,6 +6,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
+from control_plane import failpoints
 from control_plane.api.deps import JoinDep, NodeIdentity, SessionDep, SettingsDep
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.agent import (
@@ -16,6 +17,7 @@ from control_plane.schemas.agent import (
     HeartbeatResponse,
     LogAck,
     LogBatch,
+    NodeAttemptState,
     RegisterRequest,
     RegisterResponse,
     ShardAck,
@@ -62,6 +64,8 @@ def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, s
 @router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)
 def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeIdentity,
                    session: SessionDep) -> AttemptStatusAck:
+    if body.state in (NodeAttemptState.exited, NodeAttemptState.stopped):
+        failpoints.hit("agent.final_status")  # a slow final status (fault tests)
     attempt, part = attempts.apply_status(session, node, attempt_id, body)
     ack = AttemptStatusAck(attempt_state=attempt.state, stop=part.desired == "stop")
     session.commit()

@@ -83,17 +83,22 @@ class RegisterResponse(_Wire):
 
 
 class LocalAttempt(_Wire):
-    """An attempt the agent still has processes for on this node."""
+    """An attempt the agent still holds on this node: it has processes, or its final status is not
+    acknowledged yet. A listed attempt is never declared vanished."""
 
     attempt_id: str
     processes_alive: bool = True
+    final_status_pending: bool = Field(
+        default=False, description="Its processes are gone and its final status is not acknowledged yet."
+    )
 
 
 class HeartbeatRequest(_Wire):
     agent_instance: str = Field(description="Random id of this agent process (changes on restart).")
     seq: int = Field(ge=0, description="Monotonic per agent instance; older heartbeats are ignored.")
     attempts: list[LocalAttempt] = Field(
-        default_factory=list, description="Attempts with live processes on this node."
+        default_factory=list,
+        description="Attempts with live processes on this node, and those whose final status is pending.",
     )
 
 

@@ -159,6 +159,11 @@ class JobPage(BaseModel):
 
 
 class WorkerOut(BaseModel):
+    """One worker (rank) of a node's part. `state` only moves forward: starting < running < exited.
+    Once the part is released (its node confirmed every process of it gone), a worker whose exit
+    was never recorded is shown `exited` with `exit_code` null and `reason` saying so; a recorded
+    exit has `reason` null."""
+
     rank: int
     local_rank: int
     pid: int | None
@@ -166,6 +171,7 @@ class WorkerOut(BaseModel):
     exit_code: int | None
     started_at: datetime | None
     ended_at: datetime | None
+    reason: str | None = Field(default=None, description="Why an exit shows no exit code, if it does not.")
 
 
 class AttemptNodeOut(BaseModel):

@@ -144,12 +144,17 @@ def heartbeat(
     if node.state == "lost":
         set_node_state(session, node, "ready", f"node {node.name} is back", kind="node.returned")
     alive = {a.attempt_id for a in req.attempts if a.processes_alive}
-    _confirm_stopped(session, node, alive)
+    _confirm_stopped(session, node, alive, {a.attempt_id for a in req.attempts})
     session.flush()
     return assignments(session, node, storage)
 
 
-def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
+def _confirm_stopped(session: Session, node: Node, alive: set[str], listed: set[str] | None = None) -> None:
+    """Release the parts whose processes are gone. `listed`: every attempt the heartbeat names,
+    also those whose processes are gone but whose final status is still on its way: the node
+    holds them, so their absence of processes is no verdict ("vanished" is only ever decided for
+    an attempt the node no longer lists at all)."""
+    listed = listed or set()
     candidates = session.execute(
         select(AttemptNode.id, AttemptNode.attempt_id)
         .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
@@ -166,6 +171,8 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str]) -> None:
             continue
         if part.desired == "stop" or part.state in PART_DONE:
             attempts.release_part(session, part)
+        elif str(attempt_id) in listed:
+            continue  # its final status is pending: it decides the attempt, not its absence
         elif part.state in PART_STARTED and part.reported_at is not None:
             silent = (now() - part.reported_at).total_seconds()
             if silent > VANISHED_AFTER_S:

@@ -9,7 +9,18 @@ from datetime import datetime
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from control_plane.models import Attempt, AttemptNode, Checkpoint, CheckpointShard, Event, Gpu, GpuLease, Job, Node
+from control_plane.models import (
+    Attempt,
+    AttemptNode,
+    Checkpoint,
+    CheckpointShard,
+    Event,
+    Gpu,
+    GpuLease,
+    Job,
+    Node,
+    Worker,
+)
 from control_plane.schemas.jobs import (
     AllocationEntry,
     AttemptNodeOut,
@@ -231,17 +242,27 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
                     exit_code=p.exit_code,
                     error=p.error,
                     released_at=p.released_at,
-                    workers=[
-                        WorkerOut(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=w.state,
-                                  exit_code=w.exit_code, started_at=w.started_at, ended_at=w.ended_at)
-                        for w in p.workers
-                    ],
+                    workers=[_worker_out(p, w) for w in p.workers],
                 )
                 for p in a.nodes
             ],
         )
         for a in attempts
     ]
+
+
+def _worker_out(part: AttemptNode, w: Worker) -> WorkerOut:
+    """A worker as the attempt view shows it. A released part has no process left (its node said
+    so), so a worker without a recorded exit shows as exited, exit code unknown, with the reason."""
+    state, reason = w.state, None
+    if part.released_at is not None and w.state != "exited":
+        state = "exited"
+        if part.desired == "stop" or part.state == "stopped":
+            reason = "stopped with its node's part; no exit was recorded for this worker"
+        else:
+            reason = "its node confirmed the part's processes gone; no exit was recorded for this worker"
+    return WorkerOut(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=state, exit_code=w.exit_code,
+                     started_at=w.started_at, ended_at=w.ended_at, reason=reason)
 
 
 def _seconds(start: datetime | None, end: datetime | None) -> float | None:

@@ -66,6 +66,10 @@ class FakeControlPlane:
         self.conflicting_keys: set[str] = set()
         """Shard keys refused with a 409 of type 'conflict' (not stale)."""
         self.stop_requested: set[str] = set()
+        self.refuse_status: set[str] = set()
+        """Attempts whose status reports get a 503 (heartbeats still answered)."""
+        self.reject_status: set[str] = set()
+        """Attempts whose status reports get a 422 (an answer: resending will not help)."""
         self.down = False
         self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
@@ -176,6 +180,10 @@ class FakeControlPlane:
                 return 409, {"title": "Conflict", "status": 409, "detail": "stale attempt"}
             if kind in ("shards", "events"):
                 return self._checkpoint_report(attempt_id, kind, body)
+            if kind == "status" and attempt_id in self.refuse_status:
+                return 503, {"title": "Service Unavailable", "status": 503}
+            if kind == "status" and attempt_id in self.reject_status:
+                return 422, {"title": "Unprocessable Entity", "status": 422}
             if kind == "status":
                 report = AttemptStatusReport.model_validate_json(body)
                 self.statuses[attempt_id].append(report)
