@@ -202,17 +202,7 @@ class DevCluster:
             self._start_control_plane(i)
 
         for i in range(1, cfg.nodes + 1):
-            name = f"node-{i}"
-            args = [
-                "-m", "trainyard", "agent",
-                "--control-plane", cfg.agent_control_plane.get(name) or cfg.replica_url((i - 1) % cfg.replicas),
-                "--join-token", self.join_token,
-                "--name", name,
-                "--address", f"127.0.0.{i + 1}",
-                "--virtual-gpus", str(cfg.gpus_per_node),
-                "--work-dir", str(cfg.data_dir / "nodes" / name),
-            ]  # fmt: skip
-            self.agents.append(self._spawn(name, args, {}))
+            self.agents.append(self._spawn(f"node-{i}", self._agent_args(i), {}))
         self._say(f"waiting for {cfg.nodes} node(s) to register")
         self._wait(f"{cfg.nodes} ready node(s)", self._nodes_ready)
 
@@ -251,6 +241,30 @@ class DevCluster:
         self._stop_requested.wait(down_s)
         self._say("starting the control plane again")
         self._start_control_plane(replica, extra_env)
+
+    def _agent_args(self, i: int) -> list[str]:
+        cfg = self.config
+        name = f"node-{i}"
+        return [
+            "-m", "trainyard", "agent",
+            "--control-plane", cfg.agent_control_plane.get(name) or cfg.replica_url((i - 1) % cfg.replicas),
+            "--join-token", self.join_token,
+            "--name", name,
+            "--address", f"127.0.0.{i + 1}",
+            "--virtual-gpus", str(cfg.gpus_per_node),
+            "--work-dir", str(cfg.data_dir / "nodes" / name),
+        ]  # fmt: skip
+
+    def start_agent(self, name: str) -> subprocess.Popen[bytes]:
+        """Start node ``name``'s agent again, on the same work dir, after its process ended (it was
+        killed, or the test simulates a reboot: everything killed, the disk kept)."""
+        index = next(i for i, child in enumerate(self.agents) if child.name == name)
+        old = self.agents[index]
+        if old.proc.poll() is None:
+            raise DevError(f"the agent of {name} still runs (pid {old.proc.pid})")
+        old.log.close()
+        self.agents[index] = self._spawn(name, self._agent_args(int(name.rsplit("-", 1)[1])), {})
+        return self.agents[index].proc
 
     def agent(self, name: str) -> subprocess.Popen[bytes]:
         """The process of the agent of node ``name`` (node-1, node-2, ...)."""

@@ -5,6 +5,7 @@ run that never failed."""
 
 from __future__ import annotations
 
+import signal
 from collections import Counter
 
 import pytest
@@ -82,3 +83,52 @@ def test_postgres_restarted_mid_run_and_mid_commit(make_cluster, reference_resul
     commits = Counter(e["data"]["step"] for e in cluster.events(job["id"], "checkpoint.committed"))
     assert commits == Counter({step: 1 for step in range(20, 141, 20)}), commits
     assert [c["step"] for c in cluster.checkpoints(job["id"], "committed")] == list(range(140, 19, -20))
+
+
+def test_node_reboot_work_dir_kept_processes_gone(make_cluster, reference_result):
+    """Every process of a node dies at once (a reboot: the disk and the agent's work dir stay), then
+    its agent starts again. The new agent finds the old attempt's state but none of its processes:
+    it signals nobody, never relaunches it, reports it ended, and the job recovers exactly."""
+    cluster = make_cluster(nodes=2)
+    args = ["--steps", "120", "--step-delay-s", "0.05"]
+    job = cluster.submit(job_body(name="reboot", args=args, num_nodes=2, gpus_per_node=1,
+                                  checkpoint={"interval_steps": 20}, max_failures=2))
+    cluster.wait_for("a committed checkpoint", lambda: cluster.checkpoints(job["id"], "committed"), timeout=120)
+    first = cluster.attempts(job["id"])[0]
+    victim = next(n["node_name"] for n in first["nodes"] if n["node_rank"] == 1)
+    killed = cluster.signal_node(victim, signal.SIGKILL)
+    assert len(killed) >= 3  # the agent, torchrun, at least one worker
+    cluster.dev.agent(victim).wait(10)
+    work_dir = cluster.dev.config.data_dir / "nodes" / victim
+    assert (work_dir / "attempts" / first["id"] / "state.json").exists()  # the disk survived
+
+    cluster.dev.start_agent(victim)
+    done = cluster.wait_state(job["id"], ENDED, timeout=240)
+    assert done["state"] == "succeeded", done["end_reason"]
+    assert done["result"]["weights_sha256"] == reference_result(args)["weights_sha256"]
+    attempts = cluster.attempts(job["id"])
+    assert [a["outcome"] for a in attempts] == ["failed", "succeeded"], [a["end_reason"] for a in attempts]
+    assert attempts[1]["restored_from_step"] >= 20
+    log = cluster.log_text(victim)
+    assert log.count("attempt_launched") <= 1 + sum(victim == n["node_name"] for n in attempts[1]["nodes"]), log
+    cluster.wait_for("every GPU free", lambda: all(_held_by(cluster, n) == {None} for n in ("node-1", "node-2")),
+                     timeout=60)
+
+
+def test_control_plane_down_30s_across_the_jobs_end(make_cluster, reference_result):
+    """The job ends while no control plane runs, and stays unreported for longer than any liveness
+    timeout: when a control plane is back, the attempt is decided by its final status (succeeded),
+    not by the silence (vanished)."""
+    cluster = make_cluster(nodes=2)
+    args = ["--steps", "60", "--step-delay-s", "0.1"]
+    job = cluster.submit(job_body(name="cp-down-at-end", args=args, num_nodes=2, gpus_per_node=1,
+                                  checkpoint={"interval_steps": 20}, max_failures=0))
+    cluster.wait_for("progress", lambda: (cluster.job(job["id"])["progress"]["step"] or 0) >= 50, timeout=120,
+                     every=0.1)
+    cluster.dev.restart_control_plane(kill=True, down_s=30.0)
+
+    done = cluster.wait_state(job["id"], ENDED, timeout=120)
+    assert done["state"] == "succeeded", done["end_reason"]
+    assert done["result"]["weights_sha256"] == reference_result(args)["weights_sha256"]
+    [attempt] = cluster.attempts(job["id"])
+    assert attempt["outcome"] == "succeeded", attempt["end_reason"]
