@@ -46,6 +46,13 @@ class Settings(BaseSettings):
     max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")
     log_follow_poll_s: float = Field(0.5, gt=0)
 
+    api_threads: int = Field(
+        40, ge=1, le=1000, description="Threads that run requests; the connection pool is sized to cover them."
+    )
+    db_pool_timeout_s: float = Field(
+        5.0, gt=0, description="How long a request waits for a database connection before it is answered 503."
+    )
+
     s3_endpoint: str = Field("", description="host:port of the S3 server for checkpoints.")
     s3_access_key: str = ""
     s3_secret_key: str = ""
