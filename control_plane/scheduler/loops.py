@@ -86,7 +86,7 @@ class Loops:
 
     def monitor_once(self) -> int:
         try:
-            bind = self._factory.kw.get("bind")
+            bind = getattr(self._factory, "kw", {}).get("bind")
             if bind is not None:
                 clock.maybe_anchor(bind)  # liveness compares instants other replicas wrote
             with session_scope(self._factory) as session:

@@ -6,52 +6,20 @@ connection pool, hit by many more concurrent heartbeats than it has threads or c
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
-import uvicorn
 from sqlalchemy import create_engine, text
 
 from control_plane import clock
 from control_plane.app import create_app
 from control_plane.settings import Settings
+from tests.control_plane.helpers import serve
 from tests.factories import JOIN_TOKEN
 
 REQUESTS = 160
 NODES = 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def server(settings: Settings) -> Iterator[str]:
-    # The defaults of a production control plane: its thread pool, its connection pool.
-    app = create_app(settings.model_copy(update={"api_threads": 40, "run_loops": False}))
-    port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                            timeout_keep_alive=30, backlog=2048, limit_concurrency=None)
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(30)
-        clock.reset()
 
 
 def _idle_in_transaction(database_url: str) -> int:
@@ -66,7 +34,13 @@ def _idle_in_transaction(database_url: str) -> int:
         engine.dispose()
 
 
-def test_burst_of_heartbeats_is_answered_and_leaves_no_transaction_open(server: str, settings: Settings) -> None:
+def test_burst_of_heartbeats_is_answered_and_leaves_no_transaction_open(settings: Settings) -> None:
+    # The defaults of a production control plane: its thread pool, its connection pool.
+    with serve(create_app(settings.model_copy(update={"api_threads": 40}))) as server:
+        _burst(server, settings)
+
+
+def _burst(server: str, settings: Settings) -> None:
     with httpx.Client(base_url=server, timeout=30) as c:
         tokens = []
         for i in range(NODES):
