@@ -141,7 +141,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # none while waiting for a thread: api/deps.py), so the pool covers them all and a request never
     # waits for a connection held by a request that waits for a thread.
     engine = make_engine(settings.database_url, pool_size=settings.api_threads + Loops.THREADS,
-                         max_overflow=10, pool_timeout_s=settings.db_pool_timeout_s)
+                         max_overflow=10, pool_timeout_s=settings.pool_timeout_s)
     factory = make_session_factory(engine)
     store = object_store(settings)
     loops = Loops(factory, settings, store)

@@ -108,13 +108,18 @@ class ControlPlaneClient:
         self.base_url = base_url.rstrip("/")
         self.join_token = join_token
         self.node_token: str | None = None
-        self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
+        self.set_timeout(timeout_s)
         self.retry = retry or RetryPolicy()
         self._stop = stop or threading.Event()
         self._local = threading.local()
         self._clients: list[httpx.Client] = []
         self._lock = threading.Lock()
         self._closed = False
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """The per-try timeout of every later request (the agent derives it from what the control
+        plane says at registration: schemas/agent.py, agent_request_timeout_s)."""
+        self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
 
     def _http(self) -> httpx.Client:
         client: httpx.Client | None = getattr(self._local, "client", None)
@@ -144,7 +149,7 @@ class ControlPlaneClient:
             if attempt and self._stop.wait(self.retry.delay(attempt - 1)):
                 break  # shutting down: give up now rather than after the backoff
             try:
-                resp = self._http().post(path, json=payload, headers=headers)
+                resp = self._http().post(path, json=payload, headers=headers, timeout=self.timeout)
             except httpx.TransportError as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 continue

@@ -97,7 +97,11 @@ def heartbeat(
     """Record liveness, confirm stopped attempts, and return the node's desired attempts."""
     node = lock_node(session, node.id) or node  # reloaded: the seq checks below read the locked row
     if node.agent_instance == req.agent_instance and req.seq <= node.heartbeat_seq:
-        # A delayed or duplicated heartbeat: it carries older truth than what we have.
+        # A delayed or duplicated heartbeat: it carries older truth than what we have. The agent's
+        # retry of its latest one (the same seq: the first try's answer was lost) still proves it
+        # alive now.
+        if req.seq == node.heartbeat_seq and node.state == "ready":
+            node.last_heartbeat_at = now()
         return assignments(session, node, storage)
     node.agent_instance = req.agent_instance
     node.heartbeat_seq = req.seq
