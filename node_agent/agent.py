@@ -290,9 +290,9 @@ class Agent:
             return False
         self.node_id = resp.node_id
         self._heartbeat_interval_s = resp.heartbeat_interval_s
-        # Each try of a request ends early enough that a heartbeat and its retries arrive before the
-        # node is declared lost (docs/architecture.md, "Time and timeouts").
-        self.client.set_timeout(max(0.1, min(self.config.http_timeout_s, agent_request_timeout_s(
+        # Each try of a heartbeat ends early enough that it and its retries are over before the node
+        # is declared lost (docs/architecture.md, "Time and timeouts").
+        self.client.set_heartbeat_timeout(max(0.1, min(self.config.http_timeout_s, agent_request_timeout_s(
             resp.heartbeat_interval_s, resp.node_lost_timeout_s))))
         self.log = log.bind(node=self.config.name, node_id=resp.node_id)
         self._need_register.clear()

@@ -404,5 +404,5 @@ def test_request_timeout_is_derived_from_the_registered_heartbeat_settings(agent
     agent = agents.start()
     assert agent.registered.wait(20)
     expected = agent_request_timeout_s(plane.heartbeat_interval_s, 10.0)
-    assert agent.client.timeout.read == pytest.approx(expected)
+    assert agent.client.heartbeat_timeout.read == pytest.approx(expected)
     assert expected * agent.client.retry.attempts < 10.0
