@@ -119,8 +119,9 @@ def get_node(creds: Credentials, session: SessionDep) -> Node:
     except BaseException:
         end_transaction(session, ok=False)
         raise
-    # The endpoint runs in another thread: release the connection before waiting for it.
-    end_transaction(session, ok=True)
+    # The endpoint runs in another thread: end the transaction (and release its connection) before
+    # waiting for it. It commits, as the endpoint's commit would have, whatever authenticating wrote.
+    session.commit()
     return node
 
 
