@@ -7,10 +7,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio.to_thread
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import clock
@@ -36,7 +39,42 @@ def _problem(status: int, body: dict[str, Any], headers: dict[str, str] | None =
     return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
 
 
+RETRY_AFTER_S = 1
+"""What a 503 for a busy database (pool exhausted, lock conflict) tells the client to wait."""
+
+# SQLSTATEs of a transaction that lost a race and may simply be run again: serialization_failure,
+# deadlock_detected, lock_not_available; and of a database that is briefly unreachable.
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57P01", "57P02", "57P03", "08000", "08003", "08006"})
+
+
+def _sqlstate(exc: DBAPIError) -> str | None:
+    return getattr(exc.orig, "sqlstate", None)
+
+
+def _busy(request: Request, detail: str) -> JSONResponse:
+    return _problem(503, {
+        "type": "https://trainyard.dev/problems/unavailable",
+        "title": "The control plane is busy; retry",
+        "status": 503,
+        "detail": detail,
+        "instance": request.url.path,
+    }, {"Retry-After": str(RETRY_AFTER_S)})
+
+
 def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(PoolTimeout)
+    async def _pool_timeout(request: Request, exc: PoolTimeout) -> JSONResponse:
+        log.warning("database connection pool exhausted", path=request.url.path)
+        return _busy(request, "no database connection became free in time")
+
+    @app.exception_handler(DBAPIError)
+    async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
+        state = _sqlstate(exc)
+        if state in RETRYABLE_SQLSTATES or exc.connection_invalidated:
+            log.warning("transient database error", path=request.url.path, sqlstate=state)
+            return _busy(request, f"the database refused this transaction for now (SQLSTATE {state})")
+        raise exc
+
     @app.exception_handler(TrainyardError)
     async def _domain(request: Request, exc: TrainyardError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
@@ -112,7 +150,11 @@ def worker_storage(settings: Settings) -> dict[str, Any]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     configure_logging(json=settings.log_json, level=settings.log_level)
-    engine = make_engine(settings.database_url)
+    # Every request thread and every loop thread may hold one connection at once (never two, and
+    # none while waiting for a thread: api/deps.py), so the pool covers them all and a request never
+    # waits for a connection held by a request that waits for a thread.
+    engine = make_engine(settings.database_url, pool_size=settings.api_threads + Loops.THREADS,
+                         max_overflow=10, pool_timeout_s=settings.pool_timeout_s)
     factory = make_session_factory(engine)
     store = object_store(settings)
     loops = Loops(factory, settings, store)
@@ -123,6 +165,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # process: keep it out of the garbage collector's full collections, which otherwise walk it
         # in the middle of scheduling passes (tens of ms each at 10^4 waiting jobs).
         gc.freeze()
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         try:
             skew = clock.anchor(engine)
             if abs(skew.total_seconds()) > 1:

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import CursorResult, Engine, ScalarResult, Select, create_engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import CursorResult, Engine, ScalarResult, Select, create_engine, event
+from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
 T = TypeVar("T")
 
@@ -25,18 +25,36 @@ def rowcount(result: Any) -> int:
     return int(cast(CursorResult[Any], result).rowcount or 0)
 
 
-def make_engine(url: str, *, pool_size: int = 10) -> Engine:
+def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20, pool_timeout_s: float = 30.0) -> Engine:
+    """``pool_size + max_overflow`` must cover every thread that may hold a connection at once
+    (create_app sizes it from the request threads and the loops); ``pool_timeout_s`` is how long a
+    thread waits for one before the request is answered 503 (app.py)."""
     return create_engine(
         url,
         pool_size=pool_size,
-        max_overflow=20,
+        max_overflow=max_overflow,
+        pool_timeout=pool_timeout_s,
         pool_pre_ping=True,
         pool_recycle=300,
     )
 
 
+def _mark_wrote(session: Session, _flush_context: object) -> None:
+    session.info["wrote"] = True
+
+
+def _transaction_ended(session: Session, transaction: SessionTransaction) -> None:
+    if transaction.parent is None:
+        session.info.pop("wrote", None)
+
+
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
-    return sessionmaker(engine, expire_on_commit=False, autoflush=True)
+    """Sessions that remember whether their transaction flushed writes (``info["wrote"]``): the
+    API ends a request's read-only transaction by committing it (api/deps.py, end_transaction)."""
+    factory = sessionmaker(engine, expire_on_commit=False, autoflush=True)
+    event.listen(factory, "after_flush", _mark_wrote)
+    event.listen(factory, "after_transaction_end", _transaction_ended)
+    return factory
 
 
 @contextmanager

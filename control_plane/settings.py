@@ -51,6 +51,14 @@ class Settings(BaseSettings):
     max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")
     log_follow_poll_s: float = Field(0.5, gt=0)
 
+    api_threads: int = Field(
+        40, ge=1, le=1000, description="Threads that run requests; the connection pool is sized to cover them."
+    )
+    db_pool_timeout_s: float = Field(
+        2.0, gt=0, description="How long a request waits for a database connection before it is answered 503 "
+        "(at most half the agents' request timeout, which is derived from the heartbeat settings)."
+    )
+
     s3_endpoint: str = Field("", description="host:port of the S3 server for checkpoints.")
     s3_access_key: str = ""
     s3_secret_key: str = ""
@@ -68,8 +76,39 @@ class Settings(BaseSettings):
     log_json: bool = True
     log_level: str = "INFO"
 
+    @property
+    def agent_request_timeout_s(self) -> float:
+        """What agents registered here use as their per-try request timeout (schemas/agent.py)."""
+        from control_plane.schemas.agent import agent_request_timeout_s
+
+        return agent_request_timeout_s(self.heartbeat_interval_s, self.node_lost_timeout_s)
+
+    @property
+    def pool_timeout_s(self) -> float:
+        """The pool wait actually used: a request must be answered (503) before its agent gives up."""
+        return min(self.db_pool_timeout_s, self.agent_request_timeout_s / 2)
+
+    def _check_timeouts(self) -> None:
+        """Each timeout fits inside the next (docs/architecture.md, "Time and timeouts")."""
+        from control_plane.schemas.agent import AGENT_BACKOFF_S
+
+        if self.heartbeat_interval_s + AGENT_BACKOFF_S >= self.node_lost_timeout_s:
+            raise ValueError(
+                f"node_lost_timeout_s ({self.node_lost_timeout_s:g}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s:g}) plus the agents' retry backoff ({AGENT_BACKOFF_S:g}s): a "
+                "heartbeat and its retries must arrive before the node is declared lost"
+            )
+        if self.monitor_interval_s >= self.node_lost_timeout_s:
+            raise ValueError("monitor_interval_s must be shorter than node_lost_timeout_s")
+        if self.checkpoint_pending_timeout_s <= self.node_lost_timeout_s + self.checkpoint_maintenance_interval_s:
+            raise ValueError(
+                "checkpoint_pending_timeout_s must exceed node_lost_timeout_s plus "
+                "checkpoint_maintenance_interval_s: shards of a node whose reports are retried must be awaited"
+            )
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        self._check_timeouts()
         if self.rdzv_port_min > self.rdzv_port_max:
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
         if self.attempt_launch_timeout_s <= self.node_lost_timeout_s:

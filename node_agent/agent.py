@@ -44,6 +44,7 @@ from control_plane.schemas.agent import (
     LogBatch,
     NodeAttemptState,
     RegisterRequest,
+    agent_request_timeout_s,
 )
 from node_agent import processes
 from node_agent.attempt import AttemptRun, attempt_paths
@@ -332,6 +333,10 @@ class Agent:
         self.node_id = resp.node_id
         self.epoch = resp.agent_epoch
         self._heartbeat_interval_s = resp.heartbeat_interval_s
+        # Each try of a heartbeat ends early enough that it and its retries are over before the node
+        # is declared lost (docs/architecture.md, "Time and timeouts").
+        self.client.set_heartbeat_timeout(max(0.1, min(self.config.http_timeout_s, agent_request_timeout_s(
+            resp.heartbeat_interval_s, resp.node_lost_timeout_s))))
         self.log = log.bind(node=self.config.name, node_id=resp.node_id)
         self._need_register.clear()
         self.registered.set()

@@ -122,6 +122,7 @@ class ControlPlaneClient:
         self.join_token = join_token
         self.node_token: str | None = None
         self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
+        self.heartbeat_timeout = self.timeout
         self.retry = retry or RetryPolicy()
         self._stop = stop or threading.Event()
         self.on_stale_agent: Callable[[StaleAgent], None] | None = None
@@ -130,6 +131,13 @@ class ControlPlaneClient:
         self._clients: list[httpx.Client] = []
         self._lock = threading.Lock()
         self._closed = False
+
+    def set_heartbeat_timeout(self, timeout_s: float) -> None:
+        """The per-try timeout of later heartbeats: the agent derives it from what the control plane
+        says at registration (schemas/agent.py, agent_request_timeout_s), so a heartbeat and its
+        retries are over before the node-lost timeout. Other requests keep ``timeout_s``: they are
+        not liveness, and the outbox resends them."""
+        self.heartbeat_timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
 
     def _http(self) -> httpx.Client:
         client: httpx.Client | None = getattr(self._local, "client", None)
@@ -149,7 +157,8 @@ class ControlPlaneClient:
         for client in clients:
             client.close()
 
-    def _post(self, path: str, body: BaseModel, response: type[R], *, token: str | None) -> R:
+    def _post(self, path: str, body: BaseModel, response: type[R], *, token: str | None,
+              timeout: httpx.Timeout | None = None) -> R:
         if token is None:
             raise Unauthorized("not registered")
         node_call = token is not self.join_token
@@ -160,7 +169,7 @@ class ControlPlaneClient:
             if attempt and self._stop.wait(self.retry.delay(attempt - 1)):
                 break  # shutting down: give up now rather than after the backoff
             try:
-                resp = self._http().post(path, json=payload, headers=headers)
+                resp = self._http().post(path, json=payload, headers=headers, timeout=timeout or self.timeout)
             except httpx.TransportError as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 continue
@@ -197,7 +206,8 @@ class ControlPlaneClient:
         return resp
 
     def heartbeat(self, request: HeartbeatRequest) -> HeartbeatResponse:
-        return self._post("/heartbeat", request, HeartbeatResponse, token=self.node_token)
+        return self._post("/heartbeat", request, HeartbeatResponse, token=self.node_token,
+                          timeout=self.heartbeat_timeout)
 
     def report_status(self, attempt_id: str, report: AttemptStatusReport) -> AttemptStatusAck:
         return self._post(f"/attempts/{attempt_id}/status", report, AttemptStatusAck, token=self.node_token)

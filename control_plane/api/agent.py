@@ -7,7 +7,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from control_plane import failpoints
-from control_plane.api.deps import JoinDep, NodeIdentity, SessionDep, SettingsDep
+from control_plane.api.deps import JoinDep, NodeIdentity, SessionDep, SettingsDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.agent import (
     AGENT_API_PREFIX,
@@ -27,7 +27,7 @@ from control_plane.schemas.agent import (
 )
 from control_plane.services import attempts, checkpoints, logs, nodes
 
-router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"])
+router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=TransactionRoute)
 
 
 @router.post("/register", response_model=RegisterResponse, responses=ERRORS)

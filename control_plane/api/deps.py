@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import hmac
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -30,6 +33,52 @@ def get_session(request: Request) -> Iterator[Session]:
     finally:
         session.rollback()
         session.close()
+
+
+# A database connection is held only by a thread that is running (docs/architecture.md, "Threads
+# and connections"). FastAPI runs each sync dependency and the endpoint in separate threadpool
+# threads, and serializes the response in yet another: a transaction still open when one of them
+# returns would hold its connection while the request waits for the next thread, and a burst of
+# requests would then hold every connection while every thread waits for one (finding 20). So
+# every dependency and every endpoint ends the transaction it opened before its thread returns.
+
+
+def end_transaction(session: Session, *, ok: bool) -> None:
+    """End the session's transaction, releasing its connection. A read-only transaction commits
+    (the loaded objects stay usable, ``expire_on_commit=False``); one that wrote without its
+    service committing is rolled back, as the request's end would have."""
+    if not session.in_transaction():
+        return
+    if ok and not session.info.get("wrote") and not (session.new or session.dirty or session.deleted):
+        session.commit()
+    else:
+        session.rollback()
+
+
+def _ends_transactions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(endpoint)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        sessions = [v for v in (*args, *kwargs.values()) if isinstance(v, Session)]
+        try:
+            result = endpoint(*args, **kwargs)
+        except BaseException:
+            for session in sessions:
+                end_transaction(session, ok=False)
+            raise
+        for session in sessions:
+            end_transaction(session, ok=True)
+        return result
+
+    return call
+
+
+class TransactionRoute(APIRoute):
+    """A route whose sync endpoint ends its session's transaction in its own thread."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        if not inspect.iscoroutinefunction(endpoint):
+            endpoint = _ends_transactions(endpoint)
+        super().__init__(path, endpoint, **kwargs)
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -65,7 +114,15 @@ def get_join(creds: Credentials, settings: SettingsDep) -> None:
 
 
 def get_node(creds: Credentials, session: SessionDep) -> Node:
-    return nodes.authenticate(session, _token(creds))
+    try:
+        node = nodes.authenticate(session, _token(creds))
+    except BaseException:
+        end_transaction(session, ok=False)
+        raise
+    # The endpoint runs in another thread: end the transaction (and release its connection) before
+    # waiting for it. It commits, as the endpoint's commit would have, whatever authenticating wrote.
+    session.commit()
+    return node
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from sqlalchemy import text
 
+from control_plane.api.deps import TransactionRoute
 from control_plane.errors import NotReady
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=TransactionRoute)
 
 
 @router.get("/healthz", summary="The process is up")

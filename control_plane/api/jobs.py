@@ -10,12 +10,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
-from control_plane.api.deps import PrincipalDep, SessionDep, SettingsDep
+from control_plane.api.deps import PrincipalDep, SessionDep, SettingsDep, TransactionRoute
 from control_plane.db import session_scope
 from control_plane.schemas.jobs import AttemptOut, CheckpointOut, EventPage, JobOut, JobPage, JobSubmit
 from control_plane.services import events, jobs, logs, views
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=TransactionRoute)
 
 _PROBLEM: dict[str, Any] = {"content": {"application/problem+json": {}}}
 ERRORS: dict[int | str, dict[str, Any]] = {401: _PROBLEM, 404: _PROBLEM, 409: _PROBLEM, 422: _PROBLEM}

@@ -6,12 +6,12 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from control_plane.api.deps import PrincipalDep, SessionDep
+from control_plane.api.deps import PrincipalDep, SessionDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.nodes import ClusterOut, NodeLabelsIn, NodeOut
 from control_plane.services import cluster, nodes, views
 
-router = APIRouter(prefix="/v1", tags=["cluster"])
+router = APIRouter(prefix="/v1", tags=["cluster"], route_class=TransactionRoute)
 
 
 @router.get("/nodes", response_model=list[NodeOut], responses=ERRORS)

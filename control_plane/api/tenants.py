@@ -6,12 +6,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
 
-from control_plane.api.deps import PrincipalDep, SessionDep
+from control_plane.api.deps import PrincipalDep, SessionDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.tenants import TENANT_NAME, TenantIn, TenantOut
 from control_plane.services import tenants
 
-router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
+router = APIRouter(prefix="/v1/tenants", tags=["tenants"], route_class=TransactionRoute)
 
 TenantName = Annotated[str, Path(min_length=1, max_length=128, pattern=TENANT_NAME)]
 

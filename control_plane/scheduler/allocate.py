@@ -283,7 +283,8 @@ def _fail_unplaceable(
     for job in jobs:
         demand = demands[str(job.id)]
         if demand.avoid_nodes and place(demand, everything) is None:
-            locked = session.get(Job, uuid.UUID(str(job.id)), with_for_update=True)
+            locked = session.get(Job, uuid.UUID(str(job.id)), with_for_update={"key_share": True},
+                                 populate_existing=True)
             if locked is not None and locked.state == "recovering":
                 avoided = ", ".join(sorted(names.get(n, n) for n in demand.avoid_nodes))
                 set_job_state(session, locked, "failed",
@@ -395,7 +396,8 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
     locked = {
         str(job.id): job
         for job in session.scalars(
-            select(Job).where(Job.id.in_([uuid.UUID(p.job_id) for p in placements])).with_for_update()
+            select(Job).where(Job.id.in_([uuid.UUID(p.job_id) for p in placements]))
+            .order_by(Job.id).with_for_update(key_share=True)  # jobs in id order (services/locks.py)
         )
         if job.state in WAITING_STATES
     }

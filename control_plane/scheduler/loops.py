@@ -26,6 +26,9 @@ log = structlog.get_logger("trainyard.loops")
 
 
 class Loops:
+    THREADS = 4
+    """Threads ``start`` runs, each holding at most one connection at a time."""
+
     def __init__(self, factory: sessionmaker[Session], settings: Settings, store: object | None = None) -> None:
         self._factory = factory
         self._store = store

@@ -66,6 +66,21 @@ class RegisterRequest(_Wire):
         return gpus
 
 
+AGENT_TRIES = 3
+"""Tries of one agent request, the first included (node_agent/client.py, RetryPolicy)."""
+AGENT_BACKOFF_S = 0.6
+"""The longest total wait between those tries (jittered 0.2 s, then 0.4 s)."""
+
+
+def agent_request_timeout_s(heartbeat_interval_s: float, node_lost_timeout_s: float) -> float:
+    """The per-try timeout of an agent's requests (docs/architecture.md, "Time and timeouts").
+
+    A heartbeat leaves at most ``heartbeat_interval_s`` after the last one that arrived; it and its
+    retries must be over before ``node_lost_timeout_s`` runs out, so an agent whose first try hangs
+    still gets a heartbeat through (a fresh one, next round) before it is declared lost."""
+    return (node_lost_timeout_s - heartbeat_interval_s - AGENT_BACKOFF_S) / AGENT_TRIES
+
+
 class RegisterResponse(_Wire):
     node_id: str
     node_token: str = Field(description="Per-node credential for every later call.")

@@ -239,7 +239,7 @@ def release_part(session: Session, part: AttemptNode) -> None:
     locked = lock_attempt(session, part.attempt_id)
     assert locked is not None
     job, attempt = locked
-    part = reload(session, select(AttemptNode).where(AttemptNode.id == part.id).with_for_update()).one()
+    part = reload(session, select(AttemptNode).where(AttemptNode.id == part.id).with_for_update(key_share=True)).one()
     if part.released_at is not None:
         return
     t = now()

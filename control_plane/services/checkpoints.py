@@ -111,7 +111,7 @@ def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
         ckpt = session.scalar(
             select(Checkpoint)
             .where(Checkpoint.job_id == job.id, Checkpoint.attempt_id == attempt.id, Checkpoint.step == shard.step)
-            .with_for_update()
+            .with_for_update(key_share=True)
         )
         if ckpt is None:
             ckpt = Checkpoint(id=uuid.uuid4(), job_id=job.id, attempt_id=attempt.id, step=shard.step,
@@ -193,7 +193,7 @@ def commit_ready(factory: sessionmaker[Session], store: ObjectStore, checkpoint_
     # row), and the next maintenance pass writes the same manifest again and commits.
     failpoints.hit("checkpoint.before_commit")
     with session_scope(factory) as s:
-        job = s.get(Job, manifest_job_id := uuid.UUID(manifest["job_id"]), with_for_update=True)
+        job = s.get(Job, manifest_job_id := uuid.UUID(manifest["job_id"]), with_for_update={"key_share": True})
         if job is None or str(job.current_attempt_id) != manifest["attempt_id"]:
             s.rollback()
             _abort(factory, checkpoint_id, "its attempt is no longer the job's current one")
@@ -219,7 +219,7 @@ def commit_ready(factory: sessionmaker[Session], store: ObjectStore, checkpoint_
 
 def _abort(factory: sessionmaker[Session], checkpoint_id: uuid.UUID, reason: str) -> bool:
     with session_scope(factory) as s:
-        ckpt = s.get(Checkpoint, checkpoint_id, with_for_update=True)
+        ckpt = s.get(Checkpoint, checkpoint_id, with_for_update={"key_share": True})
         if ckpt is not None:
             abort(s, ckpt, reason)
     return False
@@ -337,7 +337,7 @@ def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, ba
         if ev.kind == "checkpoint.save_failed" and isinstance(step, int):
             ckpt = session.scalar(select(Checkpoint).where(
                 Checkpoint.job_id == job.id, Checkpoint.attempt_id == attempt.id, Checkpoint.step == step
-            ).with_for_update())
+            ).with_for_update(key_share=True))
             if ckpt is None:
                 ckpt = Checkpoint(id=uuid.uuid4(), job_id=job.id, attempt_id=attempt.id, step=step,
                                   world_size=attempt.num_gpus, state="pending", created_at=now())

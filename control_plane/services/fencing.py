@@ -9,24 +9,20 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane.db import reload
 from control_plane.errors import Forbidden, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, Job, Node
+from control_plane.services.locks import lock_job_attempt
 
 
 def lock_attempt(session: Session, attempt_id: uuid.UUID) -> tuple[Job, Attempt] | None:
-    """Lock an attempt's job, then the attempt (FOR UPDATE), and load both afresh; None if unknown.
+    """Lock an attempt's job, then the attempt (FOR NO KEY UPDATE), and load both afresh; None if
+    unknown.
 
-    Every transaction that changes an attempt's fate takes its locks in one order, node -> job ->
-    attempt -> attempt parts, so two of them never deadlock, and a decision that reads the other
-    parts (is every node released?) sees what the transactions before it committed.
+    Every transaction takes its locks in one order, node -> job -> attempt -> attempt parts
+    (services/locks.py), so two of them never deadlock, and a decision that reads the other parts
+    (is every node released?) sees what the transactions before it committed.
     """
-    job_id = session.scalar(select(Attempt.job_id).where(Attempt.id == attempt_id))
-    if job_id is None:
-        return None
-    job = reload(session, select(Job).where(Job.id == job_id).with_for_update()).one()
-    attempt = reload(session, select(Attempt).where(Attempt.id == attempt_id).with_for_update()).one()
-    return job, attempt
+    return lock_job_attempt(session, attempt_id)
 
 
 def authorize_report(

@@ -131,7 +131,7 @@ def _same_request(job: Job, digest: str) -> Job:
 def get_job(session: Session, job_id: uuid.UUID, *, for_update: bool = False) -> Job:
     stmt = select(Job).where(Job.id == job_id)
     if for_update:
-        stmt = stmt.with_for_update()
+        stmt = stmt.with_for_update(key_share=True).execution_options(populate_existing=True)
     job = session.scalar(stmt)
     if job is None:
         raise NotFound(f"job {job_id} does not exist")
@@ -178,7 +178,8 @@ def cancel(session: Session, job_id: uuid.UUID) -> Job:
         raise InvalidState(f"job {job.id} already ended ({job.state}); there is nothing to cancel")
     if job.state == "cancelling":
         return job
-    attempt = session.get(Attempt, job.current_attempt_id, with_for_update=True) if job.current_attempt_id else None
+    attempt = (session.get(Attempt, job.current_attempt_id, with_for_update={"key_share": True}, populate_existing=True)
+               if job.current_attempt_id else None)
     if attempt is not None and attempt.state in ATTEMPT_HOLDING:
         attempts.end_attempt(session, attempt, outcome="cancelled", reason="cancelled by user")
         set_job_state(session, job, "cancelling", "cancel requested; stopping every worker")

@@ -37,7 +37,7 @@ def enforce_time_limits(session: Session, *, at: datetime | None = None, batch: 
         )
         .order_by(Attempt.created_at)
         .limit(batch)
-        .with_for_update(of=(Attempt, Job), skip_locked=True)
+        .with_for_update(of=(Attempt, Job), key_share=True, skip_locked=True)
     ).all()
     failed = []
     for attempt, job in rows:

@@ -17,6 +17,7 @@ from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
 from control_plane.schemas.agent import HeartbeatRequest, LaunchSpec, RegisterRequest
 from control_plane.services import attempts, events
 from control_plane.services.fencing import lock_attempt
+from control_plane.services.locks import lock_node
 from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
@@ -38,7 +39,7 @@ def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
     Every registration is a new agent instance with the next epoch: the credential of any earlier
     one is refused from now on as stale (409 stale-agent, see authenticate), so the newer of two
     agents with one name wins and the older one is told to stop."""
-    node = session.scalar(select(Node).where(Node.name == req.name).with_for_update())
+    node = session.scalar(select(Node).where(Node.name == req.name).with_for_update(key_share=True))
     t = now()
     instance = req.agent_instance  # None: the first heartbeat names it, as before
     if node is None:
@@ -134,9 +135,13 @@ def heartbeat(
     session: Session, node: Node, req: HeartbeatRequest, storage: dict[str, object] | None = None
 ) -> list[LaunchSpec]:
     """Record liveness, confirm stopped attempts, and return the node's desired attempts."""
-    node = session.get(Node, node.id, with_for_update=True) or node
+    node = lock_node(session, node.id) or node  # reloaded: the seq checks below read the locked row
     if node.agent_instance == req.agent_instance and req.seq <= node.heartbeat_seq:
-        # A delayed or duplicated heartbeat: it carries older truth than what we have.
+        # A delayed or duplicated heartbeat: it carries older truth than what we have. The agent's
+        # retry of its latest one (the same seq: the first try's answer was lost) still proves it
+        # alive now.
+        if req.seq == node.heartbeat_seq and node.state == "ready":
+            node.last_heartbeat_at = now()
         return assignments(session, node, storage)
     node.agent_instance = req.agent_instance
     node.heartbeat_seq = req.seq
@@ -157,8 +162,9 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str], listed: set[
     listed = listed or set()
     candidates = session.execute(
         select(AttemptNode.id, AttemptNode.attempt_id)
+        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
         .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
-        .order_by(AttemptNode.attempt_id)
+        .order_by(Attempt.job_id, AttemptNode.attempt_id)  # the lock order: jobs, then attempts, by id
     ).all()
     for part_id, attempt_id in candidates:
         if str(attempt_id) in alive:
@@ -166,7 +172,8 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str], listed: set[
         locked = lock_attempt(session, attempt_id)  # job, then attempt: see lock_attempt
         assert locked is not None
         job, attempt = locked
-        part = reload(session, select(AttemptNode).where(AttemptNode.id == part_id).with_for_update()).one()
+        part = reload(session, select(AttemptNode).where(AttemptNode.id == part_id)
+                      .with_for_update(key_share=True)).one()
         if part.released_at is not None:
             continue
         if part.desired == "stop" or part.state in PART_DONE:
@@ -225,33 +232,36 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime)
     lost = session.scalars(
         select(Node)
         .where(Node.state == "ready", Node.last_heartbeat_at < cutoff)
-        .with_for_update(skip_locked=True)
+        .order_by(Node.id)
+        .with_for_update(key_share=True, skip_locked=True)
+        .execution_options(populate_existing=True)
     ).all()
+    work: list[tuple[uuid.UUID, uuid.UUID, Node]] = []  # (job, attempt, node): locked in that order
     for node in lost:
         set_node_state(session, node, "lost", f"node {node.name} missed heartbeats for {timeout_s:g}s",
                        kind="node.lost")
-        attempt_ids = session.scalars(
-            select(Attempt.id)
+        work += [(job_id, attempt_id, node) for attempt_id, job_id in session.execute(
+            select(Attempt.id, Attempt.job_id)
             .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
             .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None),
                    Attempt.state.in_(ATTEMPT_HOLDING))
-            .order_by(Attempt.id)
-        ).all()
-        for attempt_id in attempt_ids:
-            locked = lock_attempt(session, attempt_id)
-            assert locked is not None
-            job, attempt = locked
-            if attempt.outcome is None:
-                attempts.fail_attempt(session, job, attempt, f"node {node.name} lost", node_id=node.id)
-            elif attempt.outcome == "failed" and attempt.failed_node_id != node.id:
-                # The workers of the other nodes saw their peer vanish and exited first, so the
-                # attempt failed before this node was declared lost: the lost node is the cause.
-                attempt.failed_node_id = node.id
-                attempt.end_reason = f"node {node.name} lost ({attempt.end_reason})"
-                events.record(session, "attempt.blame", f"attempt {attempt.number}: node {node.name} was lost",
-                              job_id=job.id, attempt_id=attempt.id, node_id=node.id)
-            # A cancel does not wait for a lost node (its leases stay held, visibly, on it).
-            attempts.finish_if_released(session, job, attempt)
+        ).all()]
+    # Jobs, then attempts, in id order across every lost node (services/locks.py).
+    for _, attempt_id, node in sorted(work, key=lambda w: (w[0], w[1], w[2].id)):
+        locked = lock_attempt(session, attempt_id)
+        assert locked is not None
+        job, attempt = locked
+        if attempt.outcome is None:
+            attempts.fail_attempt(session, job, attempt, f"node {node.name} lost", node_id=node.id)
+        elif attempt.outcome == "failed" and attempt.failed_node_id != node.id:
+            # The workers of the other nodes saw their peer vanish and exited first, so the
+            # attempt failed before this node was declared lost: the lost node is the cause.
+            attempt.failed_node_id = node.id
+            attempt.end_reason = f"node {node.name} lost ({attempt.end_reason})"
+            events.record(session, "attempt.blame", f"attempt {attempt.number}: node {node.name} was lost",
+                          job_id=job.id, attempt_id=attempt.id, node_id=node.id)
+        # A cancel does not wait for a lost node (its leases stay held, visibly, on it).
+        attempts.finish_if_released(session, job, attempt)
     return list(lost)
 
 
@@ -259,7 +269,7 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
     """An operator removes a node: its credential stops working and, if it was lost, its leases are
     released (the operator vouches that its processes are gone). A node that is not lost and still
     runs or stops an attempt is refused: its processes exist, and its GPUs must not be given away."""
-    node = session.get(Node, node_id, with_for_update=True)
+    node = lock_node(session, node_id)
     if node is None or node.state == "removed":
         raise NotFound(f"node {node_id} does not exist")
     parts = session.execute(
@@ -267,7 +277,7 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
         .join(Attempt, Attempt.id == AttemptNode.attempt_id)
         .join(Job, Job.id == Attempt.job_id)
         .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
-        .order_by(Attempt.id)
+        .order_by(Job.id, Attempt.id)  # the lock order: jobs, then attempts, by id
     ).all()
     if node.state != "lost":
         # A live node's agent would register it again within a heartbeat, under the same id and
@@ -331,7 +341,7 @@ def scheduling_state(node: Node, busy: bool) -> str:
 
 
 def _for_update(session: Session, node_id: uuid.UUID) -> Node:
-    node = session.get(Node, node_id, with_for_update=True)
+    node = lock_node(session, node_id)
     if node is None:
         raise NotFound(f"node {node_id} does not exist")
     if node.state == "removed":

@@ -27,7 +27,7 @@ def all_tenants(session: Session) -> dict[str, Tenant]:
 def put_tenant(session: Session, name: str, body: TenantIn) -> Tenant:
     """Create or replace a tenant's weight and quota. Lowering a quota below what the tenant uses
     stops nothing (no preemption): its next jobs wait until it is back under."""
-    tenant = session.get(Tenant, name, with_for_update=True)
+    tenant = session.get(Tenant, name, with_for_update={"key_share": True})
     t = now()
     if tenant is None:
         tenant = Tenant(name=name, created_at=t)

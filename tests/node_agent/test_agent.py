@@ -394,3 +394,15 @@ def test_no_gpu_without_virtual_slots_is_a_clear_error() -> None:
         assert "--virtual-gpus" in str(exc)
     else:  # a machine with NVIDIA GPUs
         assert gpus and all(g.kind != "virtual-cpu" for g in gpus)
+
+
+def test_request_timeout_is_derived_from_the_registered_heartbeat_settings(agents: Agents,
+                                                                          plane: FakeControlPlane) -> None:
+    """Finding 10: 3 tries of 10 s no longer outlast a 10 s node-lost timeout."""
+    from control_plane.schemas.agent import agent_request_timeout_s
+
+    agent = agents.start()
+    assert agent.registered.wait(20)
+    expected = agent_request_timeout_s(plane.heartbeat_interval_s, 10.0)
+    assert agent.client.heartbeat_timeout.read == pytest.approx(expected)
+    assert expected * agent.client.retry.attempts < 10.0
