@@ -84,11 +84,15 @@ def decide(
     tenants: Mapping[str, TenantShare] | None = None,
     previous: Mapping[str, Sequence[str]] | None = None,
     options: PolicyOptions | None = None,
+    previous_starts: Mapping[str, datetime | None] | None = None,
 ) -> Decision:
     """Decide one pass: whole-gang placements, reservations, the recovery reserve.
 
     ``previous`` maps the jobs that held a reservation after the last pass to its nodes, in the
     order the reservations were made: each is kept on those nodes while they can still hold it.
+    ``previous_starts`` maps them to their earliest start after the last pass (None: unknown): a
+    kept reservation starts from there and moves earlier only where that delays no other one (a
+    reservation without one is planned again beside those kept before it).
     """
     return Pass(list(jobs), nodes, now=now, tenants=tenants or {}, previous=previous or {},
-                 options=options or PolicyOptions()).run()
+                options=options or PolicyOptions(), previous_starts=previous_starts).run()

@@ -348,26 +348,44 @@ def _kept(jobs: list[JobDemand], tenants, nid: str) -> int:
     return max((j.gpus_per_node for j in jobs if j.recovering and nid in j.prefer_nodes and not over(j)), default=0)
 
 
-def _usable(j: JobDemand, nid: str, d: Decision, free, rel, now: float, kept: int = 0) -> int:
+def _holds(d: Decision, jobs: list[JobDemand], nid: str) -> list[tuple[str, int, float, float, bool]]:
+    """The reservations on ``nid``: (job, GPUs, start, end, strict); the end is the start + the
+    job's time limit (a reservation occupies its share for that long once its job starts)."""
+    limits = {j.job_id: j.time_limit_s for j in jobs}
+    out = []
+    for r in d.reservations:
+        for hn in r.nodes:
+            if hn.node_id == nid:
+                start = (r.earliest_start - T0).total_seconds() if r.earliest_start else float("inf")
+                limit = limits[r.job_id]
+                out.append((r.job_id, hn.gpus, start, start + limit if limit else float("inf"), hn.strict))
+    return out
+
+
+def _busy_at(holds, t: float, but: str) -> int:
+    """GPUs the reservations in ``holds`` other than ``but``'s occupy at ``t``."""
+    return sum(g for jid, g, start, end, _ in holds if jid != but and start <= t < end)
+
+
+def _usable(j: JobDemand, nid: str, d: Decision, free, rel, now: float, kept: int = 0,
+            jobs: list[JobDemand] | None = None) -> int:
     """GPUs ``j`` could take on ``nid`` after the decision without breaking any hold (the rules,
     written independently of the engine). ``kept``: what the node keeps if it is a healthy one."""
     f = len(free[nid])
     for h in d.recovery_reserve:
         if nid in h.node_ids:
             return f if j.recovering else 0
-    for r in d.reservations:
-        held = {n.node_id: n for n in r.nodes}
-        if nid not in held or r.job_id == j.job_id:
-            continue
-        hn = held[nid]
-        if hn.strict:
-            return max(0, f - max(hn.gpus, kept))
-        start = (r.earliest_start - T0).total_seconds() if r.earliest_start else float("inf")
+    holds = [h for h in _holds(d, jobs or [j], nid) if h[0] != j.job_id]
+    for _, gpus, _, _, strict in holds:
+        if strict:
+            return max(0, f - max(gpus, kept))
+    usable = f
+    for jid, gpus, start, _, _ in holds:
         if _end(j, now) <= start and j.time_limit_s:
-            return f
+            continue  # backfill: back before it starts
         by_start = f + sum(g for e, g in rel[nid] if e <= start and e != float("inf"))
-        return max(0, min(f, by_start - hn.gpus))
-    return f
+        usable = min(usable, by_start - gpus - _busy_at(holds, start, jid))
+    return max(0, usable)
 
 
 @settings(max_examples=400, deadline=None)
@@ -420,7 +438,7 @@ def test_no_job_waits_that_could_fit_without_delaying_a_reservation(scenario):
             if j.gpu_kind not in (None, kind):
                 continue
             fits = [n.node_id for n in nodes if n.gpu_kind == kind and n.node_id not in j.avoid_nodes
-                    and _usable(j, n.node_id, d, free, rel, now, _kept(jobs, tenants, n.node_id))
+                    and _usable(j, n.node_id, d, free, rel, now, _kept(jobs, tenants, n.node_id), jobs)
                     >= j.gpus_per_node]
             assert len(fits) < j.num_nodes, f"{jid} waits ({why}) but fits on {fits}"
 
@@ -436,14 +454,15 @@ def test_reservations_hold_what_their_job_needs_at_the_earliest_start(scenario):
     holders = [r.job_id for r in d.reservations]
     assert len(set(holders)) == len(holders)
     assert sum(1 for jid in holders if not by_id[jid].recovering) <= opts.max_reservations
-    seen: set[str] = set()
+    holding = [nid for r in d.reservations for nid in r.node_ids]
     for r in d.reservations:
         j = by_id[r.job_id]
         assert d.waiting[r.job_id] == WAIT_RESERVED
         # Whole, or only a recovering job's healthy nodes (the rest it needs is held for others).
         assert len(r.nodes) == j.num_nodes or (j.recovering and all(n.strict for n in r.nodes))
-        assert not (set(r.node_ids) & seen)  # a node is in one reservation at most
-        seen |= set(r.node_ids)
+        # Reservations share a node (each occupies its share from its start for its time limit),
+        # but a recovering job's healthy node is its alone.
+        assert all(holding.count(hn.node_id) == 1 for hn in r.nodes if hn.strict)
         start = (r.earliest_start - T0).total_seconds() if r.earliest_start else None
         assert start is None or start >= now
         for hn in r.nodes:
@@ -455,7 +474,8 @@ def test_reservations_hold_what_their_job_needs_at_the_earliest_start(scenario):
                 assert taken <= max(0, initial[hn.node_id] - j.gpus_per_node)
             elif start is not None:
                 by_start = len(free[hn.node_id]) + sum(g for e, g in rel[hn.node_id] if e <= start)
-                assert by_start >= j.gpus_per_node, (r, hn)
+                busy = _busy_at(_holds(d, jobs, hn.node_id), start, r.job_id)
+                assert by_start - busy >= j.gpus_per_node, (r, hn)
 
 
 @settings(max_examples=400, deadline=None)
