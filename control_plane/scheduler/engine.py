@@ -234,9 +234,12 @@ class Pass:
                 self._drop(self.res_of.get(j.job_id))
                 continue
             jend = self.now + j.time_limit_s if j.time_limit_s else INF
+            queued = self.held_for_queue
             placement = self.try_place(j, jend)
             if placement is not None:
                 self.decision.placements.append(placement)
+                if self.held_for_queue < queued:
+                    self._reserve_again(blocked)
                 continue
             waiting[j.job_id] = self._blocked(j)
             blocked.append((j, jend, self.drops))
@@ -265,12 +268,25 @@ class Pass:
                     self.decision.waiting[j.job_id] = WAIT_QUOTA
                     self._drop(self.res_of.get(j.job_id))
                     continue
+                queued = self.held_for_queue
                 placement = self.try_place(j, jend)
                 if placement is not None:
                     self.decision.placements.append(placement)
                     del self.decision.waiting[j.job_id]
+                    if self.held_for_queue < queued:
+                        self._reserve_again(again)
                 else:
                     blocked.append((j, jend, self.drops))
+
+    def _reserve_again(self, blocked: list[tuple[JobDemand, float, int]]) -> None:
+        """A job that started gave its reservation up: the jobs blocked before it without one (the
+        reservations were all taken) get it, in service order, before any job served later."""
+        waiting = self.decision.waiting
+        for j, _, _ in blocked:
+            if not self._may_reserve_more():
+                return
+            if waiting.get(j.job_id) == WAIT_CAPACITY and j.job_id not in self.res_of:
+                waiting[j.job_id] = self._blocked(j)
 
     def _blocked(self, j: JobDemand) -> str:
         """``j`` does not fit now: keep, improve or make its reservation. Returns the wait reason."""
@@ -549,11 +565,13 @@ class Pass:
         start = self._common_start(j, chosen, max(ready[n.id] for n in chosen))
         return None if start is None else (start, chosen)
 
-    def _common_start(self, j: JobDemand, nodes: list[_Node], t: float) -> float | None:
+    def _common_start(self, j: JobDemand, nodes: list[_Node], t: float,
+                      among: set[_Res] | None = None) -> float | None:
         """The earliest time from ``t`` at which ``j``'s reservation fits on all ``nodes`` beside
-        their other reservations (None: never, with a known start, where it shares a node)."""
+        their other reservations (those in ``among``, if given; None: never, with a known start,
+        where it shares a node)."""
         g, limit = j.gpus_per_node, j.time_limit_s or INF
-        beside = [(n, [h for h in n.holds if h.job is not j]) for n in nodes]
+        beside = [(n, self._beside(j, n, among)) for n in nodes]
         while t < INF:
             if all(not hs or n.fits(g, t, t + limit, hs) for n, hs in beside):
                 return t
@@ -633,25 +651,46 @@ class Pass:
                 continue
             self._establish(j, start, kept)
             kept_res.append(self.res_of[job_id])
-        for res in kept_res:
-            # Earlier where it can be; later only if its start can no longer be kept.
-            better = self._earliest_beside(res.job, res.nodes)
-            if better is not None and better != res.start:
+        for i, res in enumerate(kept_res):
+            earlier = set(kept_res[:i])
+            if self._fits_at(res, earlier):
+                # Earlier where that delays none of the others.
+                better = self._earliest_beside(res.job, res.nodes)
+                better = better if better is not None and better < res.start else None
+            else:
+                # What it waits for ends later than the last pass counted on (an attempt still
+                # stopping): it goes later, before the reservations made after it (they move).
+                better = self._earliest_beside(res.job, res.nodes, earlier)
+            if better is not None:
                 res.start = better
                 for n in res.nodes:
                     self.pool_of[n.id].reindex(n)
                 self.starts = None
 
-    def _earliest_beside(self, j: JobDemand, nodes: list[_Node]) -> float | None:
+    @staticmethod
+    def _beside(j: JobDemand, n: _Node, among: set[_Res] | None) -> list[_Res]:
+        return [h for h in n.holds if h.job is not j and (among is None or h in among)]
+
+    def _fits_at(self, res: _Res, among: set[_Res]) -> bool:
+        """Whether ``res`` can start at its start beside the reservations in ``among``."""
+        g = res.share
+        if res.start == INF:
+            return True
+        if res.start < self.now:
+            return False
+        return all(n.fits(g, res.start, res.end, hs) if (hs := self._beside(res.job, n, among))
+                   else n.free_by(res.start) >= g for n in res.nodes)
+
+    def _earliest_beside(self, j: JobDemand, nodes: list[_Node], among: set[_Res] | None = None) -> float | None:
         g, limit = j.gpus_per_node, j.time_limit_s or INF
         t = 0.0
         for n in nodes:
-            holds = [h for h in n.holds if h.job is not j]
+            holds = self._beside(j, n, among)
             ready = n.ready_beside(g, limit, self.now, holds)
             if holds and ready == INF:
                 return None
             t = max(t, ready)
-        return self._common_start(j, nodes, t)
+        return self._common_start(j, nodes, t, among)
 
     def _hold_healthy(self) -> None:
         """Hold every recovering job's healthy nodes from the start of the pass: nobody else, not

@@ -504,63 +504,134 @@ def test_a_blocked_recovering_job_keeps_its_healthy_nodes(scenario):
                 assert _taken_by_strangers(d, jobs, hn.node_id, j) <= max(0, len(n.free) - j.gpus_per_node)
 
 
+MAX_STOP = 3
+"""Seconds an attempt may take to stop (its GPUs held) in the simulations."""
+
+
 @st.composite
-def streams(draw):
-    """A cluster with running jobs and a stream of arriving jobs, each with a time limit (a few
-    without) and a run time within it."""
+def streams(draw, *, limited: bool = False, one_class: bool = False):
+    """A cluster and a stream of arriving jobs, each with a time limit (a few without, unless
+    ``limited``), a run time and a stop time (the attempt is stopping, its GPUs still held) that
+    end within it. ``one_class``: one tenant and one priority (service order is submit order)."""
     nodes = [(f"n{i}", draw(st.sampled_from((2, 4)))) for i in range(draw(st.integers(2, 5)))]
     jobs = []
     for i in range(draw(st.integers(1, 14))):
-        limit = draw(st.one_of(st.none(), st.integers(5, 200)))
+        limit = draw(st.integers(5, 200) if limited else st.one_of(st.none(), st.integers(5, 200)))
         runs = draw(st.integers(1, limit)) if limit else draw(st.integers(1, 200))
-        jobs.append((draw(st.integers(0, 150)), JobDemand(
+        stops = draw(st.integers(0, min(MAX_STOP, limit - runs) if limit else MAX_STOP))
+        arrives = draw(st.integers(0, 150))
+        jobs.append((arrives, JobDemand(
             job_id=f"j{i}", num_nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.sampled_from((1, 2, 4))),
-            submitted_at=at(i), tenant=draw(st.sampled_from(("t1", "t2"))), time_limit_s=limit,
-            priority=draw(st.sampled_from((0, 0, 1))),
-        ), runs))
-    return nodes, jobs, draw(st.integers(1, 3))
+            submitted_at=at(arrives + i / 1000), tenant="t1" if one_class else draw(st.sampled_from(("t1", "t2"))),
+            time_limit_s=limit, priority=0 if one_class else draw(st.sampled_from((0, 0, 1))),
+        ), runs, stops))
+    # A 1-GPU stream: the shape of finding 15 (small jobs keep the queue deep before a gang).
+    if draw(st.booleans()):
+        first = draw(st.integers(0, 20))
+        for k in range(draw(st.integers(4, 16))):
+            i = len(jobs)
+            arrives = first + k * draw(st.integers(0, 4))
+            jobs.append((arrives, JobDemand(
+                job_id=f"j{i}", num_nodes=1, gpus_per_node=1, submitted_at=at(arrives + i / 1000), tenant="t1",
+                time_limit_s=40), 8, draw(st.integers(0, 2))))
+    return nodes, jobs, draw(st.integers(1, 4))
+
+
+def _simulate(stream, check=None) -> None:
+    """Passes at every arrival, every end of a run (the attempt is then stopping: the pass sees its
+    GPUs held, released now) and every release, as allocate.py feeds them: a starting or running
+    attempt holds its GPUs until its allocation + its time limit. Jobs end within their limits.
+    Once a job holds a reservation with a known earliest start, it starts by then (give or take
+    MAX_STOP: the pass counts a stopping attempt's GPUs as released now).
+    ``check(now, waiting, decision)`` runs after every pass."""
+    node_specs, arrivals, depth = stream
+    now = 0.0
+    running: dict[str, tuple[dict[str, tuple[int, ...]], float, float | None]] = {}  # job -> gpus, ends, limit end
+    stopping: dict[str, tuple[dict[str, tuple[int, ...]], float]] = {}  # job -> gpus, released at
+    waiting: list[JobDemand] = []
+    pending = sorted(arrivals, key=lambda a: (a[0], a[1].job_id))
+    runs = {j.job_id: (r, stop) for _, j, r, stop in arrivals}
+    promise: dict[str, float] = {}
+    previous: dict[str, tuple[str, ...]] = {}
+    starts: dict[str, datetime | None] = {}
+    opts = PolicyOptions(max_reservations=depth)
+    for _ in range(400):
+        waiting += [j for t, j, _, _ in pending if t <= now]
+        pending = [a for a in pending if a[0] > now]
+        for jid in [jid for jid, (_, ends, _) in running.items() if ends <= now]:
+            gpus, ends, _ = running.pop(jid)
+            stopping[jid] = (gpus, ends + runs[jid][1])
+        for jid in [jid for jid, (_, released) in stopping.items() if released <= now]:
+            del stopping[jid]
+        caps = []
+        for name, total in node_specs:
+            held = [(gpus[name], at(e) if e is not None else None) for gpus, _, e in running.values() if name in gpus]
+            held += [(gpus[name], at(now)) for gpus, _ in stopping.values() if name in gpus]
+            used = {i for g, _ in held for i in g}
+            caps.append(NodeCapacity(
+                node_id=name, name=name, total=total, free=tuple(i for i in range(total) if i not in used),
+                running=tuple(Running(gpus=len(g), ends_at=e) for g, e in held)))
+        d = decide(waiting, caps, now=at(now), previous=previous, previous_starts=starts, options=opts)
+        if check is not None:
+            check(now, waiting, d)
+        for p in d.placements:
+            if p.job_id in promise:
+                assert now <= promise[p.job_id] + MAX_STOP + 1e-6, f"{p.job_id} started at {now}, promised {promise[p.job_id]}"
+            j = next(w for w in waiting if w.job_id == p.job_id)
+            running[p.job_id] = (dict(p.nodes), now + runs[p.job_id][0],
+                                 now + j.time_limit_s if j.time_limit_s else None)
+        admitted = {p.job_id for p in d.placements}
+        waiting = [w for w in waiting if w.job_id not in admitted]
+        previous = {r.job_id: r.node_ids for r in d.reservations}
+        starts = {r.job_id: r.earliest_start for r in d.reservations}
+        for r in d.reservations:
+            if r.earliest_start is not None and r.job_id not in promise:
+                promise[r.job_id] = (r.earliest_start - T0).total_seconds()
+        events = ([ends for _, ends, _ in running.values() if ends > now]
+                  + [released for _, released in stopping.values()] + [t for t, _, _, _ in pending])
+        if not events:
+            break
+        now = min(events)
 
 
 @settings(max_examples=250, deadline=None)
 @given(streams())
 def test_a_reserved_job_starts_no_later_than_its_earliest_start(stream):
-    """Simulate passes at every arrival and end; jobs end within their time limits. Once a job
-    holds a reservation with a known earliest start, it starts by then."""
-    node_specs, arrivals, depth = stream
-    now = 0.0
-    running: dict[str, tuple[dict[str, tuple[int, ...]], float, float | None]] = {}  # job -> gpus, ends, limit end
-    waiting: list[JobDemand] = []
-    pending = sorted(arrivals, key=lambda a: (a[0], a[1].job_id))
-    runs = {j.job_id: r for _, j, r in arrivals}
-    promise: dict[str, float] = {}
-    previous: dict[str, tuple[str, ...]] = {}
-    opts = PolicyOptions(max_reservations=depth)
-    for _ in range(200):
-        waiting += [j for t, j, _ in pending if t <= now]
-        pending = [a for a in pending if a[0] > now]
-        for jid in [jid for jid, (_, ends, _) in running.items() if ends <= now]:
-            del running[jid]
-        caps = []
-        for name, total in node_specs:
-            held = [(g, limit_end) for gpus, _, limit_end in running.values() for nid, g in gpus.items() if nid == name]
-            used = {i for gpus, _, _ in running.values() for i in gpus.get(name, ())}
-            caps.append(NodeCapacity(
-                node_id=name, name=name, total=total, free=tuple(i for i in range(total) if i not in used),
-                running=tuple(Running(gpus=len(g), ends_at=at(e) if e is not None else None) for g, e in held)))
-        d = decide(waiting, caps, now=at(now), previous=previous, options=opts)
-        for p in d.placements:
-            if p.job_id in promise:
-                assert now <= promise[p.job_id] + 1e-6, f"{p.job_id} started at {now}, promised {promise[p.job_id]}"
-            j = next(w for w in waiting if w.job_id == p.job_id)
-            running[p.job_id] = (dict(p.nodes), now + runs[p.job_id],
-                                 now + j.time_limit_s if j.time_limit_s else None)
-        admitted = {p.job_id for p in d.placements}
-        waiting = [w for w in waiting if w.job_id not in admitted]
-        previous = {r.job_id: r.node_ids for r in d.reservations}
-        for r in d.reservations:
-            if r.earliest_start is not None and r.job_id not in promise:
-                promise[r.job_id] = (r.earliest_start - T0).total_seconds()
-        events = [ends for _, ends, _ in running.values() if ends > now] + [t for t, _, _ in pending]
-        if not events:
-            break
-        now = min(events)
+    _simulate(stream)
+
+
+def _could_ever_fit(j: JobDemand, node_specs) -> bool:
+    return sum(1 for _, total in node_specs if total >= j.gpus_per_node) >= j.num_nodes
+
+
+@settings(max_examples=250, deadline=None)
+@given(streams(limited=True))
+def test_a_blocked_job_holds_a_reservation_while_there_are_fewer_than_the_cap(stream):
+    """Finding 15: with every job limited, each pass gives every blocked job that could ever fit a
+    reservation until ``max_reservations`` are held. (Reservations held a node whole, so a gang
+    behind two 1-GPU reservations on a 2-node cluster reserved nothing, and the 1-GPU jobs after it
+    started before it, for ever.)"""
+    node_specs, _, depth = stream
+
+    def check(now: float, waiting: list[JobDemand], d: Decision) -> None:
+        holders = {r.job_id for r in d.reservations}
+        bare = [j.job_id for j in waiting if j.job_id in d.waiting and j.job_id not in holders
+                and _could_ever_fit(j, node_specs)]
+        assert not bare or len(holders) == depth, f"at {now}: {bare} hold nothing; {len(holders)} of {depth} held"
+
+    _simulate(stream, check)
+
+
+@settings(max_examples=250, deadline=None)
+@given(streams(limited=True, one_class=True))
+def test_the_first_blocked_jobs_in_service_order_hold_the_reservations(stream):
+    """One tenant, one priority: the reservations are held by the earliest submitted blocked jobs
+    (those that could ever fit), so a job submitted later never takes a reservation's place."""
+    node_specs, _, depth = stream
+
+    def check(now: float, waiting: list[JobDemand], d: Decision) -> None:
+        blocked = sorted((j for j in waiting if j.job_id in d.waiting and _could_ever_fit(j, node_specs)),
+                         key=lambda j: j.submitted_at)
+        assert {r.job_id for r in d.reservations} == {j.job_id for j in blocked[:depth]}, now
+
+    _simulate(stream, check)
