@@ -576,7 +576,8 @@ def _simulate(stream, check=None) -> None:
             check(now, waiting, d)
         for p in d.placements:
             if p.job_id in promise:
-                assert now <= promise[p.job_id] + MAX_STOP + 1e-6, f"{p.job_id} started at {now}, promised {promise[p.job_id]}"
+                late = f"{p.job_id} started at {now}, promised {promise[p.job_id]}"
+                assert now <= promise[p.job_id] + MAX_STOP + 1e-6, late
             j = next(w for w in waiting if w.job_id == p.job_id)
             running[p.job_id] = (dict(p.nodes), now + runs[p.job_id][0],
                                  now + j.time_limit_s if j.time_limit_s else None)
