@@ -247,9 +247,10 @@ class Pass:
                 for rest in order:
                     waiting[rest.job_id] = WAIT_BEHIND
             elif self.free_total == 0 and not j.recovering and not self._may_reserve_more():
-                # Nothing can be placed and no reservation made (recovering jobs come first).
+                # Nothing can be placed and no reservation made (recovering jobs come first); a
+                # job served later may still hold the reservation kept from the last pass.
                 for rest in order:
-                    waiting[rest.job_id] = WAIT_CAPACITY
+                    waiting[rest.job_id] = WAIT_RESERVED if rest.job_id in self.res_of else WAIT_CAPACITY
         if self.opts.mode != "fifo":
             self._retry(blocked)
         self._report()

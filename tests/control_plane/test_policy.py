@@ -447,7 +447,13 @@ def test_no_job_waits_that_could_fit_without_delaying_a_reservation(scenario):
 @given(scenarios())
 def test_reservations_hold_what_their_job_needs_at_the_earliest_start(scenario):
     nodes, jobs, tenants, opts, now = scenario
-    d = decide(jobs, nodes, now=at(now), tenants=tenants, options=opts)
+    _assert_holds(nodes, jobs, decide(jobs, nodes, now=at(now), tenants=tenants, options=opts), opts, now)
+
+
+def _assert_holds(nodes: list[NodeCapacity], jobs: list[JobDemand], d: Decision, opts: PolicyOptions,
+                  now: float) -> None:
+    """What the placements left of every reservation's nodes is what it needs at its earliest start,
+    beside the other reservations there (and a healthy node is its recovering job's alone)."""
     free, rel = _final_state(nodes, d, jobs, now)
     initial = {n.node_id: len(n.free) for n in nodes}
     by_id = {j.job_id: j for j in jobs}
@@ -543,7 +549,8 @@ def _simulate(stream, check=None) -> None:
     attempt holds its GPUs until its allocation + its time limit. Jobs end within their limits.
     Once a job holds a reservation with a known earliest start, it starts by then (give or take
     MAX_STOP: the pass counts a stopping attempt's GPUs as released now).
-    ``check(now, waiting, decision)`` runs after every pass."""
+    Every pass leaves each reservation what it needs at its start (``_assert_holds``);
+    ``check(now, waiting, decision)`` runs after it."""
     node_specs, arrivals, depth = stream
     now = 0.0
     running: dict[str, tuple[dict[str, tuple[int, ...]], float, float | None]] = {}  # job -> gpus, ends, limit end
@@ -572,6 +579,7 @@ def _simulate(stream, check=None) -> None:
                 node_id=name, name=name, total=total, free=tuple(i for i in range(total) if i not in used),
                 running=tuple(Running(gpus=len(g), ends_at=e) for g, e in held)))
         d = decide(waiting, caps, now=at(now), previous=previous, previous_starts=starts, options=opts)
+        _assert_holds(caps, waiting, d, opts, now)
         if check is not None:
             check(now, waiting, d)
         for p in d.placements:
