@@ -362,7 +362,8 @@ def schedule_pass(
         for row in [configured.get(name)]
     }
     decision = decide(queue, state.capacity, now=at, tenants=shares,
-                      previous=reservations.previous(session), options=options)
+                      previous=reservations.previous(session), options=options,
+                      previous_starts=reservations.previous_starts(session))
     admitted = _admit(session, settings, decision.placements, state.nodes)
     _account(session, at, decision, admitted, state)
     session.commit()

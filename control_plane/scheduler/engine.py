@@ -36,20 +36,34 @@ from control_plane.scheduler.model import (
 
 class _Res:
     """A reservation being built or kept during a pass; ``partial``: only a recovering job's healthy
-    nodes, held from the start of the pass until the job's turn completes or drops it."""
+    nodes, held from the start of the pass until the job's turn completes or drops it.
 
-    __slots__ = ("job", "start", "nodes", "partial")
+    It occupies its job's share of each of its nodes from ``start`` to ``end`` (start + the job's
+    time limit): later reservations are planned around that interval, so several can share a node
+    (a 1-GPU reservation does not keep a 2-node gang from reserving the node's other GPUs)."""
+
+    __slots__ = ("job", "start", "nodes", "partial", "share")
 
     def __init__(self, job: JobDemand, start: float, nodes: list[_Node], partial: bool = False) -> None:
         self.job = job
         self.start = start
         self.nodes = nodes
         self.partial = partial
+        self.share = job.gpus_per_node
+
+    @property
+    def end(self) -> float:
+        limit = self.job.time_limit_s
+        return self.start + limit if limit and self.start < INF else INF
+
+
+def _need(h: _Res, holds: list[_Res]) -> int:
+    """GPUs the reservations ``holds`` of one node occupy at ``h``'s start (``h``'s own share included)."""
+    return h.share + sum(k.share for k in holds if k is not h and k.start <= h.start < k.end)
 
 
 class _Node:
-    __slots__ = ("id", "name", "kind", "label", "total", "free", "rel", "res", "share", "avail", "strict", "guard",
-                 "reserve", "key")
+    __slots__ = ("id", "name", "kind", "label", "total", "free", "rel", "holds", "strict", "guard", "reserve", "key")
 
     def __init__(self, cap: NodeCapacity, label_key: str | None) -> None:
         self.id = cap.node_id
@@ -60,10 +74,8 @@ class _Node:
         self.free = sorted(cap.free)
         # (release time, GPUs) of what runs here, including what this pass places.
         self.rel = [(r.ends_at.timestamp() if r.ends_at is not None else INF, r.gpus) for r in cap.running]
-        self.res: _Res | None = None
-        self.share = 0  # the reservation's GPUs per node
-        self.avail = 0  # GPUs free at the reservation's start, given what runs and was placed
-        self.strict = False
+        self.holds: list[_Res] = []  # the reservations on it, in the order they were made
+        self.strict = False  # a recovering job's healthy node: its only reservation is that job's
         self.guard = 0  # strict: GPUs kept from others (the largest share among its recovering jobs)
         self.reserve = False
         self.key = -1  # the bucket it is in (-1: none)
@@ -71,11 +83,47 @@ class _Node:
     def general(self) -> int:
         """GPUs an ordinary job (no reservation of its own, no backfill) may take here."""
         f = len(self.free)
-        if self.res is None:
+        if not self.holds:
             return f
         if self.strict:
             return max(0, f - self.guard)
-        return max(0, min(f, self.avail - self.share))
+        return max(0, min(f, min(self.room(h, self.holds) for h in self.holds)))
+
+    def allowed(self, j: JobDemand, jend: float) -> int:
+        """GPUs ``j`` (ending by ``jend``) may take here now without delaying a reservation: its
+        own is ignored, one starting no earlier than ``jend`` is backfilled."""
+        f = len(self.free)
+        if not self.holds:
+            return f
+        own = [h for h in self.holds if h.job is j]
+        if self.strict:
+            return f if own else self.general()
+        others = [h for h in self.holds if h.job is not j]
+        rooms = [self.room(h, others) for h in others if not (jend < INF and jend <= h.start)]
+        return max(0, min(f, *rooms)) if rooms else f
+
+    def room(self, h: _Res, holds: list[_Res]) -> int:
+        """GPUs free now that a job running past ``h``'s start may take without delaying it."""
+        return self.free_by(h.start) - _need(h, holds)
+
+    def fits(self, g: int, t: float, end: float, holds: list[_Res]) -> bool:
+        """Whether a reservation of ``g`` GPUs from ``t`` to ``end`` fits here beside ``holds``."""
+        if self.free_by(t) < g + sum(k.share for k in holds if k.start <= t < k.end):
+            return False
+        return all(self.free_by(k.start) >= _need(k, holds) + g for k in holds if t <= k.start < end)
+
+    def times(self, now: float, holds: list[_Res]) -> list[float]:
+        """When what is free here can grow: now, releases, the ends of ``holds``."""
+        return sorted({now} | {e for e, _ in self.rel if now < e < INF} | {k.end for k in holds if now < k.end < INF})
+
+    def ready_beside(self, g: int, limit: float, now: float, holds: list[_Res]) -> float:
+        """The earliest start of a reservation of ``g`` GPUs for ``limit`` seconds beside ``holds``."""
+        if not holds:
+            return self.ready_at(g, now)
+        for t in self.times(now, holds):
+            if self.fits(g, t, t + limit, holds):
+                return t
+        return INF
 
     def ready_at(self, gpus: int, now: float) -> float:
         """When ``gpus`` GPUs are free here at the latest, if jobs end by their time limits."""
@@ -130,8 +178,10 @@ class Pass:
         tenants: Mapping[str, TenantShare],
         previous: Mapping[str, Sequence[str]],
         options: PolicyOptions,
+        previous_starts: Mapping[str, datetime | None] | None = None,
     ) -> None:
         self.jobs = jobs
+        self.previous_starts = previous_starts or {}
         self.now = now.timestamp()
         self.opts = options
         self.tenants = tenants
@@ -184,9 +234,12 @@ class Pass:
                 self._drop(self.res_of.get(j.job_id))
                 continue
             jend = self.now + j.time_limit_s if j.time_limit_s else INF
+            queued = self.held_for_queue
             placement = self.try_place(j, jend)
             if placement is not None:
                 self.decision.placements.append(placement)
+                if self.held_for_queue < queued:
+                    self._reserve_again(blocked)
                 continue
             waiting[j.job_id] = self._blocked(j)
             blocked.append((j, jend, self.drops))
@@ -194,9 +247,10 @@ class Pass:
                 for rest in order:
                     waiting[rest.job_id] = WAIT_BEHIND
             elif self.free_total == 0 and not j.recovering and not self._may_reserve_more():
-                # Nothing can be placed and no reservation made (recovering jobs come first).
+                # Nothing can be placed and no reservation made (recovering jobs come first); a
+                # job served later may still hold the reservation kept from the last pass.
                 for rest in order:
-                    waiting[rest.job_id] = WAIT_CAPACITY
+                    waiting[rest.job_id] = WAIT_RESERVED if rest.job_id in self.res_of else WAIT_CAPACITY
         if self.opts.mode != "fifo":
             self._retry(blocked)
         self._report()
@@ -215,12 +269,25 @@ class Pass:
                     self.decision.waiting[j.job_id] = WAIT_QUOTA
                     self._drop(self.res_of.get(j.job_id))
                     continue
+                queued = self.held_for_queue
                 placement = self.try_place(j, jend)
                 if placement is not None:
                     self.decision.placements.append(placement)
                     del self.decision.waiting[j.job_id]
+                    if self.held_for_queue < queued:
+                        self._reserve_again(again)
                 else:
                     blocked.append((j, jend, self.drops))
+
+    def _reserve_again(self, blocked: list[tuple[JobDemand, float, int]]) -> None:
+        """A job that started gave its reservation up: the jobs blocked before it without one (the
+        reservations were all taken) get it, in service order, before any job served later."""
+        waiting = self.decision.waiting
+        for j, _, _ in blocked:
+            if not self._may_reserve_more():
+                return
+            if waiting.get(j.job_id) == WAIT_CAPACITY and j.job_id not in self.res_of:
+                waiting[j.job_id] = self._blocked(j)
 
     def _blocked(self, j: JobDemand) -> str:
         """``j`` does not fit now: keep, improve or make its reservation. Returns the wait reason."""
@@ -300,12 +367,8 @@ class Pass:
         """GPUs ``j`` may take on ``n`` now without delaying any reservation."""
         if n.reserve:
             return len(n.free) if j.recovering else 0
-        r = n.res
-        if r is None or r.job is j:
-            return len(n.free)
-        if not n.strict and jend < INF and jend <= r.start:
-            return len(n.free)  # backfill: its GPUs are back before the reservation starts
-        return n.general()
+        # Backfill (its GPUs are back before a reservation starts) or beyond what they need then.
+        return n.allowed(j, jend)
 
     def _special(self, j: JobDemand, jend: float, pool: _Pool, g: int) -> tuple[list[_Node], list[_Node]]:
         """Nodes where ``j`` may take more than an ordinary job and that hold its share: (its own
@@ -313,12 +376,16 @@ class Pass:
         a recovering job, to use last)."""
         own: list[_Node] = []
         holes: list[_Node] = []
+        seen: set[str] = set()
         for r in self.res_of.values():
-            if r.job is j:
-                own += [n for n in r.nodes if n.key < g <= len(n.free) and self.pool_of[n.id] is pool]
-            elif jend < INF and jend <= r.start:
-                holes += [n for n in r.nodes if not n.strict and n.key < g <= len(n.free)
-                          and self.pool_of[n.id] is pool]
+            mine = r.job is j
+            if not (mine or (jend < INF and jend <= r.start)):
+                continue
+            for n in r.nodes:
+                if (n.id not in seen and n.key < g <= len(n.free) and self.pool_of[n.id] is pool
+                        and (mine or not n.strict) and n.allowed(j, jend) >= g):
+                    seen.add(n.id)
+                    (own if mine else holes).append(n)
         holes.sort(key=lambda n: (len(n.free), n.name))
         spare = [n for n in pool.reserve if len(n.free) >= g] if j.recovering else []
         return own + holes, spare
@@ -412,12 +479,8 @@ class Pass:
         for n in sorted(chosen, key=lambda n: n.name):
             taken = tuple(n.free[:g])
             del n.free[:g]
-            r = n.res
-            if r is not None and r.job is not j:
-                if not n.strict and jend < INF and jend <= r.start:
-                    backfill = True  # back before the start: what the reservation counts on is intact
-                else:
-                    n.avail -= g
+            if not n.strict and any(r.job is not j and jend < INF and jend <= r.start for r in n.holds):
+                backfill = True  # back before a start: what that reservation counts on is intact
             from_reserve |= n.reserve
             n.rel.append((jend, g))
             pool.reindex(n)
@@ -467,12 +530,20 @@ class Pass:
         if g > pool.maxcap:
             return None
         prefer = j.prefer_nodes if j.recovering else frozenset()
+        limit = j.time_limit_s or INF
         forced: list[tuple[float, _Node]] = []
         others: list[tuple[float, int, str, _Node]] = []
         for n in pool.nodes:
-            if n.total < g or n.id in j.avoid_nodes or n.reserve or (n.res is not None and n.res.job is not j):
+            if n.total < g or n.id in j.avoid_nodes or n.reserve:
                 continue
-            t = n.ready_at(g, self.now)
+            holds = [h for h in n.holds if h.job is not j]
+            # A node held strictly, partly or for an unknown start (or a healthy node, which its
+            # job holds strictly) is not shared; otherwise the job is planned around the holds.
+            if holds and (n.strict or n.id in prefer or any(h.partial or h.start == INF for h in holds)):
+                continue
+            t = n.ready_beside(g, limit, self.now, holds)
+            if holds and t == INF:
+                continue
             if n.id in prefer:
                 forced.append((t, n))
             else:
@@ -492,7 +563,21 @@ class Pass:
             assert picked is not None  # at least ``need`` nodes are within the cutoff
             chosen = picked
         ready = {n.id: t for t, n in forced} | {x[3].id: x[0] for x in others}
-        return max(ready[n.id] for n in chosen), chosen
+        start = self._common_start(j, chosen, max(ready[n.id] for n in chosen))
+        return None if start is None else (start, chosen)
+
+    def _common_start(self, j: JobDemand, nodes: list[_Node], t: float,
+                      among: set[_Res] | None = None) -> float | None:
+        """The earliest time from ``t`` at which ``j``'s reservation fits on all ``nodes`` beside
+        their other reservations (those in ``among``, if given; None: never, with a known start,
+        where it shares a node)."""
+        g, limit = j.gpus_per_node, j.time_limit_s or INF
+        beside = [(n, self._beside(j, n, among)) for n in nodes]
+        while t < INF:
+            if all(not hs or n.fits(g, t, t + limit, hs) for n, hs in beside):
+                return t
+            t = min((x for n, hs in beside for x in n.times(self.now, hs) if x > t), default=INF)
+        return INF if all(not hs for _, hs in beside) else None
 
     def _establish(self, j: JobDemand, start: float, nodes: list[_Node], partial: bool = False) -> None:
         res = _Res(j, start, [], partial)
@@ -506,11 +591,10 @@ class Pass:
     def _attach(self, res: _Res, n: _Node) -> None:
         j = res.job
         res.nodes.append(n)
-        n.res = res
-        n.share = j.gpus_per_node
-        n.strict = j.recovering and n.id in j.prefer_nodes
-        n.guard = max(j.gpus_per_node, self.guard_of.get(n.id, 0)) if n.strict else 0
-        n.avail = n.free_by(res.start)
+        n.holds.append(res)
+        if j.recovering and n.id in j.prefer_nodes:  # only on a node no other reservation holds
+            n.strict = True
+            n.guard = max(j.gpus_per_node, self.guard_of.get(n.id, 0))
         self.pool_of[n.id].reindex(n)
 
     def _replace(self, old: _Res, start: float, nodes: list[_Node]) -> None:
@@ -518,7 +602,7 @@ class Pass:
         self._drop(old, rehold=False)
         self._establish(old.job, start, nodes)
         if old.job.recovering and self.unserved:
-            self._rehold([n for n in old.nodes if n.res is None])
+            self._rehold([n for n in old.nodes if not n.holds])
 
     def _drop(self, res: _Res | None, *, rehold: bool = True) -> None:
         if res is None:
@@ -528,22 +612,29 @@ class Pass:
         self.starts = None
         self.drops += 1
         for n in res.nodes:
-            n.res = None
-            n.strict = False
+            n.holds.remove(res)
+            if not n.holds:
+                n.strict = False
+                n.guard = 0
             self.pool_of[n.id].reindex(n)
         self.failed.clear()  # capacity grew: shapes that failed may fit now
         if rehold and res.job.recovering and self.unserved:
             self._rehold(res.nodes)
 
     def _keep_previous(self, jobs: Mapping[str, JobDemand]) -> None:
-        """Re-establish last pass's reservations on the same nodes while they can hold the job."""
+        """Re-establish last pass's reservations on the same nodes while they can hold the job:
+        first all at their last earliest start (later ones were planned around earlier ones, and
+        the other way round), then each moved to its earliest start beside all the others (earlier,
+        unless what it waits for now ends later than the last pass counted on)."""
+        kept_res: list[_Res] = []
         for job_id, node_ids in self.previous.items():
             j = jobs.get(job_id)
             if j is None or not (j.recovering or self._may_reserve_more()):
                 continue
             nodes = [self.by_id.get(nid) for nid in node_ids]
             if len(nodes) != j.num_nodes or any(
-                n is None or n.res is not None or n.total < j.gpus_per_node or n.id in j.avoid_nodes
+                n is None or n.strict or (n.holds and (j.recovering and n.id in j.prefer_nodes))
+                or n.total < j.gpus_per_node or n.id in j.avoid_nodes
                 or (n.id in self.healthy and n.id not in j.prefer_nodes)
                 or (j.gpu_kind is not None and n.kind != j.gpu_kind)
                 for n in nodes
@@ -552,8 +643,55 @@ class Pass:
             kept = [n for n in nodes if n is not None]
             if len({n.kind for n in kept}) != 1:
                 continue
-            start = max(n.ready_at(j.gpus_per_node, self.now) for n in kept)
+            if job_id in self.previous_starts:
+                last = self.previous_starts[job_id]
+                start: float | None = max(self.now, last.timestamp()) if last is not None else INF
+            else:
+                start = self._earliest_beside(j, kept)
+            if start is None:
+                continue
             self._establish(j, start, kept)
+            kept_res.append(self.res_of[job_id])
+        for i, res in enumerate(kept_res):
+            earlier = set(kept_res[:i])
+            if self._fits_at(res, earlier):
+                # Earlier where that delays none of the others.
+                better = self._earliest_beside(res.job, res.nodes)
+                better = better if better is not None and better < res.start else None
+            else:
+                # What it waits for ends later than the last pass counted on (an attempt still
+                # stopping): it goes later, before the reservations made after it (they move).
+                better = self._earliest_beside(res.job, res.nodes, earlier)
+            if better is not None:
+                res.start = better
+                for n in res.nodes:
+                    self.pool_of[n.id].reindex(n)
+                self.starts = None
+
+    @staticmethod
+    def _beside(j: JobDemand, n: _Node, among: set[_Res] | None) -> list[_Res]:
+        return [h for h in n.holds if h.job is not j and (among is None or h in among)]
+
+    def _fits_at(self, res: _Res, among: set[_Res]) -> bool:
+        """Whether ``res`` can start at its start beside the reservations in ``among``."""
+        g = res.share
+        if res.start == INF:
+            return True
+        if res.start < self.now:
+            return False
+        return all(n.fits(g, res.start, res.end, hs) if (hs := self._beside(res.job, n, among))
+                   else n.free_by(res.start) >= g for n in res.nodes)
+
+    def _earliest_beside(self, j: JobDemand, nodes: list[_Node], among: set[_Res] | None = None) -> float | None:
+        g, limit = j.gpus_per_node, j.time_limit_s or INF
+        t = 0.0
+        for n in nodes:
+            holds = self._beside(j, n, among)
+            ready = n.ready_beside(g, limit, self.now, holds)
+            if holds and ready == INF:
+                return None
+            t = max(t, ready)
+        return self._common_start(j, nodes, t, among)
 
     def _hold_healthy(self) -> None:
         """Hold every recovering job's healthy nodes from the start of the pass: nobody else, not
@@ -571,7 +709,7 @@ class Pass:
         by_kind: dict[str, list[_Node]] = {}
         for nid in sorted(j.prefer_nodes):
             n = self.by_id.get(nid)
-            if (n is not None and n.res is None and not n.reserve and n.total >= j.gpus_per_node
+            if (n is not None and not n.holds and not n.reserve and n.total >= j.gpus_per_node
                     and nid not in j.avoid_nodes and (j.gpu_kind is None or n.kind == j.gpu_kind)):
                 by_kind.setdefault(n.kind, []).append(n)
         if held is not None:
@@ -596,7 +734,7 @@ class Pass:
             want = self.opts.reserve_nodes(pool.kind)
             if not want:
                 continue
-            free_nodes = sorted((n for n in pool.nodes if n.res is None and n.id not in self.healthy),
+            free_nodes = sorted((n for n in pool.nodes if not n.holds and n.id not in self.healthy),
                                 key=lambda n: (-len(n.free), n.name))
             for n in free_nodes[:want]:
                 n.reserve = True
@@ -608,8 +746,10 @@ class Pass:
             self.decision.reservations.append(Reservation(
                 job_id=res.job.job_id,
                 earliest_start=datetime.fromtimestamp(res.start, UTC) if res.start < INF else None,
-                nodes=tuple(HeldNode(node_id=n.id, gpus=n.share, free_at_start=n.avail,
-                                     held=len(n.free) - n.general(), strict=n.strict) for n in res.nodes),
+                nodes=tuple(HeldNode(node_id=n.id, gpus=res.share,
+                                     free_at_start=n.free_by(res.start) - _need(res, n.holds) + res.share,
+                                     held=len(n.free) - n.general() if n.holds[0] is res else 0,
+                                     strict=n.strict) for n in res.nodes),
             ))
         for pool in self.pools.values():
             if pool.reserve:

@@ -8,8 +8,11 @@ the decision in one transaction. docs/architecture.md ("Scheduling policy") is t
   weighted share of GPUs in use (lowest first, updated as the pass admits jobs), then submit time.
 - A job is admitted only as a whole gang that fits now and keeps its tenant within its quota.
 - The first ``max_reservations`` blocked jobs (recovering jobs always) get a reservation: the nodes
-  where they fit soonest given the running jobs' time limits. A reservation is kept from pass to
-  pass on the same nodes (its earliest start only moves earlier) until its job starts. Other jobs
+  where they fit soonest given the running jobs' time limits. Reservations share nodes: each holds
+  its share from its earliest start for its job's time limit, and a later one is planned around
+  the earlier ones (a small reservation does not keep a gang from reserving). A reservation is kept
+  from pass to pass on the same nodes (its earliest start only moves earlier, unless what it waits
+  for is released later than counted on) until its job starts. Other jobs
   use a reserved node's free GPUs only as backfill that ends before the earliest start, or beyond
   what the reservation needs at that time.
 - A recovering job's healthy nodes (``prefer_nodes``) are held strictly: not even backfill.
@@ -84,11 +87,15 @@ def decide(
     tenants: Mapping[str, TenantShare] | None = None,
     previous: Mapping[str, Sequence[str]] | None = None,
     options: PolicyOptions | None = None,
+    previous_starts: Mapping[str, datetime | None] | None = None,
 ) -> Decision:
     """Decide one pass: whole-gang placements, reservations, the recovery reserve.
 
     ``previous`` maps the jobs that held a reservation after the last pass to its nodes, in the
     order the reservations were made: each is kept on those nodes while they can still hold it.
+    ``previous_starts`` maps them to their earliest start after the last pass (None: unknown): a
+    kept reservation starts from there and moves earlier only where that delays no other one (a
+    reservation without one is planned again beside those kept before it).
     """
     return Pass(list(jobs), nodes, now=now, tenants=tenants or {}, previous=previous or {},
-                 options=options or PolicyOptions()).run()
+                options=options or PolicyOptions(), previous_starts=previous_starts).run()

@@ -60,6 +60,16 @@ def previous(session: Session) -> dict[str, list[str]]:
     return {str(job_id): [str(n) for n in node_ids] for job_id, node_ids in rows}
 
 
+def previous_starts(session: Session) -> dict[str, datetime | None]:
+    """Job id -> earliest start of the active reservations (None: unknown): a kept reservation
+    starts from there, so one planned around it is not delayed when it moves (scheduler/engine.py)."""
+    rows = session.execute(
+        select(ReservationRow.job_id, ReservationRow.earliest_start)
+        .where(ReservationRow.ended_at.is_(None), ReservationRow.kind == JOB)
+    )
+    return {str(job_id): start for job_id, start in rows}
+
+
 def _accrue(row: ReservationRow, at: datetime) -> None:
     elapsed = (at - row.updated_at).total_seconds()
     if elapsed > 0:

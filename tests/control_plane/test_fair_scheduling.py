@@ -205,3 +205,61 @@ def test_pending_cache_reads_what_a_fresh_read_does(client, app, schedule):
     cached, fresh = both()
     assert cached == fresh and {r[0] for r in cached} == {jobs[0]["id"], jobs[2]["id"], late["id"]}
     assert set(cache.rows) == {r[0] for r in cached}  # those that left are forgotten
+
+
+def test_a_gang_behind_a_stream_of_small_jobs_holds_its_reservation_until_it_starts(client, schedule, clock):
+    """Finding 15, through the real pass on Postgres: 2 nodes x 2 GPUs, 1-GPU jobs (8 s, limit 40 s)
+    kept 4 deep in the queue, a 2x2 gang (limit 60 s) behind the first 6. The 1-GPU reservations
+    before it used to hold both nodes whole, so the gang reserved nothing and the 1-GPU jobs after
+    it started instead, for ever. Every pass sees the attempts that stop (their leases still held)
+    and those that start."""
+    agents = [FakeAgentSession(client, "node-1"), FakeAgentSession(client, "node-2")]
+    smalls: list[str] = []
+
+    def small() -> None:
+        clock.advance(0.01)
+        smalls.append(submit(client, name=f"s{len(smalls)}", num_nodes=1, gpus_per_node=1, time_limit_s=40)["id"])
+
+    for _ in range(6):
+        small()
+    clock.advance(0.01)
+    big = submit(client, name="big", num_nodes=2, gpus_per_node=2, time_limit_s=60)["id"]
+    behind = len(smalls)  # smalls[behind:] came after the gang
+    t0 = clock.t
+    started: set[str] = set()
+
+    def one_pass() -> dict:
+        while sum(1 for j in smalls if j not in started) < 4:
+            small()
+        schedule()
+        view = get_job(client, big)
+        if view["state"] != "queued":
+            return view
+        res = view["reservation"]
+        assert res is not None, f"the gang holds no reservation at +{(clock.t - t0).total_seconds()} s"
+        start = datetime.fromisoformat(res["earliest_start"])
+        for i, j in enumerate(smalls):
+            if j not in started and get_job(client, j)["state"] != "queued":
+                started.add(j)
+                # A job that came after the gang starts only if it ends before the gang's start.
+                assert i < behind or clock.t + timedelta(seconds=40) <= start, (f"s{i}", clock.t, start)
+        return view
+
+    view = one_pass()
+    for _ in range(10):
+        if view["state"] != "queued":
+            break
+        clock.advance(8)
+        running = [j for j in started if get_job(client, j)["state"] in ("starting", "running")]
+        for agent in agents:
+            for spec in agent.heartbeat()["assignments"]:
+                if spec["job_id"] in running:
+                    agent.status(spec, "exited", exit_code=0, workers=workers_for(spec, "exited", 0))
+        view = one_pass()  # the attempts are stopping: their GPUs are not given back yet
+        if view["state"] != "queued":
+            break
+        for agent in agents:
+            agent.heartbeat([])
+        view = one_pass()
+    assert view["state"] == "starting", view
+    assert clock.t - t0 <= timedelta(seconds=40)

@@ -348,26 +348,44 @@ def _kept(jobs: list[JobDemand], tenants, nid: str) -> int:
     return max((j.gpus_per_node for j in jobs if j.recovering and nid in j.prefer_nodes and not over(j)), default=0)
 
 
-def _usable(j: JobDemand, nid: str, d: Decision, free, rel, now: float, kept: int = 0) -> int:
+def _holds(d: Decision, jobs: list[JobDemand], nid: str) -> list[tuple[str, int, float, float, bool]]:
+    """The reservations on ``nid``: (job, GPUs, start, end, strict); the end is the start + the
+    job's time limit (a reservation occupies its share for that long once its job starts)."""
+    limits = {j.job_id: j.time_limit_s for j in jobs}
+    out = []
+    for r in d.reservations:
+        for hn in r.nodes:
+            if hn.node_id == nid:
+                start = (r.earliest_start - T0).total_seconds() if r.earliest_start else float("inf")
+                limit = limits[r.job_id]
+                out.append((r.job_id, hn.gpus, start, start + limit if limit else float("inf"), hn.strict))
+    return out
+
+
+def _busy_at(holds, t: float, but: str) -> int:
+    """GPUs the reservations in ``holds`` other than ``but``'s occupy at ``t``."""
+    return sum(g for jid, g, start, end, _ in holds if jid != but and start <= t < end)
+
+
+def _usable(j: JobDemand, nid: str, d: Decision, free, rel, now: float, kept: int = 0,
+            jobs: list[JobDemand] | None = None) -> int:
     """GPUs ``j`` could take on ``nid`` after the decision without breaking any hold (the rules,
     written independently of the engine). ``kept``: what the node keeps if it is a healthy one."""
     f = len(free[nid])
     for h in d.recovery_reserve:
         if nid in h.node_ids:
             return f if j.recovering else 0
-    for r in d.reservations:
-        held = {n.node_id: n for n in r.nodes}
-        if nid not in held or r.job_id == j.job_id:
-            continue
-        hn = held[nid]
-        if hn.strict:
-            return max(0, f - max(hn.gpus, kept))
-        start = (r.earliest_start - T0).total_seconds() if r.earliest_start else float("inf")
+    holds = [h for h in _holds(d, jobs or [j], nid) if h[0] != j.job_id]
+    for _, gpus, _, _, strict in holds:
+        if strict:
+            return max(0, f - max(gpus, kept))
+    usable = f
+    for jid, gpus, start, _, _ in holds:
         if _end(j, now) <= start and j.time_limit_s:
-            return f
+            continue  # backfill: back before it starts
         by_start = f + sum(g for e, g in rel[nid] if e <= start and e != float("inf"))
-        return max(0, min(f, by_start - hn.gpus))
-    return f
+        usable = min(usable, by_start - gpus - _busy_at(holds, start, jid))
+    return max(0, usable)
 
 
 @settings(max_examples=400, deadline=None)
@@ -420,7 +438,7 @@ def test_no_job_waits_that_could_fit_without_delaying_a_reservation(scenario):
             if j.gpu_kind not in (None, kind):
                 continue
             fits = [n.node_id for n in nodes if n.gpu_kind == kind and n.node_id not in j.avoid_nodes
-                    and _usable(j, n.node_id, d, free, rel, now, _kept(jobs, tenants, n.node_id))
+                    and _usable(j, n.node_id, d, free, rel, now, _kept(jobs, tenants, n.node_id), jobs)
                     >= j.gpus_per_node]
             assert len(fits) < j.num_nodes, f"{jid} waits ({why}) but fits on {fits}"
 
@@ -429,21 +447,28 @@ def test_no_job_waits_that_could_fit_without_delaying_a_reservation(scenario):
 @given(scenarios())
 def test_reservations_hold_what_their_job_needs_at_the_earliest_start(scenario):
     nodes, jobs, tenants, opts, now = scenario
-    d = decide(jobs, nodes, now=at(now), tenants=tenants, options=opts)
+    _assert_holds(nodes, jobs, decide(jobs, nodes, now=at(now), tenants=tenants, options=opts), opts, now)
+
+
+def _assert_holds(nodes: list[NodeCapacity], jobs: list[JobDemand], d: Decision, opts: PolicyOptions,
+                  now: float) -> None:
+    """What the placements left of every reservation's nodes is what it needs at its earliest start,
+    beside the other reservations there (and a healthy node is its recovering job's alone)."""
     free, rel = _final_state(nodes, d, jobs, now)
     initial = {n.node_id: len(n.free) for n in nodes}
     by_id = {j.job_id: j for j in jobs}
     holders = [r.job_id for r in d.reservations]
     assert len(set(holders)) == len(holders)
     assert sum(1 for jid in holders if not by_id[jid].recovering) <= opts.max_reservations
-    seen: set[str] = set()
+    holding = [nid for r in d.reservations for nid in r.node_ids]
     for r in d.reservations:
         j = by_id[r.job_id]
         assert d.waiting[r.job_id] == WAIT_RESERVED
         # Whole, or only a recovering job's healthy nodes (the rest it needs is held for others).
         assert len(r.nodes) == j.num_nodes or (j.recovering and all(n.strict for n in r.nodes))
-        assert not (set(r.node_ids) & seen)  # a node is in one reservation at most
-        seen |= set(r.node_ids)
+        # Reservations share a node (each occupies its share from its start for its time limit),
+        # but a recovering job's healthy node is its alone.
+        assert all(holding.count(hn.node_id) == 1 for hn in r.nodes if hn.strict)
         start = (r.earliest_start - T0).total_seconds() if r.earliest_start else None
         assert start is None or start >= now
         for hn in r.nodes:
@@ -455,7 +480,8 @@ def test_reservations_hold_what_their_job_needs_at_the_earliest_start(scenario):
                 assert taken <= max(0, initial[hn.node_id] - j.gpus_per_node)
             elif start is not None:
                 by_start = len(free[hn.node_id]) + sum(g for e, g in rel[hn.node_id] if e <= start)
-                assert by_start >= j.gpus_per_node, (r, hn)
+                busy = _busy_at(_holds(d, jobs, hn.node_id), start, r.job_id)
+                assert by_start - busy >= j.gpus_per_node, (r, hn)
 
 
 @settings(max_examples=400, deadline=None)
@@ -484,63 +510,139 @@ def test_a_blocked_recovering_job_keeps_its_healthy_nodes(scenario):
                 assert _taken_by_strangers(d, jobs, hn.node_id, j) <= max(0, len(n.free) - j.gpus_per_node)
 
 
+MAX_STOP = 3
+"""Seconds an attempt may take to stop (its GPUs held) in the simulations."""
+
+
 @st.composite
-def streams(draw):
-    """A cluster with running jobs and a stream of arriving jobs, each with a time limit (a few
-    without) and a run time within it."""
+def streams(draw, *, limited: bool = False, one_class: bool = False, stopping: bool = True):
+    """A cluster and a stream of arriving jobs, each with a time limit (a few without, unless
+    ``limited``), a run time and a stop time (the attempt is stopping, its GPUs still held; none
+    unless ``stopping``) that end within it. ``one_class``: one tenant and one priority (service
+    order is submit order)."""
     nodes = [(f"n{i}", draw(st.sampled_from((2, 4)))) for i in range(draw(st.integers(2, 5)))]
     jobs = []
     for i in range(draw(st.integers(1, 14))):
-        limit = draw(st.one_of(st.none(), st.integers(5, 200)))
+        limit = draw(st.integers(5, 200) if limited else st.one_of(st.none(), st.integers(5, 200)))
         runs = draw(st.integers(1, limit)) if limit else draw(st.integers(1, 200))
-        jobs.append((draw(st.integers(0, 150)), JobDemand(
+        stops = draw(st.integers(0, min(MAX_STOP, limit - runs) if limit else MAX_STOP)) if stopping else 0
+        arrives = draw(st.integers(0, 150))
+        jobs.append((arrives, JobDemand(
             job_id=f"j{i}", num_nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.sampled_from((1, 2, 4))),
-            submitted_at=at(i), tenant=draw(st.sampled_from(("t1", "t2"))), time_limit_s=limit,
-            priority=draw(st.sampled_from((0, 0, 1))),
-        ), runs))
-    return nodes, jobs, draw(st.integers(1, 3))
+            submitted_at=at(arrives + i / 1000), tenant="t1" if one_class else draw(st.sampled_from(("t1", "t2"))),
+            time_limit_s=limit, priority=0 if one_class else draw(st.sampled_from((0, 0, 1))),
+        ), runs, stops))
+    # A 1-GPU stream: the shape of finding 15 (small jobs keep the queue deep before a gang).
+    if draw(st.booleans()):
+        first = draw(st.integers(0, 20))
+        for k in range(draw(st.integers(4, 16))):
+            i = len(jobs)
+            arrives = first + k * draw(st.integers(0, 4))
+            jobs.append((arrives, JobDemand(
+                job_id=f"j{i}", num_nodes=1, gpus_per_node=1, submitted_at=at(arrives + i / 1000), tenant="t1",
+                time_limit_s=40), 8, draw(st.integers(0, 2)) if stopping else 0))
+    return nodes, jobs, draw(st.integers(1, 4))
 
 
-@settings(max_examples=250, deadline=None)
-@given(streams())
-def test_a_reserved_job_starts_no_later_than_its_earliest_start(stream):
-    """Simulate passes at every arrival and end; jobs end within their time limits. Once a job
-    holds a reservation with a known earliest start, it starts by then."""
+def _simulate(stream, check=None, *, promise_kept: bool = True) -> None:
+    """Passes at every arrival, every end of a run (the attempt is then stopping: the pass sees its
+    GPUs held, released now) and every release, as allocate.py feeds them: a starting or running
+    attempt holds its GPUs until its allocation + its time limit. Jobs end within their limits.
+    Once a job holds a reservation with a known earliest start, it starts by then (unless not
+    ``promise_kept``: the pass counts a stopping attempt's GPUs as released now, so a stop that
+    takes time delays the reservations that wait for it, and those planned around them).
+    Every pass leaves each reservation what it needs at its start (``_assert_holds``);
+    ``check(now, waiting, decision)`` runs after it."""
     node_specs, arrivals, depth = stream
     now = 0.0
     running: dict[str, tuple[dict[str, tuple[int, ...]], float, float | None]] = {}  # job -> gpus, ends, limit end
+    stopping: dict[str, tuple[dict[str, tuple[int, ...]], float]] = {}  # job -> gpus, released at
     waiting: list[JobDemand] = []
     pending = sorted(arrivals, key=lambda a: (a[0], a[1].job_id))
-    runs = {j.job_id: r for _, j, r in arrivals}
+    runs = {j.job_id: (r, stop) for _, j, r, stop in arrivals}
     promise: dict[str, float] = {}
     previous: dict[str, tuple[str, ...]] = {}
+    starts: dict[str, datetime | None] = {}
     opts = PolicyOptions(max_reservations=depth)
-    for _ in range(200):
-        waiting += [j for t, j, _ in pending if t <= now]
+    for _ in range(400):
+        waiting += [j for t, j, _, _ in pending if t <= now]
         pending = [a for a in pending if a[0] > now]
         for jid in [jid for jid, (_, ends, _) in running.items() if ends <= now]:
-            del running[jid]
+            gpus, ends, _ = running.pop(jid)
+            stopping[jid] = (gpus, ends + runs[jid][1])
+        for jid in [jid for jid, (_, released) in stopping.items() if released <= now]:
+            del stopping[jid]
         caps = []
         for name, total in node_specs:
-            held = [(g, limit_end) for gpus, _, limit_end in running.values() for nid, g in gpus.items() if nid == name]
-            used = {i for gpus, _, _ in running.values() for i in gpus.get(name, ())}
+            held = [(gpus[name], at(e) if e is not None else None) for gpus, _, e in running.values() if name in gpus]
+            held += [(gpus[name], at(now)) for gpus, _ in stopping.values() if name in gpus]
+            used = {i for g, _ in held for i in g}
             caps.append(NodeCapacity(
                 node_id=name, name=name, total=total, free=tuple(i for i in range(total) if i not in used),
-                running=tuple(Running(gpus=len(g), ends_at=at(e) if e is not None else None) for g, e in held)))
-        d = decide(waiting, caps, now=at(now), previous=previous, options=opts)
+                running=tuple(Running(gpus=len(g), ends_at=e) for g, e in held)))
+        d = decide(waiting, caps, now=at(now), previous=previous, previous_starts=starts, options=opts)
+        _assert_holds(caps, waiting, d, opts, now)
+        if check is not None:
+            check(now, waiting, d)
         for p in d.placements:
-            if p.job_id in promise:
-                assert now <= promise[p.job_id] + 1e-6, f"{p.job_id} started at {now}, promised {promise[p.job_id]}"
+            if p.job_id in promise and promise_kept:
+                late = f"{p.job_id} started at {now}, promised {promise[p.job_id]}"
+                assert now <= promise[p.job_id] + 1e-6, late
             j = next(w for w in waiting if w.job_id == p.job_id)
-            running[p.job_id] = (dict(p.nodes), now + runs[p.job_id],
+            running[p.job_id] = (dict(p.nodes), now + runs[p.job_id][0],
                                  now + j.time_limit_s if j.time_limit_s else None)
         admitted = {p.job_id for p in d.placements}
         waiting = [w for w in waiting if w.job_id not in admitted]
         previous = {r.job_id: r.node_ids for r in d.reservations}
+        starts = {r.job_id: r.earliest_start for r in d.reservations}
         for r in d.reservations:
             if r.earliest_start is not None and r.job_id not in promise:
                 promise[r.job_id] = (r.earliest_start - T0).total_seconds()
-        events = [ends for _, ends, _ in running.values() if ends > now] + [t for t, _, _ in pending]
+        events = ([ends for _, ends, _ in running.values() if ends > now]
+                  + [released for _, released in stopping.values()] + [t for t, _, _, _ in pending])
         if not events:
             break
         now = min(events)
+
+
+@settings(max_examples=250, deadline=None)
+@given(streams(stopping=False))
+def test_a_reserved_job_starts_no_later_than_its_earliest_start(stream):
+    _simulate(stream)
+
+
+def _could_ever_fit(j: JobDemand, node_specs) -> bool:
+    return sum(1 for _, total in node_specs if total >= j.gpus_per_node) >= j.num_nodes
+
+
+@settings(max_examples=250, deadline=None)
+@given(streams(limited=True))
+def test_a_blocked_job_holds_a_reservation_while_there_are_fewer_than_the_cap(stream):
+    """Finding 15: with every job limited, each pass gives every blocked job that could ever fit a
+    reservation until ``max_reservations`` are held. (Reservations held a node whole, so a gang
+    behind two 1-GPU reservations on a 2-node cluster reserved nothing, and the 1-GPU jobs after it
+    started before it, for ever.)"""
+    node_specs, _, depth = stream
+
+    def check(now: float, waiting: list[JobDemand], d: Decision) -> None:
+        holders = {r.job_id for r in d.reservations}
+        bare = [j.job_id for j in waiting if j.job_id in d.waiting and j.job_id not in holders
+                and _could_ever_fit(j, node_specs)]
+        assert not bare or len(holders) == depth, f"at {now}: {bare} hold nothing; {len(holders)} of {depth} held"
+
+    _simulate(stream, check, promise_kept=False)
+
+
+@settings(max_examples=250, deadline=None)
+@given(streams(limited=True, one_class=True))
+def test_the_first_blocked_jobs_in_service_order_hold_the_reservations(stream):
+    """One tenant, one priority: the reservations are held by the earliest submitted blocked jobs
+    (those that could ever fit), so a job submitted later never takes a reservation's place."""
+    node_specs, _, depth = stream
+
+    def check(now: float, waiting: list[JobDemand], d: Decision) -> None:
+        blocked = sorted((j for j in waiting if j.job_id in d.waiting and _could_ever_fit(j, node_specs)),
+                         key=lambda j: j.submitted_at)
+        assert {r.job_id for r in d.reservations} == {j.job_id for j in blocked[:depth]}, now
+
+    _simulate(stream, check, promise_kept=False)
