@@ -35,7 +35,8 @@ def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, 
     request.app.state.wake_scheduler()
     return RegisterResponse(node_id=str(node.id), node_token=token,
                             heartbeat_interval_s=settings.heartbeat_interval_s,
-                            node_lost_timeout_s=settings.node_lost_timeout_s)
+                            node_lost_timeout_s=settings.node_lost_timeout_s,
+                            storage=dict(request.app.state.worker_storage or {}))
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse, responses=ERRORS)
@@ -54,7 +55,8 @@ def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, s
             session.commit()
         else:
             request.app.state.wake_scheduler()
-    return HeartbeatResponse(node_id=str(node.id), node_state=state, assignments=specs,
+    full, unchanged = nodes.for_agent(specs, body.known)
+    return HeartbeatResponse(node_id=str(node.id), node_state=state, assignments=full, unchanged=unchanged,
                              heartbeat_interval_s=settings.heartbeat_interval_s)
 
 
