@@ -233,7 +233,9 @@ class SimAgent:
         body = {"fencing_token": run.spec["fencing_token"], "node_rank": run.spec["node_rank"], "shards": shards}
         r = await self.fleet.http.post(f"{AGENT}/attempts/{run.attempt_id}/shards", json=body,
                                        headers=self._headers(), timeout=120.0)
-        r.raise_for_status()
+        if r.status_code >= 400:
+            raise RuntimeError(f"{self.name}: shard report of node rank {run.spec['node_rank']}: "
+                               f"HTTP {r.status_code} {r.text[:300]}")
         ack: dict[str, Any] = r.json()
         return ack
 
