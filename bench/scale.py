@@ -114,9 +114,8 @@ def main() -> int:
     if args.agents != sorted(args.agents):
         parser.error("--agents must grow")
 
-    from trainyard.embedded import EmbeddedPostgres, EmbeddedS3
-
     from control_plane.db import run_migrations
+    from trainyard.embedded import EmbeddedPostgres, EmbeddedS3
 
     with tempfile.TemporaryDirectory(prefix="trainyard-scale-") as tmp:
         data = args.data_dir or Path(tmp)
