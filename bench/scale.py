@@ -72,7 +72,10 @@ async def run(args: argparse.Namespace, cp: ControlPlane, s3: S3Target) -> None:
     finally:
         await fleet.close()
     if fleet.errors:
-        say(f"{len(fleet.errors)} heartbeat errors, e.g. {fleet.errors[:3]}")
+        say(f"{len(fleet.errors)} protocol errors, e.g. {fleet.errors[:3]}")
+    if fleet.server_errors:
+        say(f"{len(fleet.server_errors)} server errors (5xx or broken connections, retried), "
+            f"e.g. {fleet.server_errors[:3]}; see {cp.log_path}")
 
     print()
     print("Heartbeat latency, idle fleet (every agent, 1 heartbeat/s each)")

@@ -173,6 +173,9 @@ class SimAgent:
         t0 = time.perf_counter()
         r = await self.fleet.http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers())
         latency = time.perf_counter() - t0
+        if r.status_code >= 500:
+            self.fleet.server_errors.append(f"{self.name} heartbeat: HTTP {r.status_code}")
+            return {}
         r.raise_for_status()
         resp: dict[str, Any] = r.json()
         self.samples.append(Sample(time.monotonic(), latency, len(r.content), len(resp["assignments"]),
@@ -199,14 +202,33 @@ class SimAgent:
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.fleet.errors.append(f"{self.name}: {task.exception()!r}")
+
+    async def _post(self, path: str, body: dict[str, Any], *, timeout: float = 60.0) -> httpx.Response:
+        """POST with the real agent's persistence: 5xx and transport errors are retried (level-triggered
+        reports make that safe) and counted in ``fleet.server_errors``; any other answer is returned."""
+        for attempt in range(20):
+            try:
+                r = await self.fleet.http.post(path, json=body, headers=self._headers(), timeout=timeout)
+            except httpx.TransportError as exc:
+                self.fleet.server_errors.append(f"{self.name} {path}: {type(exc).__name__}")
+            else:
+                if r.status_code < 500:
+                    return r
+                self.fleet.server_errors.append(f"{self.name} {path}: HTTP {r.status_code}")
+            await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt) * random.uniform(0.5, 1.0))
+        raise RuntimeError(f"{self.name}: {path} kept failing")
 
     async def status(self, run: SimRun, state: str, *, exit_code: int | None = None,
                      workers: list[dict[str, Any]]) -> dict[str, Any] | None:
         body = {"fencing_token": run.spec["fencing_token"], "node_rank": run.spec["node_rank"], "state": state,
                 "exit_code": exit_code, "workers": workers}
-        r = await self.fleet.http.post(f"{AGENT}/attempts/{run.attempt_id}/status", json=body,
-                                       headers=self._headers())
+        r = await self._post(f"{AGENT}/attempts/{run.attempt_id}/status", body)
         if r.status_code == 409:  # fenced off: the real agent stops it
             run.alive = False
             return None
@@ -231,8 +253,7 @@ class SimAgent:
 
     async def report_shards(self, run: SimRun, shards: list[dict[str, Any]]) -> dict[str, Any]:
         body = {"fencing_token": run.spec["fencing_token"], "node_rank": run.spec["node_rank"], "shards": shards}
-        r = await self.fleet.http.post(f"{AGENT}/attempts/{run.attempt_id}/shards", json=body,
-                                       headers=self._headers(), timeout=120.0)
+        r = await self._post(f"{AGENT}/attempts/{run.attempt_id}/shards", body, timeout=120.0)
         if r.status_code >= 400:
             raise RuntimeError(f"{self.name}: shard report of node rank {run.spec['node_rank']}: "
                                f"HTTP {r.status_code} {r.text[:300]}")
@@ -246,6 +267,8 @@ class SimAgent:
             started = time.monotonic()
             try:
                 await self.heartbeat()
+            except httpx.TransportError as exc:
+                self.fleet.server_errors.append(f"{self.name} heartbeat: {type(exc).__name__}")
             except httpx.HTTPError as exc:
                 self.fleet.errors.append(f"{self.name}: {type(exc).__name__}: {exc}")
             wait = max(0.0, interval - (time.monotonic() - started))
@@ -271,6 +294,9 @@ class Fleet:
         self.agents: list[SimAgent] = []
         self.phase = "start"
         self.errors: list[str] = []
+        """Protocol errors (4xx, bad answers): none is expected."""
+        self.server_errors: list[str] = []
+        """5xx answers and broken connections (the agents retry, as the real one does)."""
         self._stop = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
         self._pool = ThreadPoolExecutor(16)

@@ -36,7 +36,7 @@ def test_64_agents_256_ranks_checkpoint_failure_recovery(tmp_path: Path, fresh_d
         small, big, fleet = asyncio.run(_run(cp, s3))
     finally:
         cp.stop()
-    assert fleet.errors == []
+    assert fleet.errors == []  # no 4xx: the agents spoke the protocol right (5xx under load are retried)
     for figures, nodes in ((small, 2), (big, 64)):
         assert figures.extra["steady_full_specs"] == 0  # nothing resent once held
         assert 0 < figures.steady_bytes < 512
