@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -120,6 +121,10 @@ def main() -> int:
     from control_plane.db import run_migrations
     from trainyard.embedded import EmbeddedPostgres, EmbeddedS3
 
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # so that the servers below are stopped on SIGTERM too
+
+    signal.signal(signal.SIGTERM, interrupted)
     with tempfile.TemporaryDirectory(prefix="trainyard-scale-") as tmp:
         data = args.data_dir or Path(tmp)
         say(f"starting PostgreSQL and S3 in {data}")

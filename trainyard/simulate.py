@@ -312,6 +312,11 @@ class Fleet:
 
     async def close(self) -> None:
         self._stop.set()
+        for task in self._loops:  # an in-flight heartbeat may wait for its timeout: don't
+            task.cancel()
+        for agent in self.agents:
+            for pending in list(agent._tasks):
+                pending.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         await self.http.aclose()
         self._pool.shutdown(wait=False)
