@@ -79,7 +79,7 @@ class Node(Base):
     label_overrides: Mapped[dict[str, str]] = mapped_column(
         JSONB, server_default=text("'{}'::jsonb"), doc="Labels the operator set; they win over the agent's."
     )
-    token_hash: Mapped[str] = mapped_column(String(64), doc="sha256 of the node credential.")
+    token_hash: Mapped[str] = mapped_column(String(64), index=True, doc="sha256 of the node credential.")
     agent_version: Mapped[str] = mapped_column(String(64), server_default="0")
     agent_instance: Mapped[str | None] = mapped_column(String(64))
     agent_epoch: Mapped[int] = mapped_column(

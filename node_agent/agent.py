@@ -37,8 +37,10 @@ from types import FrameType
 import structlog
 
 from control_plane.schemas.agent import (
+    AssignmentRef,
     GpuInfo,
     HeartbeatRequest,
+    KnownAssignment,
     LaunchSpec,
     LocalAttempt,
     LogBatch,
@@ -116,6 +118,10 @@ class Agent:
         self._seq = 0
         self._runs: dict[str, AttemptRun] = {}
         self._known: set[str] = set()
+        # Spec versions this agent holds (reported in each heartbeat, so unchanged specs are not
+        # resent) and the storage credentials of the registration (LaunchSpec.storage has the prefix).
+        self._versions: dict[str, str] = {}
+        self._storage: dict[str, object] = {}
         self._runs_lock = threading.Lock()
         self._api: LocalApi | None = None
         self._node: NodeContext | None = None
@@ -243,6 +249,8 @@ class Agent:
             )
             if run is not None:
                 self._runs[run.attempt_id] = run
+                if run.spec.version:
+                    self._versions[run.attempt_id] = run.spec.version
                 self.reports.register(run.attempt_id, run.spec.fencing_token)
 
     def _sweep_orphans(self, table: processes.ProcessTable) -> None:
@@ -337,6 +345,7 @@ class Agent:
         # is declared lost (docs/architecture.md, "Time and timeouts").
         self.client.set_heartbeat_timeout(max(0.1, min(self.config.http_timeout_s, agent_request_timeout_s(
             resp.heartbeat_interval_s, resp.node_lost_timeout_s))))
+        self._storage = dict(resp.storage)
         self.log = log.bind(node=self.config.name, node_id=resp.node_id)
         self._need_register.clear()
         self.registered.set()
@@ -354,6 +363,7 @@ class Agent:
             agent_instance=self.instance,
             seq=self._seq,
             attempts=self._listed_attempts(),
+            known=[KnownAssignment(attempt_id=a, version=v) for a, v in sorted(self._versions.items())],
         )
         try:
             resp = self.client.heartbeat(request)
@@ -368,7 +378,7 @@ class Agent:
             return self._heartbeat_interval_s
         self._register_failures = 0
         self._heartbeat_interval_s = resp.heartbeat_interval_s
-        self._reconcile(resp.assignments)
+        self._reconcile(resp.assignments, resp.unchanged)
         return max(0.0, self._heartbeat_interval_s - (time.monotonic() - started))
 
     def _alive_attempts(self) -> list[str]:
@@ -388,10 +398,19 @@ class Agent:
         ]
         return listed
 
-    def _reconcile(self, assignments: list[LaunchSpec]) -> None:
+    def _reconcile(self, assignments: list[LaunchSpec], unchanged: list[AssignmentRef] | None = None) -> None:
+        """Full specs are new or changed assignments; `unchanged` names the specs this agent holds
+        that are still assigned ('run') or not ('stop'). A spec for an attempt launched before is
+        never launched again: only its version is kept."""
+        refs = unchanged or []
         assigned = {spec.attempt_id for spec in assignments}
+        assigned |= {ref.attempt_id for ref in refs if ref.desired == "run"}
+        # Forget the versions of what is no longer assigned: if it ever came back, so would its spec.
+        self._versions = {a: v for a, v in self._versions.items() if a in assigned}
         for spec in assignments:
-            self._launch(spec)
+            if spec.version:
+                self._versions[spec.attempt_id] = spec.version
+            self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}))
         for run in self.runs():
             if run.alive and not run.stopping and run.attempt_id not in assigned:
                 run.request_stop("no longer assigned to this node")

@@ -12,7 +12,11 @@ Endpoints (all under /v1/agent, JSON bodies):
     of earlier epochs are refused from then on with 409 problem+json of type .../stale-agent.
 - ``POST /v1/agent/heartbeat``  (``Authorization: Bearer <node token>``)
     HeartbeatRequest -> HeartbeatResponse. The response is the node's *desired state*: the
-    attempts it must run. The agent stops every attempt it runs that is not listed.
+    attempts it must run. The agent stops every attempt it runs that is not listed. An agent
+    that says which specs it holds (``known``: attempt id + spec version) gets full specs only
+    for new or changed assignments and a compact reference (id, desired, version) for the rest,
+    so a steady-state heartbeat is small whatever the job's size. Storage credentials come once,
+    in the RegisterResponse, not in every spec.
 - ``POST /v1/agent/attempts/{attempt_id}/status``  (node token)
     AttemptStatusReport -> AttemptStatusAck, or 409 problem+json when the attempt is stale
     (not the job's current attempt, or the fencing token does not match). Level-triggered: the
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -95,6 +99,13 @@ class RegisterResponse(_Wire):
         "of an older registration is refused with 409 problem+json of type .../stale-agent: another "
         "agent instance registered as this node, and the old one must stop.",
     )
+    storage: dict[str, Any] = Field(
+        default_factory=dict,
+        description="S3 access for checkpoints (endpoint, bucket, access_key, secret_key, secure, region), "
+        "sent once per registration: a LaunchSpec given to an agent that reports `known` carries only "
+        "its `prefix`, and the agent merges the two. The plan is per-attempt scoped credentials in the "
+        "LaunchSpec instead (short-lived, limited to the job's prefix).",
+    )
 
 
 class LocalAttempt(_Wire):
@@ -108,12 +119,26 @@ class LocalAttempt(_Wire):
     )
 
 
+class KnownAssignment(_Wire):
+    """A launch spec the agent holds, as the version the control plane gave it."""
+
+    attempt_id: str = Field(max_length=128)
+    version: str = Field(max_length=64)
+
+
 class HeartbeatRequest(_Wire):
     agent_instance: str = Field(description="Random id of this agent process (changes on restart).")
     seq: int = Field(ge=0, description="Monotonic per agent instance; older heartbeats are ignored.")
     attempts: list[LocalAttempt] = Field(
         default_factory=list,
         description="Attempts with live processes on this node, and those whose final status is pending.",
+    )
+    known: list[KnownAssignment] | None = Field(
+        default=None,
+        max_length=4096,
+        description="The launch specs this agent holds (attempt id + version). None (an old agent): "
+        "every assignment comes as a full spec, credentials included. A list, even empty: only new or "
+        "changed specs come in full, the others as AssignmentRef.",
     )
 
 
@@ -174,8 +199,22 @@ class LaunchSpec(_Wire):
     storage: dict[str, Any] = Field(
         default_factory=dict,
         description="S3 access for checkpoints: endpoint, bucket, access_key, secret_key, secure, "
-        "region, prefix. The agent passes it to workers as TRAINYARD_S3_* variables.",
+        "region, prefix. The agent passes it to workers as TRAINYARD_S3_* variables. To an agent "
+        "that reports `known`, only `prefix`: the rest came in the RegisterResponse.",
     )
+    version: str = Field(
+        default="",
+        description="Etag of this spec (a digest of its content, credentials excluded): the agent "
+        "reports it back in HeartbeatRequest.known and gets the spec again only when it changes.",
+    )
+
+
+class AssignmentRef(_Wire):
+    """An assignment the agent already holds at this version: run it (or keep it), or stop it."""
+
+    attempt_id: str
+    desired: Literal["run", "stop"]
+    version: str
 
 
 class HeartbeatResponse(_Wire):
@@ -183,7 +222,13 @@ class HeartbeatResponse(_Wire):
     node_state: str
     assignments: list[LaunchSpec] = Field(
         default_factory=list,
-        description="Attempts this node must run. Any other local attempt must be stopped.",
+        description="Attempts this node must run, as full specs (for an agent that reports `known`: "
+        "only the new or changed ones). Any local attempt neither here nor in `unchanged` with "
+        "desired 'run' must be stopped.",
+    )
+    unchanged: list[AssignmentRef] = Field(
+        default_factory=list,
+        description="The agent's known specs that are unchanged: 'run' (still assigned) or 'stop'.",
     )
     heartbeat_interval_s: float
 

@@ -14,7 +14,13 @@ from control_plane.clock import now
 from control_plane.db import reload
 from control_plane.errors import InvalidState, NotFound, StaleAgent, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
-from control_plane.schemas.agent import HeartbeatRequest, LaunchSpec, RegisterRequest
+from control_plane.schemas.agent import (
+    AssignmentRef,
+    HeartbeatRequest,
+    KnownAssignment,
+    LaunchSpec,
+    RegisterRequest,
+)
 from control_plane.services import attempts, events
 from control_plane.services.fencing import lock_attempt
 from control_plane.services.locks import lock_node
@@ -216,7 +222,50 @@ def assignments(session: Session, node: Node, storage: dict[str, object] | None)
                 storage={**(storage or {}), "prefix": f"jobs/{job.id}/checkpoints"},
             )
         )
+    for spec in specs:
+        spec.version = spec_version(spec)
     return specs
+
+
+# The part of LaunchSpec.storage that is per attempt; the rest (credentials) goes to an agent once,
+# in the RegisterResponse.
+SPEC_STORAGE_KEYS = ("prefix",)
+
+
+def spec_version(spec: LaunchSpec) -> str:
+    """The etag of a launch spec: a digest of its content, credentials excluded, so it changes when
+    and only when what the agent would launch changes."""
+    body = spec.model_copy(update={"storage": _spec_storage(spec), "version": ""})
+    return hashlib.sha256(body.model_dump_json().encode()).hexdigest()[:16]
+
+
+def _spec_storage(spec: LaunchSpec) -> dict[str, object]:
+    return {k: v for k, v in spec.storage.items() if k in SPEC_STORAGE_KEYS}
+
+
+def for_agent(
+    specs: list[LaunchSpec], known: list[KnownAssignment] | None
+) -> tuple[list[LaunchSpec], list[AssignmentRef]]:
+    """What a heartbeat answers, given the node's desired specs and those its agent holds.
+
+    An old agent (``known`` is None) gets every spec in full, credentials included. Otherwise only
+    new or changed specs go in full, without credentials; every known one comes as a reference:
+    'run' when it is still assigned at that version, 'stop' when it is no longer assigned. So the
+    steady-state answer grows with the node's own attempts, not with the job's size or arguments.
+    """
+    if known is None:
+        return specs, []
+    held = {k.attempt_id: k.version for k in known}
+    full: list[LaunchSpec] = []
+    refs: list[AssignmentRef] = []
+    for spec in specs:
+        version = held.pop(spec.attempt_id, None)
+        if version is not None and version == spec.version:
+            refs.append(AssignmentRef(attempt_id=spec.attempt_id, desired="run", version=version))
+        else:
+            full.append(spec.model_copy(update={"storage": _spec_storage(spec)}))
+    refs.extend(AssignmentRef(attempt_id=a, desired="stop", version=v) for a, v in sorted(held.items()))
+    return full, refs
 
 
 def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime) -> list[Node]:

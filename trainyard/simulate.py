@@ -1,0 +1,507 @@
+"""Simulated node agents for scale runs: many agents in one process, speaking the real agent
+protocol over HTTP (control_plane/schemas/agent.py) to a real control plane, with simulated workers
+that upload small shards to a real S3 and report them.
+
+Used by bench/scale.py (hundreds to thousands of agents, figures) and by the suite
+(tests/e2e/test_scale.py: 64 agents, protocol properties, no timings). Nothing here imitates the
+server: the control plane is a ``trainyard server`` subprocess on real PostgreSQL and S3.
+
+A simulated agent does what the real one does on the wire and nothing else: it registers, sends a
+heartbeat every interval listing the attempts its "processes" run and the specs it holds (or, in
+``legacy`` mode, no ``known``, as an older agent), starts a simulated run for every new spec (a
+status report with every worker running), stops what is no longer assigned (a final ``stopped``
+report, then the attempt drops out of its heartbeats), and on request reports checkpoint shards or
+a rank that exits with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from trainyard.embedded import free_port
+from trainyard.embedded.processes import stop_process_group
+
+AGENT = "/v1/agent"
+
+
+@dataclass(frozen=True)
+class S3Target:
+    endpoint: str
+    access_key: str
+    secret_key: str
+    bucket: str
+
+    def client(self) -> Any:
+        from minio import Minio
+
+        return Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False)
+
+
+class ControlPlane:
+    """``trainyard server`` as a subprocess (its own process group) on the given database and S3."""
+
+    def __init__(self, database_url: str, s3: S3Target, *, admin_token: str, join_token: str,
+                 log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_token, self.join_token = admin_token, join_token
+        self.log_path = log_path
+        self._env = {
+            "TRAINYARD_DATABASE_URL": database_url,
+            "TRAINYARD_ADMIN_TOKEN": admin_token,
+            "TRAINYARD_JOIN_TOKEN": join_token,
+            "TRAINYARD_S3_ENDPOINT": s3.endpoint,
+            "TRAINYARD_S3_ACCESS_KEY": s3.access_key,
+            "TRAINYARD_S3_SECRET_KEY": s3.secret_key,
+            "TRAINYARD_S3_BUCKET": s3.bucket,
+            "TRAINYARD_LOG_LEVEL": "warning",
+            **(env or {}),
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINYARD_")}
+        env.update(self._env)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trainyard", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--log-level", "warning"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the control plane exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the control plane did not become ready in {timeout_s:g}s; log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, 10.0)
+            self.proc = None
+
+
+@dataclass
+class SimRun:
+    spec: dict[str, Any]
+    alive: bool = True
+    final_sent: bool = False
+
+    @property
+    def attempt_id(self) -> str:
+        return str(self.spec["attempt_id"])
+
+    def workers(self, state: str, exit_code: int | None = None, *, failed_local: int | None = None,
+                failed_code: int = 1) -> list[dict[str, Any]]:
+        base = self.spec["node_rank"] * self.spec["nproc_per_node"]
+        out = []
+        for i in range(self.spec["nproc_per_node"]):
+            code = exit_code
+            if failed_local is not None:
+                code = failed_code if i == failed_local else -15
+            out.append({"rank": base + i, "local_rank": i, "pid": 10_000 + base + i, "state": state, "exit_code": code})
+        return out
+
+
+@dataclass
+class Sample:
+    at: float
+    latency_s: float
+    size: int
+    full_specs: int
+    phase: str
+
+
+class SimAgent:
+    def __init__(self, fleet: Fleet, index: int, gpus: int) -> None:
+        self.fleet = fleet
+        self.name = f"sim-{index:05d}"
+        self.gpus = gpus
+        self.address = f"127.1.{index // 250}.{index % 250 + 1}"
+        self.instance = os.urandom(8).hex()
+        self.token: str | None = None
+        self.storage: dict[str, Any] = {}
+        self.seq = 0
+        self.legacy = False
+        self.runs: dict[str, SimRun] = {}
+        self.held: dict[str, str] = {}  # attempt id -> spec version
+        self.arrivals: dict[str, float] = {}  # attempt id -> when its full spec first arrived
+        self.samples: list[Sample] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    async def register(self) -> None:
+        body = {"name": self.name, "address": self.address, "agent_version": "sim",
+                "gpus": [{"index": i, "uuid": f"virtual-{self.name}-{i}", "kind": "virtual-cpu", "memory_mb": 0}
+                         for i in range(self.gpus)]}
+        r = await self.fleet.http.post(f"{AGENT}/register", json=body,
+                                       headers={"Authorization": f"Bearer {self.fleet.cp.join_token}"})
+        r.raise_for_status()
+        reg = r.json()
+        self.token, self.storage = reg["node_token"], reg.get("storage", {})
+
+    async def heartbeat(self) -> dict[str, Any]:
+        self.seq += 1
+        body: dict[str, Any] = {"agent_instance": self.instance, "seq": self.seq,
+                                "attempts": [{"attempt_id": a} for a, run in self.runs.items() if run.alive]}
+        if not self.legacy:
+            body["known"] = [{"attempt_id": a, "version": v} for a, v in self.held.items()]
+        t0 = time.perf_counter()
+        r = await self.fleet.http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers())
+        latency = time.perf_counter() - t0
+        if r.status_code >= 500:
+            self.fleet.server_errors.append(f"{self.name} heartbeat: HTTP {r.status_code}")
+            return {}
+        r.raise_for_status()
+        resp: dict[str, Any] = r.json()
+        self.samples.append(Sample(time.monotonic(), latency, len(r.content), len(resp["assignments"]),
+                                   self.fleet.phase))
+        self._reconcile(resp)
+        return resp
+
+    def _reconcile(self, resp: dict[str, Any]) -> None:
+        full = resp["assignments"]
+        assigned = {s["attempt_id"] for s in full}
+        assigned |= {u["attempt_id"] for u in resp.get("unchanged", []) if u["desired"] == "run"}
+        self.held = {a: v for a, v in self.held.items() if a in assigned}
+        for spec in full:
+            attempt_id = spec["attempt_id"]
+            self.held[attempt_id] = spec.get("version", "")
+            if attempt_id not in self.runs:
+                self.arrivals.setdefault(attempt_id, time.monotonic())
+                run = self.runs[attempt_id] = SimRun(spec)
+                self._spawn(self.status(run, "running", workers=run.workers("running")))
+        for run in list(self.runs.values()):
+            if run.alive and run.attempt_id not in assigned:
+                self._spawn(self.stop(run))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.fleet.errors.append(f"{self.name}: {task.exception()!r}")
+
+    async def _post(self, path: str, body: dict[str, Any], *, timeout: float = 60.0) -> httpx.Response:
+        """POST with the real agent's persistence: 5xx and transport errors are retried (level-triggered
+        reports make that safe) and counted in ``fleet.server_errors``; any other answer is returned."""
+        for attempt in range(20):
+            try:
+                r = await self.fleet.http.post(path, json=body, headers=self._headers(), timeout=timeout)
+            except httpx.TransportError as exc:
+                self.fleet.server_errors.append(f"{self.name} {path}: {type(exc).__name__}")
+            else:
+                if r.status_code < 500:
+                    return r
+                self.fleet.server_errors.append(f"{self.name} {path}: HTTP {r.status_code}")
+            await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt) * random.uniform(0.5, 1.0))
+        raise RuntimeError(f"{self.name}: {path} kept failing")
+
+    async def status(self, run: SimRun, state: str, *, exit_code: int | None = None,
+                     workers: list[dict[str, Any]]) -> dict[str, Any] | None:
+        body = {"fencing_token": run.spec["fencing_token"], "node_rank": run.spec["node_rank"], "state": state,
+                "exit_code": exit_code, "workers": workers}
+        r = await self._post(f"{AGENT}/attempts/{run.attempt_id}/status", body)
+        if r.status_code == 409:  # fenced off: the real agent stops it
+            run.alive = False
+            return None
+        r.raise_for_status()
+        ack: dict[str, Any] = r.json()
+        if ack["stop"] and run.alive and state not in ("exited", "stopped"):
+            self._spawn(self.stop(run))
+        return ack
+
+    async def stop(self, run: SimRun) -> None:
+        """The processes are stopped (at once, in a simulation): a final status, then gone."""
+        if not run.alive:
+            return
+        run.alive = False
+        await self.status(run, "stopped", workers=run.workers("exited", -15))
+
+    async def fail(self, run: SimRun, *, local_rank: int = 0, exit_code: int = 1) -> None:
+        """One rank exits with ``exit_code``; torchrun stops the others and exits with 1."""
+        run.alive = False
+        await self.status(run, "exited", exit_code=1,
+                          workers=run.workers("exited", failed_local=local_rank, failed_code=exit_code))
+
+    async def report_shards(self, run: SimRun, shards: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {"fencing_token": run.spec["fencing_token"], "node_rank": run.spec["node_rank"], "shards": shards}
+        r = await self._post(f"{AGENT}/attempts/{run.attempt_id}/shards", body, timeout=120.0)
+        if r.status_code >= 400:
+            raise RuntimeError(f"{self.name}: shard report of node rank {run.spec['node_rank']}: "
+                               f"HTTP {r.status_code} {r.text[:300]}")
+        ack: dict[str, Any] = r.json()
+        return ack
+
+    async def loop(self, stop: asyncio.Event) -> None:
+        interval = self.fleet.interval_s
+        await asyncio.sleep(random.uniform(0, interval))  # agents that start together spread out
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await self.heartbeat()
+            except httpx.TransportError as exc:
+                self.fleet.server_errors.append(f"{self.name} heartbeat: {type(exc).__name__}")
+            except httpx.HTTPError as exc:
+                self.fleet.errors.append(f"{self.name}: {type(exc).__name__}: {exc}")
+            wait = max(0.0, interval - (time.monotonic() - started))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+
+
+def shard_key(job_id: str, step: int, attempt_number: int, rank: int) -> str:
+    """The worker runtime's layout (worker_runtime/checkpoint/manager.py shard_key)."""
+    return f"jobs/{job_id}/checkpoints/step-{step:09d}/attempt-{attempt_number:04d}/rank-{rank:05d}.pt"
+
+
+class Fleet:
+    """N simulated agents on one shared HTTP client, heartbeating concurrently until ``close()``."""
+
+    def __init__(self, cp: ControlPlane, s3: S3Target, *, gpus_per_node: int = 8, interval_s: float = 1.0) -> None:
+        self.cp, self.s3 = cp, s3
+        self.gpus_per_node = gpus_per_node
+        self.interval_s = interval_s
+        self.http = httpx.AsyncClient(base_url=cp.url, timeout=60.0,
+                                      limits=httpx.Limits(max_connections=4000, max_keepalive_connections=4000))
+        self.admin = {"Authorization": f"Bearer {cp.admin_token}"}
+        self.agents: list[SimAgent] = []
+        self.phase = "start"
+        self.errors: list[str] = []
+        """Protocol errors (4xx, bad answers): none is expected."""
+        self.server_errors: list[str] = []
+        """5xx answers and broken connections (the agents retry, as the real one does)."""
+        self._stop = asyncio.Event()
+        self._loops: list[asyncio.Task[None]] = []
+        self._pool = ThreadPoolExecutor(16)
+        self._s3 = s3.client()
+
+    async def grow(self, n: int) -> None:
+        """Register agents up to ``n`` in all and start their heartbeat loops."""
+        new = [SimAgent(self, i, self.gpus_per_node) for i in range(len(self.agents), n)]
+        for chunk in range(0, len(new), 50):
+            await asyncio.gather(*(a.register() for a in new[chunk:chunk + 50]))
+        self.agents += new
+        self._loops += [asyncio.ensure_future(a.loop(self._stop)) for a in new]
+
+    async def close(self) -> None:
+        self._stop.set()
+        for task in self._loops:  # an in-flight heartbeat may wait for its timeout: don't
+            task.cancel()
+        for agent in self.agents:
+            for pending in list(agent._tasks):
+                pending.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        await self.http.aclose()
+        self._pool.shutdown(wait=False)
+
+    async def measure(self, phase: str, seconds: float) -> list[Sample]:
+        self.phase = phase
+        await asyncio.sleep(seconds)
+        self.phase = "between"
+        return [s for a in self.agents for s in a.samples if s.phase == phase]
+
+    # -- admin API ---------------------------------------------------------------------------------
+
+    async def submit(self, name: str, num_nodes: int, *, args_size: int = 0, max_failures: int = 3) -> dict[str, Any]:
+        body = {"name": name, "num_nodes": num_nodes, "gpus_per_node": self.gpus_per_node,
+                "entrypoint": "bench.simulated", "args": ["--steps", "1000", "--pad", "x" * args_size],
+                "checkpoint": {"interval_steps": 100}, "max_failures": max_failures}
+        r = await self.http.post("/v1/jobs", json=body, headers=self.admin)
+        assert r.status_code == 201, r.text
+        job: dict[str, Any] = r.json()
+        return job
+
+    async def job(self, job_id: str) -> dict[str, Any]:
+        r = await self.http.get(f"/v1/jobs/{job_id}", headers=self.admin)
+        r.raise_for_status()
+        job: dict[str, Any] = r.json()
+        return job
+
+    async def cancel(self, job_id: str) -> None:
+        (await self.http.post(f"/v1/jobs/{job_id}/cancel", headers=self.admin)).raise_for_status()
+
+    # -- what the agents hold ------------------------------------------------------------------------
+
+    def parts(self, job_id: str, attempt_number: int) -> list[tuple[SimAgent, SimRun]]:
+        return [(a, run) for a in self.agents for run in a.runs.values()
+                if run.spec["job_id"] == job_id and run.spec["attempt_number"] == attempt_number]
+
+    async def wait_parts(self, job_id: str, attempt_number: int, num_nodes: int,
+                         timeout_s: float = 120.0) -> list[tuple[SimAgent, SimRun]]:
+        return await wait_until(lambda: (p if len(p := self.parts(job_id, attempt_number)) == num_nodes else None),
+                                timeout_s, f"{num_nodes} nodes hold attempt {attempt_number} of job {job_id}")
+
+    # -- checkpoints and failures --------------------------------------------------------------------
+
+    def _upload(self, key: str, data: bytes) -> None:
+        self._s3.put_object(self.s3.bucket, key, io.BytesIO(data), len(data))
+
+    async def upload_shards(self, parts: list[tuple[SimAgent, SimRun]], step: int,
+                            size: int = 256) -> dict[str, list[dict[str, Any]]]:
+        """Every rank uploads a small shard of ``step`` to S3; returns each attempt part's ShardInfos."""
+        loop = asyncio.get_running_loop()
+        uploads, shards = [], {}
+        for agent, run in parts:
+            spec = run.spec
+            world = spec["nnodes"] * spec["nproc_per_node"]
+            infos = []
+            for local in range(spec["nproc_per_node"]):
+                rank = spec["node_rank"] * spec["nproc_per_node"] + local
+                data = f"{spec['attempt_id']}:{step}:{rank}:".encode().ljust(size, b".")
+                key = shard_key(spec["job_id"], step, spec["attempt_number"], rank)
+                uploads.append(loop.run_in_executor(self._pool, self._upload, key, data))
+                infos.append({"rank": rank, "step": step, "world_size": world, "key": key, "size_bytes": len(data),
+                              "sha256": hashlib.sha256(data).hexdigest()})
+            shards[agent.name] = infos
+        await asyncio.gather(*uploads)
+        return shards
+
+    async def checkpoint(self, parts: list[tuple[SimAgent, SimRun]], step: int) -> float:
+        """Upload every rank's shard, then every node reports its shards at once; returns the seconds
+        from the first report sent to the acknowledgement that committed the step."""
+        shards = await self.upload_shards(parts, step)
+        t0 = time.perf_counter()
+        acks = await asyncio.gather(*(agent.report_shards(run, shards[agent.name]) for agent, run in parts))
+        if any(step in ack["committed_steps"] for ack in acks):
+            return time.perf_counter() - t0
+        # Committed by the maintenance loop rather than by the last report (e.g. S3 was slow).
+        job_id = parts[0][1].spec["job_id"]
+
+        async def committed() -> bool | None:
+            r = await self.http.get(f"/v1/jobs/{job_id}/checkpoints", headers=self.admin)
+            return True if any(c["step"] == step and c["state"] == "committed" for c in r.json()) else None
+
+        await wait_until(committed, 60.0, f"step {step} of job {job_id} committed")
+        return time.perf_counter() - t0
+
+    async def fail_and_recover(self, parts: list[tuple[SimAgent, SimRun]], num_nodes: int,
+                               timeout_s: float = 120.0) -> tuple[float, float, list[tuple[SimAgent, SimRun]]]:
+        """Node rank 1 (or 0) reports a rank exiting with code 1; returns the seconds from that report
+        to the first node and to every node holding the next attempt, and the new attempt's parts."""
+        agent, run = sorted(parts, key=lambda p: p[1].spec["node_rank"])[min(1, len(parts) - 1)]
+        job_id, number = run.spec["job_id"], run.spec["attempt_number"]
+        t0 = time.monotonic()
+        await agent.fail(run)
+        new = await self.wait_parts(job_id, number + 1, num_nodes, timeout_s)
+        arrivals = [a.arrivals[r.attempt_id] for a, r in new]
+        return min(arrivals) - t0, max(arrivals) - t0, new
+
+
+async def wait_until(check: Callable[[], Any], timeout_s: float, what: str, every: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:g}s waiting until {what}")
+        await asyncio.sleep(every)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+@dataclass
+class JobFigures:
+    ranks: int
+    first_bytes: int = 0
+    """Largest heartbeat response of a node that carried the job's new spec."""
+    steady_bytes: int = 0
+    """Largest heartbeat response of a node of the job once it holds the spec (delta protocol)."""
+    legacy_steady_bytes: int = 0
+    """The same with no `known` (an old agent: the full spec every heartbeat)."""
+    commit_s: float = 0.0
+    recovery_first_s: float = 0.0
+    recovery_all_s: float = 0.0
+    recovered_first_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _sizes(agents: list[SimAgent], since: float, *, full: bool, phase: str | None = None) -> list[int]:
+    return [s.size for a in agents for s in a.samples
+            if s.at >= since and (s.full_specs > 0) == full and (phase is None or s.phase == phase)]
+
+
+def _latencies(agents: list[SimAgent], phase: str) -> list[float]:
+    return [s.latency_s for a in agents for s in a.samples if s.phase == phase]
+
+
+async def job_scenario(fleet: Fleet, ranks: int, *, window_s: float = 3.0, args_size: int = 0,
+                       say: Callable[[str], None] = lambda _: None) -> JobFigures:
+    """One job of ``ranks`` ranks through the protocol: assigned, steady heartbeats (delta, then
+    legacy full specs as the baseline), one checkpoint committed, one rank failure, the recovery
+    attempt assigned to every node, then cancelled and released."""
+    num_nodes = ranks // fleet.gpus_per_node
+    figures = JobFigures(ranks)
+    t_submit = time.monotonic()
+    job = await fleet.submit(f"sim-{ranks}", num_nodes, args_size=args_size)
+    parts = await fleet.wait_parts(job["id"], 1, num_nodes)
+    say(f"{ranks} ranks: attempt 1 held by {num_nodes} nodes")
+    agents = [a for a, _ in parts]
+    await asyncio.sleep(fleet.interval_s * 1.5)  # every node has sent a heartbeat with `known` since
+    figures.first_bytes = max(_sizes(agents, t_submit, full=True), default=0)
+    await fleet.measure(f"steady-{ranks}", window_s)
+    figures.steady_bytes = max(_sizes(agents, t_submit, full=False, phase=f"steady-{ranks}"), default=0)
+    figures.extra["steady_full_specs"] = sum(s.full_specs for a in agents for s in a.samples
+                                             if s.phase == f"steady-{ranks}")
+    for a in agents:
+        a.legacy = True
+    await fleet.measure(f"legacy-{ranks}", window_s)
+    for a in agents:
+        a.legacy = False
+    figures.legacy_steady_bytes = max(_sizes(agents, t_submit, full=True, phase=f"legacy-{ranks}"), default=0)
+    for phase in (f"steady-{ranks}", f"legacy-{ranks}"):
+        lat = _latencies(agents, phase)
+        figures.extra[phase] = (percentile(lat, 50), percentile(lat, 99), len(lat))
+    figures.commit_s = await fleet.checkpoint(parts, 100)
+    say(f"{ranks} ranks: checkpoint of {ranks} shards committed in {figures.commit_s:.2f}s")
+    t_fail = time.monotonic()
+    figures.recovery_first_s, figures.recovery_all_s, new = await fleet.fail_and_recover(parts, num_nodes)
+    say(f"{ranks} ranks: attempt 2 held by every node {figures.recovery_all_s:.2f}s after the failure report")
+    figures.extra["recovered_attempt"] = new[0][1].spec["attempt_number"]
+    figures.extra["recovered_nodes"] = len(new)
+    figures.extra["restore_from"] = new[0][1].spec.get("restore_from")
+    await asyncio.sleep(fleet.interval_s * 1.5)
+    figures.recovered_first_bytes = max(_sizes([a for a, _ in new], t_fail, full=True), default=0)
+    await fleet.cancel(job["id"])
+
+    async def released() -> bool | None:
+        j = await fleet.job(job["id"])
+        return True if j["state"] in ("cancelled", "failed", "succeeded") and not j["allocation"] else None
+
+    await wait_until(released, 120.0, f"job {job['id']} ended and released", every=0.25)
+    return figures
