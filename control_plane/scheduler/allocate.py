@@ -378,10 +378,11 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
     """Create the attempts of the placements whose jobs are still waiting (locked, re-checked)."""
     if not placements:
         return []
-    # Lock the placements' nodes first (node -> job, the documented order; FOR KEY SHARE is the lock
-    # the new rows' foreign keys take anyway) and re-check them: a node declared lost or cordoned
-    # since the pass read the cluster must get nothing, and mark_lost_nodes (FOR UPDATE) then waits
-    # for this pass to commit, so it sees the attempts placed here and fails them.
+    # Lock the placements' nodes first (node -> job, the documented order; FOR NO KEY UPDATE, which
+    # the new rows' foreign-key checks do not conflict with) and re-check them: a node declared lost
+    # or cordoned since the pass read the cluster gets nothing, and a node this pass places work on
+    # cannot be declared lost before the pass commits (mark_lost_nodes skips it while it is locked
+    # and sees the attempts placed here on its next round).
     node_ids = sorted({uuid.UUID(n) for p in placements for n, _ in p.nodes})
     usable = {
         str(node_id)
