@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import CursorResult, Engine, ScalarResult, Select, create_engine, event
+from sqlalchemy import CursorResult, Engine, ScalarResult, Select, create_engine, event, text
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
 T = TypeVar("T")
@@ -55,6 +55,13 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     event.listen(factory, "after_flush", _mark_wrote)
     event.listen(factory, "after_transaction_end", _transaction_ended)
     return factory
+
+
+def schema_version(engine: Engine) -> str | None:
+    """The migrated schema's Alembic revision (raises if the database cannot be reached)."""
+    with engine.connect() as conn:
+        version = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    return str(version) if version else None
 
 
 @contextmanager

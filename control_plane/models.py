@@ -297,7 +297,7 @@ class Checkpoint(Base):
     step: Mapped[int] = mapped_column(Integer)
     world_size: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(
-        String(16), doc="pending | committed | unusable | aborted | deleted (services/checkpoints.py TRANSITIONS)"
+        String(16), doc="pending | committed | unusable | aborted | deleted (services/states.py CHECKPOINT)"
     )
     objects_deleted: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     manifest_key: Mapped[str | None] = mapped_column(Text)

@@ -1,14 +1,14 @@
-"""/v1/agent: the node agents' side of the wire contract (control_plane/schemas/agent.py)."""
+"""/v1/agent: the node agents' side of the wire contract (control_plane/schemas/agent.py).
+
+Thin routes over services/agent_protocol.py, which owns each message's transaction."""
 
 from __future__ import annotations
 
 import uuid
 
-from fastapi import APIRouter, Request
-from sqlalchemy import text
+from fastapi import APIRouter
 
-from control_plane import failpoints
-from control_plane.api.deps import JoinDep, NodeIdentity, SessionDep, SettingsDep, TransactionRoute
+from control_plane.api.deps import JoinDep, NodeIdentity, RuntimeDep, SessionDep, SettingsDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.agent import (
     AGENT_API_PREFIX,
@@ -18,7 +18,6 @@ from control_plane.schemas.agent import (
     HeartbeatResponse,
     LogAck,
     LogBatch,
-    NodeAttemptState,
     RegisterRequest,
     RegisterResponse,
     ShardAck,
@@ -26,58 +25,35 @@ from control_plane.schemas.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
-from control_plane.services import attempts, checkpoints, logs, nodes
+from control_plane.services import agent_protocol, logs
 
 router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=TransactionRoute)
 
 
 @router.post("/register", response_model=RegisterResponse, responses=ERRORS)
 def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, _: JoinDep,
-             request: Request) -> RegisterResponse:
-    node, token = nodes.register(session, body)
-    request.app.state.wake_scheduler()
+             runtime: RuntimeDep) -> RegisterResponse:
+    node, token = agent_protocol.register(session, body, runtime)
     return RegisterResponse(node_id=str(node.id), node_token=token,
                             heartbeat_interval_s=settings.heartbeat_interval_s,
                             node_lost_timeout_s=settings.node_lost_timeout_s,
                             agent_instance=node.agent_instance, agent_epoch=node.agent_epoch,
-                            storage=dict(request.app.state.worker_storage or {}))
+                            storage=runtime.worker_storage)
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse, responses=ERRORS)
 def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, settings: SettingsDep,
-              request: Request) -> HeartbeatResponse:
-    released_before = session.info.get("released", 0)
-    storage = request.app.state.worker_storage
-    specs = nodes.heartbeat(session, node, body, storage)
-    state = node.state
-    if session.info.get("released", 0) == released_before:
-        # Liveness only (no lease released, no attempt failed): losing this commit in a database
-        # crash loses nothing the next heartbeat does not say again, so don't wait for the WAL flush.
-        # At 1 heartbeat/s per node that flush was half of a heartbeat's cost (bench/scale.py).
-        session.execute(text("SET LOCAL synchronous_commit = off"))
-    session.commit()
-    if session.info.get("released", 0) != released_before:
-        # GPUs were just freed, perhaps the last ones a recovering job waits for: schedule now
-        # (its own transaction) and answer with the result, rather than a heartbeat later.
-        if settings.run_loops and request.app.state.loops.schedule_once():
-            specs = nodes.assignments(session, node, storage)
-            session.commit()
-        else:
-            request.app.state.wake_scheduler()
-    full, unchanged = nodes.for_agent(specs, body.known)
-    return HeartbeatResponse(node_id=str(node.id), node_state=state, assignments=full, unchanged=unchanged,
-                             heartbeat_interval_s=settings.heartbeat_interval_s)
+              runtime: RuntimeDep) -> HeartbeatResponse:
+    answer = agent_protocol.heartbeat_and_schedule(session, node, body, runtime.worker_storage, runtime)
+    return HeartbeatResponse(node_id=str(node.id), node_state=answer.node_state, assignments=answer.assignments,
+                             unchanged=answer.unchanged, heartbeat_interval_s=settings.heartbeat_interval_s)
 
 
 @router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)
 def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeIdentity,
                    session: SessionDep) -> AttemptStatusAck:
-    if body.state in (NodeAttemptState.exited, NodeAttemptState.stopped):
-        failpoints.hit("agent.final_status")  # a slow final status (fault tests)
-    attempt, part = attempts.apply_status(session, node, attempt_id, body)
-    ack = AttemptStatusAck(attempt_state=attempt.state, stop=part.desired == "stop")
-    session.commit()
-    return ack
+    attempt, part = agent_protocol.report_status(session, node, attempt_id, body)
+    return AttemptStatusAck(attempt_state=attempt.state, stop=part.desired == "stop")
 
 
 @router.post("/attempts/{attempt_id}/logs", response_model=LogAck, responses=ERRORS)
@@ -87,23 +63,14 @@ def attempt_logs(attempt_id: uuid.UUID, body: LogBatch, node: NodeIdentity, sess
 
 @router.post("/attempts/{attempt_id}/shards", response_model=ShardAck, responses=ERRORS)
 def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity, session: SessionDep,
-                   request: Request) -> ShardAck:
+                   runtime: RuntimeDep) -> ShardAck:
     """Phase 1 of a checkpoint; when the last shard of a step arrives, phase 2 commits it."""
-    ready = checkpoints.record_shards(session, node, attempt_id, body)
-    session.commit()
-    store = request.app.state.object_store
-    for checkpoint_id in ready:
-        if store is not None:
-            checkpoints.commit_ready(request.app.state.session_factory, store, checkpoint_id)
-    # Only the steps whose own checkpoint is committed (by this request or another replica).
-    steps = checkpoints.committed_steps(session, attempt_id, {s.step for s in body.shards})
-    session.commit()
+    steps = agent_protocol.report_shards(session, node, attempt_id, body, runtime.object_store,
+                                         runtime.session_factory)
     return ShardAck(accepted=len(body.shards), committed_steps=steps)
 
 
 @router.post("/attempts/{attempt_id}/events", response_model=WorkerEventAck, responses=ERRORS)
 def attempt_events(attempt_id: uuid.UUID, body: WorkerEventBatch, node: NodeIdentity,
                    session: SessionDep) -> WorkerEventAck:
-    accepted = checkpoints.record_worker_events(session, node, attempt_id, body)
-    session.commit()
-    return WorkerEventAck(accepted=accepted)
+    return WorkerEventAck(accepted=agent_protocol.report_events(session, node, attempt_id, body))

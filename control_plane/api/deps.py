@@ -1,4 +1,6 @@
-"""Dependencies shared by the routers: the session, the principal, the node identity."""
+"""Dependencies shared by the routers: the session, the principal, the node identity, and the
+runtime collaborators (``RuntimeDep``). This module is the only one under api/ that reads
+``request.app.state`` or ends a transaction itself (tests/control_plane/test_routes_are_thin.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.errors import Unauthorized
 from control_plane.models import Node
@@ -24,6 +27,37 @@ _bearer = HTTPBearer(auto_error=False, description="Admin token (API) or node cr
 
 def get_settings(request: Request) -> Settings:
     return request.app.state.settings
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What routes need besides the session, read once per request from the app: scheduler
+    wake-ups (``services.agent_protocol.Wakeups``), checkpoint storage, and the session factory
+    and engine for work that outlives the request's transaction (log follow, readiness)."""
+
+    loops: Any
+    """scheduler.loops.Loops (``wake_scheduler``, ``schedule_once``)."""
+    run_loops: bool
+    object_store: Any
+    """The control plane's S3 access, or None without S3 (app.object_store)."""
+    worker_storage: dict[str, Any]
+    """What workers get to reach checkpoint storage (app.worker_storage)."""
+    session_factory: sessionmaker[Session]
+    engine: Engine
+
+    def wake_scheduler(self) -> None:
+        self.loops.wake_scheduler()
+
+    def schedule_now(self) -> bool:
+        """A scheduling pass in this thread (its own transaction); False where loops do not run here."""
+        return bool(self.run_loops and self.loops.schedule_once())
+
+
+def get_runtime(request: Request) -> Runtime:
+    state = request.app.state
+    return Runtime(loops=state.loops, run_loops=state.settings.run_loops, object_store=state.object_store,
+                   worker_storage=dict(state.worker_storage or {}), session_factory=state.session_factory,
+                   engine=state.engine)
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -83,6 +117,7 @@ class TransactionRoute(APIRoute):
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 

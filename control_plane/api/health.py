@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from sqlalchemy import text
+from fastapi import APIRouter
 
-from control_plane.api.deps import TransactionRoute
+from control_plane.api.deps import RuntimeDep, TransactionRoute
+from control_plane.db import schema_version
 from control_plane.errors import NotReady
 
 router = APIRouter(tags=["health"], route_class=TransactionRoute)
@@ -17,10 +17,9 @@ def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", summary="The database is reachable and migrated")
-def readyz(request: Request) -> dict[str, str]:
+def readyz(runtime: RuntimeDep) -> dict[str, str]:
     try:
-        with request.app.state.engine.connect() as conn:
-            version = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        version = schema_version(runtime.engine)
     except Exception as exc:
         raise NotReady(f"database not ready: {type(exc).__name__}") from exc
     if not version:

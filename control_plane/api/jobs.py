@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Iterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request, Response, status
+from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import StreamingResponse
 
-from control_plane.api.deps import PrincipalDep, SessionDep, SettingsDep, TransactionRoute
-from control_plane.db import session_scope
+from control_plane.api.deps import PrincipalDep, RuntimeDep, SessionDep, SettingsDep, TransactionRoute
 from control_plane.schemas.jobs import AttemptOut, CheckpointOut, EventPage, JobOut, JobPage, JobSubmit
 from control_plane.services import events, jobs, logs, views
 
@@ -25,7 +22,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {401: _PROBLEM, 404: _PROBLEM, 409: _P
              summary="Submit a job")
 def submit_job(
     body: JobSubmit,
-    request: Request,
+    runtime: RuntimeDep,
     response: Response,
     session: SessionDep,
     principal: PrincipalDep,
@@ -34,7 +31,7 @@ def submit_job(
     """Queue a job. A retry with the same `Idempotency-Key` returns the same job (200)."""
     job, created = jobs.submit(session, body, principal=principal.name, idempotency_key=idempotency_key)
     if created:
-        request.app.state.wake_scheduler()
+        runtime.wake_scheduler()
     else:
         response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/v1/jobs/{job.id}"
@@ -98,7 +95,7 @@ def list_events(
 )
 def get_logs(
     job_id: uuid.UUID,
-    request: Request,
+    runtime: RuntimeDep,
     session: SessionDep,
     settings: SettingsDep,
     _: PrincipalDep,
@@ -110,22 +107,6 @@ def get_logs(
     prefix: Annotated[bool, Query(description="Prefix lines with [attempt node rank].")] = True,
 ) -> StreamingResponse:
     jobs.get_job(session, job_id)
-    factory = request.app.state.session_factory
-
-    def body() -> Iterator[str]:
-        after = 0
-        while True:
-            with session_scope(factory) as s:
-                chunks = logs.read(s, job_id, after=after, attempt_number=attempt, node_rank=node_rank,
-                                   rank=rank, stream=stream)
-                ended = jobs.get_job(s, job_id).state in jobs.TERMINAL
-            for chunk, number in chunks:
-                after = chunk.id
-                yield logs.format_chunk(chunk, number, prefix=prefix)
-            if chunks:
-                continue
-            if not follow or ended:
-                return
-            time.sleep(settings.log_follow_poll_s)
-
-    return StreamingResponse(body(), media_type="text/plain; charset=utf-8")
+    text = logs.stream_text(runtime.session_factory, job_id, attempt_number=attempt, node_rank=node_rank, rank=rank,
+                            stream=stream, prefix=prefix, follow=follow, poll_s=settings.log_follow_poll_s)
+    return StreamingResponse(text, media_type="text/plain; charset=utf-8")

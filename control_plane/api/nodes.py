@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from control_plane.api.deps import PrincipalDep, SessionDep, TransactionRoute
+from control_plane.api.deps import PrincipalDep, RuntimeDep, SessionDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.nodes import ClusterOut, NodeLabelsIn, NodeOut
 from control_plane.services import cluster, nodes, views
@@ -25,13 +25,13 @@ def get_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep) -> NodeOu
 
 
 @router.delete("/nodes/{node_id}", response_model=NodeOut, responses=ERRORS, summary="Remove a node")
-def remove_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep, request: Request) -> NodeOut:
+def remove_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep, runtime: RuntimeDep) -> NodeOut:
     """Forget a node. A **lost** node's GPU leases are released: you vouch that its workers are gone
     (powered off, reinstalled). Only a **lost** node can be removed: a node whose agent still
     heartbeats is refused (409; drain it, stop its agent, remove it once it shows as lost). If its
     agent comes back later, it registers again as an empty, schedulable node (same id, no cordon)."""
     node = nodes.remove_node(session, node_id)
-    request.app.state.wake_scheduler()
+    runtime.wake_scheduler()
     return views.node_out(session, [node])[0]
 
 
@@ -48,10 +48,10 @@ def drain_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep) -> Node
 
 
 @router.post("/nodes/{node_id}/uncordon", response_model=NodeOut, responses=ERRORS, summary="Uncordon a node")
-def uncordon_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep, request: Request) -> NodeOut:
+def uncordon_node(node_id: uuid.UUID, session: SessionDep, _: PrincipalDep, runtime: RuntimeDep) -> NodeOut:
     """The node takes new work again (after cordon or drain)."""
     node = nodes.uncordon(session, node_id)
-    request.app.state.wake_scheduler()
+    runtime.wake_scheduler()
     return views.node_out(session, [node])[0]
 
 

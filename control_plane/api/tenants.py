@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path
 
-from control_plane.api.deps import PrincipalDep, SessionDep, TransactionRoute
+from control_plane.api.deps import PrincipalDep, RuntimeDep, SessionDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.tenants import TENANT_NAME, TenantIn, TenantOut
 from control_plane.services import tenants
@@ -23,8 +23,9 @@ def list_tenants(session: SessionDep, _: PrincipalDep) -> list[TenantOut]:
 
 
 @router.put("/{name}", response_model=TenantOut, responses=ERRORS, summary="Set a tenant's weight and quota")
-def put_tenant(name: TenantName, body: TenantIn, session: SessionDep, _: PrincipalDep, request: Request) -> TenantOut:
+def put_tenant(name: TenantName, body: TenantIn, session: SessionDep, _: PrincipalDep,
+               runtime: RuntimeDep) -> TenantOut:
     """Create or replace. A lower quota stops nothing: the tenant's next jobs wait until it is under."""
     tenants.put_tenant(session, name, body)
-    request.app.state.wake_scheduler()  # a higher weight or quota may admit jobs now
+    runtime.wake_scheduler()  # a higher weight or quota may admit jobs now
     return tenants.tenant_out(session, name)

@@ -17,7 +17,7 @@ again. Checkpoints are ranked by lineage, not by step alone: a later attempt con
 it restored (or from scratch), so its checkpoints are more recent than any of an earlier attempt,
 whatever their steps. Retention keeps the newest ``keep_last`` usable ones in that order, and only
 a more recent checkpoint of the lineage supersedes a pending one. Every state change goes through
-:func:`transition`, over the table ``TRANSITIONS``, and records an event.
+one mutator over the table ``CHECKPOINT`` (services/states.py) and records an event.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ from control_plane.schemas.agent import (
 )
 from control_plane.services import events
 from control_plane.services.fencing import authorize_report
+from control_plane.services.states import (
+    CHECKPOINT,
+    CHECKPOINT_COLLECTED,
+    CHECKPOINT_TERMINAL,
+    set_checkpoint_state,
+)
 
 log = structlog.get_logger("trainyard.checkpoints")
 
@@ -53,33 +59,20 @@ log = structlog.get_logger("trainyard.checkpoints")
 RESERVED_EVENT_KEYS = frozenset({"session", "kind", "message", "job_id", "attempt_id", "node_id", "rank", "event"})
 
 
-# Checkpoint states: from -> {to: event kind}. ``pending`` exits on commit, on abort (its attempt
-# ended, a rank could not save, superseded) or after the pending timeout; ``committed`` exits when
-# a restore finds it bad or retention drops it. The rest are terminal (their objects are collected).
+# The checkpoint state table and its mutator live with the others, in services/states.py
+# (``CHECKPOINT``, ``set_checkpoint_state``); these names are its view here: from -> {to: event kind}.
 TRANSITIONS: dict[str, dict[str, str]] = {
-    "pending": {"committed": "checkpoint.committed", "aborted": "checkpoint.aborted"},
-    "committed": {"unusable": "checkpoint.unusable", "deleted": "checkpoint.deleted"},
-    "unusable": {},
-    "aborted": {},
-    "deleted": {},
+    state: {to: f"checkpoint.{to}" for to in sorted(spec.to)} for state, spec in CHECKPOINT.items()
 }
-TERMINAL = frozenset(state for state, exits in TRANSITIONS.items() if not exits)
-COLLECTED = ("unusable", "aborted", "deleted")  # states whose objects are deleted from storage
+TERMINAL = CHECKPOINT_TERMINAL
+COLLECTED = CHECKPOINT_COLLECTED  # states whose objects are deleted from storage
 
 
 def transition(session: Session, ckpt: Checkpoint, to: str, message: str, *, reason: str | None = None,
                **data: Any) -> bool:
-    """The one mutator of a checkpoint's state: applies ``ckpt.state -> to`` if the table allows it
-    and records the event; False (and nothing changes) otherwise."""
-    kind = TRANSITIONS.get(ckpt.state, {}).get(to)
-    if kind is None:
-        return False
-    ckpt.state = to
-    if reason is not None:
-        ckpt.reason = reason
-    events.record(session, kind, message, job_id=ckpt.job_id, attempt_id=ckpt.attempt_id, step=ckpt.step,
-                  checkpoint_id=str(ckpt.id), **data)
-    return True
+    """Applies ``ckpt.state -> to`` if the table allows it and records the event; False (and
+    nothing changes) otherwise (states.set_checkpoint_state)."""
+    return set_checkpoint_state(session, ckpt, to, message, reason=reason, **data)
 
 
 class ObjectStore(Protocol):
@@ -199,8 +192,8 @@ def commit_ready(factory: sessionmaker[Session], store: ObjectStore, checkpoint_
             _abort(factory, checkpoint_id, "its attempt is no longer the job's current one")
             return False
         size = sum(sh["size_bytes"] for sh in manifest["shards"])
-        # The commit point: a compare-and-set of pending -> committed (TRANSITIONS), so that two
-        # replicas racing here commit once; the winner records the event.
+        # The commit point: a compare-and-set of pending -> committed (states.CHECKPOINT), so that
+        # two replicas racing here commit once; the winner records the event.
         done = rowcount(s.execute(
             update(Checkpoint)
             .where(Checkpoint.id == checkpoint_id, Checkpoint.state == "pending")

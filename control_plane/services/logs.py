@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import secrets
+import time
 import uuid
+from collections.abc import Iterator
 
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
-from control_plane.db import rowcount
+from control_plane.db import rowcount, session_scope
 from control_plane.errors import Forbidden, StaleAttempt
-from control_plane.models import Attempt, AttemptNode, LogChunk, Node
+from control_plane.models import Attempt, AttemptNode, Job, LogChunk, Node
 from control_plane.schemas.agent import LogBatch
+from control_plane.services.states import JOB_TERMINAL
 
 
 def append(session: Session, node: Node, attempt_id: uuid.UUID, batch: LogBatch) -> int:
@@ -84,3 +87,33 @@ def format_chunk(chunk: LogChunk, attempt_number: int, *, prefix: bool = True) -
     tag = f"[a{attempt_number} n{chunk.node_rank} r{chunk.rank}{' err' if chunk.stream == 'stderr' else ''}] "
     lines = chunk.data.splitlines(keepends=True)
     return "".join(tag + line if line.endswith("\n") else tag + line + "\n" for line in lines)
+
+
+def stream_text(
+    factory: sessionmaker[Session],
+    job_id: uuid.UUID,
+    *,
+    attempt_number: int | None = None,
+    node_rank: int | None = None,
+    rank: int | None = None,
+    stream: str | None = None,
+    prefix: bool = True,
+    follow: bool = False,
+    poll_s: float = 1.0,
+) -> Iterator[str]:
+    """The job's logs as text, in arrival order; with ``follow``, until the job ends. Each read is
+    its own short transaction: no connection is held while the client reads or while it waits."""
+    after = 0
+    while True:
+        with session_scope(factory) as s:
+            chunks = read(s, job_id, after=after, attempt_number=attempt_number, node_rank=node_rank,
+                          rank=rank, stream=stream)
+            ended = s.scalar(select(Job.state).where(Job.id == job_id)) in JOB_TERMINAL
+        for chunk, number in chunks:
+            after = chunk.id
+            yield format_chunk(chunk, number, prefix=prefix)
+        if chunks:
+            continue
+        if not follow or ended:
+            return
+        time.sleep(poll_s)

@@ -1,6 +1,6 @@
-"""The state machines of jobs, attempts, attempt parts and nodes, written down once.
+"""The state machines of jobs, attempts, attempt parts, nodes and checkpoints, written down once.
 
-Each entity has a transition table (``JOB``, ``ATTEMPT``, ``PART``, ``NODE``): for every state,
+Each entity has a transition table (``JOB``, ``ATTEMPT``, ``PART``, ``NODE``, ``CHECKPOINT``): for every state,
 the states it may move to and, for every state that is not terminal, the mechanism that gets an
 entity out of it without anyone having to act (``Exit``): a loop that acts after a timeout setting,
 or a message that always comes. tests/control_plane/test_state_tables.py walks the tables and
@@ -8,9 +8,11 @@ checks that every non-terminal state has such an exit and that each named settin
 state groups (``JOB_WAITING``, ``ATTEMPT_LIVE``, ...) are the only spelling of those sets.
 
 Each entity has one mutator (``set_job_state``, ``set_attempt_state``, ``advance_part``,
-``set_node_state``): the only writers of its ``state`` column. A mutator refuses a transition the
-table does not allow and records an event. (Checkpoints have their own machine in
-services/checkpoints.py.) docs/architecture.md, "State machines", shows the tables.
+``set_node_state``, ``set_checkpoint_state``): the only writers of its ``state`` column. A mutator
+refuses a transition the table does not allow and records an event. (A checkpoint's commit point,
+``pending -> committed``, is one conditional UPDATE in services/checkpoints.py ``commit_ready``,
+checked against ``CHECKPOINT``.) docs/architecture.md, "Job and attempt states", shows the tables
+(rendered by ``render_markdown``; the test checks the doc against it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.errors import InvalidState
-from control_plane.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Job, Node
+from control_plane.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Checkpoint, Job, Node
 from control_plane.services import events
 
 
@@ -159,6 +161,31 @@ NODE_UNREACHABLE = ("lost", "removed")
 """Node states with no timeout exit, on purpose (see above); no job state is in this position."""
 
 
+# -- Checkpoints (two-phase commit: services/checkpoints.py, docs/architecture.md) ---------------
+
+CHECKPOINT: dict[str, State] = {
+    "pending": _s("committed", "aborted", exit=Exit(
+        "the last shard report commits it (phase 2); the maintenance loop commits a complete one or "
+        "aborts it when a rank could not save, its attempt ended first, a more recent checkpoint of "
+        "the lineage committed first, or it is still incomplete after the pending timeout",
+        settings=("checkpoint_pending_timeout_s", "checkpoint_maintenance_interval_s"),
+        message="shard report")),
+    # The usable state: a checkpoint rests here while it is among the newest keep_last of its job.
+    "committed": _s("unusable", "deleted", exit=Exit(
+        "a restore that finds it bad (a checkpoint.fallback event) makes it unusable; retention (the "
+        "maintenance loop) deletes it once keep_last more recent usable ones of the lineage exist",
+        settings=("checkpoint_maintenance_interval_s",), message="worker event checkpoint.fallback")),
+    "unusable": _s(),
+    "aborted": _s(),
+    "deleted": _s(),
+}
+
+CHECKPOINT_TERMINAL = frozenset(s for s, st in CHECKPOINT.items() if not st.to)
+CHECKPOINT_COLLECTED = ("unusable", "aborted", "deleted")
+"""Checkpoint states whose objects are deleted from storage (every terminal one)."""
+assert set(CHECKPOINT_COLLECTED) == CHECKPOINT_TERMINAL
+
+
 # -- Mutators -----------------------------------------------------------------------------------
 
 def _check(table: dict[str, State], what: str, ident: object, src: str, dst: str) -> None:
@@ -248,3 +275,48 @@ def set_node_state(session: Session, node: Node, new_state: str, reason: str, *,
         node.schedulable, node.draining = True, False
     events.record(session, kind, reason, node_id=node.id, from_state=old, to_state=new_state, **data)
     return True
+
+
+def set_checkpoint_state(session: Session, ckpt: Checkpoint, new_state: str, message: str, *,
+                         reason: str | None = None, **data: Any) -> bool:
+    """Move ``ckpt`` to ``new_state`` and record the event ``checkpoint.<state>``; the only writer
+    of ``Checkpoint.state`` (but for commit_ready's conditional commit). A transition the table does
+    not allow (a late abort of a committed checkpoint, a demotion of a deleted one) changes nothing
+    and returns False: checkpoint facts arrive late and out of order, and none of them is an error."""
+    if new_state not in CHECKPOINT:
+        raise ValueError(f"unknown checkpoint state {new_state!r}")
+    if new_state not in CHECKPOINT.get(ckpt.state, State(frozenset())).to:
+        return False
+    old = ckpt.state
+    ckpt.state = new_state
+    if reason is not None:
+        ckpt.reason = reason
+    events.record(session, f"checkpoint.{new_state}", message, job_id=ckpt.job_id, attempt_id=ckpt.attempt_id,
+                  step=ckpt.step, checkpoint_id=str(ckpt.id), from_state=old, to_state=new_state, **data)
+    return True
+
+
+# -- The tables as docs/architecture.md shows them ----------------------------------------------
+
+TABLES: dict[str, dict[str, State]] = {"job": JOB, "attempt": ATTEMPT, "part": PART, "node": NODE,
+                                       "checkpoint": CHECKPOINT}
+DOC_BEGIN = "<!-- state tables: begin (services/states.py render_markdown; checked by test_state_tables.py) -->"
+DOC_END = "<!-- state tables: end -->"
+
+
+def render_markdown() -> str:
+    """Every table as a compact list per entity: each state, where it may go, and its exit."""
+    lines = [DOC_BEGIN]
+    for entity, table in TABLES.items():
+        lines += ["", f"**{entity}**", ""]
+        for state, spec in table.items():
+            if not spec.to:
+                lines.append(f"- `{state}`: terminal")
+                continue
+            assert spec.exit is not None
+            how = [f"timeouts {', '.join(f'`{s}`' for s in spec.exit.settings)}"] if spec.exit.settings else []
+            how += [f"message: {spec.exit.message}"] if spec.exit.message else []
+            how += [f"operator: {spec.exit.operator}"] if spec.exit.operator else []
+            lines.append(f"- `{state}` -> {', '.join(sorted(spec.to))}: {spec.exit.how} ({'; '.join(how)})")
+    lines += ["", DOC_END]
+    return "\n".join(lines)

@@ -13,13 +13,15 @@ import pytest
 from sqlalchemy.orm import Session
 
 from control_plane.errors import InvalidState
-from control_plane.models import Attempt, AttemptNode, Job, Node
+from control_plane.models import Attempt, AttemptNode, Checkpoint, Job, Node
 from control_plane.schemas.jobs import JOB_STATES
 from control_plane.services import states
 from control_plane.settings import Settings
 
-TABLES = {"job": states.JOB, "attempt": states.ATTEMPT, "part": states.PART, "node": states.NODE}
+TABLES = {"job": states.JOB, "attempt": states.ATTEMPT, "part": states.PART, "node": states.NODE,
+          "checkpoint": states.CHECKPOINT}
 ROOT = Path(__file__).resolve().parents[2] / "control_plane"
+DOC = ROOT.parent / "docs" / "architecture.md"
 
 
 @pytest.mark.parametrize("name", TABLES)
@@ -43,7 +45,7 @@ def test_every_non_terminal_state_has_an_automatic_exit(name):
         assert all(Settings.model_fields[s].default > 0 for s in spec.exit.settings)
 
 
-@pytest.mark.parametrize("name", ["job", "attempt", "part"])
+@pytest.mark.parametrize("name", ["job", "attempt", "part", "checkpoint"])
 def test_every_state_can_reach_an_end(name):
     table = TABLES[name]
     ends = {s for s, spec in table.items() if not spec.to}
@@ -54,6 +56,29 @@ def test_every_state_can_reach_an_end(name):
             seen.add(s)
             frontier |= table[s].to - seen
         assert seen & ends, (name, state)
+
+
+def test_the_tables_are_the_ones_docs_and_renderer_show():
+    assert states.TABLES == TABLES
+    rendered = states.render_markdown()
+    for name, table in TABLES.items():  # every state of every table is in the rendered list
+        block = rendered.split(f"**{name}**", 1)[1].split("\n\n**", 1)[0]
+        assert [line.split("`")[1] for line in block.splitlines() if line.startswith("- `")] == list(table), name
+    assert rendered in DOC.read_text(), (
+        "docs/architecture.md does not show the state tables of services/states.py; paste "
+        "`python -c 'from control_plane.services.states import render_markdown; print(render_markdown())'`")
+
+
+def test_the_checkpoint_table_is_the_one_checkpoints_uses():
+    from control_plane.models import Checkpoint
+    from control_plane.services import checkpoints
+
+    assert set(states.CHECKPOINT) == {"pending", "committed", "unusable", "aborted", "deleted"}
+    kinds = {s: {t: f"checkpoint.{t}" for t in spec.to} for s, spec in states.CHECKPOINT.items()}
+    assert kinds == checkpoints.TRANSITIONS
+    assert checkpoints.TERMINAL == states.CHECKPOINT_TERMINAL == set(states.CHECKPOINT_COLLECTED)
+    for state in states.CHECKPOINT:  # the column's documented values are the table's
+        assert state in (Checkpoint.state.doc or "")
 
 
 def test_the_groups_match_the_tables_and_the_schema():
@@ -72,8 +97,8 @@ def _py_files():
 
 
 def test_only_the_mutators_write_state_columns():
-    # Checkpoints (services/checkpoints.py) and workers (``w``) have their own merges.
-    allowed = {("checkpoints.py", None), ("attempts.py", "w")}
+    # Workers (``w``) have their own merge.
+    allowed = {("attempts.py", "w")}
     offenders = []
     for path in _py_files():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -91,7 +116,8 @@ def test_only_the_mutators_write_state_columns():
 
 def test_no_module_spells_a_state_group_by_hand():
     groups = {frozenset(g) for g in (states.JOB_WAITING, states.JOB_ACTIVE, states.ATTEMPT_LIVE,
-                                     states.ATTEMPT_HOLDING, states.PART_STARTED, states.PART_DONE)}
+                                     states.ATTEMPT_HOLDING, states.PART_STARTED, states.PART_DONE,
+                                     states.CHECKPOINT_COLLECTED)}
     offenders = []
     for path in _py_files():
         if path.name == "models.py":  # the partial index is written in SQL there
@@ -122,4 +148,11 @@ def test_mutators_refuse_what_the_tables_do_not_allow(clock):
         states.set_node_state(session, Node(id=uuid.uuid4(), name="m", state="removed"), "lost", "x", kind="k")
     with pytest.raises(ValueError):
         states.set_node_state(session, node, "sleeping", "x", kind="k")
-    assert sorted(e.kind for e in session.new) == ["node.rejoined", "part.exited"]  # each change recorded
+    ckpt = Checkpoint(id=uuid.uuid4(), job_id=job.id, attempt_id=attempt.id, step=5, state="committed")
+    assert states.set_checkpoint_state(session, ckpt, "aborted", "late abort") is False  # not in the table
+    assert states.set_checkpoint_state(session, ckpt, "unusable", "bad", reason="bad") is True
+    assert (ckpt.state, ckpt.reason) == ("unusable", "bad")
+    assert states.set_checkpoint_state(session, ckpt, "deleted", "x") is False  # terminal
+    with pytest.raises(ValueError):
+        states.set_checkpoint_state(session, ckpt, "superseded", "x")
+    assert sorted(e.kind for e in session.new) == ["checkpoint.unusable", "node.rejoined", "part.exited"]

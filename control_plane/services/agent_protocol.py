@@ -1,0 +1,117 @@
+"""The agent's messages, one transaction-owning service function each (api/agent.py only parses
+and answers). Each function commits what it decided before it returns: routes never commit
+(tests/control_plane/test_routes_are_thin.py). Scheduler wake-ups come in through ``Wakeups``,
+the routes' one runtime dependency (api/deps.py ``RuntimeDep``)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane import failpoints
+from control_plane.models import Attempt, AttemptNode, Node
+from control_plane.schemas.agent import (
+    AssignmentRef,
+    AttemptStatusReport,
+    HeartbeatRequest,
+    LaunchSpec,
+    NodeAttemptState,
+    RegisterRequest,
+    ShardReport,
+    WorkerEventBatch,
+)
+from control_plane.services import attempts, checkpoints, nodes
+
+
+class Wakeups(Protocol):
+    """What a service may ask of the scheduler loops."""
+
+    def wake_scheduler(self) -> None:
+        """Run a scheduling pass soon (in the scheduler loop's thread)."""
+
+    def schedule_now(self) -> bool:
+        """Run a scheduling pass in this thread, in its own transaction, if this process runs the
+        loops; True if it placed something."""
+
+
+def register(session: Session, req: RegisterRequest, wakeups: Wakeups) -> tuple[Node, str]:
+    """A (re-)registration; its GPUs may admit waiting jobs."""
+    node, token = nodes.register(session, req)  # commits
+    wakeups.wake_scheduler()
+    return node, token
+
+
+@dataclass(frozen=True)
+class HeartbeatAnswer:
+    node_state: str
+    assignments: list[LaunchSpec]
+    unchanged: list[AssignmentRef]
+
+
+def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
+                           storage: dict[str, object] | None, wakeups: Wakeups) -> HeartbeatAnswer:
+    """Record a heartbeat and answer with the node's desired attempts.
+
+    When the heartbeat released GPUs (perhaps the last ones a recovering job waits for), a
+    scheduling pass runs now, in its own transaction, and the answer carries its result rather
+    than leaving it to the next heartbeat: that is a heartbeat interval off every recovery."""
+    released_before = _released(session)
+    specs = nodes.heartbeat(session, node, req, storage)
+    state = node.state
+    released = _released(session) != released_before
+    if not released:
+        # Liveness only (no lease released, no attempt failed): losing this commit in a database
+        # crash loses nothing the next heartbeat does not say again, so don't wait for the WAL flush.
+        # At 1 heartbeat/s per node that flush was half of a heartbeat's cost (bench/scale.py).
+        session.execute(text("SET LOCAL synchronous_commit = off"))
+    session.commit()
+    if released:
+        if wakeups.schedule_now():
+            specs = nodes.assignments(session, node, storage)
+            session.commit()
+        else:
+            wakeups.wake_scheduler()
+    full, unchanged = nodes.for_agent(specs, req.known)
+    return HeartbeatAnswer(node_state=state, assignments=full, unchanged=unchanged)
+
+
+def _released(session: Session) -> int:
+    return int(session.info.get("released", 0))  # counted by attempts.release_part
+
+
+def report_status(session: Session, node: Node, attempt_id: uuid.UUID,
+                  report: AttemptStatusReport) -> tuple[Attempt, AttemptNode]:
+    """Merge an attempt status report (services/attempts.py apply_status) and commit it."""
+    if report.state in (NodeAttemptState.exited, NodeAttemptState.stopped):
+        failpoints.hit("agent.final_status")  # a slow final status (fault tests)
+    attempt, part = attempts.apply_status(session, node, attempt_id, report)
+    session.commit()
+    return attempt, part
+
+
+def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport,
+                  store: checkpoints.ObjectStore | None,
+                  factory: sessionmaker[Session]) -> list[int]:
+    """Phase 1 of a checkpoint (its own transaction); when the last shard of a step arrives,
+    phase 2 commits it (checkpoints.commit_ready, its own transactions). Returns the steps of the
+    report whose own checkpoint is committed (by this request or another replica)."""
+    ready = checkpoints.record_shards(session, node, attempt_id, report)
+    session.commit()
+    if store is not None:
+        for checkpoint_id in ready:
+            checkpoints.commit_ready(factory, store, checkpoint_id)
+    steps = checkpoints.committed_steps(session, attempt_id, {s.step for s in report.shards})
+    session.commit()
+    return steps
+
+
+def report_events(session: Session, node: Node, attempt_id: uuid.UUID, batch: WorkerEventBatch) -> int:
+    """Fenced worker events (checkpoints.record_worker_events), committed."""
+    accepted = checkpoints.record_worker_events(session, node, attempt_id, batch)
+    session.commit()
+    return accepted
+
