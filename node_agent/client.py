@@ -1,4 +1,4 @@
-"""Typed client of the control plane's agent API (control_plane/schemas/agent.py).
+"""Typed client of the control plane's agent API (trainyard/protocol/agent.py).
 
 Transient failures (no connection, timeouts, 5xx) are retried a few times with jittered
 exponential backoff, then raised as ControlPlaneUnavailable; the agent's loops keep going and
@@ -22,7 +22,7 @@ import httpx
 import structlog
 from pydantic import BaseModel, ValidationError
 
-from control_plane.schemas.agent import (
+from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
     AttemptStatusReport,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import node_agent
-from control_plane.schemas.agent import (
+from trainyard.protocol.agent import (
     ENV_AGENT_URL,
     ENV_ATTEMPT_ID,
     ENV_ATTEMPT_NUMBER,

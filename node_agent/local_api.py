@@ -32,7 +32,8 @@ from urllib.parse import parse_qs, unquote
 import structlog
 from pydantic import ValidationError
 
-from control_plane.schemas.agent import (
+from node_agent.relay import Outbox
+from trainyard.protocol.agent import (
     LocalEvent,
     LocalProgress,
     LocalResult,
@@ -41,7 +42,6 @@ from control_plane.schemas.agent import (
     ShardInfo,
     WorkerEvent,
 )
-from node_agent.relay import Outbox
 
 log = structlog.get_logger(__name__)
 

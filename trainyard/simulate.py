@@ -1,5 +1,5 @@
 """Simulated node agents for scale runs: many agents in one process, speaking the real agent
-protocol over HTTP (control_plane/schemas/agent.py) to a real control plane, with simulated workers
+protocol over HTTP (trainyard/protocol/agent.py) to a real control plane, with simulated workers
 that upload small shards to a real S3 and report them.
 
 Used by bench/scale.py (hundreds to thousands of agents, figures) and by the suite

@@ -1,4 +1,4 @@
-"""/v1/agent: the node agents' side of the wire contract (control_plane/schemas/agent.py)."""
+"""/v1/agent: the node agents' side of the wire contract (trainyard/protocol/agent.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from sqlalchemy import text
 from control_plane import failpoints
 from control_plane.api.deps import JoinDep, NodeIdentity, SessionDep, SettingsDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
-from control_plane.schemas.agent import (
+from control_plane.services import attempts, checkpoints, logs, nodes
+from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
     AttemptStatusReport,
@@ -26,7 +27,6 @@ from control_plane.schemas.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
-from control_plane.services import attempts, checkpoints, logs, nodes
 
 router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=TransactionRoute)
 

@@ -37,15 +37,15 @@ from control_plane.clock import now
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
-from control_plane.schemas.agent import (
+from control_plane.services import events
+from control_plane.services.fencing import authorize_report
+from trainyard.protocol.agent import (
     RESTORE_CANDIDATES_MAX,
     RESTORE_PLAN_FORMAT,
     RestoreCandidate,
     RestorePlan,
     ShardReport,
 )
-from control_plane.services import events
-from control_plane.services.fencing import authorize_report
 
 log = structlog.get_logger("trainyard.checkpoints")
 

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from control_plane.db import rowcount
 from control_plane.errors import Forbidden, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, LogChunk, Node
-from control_plane.schemas.agent import LogBatch
+from trainyard.protocol.agent import LogBatch
 
 
 def append(session: Session, node: Node, attempt_id: uuid.UUID, batch: LogBatch) -> int:

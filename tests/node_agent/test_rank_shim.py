@@ -15,9 +15,9 @@ from typing import Any
 import psutil
 import pytest
 
-from control_plane.schemas import agent as contract
 from node_agent import rank_shim
 from tests.node_agent.helpers import REPO_ROOT, wait_for, write_script
+from trainyard.protocol import agent as contract
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from control_plane.schemas import agent as contract
+from trainyard.protocol import agent as contract
 from worker_runtime import WorkerContext
 from worker_runtime import context as wr_context
 
