@@ -25,6 +25,7 @@ from trainyard.protocol.agent import (
     LaunchSpec,
     RegisterRequest,
 )
+from trainyard.protocol.keys import job_checkpoint_prefix
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
 VANISHED_AFTER_S = 10.0
@@ -219,7 +220,7 @@ def assignments(session: Session, node: Node, storage: dict[str, object] | None)
                 checkpoint=dict(job.checkpoint),
                 restore_from=attempt.restore_manifest,
                 launched=part.state != "assigned",
-                storage={**(storage or {}), "prefix": f"jobs/{job.id}/checkpoints"},
+                storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},
             )
         )
     for spec in specs:
