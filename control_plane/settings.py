@@ -78,7 +78,7 @@ class Settings(BaseSettings):
 
     @property
     def agent_request_timeout_s(self) -> float:
-        """What agents registered here use as their per-try request timeout (schemas/agent.py)."""
+        """What agents registered here use as their per-try request timeout (trainyard/protocol/agent.py)."""
         from trainyard.protocol.agent import agent_request_timeout_s
 
         return agent_request_timeout_s(self.heartbeat_interval_s, self.node_lost_timeout_s)

@@ -134,7 +134,7 @@ class ControlPlaneClient:
 
     def set_heartbeat_timeout(self, timeout_s: float) -> None:
         """The per-try timeout of later heartbeats: the agent derives it from what the control plane
-        says at registration (schemas/agent.py, agent_request_timeout_s), so a heartbeat and its
+        says at registration (trainyard/protocol/agent.py, agent_request_timeout_s), so a heartbeat and its
         retries are over before the node-lost timeout. Other requests keep ``timeout_s``: they are
         not liveness, and the outbox resends them."""
         self.heartbeat_timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
