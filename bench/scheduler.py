@@ -60,11 +60,11 @@ from control_plane.db import make_engine, make_session_factory, run_migrations  
 from control_plane.logging import configure_logging  # noqa: E402
 from control_plane.models import Attempt, AttemptNode, Job  # noqa: E402
 from control_plane.scheduler.allocate import PendingCache, schedule_pass  # noqa: E402
-from control_plane.schemas.agent import GpuInfo, RegisterRequest  # noqa: E402
 from control_plane.services import attempts, limits, nodes, reservations  # noqa: E402
 from control_plane.services.jobs import set_job_state  # noqa: E402
 from control_plane.settings import Settings  # noqa: E402
 from trainyard.embedded import EmbeddedPostgres, PostgresAdmin  # noqa: E402
+from trainyard.protocol.agent import GpuInfo, RegisterRequest  # noqa: E402
 
 T0 = datetime(2026, 12, 2, tzinfo=UTC)
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)

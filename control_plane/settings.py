@@ -78,8 +78,8 @@ class Settings(BaseSettings):
 
     @property
     def agent_request_timeout_s(self) -> float:
-        """What agents registered here use as their per-try request timeout (schemas/agent.py)."""
-        from control_plane.schemas.agent import agent_request_timeout_s
+        """What agents registered here use as their per-try request timeout (trainyard/protocol/agent.py)."""
+        from trainyard.protocol.agent import agent_request_timeout_s
 
         return agent_request_timeout_s(self.heartbeat_interval_s, self.node_lost_timeout_s)
 
@@ -90,7 +90,7 @@ class Settings(BaseSettings):
 
     def _check_timeouts(self) -> None:
         """Each timeout fits inside the next (docs/architecture.md, "Time and timeouts")."""
-        from control_plane.schemas.agent import AGENT_BACKOFF_S
+        from trainyard.protocol.agent import AGENT_BACKOFF_S
 
         if self.heartbeat_interval_s + AGENT_BACKOFF_S >= self.node_lost_timeout_s:
             raise ValueError(

@@ -36,18 +36,6 @@ from types import FrameType
 
 import structlog
 
-from control_plane.schemas.agent import (
-    AssignmentRef,
-    GpuInfo,
-    HeartbeatRequest,
-    KnownAssignment,
-    LaunchSpec,
-    LocalAttempt,
-    LogBatch,
-    NodeAttemptState,
-    RegisterRequest,
-    agent_request_timeout_s,
-)
 from node_agent import processes
 from node_agent.attempt import AttemptRun, attempt_paths
 from node_agent.client import (
@@ -64,6 +52,18 @@ from node_agent.local_api import LocalApi, LocalReports
 from node_agent.orphans import OrphanSweeper
 from node_agent.rank_shim import write_json_atomic
 from node_agent.relay import Outbox, Relay
+from trainyard.protocol.agent import (
+    AssignmentRef,
+    GpuInfo,
+    HeartbeatRequest,
+    KnownAssignment,
+    LaunchSpec,
+    LocalAttempt,
+    LogBatch,
+    NodeAttemptState,
+    RegisterRequest,
+    agent_request_timeout_s,
+)
 
 __all__ = ["Agent", "AgentConfig", "run_agent"]
 

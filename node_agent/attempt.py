@@ -27,7 +27,11 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from control_plane.schemas.agent import (
+from node_agent import processes
+from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
+from node_agent.logs import LogTailer
+from node_agent.rank_shim import write_json_atomic
+from trainyard.protocol.agent import (
     AttemptStatusReport,
     LaunchSpec,
     NodeAttemptState,
@@ -35,10 +39,6 @@ from control_plane.schemas.agent import (
     WorkerState,
     WorkerStatus,
 )
-from node_agent import processes
-from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
-from node_agent.logs import LogTailer
-from node_agent.rank_shim import write_json_atomic
 
 log = structlog.get_logger(__name__)
 ERROR_TAIL_BYTES = 2000

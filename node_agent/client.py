@@ -1,4 +1,4 @@
-"""Typed client of the control plane's agent API (control_plane/schemas/agent.py).
+"""Typed client of the control plane's agent API (trainyard/protocol/agent.py).
 
 Transient failures (no connection, timeouts, 5xx) are retried a few times with jittered
 exponential backoff, then raised as ControlPlaneUnavailable; the agent's loops keep going and
@@ -22,7 +22,7 @@ import httpx
 import structlog
 from pydantic import BaseModel, ValidationError
 
-from control_plane.schemas.agent import (
+from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
     AttemptStatusReport,
@@ -134,7 +134,7 @@ class ControlPlaneClient:
 
     def set_heartbeat_timeout(self, timeout_s: float) -> None:
         """The per-try timeout of later heartbeats: the agent derives it from what the control plane
-        says at registration (schemas/agent.py, agent_request_timeout_s), so a heartbeat and its
+        says at registration (trainyard/protocol/agent.py, agent_request_timeout_s), so a heartbeat and its
         retries are over before the node-lost timeout. Other requests keep ``timeout_s``: they are
         not liveness, and the outbox resends them."""
         self.heartbeat_timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))

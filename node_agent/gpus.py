@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from control_plane.schemas.agent import GpuInfo
+from trainyard.protocol.agent import GpuInfo
 
 VIRTUAL_KIND = "virtual-cpu"
 

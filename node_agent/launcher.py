@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import node_agent
-from control_plane.schemas.agent import (
+from trainyard.protocol.agent import LaunchSpec
+from trainyard.protocol.env import (
     ENV_AGENT_URL,
     ENV_ATTEMPT_ID,
     ENV_ATTEMPT_NUMBER,
     ENV_CHECKPOINT,
+    ENV_CHECKPOINT_PREFIX,
     ENV_DEVICE,
     ENV_FENCING_TOKEN,
     ENV_JOB_ID,
@@ -39,27 +41,13 @@ from control_plane.schemas.agent import (
     ENV_NODE_NAME,
     ENV_NODE_RANK,
     ENV_RESTORE_FROM,
-    ENV_S3_ACCESS_KEY,
-    ENV_S3_BUCKET,
-    ENV_S3_ENDPOINT,
-    ENV_S3_REGION,
-    ENV_S3_SECRET_KEY,
-    ENV_S3_SECURE,
     ENV_STATUS_DIR,
-    LaunchSpec,
+    PREFIX,
+    STORAGE_ENV,
 )
 
-ENV_CHECKPOINT_PREFIX = "TRAINYARD_CHECKPOINT_PREFIX"  # storage["prefix"]; not in the wire contract yet
 # LaunchSpec.storage key -> worker variable.
-_STORAGE_ENV = {
-    "endpoint": ENV_S3_ENDPOINT,
-    "access_key": ENV_S3_ACCESS_KEY,
-    "secret_key": ENV_S3_SECRET_KEY,
-    "bucket": ENV_S3_BUCKET,
-    "secure": ENV_S3_SECURE,
-    "region": ENV_S3_REGION,
-    "prefix": ENV_CHECKPOINT_PREFIX,
-}
+_STORAGE_ENV = {**STORAGE_ENV, "prefix": ENV_CHECKPOINT_PREFIX}
 
 # The package root, so that `-m node_agent.rank_shim` imports from any cwd without an install.
 _PACKAGE_ROOT = str(Path(node_agent.__file__).resolve().parent.parent)
@@ -194,7 +182,7 @@ def storage_env(storage: Mapping[str, Any]) -> dict[str, str]:
 def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict[str, str]:
     inherited = os.environ if node.base_env is None else node.base_env
     # The agent's own TRAINYARD_* settings (a join token, say) are none of the job's business.
-    env = {k: v for k, v in inherited.items() if not k.startswith("TRAINYARD_")}
+    env = {k: v for k, v in inherited.items() if not k.startswith(PREFIX)}
     pythonpath = [_PACKAGE_ROOT, node.cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pythonpath))
     # Defaults the job may override.

@@ -32,7 +32,8 @@ from urllib.parse import parse_qs, unquote
 import structlog
 from pydantic import ValidationError
 
-from control_plane.schemas.agent import (
+from node_agent.relay import Outbox
+from trainyard.protocol.agent import (
     LocalEvent,
     LocalProgress,
     LocalResult,
@@ -41,11 +42,13 @@ from control_plane.schemas.agent import (
     ShardInfo,
     WorkerEvent,
 )
-from node_agent.relay import Outbox
+from trainyard.protocol.env import LOCAL_API_PREFIX
 
 log = structlog.get_logger(__name__)
 
-_ROUTE = re.compile(r"^/v1/local/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events)$")
+_ROUTE = re.compile(
+    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events)$"
+)
 MAX_BODY = 1024 * 1024
 SHARD_WAIT_S = 30.0
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.schemas.agent import LogChunk
+from trainyard.protocol.agent import LogChunk
 
 CHUNK_BYTES = 64 * 1024
 BATCH_BYTES = 256 * 1024

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from control_plane.schemas.agent import ENV_ATTEMPT_ID, ENV_NODE_NAME, ENV_NODE_RANK
+from trainyard.protocol.env import ENV_ATTEMPT_ID, ENV_NODE_NAME, ENV_NODE_RANK
 
 
 @dataclass

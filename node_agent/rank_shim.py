@@ -35,9 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-# Mirrors control_plane.schemas.agent.ENV_STATUS_DIR (not imported: pydantic is slow to import).
-# tests/node_agent/test_rank_shim.py checks that the two agree.
-ENV_STATUS_DIR = "TRAINYARD_STATUS_DIR"
+from trainyard.protocol.env import ENV_STATUS_DIR  # standard library only: cheap to import
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _PR_SET_PDEATHSIG = 1

@@ -30,7 +30,6 @@ from typing import Any, Literal
 
 import structlog
 
-from control_plane.schemas.agent import ShardInfo, ShardReport, WorkerEvent, WorkerEventBatch
 from node_agent.client import (
     ControlPlaneClient,
     ControlPlaneUnavailable,
@@ -38,6 +37,7 @@ from node_agent.client import (
     StaleAttempt,
     Unauthorized,
 )
+from trainyard.protocol.agent import ShardInfo, ShardReport, WorkerEvent, WorkerEventBatch
 
 log = structlog.get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """Simulated node agents for scale runs: many agents in one process, speaking the real agent
-protocol over HTTP (control_plane/schemas/agent.py) to a real control plane, with simulated workers
+protocol over HTTP (trainyard/protocol/agent.py) to a real control plane, with simulated workers
 that upload small shards to a real S3 and report them.
 
 Used by bench/scale.py (hundreds to thousands of agents, figures) and by the suite
@@ -36,6 +36,7 @@ import httpx
 
 from trainyard.embedded import free_port
 from trainyard.embedded.processes import stop_process_group
+from trainyard.protocol.keys import job_checkpoint_prefix, shard_key
 
 AGENT = "/v1/agent"
 
@@ -276,11 +277,6 @@ class SimAgent:
                 await asyncio.wait_for(stop.wait(), wait)
 
 
-def shard_key(job_id: str, step: int, attempt_number: int, rank: int) -> str:
-    """The worker runtime's layout (worker_runtime/checkpoint/manager.py shard_key)."""
-    return f"jobs/{job_id}/checkpoints/step-{step:09d}/attempt-{attempt_number:04d}/rank-{rank:05d}.pt"
-
-
 class Fleet:
     """N simulated agents on one shared HTTP client, heartbeating concurrently until ``close()``."""
 
@@ -375,7 +371,7 @@ class Fleet:
             for local in range(spec["nproc_per_node"]):
                 rank = spec["node_rank"] * spec["nproc_per_node"] + local
                 data = f"{spec['attempt_id']}:{step}:{rank}:".encode().ljust(size, b".")
-                key = shard_key(spec["job_id"], step, spec["attempt_number"], rank)
+                key = shard_key(job_checkpoint_prefix(spec["job_id"]), step, spec["attempt_number"], rank)
                 uploads.append(loop.run_in_executor(self._pool, self._upload, key, data))
                 infos.append({"rank": rank, "step": step, "world_size": world, "key": key, "size_bytes": len(data),
                               "sha256": hashlib.sha256(data).hexdigest()})

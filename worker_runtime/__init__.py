@@ -2,8 +2,8 @@
 
 It reads who the process is (:class:`WorkerContext`), sets up torch.distributed for it, reports
 progress and the result to the node agent, and gathers the loop's state for checkpoints. It
-imports neither the control plane nor the agent; the wire contract it speaks is defined in
-``control_plane/schemas/agent.py`` and mirrored here by name only.
+imports neither the control plane nor the agent; the wire contract it speaks (messages, env names,
+the checkpoint key layout, the storage Protocol) is ``trainyard/protocol``, imported from there.
 
 Importing the package does not import torch until a torch-backed name is used, so reading the
 context stays cheap for launch shims.

@@ -1,9 +1,8 @@
 """Who this worker process is: its attempt, its ranks, and where its agent listens.
 
-torchrun gives the ranks (RANK, LOCAL_RANK, ...); the node agent adds the TRAINYARD_* variables
-(their meaning is defined by the wire contract, ``control_plane/schemas/agent.py``). The names are
-repeated here rather than imported because worker_runtime must not depend on the control plane:
-a training image installs only ``trainyard[worker]``. A test keeps both lists identical.
+torchrun gives the ranks (RANK, LOCAL_RANK, ...); the node agent adds the TRAINYARD_* variables,
+named and defined by the wire contract, ``trainyard/protocol/env.py`` (standard library only: a
+training image installs ``trainyard[worker]`` and never the control plane).
 
 Run outside Trainyard (plain ``python train.py``) every variable is missing and the context
 describes a single standalone process: rank 0 of 1, no agent.
@@ -17,36 +16,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# Set by the node agent for every worker process; identical to control_plane/schemas/agent.py.
-ENV_JOB_ID = "TRAINYARD_JOB_ID"
-ENV_JOB_NAME = "TRAINYARD_JOB_NAME"
-ENV_ATTEMPT_ID = "TRAINYARD_ATTEMPT_ID"
-ENV_ATTEMPT_NUMBER = "TRAINYARD_ATTEMPT_NUMBER"
-ENV_FENCING_TOKEN = "TRAINYARD_FENCING_TOKEN"
-ENV_AGENT_URL = "TRAINYARD_AGENT_URL"
-ENV_NODE_RANK = "TRAINYARD_NODE_RANK"
-ENV_DEVICE = "TRAINYARD_DEVICE"
-ENV_CHECKPOINT = "TRAINYARD_CHECKPOINT"
-ENV_RESTORE_FROM = "TRAINYARD_RESTORE_FROM"
-# Checkpoint storage (LaunchSpec.storage, passed on by the agent). The prefix is the job's
-# `jobs/<job_id>/checkpoints`; the agent sets it but the wire contract does not name it yet.
-ENV_S3_ENDPOINT = "TRAINYARD_S3_ENDPOINT"
-ENV_S3_ACCESS_KEY = "TRAINYARD_S3_ACCESS_KEY"
-ENV_S3_SECRET_KEY = "TRAINYARD_S3_SECRET_KEY"
-ENV_S3_BUCKET = "TRAINYARD_S3_BUCKET"
-ENV_S3_SECURE = "TRAINYARD_S3_SECURE"
-ENV_S3_REGION = "TRAINYARD_S3_REGION"
-ENV_CHECKPOINT_PREFIX = "TRAINYARD_CHECKPOINT_PREFIX"
-
-# Storage key (as in LaunchSpec.storage and S3Config.from_mapping) -> variable.
-_STORAGE_ENV = {
-    "endpoint": ENV_S3_ENDPOINT,
-    "access_key": ENV_S3_ACCESS_KEY,
-    "secret_key": ENV_S3_SECRET_KEY,
-    "bucket": ENV_S3_BUCKET,
-    "secure": ENV_S3_SECURE,
-    "region": ENV_S3_REGION,
-}
+# Set by the node agent for every worker process (node_agent/launcher.py, worker_env).
+from trainyard.protocol.env import (
+    ENV_AGENT_URL,
+    ENV_ATTEMPT_ID,
+    ENV_ATTEMPT_NUMBER,
+    ENV_CHECKPOINT,
+    ENV_CHECKPOINT_PREFIX,
+    ENV_DEVICE,
+    ENV_FENCING_TOKEN,
+    ENV_JOB_ID,
+    ENV_JOB_NAME,
+    ENV_NODE_RANK,
+    ENV_RESTORE_FROM,
+    STORAGE_ENV,
+)
 
 # Set by torchrun (torch.distributed.run) for every worker it starts.
 ENV_RANK = "RANK"
@@ -154,7 +138,7 @@ class WorkerContext:
             agent_url=agent_url.rstrip("/") if agent_url else None,
             checkpoint=_json_object(env, ENV_CHECKPOINT) or {},
             restore_from=_json_object(env, ENV_RESTORE_FROM),
-            storage={key: env[name] for key, name in _STORAGE_ENV.items() if env.get(name)},
+            storage={key: env[name] for key, name in STORAGE_ENV.items() if env.get(name)},
             checkpoint_prefix=(env.get(ENV_CHECKPOINT_PREFIX) or "").strip("/") or None,
         )
 

@@ -1,7 +1,7 @@
 """Report training progress and the final result to the node agent's local API.
 
 Endpoints and bodies are the worker <-> agent part of the wire contract
-(``control_plane/schemas/agent.py``: LocalProgress, LocalResult). The two reports are treated
+(``trainyard/protocol/agent.py``: LocalProgress, LocalResult). The two reports are treated
 differently on purpose:
 
 - progress is advisory: it is sent from a background thread, at most every ``min_interval_s``
@@ -30,11 +30,10 @@ from urllib.parse import quote
 
 import httpx
 
+from trainyard.protocol.env import LOCAL_API_PREFIX
 from worker_runtime.context import WorkerContext
 
 log = logging.getLogger(__name__)
-
-LOCAL_API_PREFIX = "/v1/local"
 
 
 class ReportError(RuntimeError):

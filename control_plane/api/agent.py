@@ -1,4 +1,4 @@
-"""/v1/agent: the node agents' side of the wire contract (control_plane/schemas/agent.py).
+"""/v1/agent: the node agents' side of the wire contract (trainyard/protocol/agent.py).
 
 Thin routes over services/agent_protocol.py, which owns each message's transaction."""
 
@@ -10,7 +10,8 @@ from fastapi import APIRouter
 
 from control_plane.api.deps import JoinDep, NodeIdentity, RuntimeDep, SessionDep, SettingsDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
-from control_plane.schemas.agent import (
+from control_plane.services import agent_protocol, logs
+from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
     AttemptStatusReport,
@@ -25,7 +26,6 @@ from control_plane.schemas.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
-from control_plane.services import agent_protocol, logs
 
 router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=TransactionRoute)
 

@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
 from control_plane.models import Attempt, AttemptNode, Node
-from control_plane.schemas.agent import (
+from control_plane.services import attempts, checkpoints, nodes
+from trainyard.protocol.agent import (
     AssignmentRef,
     AttemptStatusReport,
     HeartbeatRequest,
@@ -24,7 +25,6 @@ from control_plane.schemas.agent import (
     ShardReport,
     WorkerEventBatch,
 )
-from control_plane.services import attempts, checkpoints, nodes
 
 
 class Wakeups(Protocol):

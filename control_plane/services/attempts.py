@@ -21,7 +21,6 @@ from sqlalchemy.orm import Session
 from control_plane.clock import now
 from control_plane.db import reload, rowcount
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
-from control_plane.schemas.agent import AttemptStatusReport
 from control_plane.services import events
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, lock_attempt
@@ -37,6 +36,7 @@ from control_plane.services.states import (
     set_attempt_state,
     set_job_state,
 )
+from trainyard.protocol.agent import AttemptStatusReport
 
 WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
 NODE_ORDER = PART_ORDER

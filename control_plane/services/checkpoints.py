@@ -37,13 +37,6 @@ from control_plane.clock import now
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
-from control_plane.schemas.agent import (
-    RESTORE_CANDIDATES_MAX,
-    RESTORE_PLAN_FORMAT,
-    RestoreCandidate,
-    RestorePlan,
-    ShardReport,
-)
 from control_plane.services import events
 from control_plane.services.fencing import authorize_report
 from control_plane.services.states import (
@@ -51,6 +44,14 @@ from control_plane.services.states import (
     CHECKPOINT_COLLECTED,
     CHECKPOINT_TERMINAL,
     set_checkpoint_state,
+)
+from trainyard.protocol import keys
+from trainyard.protocol.agent import (
+    RESTORE_CANDIDATES_MAX,
+    RESTORE_PLAN_FORMAT,
+    RestoreCandidate,
+    RestorePlan,
+    ShardReport,
 )
 
 log = structlog.get_logger("trainyard.checkpoints")
@@ -83,7 +84,7 @@ class ObjectStore(Protocol):
 
 def checkpoint_prefix(job_id: uuid.UUID | str, step: int, attempt_number: int) -> str:
     """Where an attempt's shards of one step live: scoped to job, step and attempt."""
-    return f"jobs/{job_id}/checkpoints/step-{step:09d}/attempt-{attempt_number:04d}"
+    return keys.step_prefix(keys.job_checkpoint_prefix(job_id), step, attempt_number)
 
 
 def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport) -> dict[uuid.UUID, int]:
@@ -142,7 +143,7 @@ def committed_steps(session: Session, attempt_id: uuid.UUID, steps: set[int]) ->
 
 def _manifest(job: Job, attempt: Attempt, ckpt: Checkpoint, shards: list[CheckpointShard], key: str) -> dict[str, Any]:
     return {
-        "format": "trainyard.checkpoint/1",
+        "format": keys.MANIFEST_FORMAT,
         "job_id": str(job.id),
         "checkpoint_id": str(ckpt.id),
         "step": ckpt.step,
@@ -168,7 +169,7 @@ def commit_ready(factory: sessionmaker[Session], store: ObjectStore, checkpoint_
         job = s.get(Job, ckpt.job_id)
         attempt = s.get(Attempt, ckpt.attempt_id)
         assert job is not None and attempt is not None
-        key = checkpoint_prefix(job.id, ckpt.step, attempt.number) + "/manifest.json"
+        key = keys.manifest_key(keys.job_checkpoint_prefix(job.id), ckpt.step, attempt.number)
         manifest = _manifest(job, attempt, ckpt, shards, key)
     # Network calls, outside any transaction: verify every shard exists with its size.
     try:

@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Forbidden, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, Job, LogChunk, Node
-from control_plane.schemas.agent import LogBatch
 from control_plane.services.states import JOB_TERMINAL
+from trainyard.protocol.agent import LogBatch
 
 
 def append(session: Session, node: Node, attempt_id: uuid.UUID, batch: LogBatch) -> int:

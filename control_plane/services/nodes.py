@@ -14,17 +14,18 @@ from control_plane.clock import now
 from control_plane.db import reload
 from control_plane.errors import InvalidState, NotFound, StaleAgent, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
-from control_plane.schemas.agent import (
+from control_plane.services import attempts, events
+from control_plane.services.fencing import lock_attempt
+from control_plane.services.locks import lock_node
+from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
+from trainyard.protocol.agent import (
     AssignmentRef,
     HeartbeatRequest,
     KnownAssignment,
     LaunchSpec,
     RegisterRequest,
 )
-from control_plane.services import attempts, events
-from control_plane.services.fencing import lock_attempt
-from control_plane.services.locks import lock_node
-from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
+from trainyard.protocol.keys import job_checkpoint_prefix
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
 VANISHED_AFTER_S = 10.0
@@ -219,7 +220,7 @@ def assignments(session: Session, node: Node, storage: dict[str, object] | None)
                 checkpoint=dict(job.checkpoint),
                 restore_from=attempt.restore_manifest,
                 launched=part.state != "assigned",
-                storage={**(storage or {}), "prefix": f"jobs/{job.id}/checkpoints"},
+                storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},
             )
         )
     for spec in specs:

@@ -11,15 +11,15 @@ from sqlalchemy import select
 
 from control_plane.db import session_scope
 from control_plane.models import Node
-from control_plane.schemas.agent import (
+from control_plane.services import nodes
+from control_plane.settings import Settings
+from tests.factories import FakeAgentSession
+from trainyard.protocol.agent import (
     AGENT_BACKOFF_S,
     AGENT_TRIES,
     HeartbeatRequest,
     agent_request_timeout_s,
 )
-from control_plane.services import nodes
-from control_plane.settings import Settings
-from tests.factories import FakeAgentSession
 
 
 def test_sequence_check_reads_the_row_as_locked_not_as_loaded(app, client):

@@ -14,10 +14,10 @@ from control_plane import clock
 from control_plane.db import session_scope
 from control_plane.models import Node
 from control_plane.scheduler.loops import Loops
-from control_plane.schemas.agent import HeartbeatRequest
 from control_plane.services import nodes
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 from tests.helpers import in_parallel
+from trainyard.protocol.agent import HeartbeatRequest
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from control_plane.schemas.agent import (
+from trainyard.protocol.agent import (
     AttemptStatusAck,
     AttemptStatusReport,
     HeartbeatRequest,

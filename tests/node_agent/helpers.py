@@ -10,10 +10,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from control_plane.schemas.agent import LaunchSpec
 from node_agent.attempt import AttemptRun, attempt_paths
 from node_agent.launcher import NodeContext
 from tests.helpers import free_port, wait_for
+from trainyard.protocol.agent import LaunchSpec
 
 __all__ = ["REPO_ROOT", "free_port", "wait_for", "make_spec", "write_script", "Launcher", "read_log", "wait_finished"]
 

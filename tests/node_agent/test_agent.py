@@ -15,11 +15,11 @@ from typing import Any
 import psutil
 import pytest
 
-from control_plane.schemas.agent import LaunchSpec, NodeAttemptState, WorkerState
 from node_agent import processes
 from node_agent.agent import Agent, AgentConfig
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import free_port, make_spec, wait_for, write_script
+from trainyard.protocol.agent import LaunchSpec, NodeAttemptState, WorkerState
 
 NODE = "node-a"
 
@@ -399,7 +399,7 @@ def test_no_gpu_without_virtual_slots_is_a_clear_error() -> None:
 def test_request_timeout_is_derived_from_the_registered_heartbeat_settings(agents: Agents,
                                                                           plane: FakeControlPlane) -> None:
     """Finding 10: 3 tries of 10 s no longer outlast a 10 s node-lost timeout."""
-    from control_plane.schemas.agent import agent_request_timeout_s
+    from trainyard.protocol.agent import agent_request_timeout_s
 
     agent = agents.start()
     assert agent.registered.wait(20)

@@ -13,12 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from control_plane.schemas.agent import LaunchSpec, LocalAttempt, NodeAttemptState
 from node_agent.agent import Agent
 from node_agent.attempt import AttemptRun, attempt_paths
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import make_spec, wait_for
 from tests.node_agent.test_agent import NODE, SLEEPER, Agents, agents, plane, wait_state  # noqa: F401
+from trainyard.protocol.agent import LaunchSpec, LocalAttempt, NodeAttemptState
 
 __all__ = ["agents", "plane"]
 

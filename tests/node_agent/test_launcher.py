@@ -10,7 +10,6 @@ from pathlib import Path
 
 import psutil
 
-from control_plane.schemas.agent import NodeAttemptState, WorkerState
 from node_agent import processes
 from node_agent.attempt import AttemptRun
 from node_agent.launcher import (
@@ -22,6 +21,7 @@ from node_agent.launcher import (
     worker_env,
 )
 from tests.node_agent.helpers import Launcher, make_spec, read_log, wait_finished, wait_for, write_script
+from trainyard.protocol.agent import NodeAttemptState, WorkerState
 
 ALL_REDUCE = """
 import json, os, sys

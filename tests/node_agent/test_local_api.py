@@ -10,9 +10,9 @@ from http import HTTPStatus
 import httpx
 import pytest
 
-from control_plane.schemas.agent import ShardInfo, WorkerEvent
 from node_agent.local_api import LocalApi
 from node_agent.relay import Outbox
+from trainyard.protocol.agent import ShardInfo, WorkerEvent
 
 
 @pytest.fixture

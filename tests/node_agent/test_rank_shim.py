@@ -15,9 +15,10 @@ from typing import Any
 import psutil
 import pytest
 
-from control_plane.schemas import agent as contract
 from node_agent import rank_shim
 from tests.node_agent.helpers import REPO_ROOT, wait_for, write_script
+from trainyard.protocol import agent as contract
+from trainyard.protocol import env as protocol_env
 
 
 @pytest.fixture
@@ -55,8 +56,8 @@ def rank_record(tmp_path: Path, rank: int = 0) -> dict[str, Any]:
     return json.loads((tmp_path / "status" / f"rank-{rank}.json").read_text())
 
 
-def test_status_dir_name_matches_contract() -> None:
-    assert rank_shim.ENV_STATUS_DIR == contract.ENV_STATUS_DIR
+def test_status_dir_name_is_the_contracts() -> None:
+    assert rank_shim.ENV_STATUS_DIR is protocol_env.ENV_STATUS_DIR
 
 
 def test_exit_code_and_output_are_recorded(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:

@@ -8,10 +8,10 @@ from http import HTTPStatus
 
 import pytest
 
-from control_plane.schemas.agent import GpuInfo, RegisterRequest, ShardInfo, WorkerEvent
 from node_agent.client import ControlPlaneClient, RetryPolicy, StaleAttempt
 from node_agent.relay import Outbox, Relay
 from tests.node_agent.fake_control_plane import FakeControlPlane
+from trainyard.protocol.agent import GpuInfo, RegisterRequest, ShardInfo, WorkerEvent
 
 SHA = "cd" * 32
 

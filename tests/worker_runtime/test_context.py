@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from control_plane.schemas import agent as contract
+from trainyard.protocol import env as protocol_env
 from worker_runtime import WorkerContext
 from worker_runtime import context as wr_context
 
@@ -27,39 +28,41 @@ FULL_ENV = {
 }
 
 
-ATTEMPT_ENV = (
-    "ENV_JOB_ID",
-    "ENV_JOB_NAME",
-    "ENV_ATTEMPT_ID",
-    "ENV_ATTEMPT_NUMBER",
-    "ENV_FENCING_TOKEN",
-    "ENV_AGENT_URL",
-    "ENV_NODE_RANK",
-    "ENV_DEVICE",
-    "ENV_CHECKPOINT",
-    "ENV_RESTORE_FROM",
-    "ENV_S3_ENDPOINT",
-    "ENV_S3_ACCESS_KEY",
-    "ENV_S3_SECRET_KEY",
-    "ENV_S3_BUCKET",
-    "ENV_S3_SECURE",
-    "ENV_S3_REGION",
-    "ENV_CHECKPOINT_PREFIX",
-)
-# Set by the agent (node_agent/launcher.py) but not yet named in the wire contract.
-NOT_IN_CONTRACT_YET = ("ENV_CHECKPOINT_PREFIX",)
+def test_worker_runtime_reads_the_contracts_names() -> None:
+    # One definition: worker_runtime imports the names from trainyard.protocol.env, never retypes them.
+    ours = {k: v for k, v in vars(wr_context).items() if k.startswith("ENV_") and v.startswith(protocol_env.PREFIX)}
+    assert ours and all(getattr(protocol_env, k) is v for k, v in ours.items())
+    assert set(protocol_env.STORAGE_ENV.values()) | set(ours.values()) <= protocol_env.WORKER_ENV
 
 
-def test_env_names_match_the_wire_contract() -> None:
-    # worker_runtime repeats the names instead of importing the control plane; they must agree.
-    ours = {k: v for k, v in vars(wr_context).items() if k.startswith("ENV_") and v.startswith("TRAINYARD_")}
-    assert set(ATTEMPT_ENV) <= set(ours)
-    from node_agent import launcher
+def test_the_launchers_env_round_trips_through_the_worker_context(tmp_path: Path) -> None:
+    """What node_agent/launcher.py gives a worker is what worker_runtime/context.py reads."""
+    from node_agent.launcher import AttemptPaths, NodeContext, worker_env
+    from tests.node_agent.helpers import make_spec
+    from trainyard.protocol.agent import RestoreCandidate, RestorePlan
+    from trainyard.protocol.keys import job_checkpoint_prefix, manifest_key
 
-    theirs = {k: getattr(contract, k, None) for k in ours}
-    for name in NOT_IN_CONTRACT_YET:
-        theirs[name] = getattr(contract, name, None) or getattr(launcher, name, None)
-    assert ours == theirs
+    prefix = job_checkpoint_prefix("job-7")
+    plan = RestorePlan(candidates=[RestoreCandidate(checkpoint_id="c1", step=40, attempt_number=2, world_size=4,
+                                                    manifest_key=manifest_key(prefix, 40, 2))])
+    storage = {"endpoint": "s3:9000", "bucket": "b", "access_key": "ak", "secret_key": "sk", "secure": True,
+               "region": "r", "prefix": prefix}
+    spec = make_spec(job_id="job-7", job_name="seven", attempt_number=3, node_rank=1, nnodes=2,
+                     checkpoint={"interval_steps": 20}, restore_from=plan, storage=storage)
+    node = NodeContext(local_addr="127.0.0.2", agent_url="http://127.0.0.1:7070/", virtual=True, base_env={},
+                       node_name="n1")
+    env = worker_env(spec, node, AttemptPaths(tmp_path))
+    assert {k for k in env if k.startswith(protocol_env.PREFIX)} <= protocol_env.WORKER_ENV
+    # torchrun adds the ranks.
+    ctx = WorkerContext.from_env({**env, "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                                  "GROUP_RANK": "1"})
+    assert (ctx.job_id, ctx.job_name, ctx.attempt_id, ctx.attempt_number) == ("job-7", "seven", spec.attempt_id, 3)
+    assert ctx.fencing_token == spec.fencing_token and ctx.agent_url == "http://127.0.0.1:7070"
+    assert (ctx.node_rank, ctx.device, ctx.checkpoint) == (1, "cpu", {"interval_steps": 20})
+    assert ctx.restore_from == plan.model_dump(mode="json")
+    assert ctx.storage == {"endpoint": "s3:9000", "bucket": "b", "access_key": "ak", "secret_key": "sk",
+                           "secure": "1", "region": "r"}
+    assert ctx.checkpoint_prefix == prefix
 
 
 def test_reads_checkpoint_storage() -> None:

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from control_plane.schemas.agent import LocalProgress, LocalResult
 from tests.worker_runtime.fake_agent import FakeAgent
+from trainyard.protocol.agent import LocalProgress, LocalResult
 from worker_runtime import Reporter, ReportError, StaleAttemptError, WorkerContext
 
 

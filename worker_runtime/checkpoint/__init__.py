@@ -1,66 +1,20 @@
 """Checkpoints: the storage seam, its S3 implementation, and the manager a training loop uses.
 
 - this module: :class:`CheckpointStorage`, the Protocol an object store (S3 / MinIO / SeaweedFS)
-  implements; tests can use any object with these methods. Imports no torch.
+  implements (defined by the wire contract, ``trainyard/protocol/storage.py``); tests can use any
+  object with these methods. Imports no torch.
 - ``s3``: :class:`S3Storage` (the MinIO SDK), shared with the control plane.
 - ``manager``: :class:`CheckpointManager`, which saves a :class:`worker_runtime.state.TrainState`
   shard per rank and restores from the control plane's plan (two-phase checkpoints,
   docs/architecture.md); ``restore`` and ``notify`` are its parts.
 
-Keys are ``/``-separated paths in the bucket. Objects stream: shards of a large model never have to
-fit in memory twice.
+Keys are ``/``-separated paths in the bucket, laid out by ``trainyard/protocol/keys.py``. Objects
+stream: shards of a large model never have to fit in memory twice.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import BinaryIO, Protocol, runtime_checkable
-
-
-class ObjectNotFoundError(KeyError):
-    """No object exists under the key."""
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    key: str
-    size: int
-    """Size in bytes."""
-    etag: str | None = None
-    """The store's content tag, when it gives one (for S3 the MD5 of single-part uploads)."""
-
-
-@runtime_checkable
-class CheckpointStorage(Protocol):
-    """Blob storage for checkpoint shards and manifests.
-
-    Implementations must make ``put_object`` atomic per object (a reader sees the old object, no
-    object, or the whole new one, never a prefix): the two-phase commit relies on the commit
-    marker appearing only once complete. They must be safe to call from several threads.
-    """
-
-    def put_object(self, key: str, data: BinaryIO, *, length: int | None = None) -> ObjectInfo:
-        """Store the bytes read from ``data`` (until EOF, or ``length`` bytes) under ``key``.
-
-        ``length`` lets a store upload in one request; without it, it may upload in parts.
-        Overwrites an existing object.
-        """
-        ...
-
-    def get_object(self, key: str) -> BinaryIO:
-        """Open ``key`` for streaming reads; the caller closes the returned stream.
-
-        Raises ObjectNotFoundError when there is no such object.
-        """
-        ...
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        """Size and tag of ``key``, or None when it does not exist."""
-        ...
-
-    def delete(self, key: str) -> None:
-        """Remove ``key``; deleting a missing object is not an error (retries must be safe)."""
-        ...
-
+# The storage Protocol is part of the wire contract (the control plane uses the same store).
+from trainyard.protocol.storage import CheckpointStorage, ObjectInfo, ObjectNotFoundError
 
 __all__ = ["CheckpointStorage", "ObjectInfo", "ObjectNotFoundError"]

@@ -4,7 +4,7 @@ Saving (phase 1 of docs/architecture.md, "Two-phase checkpoints"): every rank se
 :class:`TrainState` with ``torch.save`` into memory (the consistency point: the loop is paused for
 exactly that long), then a single background thread hashes it, uploads it to
 
-    <prefix>/step-<step:09d>/attempt-<attempt:04d>/rank-<rank:05d>.pt
+    <prefix>/step-<step:09d>/attempt-<attempt:04d>/rank-<rank:05d>.pt   (trainyard.protocol.keys)
 
 and reports it to the agent (LocalShard). The control plane commits the checkpoint once every rank
 has reported (phase 2); no collective is needed here. At most one save is in flight: a save that
@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from worker_runtime.checkpoint import CheckpointStorage
+from trainyard.protocol.keys import job_checkpoint_prefix, shard_key
+from trainyard.protocol.storage import CheckpointStorage
 from worker_runtime.checkpoint.notify import (
     FALLBACK,
     RESTORE_FAILED,
@@ -90,11 +91,6 @@ class SaveRecord:
     error: str | None = None
 
 
-def shard_key(prefix: str, step: int, attempt_number: int, rank: int) -> str:
-    """The object key of one rank's shard; under the control plane's checkpoint_prefix rule."""
-    return f"{prefix.rstrip('/')}/step-{step:09d}/attempt-{attempt_number:04d}/rank-{rank:05d}.pt"
-
-
 def storage_from_context(ctx: WorkerContext, *, timeout_s: float = 10.0, retries: int = 1) -> CheckpointStorage | None:
     """S3 storage from the TRAINYARD_S3_* variables, or None when no endpoint and bucket are set.
 
@@ -135,7 +131,7 @@ class CheckpointManager:
         self.interval_steps: int | None = interval
         self.storage = storage if storage is not None else storage_from_context(ctx)
         self.reporter: ShardSink = reporter if reporter is not None else CheckpointReporter(ctx)
-        self.prefix = (ctx.checkpoint_prefix or f"jobs/{ctx.job_id}/checkpoints").strip("/")
+        self.prefix = (ctx.checkpoint_prefix or job_checkpoint_prefix(ctx.job_id)).strip("/")
         self._async = async_upload
         self._upload_delay_s = upload_delay_s
         self._executor: ThreadPoolExecutor | None = None

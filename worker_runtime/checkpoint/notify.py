@@ -1,6 +1,6 @@
 """Tell the node agent about checkpoint shards and checkpoint events (every rank may send).
 
-Bodies are the wire contract's LocalShard and LocalEvent (``control_plane/schemas/agent.py``):
+Bodies are the wire contract's LocalShard and LocalEvent (``trainyard/protocol/agent.py``):
 
 - ``POST /v1/local/attempts/{id}/shards``  after a shard is in storage (phase 1 of the two-phase
   commit, docs/architecture.md). The agent queues it for the control plane and answers 202; with
@@ -24,8 +24,8 @@ from urllib.parse import quote
 
 import httpx
 
+from trainyard.protocol.env import LOCAL_API_PREFIX
 from worker_runtime.context import WorkerContext
-from worker_runtime.reporting import LOCAL_API_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from worker_runtime.checkpoint import CheckpointStorage, ObjectNotFoundError
+from trainyard.protocol.keys import MANIFEST_FORMAT
+from trainyard.protocol.storage import CheckpointStorage, ObjectNotFoundError
 
 log = logging.getLogger(__name__)
 
-MANIFEST_FORMAT = "trainyard.checkpoint/1"
 _CHUNK = 8 * 1024 * 1024
 _MAX_CUDA_ORDINAL = 256  # above any GPU count per node
 _MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # when a plan does not give the manifest's size

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from worker_runtime.checkpoint import ObjectInfo, ObjectNotFoundError
+from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError
 
 PART_SIZE = 16 * 1024 * 1024
 

@@ -1,6 +1,8 @@
 """The wire contract between the control plane and node agents.
 
-This module imports only pydantic: the node agent imports it without pulling in the server.
+This module imports only pydantic: the node agent imports it without pulling in the server. The
+rest of the contract is beside it in trainyard/protocol/: worker env names (env.py), the S3 key
+layout of checkpoints (keys.py), the storage Protocol (storage.py).
 The protocol (heartbeats, level-triggered attempt status, fencing) is described in
 docs/architecture.md; every message that concerns an attempt carries its id and fencing token.
 
@@ -319,19 +321,8 @@ class LocalResult(_Wire):
     result: dict[str, Any]
 
 
-# Environment given to every worker process (besides torchrun's RANK, WORLD_SIZE, ...).
-ENV_JOB_ID = "TRAINYARD_JOB_ID"
-ENV_JOB_NAME = "TRAINYARD_JOB_NAME"
-ENV_ATTEMPT_ID = "TRAINYARD_ATTEMPT_ID"
-ENV_ATTEMPT_NUMBER = "TRAINYARD_ATTEMPT_NUMBER"
-ENV_FENCING_TOKEN = "TRAINYARD_FENCING_TOKEN"
-ENV_AGENT_URL = "TRAINYARD_AGENT_URL"
-ENV_NODE_RANK = "TRAINYARD_NODE_RANK"
-ENV_NODE_NAME = "TRAINYARD_NODE_NAME"  # the node whose agent started it: a new agent instance finds orphans by it
-ENV_DEVICE = "TRAINYARD_DEVICE"  # "cpu" (virtual slots, gloo) or "cuda" (NCCL)
-ENV_CHECKPOINT = "TRAINYARD_CHECKPOINT"  # JSON of the job's checkpoint settings
-ENV_RESTORE_FROM = "TRAINYARD_RESTORE_FROM"  # JSON RestorePlan (references, not manifests), or null
-ENV_STATUS_DIR = "TRAINYARD_STATUS_DIR"  # where the rank shim writes rank-<r>.json
+# The environment given to every worker process is in trainyard/protocol/env.py (standard
+# library only, so the rank shim imports it without pydantic).
 
 
 # --- Checkpoint shards and worker events (two-phase checkpoints, docs/architecture.md) ---
@@ -390,12 +381,3 @@ class WorkerEventBatch(_Wire):
 
 class WorkerEventAck(_Wire):
     accepted: int
-
-
-# Worker environment for checkpoint storage (the seam for per-attempt worker credentials).
-ENV_S3_ENDPOINT = "TRAINYARD_S3_ENDPOINT"
-ENV_S3_ACCESS_KEY = "TRAINYARD_S3_ACCESS_KEY"
-ENV_S3_SECRET_KEY = "TRAINYARD_S3_SECRET_KEY"
-ENV_S3_BUCKET = "TRAINYARD_S3_BUCKET"
-ENV_S3_SECURE = "TRAINYARD_S3_SECURE"
-ENV_S3_REGION = "TRAINYARD_S3_REGION"

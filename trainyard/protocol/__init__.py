@@ -1,0 +1,13 @@
+"""The wire contract: what the control plane, the node agent and the worker runtime say to each
+other, in one package all three import (docs/architecture.md, "Parts and who talks to whom").
+
+- ``agent``: the agent API's messages (control plane <-> agent) and the agent's local API
+  (agent <-> workers); pydantic.
+- ``env``: the TRAINYARD_* variables an agent gives its workers; standard library only.
+- ``keys``: the object-key layout of checkpoints in S3; standard library only.
+- ``storage``: the Protocol a checkpoint object store implements; standard library only.
+
+Only the standard library and pydantic are imported here (an import-linter contract in
+pyproject.toml checks it); this ``__init__`` imports nothing, so ``trainyard.protocol.env`` stays
+cheap for the rank shim and the worker runtime.
+"""

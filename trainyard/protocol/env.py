@@ -1,0 +1,68 @@
+"""The environment a node agent gives every worker process, one name each (standard library only).
+
+The agent sets these (node_agent/launcher.py, ``worker_env``) besides torchrun's own RANK,
+WORLD_SIZE, ...; the worker runtime reads them (worker_runtime/context.py, ``WorkerContext``); the
+rank shim and the agent's process table read some back (node_agent/rank_shim.py, processes.py).
+This module imports nothing beyond the standard library, so the rank shim can import it cheaply.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+PREFIX: Final = "TRAINYARD_"
+"""Every Trainyard variable starts with it; the agent strips its own from what workers inherit,
+and jobs may not set any (control_plane/schemas/jobs.py)."""
+
+ENV_JOB_ID: Final = "TRAINYARD_JOB_ID"
+ENV_JOB_NAME: Final = "TRAINYARD_JOB_NAME"
+ENV_ATTEMPT_ID: Final = "TRAINYARD_ATTEMPT_ID"
+"""Also the marker by which the agent finds every process of an attempt (node_agent/processes.py)."""
+ENV_ATTEMPT_NUMBER: Final = "TRAINYARD_ATTEMPT_NUMBER"
+ENV_FENCING_TOKEN: Final = "TRAINYARD_FENCING_TOKEN"
+"""Authenticates a worker's reports to the agent's local API (a stale attempt gets 409)."""
+ENV_AGENT_URL: Final = "TRAINYARD_AGENT_URL"
+"""Base URL of the agent's local API (trainyard.protocol.agent, LocalProgress and the rest)."""
+LOCAL_API_PREFIX: Final = "/v1/local"
+"""The local API's paths under ENV_AGENT_URL: ``<url>/v1/local/attempts/<attempt id>/<kind>``."""
+ENV_NODE_RANK: Final = "TRAINYARD_NODE_RANK"
+ENV_NODE_NAME: Final = "TRAINYARD_NODE_NAME"
+"""The node whose agent started the process: a new agent instance finds orphans by it."""
+ENV_DEVICE: Final = "TRAINYARD_DEVICE"
+"""``cpu`` (virtual slots, gloo) or ``cuda`` (NCCL)."""
+ENV_CHECKPOINT: Final = "TRAINYARD_CHECKPOINT"
+"""JSON of the job's checkpoint settings."""
+ENV_RESTORE_FROM: Final = "TRAINYARD_RESTORE_FROM"
+"""JSON RestorePlan (references to checkpoints, not their manifests), or ``null``."""
+ENV_STATUS_DIR: Final = "TRAINYARD_STATUS_DIR"
+"""Where the rank shim writes ``rank-<r>.json`` (node_agent/rank_shim.py)."""
+
+# Checkpoint storage (LaunchSpec.storage, passed on by the agent): the seam for per-attempt
+# worker credentials.
+ENV_S3_ENDPOINT: Final = "TRAINYARD_S3_ENDPOINT"
+ENV_S3_ACCESS_KEY: Final = "TRAINYARD_S3_ACCESS_KEY"
+ENV_S3_SECRET_KEY: Final = "TRAINYARD_S3_SECRET_KEY"
+ENV_S3_BUCKET: Final = "TRAINYARD_S3_BUCKET"
+ENV_S3_SECURE: Final = "TRAINYARD_S3_SECURE"
+"""``1`` or ``0``."""
+ENV_S3_REGION: Final = "TRAINYARD_S3_REGION"
+ENV_CHECKPOINT_PREFIX: Final = "TRAINYARD_CHECKPOINT_PREFIX"
+"""The job's checkpoint prefix in the bucket, ``LaunchSpec.storage["prefix"]``
+(trainyard.protocol.keys, ``job_checkpoint_prefix``)."""
+
+STORAGE_ENV: Final[dict[str, str]] = {
+    "endpoint": ENV_S3_ENDPOINT,
+    "access_key": ENV_S3_ACCESS_KEY,
+    "secret_key": ENV_S3_SECRET_KEY,
+    "bucket": ENV_S3_BUCKET,
+    "secure": ENV_S3_SECURE,
+    "region": ENV_S3_REGION,
+}
+"""S3 access key (as in LaunchSpec.storage and S3Config.from_mapping) -> the worker's variable."""
+
+WORKER_ENV: Final = frozenset({
+    ENV_JOB_ID, ENV_JOB_NAME, ENV_ATTEMPT_ID, ENV_ATTEMPT_NUMBER, ENV_FENCING_TOKEN, ENV_AGENT_URL,
+    ENV_NODE_RANK, ENV_NODE_NAME, ENV_DEVICE, ENV_CHECKPOINT, ENV_RESTORE_FROM, ENV_STATUS_DIR,
+    *STORAGE_ENV.values(), ENV_CHECKPOINT_PREFIX,
+})
+"""Every variable above: what an agent may give a worker, all of it under PREFIX."""

@@ -1,0 +1,40 @@
+"""Where checkpoints live in the bucket (standard library only).
+
+    jobs/<job_id>/checkpoints                                    job_checkpoint_prefix
+        /step-<step:09d>/attempt-<attempt:04d>                   step_prefix
+            /rank-<rank:05d>.pt                                  shard_key (a worker writes it)
+            /manifest.json                                       manifest_key (the commit writes it)
+
+The control plane hands a job's prefix to its workers (LaunchSpec.storage["prefix"], then
+TRAINYARD_CHECKPOINT_PREFIX), checks every reported shard key against step_prefix, writes the
+manifest under manifest_key and deletes a checkpoint by its step_prefix; workers save under
+shard_key. Shards of one step from different attempts never share a key.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Final
+
+MANIFEST_FORMAT: Final = "trainyard.checkpoint/1"
+"""The ``format`` of a manifest (written by the control plane's commit, checked by workers)."""
+
+
+def job_checkpoint_prefix(job_id: uuid.UUID | str) -> str:
+    """The prefix of every checkpoint object of a job (no trailing slash)."""
+    return f"jobs/{job_id}/checkpoints"
+
+
+def step_prefix(prefix: str, step: int, attempt_number: int) -> str:
+    """Where one attempt's objects of one step live, under a job's ``prefix`` (no trailing slash)."""
+    return f"{prefix.strip('/')}/step-{step:09d}/attempt-{attempt_number:04d}"
+
+
+def shard_key(prefix: str, step: int, attempt_number: int, rank: int) -> str:
+    """The object key of one rank's shard of one step."""
+    return f"{step_prefix(prefix, step, attempt_number)}/rank-{rank:05d}.pt"
+
+
+def manifest_key(prefix: str, step: int, attempt_number: int) -> str:
+    """The object key of a checkpoint's manifest: beside its shards."""
+    return f"{step_prefix(prefix, step, attempt_number)}/manifest.json"
