@@ -89,8 +89,9 @@ def attempt_logs(attempt_id: uuid.UUID, body: LogBatch, node: NodeIdentity, sess
 def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity, session: SessionDep,
                    request: Request) -> ShardAck:
     """Phase 1 of a checkpoint; when the last shard of a step arrives, phase 2 commits it."""
-    ready = checkpoints.record_shards(session, node, attempt_id, body)
+    arrived = checkpoints.record_shards(session, node, attempt_id, body)
     session.commit()
+    ready = checkpoints.count_arrivals(request.app.state.session_factory, arrived)
     store = request.app.state.object_store
     for checkpoint_id in ready:
         if store is not None:
