@@ -96,6 +96,10 @@ async def run(args: argparse.Namespace, cp: ControlPlane, s3: S3Target) -> None:
               f"{j.recovered_first_bytes:>12} {f'{d50 * 1000:.1f}/{d99 * 1000:.1f}':>18} "
               f"{f'{l50 * 1000:.1f}/{l99 * 1000:.1f}':>21} {j.commit_s:>9.2f} {j.recovery_first_s:>12.2f} "
               f"{j.recovery_all_s:>12.2f}")
+    for j in jobs:
+        c50, c99, count = j.extra["checkpoint_hb"]
+        print(f"{j.ranks:>6} ranks: heartbeats of every agent during the checkpoint: p50 {c50 * 1000:.1f} ms, "
+              f"p99 {c99 * 1000:.1f} ms ({count} samples)")
     print()
     print("hb first B: largest heartbeat response of a node of the job carrying its new spec; hb steady B:")
     print("largest response of such a node once it holds the spec (delta protocol, sent every second);")

@@ -305,6 +305,11 @@ class Checkpoint(Base):
     manifest_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONB, doc="Published at commit.")
     size_bytes: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    shards_received: Mapped[int] = mapped_column(
+        Integer, server_default=text("0"),
+        doc="Shards recorded so far, counted after each report commits (services/checkpoints.py count_arrivals): "
+            "tells a report its step is complete without counting the shards.",
+    )
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
     committed_at: Mapped[datetime | None] = _ts()
     reason: Mapped[str | None] = mapped_column(Text)

@@ -483,7 +483,11 @@ async def job_scenario(fleet: Fleet, ranks: int, *, window_s: float = 3.0, args_
     for phase in (f"steady-{ranks}", f"legacy-{ranks}"):
         lat = _latencies(agents, phase)
         figures.extra[phase] = (percentile(lat, 50), percentile(lat, 99), len(lat))
+    fleet.phase = f"checkpoint-{ranks}"  # heartbeats of every agent while the shards are uploaded and reported
     figures.commit_s = await fleet.checkpoint(parts, 100)
+    fleet.phase = "between"
+    lat = _latencies(fleet.agents, f"checkpoint-{ranks}")
+    figures.extra["checkpoint_hb"] = (percentile(lat, 50), percentile(lat, 99), len(lat))
     say(f"{ranks} ranks: checkpoint of {ranks} shards committed in {figures.commit_s:.2f}s")
     t_fail = time.monotonic()
     figures.recovery_first_s, figures.recovery_all_s, new = await fleet.fail_and_recover(parts, num_nodes)

@@ -99,8 +99,11 @@ def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
     """Phase 1 of a checkpoint (its own transaction); when the last shard of a step arrives,
     phase 2 commits it (checkpoints.commit_ready, its own transactions). Returns the steps of the
     report whose own checkpoint is committed (by this request or another replica)."""
-    ready = checkpoints.record_shards(session, node, attempt_id, report)
+    arrived = checkpoints.record_shards(session, node, attempt_id, report)
     session.commit()
+    # Counted after the commit, in its own transaction: of two reports completing a step at once,
+    # the later one sees both (checkpoints.count_arrivals).
+    ready = checkpoints.count_arrivals(factory, arrived)
     if store is not None:
         for checkpoint_id in ready:
             checkpoints.commit_ready(factory, store, checkpoint_id)

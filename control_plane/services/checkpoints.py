@@ -26,10 +26,12 @@ import hashlib
 import io
 import json
 import uuid
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import structlog
-from sqlalchemy import ColumnElement, and_, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
@@ -79,6 +81,7 @@ def transition(session: Session, ckpt: Checkpoint, to: str, message: str, *, rea
 class ObjectStore(Protocol):
     def put_object(self, key: str, data: Any, *, length: int | None = None) -> Any: ...
     def stat(self, key: str) -> Any: ...
+    def list_objects(self, prefix: str) -> Iterable[Any]: ...  # ObjectInfo (key, size) of each key under prefix
     def delete(self, key: str) -> None: ...
 
 
@@ -88,11 +91,18 @@ def checkpoint_prefix(job_id: uuid.UUID | str, step: int, attempt_number: int) -
 
 
 def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport) -> dict[uuid.UUID, int]:
-    """Phase 1. Returns the checkpoints that now have every shard (ready to commit), with their step."""
-    job, attempt, _part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank)
+    """Phase 1: record a node's shards. Returns the pending checkpoints that got new shards, with how
+    many; after the caller commits, :func:`count_arrivals` says which are complete.
+
+    Costs O(the report's shards), whatever the world size, and does not serialize with the other
+    nodes' reports: the job and the attempt are only shared (authorize_report ``exclusive=False``),
+    the checkpoint row is created with ``INSERT ... ON CONFLICT DO NOTHING`` and never locked here,
+    and the shards are inserted in one statement (``ON CONFLICT DO NOTHING RETURNING``)."""
+    job, attempt, _part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank,
+                                           exclusive=False)
     if attempt.outcome is not None and attempt.outcome != "failed":
         raise StaleAttempt(f"attempt {attempt.number} already ended ({attempt.outcome}); shard refused")
-    ready: dict[uuid.UUID, int] = {}
+    by_step: dict[int, dict[int, Any]] = {}
     for shard in report.shards:
         if shard.world_size != attempt.num_gpus:
             raise Conflict(f"shard of rank {shard.rank} says world size {shard.world_size}; "
@@ -102,33 +112,80 @@ def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
         expected = checkpoint_prefix(job.id, shard.step, attempt.number) + "/"
         if not shard.key.startswith(expected):
             raise Conflict(f"shard key {shard.key!r} is not under this attempt's prefix {expected!r}")
-        ckpt = session.scalar(
-            select(Checkpoint)
-            .where(Checkpoint.job_id == job.id, Checkpoint.attempt_id == attempt.id, Checkpoint.step == shard.step)
-            .with_for_update(key_share=True)
-        )
-        if ckpt is None:
-            ckpt = Checkpoint(id=uuid.uuid4(), job_id=job.id, attempt_id=attempt.id, step=shard.step,
-                              world_size=attempt.num_gpus, state="pending", created_at=now())
-            session.add(ckpt)
-            session.flush()
-            events.record(session, "checkpoint.begun", f"checkpoint of step {shard.step} begun",
-                          job_id=job.id, attempt_id=attempt.id, step=shard.step)
-        if ckpt.state != "pending":
+        seen = by_step.setdefault(shard.step, {})
+        if shard.rank in seen and _shard_facts(seen[shard.rank]) != _shard_facts(shard):
+            raise Conflict(f"rank {shard.rank} reported two different shards for step {shard.step}")
+        seen[shard.rank] = shard
+    arrived: dict[uuid.UUID, int] = {}
+    for step in sorted(by_step):
+        ckpt_id, state = _pending_checkpoint(session, job, attempt, step)
+        if state != "pending":
             continue  # already committed or aborted: a late duplicate changes nothing
-        have = session.scalar(
-            select(CheckpointShard).where(CheckpointShard.checkpoint_id == ckpt.id, CheckpointShard.rank == shard.rank)
-        )
-        if have is not None:
-            if (have.key, have.sha256, have.size_bytes) != (shard.key, shard.sha256, shard.size_bytes):
-                raise Conflict(f"rank {shard.rank} already reported a different shard for step {shard.step}")
-            continue
-        session.add(CheckpointShard(checkpoint_id=ckpt.id, rank=shard.rank, key=shard.key,
-                                    size_bytes=shard.size_bytes, sha256=shard.sha256))
-        session.flush()
-        count = len(session.scalars(select(CheckpointShard.id).where(CheckpointShard.checkpoint_id == ckpt.id)).all())
-        if count == ckpt.world_size:
-            ready[ckpt.id] = ckpt.step
+        shards = by_step[step]
+        inserted = set(session.scalars(
+            pg_insert(CheckpointShard)
+            .values([{"id": uuid.uuid4(), "checkpoint_id": ckpt_id, "rank": sh.rank, "key": sh.key,
+                      "size_bytes": sh.size_bytes, "sha256": sh.sha256} for sh in shards.values()])
+            .on_conflict_do_nothing(index_elements=["checkpoint_id", "rank"])
+            .returning(CheckpointShard.rank)
+        ))
+        resent = [rank for rank in shards if rank not in inserted]
+        if resent:  # a resend is stored once; a different shard under the same rank is refused
+            for have in session.execute(select(CheckpointShard.rank, CheckpointShard.key, CheckpointShard.sha256,
+                                               CheckpointShard.size_bytes)
+                                        .where(CheckpointShard.checkpoint_id == ckpt_id,
+                                               CheckpointShard.rank.in_(resent))):
+                if (have.key, have.sha256, have.size_bytes) != _shard_facts(shards[have.rank]):
+                    raise Conflict(f"rank {have.rank} already reported a different shard for step {step}")
+        if inserted:
+            arrived[ckpt_id] = len(inserted)
+    return arrived
+
+
+def _shard_facts(shard: Any) -> tuple[str, str, int]:
+    return shard.key, shard.sha256, shard.size_bytes
+
+
+def _pending_checkpoint(session: Session, job: Job, attempt: Attempt, step: int) -> tuple[uuid.UUID, str]:
+    """The attempt's checkpoint of ``step``, created (``pending``, with its event) if none: its id and
+    state. Concurrent reports of one step create it once, without waiting for each other's locks."""
+    created = session.scalar(
+        pg_insert(Checkpoint)
+        .values(id=uuid.uuid4(), job_id=job.id, attempt_id=attempt.id, step=step, world_size=attempt.num_gpus,
+                state="pending", created_at=now())
+        .on_conflict_do_nothing(index_elements=["job_id", "attempt_id", "step"])
+        .returning(Checkpoint.id)
+    )
+    if created is not None:
+        events.record(session, "checkpoint.begun", f"checkpoint of step {step} begun",
+                      job_id=job.id, attempt_id=attempt.id, step=step)
+        return created, "pending"
+    row = session.execute(select(Checkpoint.id, Checkpoint.state).where(
+        Checkpoint.job_id == job.id, Checkpoint.attempt_id == attempt.id, Checkpoint.step == step)).one()
+    return row.id, row.state
+
+
+def count_arrivals(factory: sessionmaker[Session], arrived: dict[uuid.UUID, int]) -> list[uuid.UUID]:
+    """After the shard report committed: add its new shards to each checkpoint's counter; the
+    checkpoints now complete (ready for :func:`commit_ready`).
+
+    Its own short transaction, after the shards' commit, so that of two reports that complete a
+    step at once the later one counts the other's shards too, and the counter row is locked only
+    for the increment. A crash between the two commits leaves the counter short: the maintenance
+    pass, which counts the shards themselves, commits that checkpoint."""
+    if not arrived:
+        return []
+    ready: list[uuid.UUID] = []
+    with session_scope(factory) as s:
+        for ckpt_id in sorted(arrived):  # id order (services/locks.py)
+            row = s.execute(
+                update(Checkpoint)
+                .where(Checkpoint.id == ckpt_id, Checkpoint.state == "pending")
+                .values(shards_received=Checkpoint.shards_received + arrived[ckpt_id])
+                .returning(Checkpoint.shards_received, Checkpoint.world_size)
+            ).one_or_none()
+            if row is not None and row.shards_received >= row.world_size:
+                ready.append(ckpt_id)
     return ready
 
 
@@ -169,13 +226,16 @@ def commit_ready(factory: sessionmaker[Session], store: ObjectStore, checkpoint_
         job = s.get(Job, ckpt.job_id)
         attempt = s.get(Attempt, ckpt.attempt_id)
         assert job is not None and attempt is not None
+        prefix = checkpoint_prefix(job.id, ckpt.step, attempt.number) + "/"
         key = keys.manifest_key(keys.job_checkpoint_prefix(job.id), ckpt.step, attempt.number)
         manifest = _manifest(job, attempt, ckpt, shards, key)
-    # Network calls, outside any transaction: verify every shard exists with its size.
+    # Network calls, outside any transaction: verify every shard exists with its size, from one
+    # listing of the attempt's step prefix (every shard key is under it: record_shards), not one
+    # request per shard.
     try:
+        sizes = {o.key: o.size for o in store.list_objects(prefix)}
         for shard in manifest["shards"]:
-            info = store.stat(shard["key"])
-            if info is None or info.size != shard["size_bytes"]:
+            if sizes.get(shard["key"]) != shard["size_bytes"]:
                 return _abort(factory, checkpoint_id, f"shard of rank {shard['rank']} is missing or has the wrong size")
         payload = json.dumps(manifest, indent=1, sort_keys=True).encode()
         store.put_object(key, io.BytesIO(payload), length=len(payload))
@@ -308,7 +368,10 @@ def _found_bad(data: dict[str, Any], message: str) -> bool:
 
 def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, batch: Any) -> int:
     """Fenced worker events: restore outcomes and failed saves become checkpoint facts."""
-    job, attempt, _ = authorize_report(session, node, attempt_id, batch.fencing_token, batch.node_rank)
+    # Only a restore outcome changes the attempt row; the rest are shared with the other nodes' reports.
+    exclusive = any(ev.kind == "checkpoint.restored" for ev in batch.events)
+    job, attempt, _ = authorize_report(session, node, attempt_id, batch.fencing_token, batch.node_rank,
+                                       exclusive=exclusive)
     for ev in batch.events:
         step = ev.data.get("step")
         if ev.kind == "checkpoint.restored" and isinstance(step, int):
@@ -353,7 +416,7 @@ def maintenance(factory: sessionmaker[Session], store: ObjectStore | None, *, pe
         for c in pending:
             attempt = s.get(Attempt, c.attempt_id)
             job = s.get(Job, c.job_id)
-            shards = len(s.scalars(select(CheckpointShard.id).where(CheckpointShard.checkpoint_id == c.id)).all())
+            shards = s.scalar(select(func.count()).where(CheckpointShard.checkpoint_id == c.id)) or 0
             # Superseded only by a more recent checkpoint of the lineage: not by an earlier
             # attempt's at a higher step (after a fallback or a fresh start, the new run's lower
             # steps are the newest state there is).

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.errors import Forbidden, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, Job, Node
-from control_plane.services.locks import lock_job_attempt
+from control_plane.services.locks import lock_job_attempt, share_job_attempt
 
 
 def lock_attempt(session: Session, attempt_id: uuid.UUID) -> tuple[Job, Attempt] | None:
@@ -26,10 +26,18 @@ def lock_attempt(session: Session, attempt_id: uuid.UUID) -> tuple[Job, Attempt]
 
 
 def authorize_report(
-    session: Session, node: Node, attempt_id: uuid.UUID, fencing_token: str, node_rank: int
+    session: Session, node: Node, attempt_id: uuid.UUID, fencing_token: str, node_rank: int,
+    *, exclusive: bool = True,
 ) -> tuple[Job, Attempt, AttemptNode]:
-    """Fencing: refuse anything not from the job's current attempt with the right token."""
-    locked = lock_attempt(session, attempt_id)
+    """Fencing: refuse anything not from the job's current attempt with the right token.
+
+    ``exclusive`` locks the job and the attempt for a change of either (lock_attempt). A report
+    that changes neither row (a shard report, most worker events) passes ``exclusive=False``: the
+    two rows are then locked ``FOR SHARE`` (services/locks.py share_job_attempt), which holds off
+    any change of the job's current attempt until the report commits, yet lets the reports of all
+    the job's nodes proceed at once. Such a transaction must not then update or lock either row
+    exclusively (two sharers upgrading would deadlock)."""
+    locked = lock_attempt(session, attempt_id) if exclusive else share_job_attempt(session, attempt_id)
     if locked is None or not secrets.compare_digest(locked[1].fencing_token, fencing_token):
         raise StaleAttempt(f"attempt {attempt_id} is unknown or its fencing token does not match")
     job, attempt = locked

@@ -5,10 +5,12 @@ in id order:
 
     nodes -> jobs -> attempts -> attempt parts (attempt_nodes) -> checkpoints, leases
 
-Rows are locked ``FOR NO KEY UPDATE``: no transaction changes a primary key, and this mode does not
-conflict with the ``KEY SHARE`` lock a foreign-key check takes when a row referring to it is
-inserted (an event, an attempt part, a lease), so inserts never wait for, or deadlock with, a lock
-on the row they refer to. A transaction that holds a job never locks (or updates) a node.
+Rows are locked ``FOR NO KEY UPDATE`` to change them (a report that only reads the job and the
+attempt for its fencing check shares them ``FOR SHARE`` instead, and never upgrades): no
+transaction changes a primary key, and this mode does not conflict with the ``KEY SHARE`` lock a
+foreign-key check takes when a row referring to it is inserted (an event, an attempt part, a
+lease), so inserts never wait for, or deadlock with, a lock on the row they refer to. A
+transaction that holds a job never locks (or updates) a node.
 
 Every lock reloads the row (``populate_existing``): a row the session loaded before the lock was
 granted may hold values another transaction has since changed.
@@ -51,6 +53,27 @@ def lock_job_attempt(session: Session, attempt_id: uuid.UUID) -> tuple[Job, Atte
     job = lock_job(session, job_id)
     attempt = reload(
         session, select(Attempt).where(Attempt.id == attempt_id).with_for_update(key_share=True)
+    ).one_or_none()
+    if job is None or attempt is None:
+        return None
+    return job, attempt
+
+
+def share_job_attempt(session: Session, attempt_id: uuid.UUID) -> tuple[Job, Attempt] | None:
+    """Lock an attempt's job, then the attempt, ``FOR SHARE`` (same order as lock_job_attempt);
+    both loaded afresh. None if the attempt is unknown.
+
+    For a report that only reads the two rows (the fencing check) and writes rows below them:
+    sharers never wait for each other, and a change of either row (FOR NO KEY UPDATE) waits for
+    them, so the attempt stays the job's current one until the report commits. A transaction that
+    holds these share locks never locks either row exclusively afterwards: two sharers that both
+    upgraded would deadlock."""
+    job_id = session.scalar(select(Attempt.job_id).where(Attempt.id == attempt_id))
+    if job_id is None:
+        return None
+    job = reload(session, select(Job).where(Job.id == job_id).with_for_update(read=True)).one_or_none()
+    attempt = reload(
+        session, select(Attempt).where(Attempt.id == attempt_id).with_for_update(read=True)
     ).one_or_none()
     if job is None or attempt is None:
         return None

@@ -118,6 +118,11 @@ class S3Storage:
         self._client.remove_object(self.bucket, key)
 
     def list_keys(self, prefix: str) -> Iterator[str]:
+        for obj in self.list_objects(prefix):
+            yield obj.key
+
+    def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` with its size, from ListObjectsV2 (1,000 keys a request)."""
         for obj in self._client.list_objects(self.bucket, prefix=prefix, recursive=True):
-            if obj.object_name:
-                yield obj.object_name
+            if obj.object_name and not obj.is_dir:
+                yield ObjectInfo(key=obj.object_name, size=int(obj.size or 0), etag=obj.etag)
