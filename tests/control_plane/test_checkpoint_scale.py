@@ -13,7 +13,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from control_plane.schemas.agent import ShardReport
+from trainyard.protocol.agent import ShardReport
 from fastapi.testclient import TestClient
 from sqlalchemy import select, text
 
