@@ -13,7 +13,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from trainyard.protocol.agent import ShardReport
 from fastapi.testclient import TestClient
 from sqlalchemy import select, text
 
@@ -23,6 +22,7 @@ from control_plane.services import checkpoints
 from control_plane.services.checkpoints import checkpoint_prefix
 from control_plane.settings import Settings
 from tests.factories import ADMIN, FakeAgentSession, job_body
+from trainyard.protocol.agent import ShardReport
 
 STEP = 100
 
