@@ -23,6 +23,7 @@ The protocol (attempts, fencing, leases) is in docs/architecture.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -96,7 +97,7 @@ class Agent:
         self.superseded: str | None = None
         """Why this agent stopped: another instance registered as this node (409 stale-agent)."""
         self.epoch = 0
-        self.orphans = OrphanSweeper(config.name, grace_s=config.stop_grace_s, log=self.log)
+        self.orphans = OrphanSweeper(grace_s=config.stop_grace_s, log=self.log)
         self._next_orphan_scan = 0.0
         self.reports = LocalReports()
         self.outbox = Outbox()
@@ -164,8 +165,6 @@ class Agent:
             node_name=self.config.name,
         )
         self._adopt_existing()
-        # Before the first registration: no heartbeat of this instance may omit an orphan.
-        self._sweep_orphans(processes.scan())
         self.log.info("agent_started", gpus=len(self.gpus), local_api=self._api.url, instance=self.instance)
         for name in self._loops:
             self._start_loop(name)
@@ -347,6 +346,13 @@ class Agent:
             resp.heartbeat_interval_s, resp.node_lost_timeout_s))))
         self._storage = dict(resp.storage)
         self.log = log.bind(node=self.config.name, node_id=resp.node_id)
+        with self._runs_lock:  # what this instance launches from now on carries the node's id
+            if self._node is not None:
+                self._node = dataclasses.replace(self._node, node_id=resp.node_id)
+        self.orphans.node_id = resp.node_id
+        # Before the first heartbeat after a registration: no heartbeat of this instance may omit an
+        # orphan of this node (node_agent/orphans.py).
+        self._sweep_orphans(processes.scan())
         self._need_register.clear()
         self.registered.set()
         self.log.info("registered", heartbeat_interval_s=resp.heartbeat_interval_s, instance=self.instance,

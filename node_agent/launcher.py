@@ -38,6 +38,7 @@ from trainyard.protocol.env import (
     ENV_FENCING_TOKEN,
     ENV_JOB_ID,
     ENV_JOB_NAME,
+    ENV_NODE_ID,
     ENV_NODE_NAME,
     ENV_NODE_RANK,
     ENV_RESTORE_FROM,
@@ -71,10 +72,12 @@ class NodeContext:
     """How often torchrun checks its workers, hence how soon it notices a failed rank."""
     python: str = field(default=sys.executable)
     base_env: dict[str, str] | None = None
-    node_name: str = ""
-    """Given to every process as TRAINYARD_NODE_NAME: the marker a later agent instance of this
-    node finds its orphaned workers by (node_agent/orphans.py)."""
     """Environment every worker inherits; None means this process's environment."""
+    node_name: str = ""
+    """Given to every process as TRAINYARD_NODE_NAME (informational)."""
+    node_id: str = ""
+    """Given to every process as TRAINYARD_NODE_ID: the marker a later agent instance of this node
+    finds its orphaned workers by (node_agent/orphans.py). Known once the agent registered."""
     cwd: str = field(default_factory=os.getcwd)
     """Relative entrypoint paths and top-level modules resolve against this directory, as if the
     job had been started by hand where the agent was started."""
@@ -214,6 +217,8 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict
     )
     if node.node_name:
         env[ENV_NODE_NAME] = node.node_name
+    if node.node_id:
+        env[ENV_NODE_ID] = node.node_id
     return env
 
 

@@ -1,13 +1,15 @@
 """Orphaned workers: processes of this node that no attempt of this agent instance owns.
 
-Every process an agent starts carries TRAINYARD_NODE_NAME and TRAINYARD_ATTEMPT_ID (launcher.py).
-An agent that starts finds the processes marked with its node's name whose attempt it did not adopt
+Every process an agent starts carries TRAINYARD_NODE_ID and TRAINYARD_ATTEMPT_ID (launcher.py).
+An agent that registered finds the processes marked with its node's id whose attempt it did not adopt
 from its work dir: workers of an earlier instance whose work dir was wiped, or of another agent
 that ran under the same name and was fenced off. They are stopped (SIGTERM, SIGKILL after the
 grace period) and reported as alive in every heartbeat until they are gone, so the control plane
 keeps their GPUs leased until then; their attempts are never launched by this instance. The
-table of processes, not the work dir, is what tells: the sweep runs at start, before the first
-registration, and again with every supervision scan.
+table of processes, not the work dir, is what tells: the sweep runs right after each registration,
+before the first heartbeat that follows it, and again with every supervision scan. The marker is the
+node's id, which registration gives (by name, so a wiped work dir gets the same id back): names
+repeat across clusters, and an agent must never stop another cluster's workers.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from node_agent import processes
 
 
 class OrphanSweeper:
-    def __init__(self, node_name: str, *, grace_s: float, log: Any) -> None:
-        self.node_name = node_name
+    def __init__(self, *, grace_s: float, log: Any) -> None:
+        self.node_id: str | None = None
+        """Set at registration; until then nothing is swept."""
         self.grace_s = grace_s
         self.log = log
         self._term_sent_at: dict[str, float] = {}
@@ -34,7 +37,7 @@ class OrphanSweeper:
         then counts as owned)."""
         found: dict[str, tuple[set[int], set[int]]] = {}
         for (node, attempt_id), pids in table.by_node.items():
-            if node != self.node_name or attempt_id in owned or not pids:
+            if self.node_id is None or node != self.node_id or attempt_id in owned or not pids:
                 continue
             # Children that scrubbed their environment share a process group with a marked process.
             pgids = {table.pgid_of[pid] for pid in pids if pid in table.pgid_of}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from trainyard.protocol.env import ENV_ATTEMPT_ID, ENV_NODE_NAME, ENV_NODE_RANK
+from trainyard.protocol.env import ENV_ATTEMPT_ID, ENV_NODE_ID, ENV_NODE_RANK
 
 
 @dataclass
@@ -70,8 +70,8 @@ def scan() -> ProcessTable:
         if attempt_id:
             table.by_attempt[attempt_id].add(proc.pid)
             table.by_part[(attempt_id, env.get(ENV_NODE_RANK, ""))].add(proc.pid)
-            if env.get(ENV_NODE_NAME):
-                table.by_node[(env[ENV_NODE_NAME], attempt_id)].add(proc.pid)
+            if env.get(ENV_NODE_ID):
+                table.by_node[(env[ENV_NODE_ID], attempt_id)].add(proc.pid)
     return table
 
 

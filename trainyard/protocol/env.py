@@ -27,7 +27,11 @@ LOCAL_API_PREFIX: Final = "/v1/local"
 """The local API's paths under ENV_AGENT_URL: ``<url>/v1/local/attempts/<attempt id>/<kind>``."""
 ENV_NODE_RANK: Final = "TRAINYARD_NODE_RANK"
 ENV_NODE_NAME: Final = "TRAINYARD_NODE_NAME"
-"""The node whose agent started the process: a new agent instance finds orphans by it."""
+"""The name of the node whose agent started the process (for people reading a process list)."""
+ENV_NODE_ID: Final = "TRAINYARD_NODE_ID"
+"""The control plane's id of the node whose agent started the process: a new agent instance of
+that node finds its orphans by it. An id, not the name: names repeat across clusters (every dev
+cluster has a node-1), and an agent must never take another cluster's workers for its own."""
 ENV_DEVICE: Final = "TRAINYARD_DEVICE"
 """``cpu`` (virtual slots, gloo) or ``cuda`` (NCCL)."""
 ENV_CHECKPOINT: Final = "TRAINYARD_CHECKPOINT"
@@ -62,7 +66,7 @@ STORAGE_ENV: Final[dict[str, str]] = {
 
 WORKER_ENV: Final = frozenset({
     ENV_JOB_ID, ENV_JOB_NAME, ENV_ATTEMPT_ID, ENV_ATTEMPT_NUMBER, ENV_FENCING_TOKEN, ENV_AGENT_URL,
-    ENV_NODE_RANK, ENV_NODE_NAME, ENV_DEVICE, ENV_CHECKPOINT, ENV_RESTORE_FROM, ENV_STATUS_DIR,
+    ENV_NODE_RANK, ENV_NODE_NAME, ENV_NODE_ID, ENV_DEVICE, ENV_CHECKPOINT, ENV_RESTORE_FROM, ENV_STATUS_DIR,
     *STORAGE_ENV.values(), ENV_CHECKPOINT_PREFIX,
 })
 """Every variable above: what an agent may give a worker, all of it under PREFIX."""
