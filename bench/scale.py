@@ -141,7 +141,7 @@ def main() -> int:
             s3 = S3Target(s3_server.endpoint, "scale", s3_server.secret_key, "trainyard")
             cp = ControlPlane(pg.url, s3, admin_token=secrets.token_urlsafe(12), join_token=secrets.token_urlsafe(12),
                               log_path=data / "control-plane.log",
-                              env={"TRAINYARD_NODE_LOST_TIMEOUT_S": "30"})
+                              env={"TRAINYARD_NODE_LOST_TIMEOUT_S": "30", "TRAINYARD_ATTEMPT_LAUNCH_TIMEOUT_S": "90"})
             say(f"starting the control plane (log: {cp.log_path})")
             cp.start()
             asyncio.run(run(args, cp, s3))

@@ -112,7 +112,8 @@ class Settings(BaseSettings):
         if self.rdzv_port_min > self.rdzv_port_max:
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
         if self.attempt_launch_timeout_s <= self.node_lost_timeout_s:
-            raise ValueError("attempt_launch_timeout_s must exceed node_lost_timeout_s")
+            raise ValueError(f"attempt_launch_timeout_s ({self.attempt_launch_timeout_s:g}) must exceed "
+                             f"node_lost_timeout_s ({self.node_lost_timeout_s:g}): a silent node is declared lost first")
         from control_plane import failpoints
 
         failpoints.configure(self.failpoints)
