@@ -113,7 +113,7 @@ class Settings(BaseSettings):
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
         if self.attempt_launch_timeout_s <= self.node_lost_timeout_s:
             raise ValueError(f"attempt_launch_timeout_s ({self.attempt_launch_timeout_s:g}) must exceed "
-                             f"node_lost_timeout_s ({self.node_lost_timeout_s:g}): a silent node is declared lost first")
+                             f"node_lost_timeout_s ({self.node_lost_timeout_s:g}): a silent node is lost first")
         from control_plane import failpoints
 
         failpoints.configure(self.failpoints)
