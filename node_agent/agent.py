@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import signal
 import threading
@@ -77,6 +78,8 @@ _LOG_BATCHES_PER_ROUND = 4
 _FINAL_STATES = (NodeAttemptState.exited, NodeAttemptState.stopped)
 _ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned workers of its node
 EXIT_SUPERSEDED = 3
+HEARTBEAT_JITTER = 0.2
+"""A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
 """Exit status of an agent that stopped because another instance registered as its node."""
 
 
@@ -377,9 +380,14 @@ class Agent:
             self.log.warning("heartbeat_failed", error=str(exc))
             return self._heartbeat_interval_s
         self._register_failures = 0
+        # The control plane stretches the interval as the cluster grows (its node-lost timeout grows
+        # by as much, so the request timeout set at registration still fits).
         self._heartbeat_interval_s = resp.heartbeat_interval_s
         self._reconcile(resp.assignments, resp.unchanged)
-        return max(0.0, self._heartbeat_interval_s - (time.monotonic() - started))
+        # Jittered (never longer than told): a thousand agents do not stay in step after an outage
+        # or a wake-up that reached many of them at once.
+        period = self._heartbeat_interval_s * random.uniform(1 - HEARTBEAT_JITTER, 1.0)
+        return max(0.0, period - (time.monotonic() - started))
 
     def _alive_attempts(self) -> list[str]:
         """Attempts with processes on this node: ours, and orphans still being stopped."""

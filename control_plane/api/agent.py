@@ -35,10 +35,12 @@ router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=Transact
 def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, _: JoinDep,
              request: Request) -> RegisterResponse:
     node, token = nodes.register(session, body)
+    interval = nodes.tell_interval(session, node, settings)
+    session.commit()
     request.app.state.wake_scheduler()
     return RegisterResponse(node_id=str(node.id), node_token=token,
-                            heartbeat_interval_s=settings.heartbeat_interval_s,
-                            node_lost_timeout_s=settings.node_lost_timeout_s,
+                            heartbeat_interval_s=interval,
+                            node_lost_timeout_s=settings.lost_timeout_for(interval),
                             agent_instance=node.agent_instance, agent_epoch=node.agent_epoch,
                             storage=dict(request.app.state.worker_storage or {}))
 
@@ -49,6 +51,7 @@ def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, s
     released_before = session.info.get("released", 0)
     storage = request.app.state.worker_storage
     specs = nodes.heartbeat(session, node, body, storage)
+    interval = nodes.tell_interval(session, node, settings)
     state = node.state
     if session.info.get("released", 0) == released_before:
         # Liveness only (no lease released, no attempt failed): losing this commit in a database
@@ -66,7 +69,7 @@ def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, s
             request.app.state.wake_scheduler()
     full, unchanged = nodes.for_agent(specs, body.known)
     return HeartbeatResponse(node_id=str(node.id), node_state=state, assignments=full, unchanged=unchanged,
-                             heartbeat_interval_s=settings.heartbeat_interval_s)
+                             heartbeat_interval_s=interval)
 
 
 @router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)

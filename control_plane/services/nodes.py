@@ -7,7 +7,7 @@ import secrets
 import uuid
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, literal, select
 from sqlalchemy.orm import Session
 
 from control_plane.clock import now
@@ -25,6 +25,7 @@ from control_plane.services import attempts, events
 from control_plane.services.fencing import lock_attempt
 from control_plane.services.locks import lock_node
 from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
+from control_plane.settings import Settings
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
 VANISHED_AFTER_S = 10.0
@@ -268,8 +269,29 @@ def for_agent(
     return full, refs
 
 
-def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime) -> list[Node]:
+def registered_nodes(session: Session) -> int:
+    """Nodes whose agents heartbeat (or should): every node not removed."""
+    return int(session.scalar(select(func.count()).select_from(Node).where(Node.state != "removed")) or 0)
+
+
+def tell_interval(session: Session, node: Node, settings: Settings) -> float:
+    """The heartbeat interval to tell this node's agent now (it grows with the cluster, see
+    Settings.interval_for), recorded on the node so that every replica's monitor gives the node the
+    lost timeout of the interval it was told (mark_lost_nodes). Part of the caller's transaction."""
+    interval = settings.interval_for(registered_nodes(session))
+    told = interval if interval != settings.heartbeat_interval_s else None
+    if node.heartbeat_interval_s != told:
+        node.heartbeat_interval_s = told
+    return interval
+
+
+def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
+                    interval_s: float | None = None) -> list[Node]:
     """Declare nodes lost after missed heartbeats and fail the attempts running on them.
+
+    ``timeout_s`` is the lost timeout at the base interval ``interval_s``; a node told a longer
+    interval (``Node.heartbeat_interval_s``, tell_interval) gets that much longer. Without
+    ``interval_s`` every node gets ``timeout_s``.
 
     Their leases stay held: the GPUs are not given to anyone until the agent comes back and
     confirms its stale workers are stopped, or an operator removes the node.
@@ -278,16 +300,21 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime)
     if t < not_before:
         return []
     cutoff = t - timedelta(seconds=timeout_s)
+    stmt = select(Node).where(Node.state == "ready", Node.last_heartbeat_at < cutoff)
+    if interval_s is not None:
+        extra = func.greatest(0.0, func.coalesce(Node.heartbeat_interval_s, interval_s) - interval_s)
+        stmt = stmt.where(Node.last_heartbeat_at < literal(t) - func.make_interval(
+            0, 0, 0, 0, 0, 0, literal(timeout_s) + extra))
     lost = session.scalars(
-        select(Node)
-        .where(Node.state == "ready", Node.last_heartbeat_at < cutoff)
-        .order_by(Node.id)
+        stmt.order_by(Node.id)
         .with_for_update(key_share=True, skip_locked=True)
         .execution_options(populate_existing=True)
     ).all()
     work: list[tuple[uuid.UUID, uuid.UUID, Node]] = []  # (job, attempt, node): locked in that order
     for node in lost:
-        set_node_state(session, node, "lost", f"node {node.name} missed heartbeats for {timeout_s:g}s",
+        told = node.heartbeat_interval_s if interval_s is not None else None
+        waited = timeout_s + max(0.0, (told or 0.0) - (interval_s or 0.0)) if told else timeout_s
+        set_node_state(session, node, "lost", f"node {node.name} missed heartbeats for {waited:g}s",
                        kind="node.lost")
         work += [(job_id, attempt_id, node) for attempt_id, job_id in session.execute(
             select(Attempt.id, Attempt.job_id)
