@@ -8,8 +8,9 @@ from fastapi import APIRouter, Request
 from sqlalchemy import text
 
 from control_plane import failpoints
-from control_plane.api.deps import JoinDep, NodeIdentity, SessionDep, SettingsDep, TransactionRoute
+from control_plane.api.deps import Credentials, JoinDep, NodeIdentity, SessionDep, SettingsDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
+from control_plane.errors import Unauthorized
 from control_plane.schemas.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
@@ -23,6 +24,8 @@ from control_plane.schemas.agent import (
     RegisterResponse,
     ShardAck,
     ShardReport,
+    WaitRequest,
+    WaitResponse,
     WorkerEventAck,
     WorkerEventBatch,
 )
@@ -70,6 +73,21 @@ def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, s
     full, unchanged = nodes.for_agent(specs, body.known)
     return HeartbeatResponse(node_id=str(node.id), node_state=state, assignments=full, unchanged=unchanged,
                              heartbeat_interval_s=interval)
+
+
+@router.post("/wait", response_model=WaitResponse, responses=ERRORS)
+async def wait(body: WaitRequest, creds: Credentials, request: Request) -> WaitResponse:
+    """Long poll (schemas/agent.py): holds no thread and no database connection while it waits."""
+    token = creds.credentials if creds is not None else ""
+    node_id = nodes.node_id_of(token)
+    if node_id is None:
+        raise Unauthorized("missing or malformed node credential: send 'Authorization: Bearer <node token>'")
+    settings = request.app.state.settings
+    timeout = min(body.timeout_s or settings.agent_wait_timeout_s, settings.agent_wait_timeout_s)
+    factory = request.app.state.session_factory
+    changed = await request.app.state.wakeups.wait(
+        node_id, lambda: nodes.desired_changed(factory, token, node_id, body.known), timeout)
+    return WaitResponse(changed=changed)
 
 
 @router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)

@@ -8,7 +8,7 @@ import uuid
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, literal, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import now
 from control_plane.db import reload
@@ -283,6 +283,32 @@ def tell_interval(session: Session, node: Node, settings: Settings) -> float:
     if node.heartbeat_interval_s != told:
         node.heartbeat_interval_s = told
     return interval
+
+
+def node_id_of(token: str) -> str | None:
+    """The node a credential names (``_node_token``), unverified: a long poll registers its wait under
+    it before ``desired_changed`` authenticates it."""
+    try:
+        return str(uuid.UUID(hex=token.removeprefix("tyn_").split(".", 1)[0]))
+    except ValueError:
+        return None
+
+
+def desired_changed(factory: sessionmaker[Session], token: str, node_id: str,
+                    known: list[KnownAssignment]) -> bool:
+    """Authenticate a long poll (``POST /v1/agent/wait``) and say whether the node's desired state
+    differs from the specs its agent holds (``known``): a new or changed assignment, or a stop. In
+    its own short transaction, so the wait that follows holds no connection."""
+    session = factory()
+    try:
+        node = authenticate(session, token)
+        if str(node.id) != node_id:
+            raise Unauthorized("unknown node credential; register the agent again")
+        full, refs = for_agent(assignments(session, node, None), known)
+        return bool(full) or any(ref.desired == "stop" for ref in refs)
+    finally:
+        session.rollback()
+        session.close()
 
 
 def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
