@@ -47,6 +47,7 @@ from control_plane.schemas.agent import (
     LogBatch,
     NodeAttemptState,
     RegisterRequest,
+    WaitRequest,
     agent_request_timeout_s,
 )
 from node_agent import processes
@@ -79,6 +80,9 @@ _FINAL_STATES = (NodeAttemptState.exited, NodeAttemptState.stopped)
 _ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned workers of its node
 EXIT_SUPERSEDED = 3
 HEARTBEAT_JITTER = 0.2
+"""A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
+WAIT_TIMEOUT_S = 25.0
+"""How long one long poll (POST /v1/agent/wait) may stay open (the control plane may cut it shorter)."""
 """A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
 """Exit status of an agent that stopped because another instance registered as its node."""
 
@@ -134,7 +138,9 @@ class Agent:
             "supervise": self._supervise_step,
             "report": self._report_step,
             "relay": self._relay_step,
+            "wait": self._wait_step,
         }
+        self._heartbeat_done = threading.Event()  # set after each answered heartbeat
         self._wakes = {name: threading.Event() for name in self._loops}
         self._lifecycle = threading.Lock()
         self._started = False
@@ -384,10 +390,34 @@ class Agent:
         # by as much, so the request timeout set at registration still fits).
         self._heartbeat_interval_s = resp.heartbeat_interval_s
         self._reconcile(resp.assignments, resp.unchanged)
+        self._heartbeat_done.set()
         # Jittered (never longer than told): a thousand agents do not stay in step after an outage
         # or a wake-up that reached many of them at once.
         period = self._heartbeat_interval_s * random.uniform(1 - HEARTBEAT_JITTER, 1.0)
         return max(0.0, period - (time.monotonic() - started))
+
+    def _wait_step(self) -> float:
+        """Keep one long poll open; when the control plane says the node's desired state changed (a
+        new attempt, a stop order), heartbeat now rather than at the next interval, which grows with
+        the cluster. Then wait again, with the versions that heartbeat brought."""
+        if not self.registered.is_set() or self._need_register.is_set():
+            return 1.0
+        known = [KnownAssignment(attempt_id=a, version=v) for a, v in sorted(dict(self._versions).items())]
+        try:
+            resp = self.client.wait(WaitRequest(known=known, timeout_s=WAIT_TIMEOUT_S))
+        except Unauthorized:
+            self._wake("heartbeat")  # it registers again
+            return 1.0
+        except RequestRejected as exc:  # e.g. a control plane without long polls (404): heartbeats only
+            self.log.info("long_poll_refused", error=str(exc))
+            return 60.0
+        except ControlPlaneUnavailable:
+            return self._heartbeat_interval_s
+        if resp.changed:
+            self._heartbeat_done.clear()
+            self._wake("heartbeat")
+            self._heartbeat_done.wait(self._heartbeat_interval_s)  # the next wait knows its answer
+        return 0.0
 
     def _alive_attempts(self) -> list[str]:
         """Attempts with processes on this node: ours, and orphans still being stopped."""
