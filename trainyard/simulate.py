@@ -150,6 +150,10 @@ class SimAgent:
         self.arrivals: dict[str, float] = {}  # attempt id -> when its full spec first arrived
         self.samples: list[Sample] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.interval_s = fleet.interval_s
+        """What the control plane told this agent (``fleet.follow_interval``), else the fleet's."""
+        self.woken = asyncio.Event()  # set by the long poll: heartbeat now
+        self.beat = asyncio.Event()  # set after each answered heartbeat
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
@@ -180,8 +184,41 @@ class SimAgent:
         resp: dict[str, Any] = r.json()
         self.samples.append(Sample(time.monotonic(), latency, len(r.content), len(resp["assignments"]),
                                    self.fleet.phase))
+        if self.fleet.follow_interval:
+            self.interval_s = float(resp.get("heartbeat_interval_s") or self.interval_s)
         self._reconcile(resp)
+        self.beat.set()
         return resp
+
+    async def wait_loop(self, stop: asyncio.Event) -> None:
+        """The real agent's long poll (node_agent/agent.py _wait_step): a 'changed' answer wakes the
+        heartbeat loop, and the next wait starts once that heartbeat brought the new versions."""
+        await asyncio.sleep(random.uniform(0, 1.0))
+        while not stop.is_set():
+            body = {"known": [{"attempt_id": a, "version": v} for a, v in self.held.items()],
+                    "timeout_s": self.fleet.wait_timeout_s}
+            try:
+                r = await self.fleet.http.post(f"{AGENT}/wait", json=body, headers=self._headers(),
+                                               timeout=self.fleet.wait_timeout_s + 30)
+            except httpx.TransportError as exc:
+                self.fleet.server_errors.append(f"{self.name} wait: {type(exc).__name__}")
+                await asyncio.sleep(self.interval_s)
+                continue
+            self.fleet.waits += 1
+            if r.status_code >= 500:
+                if r.status_code != 503:
+                    self.fleet.server_errors.append(f"{self.name} wait: HTTP {r.status_code}")
+                await asyncio.sleep(self.interval_s * random.uniform(0.5, 1.0))
+                continue
+            if r.status_code >= 400:
+                self.fleet.errors.append(f"{self.name} wait: HTTP {r.status_code} {r.text[:200]}")
+                await asyncio.sleep(self.interval_s)
+                continue
+            if r.json()["changed"]:
+                self.beat.clear()
+                self.woken.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.beat.wait(), self.interval_s + 5.0)
 
     def _reconcile(self, resp: dict[str, Any]) -> None:
         full = resp["assignments"]
@@ -261,19 +298,23 @@ class SimAgent:
         return ack
 
     async def loop(self, stop: asyncio.Event) -> None:
-        interval = self.fleet.interval_s
-        await asyncio.sleep(random.uniform(0, interval))  # agents that start together spread out
+        await asyncio.sleep(random.uniform(0, self.interval_s))  # agents that start together spread out
         while not stop.is_set():
             started = time.monotonic()
+            self.woken.clear()
             try:
                 await self.heartbeat()
             except httpx.TransportError as exc:
                 self.fleet.server_errors.append(f"{self.name} heartbeat: {type(exc).__name__}")
             except httpx.HTTPError as exc:
                 self.fleet.errors.append(f"{self.name}: {type(exc).__name__}: {exc}")
-            wait = max(0.0, interval - (time.monotonic() - started))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
+            # Jittered like the real agent's (node_agent/agent.py HEARTBEAT_JITTER).
+            period = self.interval_s * (random.uniform(0.8, 1.0) if self.fleet.follow_interval else 1.0)
+            wait = max(0.0, period - (time.monotonic() - started))
+            stopped, woken = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.woken.wait())
+            await asyncio.wait({stopped, woken}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            woken.cancel()
 
 
 def shard_key(job_id: str, step: int, attempt_number: int, rank: int) -> str:
@@ -284,10 +325,20 @@ def shard_key(job_id: str, step: int, attempt_number: int, rank: int) -> str:
 class Fleet:
     """N simulated agents on one shared HTTP client, heartbeating concurrently until ``close()``."""
 
-    def __init__(self, cp: ControlPlane, s3: S3Target, *, gpus_per_node: int = 8, interval_s: float = 1.0) -> None:
+    def __init__(self, cp: ControlPlane, s3: S3Target, *, gpus_per_node: int = 8, interval_s: float = 1.0,
+                 follow_interval: bool = True, long_poll: bool = True, wait_timeout_s: float = 25.0) -> None:
+        """``follow_interval``: each agent heartbeats at the interval the control plane tells it
+        (it grows with the fleet), else every ``interval_s``; ``long_poll``: each agent keeps a
+        ``POST /v1/agent/wait`` open and heartbeats when it returns 'changed'. Both off: the
+        protocol before the long poll (a fixed interval)."""
         self.cp, self.s3 = cp, s3
         self.gpus_per_node = gpus_per_node
         self.interval_s = interval_s
+        self.follow_interval = follow_interval
+        self.long_poll = long_poll
+        self.wait_timeout_s = wait_timeout_s
+        self.waits = 0
+        """Long polls answered."""
         self.http = httpx.AsyncClient(base_url=cp.url, timeout=60.0,
                                       limits=httpx.Limits(max_connections=4000, max_keepalive_connections=4000))
         self.admin = {"Authorization": f"Bearer {cp.admin_token}"}
@@ -309,6 +360,11 @@ class Fleet:
             await asyncio.gather(*(a.register() for a in new[chunk:chunk + 50]))
         self.agents += new
         self._loops += [asyncio.ensure_future(a.loop(self._stop)) for a in new]
+        if self.long_poll:
+            self._loops += [asyncio.ensure_future(a.wait_loop(self._stop)) for a in new]
+
+    def longest_interval(self) -> float:
+        return max([a.interval_s for a in self.agents] or [self.interval_s])
 
     async def close(self) -> None:
         self._stop.set()
@@ -472,7 +528,7 @@ async def job_scenario(fleet: Fleet, ranks: int, *, window_s: float = 3.0, args_
     parts = await fleet.wait_parts(job["id"], 1, num_nodes)
     say(f"{ranks} ranks: attempt 1 held by {num_nodes} nodes")
     agents = [a for a, _ in parts]
-    await asyncio.sleep(fleet.interval_s * 1.5)  # every node has sent a heartbeat with `known` since
+    await asyncio.sleep(fleet.longest_interval() * 1.5)  # every node has sent a heartbeat with `known` since
     figures.first_bytes = max(_sizes(agents, t_submit, full=True), default=0)
     await fleet.measure(f"steady-{ranks}", window_s)
     figures.steady_bytes = max(_sizes(agents, t_submit, full=False, phase=f"steady-{ranks}"), default=0)
@@ -495,7 +551,7 @@ async def job_scenario(fleet: Fleet, ranks: int, *, window_s: float = 3.0, args_
     figures.extra["recovered_attempt"] = new[0][1].spec["attempt_number"]
     figures.extra["recovered_nodes"] = len(new)
     figures.extra["restore_from"] = new[0][1].spec.get("restore_from")
-    await asyncio.sleep(fleet.interval_s * 1.5)
+    await asyncio.sleep(fleet.longest_interval() * 1.5)
     figures.recovered_first_bytes = max(_sizes([a for a, _ in new], t_fail, full=True), default=0)
     await fleet.cancel(job["id"])
 
