@@ -128,8 +128,8 @@ def main() -> int:
     parser.add_argument("--protocol", choices=["scaled", "fixed"], default="scaled",
                         help="scaled: agents follow the interval the control plane tells them and keep a long "
                         "poll open; fixed: every --interval seconds, no long poll (the protocol before)")
-    parser.add_argument("--target-rate", type=float, default=100.0,
-                        help="the control plane's heartbeat_target_rate_per_s")
+    parser.add_argument("--target-rate", type=float, default=None,
+                        help="the control plane's heartbeat_target_rate_per_s (default: its default)")
     parser.add_argument("--data-dir", type=Path, default=None, help="keep the databases here")
     args = parser.parse_args()
     if args.agents != sorted(args.agents):
@@ -156,7 +156,8 @@ def main() -> int:
                               log_path=data / "control-plane.log",
                               env={"TRAINYARD_NODE_LOST_TIMEOUT_S": "30",
                                    "TRAINYARD_HEARTBEAT_INTERVAL_S": str(args.interval),
-                                   "TRAINYARD_HEARTBEAT_TARGET_RATE_PER_S": str(args.target_rate)})
+                                   **({"TRAINYARD_HEARTBEAT_TARGET_RATE_PER_S": str(args.target_rate)}
+                                      if args.target_rate else {})})
             say(f"starting the control plane (log: {cp.log_path})")
             cp.start()
             asyncio.run(run(args, cp, s3))

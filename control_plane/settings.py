@@ -26,15 +26,16 @@ class Settings(BaseSettings):
         "told a longer interval gets the same slack on top of it (lost_timeout_for)."
     )
     heartbeat_target_rate_per_s: float = Field(
-        100.0, gt=0, description="Heartbeats per second the whole cluster should send to the control plane: "
+        40.0, gt=0, description="Heartbeats per second the whole cluster should send to the control plane: "
         "the interval agents are told grows with the number of nodes to keep to it (interval_for)."
     )
     heartbeat_interval_max_s: float = Field(
-        15.0, gt=0, description="The longest interval agents are told, whatever the cluster's size. Long-poll "
+        30.0, gt=0, description="The longest interval agents are told, whatever the cluster's size. Long-poll "
         "wake-ups (POST /v1/agent/wait) bring new work and stop orders sooner."
     )
     agent_wait_timeout_s: float = Field(
-        25.0, gt=0, le=120, description="How long a long-poll wait (POST /v1/agent/wait) stays open without a change."
+        60.0, gt=0, le=120, description="The longest a long-poll wait (POST /v1/agent/wait) stays open without a "
+        "change (agents ask for 25 s, or twice their interval): each wait costs a read when it starts."
     )
     agent_wait_max: int = Field(
         2000, ge=0, description="Long-poll waits one replica holds open at once; more are answered 503."

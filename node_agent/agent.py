@@ -82,7 +82,12 @@ EXIT_SUPERSEDED = 3
 HEARTBEAT_JITTER = 0.2
 """A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
 WAIT_TIMEOUT_S = 25.0
-"""How long one long poll (POST /v1/agent/wait) may stay open (the control plane may cut it shorter)."""
+"""How long one long poll (POST /v1/agent/wait) stays open at least; twice the heartbeat interval when
+that is longer (each wait costs the control plane a read when it starts), at most WAIT_TIMEOUT_MAX_S.
+The control plane may cut it shorter (agent_wait_timeout_s)."""
+WAIT_TIMEOUT_MAX_S = 110.0
+RETRY_AFTER_FAILURE_S = 5.0
+"""The longest pause before a failed heartbeat is tried again, whatever the interval."""
 """A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
 """Exit status of an agent that stopped because another instance registered as its node."""
 
@@ -384,7 +389,9 @@ class Agent:
             return min(5.0, 0.1 * 2 ** min(self._register_failures, 5))
         except (ControlPlaneUnavailable, RequestRejected) as exc:
             self.log.warning("heartbeat_failed", error=str(exc))
-            return self._heartbeat_interval_s
+            # Not a whole (scaled, perhaps 30 s) interval: after an outage the control plane's startup
+            # grace (15 s) must see this node again before it calls it lost.
+            return min(self._heartbeat_interval_s, RETRY_AFTER_FAILURE_S * random.uniform(0.5, 1.0))
         self._register_failures = 0
         # The control plane stretches the interval as the cluster grows (its node-lost timeout grows
         # by as much, so the request timeout set at registration still fits).
@@ -404,7 +411,8 @@ class Agent:
             return 1.0
         known = [KnownAssignment(attempt_id=a, version=v) for a, v in sorted(dict(self._versions).items())]
         try:
-            resp = self.client.wait(WaitRequest(known=known, timeout_s=WAIT_TIMEOUT_S))
+            timeout = min(WAIT_TIMEOUT_MAX_S, max(WAIT_TIMEOUT_S, 2 * self._heartbeat_interval_s))
+            resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout))
         except Unauthorized:
             self._wake("heartbeat")  # it registers again
             return 1.0

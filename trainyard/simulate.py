@@ -154,6 +154,10 @@ class SimAgent:
         """What the control plane told this agent (``fleet.follow_interval``), else the fleet's."""
         self.woken = asyncio.Event()  # set by the long poll: heartbeat now
         self.beat = asyncio.Event()  # set after each answered heartbeat
+        # Clients shared by a few agents each: one pool of thousands of connections costs the
+        # simulator more CPU per request than the control plane spends answering it (httpcore).
+        self.http = fleet.client(index, "requests")
+        self.wait_http = fleet.client(index, "waits")
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
@@ -175,7 +179,7 @@ class SimAgent:
         if not self.legacy:
             body["known"] = [{"attempt_id": a, "version": v} for a, v in self.held.items()]
         t0 = time.perf_counter()
-        r = await self.fleet.http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers())
+        r = await self.http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers())
         latency = time.perf_counter() - t0
         if r.status_code >= 500:
             self.fleet.server_errors.append(f"{self.name} heartbeat: HTTP {r.status_code}")
@@ -195,11 +199,11 @@ class SimAgent:
         heartbeat loop, and the next wait starts once that heartbeat brought the new versions."""
         await asyncio.sleep(random.uniform(0, 1.0))
         while not stop.is_set():
-            body = {"known": [{"attempt_id": a, "version": v} for a, v in self.held.items()],
-                    "timeout_s": self.fleet.wait_timeout_s}
+            timeout = min(110.0, max(self.fleet.wait_timeout_s, 2 * self.interval_s))  # as the real agent
+            body = {"known": [{"attempt_id": a, "version": v} for a, v in self.held.items()], "timeout_s": timeout}
             try:
-                r = await self.fleet.http.post(f"{AGENT}/wait", json=body, headers=self._headers(),
-                                               timeout=self.fleet.wait_timeout_s + 30)
+                r = await self.wait_http.post(f"{AGENT}/wait", json=body, headers=self._headers(),
+                                              timeout=timeout + 30)
             except httpx.TransportError as exc:
                 self.fleet.server_errors.append(f"{self.name} wait: {type(exc).__name__}")
                 await asyncio.sleep(self.interval_s)
@@ -251,7 +255,7 @@ class SimAgent:
         reports make that safe) and counted in ``fleet.server_errors``; any other answer is returned."""
         for attempt in range(20):
             try:
-                r = await self.fleet.http.post(path, json=body, headers=self._headers(), timeout=timeout)
+                r = await self.http.post(path, json=body, headers=self._headers(), timeout=timeout)
             except httpx.TransportError as exc:
                 self.fleet.server_errors.append(f"{self.name} {path}: {type(exc).__name__}")
             else:
@@ -281,10 +285,12 @@ class SimAgent:
             return
         run.alive = False
         await self.status(run, "stopped", workers=run.workers("exited", -15))
+        self.woken.set()  # the real agent heartbeats at once when an attempt's last process is gone
 
     async def fail(self, run: SimRun, *, local_rank: int = 0, exit_code: int = 1) -> None:
         """One rank exits with ``exit_code``; torchrun stops the others and exits with 1."""
         run.alive = False
+        self.woken.set()
         await self.status(run, "exited", exit_code=1,
                           workers=run.workers("exited", failed_local=local_rank, failed_code=exit_code))
 
@@ -341,6 +347,7 @@ class Fleet:
         """Long polls answered."""
         self.http = httpx.AsyncClient(base_url=cp.url, timeout=60.0,
                                       limits=httpx.Limits(max_connections=4000, max_keepalive_connections=4000))
+        self._clients: dict[tuple[int, str], httpx.AsyncClient] = {}
         self.admin = {"Authorization": f"Bearer {cp.admin_token}"}
         self.agents: list[SimAgent] = []
         self.phase = "start"
@@ -352,6 +359,15 @@ class Fleet:
         self._loops: list[asyncio.Task[None]] = []
         self._pool = ThreadPoolExecutor(16)
         self._s3 = s3.client()
+
+    AGENTS_PER_CLIENT = 32
+
+    def client(self, index: int, kind: str) -> httpx.AsyncClient:
+        key = (index // self.AGENTS_PER_CLIENT, kind)
+        if key not in self._clients:
+            self._clients[key] = httpx.AsyncClient(base_url=self.cp.url, timeout=60.0, limits=httpx.Limits(
+                max_connections=self.AGENTS_PER_CLIENT * 2, max_keepalive_connections=self.AGENTS_PER_CLIENT * 2))
+        return self._clients[key]
 
     async def grow(self, n: int) -> None:
         """Register agents up to ``n`` in all and start their heartbeat loops."""
@@ -375,6 +391,8 @@ class Fleet:
                 pending.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         await self.http.aclose()
+        for client in self._clients.values():
+            await client.aclose()
         self._pool.shutdown(wait=False)
 
     async def measure(self, phase: str, seconds: float) -> list[Sample]:

@@ -20,8 +20,8 @@ from tests.factories import FakeAgentSession
 def test_interval_scales_with_node_count_and_every_timeout_nests():
     s = Settings(heartbeat_target_rate_per_s=100)
     assert s.interval_for(10) == s.heartbeat_interval_s == 1.0  # a small cluster: the configured one
-    assert s.interval_for(250) == 2.5
-    assert s.interval_for(1000) == 10.0
+    assert s.interval_for(250) == 2.5 and s.interval_for(1000) == 10.0
+    assert Settings().interval_for(1000) == 25.0  # the default: 40 heartbeats/s in all
     assert s.interval_for(10**6) == s.heartbeat_interval_max_s  # capped
     per_try = s.agent_request_timeout_s
     for n in (1, 250, 1000, 2000, 10**6):
@@ -37,7 +37,7 @@ def test_interval_scales_with_node_count_and_every_timeout_nests():
 
 @pytest.mark.parametrize("bad", [
     {"heartbeat_interval_max_s": 0.5},  # shorter than heartbeat_interval_s
-    {"heartbeat_interval_max_s": 100},  # the lost timeout at 100 s outlasts the launch timeout
+    {"heartbeat_interval_max_s": 100},  # the lost timeout at 100 s outlasts the launch timeout (60 s)
     {"heartbeat_interval_max_s": 50, "attempt_launch_timeout_s": 1000, "checkpoint_pending_timeout_s": 55},
 ])
 def test_a_maximum_interval_whose_lost_timeout_does_not_nest_is_refused(bad):
