@@ -412,6 +412,7 @@ class Agent:
         known = [KnownAssignment(attempt_id=a, version=v) for a, v in sorted(dict(self._versions).items())]
         try:
             timeout = min(WAIT_TIMEOUT_MAX_S, max(WAIT_TIMEOUT_S, 2 * self._heartbeat_interval_s))
+            timeout *= random.uniform(1 - HEARTBEAT_JITTER, 1.0)  # waits woken together re-arm spread out
             resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout))
         except Unauthorized:
             self._wake("heartbeat")  # it registers again

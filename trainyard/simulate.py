@@ -171,6 +171,8 @@ class SimAgent:
         r.raise_for_status()
         reg = r.json()
         self.token, self.storage = reg["node_token"], reg.get("storage", {})
+        if self.fleet.follow_interval:
+            self.interval_s = float(reg.get("heartbeat_interval_s") or self.interval_s)
 
     async def heartbeat(self) -> dict[str, Any]:
         self.seq += 1
@@ -198,8 +200,11 @@ class SimAgent:
         """The real agent's long poll (node_agent/agent.py _wait_step): a 'changed' answer wakes the
         heartbeat loop, and the next wait starts once that heartbeat brought the new versions."""
         await asyncio.sleep(random.uniform(0, 1.0))
+        first = True  # agents registered together: their first waits end spread out, as if started apart
         while not stop.is_set():
             timeout = min(110.0, max(self.fleet.wait_timeout_s, 2 * self.interval_s))  # as the real agent
+            timeout *= random.uniform(0.1, 1.0) if first else random.uniform(0.8, 1.0)
+            first = False
             body = {"known": [{"attempt_id": a, "version": v} for a, v in self.held.items()], "timeout_s": timeout}
             try:
                 r = await self.wait_http.post(f"{AGENT}/wait", json=body, headers=self._headers(),
