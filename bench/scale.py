@@ -5,7 +5,9 @@
 
 Starts embedded PostgreSQL and S3 (SeaweedFS) in a temporary directory, a ``trainyard server``
 subprocess on them, and ``--agents`` simulated agents (trainyard/simulate.py) in this process, each
-speaking the real agent protocol over HTTP with a heartbeat every second and 8 GPU slots. Then:
+speaking the real agent protocol over HTTP with 8 GPU slots each: heartbeats at the interval the
+control plane tells them (it grows with the fleet: heartbeat_target_rate_per_s, ``--target-rate``) and a
+long poll open (``--protocol fixed``: a heartbeat every ``--interval`` seconds, the protocol before). Then:
 
 1. heartbeat latency p50/p99 of every agent while idle, at each ``--agents`` size (the fleet grows);
 2. at the first size, one job per ``--ranks`` (one after the other): assigned; steady heartbeats with
@@ -52,18 +54,23 @@ def say(message: str) -> None:
 
 
 async def run(args: argparse.Namespace, cp: ControlPlane, s3: S3Target) -> None:
-    fleet = Fleet(cp, s3, gpus_per_node=8, interval_s=args.interval)
-    idle: list[tuple[int, float, float, int]] = []
+    scaled = args.protocol == "scaled"
+    fleet = Fleet(cp, s3, gpus_per_node=8, interval_s=args.interval, follow_interval=scaled, long_poll=scaled)
+    idle: list[tuple[int, float, float, int, float, float, float]] = []
     jobs: list[JobFigures] = []
     try:
         for i, n in enumerate(args.agents):
             say(f"growing the fleet to {n} agents")
             await fleet.grow(n)
             await asyncio.sleep(args.interval * 2)  # registration burst over, loops spread out
+            await asyncio.sleep(fleet.longest_interval())  # every agent follows the interval it was told
+            waits = fleet.waits
             samples = await fleet.measure(f"idle-{n}", args.window)
             lat = [s.latency_s for s in samples]
-            idle.append((n, percentile(lat, 50), percentile(lat, 99), len(lat)))
-            say(f"{n} agents idle: p50 {idle[-1][1] * 1000:.1f} ms, p99 {idle[-1][2] * 1000:.1f} ms")
+            idle.append((n, percentile(lat, 50), percentile(lat, 99), len(lat), len(lat) / args.window,
+                         (fleet.waits - waits) / args.window, fleet.longest_interval()))
+            say(f"{n} agents idle: p50 {idle[-1][1] * 1000:.1f} ms, p99 {idle[-1][2] * 1000:.1f} ms, "
+                f"{idle[-1][4]:.0f} heartbeats/s at an interval of {idle[-1][6]:g}s")
             if i == 0:
                 for ranks in args.ranks:
                     if ranks // 8 > n:
@@ -79,10 +86,14 @@ async def run(args: argparse.Namespace, cp: ControlPlane, s3: S3Target) -> None:
             f"e.g. {fleet.server_errors[:3]}; see {cp.log_path}")
 
     print()
-    print("Heartbeat latency, idle fleet (every agent, 1 heartbeat/s each)")
-    print(f"{'agents':>8} {'p50 ms':>8} {'p99 ms':>8} {'samples':>8}   target: p99 < 100 ms at 1,000")
-    for n, p50, p99, count in idle:
-        print(f"{n:>8} {p50 * 1000:>8.1f} {p99 * 1000:>8.1f} {count:>8}")
+    mode = ("interval told by the control plane, long poll" if scaled
+            else f"fixed {args.interval:g} s interval, no long poll")
+    print(f"Heartbeat latency, idle fleet (protocol: {mode})")
+    print(f"{'agents':>8} {'p50 ms':>8} {'p99 ms':>8} {'samples':>8} {'hb/s':>7} {'waits/s':>8} {'interval s':>11}"
+          "   target: p99 < 100 ms at 1,000")
+    for n, p50, p99, count, rate, waits_rate, interval in idle:
+        print(f"{n:>8} {p50 * 1000:>8.1f} {p99 * 1000:>8.1f} {count:>8} {rate:>7.1f} {waits_rate:>8.1f} "
+              f"{interval:>11g}")
     print()
     print(f"Jobs (fleet of {args.agents[0]} agents, 8 ranks per node)")
     header = (f"{'ranks':>6} {'hb first B':>11} {'hb steady B':>12} {'full-spec B':>12} {'recovered B':>12} "
@@ -116,7 +127,13 @@ def main() -> int:
     parser.add_argument("--agents", type=_ints, default=[160], help="fleet sizes, comma-separated, growing")
     parser.add_argument("--ranks", type=_ints, default=[512, 1024], help="job sizes in ranks (8 per node)")
     parser.add_argument("--window", type=float, default=5.0, help="seconds of each latency window")
-    parser.add_argument("--interval", type=float, default=1.0, help="heartbeat interval of the agents")
+    parser.add_argument("--interval", type=float, default=1.0,
+                        help="heartbeat interval of the agents (the control plane's minimum with --protocol scaled)")
+    parser.add_argument("--protocol", choices=["scaled", "fixed"], default="scaled",
+                        help="scaled: agents follow the interval the control plane tells them and keep a long "
+                        "poll open; fixed: every --interval seconds, no long poll (the protocol before)")
+    parser.add_argument("--target-rate", type=float, default=None,
+                        help="the control plane's heartbeat_target_rate_per_s (default: its default)")
     parser.add_argument("--data-dir", type=Path, default=None, help="keep the databases here")
     args = parser.parse_args()
     if args.agents != sorted(args.agents):
@@ -141,7 +158,10 @@ def main() -> int:
             s3 = S3Target(s3_server.endpoint, "scale", s3_server.secret_key, "trainyard")
             cp = ControlPlane(pg.url, s3, admin_token=secrets.token_urlsafe(12), join_token=secrets.token_urlsafe(12),
                               log_path=data / "control-plane.log",
-                              env={"TRAINYARD_NODE_LOST_TIMEOUT_S": "30", "TRAINYARD_ATTEMPT_LAUNCH_TIMEOUT_S": "90"})
+                              env={"TRAINYARD_NODE_LOST_TIMEOUT_S": "30", "TRAINYARD_ATTEMPT_LAUNCH_TIMEOUT_S": "120",
+                                   "TRAINYARD_HEARTBEAT_INTERVAL_S": str(args.interval),
+                                   **({"TRAINYARD_HEARTBEAT_TARGET_RATE_PER_S": str(args.target_rate)}
+                                      if args.target_rate else {})})
             say(f"starting the control plane (log: {cp.log_path})")
             cp.start()
             asyncio.run(run(args, cp, s3))

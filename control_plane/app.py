@@ -23,6 +23,7 @@ from control_plane.errors import PROBLEM_JSON, TrainyardError, Unauthorized
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
 from control_plane.settings import Settings
+from control_plane.wakeups import Busy, NodeWakeups
 
 log = structlog.get_logger("trainyard.app")
 
@@ -66,6 +67,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _pool_timeout(request: Request, exc: PoolTimeout) -> JSONResponse:
         log.warning("database connection pool exhausted", path=request.url.path)
         return _busy(request, "no database connection became free in time")
+
+    @app.exception_handler(Busy)
+    async def _too_many_waits(request: Request, exc: Busy) -> JSONResponse:
+        return _busy(request, f"{exc}; retry the long poll later (heartbeats carry on meanwhile)")
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
@@ -158,6 +163,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     factory = make_session_factory(engine)
     store = object_store(settings)
     loops = Loops(factory, settings, store)
+    wakeups = NodeWakeups(settings.database_url, max_waiters=settings.agent_wait_max)
+    wakeups.install(factory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -173,11 +180,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                             skew_s=round(skew.total_seconds(), 3))
         except Exception:
             log.warning("database clock not readable at start; anchoring on the first loop", exc_info=True)
+        await wakeups.start()
         if settings.run_loops:
             loops.start()
         try:
             yield
         finally:
+            await wakeups.stop()
             loops.stop()
             engine.dispose()
 
@@ -191,6 +200,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.session_factory = factory
     app.state.loops = loops
+    app.state.wakeups = wakeups
     app.state.wake_scheduler = loops.wake_scheduler
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)

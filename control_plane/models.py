@@ -87,6 +87,10 @@ class Node(Base):
     )
     heartbeat_seq: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     last_heartbeat_at: Mapped[datetime | None] = _ts()
+    heartbeat_interval_s: Mapped[float | None] = mapped_column(
+        Float, doc="The heartbeat interval its agent was last told (it scales with the cluster); the monitor "
+        "declares the node lost after this plus the configured slack. NULL: heartbeat_interval_s."
+    )
     registered_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
 
     gpus: Mapped[list[Gpu]] = relationship(back_populates="node", order_by="Gpu.index")

@@ -18,8 +18,28 @@ class Settings(BaseSettings):
     admin_token: str = Field("", description="Bearer token of the admin principal. Required.")
     join_token: str = Field("", description="Token agents present to register. Required.")
 
-    heartbeat_interval_s: float = Field(1.0, gt=0, description="How often agents heartbeat.")
-    node_lost_timeout_s: float = Field(10.0, gt=0, description="Missed-heartbeat time before a node is lost.")
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, description="How often agents heartbeat in a small cluster: the shortest interval given out."
+    )
+    node_lost_timeout_s: float = Field(
+        10.0, gt=0, description="Missed-heartbeat time before a node is lost, at heartbeat_interval_s. A node "
+        "told a longer interval gets the same slack on top of it (lost_timeout_for)."
+    )
+    heartbeat_target_rate_per_s: float = Field(
+        40.0, gt=0, description="Heartbeats per second the whole cluster should send to the control plane: "
+        "the interval agents are told grows with the number of nodes to keep to it (interval_for)."
+    )
+    heartbeat_interval_max_s: float = Field(
+        30.0, gt=0, description="The longest interval agents are told, whatever the cluster's size. Long-poll "
+        "wake-ups (POST /v1/agent/wait) bring new work and stop orders sooner."
+    )
+    agent_wait_timeout_s: float = Field(
+        60.0, gt=0, le=120, description="The longest a long-poll wait (POST /v1/agent/wait) stays open without a "
+        "change (agents ask for 25 s, or twice their interval): each wait costs a read when it starts."
+    )
+    agent_wait_max: int = Field(
+        2000, ge=0, description="Long-poll waits one replica holds open at once; more are answered 503."
+    )
     startup_grace_s: float = Field(
         15.0, ge=0, description="After a control-plane start, no node is declared lost for this long."
     )
@@ -83,6 +103,25 @@ class Settings(BaseSettings):
 
         return agent_request_timeout_s(self.heartbeat_interval_s, self.node_lost_timeout_s)
 
+    def interval_for(self, nodes: int) -> float:
+        """The heartbeat interval agents are told in a cluster of ``nodes`` registered nodes: their
+        heartbeats together come at about ``heartbeat_target_rate_per_s``, within
+        [heartbeat_interval_s, heartbeat_interval_max_s]."""
+        wanted = max(0, nodes) / self.heartbeat_target_rate_per_s
+        return round(min(self.heartbeat_interval_max_s, max(self.heartbeat_interval_s, wanted)), 3)
+
+    def lost_timeout_for(self, interval_s: float) -> float:
+        """The node-lost timeout of a node told ``interval_s``: the configured slack
+        (node_lost_timeout_s - heartbeat_interval_s) on top of its interval. The slack, and so the
+        agents' per-try request timeout (agent_request_timeout_s), is the same at every interval, so
+        the nesting checked at start holds for every interval given out."""
+        return max(interval_s, self.heartbeat_interval_s) + self.node_lost_timeout_s - self.heartbeat_interval_s
+
+    @property
+    def node_lost_timeout_max_s(self) -> float:
+        """The longest node-lost timeout any node can get (at heartbeat_interval_max_s)."""
+        return self.lost_timeout_for(self.heartbeat_interval_max_s)
+
     @property
     def pool_timeout_s(self) -> float:
         """The pool wait actually used: a request must be answered (503) before its agent gives up."""
@@ -98,12 +137,22 @@ class Settings(BaseSettings):
                 f"({self.heartbeat_interval_s:g}) plus the agents' retry backoff ({AGENT_BACKOFF_S:g}s): a "
                 "heartbeat and its retries must arrive before the node is declared lost"
             )
+        if self.heartbeat_interval_max_s < self.heartbeat_interval_s:
+            raise ValueError("heartbeat_interval_max_s must not be shorter than heartbeat_interval_s")
         if self.monitor_interval_s >= self.node_lost_timeout_s:
             raise ValueError("monitor_interval_s must be shorter than node_lost_timeout_s")
-        if self.checkpoint_pending_timeout_s <= self.node_lost_timeout_s + self.checkpoint_maintenance_interval_s:
+        # The longest lost timeout a scaled interval gives (lost_timeout_for) must nest too.
+        lost_max = self.node_lost_timeout_max_s
+        if self.checkpoint_pending_timeout_s <= lost_max + self.checkpoint_maintenance_interval_s:
             raise ValueError(
-                "checkpoint_pending_timeout_s must exceed node_lost_timeout_s plus "
-                "checkpoint_maintenance_interval_s: shards of a node whose reports are retried must be awaited"
+                f"checkpoint_pending_timeout_s must exceed the longest node-lost timeout ({lost_max:g}s, at "
+                "heartbeat_interval_max_s) plus checkpoint_maintenance_interval_s: shards of a node whose "
+                "reports are retried must be awaited"
+            )
+        if self.attempt_launch_timeout_s <= lost_max:
+            raise ValueError(
+                f"attempt_launch_timeout_s must exceed the longest node-lost timeout ({lost_max:g}s, at "
+                "heartbeat_interval_max_s): a silent node is declared lost first"
             )
 
     @model_validator(mode="after")
@@ -111,9 +160,6 @@ class Settings(BaseSettings):
         self._check_timeouts()
         if self.rdzv_port_min > self.rdzv_port_max:
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
-        if self.attempt_launch_timeout_s <= self.node_lost_timeout_s:
-            raise ValueError(f"attempt_launch_timeout_s ({self.attempt_launch_timeout_s:g}) must exceed "
-                             f"node_lost_timeout_s ({self.node_lost_timeout_s:g}): a silent node is lost first")
         from control_plane import failpoints
 
         failpoints.configure(self.failpoints)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import re
 import signal
 import threading
@@ -63,6 +64,7 @@ from trainyard.protocol.agent import (
     LogBatch,
     NodeAttemptState,
     RegisterRequest,
+    WaitRequest,
     agent_request_timeout_s,
 )
 
@@ -78,6 +80,16 @@ _LOG_BATCHES_PER_ROUND = 4
 _FINAL_STATES = (NodeAttemptState.exited, NodeAttemptState.stopped)
 _ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned workers of its node
 EXIT_SUPERSEDED = 3
+HEARTBEAT_JITTER = 0.2
+"""A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
+WAIT_TIMEOUT_S = 25.0
+"""How long one long poll (POST /v1/agent/wait) stays open at least; twice the heartbeat interval when
+that is longer (each wait costs the control plane a read when it starts), at most WAIT_TIMEOUT_MAX_S.
+The control plane may cut it shorter (agent_wait_timeout_s)."""
+WAIT_TIMEOUT_MAX_S = 110.0
+RETRY_AFTER_FAILURE_S = 5.0
+"""The longest pause before a failed heartbeat is tried again, whatever the interval."""
+"""A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
 """Exit status of an agent that stopped because another instance registered as its node."""
 
 
@@ -132,7 +144,9 @@ class Agent:
             "supervise": self._supervise_step,
             "report": self._report_step,
             "relay": self._relay_step,
+            "wait": self._wait_step,
         }
+        self._heartbeat_done = threading.Event()  # set after each answered heartbeat
         self._wakes = {name: threading.Event() for name in self._loops}
         self._lifecycle = threading.Lock()
         self._started = False
@@ -381,11 +395,44 @@ class Agent:
             return min(5.0, 0.1 * 2 ** min(self._register_failures, 5))
         except (ControlPlaneUnavailable, RequestRejected) as exc:
             self.log.warning("heartbeat_failed", error=str(exc))
-            return self._heartbeat_interval_s
+            # Not a whole (scaled, perhaps 30 s) interval: after an outage the control plane's startup
+            # grace (15 s) must see this node again before it calls it lost.
+            return min(self._heartbeat_interval_s, RETRY_AFTER_FAILURE_S * random.uniform(0.5, 1.0))
         self._register_failures = 0
+        # The control plane stretches the interval as the cluster grows (its node-lost timeout grows
+        # by as much, so the request timeout set at registration still fits).
         self._heartbeat_interval_s = resp.heartbeat_interval_s
         self._reconcile(resp.assignments, resp.unchanged)
-        return max(0.0, self._heartbeat_interval_s - (time.monotonic() - started))
+        self._heartbeat_done.set()
+        # Jittered (never longer than told): a thousand agents do not stay in step after an outage
+        # or a wake-up that reached many of them at once.
+        period = self._heartbeat_interval_s * random.uniform(1 - HEARTBEAT_JITTER, 1.0)
+        return max(0.0, period - (time.monotonic() - started))
+
+    def _wait_step(self) -> float:
+        """Keep one long poll open; when the control plane says the node's desired state changed (a
+        new attempt, a stop order), heartbeat now rather than at the next interval, which grows with
+        the cluster. Then wait again, with the versions that heartbeat brought."""
+        if not self.registered.is_set() or self._need_register.is_set():
+            return 1.0
+        known = [KnownAssignment(attempt_id=a, version=v) for a, v in sorted(dict(self._versions).items())]
+        try:
+            timeout = min(WAIT_TIMEOUT_MAX_S, max(WAIT_TIMEOUT_S, 2 * self._heartbeat_interval_s))
+            timeout *= random.uniform(1 - HEARTBEAT_JITTER, 1.0)  # waits woken together re-arm spread out
+            resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout))
+        except Unauthorized:
+            self._wake("heartbeat")  # it registers again
+            return 1.0
+        except RequestRejected as exc:  # e.g. a control plane without long polls (404): heartbeats only
+            self.log.info("long_poll_refused", error=str(exc))
+            return 60.0
+        except ControlPlaneUnavailable:
+            return self._heartbeat_interval_s
+        if resp.changed:
+            self._heartbeat_done.clear()
+            self._wake("heartbeat")
+            self._heartbeat_done.wait(self._heartbeat_interval_s)  # the next wait knows its answer
+        return 0.0
 
     def _alive_attempts(self) -> list[str]:
         """Attempts with processes on this node: ours, and orphans still being stopped."""

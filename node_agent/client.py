@@ -34,6 +34,8 @@ from trainyard.protocol.agent import (
     RegisterResponse,
     ShardAck,
     ShardReport,
+    WaitRequest,
+    WaitResponse,
     WorkerEventAck,
     WorkerEventBatch,
 )
@@ -208,6 +210,12 @@ class ControlPlaneClient:
     def heartbeat(self, request: HeartbeatRequest) -> HeartbeatResponse:
         return self._post("/heartbeat", request, HeartbeatResponse, token=self.node_token,
                           timeout=self.heartbeat_timeout)
+
+    def wait(self, request: WaitRequest) -> WaitResponse:
+        """The long poll: answered when the node's desired state changes, or after ``timeout_s``."""
+        held = (request.timeout_s or 30.0) + 10.0
+        return self._post("/wait", request, WaitResponse, token=self.node_token,
+                          timeout=httpx.Timeout(held, connect=min(held, 3.0)))
 
     def report_status(self, attempt_id: str, report: AttemptStatusReport) -> AttemptStatusAck:
         return self._post(f"/attempts/{attempt_id}/status", report, AttemptStatusAck, token=self.node_token)

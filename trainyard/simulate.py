@@ -151,6 +151,14 @@ class SimAgent:
         self.arrivals: dict[str, float] = {}  # attempt id -> when its full spec first arrived
         self.samples: list[Sample] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.interval_s = fleet.interval_s
+        """What the control plane told this agent (``fleet.follow_interval``), else the fleet's."""
+        self.woken = asyncio.Event()  # set by the long poll: heartbeat now
+        self.beat = asyncio.Event()  # set after each answered heartbeat
+        # Clients shared by a few agents each: one pool of thousands of connections costs the
+        # simulator more CPU per request than the control plane spends answering it (httpcore).
+        self.http = fleet.client(index, "requests")
+        self.wait_http = fleet.client(index, "waits")
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
@@ -164,6 +172,8 @@ class SimAgent:
         r.raise_for_status()
         reg = r.json()
         self.token, self.storage = reg["node_token"], reg.get("storage", {})
+        if self.fleet.follow_interval:
+            self.interval_s = float(reg.get("heartbeat_interval_s") or self.interval_s)
 
     async def heartbeat(self) -> dict[str, Any]:
         self.seq += 1
@@ -172,7 +182,7 @@ class SimAgent:
         if not self.legacy:
             body["known"] = [{"attempt_id": a, "version": v} for a, v in self.held.items()]
         t0 = time.perf_counter()
-        r = await self.fleet.http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers())
+        r = await self.http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers())
         latency = time.perf_counter() - t0
         if r.status_code >= 500:
             self.fleet.server_errors.append(f"{self.name} heartbeat: HTTP {r.status_code}")
@@ -181,8 +191,44 @@ class SimAgent:
         resp: dict[str, Any] = r.json()
         self.samples.append(Sample(time.monotonic(), latency, len(r.content), len(resp["assignments"]),
                                    self.fleet.phase))
+        if self.fleet.follow_interval:
+            self.interval_s = float(resp.get("heartbeat_interval_s") or self.interval_s)
         self._reconcile(resp)
+        self.beat.set()
         return resp
+
+    async def wait_loop(self, stop: asyncio.Event) -> None:
+        """The real agent's long poll (node_agent/agent.py _wait_step): a 'changed' answer wakes the
+        heartbeat loop, and the next wait starts once that heartbeat brought the new versions."""
+        await asyncio.sleep(random.uniform(0, 1.0))
+        first = True  # agents registered together: their first waits end spread out, as if started apart
+        while not stop.is_set():
+            timeout = min(110.0, max(self.fleet.wait_timeout_s, 2 * self.interval_s))  # as the real agent
+            timeout *= random.uniform(0.1, 1.0) if first else random.uniform(0.8, 1.0)
+            first = False
+            body = {"known": [{"attempt_id": a, "version": v} for a, v in self.held.items()], "timeout_s": timeout}
+            try:
+                r = await self.wait_http.post(f"{AGENT}/wait", json=body, headers=self._headers(),
+                                              timeout=timeout + 30)
+            except httpx.TransportError as exc:
+                self.fleet.server_errors.append(f"{self.name} wait: {type(exc).__name__}")
+                await asyncio.sleep(self.interval_s)
+                continue
+            self.fleet.waits += 1
+            if r.status_code >= 500:
+                if r.status_code != 503:
+                    self.fleet.server_errors.append(f"{self.name} wait: HTTP {r.status_code}")
+                await asyncio.sleep(self.interval_s * random.uniform(0.5, 1.0))
+                continue
+            if r.status_code >= 400:
+                self.fleet.errors.append(f"{self.name} wait: HTTP {r.status_code} {r.text[:200]}")
+                await asyncio.sleep(self.interval_s)
+                continue
+            if r.json()["changed"]:
+                self.beat.clear()
+                self.woken.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.beat.wait(), self.interval_s + 5.0)
 
     def _reconcile(self, resp: dict[str, Any]) -> None:
         full = resp["assignments"]
@@ -215,7 +261,7 @@ class SimAgent:
         reports make that safe) and counted in ``fleet.server_errors``; any other answer is returned."""
         for attempt in range(20):
             try:
-                r = await self.fleet.http.post(path, json=body, headers=self._headers(), timeout=timeout)
+                r = await self.http.post(path, json=body, headers=self._headers(), timeout=timeout)
             except httpx.TransportError as exc:
                 self.fleet.server_errors.append(f"{self.name} {path}: {type(exc).__name__}")
             else:
@@ -245,10 +291,12 @@ class SimAgent:
             return
         run.alive = False
         await self.status(run, "stopped", workers=run.workers("exited", -15))
+        self.woken.set()  # the real agent heartbeats at once when an attempt's last process is gone
 
     async def fail(self, run: SimRun, *, local_rank: int = 0, exit_code: int = 1) -> None:
         """One rank exits with ``exit_code``; torchrun stops the others and exits with 1."""
         run.alive = False
+        self.woken.set()
         await self.status(run, "exited", exit_code=1,
                           workers=run.workers("exited", failed_local=local_rank, failed_code=exit_code))
 
@@ -262,30 +310,45 @@ class SimAgent:
         return ack
 
     async def loop(self, stop: asyncio.Event) -> None:
-        interval = self.fleet.interval_s
-        await asyncio.sleep(random.uniform(0, interval))  # agents that start together spread out
+        await asyncio.sleep(random.uniform(0, self.interval_s))  # agents that start together spread out
         while not stop.is_set():
             started = time.monotonic()
+            self.woken.clear()
             try:
                 await self.heartbeat()
             except httpx.TransportError as exc:
                 self.fleet.server_errors.append(f"{self.name} heartbeat: {type(exc).__name__}")
             except httpx.HTTPError as exc:
                 self.fleet.errors.append(f"{self.name}: {type(exc).__name__}: {exc}")
-            wait = max(0.0, interval - (time.monotonic() - started))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
+            # Jittered like the real agent's (node_agent/agent.py HEARTBEAT_JITTER).
+            period = self.interval_s * (random.uniform(0.8, 1.0) if self.fleet.follow_interval else 1.0)
+            wait = max(0.0, period - (time.monotonic() - started))
+            stopped, woken = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.woken.wait())
+            await asyncio.wait({stopped, woken}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            woken.cancel()
 
 
 class Fleet:
     """N simulated agents on one shared HTTP client, heartbeating concurrently until ``close()``."""
 
-    def __init__(self, cp: ControlPlane, s3: S3Target, *, gpus_per_node: int = 8, interval_s: float = 1.0) -> None:
+    def __init__(self, cp: ControlPlane, s3: S3Target, *, gpus_per_node: int = 8, interval_s: float = 1.0,
+                 follow_interval: bool = True, long_poll: bool = True, wait_timeout_s: float = 25.0) -> None:
+        """``follow_interval``: each agent heartbeats at the interval the control plane tells it
+        (it grows with the fleet), else every ``interval_s``; ``long_poll``: each agent keeps a
+        ``POST /v1/agent/wait`` open and heartbeats when it returns 'changed'. Both off: the
+        protocol before the long poll (a fixed interval)."""
         self.cp, self.s3 = cp, s3
         self.gpus_per_node = gpus_per_node
         self.interval_s = interval_s
+        self.follow_interval = follow_interval
+        self.long_poll = long_poll
+        self.wait_timeout_s = wait_timeout_s
+        self.waits = 0
+        """Long polls answered."""
         self.http = httpx.AsyncClient(base_url=cp.url, timeout=60.0,
                                       limits=httpx.Limits(max_connections=4000, max_keepalive_connections=4000))
+        self._clients: dict[tuple[int, str], httpx.AsyncClient] = {}
         self.admin = {"Authorization": f"Bearer {cp.admin_token}"}
         self.agents: list[SimAgent] = []
         self.phase = "start"
@@ -298,6 +361,15 @@ class Fleet:
         self._pool = ThreadPoolExecutor(16)
         self._s3 = s3.client()
 
+    AGENTS_PER_CLIENT = 32
+
+    def client(self, index: int, kind: str) -> httpx.AsyncClient:
+        key = (index // self.AGENTS_PER_CLIENT, kind)
+        if key not in self._clients:
+            self._clients[key] = httpx.AsyncClient(base_url=self.cp.url, timeout=60.0, limits=httpx.Limits(
+                max_connections=self.AGENTS_PER_CLIENT * 2, max_keepalive_connections=self.AGENTS_PER_CLIENT * 2))
+        return self._clients[key]
+
     async def grow(self, n: int) -> None:
         """Register agents up to ``n`` in all and start their heartbeat loops."""
         new = [SimAgent(self, i, self.gpus_per_node) for i in range(len(self.agents), n)]
@@ -305,6 +377,11 @@ class Fleet:
             await asyncio.gather(*(a.register() for a in new[chunk:chunk + 50]))
         self.agents += new
         self._loops += [asyncio.ensure_future(a.loop(self._stop)) for a in new]
+        if self.long_poll:
+            self._loops += [asyncio.ensure_future(a.wait_loop(self._stop)) for a in new]
+
+    def longest_interval(self) -> float:
+        return max([a.interval_s for a in self.agents] or [self.interval_s])
 
     async def close(self) -> None:
         self._stop.set()
@@ -315,6 +392,8 @@ class Fleet:
                 pending.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         await self.http.aclose()
+        for client in self._clients.values():
+            await client.aclose()
         self._pool.shutdown(wait=False)
 
     async def measure(self, phase: str, seconds: float) -> list[Sample]:
@@ -468,7 +547,7 @@ async def job_scenario(fleet: Fleet, ranks: int, *, window_s: float = 3.0, args_
     parts = await fleet.wait_parts(job["id"], 1, num_nodes)
     say(f"{ranks} ranks: attempt 1 held by {num_nodes} nodes")
     agents = [a for a, _ in parts]
-    await asyncio.sleep(fleet.interval_s * 1.5)  # every node has sent a heartbeat with `known` since
+    await asyncio.sleep(fleet.longest_interval() * 1.5)  # every node has sent a heartbeat with `known` since
     figures.first_bytes = max(_sizes(agents, t_submit, full=True), default=0)
     await fleet.measure(f"steady-{ranks}", window_s)
     figures.steady_bytes = max(_sizes(agents, t_submit, full=False, phase=f"steady-{ranks}"), default=0)
@@ -495,7 +574,7 @@ async def job_scenario(fleet: Fleet, ranks: int, *, window_s: float = 3.0, args_
     figures.extra["recovered_attempt"] = new[0][1].spec["attempt_number"]
     figures.extra["recovered_nodes"] = len(new)
     figures.extra["restore_from"] = new[0][1].spec.get("restore_from")
-    await asyncio.sleep(fleet.interval_s * 1.5)
+    await asyncio.sleep(fleet.longest_interval() * 1.5)
     figures.recovered_first_bytes = max(_sizes([a for a, _ in new], t_fail, full=True), default=0)
     await fleet.cancel(job["id"])
 

@@ -8,9 +8,18 @@ import uuid
 
 from fastapi import APIRouter
 
-from control_plane.api.deps import JoinDep, NodeIdentity, RuntimeDep, SessionDep, SettingsDep, TransactionRoute
+from control_plane.api.deps import (
+    Credentials,
+    JoinDep,
+    NodeIdentity,
+    RuntimeDep,
+    SessionDep,
+    SettingsDep,
+    TransactionRoute,
+)
 from control_plane.api.jobs import ERRORS
-from control_plane.services import agent_protocol, logs
+from control_plane.errors import Unauthorized
+from control_plane.services import agent_protocol, logs, nodes
 from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
@@ -23,6 +32,8 @@ from trainyard.protocol.agent import (
     RegisterResponse,
     ShardAck,
     ShardReport,
+    WaitRequest,
+    WaitResponse,
     WorkerEventAck,
     WorkerEventBatch,
 )
@@ -33,10 +44,10 @@ router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=Transact
 @router.post("/register", response_model=RegisterResponse, responses=ERRORS)
 def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, _: JoinDep,
              runtime: RuntimeDep) -> RegisterResponse:
-    node, token = agent_protocol.register(session, body, runtime)
+    node, token, interval = agent_protocol.register(session, body, runtime, settings)
     return RegisterResponse(node_id=str(node.id), node_token=token,
-                            heartbeat_interval_s=settings.heartbeat_interval_s,
-                            node_lost_timeout_s=settings.node_lost_timeout_s,
+                            heartbeat_interval_s=interval,
+                            node_lost_timeout_s=settings.lost_timeout_for(interval),
                             agent_instance=node.agent_instance, agent_epoch=node.agent_epoch,
                             storage=runtime.worker_storage)
 
@@ -44,9 +55,24 @@ def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, 
 @router.post("/heartbeat", response_model=HeartbeatResponse, responses=ERRORS)
 def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, settings: SettingsDep,
               runtime: RuntimeDep) -> HeartbeatResponse:
-    answer = agent_protocol.heartbeat_and_schedule(session, node, body, runtime.worker_storage, runtime)
+    answer = agent_protocol.heartbeat_and_schedule(session, node, body, runtime.worker_storage, runtime, settings)
     return HeartbeatResponse(node_id=str(node.id), node_state=answer.node_state, assignments=answer.assignments,
-                             unchanged=answer.unchanged, heartbeat_interval_s=settings.heartbeat_interval_s)
+                             unchanged=answer.unchanged, heartbeat_interval_s=answer.heartbeat_interval_s)
+
+
+@router.post("/wait", response_model=WaitResponse, responses=ERRORS)
+async def wait(body: WaitRequest, creds: Credentials, settings: SettingsDep, runtime: RuntimeDep) -> WaitResponse:
+    """Long poll (trainyard/protocol/agent.py): holds no thread and no database connection while it
+    waits."""
+    token = creds.credentials if creds is not None else ""
+    node_id = nodes.node_id_of(token)
+    if node_id is None:
+        raise Unauthorized("missing or malformed node credential: send 'Authorization: Bearer <node token>'")
+    timeout = min(body.timeout_s or settings.agent_wait_timeout_s, settings.agent_wait_timeout_s)
+    factory = runtime.session_factory
+    changed = await runtime.wakeups.wait(
+        node_id, lambda: nodes.desired_changed(factory, token, node_id, body.known), timeout)
+    return WaitResponse(changed=changed)
 
 
 @router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)

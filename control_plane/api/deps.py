@@ -44,6 +44,8 @@ class Runtime:
     """What workers get to reach checkpoint storage (app.worker_storage)."""
     session_factory: sessionmaker[Session]
     engine: Engine
+    wakeups: Any = None
+    """control_plane.wakeups.NodeWakeups: the agents' long polls (app.wakeups)."""
 
     def wake_scheduler(self) -> None:
         self.loops.wake_scheduler()
@@ -57,7 +59,7 @@ def get_runtime(request: Request) -> Runtime:
     state = request.app.state
     return Runtime(loops=state.loops, run_loops=state.settings.run_loops, object_store=state.object_store,
                    worker_storage=dict(state.worker_storage or {}), session_factory=state.session_factory,
-                   engine=state.engine)
+                   engine=state.engine, wakeups=getattr(state, "wakeups", None))
 
 
 def get_session(request: Request) -> Iterator[Session]:

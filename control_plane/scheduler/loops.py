@@ -91,7 +91,8 @@ class Loops:
                 clock.maybe_anchor(bind)  # liveness compares instants other replicas wrote
             with session_scope(self._factory) as session:
                 lost = nodes.mark_lost_nodes(
-                    session, timeout_s=self._settings.node_lost_timeout_s, not_before=self._not_before
+                    session, timeout_s=self._settings.node_lost_timeout_s, not_before=self._not_before,
+                    interval_s=self._settings.heartbeat_interval_s,  # a node told longer waits longer
                 )
             unlaunched: list[object] = []
             if now() >= self._not_before:  # agents get the same grace to report a launch

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane import failpoints
 from control_plane.models import Attempt, AttemptNode, Node
 from control_plane.services import attempts, checkpoints, nodes
+from control_plane.settings import Settings
 from trainyard.protocol.agent import (
     AssignmentRef,
     AttemptStatusReport,
@@ -38,11 +39,15 @@ class Wakeups(Protocol):
         loops; True if it placed something."""
 
 
-def register(session: Session, req: RegisterRequest, wakeups: Wakeups) -> tuple[Node, str]:
-    """A (re-)registration; its GPUs may admit waiting jobs."""
+def register(session: Session, req: RegisterRequest, wakeups: Wakeups,
+             settings: Settings) -> tuple[Node, str, float]:
+    """A (re-)registration; its GPUs may admit waiting jobs. Returns the node, its credential and the
+    heartbeat interval to tell its agent (nodes.tell_interval)."""
     node, token = nodes.register(session, req)  # commits
+    interval = nodes.tell_interval(session, node, settings)
+    session.commit()
     wakeups.wake_scheduler()
-    return node, token
+    return node, token, interval
 
 
 @dataclass(frozen=True)
@@ -50,10 +55,12 @@ class HeartbeatAnswer:
     node_state: str
     assignments: list[LaunchSpec]
     unchanged: list[AssignmentRef]
+    heartbeat_interval_s: float
 
 
 def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
-                           storage: dict[str, object] | None, wakeups: Wakeups) -> HeartbeatAnswer:
+                           storage: dict[str, object] | None, wakeups: Wakeups,
+                           settings: Settings) -> HeartbeatAnswer:
     """Record a heartbeat and answer with the node's desired attempts.
 
     When the heartbeat released GPUs (perhaps the last ones a recovering job waits for), a
@@ -61,6 +68,7 @@ def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
     than leaving it to the next heartbeat: that is a heartbeat interval off every recovery."""
     released_before = _released(session)
     specs = nodes.heartbeat(session, node, req, storage)
+    interval = nodes.tell_interval(session, node, settings)
     state = node.state
     released = _released(session) != released_before
     if not released:
@@ -76,7 +84,7 @@ def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
         else:
             wakeups.wake_scheduler()
     full, unchanged = nodes.for_agent(specs, req.known)
-    return HeartbeatAnswer(node_state=state, assignments=full, unchanged=unchanged)
+    return HeartbeatAnswer(node_state=state, assignments=full, unchanged=unchanged, heartbeat_interval_s=interval)
 
 
 def _released(session: Session) -> int:

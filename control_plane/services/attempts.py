@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
+from control_plane import wakeups
 from control_plane.clock import now
 from control_plane.db import reload, rowcount
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
@@ -117,6 +118,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
             ]
     session.execute(insert(Attempt), attempt_rows)
     session.execute(insert(AttemptNode), part_rows)
+    wakeups.notify_nodes(session, {row["node_id"] for row in part_rows})  # wake their long polls
     session.execute(insert(GpuLease), lease_rows)
     for (job, placement, port), row in zip(allocations, attempt_rows, strict=True):
         number, attempt_id = row["number"], row["id"]
@@ -150,9 +152,11 @@ def end_attempt(session: Session, attempt: Attempt, *, outcome: str, reason: str
     attempt.end_reason = reason
     if outcome != "succeeded":
         attempt.failed_at = now()
-    session.execute(
+    stopped = session.scalars(
         update(AttemptNode).where(AttemptNode.attempt_id == attempt.id).values(desired="stop")
-    )
+        .returning(AttemptNode.node_id)
+    ).all()
+    wakeups.notify_nodes(session, stopped)  # their agents learn of the stop now, not at a heartbeat
     set_attempt_state(session, attempt, "stopping", reason, kind=f"attempt.{outcome}")
     return True
 

@@ -7,8 +7,8 @@ import secrets
 import uuid
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import func, literal, select
+from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import now
 from control_plane.db import reload
@@ -18,6 +18,7 @@ from control_plane.services import attempts, events
 from control_plane.services.fencing import lock_attempt
 from control_plane.services.locks import lock_node
 from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
+from control_plane.settings import Settings
 from trainyard.protocol.agent import (
     AssignmentRef,
     HeartbeatRequest,
@@ -269,8 +270,55 @@ def for_agent(
     return full, refs
 
 
-def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime) -> list[Node]:
+def registered_nodes(session: Session) -> int:
+    """Nodes whose agents heartbeat (or should): every node not removed."""
+    return int(session.scalar(select(func.count()).select_from(Node).where(Node.state != "removed")) or 0)
+
+
+def tell_interval(session: Session, node: Node, settings: Settings) -> float:
+    """The heartbeat interval to tell this node's agent now (it grows with the cluster, see
+    Settings.interval_for), recorded on the node so that every replica's monitor gives the node the
+    lost timeout of the interval it was told (mark_lost_nodes). Part of the caller's transaction."""
+    interval = settings.interval_for(registered_nodes(session))
+    told = interval if interval != settings.heartbeat_interval_s else None
+    if node.heartbeat_interval_s != told:
+        node.heartbeat_interval_s = told
+    return interval
+
+
+def node_id_of(token: str) -> str | None:
+    """The node a credential names (``_node_token``), unverified: a long poll registers its wait under
+    it before ``desired_changed`` authenticates it."""
+    try:
+        return str(uuid.UUID(hex=token.removeprefix("tyn_").split(".", 1)[0]))
+    except ValueError:
+        return None
+
+
+def desired_changed(factory: sessionmaker[Session], token: str, node_id: str,
+                    known: list[KnownAssignment]) -> bool:
+    """Authenticate a long poll (``POST /v1/agent/wait``) and say whether the node's desired state
+    differs from the specs its agent holds (``known``): a new or changed assignment, or a stop. In
+    its own short transaction, so the wait that follows holds no connection."""
+    session = factory()
+    try:
+        node = authenticate(session, token)
+        if str(node.id) != node_id:
+            raise Unauthorized("unknown node credential; register the agent again")
+        full, refs = for_agent(assignments(session, node, None), known)
+        return bool(full) or any(ref.desired == "stop" for ref in refs)
+    finally:
+        session.rollback()
+        session.close()
+
+
+def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
+                    interval_s: float | None = None) -> list[Node]:
     """Declare nodes lost after missed heartbeats and fail the attempts running on them.
+
+    ``timeout_s`` is the lost timeout at the base interval ``interval_s``; a node told a longer
+    interval (``Node.heartbeat_interval_s``, tell_interval) gets that much longer. Without
+    ``interval_s`` every node gets ``timeout_s``.
 
     Their leases stay held: the GPUs are not given to anyone until the agent comes back and
     confirms its stale workers are stopped, or an operator removes the node.
@@ -279,16 +327,21 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime)
     if t < not_before:
         return []
     cutoff = t - timedelta(seconds=timeout_s)
+    stmt = select(Node).where(Node.state == "ready", Node.last_heartbeat_at < cutoff)
+    if interval_s is not None:
+        extra = func.greatest(0.0, func.coalesce(Node.heartbeat_interval_s, interval_s) - interval_s)
+        stmt = stmt.where(Node.last_heartbeat_at < literal(t) - func.make_interval(
+            0, 0, 0, 0, 0, 0, literal(timeout_s) + extra))
     lost = session.scalars(
-        select(Node)
-        .where(Node.state == "ready", Node.last_heartbeat_at < cutoff)
-        .order_by(Node.id)
+        stmt.order_by(Node.id)
         .with_for_update(key_share=True, skip_locked=True)
         .execution_options(populate_existing=True)
     ).all()
     work: list[tuple[uuid.UUID, uuid.UUID, Node]] = []  # (job, attempt, node): locked in that order
     for node in lost:
-        set_node_state(session, node, "lost", f"node {node.name} missed heartbeats for {timeout_s:g}s",
+        told = node.heartbeat_interval_s if interval_s is not None else None
+        waited = timeout_s + max(0.0, (told or 0.0) - (interval_s or 0.0)) if told else timeout_s
+        set_node_state(session, node, "lost", f"node {node.name} missed heartbeats for {waited:g}s",
                        kind="node.lost")
         work += [(job_id, attempt_id, node) for attempt_id, job_id in session.execute(
             select(Attempt.id, Attempt.job_id)

@@ -30,8 +30,8 @@ def test_64_agents_256_ranks_checkpoint_failure_recovery(tmp_path: Path, fresh_d
     s3 = S3Target(s3_bucket.endpoint, s3_bucket.access_key, s3_bucket.secret_key, s3_bucket.bucket)
     cp = ControlPlane(fresh_database_url, s3, admin_token=secrets.token_urlsafe(12),
                       join_token=secrets.token_urlsafe(12), log_path=tmp_path / "control-plane.log",
-                      # A loaded test machine loses nobody; the launch timeout stays above the lost one.
-                      env={"TRAINYARD_NODE_LOST_TIMEOUT_S": "60", "TRAINYARD_ATTEMPT_LAUNCH_TIMEOUT_S": "120"})
+                      env={"TRAINYARD_NODE_LOST_TIMEOUT_S": "60",  # a loaded test machine loses nobody
+                           "TRAINYARD_ATTEMPT_LAUNCH_TIMEOUT_S": "120"})
     cp.start()
     try:
         small, big, fleet = asyncio.run(_run(cp, s3))

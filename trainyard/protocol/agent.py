@@ -19,6 +19,11 @@ Endpoints (all under /v1/agent, JSON bodies):
     for new or changed assignments and a compact reference (id, desired, version) for the rest,
     so a steady-state heartbeat is small whatever the job's size. Storage credentials come once,
     in the RegisterResponse, not in every spec.
+- ``POST /v1/agent/wait``  (node token)
+    WaitRequest -> WaitResponse: a long poll that returns when the node's desired state changes
+    (or after about 25 s); the agent then heartbeats at once. 503 with Retry-After when the replica
+    holds too many waits. So the heartbeat interval, which grows with the cluster
+    (HeartbeatResponse.heartbeat_interval_s), does not delay new work or stop orders.
 - ``POST /v1/agent/attempts/{attempt_id}/status``  (node token)
     AttemptStatusReport -> AttemptStatusAck, or 409 problem+json when the attempt is stale
     (not the job's current attempt, or the fencing token does not match). Level-triggered: the
@@ -233,6 +238,20 @@ class HeartbeatResponse(_Wire):
         description="The agent's known specs that are unchanged: 'run' (still assigned) or 'stop'.",
     )
     heartbeat_interval_s: float
+
+
+class WaitRequest(_Wire):
+    """``POST /v1/agent/wait``: a long poll. Answered as soon as the node's desired state differs
+    from ``known`` (a new or changed assignment, a stop order), or after ``timeout_s`` (at most the
+    control plane's ``agent_wait_timeout_s``) with ``changed`` false. The agent heartbeats at once
+    when ``changed``; either way it then waits again."""
+
+    known: list[KnownAssignment] = Field(default_factory=list, max_length=1024)
+    timeout_s: float | None = Field(default=None, gt=0, le=120)
+
+
+class WaitResponse(_Wire):
+    changed: bool = Field(description="The node's desired state changed (or may have): heartbeat now.")
 
 
 class WorkerState(StrEnum):

@@ -1,0 +1,167 @@
+"""Long-poll wake-ups of node agents (``POST /v1/agent/wait``, docs/architecture.md "Heartbeats").
+
+A change to a node's desired state (a new attempt part, a stop order) sends
+``NOTIFY trainyard_node, '<node id>'`` in the transaction that makes it (``notify_nodes``), so the
+wake-up is delivered if and only if the change commits. Each replica listens on one PostgreSQL
+connection (``NodeWakeups.run``, an asyncio task; psycopg 3 async) and sets the asyncio events of
+the waits it holds for that node; a change committed by this replica also wakes its own waits at
+once, without the round trip (``install``: an ``after_commit`` hook). A waiting request holds no
+thread and no database connection: only an event.
+
+No module of the web framework is imported here: services call ``notify_nodes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import anyio.to_thread
+import structlog
+from sqlalchemy import event, text
+from sqlalchemy.orm import Session, sessionmaker
+
+log = structlog.get_logger("trainyard.wakeups")
+
+CHANNEL = "trainyard_node"
+_PENDING = "wake_nodes"  # session.info key: nodes to wake locally once the transaction commits
+
+
+def notify_nodes(session: Session, node_ids: Iterable[uuid.UUID | str]) -> None:
+    """Wake the agents of these nodes once the session's transaction commits (on every replica)."""
+    ids = sorted({str(n) for n in node_ids})
+    if not ids:
+        return
+    # One statement for all of them; PostgreSQL delivers each payload once per committed transaction.
+    session.execute(text("SELECT pg_notify(:channel, n) FROM unnest(CAST(:ids AS text[])) AS n"),
+                    {"channel": CHANNEL, "ids": ids})
+    session.info.setdefault(_PENDING, set()).update(ids)
+
+
+class Busy(Exception):
+    """This replica holds as many waits as it may (``agent_wait_max``)."""
+
+
+class NodeWakeups:
+    """The waits one replica holds, by node, and the listener that wakes them."""
+
+    def __init__(self, database_url: str, *, max_waiters: int) -> None:
+        self._url = database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+        self.max_waiters = max_waiters
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._count = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def waiting(self) -> int:
+        return self._count
+
+    # -- waits (the event loop's thread only) --
+
+    def add(self, node_id: str) -> asyncio.Event:
+        """Register a wait before reading the node's state, so no change between the read and the
+        wait is missed. Raises Busy beyond ``max_waiters``."""
+        if self._count >= self.max_waiters:
+            raise Busy(f"{self._count} agents already wait on this replica")
+        ev = asyncio.Event()
+        self._waiters.setdefault(node_id, set()).add(ev)
+        self._count += 1
+        return ev
+
+    def remove(self, node_id: str, ev: asyncio.Event) -> None:
+        waiters = self._waiters.get(node_id)
+        if waiters is not None and ev in waiters:
+            waiters.discard(ev)
+            self._count -= 1
+            if not waiters:
+                del self._waiters[node_id]
+
+    async def wait(self, node_id: str, changed: Callable[[], bool], timeout_s: float) -> bool:
+        """A long poll: True as soon as the node's desired state changed (``changed()``, run in a
+        worker thread, reads it once, after the wait is registered), False after ``timeout_s``."""
+        ev = self.add(node_id)
+        try:
+            if await anyio.to_thread.run_sync(changed):
+                return True
+            try:
+                await asyncio.wait_for(ev.wait(), timeout_s)
+            except TimeoutError:
+                return False
+            return True
+        finally:
+            self.remove(node_id, ev)
+
+    def _fire(self, node_ids: Iterable[str]) -> None:
+        for node_id in node_ids:
+            for ev in self._waiters.get(node_id, ()):
+                ev.set()
+
+    def _fire_all(self) -> None:
+        self._fire(list(self._waiters))
+
+    # -- wake-ups (any thread) --
+
+    def wake_local(self, node_ids: Iterable[str]) -> None:
+        """Wake this replica's waits for these nodes (thread-safe)."""
+        ids = list(node_ids)
+        loop = self._loop
+        if ids and loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._fire, ids)
+
+    def install(self, factory: sessionmaker[Session]) -> None:
+        """Wake local waits after a commit that notified (``notify_nodes``), without the listener."""
+
+        def after_commit(session: Session) -> None:
+            ids = session.info.pop(_PENDING, None)
+            if ids:
+                self.wake_local(ids)
+
+        def after_rollback(session: Session) -> None:
+            session.info.pop(_PENDING, None)
+
+        event.listen(factory, "after_commit", after_commit)
+        event.listen(factory, "after_rollback", after_rollback)
+
+    # -- the listener --
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self.run(), name="trainyard-wakeups")
+
+    async def stop(self) -> None:
+        self._fire_all()  # every wait answers now ("nothing changed")
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    async def run(self) -> None:
+        """LISTEN on one connection, for as long as the replica runs; reconnect after a failure.
+        After a (re)connect every wait is woken: a NOTIFY sent while not listening is not replayed,
+        and a wait that returns "maybe changed" costs one heartbeat."""
+        import psycopg
+
+        backoff = 0.5
+        while True:
+            try:
+                conn: Any = await psycopg.AsyncConnection.connect(self._url, autocommit=True, connect_timeout=5)
+                try:
+                    await conn.execute(f"LISTEN {CHANNEL}")
+                    backoff = 0.5
+                    self._fire_all()
+                    async for note in conn.notifies():
+                        self._fire((note.payload,))
+                finally:
+                    await conn.close()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the database went away: waits time out or are woken on return
+                log.warning("wake-up listener lost its connection; reconnecting", error=str(exc), retry_in_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(10.0, backoff * 2)
