@@ -66,7 +66,7 @@ def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
     When the heartbeat released GPUs (perhaps the last ones a recovering job waits for), a
     scheduling pass runs now, in its own transaction, and the answer carries its result rather
     than leaving it to the next heartbeat: that is a heartbeat interval off every recovery."""
-    released_before = _released(session)
+    released_before, ended_before = _released(session), _ended(session)
     specs = nodes.heartbeat(session, node, req, storage)
     interval = nodes.tell_interval(session, node, settings)
     state = node.state
@@ -76,19 +76,26 @@ def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
         # crash loses nothing the next heartbeat does not say again, so don't wait for the WAL flush.
         # At 1 heartbeat/s per node that flush was half of a heartbeat's cost (bench/scale.py).
         session.execute(text("SET LOCAL synchronous_commit = off"))
+    ended = _ended(session) != ended_before
     session.commit()
-    if released:
-        if wakeups.schedule_now():
-            specs = nodes.assignments(session, node, storage)
-            session.commit()
-        else:
-            wakeups.wake_scheduler()
+    if ended and wakeups.schedule_now():
+        specs = nodes.assignments(session, node, storage)
+        session.commit()
+    elif released:
+        # One node of a larger gang gave its GPUs back: the scheduler loop places what now fits
+        # (one pass for many such heartbeats). A pass in every releasing heartbeat's thread made
+        # the 128 heartbeats of a 1,024-rank recovery queue behind each other's passes (bench/scale.py).
+        wakeups.wake_scheduler()
     full, unchanged = nodes.for_agent(specs, req.known)
     return HeartbeatAnswer(node_state=state, assignments=full, unchanged=unchanged, heartbeat_interval_s=interval)
 
 
 def _released(session: Session) -> int:
     return int(session.info.get("released", 0))  # counted by attempts.release_part
+
+
+def _ended(session: Session) -> int:
+    return int(session.info.get("attempts_ended", 0))  # counted by attempts.finish_if_released
 
 
 def report_status(session: Session, node: Node, attempt_id: uuid.UUID,

@@ -285,6 +285,8 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
     held = [p for p in parts if p.released_at is None]
     if not held and attempt.state != "ended":
         set_attempt_state(session, attempt, "ended", f"attempt {attempt.number}: every node released its GPUs")
+        # The whole gang is free: the caller may schedule at once (agent_protocol.heartbeat_and_schedule).
+        session.info["attempts_ended"] = session.info.get("attempts_ended", 0) + 1
     if job.state != "cancelling":
         return
     if not held:
