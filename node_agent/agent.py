@@ -28,6 +28,7 @@ import json
 import math
 import random
 import re
+import shutil
 import signal
 import threading
 import time
@@ -477,6 +478,13 @@ class Agent:
                 f"invalid shape: node_rank {spec.node_rank} of {spec.nnodes} nodes, "
                 f"{spec.nproc_per_node} processes per node"
             )
+        try:
+            free = shutil.disk_usage(self.config.work_dir).free
+        except OSError as exc:
+            return f"the work dir {self.config.work_dir} cannot be read: {exc}"
+        if free < self.config.min_free_mb * 2**20:
+            return (f"no space left on device: the work dir {self.config.work_dir} has {free // 2**20} MiB free, "
+                    f"an attempt needs at least {self.config.min_free_mb} MiB (logs, rank status, state)")
         return None
 
     def _launch(self, spec: LaunchSpec) -> None:

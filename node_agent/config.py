@@ -40,6 +40,10 @@ class AgentConfig:
     """How long torchrun waits for the other nodes of an attempt to join its rendezvous."""
     http_timeout_s: float = 10.0
     """Timeout of one control-plane request."""
+    min_free_mb: int = 64
+    """An attempt is not started when its work dir's file system has less free space than this: its
+    logs, rank status files and state could not be written, and it would fail later with a reason
+    nobody can read. It fails at once instead, saying the disk is full."""
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir)

@@ -89,5 +89,5 @@ def test_a_heartbeat_that_frees_the_gpus_answers_with_the_pass_result(app, clien
     assert a.heartbeat([])["assignments"] == []  # half the gang's GPUs: nothing fits yet
     answer = b.heartbeat([])  # the last ones: the pass runs in this request
     assert [s["job_id"] for s in answer["assignments"]] == [second["id"]]
-    assert len(passes) == 2
+    assert len(passes) == 1  # only the heartbeat that ended the attempt (its whole gang free) ran one
     assert client.get(f"/v1/jobs/{second['id']}", headers=ADMIN).json()["state"] == "starting"
