@@ -281,8 +281,14 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
     is seen here: two nodes releasing at once cannot both conclude that the other has not."""
     if attempt.outcome is None:
         return
-    parts = reload(session, select(AttemptNode).where(AttemptNode.attempt_id == attempt.id)).all()
-    held = [p for p in parts if p.released_at is None]
+    session.flush()
+    # A count, not the parts: each of a 128-node gang's releases runs this under the job lock.
+    holding = session.scalar(select(func.count()).select_from(AttemptNode).where(
+        AttemptNode.attempt_id == attempt.id, AttemptNode.released_at.is_(None)))
+    if holding and job.state != "cancelling":
+        return
+    held = reload(session, select(AttemptNode).where(
+        AttemptNode.attempt_id == attempt.id, AttemptNode.released_at.is_(None))).all() if holding else []
     if not held and attempt.state != "ended":
         set_attempt_state(session, attempt, "ended", f"attempt {attempt.number}: every node released its GPUs")
         # The whole gang is free: the caller may schedule at once (agent_protocol.heartbeat_and_schedule).
