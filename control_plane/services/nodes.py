@@ -236,8 +236,11 @@ SPEC_STORAGE_KEYS = ("prefix",)
 
 def spec_version(spec: LaunchSpec) -> str:
     """The etag of a launch spec: a digest of its content, credentials excluded, so it changes when
-    and only when what the agent would launch changes."""
-    body = spec.model_copy(update={"storage": _spec_storage(spec), "version": ""})
+    and only when what the agent would launch changes. ``launched`` is left out too: it flips when
+    the part is first reported started, and it only tells an agent that does not hold the spec
+    (its work dir was lost) not to start it; resending every node's spec then was a full spec per
+    node in the steady state (tests/e2e/test_scale.py)."""
+    body = spec.model_copy(update={"storage": _spec_storage(spec), "version": "", "launched": False})
     return hashlib.sha256(body.model_dump_json().encode()).hexdigest()[:16]
 
 
