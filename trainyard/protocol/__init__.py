@@ -5,6 +5,7 @@ other, in one package all three import (docs/architecture.md, "Parts and who tal
   (agent <-> workers); pydantic.
 - ``env``: the TRAINYARD_* variables an agent gives its workers; standard library only.
 - ``keys``: the object-key layout of checkpoints in S3; standard library only.
+- ``layout``: the parallel layout a job asks for and the metric names of its measured split.
 - ``storage``: the Protocol a checkpoint object store implements; standard library only.
 
 Only the standard library and pydantic are imported here (an import-linter contract in

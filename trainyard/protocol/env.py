@@ -38,6 +38,8 @@ ENV_CHECKPOINT: Final = "TRAINYARD_CHECKPOINT"
 """JSON of the job's checkpoint settings."""
 ENV_RESTORE_FROM: Final = "TRAINYARD_RESTORE_FROM"
 """JSON RestorePlan (references to checkpoints, not their manifests), or ``null``."""
+ENV_LAYOUT: Final = "TRAINYARD_LAYOUT"
+"""JSON of the job's parallel layout (trainyard.protocol.layout.Layout); absent: plain DDP."""
 ENV_STATUS_DIR: Final = "TRAINYARD_STATUS_DIR"
 """Where the rank shim writes ``rank-<r>.json`` (node_agent/rank_shim.py)."""
 
@@ -66,7 +68,7 @@ STORAGE_ENV: Final[dict[str, str]] = {
 
 WORKER_ENV: Final = frozenset({
     ENV_JOB_ID, ENV_JOB_NAME, ENV_ATTEMPT_ID, ENV_ATTEMPT_NUMBER, ENV_FENCING_TOKEN, ENV_AGENT_URL,
-    ENV_NODE_RANK, ENV_NODE_NAME, ENV_NODE_ID, ENV_DEVICE, ENV_CHECKPOINT, ENV_RESTORE_FROM, ENV_STATUS_DIR,
+    ENV_NODE_RANK, ENV_NODE_NAME, ENV_NODE_ID, ENV_DEVICE, ENV_CHECKPOINT, ENV_RESTORE_FROM, ENV_LAYOUT, ENV_STATUS_DIR,
     *STORAGE_ENV.values(), ENV_CHECKPOINT_PREFIX,
 })
 """Every variable above: what an agent may give a worker, all of it under PREFIX."""
