@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import pytest
 
 from trainyard.embedded import free_port, free_ports, has_exited, signal_group, wait_exited
 
@@ -97,3 +100,19 @@ class ProcessReaper:
             signal_group(proc, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)
+
+
+STRICT_ENV = "TRAINYARD_TEST_STRICT"
+"""Set to 1 (``.ci/run`` does) and a test whose system tool is missing fails instead of skipping."""
+
+
+def need(condition: bool, reason: str) -> None:
+    """Skip the calling test unless ``condition`` (a system tool it needs, e.g. libfaketime, root
+    for a tmpfs mount); under TRAINYARD_TEST_STRICT=1 fail instead, so CI cannot pass a fault test
+    it never ran."""
+    if condition:
+        return
+    if os.environ.get(STRICT_ENV) == "1":
+        pytest.fail(f"{reason} ({STRICT_ENV}=1: missing tools fail rather than skip)", pytrace=False)
+    pytest.skip(reason)
+

@@ -15,6 +15,7 @@ import pytest
 
 from tests.e2e.harness import LiveCluster
 from tests.factories import job_body
+from tests.helpers import need
 
 pytestmark = pytest.mark.e2e
 ENDED = {"succeeded", "failed", "cancelled"}
@@ -63,8 +64,8 @@ def test_full_disk_on_a_node_fails_the_attempt_with_the_reason_and_the_node_reco
     work_dir.mkdir(parents=True)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(work_dir)],
                              capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"needs a small file system of its own (mount tmpfs as root): {mounted.stderr.strip()}")
+    need(mounted.returncode == 0,
+         f"needs a small file system of its own (mount tmpfs as root): {mounted.stderr.strip()}")
     request.addfinalizer(lambda: subprocess.run(["umount", "-l", str(work_dir)], check=False))
 
     cluster: LiveCluster = make_cluster(nodes=1)
