@@ -159,58 +159,74 @@ def estimate(w: Workload, hw: Hardware, layout: Layout, gpus: int) -> Row:
                         activations=activations)
 
     compute_s = w.flops_per_token * w.tokens_per_step / (gpus * hw.peak_flops * w.mfu)
-    micro_s = compute_s / accum
-    backward_s = micro_s * w.backward_share
-    forward_s = micro_s - backward_s
-    if layout.kind in ("ddp", "tp_dp"):
-        shard_params = p / tp
-        wire = _gradient_wire_bytes(w, layout, shard_params)
-        if wire is None:
-            return replace(base, memory=memory, problem="powersgd needs the transformer shape (layers, hidden)")
-        # At most one bucket per parameter (a bucket holds whole tensors): bounds a tiny bucket size.
-        buckets = float(max(1, math.ceil(min(shard_params * b.replicated_grads / (layout.ddp_bucket_mb * MIB),
-                                             shard_params))))
-        dp_traffic = all_reduce(wire, replicas)
-        dp_traffic = replace(dp_traffic, intra_steps=dp_traffic.intra_steps * buckets,
-                             inter_steps=dp_traffic.inter_steps * buckets)
-        dp_s = dp_traffic.seconds(hw)
-        traffic, collectives, exposed = dp_traffic, buckets, _exposed(dp_s, backward_s, buckets)
-        comm_s = dp_s
-        if layout.kind == "tp_dp":
-            assert w.shape is not None
-            # Megatron: two all-reduces of the layer's output per layer forward, two backward, two more
-            # when the forward is recomputed; on the critical path, never overlapped.
-            per_layer = 6 if w.activation_checkpointing else 4
-            count = w.shape.layers * per_layer * accum
-            one = all_reduce(micro * w.seq_len * w.shape.hidden * w.activation_dtype_bytes, split)
-            tp_traffic = one.times(count)
-            tp_s = tp_traffic.seconds(hw)
-            traffic, collectives = traffic + tp_traffic, collectives + count
-            comm_s, exposed = comm_s + tp_s, exposed + tp_s
-    else:
-        units = float(w.units)
-        gather = all_gather(p * b.weights, split)
-        gather = replace(gather, intra_steps=gather.intra_steps * units, inter_steps=gather.inter_steps * units)
-        sync = reduce_scatter(p * b.grads, split)
-        sync = replace(sync, intra_steps=sync.intra_steps * units, inter_steps=sync.inter_steps * units)
-        if replicas.size > 1:  # hsdp: replicas all-reduce their shard once the shard group reduced it
-            replica = all_reduce(p * b.grads / split.size, replicas)
-            sync = sync + replace(replica, intra_steps=replica.intra_steps * units,
-                                  inter_steps=replica.inter_steps * units)
-        gather_s, sync_s = gather.seconds(hw), sync.seconds(hw)
-        traffic = gather.times(2 * accum) + sync
-        collectives = units * (2 * accum + (2 if replicas.size > 1 else 1))
-        comm_s = 2 * accum * gather_s + sync_s
-        # Forward gathers overlap the forward; backward gathers and the sync overlap the backward.
-        exposed = (accum * _exposed(gather_s, forward_s, units)
-                   + (accum - 1) * _exposed(gather_s, backward_s, units)
-                   + _exposed(gather_s + sync_s, backward_s, units))
+    comm = (_replicated(w, hw, layout, split, replicas, micro, accum, compute_s) if layout.kind in ("ddp", "tp_dp")
+            else _sharded(w, hw, split, replicas, accum, compute_s))
+    if isinstance(comm, str):
+        return replace(base, memory=memory, problem=comm)
+    traffic, collectives, comm_s, exposed = comm
     step_s = compute_s + exposed
     return replace(
         base, memory=memory, traffic=traffic, collectives=collectives, compute_s=compute_s, comm_s=comm_s,
         exposed_comm_s=exposed, step_s_no_overlap=compute_s + comm_s, step_s=step_s,
         tokens_per_s=w.tokens_per_step / step_s,
     )
+
+
+Comm = tuple[Traffic, float, float, float]
+"""(traffic per GPU, collectives, seconds one after the other, seconds left exposed by overlap)."""
+
+
+def _with_steps(traffic: Traffic, times: float) -> Traffic:
+    """The traffic of one buffer moved in ``times`` collectives: the same bytes, each one's ring steps."""
+    return replace(traffic, intra_steps=traffic.intra_steps * times, inter_steps=traffic.inter_steps * times)
+
+
+def _replicated(w: Workload, hw: Hardware, layout: Layout, split: Group, replicas: Group, micro: int, accum: int,
+                compute_s: float) -> Comm | str:
+    """ddp, and tp_dp's data-parallel part: one gradient all-reduce per step in buckets, overlapping
+    the backward of the last micro-step; tp_dp adds Megatron's all-reduces inside the node."""
+    shard_params = w.params / split.size if layout.kind == "tp_dp" else w.params
+    wire = _gradient_wire_bytes(w, layout, shard_params)
+    if wire is None:
+        return "powersgd needs the transformer shape (layers, hidden)"
+    # At most one bucket per parameter (a bucket holds whole tensors): bounds a tiny bucket size.
+    buckets = float(max(1, math.ceil(min(shard_params * w.bytes.replicated_grads / (layout.ddp_bucket_mb * MIB),
+                                         shard_params))))
+    traffic = _with_steps(all_reduce(wire, replicas), buckets)
+    comm_s = traffic.seconds(hw)
+    exposed = _exposed(comm_s, compute_s / accum * w.backward_share, buckets)
+    collectives = buckets
+    if layout.kind == "tp_dp":
+        assert w.shape is not None  # estimate() checked
+        # Megatron: two all-reduces of the layer's output per layer forward, two backward, two more
+        # when the forward is recomputed; on the critical path, never overlapped.
+        count = w.shape.layers * (6 if w.activation_checkpointing else 4) * accum
+        tp_traffic = all_reduce(micro * w.seq_len * w.shape.hidden * w.activation_dtype_bytes, split).times(count)
+        tp_s = tp_traffic.seconds(hw)
+        traffic, collectives = traffic + tp_traffic, collectives + count
+        comm_s, exposed = comm_s + tp_s, exposed + tp_s
+    return traffic, collectives, comm_s, exposed
+
+
+def _sharded(w: Workload, hw: Hardware, split: Group, replicas: Group, accum: int, compute_s: float) -> Comm:
+    """fsdp and hsdp: each unit's weights gathered before its forward and again before its backward in
+    every micro-step, its gradients reduce-scattered once (and all-reduced across hsdp replicas)."""
+    units = float(w.units)
+    p, b = w.params, w.bytes
+    gather = _with_steps(all_gather(p * b.weights, split), units)
+    sync = _with_steps(reduce_scatter(p * b.grads, split), units)
+    if replicas.size > 1:  # hsdp: replicas all-reduce their shard once the shard group reduced it
+        sync = sync + _with_steps(all_reduce(p * b.grads / split.size, replicas), units)
+    gather_s, sync_s = gather.seconds(hw), sync.seconds(hw)
+    micro_s = compute_s / accum
+    backward_s = micro_s * w.backward_share
+    forward_s = micro_s - backward_s
+    # Forward gathers overlap the forward; backward gathers and the sync overlap the backward.
+    exposed = (accum * _exposed(gather_s, forward_s, units)
+               + (accum - 1) * _exposed(gather_s, backward_s, units)
+               + _exposed(gather_s + sync_s, backward_s, units))
+    collectives = units * (2 * accum + (2 if replicas.size > 1 else 1))
+    return gather.times(2 * accum) + sync, collectives, 2 * accum * gather_s + sync_s, exposed
 
 
 def _gradient_wire_bytes(w: Workload, layout: Layout, params: float) -> float | None:
