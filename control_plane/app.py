@@ -17,11 +17,13 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import clock
-from control_plane.api import agent, health, jobs, nodes, plans, tenants
+from control_plane.api import agent, health, jobs, metrics, nodes, plans, simulations, tenants
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TrainyardError, Unauthorized
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
+from control_plane.services import goodput
+from control_plane.services.metrics import Exporter
 from control_plane.settings import Settings
 from control_plane.wakeups import Busy, NodeWakeups
 
@@ -204,7 +206,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wake_scheduler = loops.wake_scheduler
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)
+    app.state.metrics = Exporter(factory, settings.metrics_cache_s, goodput.for_cluster)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, tenants, plans, agent):
+    for module in (health, jobs, nodes, tenants, plans, simulations, agent, metrics):
         app.include_router(module.router)
     return app

@@ -159,6 +159,10 @@ class Job(Base):
     layout: Mapped[dict[str, Any] | None] = mapped_column(
         JSONB, doc="trainyard.protocol.layout.Layout its workers apply (TRAINYARD_LAYOUT); NULL: plain DDP.")
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSONB, doc="schemas/plans.py JobPlanOut, made at submit.")
+    watchdog: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="schemas/jobs.py WatchdogSettings: the job's hang timeout and straggler overrides; NULL: defaults.")
+    checkpoint_auto: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="The platform's checkpoint interval for interval_steps 'auto' (services/intervals.py) and its inputs.")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
@@ -208,6 +212,12 @@ class Attempt(Base):
         UUID(as_uuid=True), doc="The checkpoint this attempt restored (its lineage); None: from scratch."
     )
     progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this attempt reported.")
+    step_advanced_at: Mapped[datetime | None] = _ts(doc="When progress_step last grew (the control plane's clock).")
+    step_time_s: Mapped[float | None] = mapped_column(
+        Float, doc="Seconds per step, smoothed over the advances the control plane saw (the hang timeout's base).")
+    hung_since: Mapped[datetime | None] = _ts(doc="Failed as hung: when its step last advanced.")
+    checkpoint_interval_steps: Mapped[int | None] = mapped_column(
+        Integer, doc="For a job with interval_steps 'auto': the interval its workers start with.")
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
     )
@@ -245,6 +255,12 @@ class AttemptNode(Base):
     error: Mapped[str | None] = mapped_column(Text)
     reported_at: Mapped[datetime | None] = _ts()
     released_at: Mapped[datetime | None] = _ts(doc="When its processes were confirmed gone.")
+    ranks: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="The latest RankSummary of its agent: each local rank's step, step time, busy time, silence.")
+    ranks_at: Mapped[datetime | None] = _ts()
+    straggler_rank: Mapped[int | None] = mapped_column(Integer, doc="Its rank slower than the job's peers now.")
+    straggler_since: Mapped[datetime | None] = _ts(doc="Since when straggler_rank has been slower.")
+    straggler_named_at: Mapped[datetime | None] = _ts(doc="When it was named a straggler (an event).")
 
     attempt: Mapped[Attempt] = relationship(back_populates="nodes")
     node: Mapped[Node] = relationship()
@@ -321,6 +337,10 @@ class Checkpoint(Base):
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
     committed_at: Mapped[datetime | None] = _ts()
     reason: Mapped[str | None] = mapped_column(Text)
+    blocking_s: Mapped[float | None] = mapped_column(
+        Float, doc="The longest any rank's training loop was blocked by this save (reported with the shards).")
+    background_s: Mapped[float | None] = mapped_column(
+        Float, doc="The longest any rank's hashing, upload and report took, after the loop went on.")
 
 
 class CheckpointShard(Base):

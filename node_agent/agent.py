@@ -57,6 +57,7 @@ from node_agent.rank_shim import write_json_atomic
 from node_agent.relay import Outbox, Relay
 from trainyard.protocol.agent import (
     AssignmentRef,
+    AttemptStatusReport,
     GpuInfo,
     HeartbeatRequest,
     KnownAssignment,
@@ -582,10 +583,13 @@ class Agent:
         finished = run.finished  # before the report: a final report must describe a finished run
         if finished and run.final_acked:
             return
-        report = run.report(*self.reports.snapshot(run.attempt_id))
+        report = run.report(*self.reports.snapshot(run.attempt_id), self.reports.rank_summary(run.attempt_id))
         if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
             return  # the relay delivers the attempt's last shards and events first
-        due = report != run.last_report or now - run.last_sent_at >= self.config.status_interval_s
+        # The rank summary rides on the periodic report (its silences change at every look): a
+        # 128-node job would otherwise send a report per node per step.
+        due = (_without_ranks(report) != _without_ranks(run.last_report)
+               or now - run.last_sent_at >= self.config.status_interval_s)
         if not due or now < run.next_try_at:
             return
         try:
@@ -611,6 +615,7 @@ class Agent:
             run.next_try_at = now + min(self.config.status_interval_s, 2.0)
             return
         run.last_report, run.last_sent_at = report, now
+        self.reports.set_checkpoint_interval(run.attempt_id, ack.checkpoint_interval_steps)
         if finished:
             run.mark_final_acked()
         elif ack.stop:
@@ -667,6 +672,10 @@ class Agent:
 
     def _need_register_set(self) -> None:
         self._need_register.set()
+
+
+def _without_ranks(report: AttemptStatusReport | None) -> AttemptStatusReport | None:
+    return None if report is None else report.model_copy(update={"ranks": None})
 
 
 def run_agent(config: AgentConfig) -> None:

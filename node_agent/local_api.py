@@ -6,10 +6,13 @@ fenced by the attempt's token.
     POST /v1/local/attempts/{attempt_id}/events     LocalEvent    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards     LocalShard    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards?wait=1            -> 200 ShardAck of the control plane
+    POST /v1/local/attempts/{attempt_id}/checkpoint-interval  LocalCheckpointInterval
+                                                      -> 200 {"interval_steps": N | null}
 
 An attempt unknown to the agent (never launched here, stale, or finished) or a wrong fencing
 token gets 409 problem+json: a worker of a superseded attempt learns it is fenced off. The agent
-forwards progress and result in the attempt's next status report; shards and events are queued
+forwards progress and result in the attempt's next status report (every rank's step and timings
+as the node's RankSummary, global rank 0's loss as the attempt's progress); shards and events are queued
 for the relay (relay.py) and answered at once. With ?wait=1 a shard is answered once the control
 plane acknowledged the batch holding it (so the worker learns from `committed_steps` whether its
 step is committed): 409 if the control plane says the attempt is stale, 422 if it refused the
@@ -22,7 +25,8 @@ import json
 import re
 import socket
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,11 +38,15 @@ from pydantic import ValidationError
 
 from node_agent.relay import Outbox
 from trainyard.protocol.agent import (
+    MAX_NODE_RANKS,
+    LocalCheckpointInterval,
     LocalEvent,
     LocalProgress,
     LocalResult,
     LocalShard,
     Progress,
+    RankStat,
+    RankSummary,
     ShardInfo,
     WorkerEvent,
 )
@@ -47,10 +55,21 @@ from trainyard.protocol.env import LOCAL_API_PREFIX
 log = structlog.get_logger(__name__)
 
 _ROUTE = re.compile(
-    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events)$"
+    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events|checkpoint-interval)$"
 )
 MAX_BODY = 1024 * 1024
 SHARD_WAIT_S = 30.0
+
+
+@dataclass
+class _Rank:
+    """What one local rank last told (monotonic instants of this agent)."""
+
+    step: int
+    seen: float
+    advanced: float
+    step_time_s: float | None = None
+    busy_s: float | None = None
 
 
 @dataclass
@@ -59,6 +78,8 @@ class _AttemptReports:
     progress: Progress | None = None
     result: dict[str, Any] | None = None
     result_rank: int | None = None
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    checkpoint_interval_steps: int | None = None
 
 
 class LocalReports:
@@ -90,10 +111,52 @@ class LocalReports:
             entry = self._get(attempt_id, body.fencing_token)
             if entry is None:
                 return False
+            self._rank_report(entry, body)
+            if body.loss is None and not body.metrics:
+                return True  # a rank's step and timings only: its node's RankSummary
             # Ranks report in any order; the attempt's progress is the furthest step seen.
             if entry.progress is None or body.step >= entry.progress.step:
                 entry.progress = Progress(step=body.step, loss=body.loss, metrics=body.metrics, at=datetime.now(UTC))
             return True
+
+    @staticmethod
+    def _rank_report(entry: _AttemptReports, body: LocalProgress) -> None:
+        t = time.monotonic()
+        rank = entry.ranks.get(body.rank)
+        if rank is None:
+            if len(entry.ranks) >= MAX_NODE_RANKS:
+                return
+            entry.ranks[body.rank] = rank = _Rank(step=body.step, seen=t, advanced=t)
+        rank.seen = t
+        if body.step > rank.step:
+            rank.step, rank.advanced = body.step, t
+        rank.step_time_s = body.step_time_s if body.step_time_s is not None else rank.step_time_s
+        rank.busy_s = body.busy_s if body.busy_s is not None else rank.busy_s
+
+    def rank_summary(self, attempt_id: str) -> RankSummary | None:
+        """This node's ranks of the attempt as they stand now; None before any reported."""
+        t = time.monotonic()
+        with self._lock:
+            entry = self._attempts.get(attempt_id)
+            if entry is None or not entry.ranks:
+                return None
+            return RankSummary(ranks=[
+                RankStat(rank=r, step=s.step, step_time_s=s.step_time_s, busy_s=s.busy_s,
+                         silent_s=round(t - s.seen, 3), stalled_s=round(t - s.advanced, 3))
+                for r, s in sorted(entry.ranks.items())
+            ])
+
+    def set_checkpoint_interval(self, attempt_id: str, steps: int | None) -> None:
+        with self._lock:
+            entry = self._attempts.get(attempt_id)
+            if entry is not None and steps is not None:
+                entry.checkpoint_interval_steps = steps
+
+    def checkpoint_interval(self, attempt_id: str, fencing_token: str) -> tuple[bool, int | None]:
+        """(whether the attempt is here with this token, the interval the control plane set)."""
+        with self._lock:
+            entry = self._get(attempt_id, fencing_token)
+            return (False, None) if entry is None else (True, entry.checkpoint_interval_steps)
 
     def set_result(self, attempt_id: str, body: LocalResult) -> bool:
         with self._lock:
@@ -157,7 +220,13 @@ class _Handler(BaseHTTPRequestHandler):
             if kind in ("shards", "events"):
                 self._queue(attempt_id, kind, raw, wait=_truthy(parse_qs(query).get("wait", [""])[-1]))
                 return
-            if kind == "progress":
+            if kind == "checkpoint-interval":
+                body = LocalCheckpointInterval.model_validate_json(raw)
+                accepted, steps = self.server.reports.checkpoint_interval(attempt_id, body.fencing_token)
+                if accepted:
+                    self._send(HTTPStatus.OK, {"interval_steps": steps}, "application/json")
+                    return
+            elif kind == "progress":
                 accepted = self.server.reports.add_progress(attempt_id, LocalProgress.model_validate_json(raw))
             else:
                 accepted = self.server.reports.set_result(attempt_id, LocalResult.model_validate_json(raw))

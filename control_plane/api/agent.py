@@ -78,8 +78,7 @@ async def wait(body: WaitRequest, creds: Credentials, settings: SettingsDep, run
 @router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)
 def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeIdentity,
                    session: SessionDep) -> AttemptStatusAck:
-    attempt, part = agent_protocol.report_status(session, node, attempt_id, body)
-    return AttemptStatusAck(attempt_state=attempt.state, stop=part.desired == "stop")
+    return agent_protocol.report_status(session, node, attempt_id, body)
 
 
 @router.post("/attempts/{attempt_id}/logs", response_model=LogAck, responses=ERRORS)

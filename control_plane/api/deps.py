@@ -46,6 +46,8 @@ class Runtime:
     engine: Engine
     wakeups: Any = None
     """control_plane.wakeups.NodeWakeups: the agents' long polls (app.wakeups)."""
+    metrics: Any = None
+    """services.metrics.Exporter: what GET /metrics answers (app.metrics)."""
 
     def wake_scheduler(self) -> None:
         self.loops.wake_scheduler()
@@ -59,7 +61,8 @@ def get_runtime(request: Request) -> Runtime:
     state = request.app.state
     return Runtime(loops=state.loops, run_loops=state.settings.run_loops, object_store=state.object_store,
                    worker_storage=dict(state.worker_storage or {}), session_factory=state.session_factory,
-                   engine=state.engine, wakeups=getattr(state, "wakeups", None))
+                   engine=state.engine, wakeups=getattr(state, "wakeups", None),
+                   metrics=getattr(state, "metrics", None))
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -162,6 +165,17 @@ def get_node(creds: Credentials, session: SessionDep) -> Node:
     return node
 
 
+def get_metrics_access(creds: Credentials, settings: SettingsDep) -> None:
+    """GET /metrics: open when no metrics token is set (it shows no job names, ids or tenants), else
+    the metrics token or the admin token."""
+    if not settings.metrics_token:
+        return
+    token = _token(creds).encode()
+    if not any(t and hmac.compare_digest(token, t.encode()) for t in (settings.metrics_token, settings.admin_token)):
+        raise Unauthorized("invalid bearer token for /metrics")
+
+
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+MetricsAccess = Annotated[None, Depends(get_metrics_access)]
 NodeIdentity = Annotated[Node, Depends(get_node)]
 JoinDep = Annotated[None, Depends(get_join)]

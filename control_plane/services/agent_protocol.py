@@ -13,11 +13,12 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
-from control_plane.models import Attempt, AttemptNode, Node
-from control_plane.services import attempts, checkpoints, nodes
+from control_plane.models import Node
+from control_plane.services import attempts, checkpoints, intervals, metrics, nodes, views
 from control_plane.settings import Settings
 from trainyard.protocol.agent import (
     AssignmentRef,
+    AttemptStatusAck,
     AttemptStatusReport,
     HeartbeatRequest,
     LaunchSpec,
@@ -66,6 +67,13 @@ def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
     When the heartbeat released GPUs (perhaps the last ones a recovering job waits for), a
     scheduling pass runs now, in its own transaction, and the answer carries its result rather
     than leaving it to the next heartbeat: that is a heartbeat interval off every recovery."""
+    with metrics.HEARTBEAT.time():
+        return _heartbeat_and_schedule(session, node, req, storage, wakeups, settings)
+
+
+def _heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
+                            storage: dict[str, object] | None, wakeups: Wakeups,
+                            settings: Settings) -> HeartbeatAnswer:
     released_before, ended_before = _released(session), _ended(session)
     specs = nodes.heartbeat(session, node, req, storage)
     interval = nodes.tell_interval(session, node, settings)
@@ -99,13 +107,21 @@ def _ended(session: Session) -> int:
 
 
 def report_status(session: Session, node: Node, attempt_id: uuid.UUID,
-                  report: AttemptStatusReport) -> tuple[Attempt, AttemptNode]:
-    """Merge an attempt status report (services/attempts.py apply_status) and commit it."""
+                  report: AttemptStatusReport) -> AttemptStatusAck:
+    """Merge an attempt status report (services/attempts.py apply_status) and commit it. The answer
+    carries the checkpoint interval the platform chose for an 'auto' job (services/intervals.py)."""
     if report.state in (NodeAttemptState.exited, NodeAttemptState.stopped):
         failpoints.hit("agent.final_status")  # a slow final status (fault tests)
     attempt, part = attempts.apply_status(session, node, attempt_id, report)
+    interval = intervals.current_steps(session, attempt)
+    # The first step of an attempt after a failed one ends a recovery: its phases, once.
+    first_step = session.info.pop("first_step", None) == attempt.id and attempt.number > 1
+    phases = views.recovery_phases(session, attempt) if first_step else None
     session.commit()
-    return attempt, part
+    if phases:
+        metrics.observe_recovery(phases)
+    return AttemptStatusAck(attempt_state=attempt.state, stop=part.desired == "stop",
+                            checkpoint_interval_steps=interval)
 
 
 def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport,
@@ -114,11 +130,13 @@ def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
     """Phase 1 of a checkpoint (its own transaction); when the last shard of a step arrives,
     phase 2 commits it (checkpoints.commit_ready, its own transactions). Returns the steps of the
     report whose own checkpoint is committed (by this request or another replica)."""
-    arrived = checkpoints.record_shards(session, node, attempt_id, report)
+    costs: dict[uuid.UUID, tuple[float, float | None]] = {}
+    arrived = checkpoints.record_shards(session, node, attempt_id, report, costs)
     session.commit()
+    metrics.observe_shards(report)
     # Counted after the commit, in its own transaction: of two reports completing a step at once,
     # the later one sees both (checkpoints.count_arrivals).
-    ready = checkpoints.count_arrivals(factory, arrived)
+    ready = checkpoints.count_arrivals(factory, arrived, costs)
     if store is not None:
         for checkpoint_id in ready:
             checkpoints.commit_ready(factory, store, checkpoint_id)

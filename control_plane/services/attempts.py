@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import func, insert, select, update
@@ -22,7 +22,7 @@ from control_plane import wakeups
 from control_plane.clock import now
 from control_plane.db import reload, rowcount
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
-from control_plane.services import events
+from control_plane.services import events, intervals
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, lock_attempt
 from control_plane.services.states import (
@@ -105,6 +105,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
             "rdzv_host": placement[0][0].address, "rdzv_port": port, "created_at": t,
             # Only a job that ran before can have checkpoints to restore from.
             "restore_manifest": restore_plan(session, job) if earlier else None,
+            "checkpoint_interval_steps": intervals.launch_steps(job),
         })
         for node_rank, (node, indices) in enumerate(placement):
             part_rows.append({
@@ -324,12 +325,16 @@ def apply_status(
     # Progress only moves forward within an attempt; the job shows its current attempt's, which
     # after a recovery starts again from the restored step.
     if report.progress is not None and (attempt.progress_step is None or report.progress.step >= attempt.progress_step):
+        _advance(attempt, report.progress.step, t)
         attempt.progress_step = report.progress.step
         job.progress_step = report.progress.step
         job.progress_loss = report.progress.loss
         job.progress_at = report.progress.at
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
+            session.info["first_step"] = attempt.id  # ends a recovery (agent_protocol: its phases)
+    if report.ranks is not None and report.ranks.ranks:
+        part.ranks, part.ranks_at = report.ranks.model_dump(mode="json"), t
     # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank.
     if report.result is not None and job.result is None:
         job.result = report.result
@@ -337,6 +342,24 @@ def apply_status(
     if attempt.outcome is None:
         _decide(session, job, attempt)
     return attempt, part
+
+
+STEP_TIME_WEIGHT = 0.3
+"""Weight of the newest advance in the smoothed step time (an exponential moving average)."""
+
+
+def _advance(attempt: Attempt, step: int, t: datetime) -> None:
+    """The attempt's step grew (or was first seen) at ``t``: the hang watchdog's clock and step time.
+    The first advance after the first step is the first measurement (the first step includes the
+    restore)."""
+    before, since = attempt.progress_step, attempt.step_advanced_at
+    if before is not None and step <= before:
+        return
+    if before is not None and since is not None and attempt.first_progress_at is not None:
+        seconds = max((t - since).total_seconds(), 0.0) / (step - before)
+        attempt.step_time_s = seconds if attempt.step_time_s is None else (
+            STEP_TIME_WEIGHT * seconds + (1 - STEP_TIME_WEIGHT) * attempt.step_time_s)
+    attempt.step_advanced_at = t
 
 
 def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report: AttemptStatusReport) -> None:

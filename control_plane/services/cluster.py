@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import now
 from control_plane.models import Gpu, GpuLease, Job, Node
 from control_plane.schemas.nodes import CapacityOut, ClusterOut, QueuedJobOut
-from control_plane.services import reservations, tenants
+from control_plane.services import goodput, reservations, tenants
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING
 
 QUEUE_STATES = JOB_WAITING
@@ -53,8 +53,9 @@ def summary(session: Session, *, queue_limit: int = 50) -> ClusterOut:
         )
         for i, j in enumerate(_service_order(session, queue_limit))
     ]
-    return ClusterOut(capacity=capacity, jobs_by_state=by_state, queue=queue,
-                      scheduling=reservations.summary(session))
+    scheduling = reservations.summary(session)
+    return ClusterOut(capacity=capacity, jobs_by_state=by_state, queue=queue, scheduling=scheduling,
+                      goodput=goodput.for_cluster(session, scheduling))
 
 
 def _service_order(session: Session, limit: int) -> list[Job]:

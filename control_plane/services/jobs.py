@@ -97,7 +97,12 @@ def submit(
         entrypoint=body.entrypoint,
         args=body.args,
         env=body.env,
-        checkpoint=body.checkpoint.model_dump(),
+        # when_busy only when it is not the default: the stored block stays what older versions wrote.
+        checkpoint=body.checkpoint.model_dump(exclude={k for k, v in (("when_busy", body.checkpoint.when_busy == "wait"),
+                                                                     ("first_interval_steps",
+                                                                      body.checkpoint.first_interval_steps is None))
+                                                       if v}),
+        watchdog=body.watchdog.model_dump(mode="json") if body.watchdog else None,
         max_failures=body.max_failures,
         failures=0,
         time_limit_s=body.time_limit_s,

@@ -219,7 +219,7 @@ def assignments(session: Session, node: Node, storage: dict[str, object] | None)
                 entrypoint=job.entrypoint,
                 args=list(job.args),
                 env=dict(job.env),
-                checkpoint=dict(job.checkpoint),
+                checkpoint=_checkpoint(job, attempt),
                 layout=Layout.model_validate(job.layout) if job.layout else None,
                 restore_from=attempt.restore_manifest,
                 launched=part.state != "assigned",
@@ -229,6 +229,15 @@ def assignments(session: Session, node: Node, storage: dict[str, object] | None)
     for spec in specs:
         spec.version = spec_version(spec)
     return specs
+
+
+def _checkpoint(job: Job, attempt: Attempt) -> dict[str, object]:
+    """The job's checkpoint block; an 'auto' job's with the interval its attempt starts with (fixed per
+    attempt, so the spec's version does not change with each new choice: those come in status answers)."""
+    block = dict(job.checkpoint)
+    if attempt.checkpoint_interval_steps is not None:
+        block["auto_interval_steps"] = attempt.checkpoint_interval_steps
+    return block
 
 
 # The part of LaunchSpec.storage that is per attempt; the rest (credentials) goes to an agent once,

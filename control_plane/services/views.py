@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -38,7 +39,8 @@ from control_plane.schemas.jobs import (
 from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
-from control_plane.services import reservations, tenants
+from control_plane.schemas.goodput import StragglerOut
+from control_plane.services import goodput, reservations, tenants, watchdog
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import Layout
@@ -71,6 +73,8 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
         .group_by(GpuLease.job_id)
     ).all()) if jobs else {}
     waiting = _waiting_for(session, jobs, attempts, held)
+    figures = goodput.for_jobs(session, jobs)
+    slow = _stragglers(session, [a for a in attempts.values() if a.state != "ended"])
     out = []
     for job in jobs:
         attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
@@ -112,11 +116,35 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 waiting_for=waiting.get(job.id),
                 leases_held=leases.get(job.id, 0),
                 releasing=job.state in JOB_TERMINAL and leases.get(job.id, 0) > 0,
+                watchdog=job.watchdog,
+                checkpoint_interval=job.checkpoint_auto,
+                stragglers=slow.get(attempt.id, []) if attempt is not None else [],
+                goodput=figures.get(job.id),
                 created_at=job.created_at,
                 started_at=job.started_at,
                 ended_at=job.ended_at,
             )
         )
+    return out
+
+
+def _stragglers(session: Session, attempts: list[Attempt]) -> dict[uuid.UUID, list[StragglerOut]]:
+    """The ranks named stragglers in each attempt (still slow), against the median of all its ranks."""
+    named = [p for a in attempts for p in a.nodes if p.straggler_named_at is not None and p.ranks]
+    out: dict[uuid.UUID, list[StragglerOut]] = {}
+    for attempt in {p.attempt_id: a for a in attempts for p in a.nodes if p in named}.values():
+        values = [t.busy_s if t.busy_s is not None else t.step_time_s for t in watchdog.timings(attempt.nodes)]
+        known = [v for v in values if v]
+        peers = statistics.median(known) if known else 0.0
+        for p in attempt.nodes:
+            if p not in named:
+                continue
+            mine = next((r for r in p.ranks["ranks"] if r["rank"] == p.straggler_rank), None)  # type: ignore[index]
+            busy = (mine or {}).get("busy_s") or (mine or {}).get("step_time_s") or 0.0
+            out.setdefault(attempt.id, []).append(StragglerOut(
+                rank=p.straggler_rank or 0, node=p.node.name, node_id=str(p.node_id), busy_s=round(busy, 4),
+                peers_busy_s=round(peers, 4), ratio=round(busy / peers, 3) if peers else 0.0,
+                since=p.straggler_since or p.straggler_named_at))
     return out
 
 
@@ -246,6 +274,7 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
             rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
             restored_from_step=a.restored_from_step,
             progress_step=a.progress_step,
+            hung_since=a.hung_since,
             recovery=_recovery(previous.get(a.id), a),
             created_at=a.created_at,
             started_at=a.started_at,
@@ -310,6 +339,18 @@ def _recovery(prev: Attempt | None, a: Attempt) -> RecoveryOut | None:
         to_first_step_s=_seconds(failure_at, a.first_progress_at),
         steps_lost=lost,
     )
+
+
+def recovery_phases(session: Session, attempt: Attempt) -> dict[str, float | None] | None:
+    """The phases of the recovery ``attempt`` ended with its first step (None: it followed no failure)."""
+    prev = session.scalars(select(Attempt).where(Attempt.job_id == attempt.job_id,
+                                                 Attempt.number == attempt.number - 1)
+                           .options(selectinload(Attempt.nodes).selectinload(AttemptNode.workers))).first()
+    recovery = _recovery(prev, attempt)
+    if recovery is None:
+        return None
+    return {"detection": recovery.detection_s, "reallocation": recovery.reallocation_s, "start": recovery.start_s,
+            "restore": recovery.restore_s, "total": recovery.to_first_step_s}
 
 
 def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:
