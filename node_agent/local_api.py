@@ -112,8 +112,8 @@ class LocalReports:
             if entry is None:
                 return False
             self._rank_report(entry, body)
-            if body.loss is None and not body.metrics:
-                return True  # a rank's step and timings only: its node's RankSummary
+            if body.rank != 0 and body.loss is None and not body.metrics:
+                return True  # another rank's step and timings only: its node's RankSummary
             # Ranks report in any order; the attempt's progress is the furthest step seen.
             if entry.progress is None or body.step >= entry.progress.step:
                 entry.progress = Progress(step=body.step, loss=body.loss, metrics=body.metrics, at=datetime.now(UTC))

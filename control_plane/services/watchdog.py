@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -42,20 +42,19 @@ class _Silent:
     step: int
 
 
-def _rank_facts(session: Session, attempt_id: uuid.UUID, at: datetime) -> tuple[list[_Silent], list[_Silent]]:
+def _rank_facts(session: Session, attempt_id: uuid.UUID) -> tuple[list[_Silent], list[_Silent]]:
     """(ranks silent longer than RANK_SILENT_AFTER_S, every rank) of the attempt as its nodes last
-    told; a summary's silences grow by its age."""
+    told (every status_interval_s; a node whose agent stopped reporting is the lost-node check's)."""
     rows = session.execute(
-        select(AttemptNode.ranks, AttemptNode.ranks_at, AttemptNode.node_id, Node.name)
+        select(AttemptNode.ranks, AttemptNode.node_id, Node.name)
         .join(Node, Node.id == AttemptNode.node_id)
         .where(AttemptNode.attempt_id == attempt_id, AttemptNode.ranks.is_not(None))
     ).all()
     every: list[_Silent] = []
-    for summary, summary_at, node_id, name in rows:
-        age = max((at - summary_at).total_seconds(), 0.0) if summary_at else 0.0
+    for summary, node_id, name in rows:
         for r in (summary or {}).get("ranks", []):
             every.append(_Silent(rank=int(r["rank"]), node=name, node_id=node_id,
-                                 silent_s=float(r.get("silent_s", 0.0)) + age, step=int(r.get("step", 0))))
+                                 silent_s=float(r.get("silent_s", 0.0)), step=int(r.get("step", 0))))
     silent = sorted((r for r in every if r.silent_s >= RANK_SILENT_AFTER_S), key=lambda r: (-r.silent_s, r.rank))
     return silent, every
 
@@ -105,7 +104,7 @@ def fail_hung(session: Session, settings: Settings) -> list[uuid.UUID]:
         if attempt.outcome is not None or attempt.step_advanced_at != advanced_at:
             continue  # decided meanwhile, or it moved on
         idle = (at - advanced_at).total_seconds()
-        silent, every = _rank_facts(session, attempt.id, at)
+        silent, every = _rank_facts(session, attempt.id)
         who, node_id, ranks = _who(silent, every)
         basis = ("the job's watchdog.hang_timeout_s" if _override(watchdog, "hang_timeout_s") is not None else
                  f"from its step time {step_time or 0:.3g}s and longest checkpoint stall {longest_stall or 0:.3g}s, "

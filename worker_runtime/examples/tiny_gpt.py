@@ -22,6 +22,7 @@ Rank 0 prints the result as one JSON line on stdout and reports it to the agent.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -83,11 +84,14 @@ class Config:
     """Crash by SIGKILL to itself (exit code -9) rather than exit code 3."""
     crash_once: bool = False
     """Crash only in the first run: Trainyard attempt 1, or torchrun's first worker group."""
+    slow_rank: int = -1
+    """Fault injection: this rank computes slow_busy_s longer every step (a slow GPU: a straggler)."""
+    slow_busy_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.steps, self.batch_size, self.seq_len, self.d_model, self.layers, self.log_every) < 1:
             raise ValueError("steps, batch size, seq len, d_model, layers and log_every must be >= 1")
-        if min(self.step_delay_s, self.ckpt_upload_delay_s) < 0:
+        if min(self.step_delay_s, self.ckpt_upload_delay_s, self.slow_busy_s) < 0:
             raise ValueError("delays must be >= 0")
         if self.crash_at_step < 0 or self.crash_rank < 0:
             raise ValueError("crash_at_step and crash_rank must be >= 0")
@@ -162,10 +166,15 @@ class Trainer:
         self.state.register("data", self.position, per_rank=True)
         self.state.register("rng", RngState(), per_rank=True)
 
-    def train_step(self) -> torch.Tensor:
-        x, y = self.batches.next(self.device)
-        logits = self.ddp(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    def train_step(self, reporter: Reporter | None = None) -> torch.Tensor:
+        # What this rank computes alone (the data, the forward pass) is its busy time: the watchdog
+        # compares it across ranks. The backward pass waits in DDP's all-reduce for the slowest rank.
+        with reporter.timed() if reporter is not None else contextlib.nullcontext():
+            x, y = self.batches.next(self.device)
+            logits = self.ddp(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            if self.cfg.slow_busy_s and self.ctx.rank == self.cfg.slow_rank:
+                time.sleep(self.cfg.slow_busy_s)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -203,7 +212,7 @@ class Trainer:
         final_loss: float | None = None
         first = self.step.value + 1  # 1, or the step after the restored one
         while self.step.value < until:
-            loss = self.train_step()
+            loss = self.train_step(reporter)
             step = self.step.value
             if step == self.cfg.crash_at_step and self.ctx.rank == self.cfg.crash_rank and self._may_crash():
                 print(f"tiny_gpt: crashing at step {step} as asked (--crash-at-step)", file=sys.stderr, flush=True)
@@ -244,13 +253,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     defaults = Config()
     parser = argparse.ArgumentParser(prog="tiny_gpt", description=__doc__.splitlines()[0])
     for name in ("steps", "seed", "batch_size", "seq_len", "d_model", "layers", "heads", "log_every",
-                 "ckpt_slow_rank", "crash_at_step", "crash_rank"):
+                 "ckpt_slow_rank", "crash_at_step", "crash_rank", "slow_rank"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL rather than exit code 3")
     parser.add_argument("--crash-once", action="store_true", help="crash only in the first attempt")
     parser.add_argument("--step-delay-s", type=float, default=defaults.step_delay_s)
     parser.add_argument("--ckpt-upload-delay-s", type=float, default=defaults.ckpt_upload_delay_s)
+    parser.add_argument("--slow-busy-s", type=float, default=defaults.slow_busy_s)
     args = parser.parse_args(argv)
     return Config(**vars(args))
 
