@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SIMULATION_EXAMPLE = {
+SIMULATION_EXAMPLE: dict[str, Any] = {
     "nodes": 2048, "node_mtbf_h": 6335, "work_h": 1296, "blocking_s": 6, "background_s": 150,
     "sync_blocking_s": 150, "recovery_s": 600, "spares": 8, "repair_h": 24,
 }

@@ -3,6 +3,9 @@ over the agent protocol against real PostgreSQL with the control plane's clock m
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -136,6 +139,15 @@ def test_metrics_need_their_token_and_show_the_database(clock, app, client, runn
                  "trainyard_reservation_idle_gpu_seconds", "trainyard_queue_length"):
         assert name in text, name
     assert client.get("/metrics", headers=ADMIN).status_code == 200  # the admin token is good too
+    # The shipped dashboard asks only for series this endpoint exposes.
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "deploy/grafana/trainyard.json").read_text())
+    def family(name: str) -> str:
+        return re.sub(r"_(bucket|count|sum|total)$", "", name)
+
+    wanted = {family(m) for p in dashboard["panels"] for t in p["targets"]
+              for m in re.findall(r"trainyard_\w+", t["expr"])}
+    exposed = {family(m) for m in re.findall(r"^# TYPE (trainyard_\w+)", text, re.MULTILINE)}
+    assert wanted and wanted <= exposed, wanted - exposed
     cluster = client.get("/v1/cluster", headers=ADMIN).json()
     assert cluster["goodput"]["jobs"] == 1 and cluster["goodput"]["allocated_gpu_s"] >= 0
 

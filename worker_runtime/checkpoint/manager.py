@@ -1,8 +1,9 @@
 """The worker's side of two-phase checkpoints: save this rank's shard, restore from a plan.
 
-Saving (phase 1 of docs/architecture.md, "Two-phase checkpoints"): every rank serialises its whole
-:class:`TrainState` with ``torch.save`` into memory (the consistency point: the loop is paused for
-exactly that long), then a single background thread hashes it, uploads it to
+Saving (phase 1 of docs/architecture.md, "Two-phase checkpoints"): every rank copies its whole
+:class:`TrainState` into host memory (the consistency point: the loop is paused for exactly that
+long; checkpoint/snapshot.py), then a single background thread serialises it with ``torch.save``,
+hashes it, uploads it to
 
     <prefix>/step-<step:09d>/attempt-<attempt:04d>/rank-<rank:05d>.pt   (trainyard.protocol.keys)
 
@@ -45,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 import torch.distributed as dist
 
 from trainyard.protocol.agent import CHECKPOINT_AUTO_FIRST_STEPS
@@ -69,6 +69,7 @@ from worker_runtime.checkpoint.restore import (
     is_bad,
     resolve,
 )
+from worker_runtime.checkpoint.snapshot import host_copy
 from worker_runtime.context import WorkerContext
 from worker_runtime.distributed import device_of
 from worker_runtime.state import TrainState
@@ -99,7 +100,9 @@ class SaveRecord:
     snapshot_s: float = 0.0
     """Time the loop was paused serialising the state (the synchronous part)."""
     upload_s: float = 0.0
-    """Hashing and uploading, in the background."""
+    """Serialising (an asynchronous save's copy), hashing and uploading, in the background."""
+    put_s: float = 0.0
+    """The storage put alone (upload throughput: size_bytes / put_s)."""
     reported: bool = False
     error: str | None = None
 
@@ -193,10 +196,13 @@ class CheckpointManager:
     # --- saving ---
 
     def save(self, step: int) -> bool:
-        """Snapshot the state now and upload it in the background; False if disabled or stale.
+        """Snapshot the state now and upload it in the background; False if disabled, stale or skipped.
 
         Call it on every rank after the optimizer step of ``step``. It raises only when the state
-        cannot be serialised (a bug); storage and agent failures are reported, never raised.
+        cannot be copied (a bug); serialisation, storage and agent failures are reported
+        (``checkpoint.save_failed``: that checkpoint is aborted, training goes on), never raised.
+        With ``async_upload=False`` the copy is skipped: the state is serialised, uploaded and
+        reported before ``save`` returns.
         """
         if not self.enabled or self._closed or getattr(self.reporter, "stale", False):
             return False
@@ -218,12 +224,17 @@ class CheckpointManager:
                 return False
         self.wait()
         t1 = time.monotonic()
-        buffer = io.BytesIO()
-        torch.save(self.state.shard_state_dict(self.ctx.rank), buffer)
+        state = self.state.shard_state_dict(self.ctx.rank)
+        payload: io.BytesIO | dict[str, Any]
+        if self._async:
+            payload = host_copy(state)
+        else:
+            payload = io.BytesIO()
+            torch.save(state, payload)
         timing = (t1 - t0, time.monotonic() - t1)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-checkpoint")
-        self._pending = self._executor.submit(self._upload, step, buffer, timing)
+        self._pending = self._executor.submit(self._upload, step, payload, timing)
         if not self._async:
             self.wait()
         return True
@@ -254,17 +265,23 @@ class CheckpointManager:
         ask = getattr(self.reporter, "checkpoint_interval", None)
         return ask() if callable(ask) else None
 
-    def _upload(self, step: int, buffer: io.BytesIO, timing: tuple[float, float]) -> SaveRecord:
+    def _upload(self, step: int, payload: io.BytesIO | dict[str, Any], timing: tuple[float, float]) -> SaveRecord:
         key = self.shard_key(step)
         blocked_s, snapshot_s = timing
         started = time.monotonic()
         size, digest = 0, ""
+        buffer = payload if isinstance(payload, io.BytesIO) else io.BytesIO()
         try:
+            if not isinstance(payload, io.BytesIO):
+                torch.save(payload, buffer)  # the host copy, while training goes on
+                del payload
             with buffer.getbuffer() as view:
                 size, digest = view.nbytes, hashlib.sha256(view).hexdigest()
             buffer.seek(0)
             assert self.storage is not None
+            put_started = time.monotonic()
             info = self.storage.put_object(key, buffer, length=size)
+            put_s = time.monotonic() - put_started
             if info.size != size:
                 raise OSError(f"storage holds {info.size} bytes under {key}, {size} were sent")
         except Exception as exc:
@@ -284,7 +301,8 @@ class CheckpointManager:
             reported = self.reporter.shard(step=step, key=key, size_bytes=size, sha256=digest,
                                            blocking_s=blocking, background_s=time.monotonic() - started)
             record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
-                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, reported=reported)
+                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, put_s=put_s,
+                                reported=reported)
             log.info("checkpoint shard of step %d saved: %s (%d bytes, paused %.3fs, upload %.3fs)",
                      step, key, size, snapshot_s, upload_s)
         finally:
