@@ -166,3 +166,21 @@ def test_simulations_answer_and_refuse_clearly(client):
                 {**body, "node_mtbf_h": 0.001, "work_h": 100_000}):
         r = client.post("/v1/simulations", json=bad, headers=ADMIN)
         assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json", r.text
+
+
+def test_trainyard_simulate_prints_the_tables_and_fails_in_one_line(capsys):
+    from trainyard.cli import main
+
+    args = ["simulate", "--nodes", "64", "--node-mtbf-h", "1000", "--work-h", "50", "--blocking-s", "5",
+            "--background-s", "60", "--runs", "2"]
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "goodput by spare nodes" in out and "async against sync" in out
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--json"])
+    assert done.value.code == 0 and json.loads(capsys.readouterr().out)["modes"][0]["mode"] == "async"
+    with pytest.raises(SystemExit) as done:
+        main(["simulate", "--nodes", "64", "--blocking-s", "5"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and "node_mtbf_h" in err
