@@ -319,5 +319,10 @@ class CheckpointOut(BaseModel):
     shards: int = Field(description="Shards recorded so far.")
     manifest_key: str | None
     reason: str | None
+    blocking_s: float | None = Field(default=None, description="The longest any rank's loop was blocked by this save.")
+    background_s: float | None = Field(
+        default=None, description="The longest any rank's serialise, hash, upload and report took in the background.")
+    upload_bytes_per_s: float | None = Field(
+        default=None, description="size_bytes / background_s: the ranks' uploads together.")
     created_at: datetime
     committed_at: datetime | None

@@ -401,7 +401,9 @@ def checkpoints_out(session: Session, job_id: uuid.UUID) -> list[CheckpointOut]:
     return [
         CheckpointOut(id=str(c.id), step=c.step, attempt_id=str(c.attempt_id), attempt_number=number,
                       state=c.state, world_size=c.world_size, size_bytes=c.size_bytes, shards=n or 0,
-                      manifest_key=c.manifest_key, reason=c.reason, created_at=c.created_at,
-                      committed_at=c.committed_at)
+                      manifest_key=c.manifest_key, reason=c.reason, blocking_s=c.blocking_s,
+                      background_s=c.background_s,
+                      upload_bytes_per_s=round(c.size_bytes / c.background_s, 1) if c.background_s else None,
+                      created_at=c.created_at, committed_at=c.committed_at)
         for c, number, n in rows
     ]

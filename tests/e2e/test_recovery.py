@@ -63,6 +63,8 @@ def test_sigkill_mid_run_resumes_exactly(cluster):
     assert g["recovery_downtime_s"] == pytest.approx(first_new_step - killed_at, abs=1.5)
     assert 0 < g["lost_work_gpu_s"] < g["allocated_gpu_s"] and g["recovery_gpu_s"] > 0
     assert g["checkpoint_stall_gpu_s"] > 0  # every rank reported what its saves blocked
+    saved = _committed(cluster, job["id"])
+    assert saved and all(c["blocking_s"] > 0 and c["upload_bytes_per_s"] > 0 for c in saved)
     parts = sum(g[f"{c}_gpu_s"] for c in ("productive", "checkpoint_stall", "lost_work", "recovery", "hung",
                                          "startup", "other"))
     assert parts == pytest.approx(g["allocated_gpu_s"], rel=1e-3) and 0 < g["goodput"] < 1
