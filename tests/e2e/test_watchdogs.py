@@ -17,9 +17,9 @@ SETTINGS = {
     "TRAINYARD_WATCHDOG_INTERVAL_S": "0.5",
     "TRAINYARD_HANG_TIMEOUT_MIN_S": "8",
     "TRAINYARD_STRAGGLER_PERSIST_S": "2",
-    # A node failing every 36 s and a 0.05 s prior save: an interval of a few seconds.
+    # A node failing every 36 s and a 2 s prior save: about 8 s between saves until one is measured.
     "TRAINYARD_FAILURE_PRIOR_NODE_MTBF_H": "0.01",
-    "TRAINYARD_CHECKPOINT_AUTO_COST_PRIOR_S": "0.05",
+    "TRAINYARD_CHECKPOINT_AUTO_COST_PRIOR_S": "2",
     "TRAINYARD_CHECKPOINT_AUTO_MIN_S": "1",
 }
 
