@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -36,7 +36,7 @@ SUBMIT_EXAMPLE: dict[str, Any] = {
 class CheckpointSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    interval_steps: int | Literal["auto"] | None = Field(
+    interval_steps: Annotated[int, Field(ge=1, le=10_000_000)] | Literal["auto"] | None = Field(
         default=None, description="Save a complete checkpoint every N steps (1 to 10,000,000), or 'auto': the "
         "platform sets the interval by the Young/Daly rule from the job's measured save cost and the cluster's "
         "failure rate, and changes it as measurements arrive (docs/goodput.md).")
@@ -47,13 +47,6 @@ class CheckpointSettings(BaseModel):
     when_busy: Literal["wait", "skip"] = Field(
         default="wait", description="When a save comes while the previous one is still uploading: wait for it "
         "(training blocks), or skip this save (a checkpoint.skipped event).")
-
-    @field_validator("interval_steps")
-    @classmethod
-    def _interval(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, int) and not 1 <= v <= 10_000_000:
-            raise ValueError("interval_steps must be between 1 and 10,000,000, or 'auto'")
-        return v
 
 
 class WatchdogSettings(BaseModel):
