@@ -96,6 +96,11 @@ class Progress(BaseModel):
     step: int | None = None
     loss: float | None = None
     updated_at: datetime | None = Field(default=None, description="Time of the last report.")
+    metrics: dict[str, float] = Field(default_factory=dict, description=(
+        "The current attempt's last reported metrics: the measured split of a step, in seconds per "
+        "optimizer step and bytes (step_s, compute_s, comm_s: exposed communication, comm_busy_s, "
+        "comm_bytes; means over ranks and over the steps since the previous report), and whatever "
+        "else the script reports (lr, ...)."))
 
 
 class AttemptRef(BaseModel):
@@ -212,6 +217,7 @@ class AttemptOut(BaseModel):
     rendezvous: str
     restored_from_step: int | None
     progress_step: int | None = Field(description="The last step this attempt reported.")
+    progress_metrics: dict[str, float] = Field(description="The metrics of that report (see Progress.metrics).")
     recovery: RecoveryOut | None = Field(description="Set when this attempt replaced a failed one.")
     created_at: datetime
     started_at: datetime | None

@@ -9,9 +9,10 @@ duplicated or late report never moves a state backwards. See docs/architecture.m
 
 from __future__ import annotations
 
+import math
 import secrets
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -309,6 +310,19 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
         )
 
 
+MAX_METRICS = 32
+"""Metrics kept per progress report; a worker may report more, the rest (by name) are dropped."""
+MAX_METRIC_NAME = 64
+
+
+def progress_metrics(metrics: Mapping[str, float]) -> dict[str, float] | None:
+    """What is stored of a report's metrics: finite numbers (JSONB has no NaN or infinity; a
+    worker's diverged value must not fail the report) under short names, at most MAX_METRICS."""
+    kept = {name: float(value) for name, value in sorted(metrics.items())
+            if len(name) <= MAX_METRIC_NAME and math.isfinite(value)}
+    return dict(list(kept.items())[:MAX_METRICS]) or None
+
+
 def apply_status(
     session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport
 ) -> tuple[Attempt, AttemptNode]:
@@ -328,6 +342,7 @@ def apply_status(
         job.progress_step = report.progress.step
         job.progress_loss = report.progress.loss
         job.progress_at = report.progress.at
+        attempt.progress_metrics = progress_metrics(report.progress.metrics)
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
     # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank.

@@ -3,6 +3,8 @@ lease release only after processes are gone, duplicates and reordering."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
@@ -111,6 +113,31 @@ def test_duplicate_and_reordered_reports_never_move_backwards(client, schedule, 
     attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
     part = next(n for n in attempts[0]["nodes"] if n["node_rank"] == sa["node_rank"])
     assert part["state"] == "running" and {w["state"] for w in part["workers"]} == {"running"}
+
+
+def test_progress_metrics_are_kept_per_attempt_and_shown_in_the_job_view(client, schedule, two_nodes):
+    a, b = two_nodes
+    job, (sa, sb) = _start(client, schedule, two_nodes)
+    split = {"step_s": 0.5, "compute_s": 0.4, "comm_s": 0.1, "comm_bytes": 2.5e6, "lr": 3e-4}
+
+    def progress(step: int, metrics: dict[str, float]) -> dict:
+        return {"step": step, "loss": 2.0, "at": "2026-12-02T10:00:00Z", "metrics": metrics}
+
+    a.status(sa, "running", workers=workers_for(sa, "running"), progress=progress(10, split))
+    # A diverged value or an absurd name from a worker is dropped, not a failed report (JSONB
+    # holds no NaN or infinity).
+    odd = {**split, "comm_s": float("nan"), "step_s": float("inf"), "x" * 65: 1.0}
+    body = {"fencing_token": sa["fencing_token"], "node_rank": sa["node_rank"], "state": "running",
+            "workers": workers_for(sa, "running"), "progress": progress(20, odd)}
+    sent = client.post(f"/v1/agent/attempts/{sa['attempt_id']}/status", content=json.dumps(body),  # NaN, Infinity
+                       headers={**a.headers, "Content-Type": "application/json"})
+    assert sent.status_code == 200, sent.text
+    a.status(sa, "running", workers=workers_for(sa, "running"), progress=progress(5, {"comm_s": 9.0}))  # late
+    view = _job(client, job["id"])
+    assert view["progress"]["step"] == 20
+    assert view["progress"]["metrics"] == {"compute_s": 0.4, "comm_bytes": 2.5e6, "lr": 3e-4}
+    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    assert attempt["progress_metrics"] == view["progress"]["metrics"]
 
 
 def test_delayed_heartbeat_is_ignored(client, schedule, two_nodes):
