@@ -345,7 +345,8 @@ def apply_status(
         attempt.progress_metrics = progress_metrics(report.progress.metrics)
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
-    # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank.
+    # Global rank 0 reports the result: on node rank 0 (node_agent/launcher.py pins torchrun's
+    # node order), but a report is taken from whichever node sends it.
     if report.result is not None and job.result is None:
         job.result = report.result
     session.flush()
