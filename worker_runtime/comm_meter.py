@@ -199,8 +199,9 @@ class CommMeter:
     def _split(self, step: _Step) -> StepSplit:
         assert step.end is not None
         if self.cuda:
-            assert isinstance(step.end, torch.cuda.Event)
-            step.end.synchronize()
+            # Every event of the step, on every stream, has completed (elapsed_time needs it); once
+            # per reporting window.
+            torch.cuda.synchronize()
         step_s = self._seconds(step.start, step.end)
         spans = sorted((self._seconds(step.start, i.start), self._seconds(step.start, i.end))
                        for i in step.intervals if i.end is not None)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from trainyard.protocol.layout import METRIC_COMM_S, METRIC_STEP_S
 from worker_runtime import (
     CheckpointManager,
     DataPosition,
@@ -82,6 +83,8 @@ class Config:
     """Crash by SIGKILL to itself (exit code -9) rather than exit code 3."""
     crash_once: bool = False
     """Crash only in the first run: Trainyard attempt 1, or torchrun's first worker group."""
+    bf16: bool = False
+    """Forward and backward under bf16 autocast (weights, optimizer and reductions stay fp32)."""
 
     def __post_init__(self) -> None:
         if min(self.steps, self.batch_size, self.seq_len, self.d_model, self.layers, self.log_every) < 1:
@@ -171,8 +174,9 @@ class Trainer:
             for micro in range(accum):
                 x, y = self.batches.next(self.device)
                 with self.parallel.micro_step(micro):
-                    logits = self.ddp(x)
-                    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+                    with torch.autocast(self.device.type, torch.bfloat16, enabled=self.cfg.bf16):
+                        logits = self.ddp(x)
+                        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
                     (loss / accum if accum > 1 else loss).backward()
                 total += loss.detach()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -242,7 +246,11 @@ class Trainer:
                 reporter.progress(step, loss=mean, lr=lr, **metrics)
                 if self.ctx.is_main:
                     elapsed = time.monotonic() - started
-                    print(f"step {step}/{until} loss {mean:.4f} lr {lr:.2e} {elapsed:.1f}s", flush=True)
+                    split = ""
+                    if metrics.get(METRIC_STEP_S):  # the measured split of the steps since the last line
+                        split = (f" | {metrics[METRIC_STEP_S] * 1e3:.1f} ms/step,"
+                                 f" {metrics[METRIC_COMM_S] / metrics[METRIC_STEP_S]:.0%} communication")
+                    print(f"step {step}/{until} loss {mean:.4f} lr {lr:.2e} {elapsed:.1f}s{split}", flush=True)
                 if stop:
                     return None
         return {
@@ -263,6 +271,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL rather than exit code 3")
     parser.add_argument("--crash-once", action="store_true", help="crash only in the first attempt")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast for forward and backward")
     parser.add_argument("--step-delay-s", type=float, default=defaults.step_delay_s)
     parser.add_argument("--ckpt-upload-delay-s", type=float, default=defaults.ckpt_upload_delay_s)
     args = parser.parse_args(argv)
