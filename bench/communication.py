@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -62,7 +63,6 @@ EXTRA: dict[str, dict[str, Any]] = {
     "hsdp 2x2": {"kind": "hsdp"},
 }
 """Layouts measured on the largest world only (4 workers on 2 nodes)."""
-FIRST_BUCKET = 1 << 20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 TARGET = 0.25
 
 
@@ -150,7 +150,7 @@ def predict(layout: dict[str, Any], m: dict[str, Any], world: dict[str, Any],
     if kind == "ddp":
         payload = {"none": grad, "fp16": grad / 2, "bf16": grad / 2,
                    "powersgd": powersgd_bytes(m["shapes"])}[compression]
-        buckets = 1 + max(0, int((grad - FIRST_BUCKET) // (layout.get("ddp_bucket_mb", 25.0) * 2**20)) + 1)
+        buckets = math.ceil(grad / (layout.get("ddp_bucket_mb", 25.0) * 2**20))
         calls = buckets * (3 if compression == "powersgd" else 1)  # PowerSGD: P, Q and the raw tensors
         return {"bytes": payload, "compute": compute, "comm": all_reduce_s(payload, n, alpha, bw, calls)}
     blocks = [4.0 * u for u in m["unit_params"]]

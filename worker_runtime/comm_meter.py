@@ -73,6 +73,7 @@ class StepSplit:
     comm_s: float
     comm_busy_s: float
     comm_bytes: int
+    collectives: int = 0
 
     @property
     def compute_s(self) -> float:
@@ -217,7 +218,7 @@ class CommMeter:
             exposed = step.exposed_tail_s + sum(
                 self._seconds(i.start, i.end) for i in step.intervals if i.blocking and i.end is not None)
         return StepSplit(step_s=step_s, comm_s=min(step_s, exposed), comm_busy_s=min(step_s, busy),
-                         comm_bytes=sum(i.nbytes for i in step.intervals))
+                         comm_bytes=sum(i.nbytes for i in step.intervals), collectives=len(step.intervals))
 
     @staticmethod
     def _seconds(start: Marker, end: Marker | None) -> float:

@@ -4,9 +4,12 @@ the layouts under torchrun are in test_tiny_gpt.py)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from trainyard.protocol.layout import METRIC_COMM_BYTES, METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
 from worker_runtime import WorkerContext
@@ -108,3 +111,33 @@ def test_meter_summary_averages_the_window() -> None:
     summary = meter.summary()
     assert summary[METRIC_COMM_BYTES] == 200
     assert set(summary) == {METRIC_STEP_S, METRIC_COMPUTE_S, METRIC_COMM_S, METRIC_COMM_BUSY_S, METRIC_COMM_BYTES}
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[WorkerContext]:
+    """A real gloo process group of one rank in this process (DDP wraps and runs its hooks)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield WorkerContext(device="cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_takes_the_layouts_bucket_size_and_compression(one_rank_group: WorkerContext) -> None:
+    def one_step(layout: Layout) -> tuple[int, int]:
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=32, max_len=8, d_model=32, layers=2, heads=2)
+        params = sum(p.numel() for p in model.parameters())
+        parallel = apply_layout(model, one_rank_group, layout)
+        parallel.settle(torch.zeros(1, 8, dtype=torch.long))  # DDP's first backward is one bucket
+        with parallel.meter.step(), parallel.micro_step(0):
+            parallel.module(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+        [split] = parallel.meter.splits()
+        assert split.comm_bytes == params * (2 if layout.compression in ("fp16", "bf16") else 4)
+        del parallel  # DDP goes before its process group
+        return split.collectives, params
+
+    buckets, params = one_step(Layout())  # 25 MiB: the whole model in one bucket
+    small, _ = one_step(Layout(ddp_bucket_mb=4 * params / 4 / 2**20))  # about a quarter of it
+    assert buckets == 1 and small >= 4
+    assert one_step(Layout(compression="fp16"))[0] == 1
