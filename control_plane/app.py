@@ -17,7 +17,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import clock
-from control_plane.api import agent, health, jobs, nodes, tenants
+from control_plane.api import agent, health, jobs, nodes, plans, tenants
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TrainyardError, Unauthorized
 from control_plane.logging import configure_logging
@@ -205,6 +205,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, tenants, agent):
+    for module in (health, jobs, nodes, tenants, plans, agent):
         app.include_router(module.router)
     return app

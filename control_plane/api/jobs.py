@@ -26,10 +26,14 @@ def submit_job(
     response: Response,
     session: SessionDep,
     principal: PrincipalDep,
+    settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)] = None,
 ) -> JobOut:
-    """Queue a job. A retry with the same `Idempotency-Key` returns the same job (200)."""
-    job, created = jobs.submit(session, body, principal=principal.name, idempotency_key=idempotency_key)
+    """Queue a job. A retry with the same `Idempotency-Key` returns the same job (200). A job with a
+    `model` block is planned first: 422 with the numbers when its layout does not fit in GPU memory;
+    a `job.plan_warning` event when fewer GPUs would give more tokens/s, or more per GPU."""
+    job, created = jobs.submit(session, body, principal=principal.name, idempotency_key=idempotency_key,
+                               plan_min_efficiency=settings.plan_min_efficiency)
     if created:
         runtime.wake_scheduler()
     else:

@@ -6,9 +6,11 @@ import re
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from control_plane.schemas.plans import JobModelIn, JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
+from trainyard.protocol.layout import APPLIED_KINDS, Layout
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_BYTES = 32 * 1024
@@ -62,6 +64,34 @@ class JobSubmit(BaseModel):
     tenant: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9-]*$")
     time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400)
     gpu_kind: str | None = Field(default=None, max_length=128, description="Require this GPU model.")
+    model: JobModelIn | None = Field(default=None, description=(
+        "What the job trains: the job is planned at submit (docs/planner.md), refused (422, with the numbers) "
+        "when its layout does not fit in GPU memory, and warned about (an event) when fewer GPUs would do "
+        "better. The plan is shown with the job."))
+    layout: Layout | None = Field(default=None, description=(
+        "The parallel layout the workers apply (TRAINYARD_LAYOUT); default: DDP without accumulation."))
+
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, layout: Layout | None, info: ValidationInfo) -> Layout | None:
+        if layout is None:
+            return None
+        if layout.kind not in APPLIED_KINDS:
+            raise ValueError(f"layout {layout.kind} is planned only: the worker runtime applies "
+                             f"{', '.join(sorted(APPLIED_KINDS))} (POST /v1/plans plans {layout.kind})")
+        if layout.compression != "none" and layout.kind != "ddp":
+            raise ValueError(f"gradient compression applies to ddp only, not {layout.kind}")
+        if layout.kind == "hsdp" and layout.shard_size is not None:
+            node = info.data.get("gpus_per_node")
+            nodes = info.data.get("num_nodes")
+            if node is None or nodes is None:
+                return layout  # those fields are invalid themselves: their errors say so
+            size, gpus = layout.shard_size, nodes * node
+            whole = node % size == 0 if size <= node else size % node == 0
+            if gpus % size or not whole:
+                raise ValueError(f"hsdp shard_size {size} must divide the job's {gpus} GPUs and be a divisor "
+                                 f"or a multiple of gpus_per_node {node}")
+        return layout
 
     @field_validator("entrypoint")
     @classmethod
@@ -103,6 +133,25 @@ class Progress(BaseModel):
         "else the script reports (lr, ...)."))
 
 
+class StepSplitOut(BaseModel):
+    """One optimizer step split into compute and exposed (not overlapped) communication, seconds."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float
+    comm_share: float = Field(description="comm_s / step_s.")
+
+
+class SplitOut(BaseModel):
+    """The plan's predicted step next to the step the workers measured."""
+
+    predicted: StepSplitOut | None = Field(description="From the plan's row for the job's own count "
+                                           "(compute_s, exposed_comm_s, step_s); null without a plan.")
+    measured: StepSplitOut | None = Field(description="From the current attempt's progress.metrics; null until "
+                                          "the workers report them.")
+    step_ratio: float | None = Field(description="measured / predicted step time.")
+
+
 class AttemptRef(BaseModel):
     id: str
     number: int
@@ -133,7 +182,11 @@ class JobOut(BaseModel):
     failures: int
     time_limit_s: int | None
     gpu_kind: str | None
+    model: dict[str, Any] | None = Field(default=None, description="The model block the job was submitted with.")
+    layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
+    plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
     progress: Progress
+    split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None
     end_reason: str | None
     current_attempt: AttemptRef | None

@@ -6,6 +6,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
+import structlog
+from pydantic import ValidationError
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session, selectinload
 
@@ -31,13 +33,19 @@ from control_plane.schemas.jobs import (
     JobOut,
     Progress,
     RecoveryOut,
+    SplitOut,
+    StepSplitOut,
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
+from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.services import reservations, tenants
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
+from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
+
+log = structlog.get_logger("trainyard.views")
 
 
 def _s(value: uuid.UUID | None) -> str | None:
@@ -76,6 +84,8 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 for p in attempt.nodes
                 if p.released_at is None
             ]
+        plan = _stored_plan(job)
+        metrics = (attempt.progress_metrics if attempt is not None else None) or {}
         out.append(
             JobOut(
                 id=str(job.id),
@@ -93,8 +103,12 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 failures=job.failures,
                 time_limit_s=job.time_limit_s,
                 gpu_kind=job.gpu_kind,
+                model=job.model,
+                layout=Layout.model_validate(job.layout) if job.layout else None,
+                plan=plan,
                 progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at,
-                                  metrics=(attempt.progress_metrics if attempt is not None else None) or {}),
+                                  metrics=metrics),
+                split=step_split(plan, metrics),
                 result=job.result,
                 end_reason=job.end_reason,
                 current_attempt=AttemptRef(id=str(attempt.id), number=attempt.number, state=attempt.state,
@@ -110,6 +124,33 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             )
         )
     return out
+
+
+def step_split(plan: JobPlanOut | None, metrics: dict[str, float]) -> SplitOut:
+    """The plan's row for the job's count beside the measured metrics (METRIC_* names)."""
+    row = plan.row if plan is not None else None
+    predicted = measured = None
+    if row is not None and row.step_s and row.compute_s is not None and row.exposed_comm_s is not None:
+        predicted = StepSplitOut(step_s=row.step_s, compute_s=row.compute_s, comm_s=row.exposed_comm_s,
+                                 comm_share=row.exposed_comm_s / row.step_s)
+    step, comm = metrics.get(METRIC_STEP_S), metrics.get(METRIC_COMM_S)
+    if step and step > 0 and comm is not None:
+        measured = StepSplitOut(step_s=step, compute_s=metrics.get(METRIC_COMPUTE_S, step - comm), comm_s=comm,
+                                comm_share=comm / step)
+    ratio = measured.step_s / predicted.step_s if measured and predicted else None
+    return SplitOut(predicted=predicted, measured=measured, step_ratio=ratio)
+
+
+def _stored_plan(job: Job) -> JobPlanOut | None:
+    """The plan stored at submit. One stored by another version that no longer reads is left out
+    (the job runs regardless), never a 500."""
+    if not job.plan:
+        return None
+    try:
+        return JobPlanOut.model_validate(job.plan)
+    except ValidationError:
+        log.warning("stored plan does not read; left out of the job view", job_id=str(job.id))
+        return None
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,8 @@ def test_progress_metrics_are_kept_per_attempt_and_shown_in_the_job_view(client,
     assert view["progress"]["metrics"] == {"compute_s": 0.4, "comm_bytes": 2.5e6, "lr": 3e-4}
     [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
     assert attempt["progress_metrics"] == view["progress"]["metrics"]
+    # Without step_s and comm_s there is no measured split; without a model, no predicted one.
+    assert view["split"] == {"predicted": None, "measured": None, "step_ratio": None}
 
 
 def test_delayed_heartbeat_is_ignored(client, schedule, two_nodes):

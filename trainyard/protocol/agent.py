@@ -42,6 +42,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from trainyard.protocol.layout import Layout
+
 AGENT_API_PREFIX = "/v1/agent"
 
 
@@ -193,6 +195,11 @@ class LaunchSpec(_Wire):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     checkpoint: dict[str, Any] = Field(default_factory=dict)
+    layout: Layout | None = Field(
+        default=None,
+        description="The job's parallel layout, passed to workers as TRAINYARD_LAYOUT (JSON); None: plain DDP. "
+        "A few fields, the same on every node: the spec does not grow with the world size.",
+    )
     restore_from: RestorePlan | None = Field(
         default=None,
         description="Restore plan: references to at most RESTORE_CANDIDATES_MAX usable checkpoints "
