@@ -5,7 +5,9 @@ every layout asked for and measure them with the worker runtime's own meter.
 
 Calibration, on every rank at once (so a rank's share of the CPU cores is what it is when training):
 - the FLOP rate of a matmul of the model's MLP shape;
-- an all-reduce sweep (4 KiB to 8 MiB): the mean time per all-reduce at each size.
+- an all-reduce sweep (4 KiB to 8 MiB): the mean time per all-reduce at each size;
+- the model's step without collectives (its FLOP rate, hence the MFU on this CPU) and the wait for
+  the slowest rank after it.
 
 Then, per layout: TinyGPT from one seed, wrapped by ``worker_runtime.layouts.apply_layout``,
 ``--warmup`` steps, then ``--steps`` measured steps (worker_runtime.comm_meter: step time, exposed
@@ -77,6 +79,30 @@ def all_reduce_sweep(rounds: int = 3, reps: int = 4) -> list[list[float]]:
     return out
 
 
+def probe_compute(args: argparse.Namespace, ctx: WorkerContext, steps: int = 6) -> dict[str, float]:
+    """The model's own step without any collective (forward, backward, optimizer), every rank at
+    once, and the wait for the slowest rank after it (a barrier): the compute a layout adds its
+    communication to, and the skew every first collective of a step absorbs."""
+    torch.manual_seed(0)
+    model = TinyGPT(args.vocab, args.seq, args.d_model, args.layers, args.heads)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(ctx.rank))
+    compute, wait = [], []
+    for i in range(2 + steps):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        done = time.perf_counter()
+        dist.barrier()
+        if i >= 2:
+            compute.append(done - started)
+            wait.append(time.perf_counter() - done)
+    compute_s, wait_s = _mean_over_ranks([sum(compute) / steps, sum(wait) / steps])
+    return {"compute_s": compute_s, "wait_s": wait_s, "tokens": args.batch * args.seq}
+
+
 def measure(ctx: WorkerContext, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TinyGPT(args.vocab, args.seq, args.d_model, args.layers, args.heads)
@@ -131,6 +157,7 @@ def main() -> None:
             "local_world_size": ctx.local_world_size,
             "flops": matmul_rate(args.batch * args.seq, args.d_model, 4 * args.d_model),
             "sweep": all_reduce_sweep() if ctx.world_size > 1 else [],
+            "probe": probe_compute(args, ctx),
             "layouts": {},
         }
         for item in json.loads(args.layouts):
