@@ -71,6 +71,8 @@ EXTRA: dict[str, dict[str, Any]] = {
     "hsdp 2x2": {"kind": "hsdp"},
 }
 """Layouts measured on the largest world only (4 workers on 2 nodes)."""
+LIKE = {"ddp, fp16": "ddp", "ddp, bf16": "ddp", "ddp, powersgd r1": "ddp", "fsdp, accum 4": "fsdp", "hsdp 2x2": "fsdp"}
+"""The baseline layout whose 1-worker compute overhead an extra layout is taken to have."""
 TARGET = 0.25
 MODEL = {"vocab": 256, "seq": 32, "batch": 2, "d_model": 256, "layers": 2, "heads": 4}
 """TinyGPT's shape and the batch per rank per micro-step (bench/communication_worker.py)."""
@@ -202,6 +204,10 @@ def predict(layout: dict[str, Any], m: dict[str, Any], world: dict[str, Any],
 HITS: list[bool] = []
 
 
+def with_overhead(calib: dict[str, float], overhead: float) -> dict[str, float]:
+    return {**calib, "mfu": calib["mfu"] / overhead}
+
+
 def planned(layout: dict[str, Any], m: dict[str, Any], world: dict[str, Any],
             calib: dict[str, float]) -> tuple[float, float]:
     """(step, exposed communication) seconds: the planner's row without overlap (gloo on CPU runs
@@ -256,19 +262,31 @@ def main() -> None:
         print(f"| {workers} x {nodes} | {world['flops'] / 1e9:.1f} GFLOP/s | {mfu:.0%} | {alpha_text} | {bw_text} "
               f"| {wait * 1e3:.1f} ms |")
 
+    # A layout's own compute cost beyond the bare model's (FSDP2's copies and DTensor dispatch, DDP's
+    # buckets and hook), per token, from the 1-worker run: the planner's one MFU for all layouts
+    # would miss it (docs/planner.md, "Limits").
+    solo, probe1 = worlds[1, 1]["layouts"], worlds[1, 1]["probe"]
+    overhead = {name: (solo[name]["step_s"] - solo[name]["comm_s"]) / solo[name]["tokens_per_rank"]
+                / (probe1["compute_s"] / probe1["tokens"]) for name in BASE}
+    print("\n1-worker compute per token against the bare model's: "
+          + ", ".join(f"{name} {x:.2f}x" for name, x in overhead.items()))
+
     print("\n| workers x nodes | layout | step measured | planner | error "
           "| comm share measured | planner | error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for (workers, nodes), world in worlds.items():
         for name, layout in BASE.items():
             m = world["layouts"][name]
-            step_p, comm_p = planned(layout, m, world, calibs[workers, nodes])
+            step_p, comm_p = planned(layout, m, world, with_overhead(calibs[workers, nodes], overhead[name]))
             share_m, share_p = m["comm_s"] / m["step_s"], comm_p / step_p
-            share_err = _err(share_m, share_p) if workers > 1 else "-"
+            if workers == 1:  # the baseline each layout's overhead is taken from
+                print(f"| 1 x 1 | {name} | {m['step_s'] * 1e3:.0f} ms | {step_p * 1e3:.0f} ms | baseline "
+                      f"| {share_m:.0%} | - | - |")
+                continue
             print(f"| {workers} x {nodes} | {name} | {m['step_s'] * 1e3:.0f} ms | {step_p * 1e3:.0f} ms | "
-                  f"{_err(m['step_s'], step_p)} | {share_m:.0%} | {share_p:.0%} | {share_err} |")
+                  f"{_err(m['step_s'], step_p)} | {share_m:.0%} | {share_p:.0%} | {_err(share_m, share_p)} |")
 
-    print(f"\nwithin {TARGET:.0%} of the measurement: {sum(HITS)} of {len(HITS)} predictions")
+    print(f"\nwithin {TARGET:.0%} of the measurement: {sum(HITS)} of {len(HITS)} predictions (2 and 4 workers)")
 
     world = worlds[TOPOLOGIES[-1]]
     ddp_step = world["layouts"]["ddp"]["step_s"]
@@ -280,7 +298,8 @@ def main() -> None:
             print(f"| {name} | not run: {m['error']} | | | | | |")
             continue
         p = predict(layout, m, world, calibs[TOPOLOGIES[-1]])
-        step_p, comm_p = planned(layout, m, world, calibs[TOPOLOGIES[-1]])
+        step_p, comm_p = planned(layout, m, world,
+                                 with_overhead(calibs[TOPOLOGIES[-1]], overhead[LIKE.get(name, name)]))
         print(f"| {name} | {m['comm_bytes'] / 1e6:.2f} MB | {p['bytes'] / 1e6:.2f} MB | {m['step_s'] * 1e3:.0f} ms | "
               f"{m['step_s'] / ddp_step:.2f} | {m['comm_s'] / m['step_s']:.0%} | {comm_p / step_p:.0%} |")
     print(f"\n{time.monotonic() - started:.0f} s in all", file=sys.stderr)
