@@ -13,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from trainyard import cli_access
+
 app = typer.Typer(
     name="trainyard",
     help="Self-hosted multi-node GPU training: control plane, node agents, and a local dev cluster.",
@@ -22,6 +24,10 @@ app = typer.Typer(
 )
 dev_app = typer.Typer(help="A complete cluster on this machine, for trying Trainyard out.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
+app.add_typer(cli_access.principals_app, name="principals")
+app.add_typer(cli_access.tokens_app, name="tokens")
+app.add_typer(cli_access.join_app, name="join-tokens")
+app.command("whoami")(cli_access.whoami)
 
 
 class CliError(Exception):
@@ -89,7 +95,6 @@ def migrate(
 @app.command()
 def agent(
     control_plane: Annotated[str, typer.Option(help="Control-plane URL, e.g. http://10.0.0.1:8000.")],
-    join_token: Annotated[str, typer.Option(help="The cluster's join token.", envvar="TRAINYARD_JOIN_TOKEN")],
     name: Annotated[str, typer.Option(help="Node name, unique in the cluster.")],
     address: Annotated[str, typer.Option(help="Address other nodes reach this node at.")],
     virtual_gpus: Annotated[
@@ -101,15 +106,19 @@ def agent(
         typer.Option(help="Agent state directory. Default: ./.trainyard/agent-NAME.", show_default=False),
     ] = None,
     label: Annotated[list[str] | None, typer.Option(help="Topology label k=v (repeatable).")] = None,
+    join_token_file: Annotated[Path | None, typer.Option(
+        help="File holding a join token (default: the TRAINYARD_JOIN_TOKEN variable). Needed for the first "
+        "registration only: the agent keeps its node credential in its work dir.", show_default=False)] = None,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
     from node_agent.agent import AgentConfig, run_agent
+    from node_agent.config import read_join_token
 
     try:
         config = AgentConfig(
             control_plane_url=control_plane,
-            join_token=join_token,
+            join_token=read_join_token(join_token_file),
             name=name,
             address=address,
             virtual_gpus=virtual_gpus,
@@ -205,9 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         if message:  # empty after "no arguments: here is the help"
             print(f"trainyard: error: {message}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except CliError as exc:
+    except (CliError, cli_access.AccessError) as exc:
         print(f"trainyard: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        sys.exit(exc.code)
+        sys.exit(exc.code if isinstance(exc, CliError) else 1)
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(result if isinstance(result, int) else 0)

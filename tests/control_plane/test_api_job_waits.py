@@ -101,7 +101,7 @@ def test_cancel_ends_even_when_a_node_of_the_attempt_is_lost(clock, app, client,
     agents[1].heartbeat([])  # back, its workers gone
     view = get_job(client, job["id"])
     assert view["leases_held"] == 0 and view["releasing"] is False and _held(client, "node-2") == []
-    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["state"] == "ended"
 
 
