@@ -12,14 +12,13 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import clock
 from control_plane.api import agent, health, jobs, join_tokens, nodes, principals, tenants
-from control_plane.api.deps import route_policy
+from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthorized
 from control_plane.limits_http import BodyLimit
@@ -222,8 +221,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def _document_policies(app: FastAPI) -> None:
     """Each operation's policy and roles in the OpenAPI document (x-trainyard-policy)."""
-    for route in app.routes:
-        if isinstance(route, APIRoute) and (policy := route_policy(route)) is not None:
+    for route in api_routes(app.routes):
+        if (policy := route_policy(route)) is not None:
             route.openapi_extra = {**(route.openapi_extra or {}), "x-trainyard-policy": {
                 "name": policy.name, "credential": policy.credential, "roles": sorted(policy.roles),
                 "tenant_scoped": policy.tenant_scoped}}

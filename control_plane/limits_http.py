@@ -1,8 +1,9 @@
 """A request body limit for the whole API (settings.max_request_bytes): 413 problem+json.
 
 A pure ASGI middleware: a declared Content-Length over the limit is refused before anything is
-read, and a body sent without one (chunked) is counted as it arrives and refused once it passes
-the limit, so no request can make a replica buffer more than the limit."""
+read (the server then delivers no more than it declared), and a body sent without one (chunked) is
+read here as it arrives and refused once it passes the limit, so no request can make a replica
+buffer more than the limit."""
 
 from __future__ import annotations
 
@@ -12,10 +13,6 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane.errors import PROBLEM_JSON
-
-
-class BodyTooLarge(Exception):
-    pass
 
 
 class BodyLimit:
@@ -31,29 +28,24 @@ class BodyLimit:
         if declared is not None and (declared < 0 or declared > self.max_bytes):
             await self._refuse(scope, send, declared)
             return
-        seen = 0
-        started = False
-
-        async def counted() -> Message:
-            nonlocal seen
+        if declared is not None:
+            await self.app(scope, receive, send)  # the server delivers no more than it declares
+            return
+        # No Content-Length (chunked): read it here, up to the limit, then hand it over whole.
+        body = bytearray()
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge
-            return message
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, counted, tracked)
-        except BodyTooLarge:
-            if not started:
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
                 await self._refuse(scope, send, None)
+                return
+            if not message.get("more_body", False):
+                break
+        whole: Message = {"type": "http.request", "body": bytes(body), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
 
     async def _refuse(self, scope: Scope, send: Send, declared: int | None) -> None:
         size = f"{declared} bytes" if declared is not None and declared >= 0 else "more"
@@ -69,6 +61,15 @@ class BodyLimit:
                    (b"connection", b"close")]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -217,6 +217,24 @@ class Declared:
 
 
 PUBLIC = Depends(Declared("public"))
+
+
+def api_routes(routes: Iterable[Any]) -> Iterator[APIRoute]:
+    """Every APIRoute of an app's route table, also those of included routers (which FastAPI keeps
+    as included-router entries, each with its ``original_router``)."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            yield route
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from api_routes(inner.routes)
+
+
+def other_routes(routes: Iterable[Any]) -> Iterator[Any]:
+    """The routes that are neither API routes nor included routers (FastAPI's documentation pages)."""
+    for route in routes:
+        if not isinstance(route, APIRoute) and getattr(route, "original_router", None) is None:
+            yield route
 
 
 def route_policy(route: APIRoute) -> authz.Policy | None:

@@ -24,7 +24,7 @@ class PrincipalIn(BaseModel):
 
     name: str = Field(min_length=1, max_length=128, pattern=PRINCIPAL_NAME)
     tenant: str = Field(min_length=1, max_length=128, pattern=TENANT_NAME)
-    role: Role
+    role: Role = Field(strict=False, description="admin, operator, member or viewer (docs/security.md).")
     token_ttl_s: int | None = Field(default=None, ge=60, le=TOKEN_TTL_MAX_S,
                                     description="Lifetime of the first token; null: until revoked.")
 
@@ -33,7 +33,7 @@ class PrincipalOut(BaseModel):
     id: str
     name: str
     tenant: str
-    role: Role
+    role: Role = Field(strict=False, description="admin, operator, member or viewer (docs/security.md).")
     created_by: str
     created_at: datetime
     disabled_at: datetime | None
@@ -43,7 +43,7 @@ class PrincipalOut(BaseModel):
 class WhoAmI(BaseModel):
     name: str
     tenant: str
-    role: Role
+    role: Role = Field(strict=False, description="admin, operator, member or viewer (docs/security.md).")
     token_id: str | None = Field(description="The token used; null for the bootstrap admin token.")
 
 
