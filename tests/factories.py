@@ -56,8 +56,10 @@ class FakeAgentSession:
     """
 
     def __init__(self, client: TestClient, name: str, gpus: int = 2, instance: str = "i1",
-                 kind: str = "virtual-cpu") -> None:
-        reg = register_node(client, name, gpus, kind=kind)
+                 kind: str = "virtual-cpu", credential: str | None = None) -> None:
+        """``credential``: the node's own, to register a registered node again (as its agent does)."""
+        reg = register_node(client, name, gpus, kind=kind, token=credential or JOIN_TOKEN)
+        self.token = reg["node_token"]
         self.client = client
         self.name = name
         self.node_id = reg["node_id"]

@@ -365,7 +365,9 @@ def test_restarted_agent_adopts_and_outage_keeps_workers(agents: Agents, plane: 
 
 
 def test_cli_runs_until_sigterm_and_stops_its_workers(agents: Agents, plane: FakeControlPlane, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "node_agent", "--control-plane", plane.url, "--join-token", plane.join_token]
+    token_file = tmp_path / "join-token"
+    token_file.write_text(plane.join_token + "\n")
+    cmd = [sys.executable, "-m", "node_agent", "--control-plane", plane.url, "--join-token-file", str(token_file)]
     cmd += ["--name", "cli-node", "--address", "127.0.0.3", "--virtual-gpus", "1", "--label", "rack=r9"]
     cmd += ["--work-dir", str(tmp_path / "cli-agent"), "--stop-grace", "1"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL)
