@@ -46,6 +46,7 @@ class FakeControlPlane:
         self.lock = threading.Lock()
         self.node_ids: dict[str, str] = {}
         self.tokens: dict[str, str] = {}  # node token -> node name
+        self.registered_with: list[str] = []  # "join" or "credential", per registration
         self.registrations: list[RegisterRequest] = []
         self.assignments: dict[str, list[LaunchSpec]] = defaultdict(list)
         self.heartbeats: list[tuple[str, HeartbeatRequest]] = []
@@ -145,9 +146,11 @@ class FakeControlPlane:
             return 503, {"title": "Service Unavailable", "status": 503}
         with self.lock:
             if path == "/v1/agent/register":
-                if token != self.join_token:
-                    return 401, {"title": "Unauthorized", "status": 401}
                 req = RegisterRequest.model_validate_json(body)
+                # The join token, or the node's own credential (as the real control plane).
+                if token != self.join_token and self.tokens.get(token) != req.name:
+                    return 401, {"title": "Unauthorized", "status": 401}
+                self.registered_with.append("join" if token == self.join_token else "credential")
                 self.registrations.append(req)
                 node_id = self.node_ids.setdefault(req.name, f"node-{uuid.uuid4().hex[:8]}")
                 node_token = f"tok-{uuid.uuid4().hex}"
