@@ -559,6 +559,7 @@ class Agent:
                 with self._runs_lock:
                     self._runs.pop(run.attempt_id, None)
                 self.reports.unregister(run.attempt_id)
+                self._refused_reports.pop(run.attempt_id, None)
                 self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
         return self.config.poll_interval_s
 
@@ -579,6 +580,7 @@ class Agent:
         run.log.warning("attempt_stale", error=str(exc))
         run.stale = True
         self.reports.unregister(run.attempt_id)
+        self._refused_reports.pop(run.attempt_id, None)
         dropped = self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, f"stale attempt: {exc}")
         if dropped:
             run.log.warning("outbox_dropped_stale", items=dropped)

@@ -70,6 +70,7 @@ class FakeControlPlane:
         self.refuse_status: set[str] = set()
         """Attempts whose status reports get a 503 (heartbeats still answered)."""
         self.reject_status: set[str] = set()
+        self.rejected: dict[str, int] = defaultdict(int)  # status reports answered 422, per attempt
         """Attempts whose status reports get a 422 (an answer: resending will not help)."""
         self.down = False
         self._server = ThreadingHTTPServer((host, port), self._handler())
@@ -186,6 +187,7 @@ class FakeControlPlane:
             if kind == "status" and attempt_id in self.refuse_status:
                 return 503, {"title": "Service Unavailable", "status": 503}
             if kind == "status" and attempt_id in self.reject_status:
+                self.rejected[attempt_id] += 1
                 return 422, {"title": "Unprocessable Entity", "status": 422}
             if kind == "status":
                 report = AttemptStatusReport.model_validate_json(body)
