@@ -29,7 +29,7 @@ def running(client):
     ({"gpus_per_node": 1.0}, "gpus_per_node"),
     ({"args": ["ok", "bad\x00arg"]}, "args"),
     ({"args": ["x"] * 1001}, "args"),
-    ({"args": ["x" * 4097]}, "args"),
+    ({"args": ["x" * (32 * 1024 + 1)]}, "args"),
     ({"args": ["x" * 4000] * 17}, "args"),
     ({"gpu_kind": "h100\x00"}, "gpu_kind"),
     ({"name": "a\x00b"}, "name"),
