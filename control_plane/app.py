@@ -17,7 +17,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import clock
-from control_plane.api import agent, health, jobs, join_tokens, nodes, principals, tenants
+from control_plane.api import agent, health, jobs, join_tokens, nodes, plans, principals, tenants
 from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthorized
@@ -212,7 +212,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.worker_storage = worker_storage(settings)
     app.state.log_followers = Followers(settings.log_followers_per_principal)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, tenants, principals, join_tokens, agent):
+    for module in (health, jobs, nodes, tenants, plans, principals, join_tokens, agent):
         app.include_router(module.router)
     _document_policies(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)

@@ -160,6 +160,10 @@ class Job(Base):
     max_failures: Mapped[int] = mapped_column(Integer)
     failures: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     time_limit_s: Mapped[int | None] = mapped_column(Integer)
+    model: Mapped[dict[str, Any] | None] = mapped_column(JSONB, doc="The model block it was submitted with.")
+    layout: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="trainyard.protocol.layout.Layout its workers apply (TRAINYARD_LAYOUT); NULL: plain DDP.")
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSONB, doc="schemas/plans.py JobPlanOut, made at submit.")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(

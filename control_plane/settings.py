@@ -68,6 +68,11 @@ class Settings(BaseSettings):
         0, description='Nodes kept for recovering jobs only: a number for every GPU kind, or JSON such as '
         '{"h100": 2} per kind.'
     )
+    plan_min_efficiency: float = Field(
+        0.7, ge=0, le=1, description="Scaling efficiency (tokens/s per GPU against the smallest GPU count that "
+        "runs) below which a job's GPU count is warned about at submit, and the least a plan's recommendation "
+        "keeps (docs/planner.md)."
+    )
     limits_interval_s: float = Field(1.0, gt=0, description="Period of the time-limit loop.")
     attempt_launch_timeout_s: float = Field(
         60.0, gt=0, description="A node's part of an attempt that its agent has not confirmed launching this "

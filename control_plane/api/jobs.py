@@ -45,9 +45,12 @@ def submit_job(
                                                   pattern=r"^[\x21-\x7e]+$")] = None,
 ) -> JobOut:
     """Queue a job for the caller's tenant. A retry with the same `Idempotency-Key` returns the same
-    job (200). More than the principal's submit rate is 429 with Retry-After."""
+    job (200). More than the principal's submit rate is 429 with Retry-After. A job with a `model`
+    block is planned first: 422 with the numbers when its layout does not fit in GPU memory; a
+    `job.plan_warning` event when fewer GPUs would give more tokens/s, or more per GPU."""
     rate = jobs.SubmitRate(settings.submit_rate_per_window, settings.submit_rate_window_s)
-    job, created = jobs.submit(session, body, principal=principal, idempotency_key=idempotency_key, rate=rate)
+    job, created = jobs.submit(session, body, principal=principal, idempotency_key=idempotency_key, rate=rate,
+                               plan_min_efficiency=settings.plan_min_efficiency)
     if created:
         runtime.wake_scheduler()
     else:

@@ -6,11 +6,13 @@ import re
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from control_plane.schemas.limits import TEXT_LINE
+from control_plane.schemas.plans import JobModelIn, JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.tenants import TENANT_NAME
+from trainyard.protocol.layout import APPLIED_KINDS, Layout
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_BYTES = 32 * 1024
@@ -75,6 +77,34 @@ class JobSubmit(BaseModel):
     time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400)
     gpu_kind: str | None = Field(default=None, min_length=1, max_length=128, pattern=TEXT_LINE,
                                  description="Require this GPU model.")
+    model: JobModelIn | None = Field(default=None, description=(
+        "What the job trains: the job is planned at submit (docs/planner.md), refused (422, with the numbers) "
+        "when its layout does not fit in GPU memory, and warned about (an event) when fewer GPUs would do "
+        "better. The plan is shown with the job."))
+    layout: Layout | None = Field(default=None, description=(
+        "The parallel layout the workers apply (TRAINYARD_LAYOUT); default: DDP without accumulation."))
+
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, layout: Layout | None, info: ValidationInfo) -> Layout | None:
+        if layout is None:
+            return None
+        if layout.kind not in APPLIED_KINDS:
+            raise ValueError(f"layout {layout.kind} is planned only: the worker runtime applies "
+                             f"{', '.join(sorted(APPLIED_KINDS))} (POST /v1/plans plans {layout.kind})")
+        if layout.compression != "none" and layout.kind != "ddp":
+            raise ValueError(f"gradient compression applies to ddp only, not {layout.kind}")
+        if layout.kind == "hsdp" and layout.shard_size is not None:
+            node = info.data.get("gpus_per_node")
+            nodes = info.data.get("num_nodes")
+            if node is None or nodes is None:
+                return layout  # those fields are invalid themselves: their errors say so
+            size, gpus = layout.shard_size, nodes * node
+            whole = node % size == 0 if size <= node else size % node == 0
+            if gpus % size or not whole:
+                raise ValueError(f"hsdp shard_size {size} must divide the job's {gpus} GPUs and be a divisor "
+                                 f"or a multiple of gpus_per_node {node}")
+        return layout
 
     @field_validator("entrypoint")
     @classmethod
@@ -152,6 +182,9 @@ class JobOut(BaseModel):
     failures: int
     time_limit_s: int | None
     gpu_kind: str | None
+    model: dict[str, Any] | None = Field(default=None, description="The model block the job was submitted with.")
+    layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
+    plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
     progress: Progress
     result: dict[str, Any] | None
     end_reason: str | None

@@ -17,8 +17,9 @@ from control_plane.clock import now
 from control_plane.errors import Forbidden, IdempotencyMismatch, InvalidState, NotFound, TooMany, Unprocessable
 from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
-from control_plane.services import events, pages
+from control_plane.services import events, pages, plans
 from control_plane.services.states import ATTEMPT_HOLDING, JOB, JOB_TERMINAL, can_transition, set_job_state
+from trainyard.protocol.layout import Layout
 
 # The job state machine and its one mutator live in services/states.py (with those of attempts,
 # attempt parts and nodes); these names stay importable from here.
@@ -62,10 +63,12 @@ def check_fits_cluster(session: Session, body: JobSubmit) -> None:
 
 def submit(
     session: Session, body: JobSubmit, *, principal: Principal, idempotency_key: str | None,
-    rate: SubmitRate | None = None,
+    rate: SubmitRate | None = None, plan_min_efficiency: float = 0.7,
 ) -> tuple[Job, bool]:
     """Create a queued job for the principal's tenant (an admin may name another). Returns (job,
-    created); a retried submit returns the first job."""
+    created); a retried submit returns the first job. A job with a model block is planned first
+    (services/plans.py): refused when its layout does not fit, queued with a warning event for each
+    way fewer GPUs would do better."""
     digest = _request_hash(body)
     if idempotency_key is not None:
         existing = session.scalar(
@@ -84,6 +87,12 @@ def submit(
         check_submit_rate(session, principal.name, rate)
     check_fits_cluster(session, body)
     check_quota(session, tenant, body.num_nodes * body.gpus_per_node)
+    job_plan = None
+    if body.model is not None:
+        job_plan = plans.plan_for_job(
+            session, model=body.model, layout=body.layout or Layout(),
+            gpu_kind=plans.job_gpu_kind(session, body.gpu_kind, body.gpus_per_node), num_nodes=body.num_nodes,
+            gpus_per_node=body.gpus_per_node, min_efficiency=plan_min_efficiency)
     job = Job(
         id=uuid.uuid4(),
         name=body.name,
@@ -101,6 +110,9 @@ def submit(
         max_failures=body.max_failures,
         failures=0,
         time_limit_s=body.time_limit_s,
+        model=body.model.model_dump(mode="json", exclude_none=True) if body.model else None,
+        layout=body.layout.model_dump(mode="json") if body.layout else None,
+        plan=job_plan.model_dump(mode="json") if job_plan else None,
         idempotency_key=idempotency_key,
         request_hash=digest,
         created_at=now(),
@@ -116,6 +128,9 @@ def submit(
         principal=principal.name,
         tenant=tenant,
     )
+    for warning in job_plan.warnings if job_plan else []:
+        events.record(session, "job.plan_warning", f"job {body.name}: {warning.message}", job_id=job.id,
+                      reason=warning.kind, gpus=body.num_nodes * body.gpus_per_node, better_gpus=warning.better_gpus)
     try:
         session.commit()
     except IntegrityError:

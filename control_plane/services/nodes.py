@@ -28,6 +28,7 @@ from trainyard.protocol.agent import (
     RegisterRequest,
 )
 from trainyard.protocol.keys import job_checkpoint_prefix
+from trainyard.protocol.layout import Layout
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
 VANISHED_AFTER_S = 10.0
@@ -231,6 +232,7 @@ def assignments(session: Session, node: Node, storage: dict[str, object] | None)
                 args=list(job.args),
                 env=dict(job.env),
                 checkpoint=dict(job.checkpoint),
+                layout=Layout.model_validate(job.layout) if job.layout else None,
                 restore_from=attempt.restore_manifest,
                 launched=part.state != "assigned",
                 storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},

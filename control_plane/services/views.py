@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import structlog
+from pydantic import ValidationError
 from sqlalchemy import and_, func, select, tuple_
 from sqlalchemy.orm import Session, selectinload
 
@@ -37,10 +39,14 @@ from control_plane.schemas.jobs import (
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
+from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.services import pages, reservations, tenants
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
+from trainyard.protocol.layout import Layout
+
+log = structlog.get_logger("trainyard.views")
 
 
 def _s(value: uuid.UUID | None) -> str | None:
@@ -96,6 +102,9 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 failures=job.failures,
                 time_limit_s=job.time_limit_s,
                 gpu_kind=job.gpu_kind,
+                model=job.model,
+                layout=Layout.model_validate(job.layout) if job.layout else None,
+                plan=_stored_plan(job),
                 progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at),
                 result=job.result,
                 end_reason=job.end_reason,
@@ -112,6 +121,18 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             )
         )
     return out
+
+
+def _stored_plan(job: Job) -> JobPlanOut | None:
+    """The plan stored at submit. One stored by another version that no longer reads is left out
+    (the job runs regardless), never a 500."""
+    if not job.plan:
+        return None
+    try:
+        return JobPlanOut.model_validate(job.plan)
+    except ValidationError:
+        log.warning("stored plan does not read; left out of the job view", job_id=str(job.id))
+        return None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """principals, api_tokens, join_tokens; tenants.max_priority; jobs indexed by tenant and principal
 
 Revision ID: 0050
-Revises: 0012
+Revises: 0020
 Create Date: 2026-12-05 00:50:00
 """
 
@@ -12,7 +12,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0050"
-down_revision = "0012"
+down_revision = "0020"
 branch_labels = None
 depends_on = None
 

@@ -57,7 +57,7 @@ def test_big_job_starts_on_its_reserved_nodes_while_small_jobs_run_elsewhere(clu
             seen_overlap = True  # the small ones keep running elsewhere
         return b["state"] in ENDED and all(j["state"] in ENDED for j in jobs)
 
-    cluster.wait_for("every job done", observe, timeout=150, every=0.25)
+    cluster.wait_for("every job done", observe, timeout=240, every=0.25)
 
     everyone = [long, short, big, *small]
     for j in everyone:

@@ -42,6 +42,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from trainyard.protocol.layout import Layout
 from trainyard.protocol.limits import (
     INT32_MAX,
     INT64_MAX,
@@ -222,6 +223,11 @@ class LaunchSpec(_Wire):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     checkpoint: dict[str, Any] = Field(default_factory=dict)
+    layout: Layout | None = Field(
+        default=None,
+        description="The job's parallel layout, passed to workers as TRAINYARD_LAYOUT (JSON); None: plain DDP. "
+        "A few fields, the same on every node: the spec does not grow with the world size.",
+    )
     restore_from: RestorePlan | None = Field(
         default=None,
         description="Restore plan: references to at most RESTORE_CANDIDATES_MAX usable checkpoints "
