@@ -5,10 +5,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import structlog
 from pydantic import ValidationError
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, func, select, tuple_
 from sqlalchemy.orm import Session, selectinload
 
 from control_plane.models import (
@@ -27,8 +28,10 @@ from control_plane.schemas.jobs import (
     AllocationEntry,
     AttemptNodeOut,
     AttemptOut,
+    AttemptPage,
     AttemptRef,
     CheckpointOut,
+    CheckpointPage,
     EventOut,
     JobOut,
     Progress,
@@ -40,7 +43,7 @@ from control_plane.schemas.jobs import (
 from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
-from control_plane.services import reservations, tenants
+from control_plane.services import pages, reservations, tenants
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
@@ -242,8 +245,28 @@ def _queue_reasons(job: Job, caps: list[_NodeCap]) -> list[str]:
     return []
 
 
+def attempts_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None) -> AttemptPage:
+    """The job's attempts, oldest first, ``limit`` at a time (keyset on the attempt number)."""
+    after = pages.decode(cursor, int)[0] if cursor else 0
+    # The attempt before the page too: the first one's recovery is measured from it.
+    rows = list(session.scalars(
+        select(Attempt).where(Attempt.job_id == job_id, Attempt.number >= max(after, 1))
+        .order_by(Attempt.number).limit(limit + 2)
+        .options(
+            selectinload(Attempt.nodes).selectinload(AttemptNode.node),
+            selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
+        )
+    ))
+    before = rows[0] if rows and rows[0].number == after else None
+    page = rows[1:] if before is not None else rows
+    more = len(page) > limit
+    items = _attempts_out(session, page[:limit], before)
+    return AttemptPage(items=items, next_cursor=pages.encode(page[limit - 1].number) if more else None)
+
+
 def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
-    attempts = session.scalars(
+    """Every attempt of the job, oldest first."""
+    attempts = list(session.scalars(
         select(Attempt)
         .where(Attempt.job_id == job_id)
         .order_by(Attempt.number)
@@ -251,11 +274,16 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
             selectinload(Attempt.nodes).selectinload(AttemptNode.node),
             selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
         )
-    ).all()
+    ))
+    return _attempts_out(session, attempts, None)
+
+
+def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | None) -> list[AttemptOut]:
     names = dict(session.execute(
         select(Node.id, Node.name).where(Node.id.in_({a.failed_node_id for a in attempts if a.failed_node_id}))
     ).all()) if any(a.failed_node_id for a in attempts) else {}
-    previous: dict[uuid.UUID, Attempt] = {b.id: a for a, b in zip(attempts, attempts[1:], strict=False)}
+    chain = [before, *attempts] if before is not None else attempts
+    previous: dict[uuid.UUID, Attempt] = {b.id: a for a, b in zip(chain, chain[1:], strict=False)}
     return [
         AttemptOut(
             id=str(a.id),
@@ -366,7 +394,24 @@ def event_out(e: Event) -> EventOut:
                     node_id=_s(e.node_id), data=dict(e.data or {}), created_at=e.created_at)
 
 
+def checkpoints_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None) -> CheckpointPage:
+    """The job's checkpoints, newest first (step, then creation), ``limit`` at a time."""
+    where: list[Any] = [Checkpoint.job_id == job_id]
+    if cursor:
+        step, created, cid = pages.decode(cursor, int, datetime, uuid.UUID)
+        where.append(tuple_(Checkpoint.step, Checkpoint.created_at, Checkpoint.id) < tuple_(step, created, cid))
+    items = _checkpoints_out(session, where, limit + 1)
+    more = len(items) > limit
+    last = items[limit - 1] if more else None
+    return CheckpointPage(items=items[:limit], next_cursor=pages.encode(
+        last.step, last.created_at.isoformat(), last.id) if last is not None else None)
+
+
 def checkpoints_out(session: Session, job_id: uuid.UUID) -> list[CheckpointOut]:
+    return _checkpoints_out(session, [Checkpoint.job_id == job_id], None)
+
+
+def _checkpoints_out(session: Session, where: list[Any], limit: int | None) -> list[CheckpointOut]:
     shard_counts = (
         select(CheckpointShard.checkpoint_id, func.count().label("n"))
         .group_by(CheckpointShard.checkpoint_id)
@@ -376,8 +421,9 @@ def checkpoints_out(session: Session, job_id: uuid.UUID) -> list[CheckpointOut]:
         select(Checkpoint, Attempt.number, shard_counts.c.n)
         .join(Attempt, Attempt.id == Checkpoint.attempt_id)
         .outerjoin(shard_counts, shard_counts.c.checkpoint_id == Checkpoint.id)
-        .where(Checkpoint.job_id == job_id)
-        .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc())
+        .where(*where)
+        .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc(), Checkpoint.id.desc())
+        .limit(limit)
     ).all()
     return [
         CheckpointOut(id=str(c.id), step=c.step, attempt_id=str(c.attempt_id), attempt_number=number,

@@ -2,7 +2,7 @@
 compute/communication split of its steps), shown in the job view
 
 Revision ID: 0030
-Revises: 0020
+Revises: 0050
 Create Date: 2026-12-04 00:30:00
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0030"
-down_revision = "0020"
+down_revision = "0050"
 branch_labels = None
 depends_on = None
 

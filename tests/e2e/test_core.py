@@ -12,7 +12,7 @@ ENDED = {"succeeded", "failed", "cancelled"}
 
 
 def _pids(cluster, job_id: str) -> list[int]:
-    attempts = cluster.get(f"/v1/jobs/{job_id}/attempts")
+    attempts = cluster.get(f"/v1/jobs/{job_id}/attempts")["items"]
     return [w["pid"] for a in attempts for n in a["nodes"] for w in n["workers"] if w["pid"]]
 
 
@@ -33,7 +33,7 @@ def test_two_node_tiny_gpt_succeeds_with_a_result(cluster):
     assert split["comm_bytes"] > 0 and 0 < split["comm_s"] <= split["step_s"]
     assert split["compute_s"] + split["comm_s"] == pytest.approx(split["step_s"])
 
-    attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")
+    attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]
     assert len(attempts) == 1, [a["end_reason"] for a in attempts]
     (attempt,) = attempts
     assert attempt["outcome"] == "succeeded"
