@@ -32,7 +32,8 @@ def main() -> None:
                     recovery_s=600)
     mtbf = base.job_mtbf_s
     print(f"job MTBF {mtbf:,.0f} s ({mtbf / 3600:.2f} h), node MTBF {NODE_MTBF_H:,.0f} h; {runs} runs per figure\n")
-    print("| saves | blocking | upload after | interval (Young) | best simulated | goodput, R = 10 min | closed form (sync) |")
+    print("| saves | blocking | upload after | interval (Young) | best simulated | goodput, R = 10 min "
+          "| closed form (sync) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, blocking, background in (("async", 6.0, 150.0), ("sync", 150.0, 0.0)):
         young = young_daly_interval_s(blocking, mtbf)
@@ -40,7 +41,8 @@ def main() -> None:
         at_young = mean_outcome(s, runs).goodput
         interval, _ = best(s, runs)
         closed = closed_form_goodput(young, blocking, mtbf, 600) if background == 0 else None
-        print(f"| {name} | {blocking:g} s | {background:g} s | {young:,.0f} s ({young / 60:.1f} min) | {interval:,.0f} s |"
+        print(f"| {name} | {blocking:g} s | {background:g} s | {young:,.0f} s ({young / 60:.1f} min) "
+              f"| {interval:,.0f} s |"
               f" {100 * at_young:.1f}% | {'-' if closed is None else f'{100 * closed:.1f}%'} |")
     print("\nGoodput with a node always at hand, by recovery time (failure -> training again) and blocking cost"
           " (async, 150 s upload; each at its best interval):\n")

@@ -7,11 +7,14 @@ exit status, never a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from trainyard import cli_access
 
 app = typer.Typer(
     name="trainyard",
@@ -22,6 +25,10 @@ app = typer.Typer(
 )
 dev_app = typer.Typer(help="A complete cluster on this machine, for trying Trainyard out.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
+app.add_typer(cli_access.principals_app, name="principals")
+app.add_typer(cli_access.tokens_app, name="tokens")
+app.add_typer(cli_access.join_app, name="join-tokens")
+app.command("whoami")(cli_access.whoami)
 
 
 class CliError(Exception):
@@ -89,7 +96,6 @@ def migrate(
 @app.command()
 def agent(
     control_plane: Annotated[str, typer.Option(help="Control-plane URL, e.g. http://10.0.0.1:8000.")],
-    join_token: Annotated[str, typer.Option(help="The cluster's join token.", envvar="TRAINYARD_JOIN_TOKEN")],
     name: Annotated[str, typer.Option(help="Node name, unique in the cluster.")],
     address: Annotated[str, typer.Option(help="Address other nodes reach this node at.")],
     virtual_gpus: Annotated[
@@ -101,15 +107,19 @@ def agent(
         typer.Option(help="Agent state directory. Default: ./.trainyard/agent-NAME.", show_default=False),
     ] = None,
     label: Annotated[list[str] | None, typer.Option(help="Topology label k=v (repeatable).")] = None,
+    join_token_file: Annotated[Path | None, typer.Option(
+        help="File holding a join token (default: the TRAINYARD_JOIN_TOKEN variable). Needed for the first "
+        "registration only: the agent keeps its node credential in its work dir.", show_default=False)] = None,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
     from node_agent.agent import AgentConfig, run_agent
+    from node_agent.config import read_join_token
 
     try:
         config = AgentConfig(
             control_plane_url=control_plane,
-            join_token=join_token,
+            join_token=read_join_token(join_token_file),
             name=name,
             address=address,
             virtual_gpus=virtual_gpus,
@@ -150,7 +160,7 @@ def plan(
     min_efficiency: Annotated[float | None, typer.Option(help="Least scaling efficiency recommended.")] = None,
     control_plane: Annotated[str, typer.Option(help="Control-plane URL.", envvar="TRAINYARD_URL")] = (
         "http://127.0.0.1:8000"),
-    token: Annotated[str, typer.Option(help="Admin token.", envvar="TRAINYARD_TOKEN")] = "",
+    token_file: cli_access.TokenFile = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of the table.")] = False,
 ) -> None:
     """Plan a model's parallel layout: memory per GPU, bytes per link, step time and tokens/s of
@@ -176,6 +186,9 @@ def plan(
         "gpu_kind": gpu_kind, "gpus_per_node": gpus_per_node, "gpu_counts": counts, "layouts": layouts,
         "hardware": {k: v for k, v in hardware.items() if v is not None} or None, "min_efficiency": min_efficiency,
     }
+    # The token from TRAINYARD_TOKEN or a file, never an argument (other users see command lines).
+    token = cli_access.read_secret(token_file, "TRAINYARD_TOKEN") if token_file or os.environ.get(
+        "TRAINYARD_TOKEN") else ""
     result = _api_post(control_plane, token, "/v1/plans", {k: v for k, v in body.items() if v is not None})
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -335,9 +348,9 @@ def main(argv: list[str] | None = None) -> None:
         if message:  # empty after "no arguments: here is the help"
             print(f"trainyard: error: {message}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except CliError as exc:
+    except (CliError, cli_access.AccessError) as exc:
         print(f"trainyard: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        sys.exit(exc.code)
+        sys.exit(exc.code if isinstance(exc, CliError) else 1)
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(result if isinstance(result, int) else 0)

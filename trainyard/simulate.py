@@ -480,7 +480,7 @@ class Fleet:
 
         async def committed() -> bool | None:
             r = await self.http.get(f"/v1/jobs/{job_id}/checkpoints", headers=self.admin)
-            return True if any(c["step"] == step and c["state"] == "committed" for c in r.json()) else None
+            return True if any(c["step"] == step and c["state"] == "committed" for c in r.json()["items"]) else None
 
         await wait_until(committed, 60.0, f"step {step} of job {job_id} committed")
         return time.perf_counter() - t0

@@ -15,7 +15,8 @@ def _pct(x: float | None) -> str:
 def render(result: Any, console: Console) -> None:
     r = result
     console.print(f"job MTBF {r.job_mtbf_s / 3600:.2f} h (node MTBF {r.node_mtbf_h:,.0f} h); Young's interval "
-                  f"{r.young_interval_s:,.0f} s; simulated at {r.interval_s:,.0f} s (best found {r.best_interval_s:,.0f} s)")
+                  f"{r.young_interval_s:,.0f} s; simulated at {r.interval_s:,.0f} s "
+                  f"(best found {r.best_interval_s:,.0f} s)")
     summary = Table(title="goodput at that interval")
     for column in ("goodput", "closed form", "wall h", "lost work h", "stall h", "recovery h", "waiting h",
                    "failures", "saves"):

@@ -1,5 +1,6 @@
-"""Background loops of a control-plane replica: scheduling passes, node liveness, checkpoint
-maintenance, time limits, and the watchdogs (hung attempts, stragglers, the auto checkpoint interval).
+"""Background loops of a control-plane replica: scheduling passes, node liveness, time limits,
+checkpoint maintenance, retention of logs and events, and the watchdogs (hung attempts, stragglers,
+the auto checkpoint interval).
 
 Each loop runs in its own thread under a ``Loops`` monitor with an idempotent ``stop``. A loop
 iteration is one short transaction; an exception is logged and the loop carries on. Every
@@ -20,7 +21,7 @@ from control_plane import clock
 from control_plane.clock import now
 from control_plane.db import session_scope
 from control_plane.scheduler.allocate import PendingCache, schedule_pass
-from control_plane.services import attempts, checkpoints, intervals, limits, metrics, nodes, watchdog
+from control_plane.services import attempts, checkpoints, intervals, limits, metrics, nodes, retention, watchdog
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.loops")
@@ -53,6 +54,7 @@ class Loops:
             ("checkpoints", self.checkpoints_once, self._settings.checkpoint_maintenance_interval_s),
             ("limits", self.limits_once, self._settings.limits_interval_s),
             ("watchdog", self.watchdog_once, self._settings.watchdog_interval_s),
+            ("retention", self.retention_once, self._settings.retention_interval_s),
         ):
             t = threading.Thread(target=self._run, args=(name, fn, period), name=f"trainyard-{name}", daemon=True)
             t.start()
@@ -133,6 +135,12 @@ class Loops:
         if hung:
             self.wake_scheduler()
         return len(hung)
+
+    def retention_once(self) -> tuple[int, int]:
+        """Delete logs and events past their retention (services/retention.py)."""
+        st = self._settings
+        return retention.apply(self._factory, log_days=st.log_retention_days, event_days=st.event_retention_days,
+                               batch=st.retention_batch)
 
     def checkpoints_once(self) -> None:
         checkpoints.maintenance(

@@ -14,7 +14,8 @@ class GoodputOut(BaseModel):
     goodput: float | None = Field(description="productive / allocated; null before any GPU was held.")
     allocated_gpu_s: float = Field(description="GPU-seconds the job's leases were held.")
     productive_gpu_s: float = Field(description="Steps that count: not recomputed later, checkpoint stalls excluded.")
-    checkpoint_stall_gpu_s: float = Field(description="Training blocked by checkpoint saves (each save's slowest rank).")
+    checkpoint_stall_gpu_s: float = Field(
+        description="Training blocked by checkpoint saves (each save's slowest rank).")
     lost_work_gpu_s: float = Field(description="Steps computed again after a failure, and the steps in progress then.")
     recovery_gpu_s: float = Field(
         description="From a failure to the GPUs' release, and from the next allocation to its first step.")

@@ -87,11 +87,13 @@ def for_jobs(session: Session, jobs: list[Job]) -> dict[uuid.UUID, GoodputOut]:
     return {job_id: GoodputOut(**_out(b)) for job_id, b in breakdowns(session, jobs).items()}
 
 
-def cluster_breakdown(session: Session, *, batch: int = 2000) -> tuple[Breakdown, int]:
-    """Every job's breakdown summed; jobs are read in batches."""
+def cluster_breakdown(session: Session, *, tenant: str | None = None, batch: int = 2000) -> tuple[Breakdown, int]:
+    """Every job's breakdown summed (a tenant's jobs only, with ``tenant``); jobs are read in batches."""
     total, count, last = Breakdown(), 0, None
     while True:
         stmt = select(Job).order_by(Job.id).limit(batch)
+        if tenant is not None:
+            stmt = stmt.where(Job.tenant == tenant)
         if last is not None:
             stmt = stmt.where(Job.id > last)
         jobs = list(session.scalars(stmt))
@@ -104,9 +106,10 @@ def cluster_breakdown(session: Session, *, batch: int = 2000) -> tuple[Breakdown
         session.expunge_all()
 
 
-def for_cluster(session: Session, held: SchedulingOut | None = None) -> ClusterGoodputOut:
-    """The cluster's goodput; ``held``: the scheduler's holds when the caller read them already."""
-    total, jobs = cluster_breakdown(session)
+def for_cluster(session: Session, held: SchedulingOut | None = None, *, tenant: str | None = None) -> ClusterGoodputOut:
+    """The cluster's goodput; ``held``: the scheduler's holds when the caller read them already. A
+    tenant's view sums its own jobs (the idle GPU-time the scheduler held is the cluster's)."""
+    total, jobs = cluster_breakdown(session, tenant=tenant)
     held = held or reservations.summary(session)
     reserve = sum(r.idle_gpu_seconds for r in held.recovery_reserve)
     return ClusterGoodputOut(**_out(total), jobs=jobs,

@@ -162,7 +162,8 @@ def track_stragglers(session: Session, settings: Settings) -> list[Straggler]:
                 events.record(
                     session, "attempt.straggler",
                     f"rank {found.rank} on {part.name} is {found.ratio:.2f}x slower than its peers' median "
-                    f"({found.busy_s:.3g}s vs {found.peers_busy_s:.3g}s per step) for {(at - since).total_seconds():.0f}s",
+                    f"({found.busy_s:.3g}s vs {found.peers_busy_s:.3g}s per step) "
+                    f"for {(at - since).total_seconds():.0f}s",
                     job_id=part.job_id, attempt_id=part.attempt_id, node_id=part.node_id, rank=found.rank,
                     node=part.name, busy_s=round(found.busy_s, 4), peers_busy_s=round(found.peers_busy_s, 4),
                     ratio=found.ratio, factor=factor)

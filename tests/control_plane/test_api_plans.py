@@ -137,10 +137,11 @@ def test_no_plan_request_gets_a_500(client, body):
         assert r.json()["rows"]
 
 
-def test_trainyard_plan_prints_the_table_and_fails_in_one_line(app, capsys):
+def test_trainyard_plan_prints_the_table_and_fails_in_one_line(app, capsys, monkeypatch):
+    monkeypatch.setenv("TRAINYARD_TOKEN", ADMIN_TOKEN)  # never an argument
     with serve(app) as url:
         with pytest.raises(SystemExit) as done:
-            main(["plan", "--control-plane", url, "--token", ADMIN_TOKEN, "--params", "7.5e9", "--layers", "32",
+            main(["plan", "--control-plane", url, "--params", "7.5e9", "--layers", "32",
                   "--hidden", "4096", "--seq-len", "4096", "--global-batch", "512", "--micro-batch", "1",
                   "--gpu-kind", "h100", "--gpus", "8,64", "--layout", "ddp", "--layout", "fsdp",
                   "--layout", "hsdp:8"])
@@ -153,7 +154,7 @@ def test_trainyard_plan_prints_the_table_and_fails_in_one_line(app, capsys):
         assert "Recommended (* above): hsdp on 64 GPUs" in out and "* hsdp:8" in out
         assert "ddp does not fit (needs 183.3 GB per GPU" in " ".join(out.split())
         with pytest.raises(SystemExit) as done:
-            main(["plan", "--control-plane", url, "--token", ADMIN_TOKEN, "--params", "1e13", "--seq-len", "4096",
+            main(["plan", "--control-plane", url, "--params", "1e13", "--seq-len", "4096",
                   "--activation-bytes", "0", "--global-batch", "512", "--gpu-kind", "h100", "--gpus", "8",
                   "--layout", "ddp", "--json"])
         assert done.value.code == 1
@@ -161,7 +162,7 @@ def test_trainyard_plan_prints_the_table_and_fails_in_one_line(app, capsys):
         assert err.startswith("trainyard: error: 422: nothing fits: the least memory any layout needs is")
         assert "\n" not in err
         with pytest.raises(SystemExit) as done:
-            main(["plan", "--control-plane", url, "--token", ADMIN_TOKEN, "--params", "1e9", "--seq-len", "8",
+            main(["plan", "--control-plane", url, "--params", "1e9", "--seq-len", "8",
                   "--activation-bytes", "0", "--global-batch", "8", "--gpu-kind", "h100", "--gpus", "8",
                   "--layout", "ddp", "--json"])
         assert done.value.code == 0

@@ -69,7 +69,7 @@ def test_a_silent_rank_fails_its_attempt_as_hung_and_the_job_recovers(clock, app
     _report(agents["node-1"], specs["node-1"], 21, silent={0: 1.0})  # blocked in a collective: still reports
     _report(agents["node-2"], specs["node-2"], 21, silent={3: 22.0})
     assert app.state.loops.watchdog_once() == 1
-    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["outcome"] == "failed" and attempt["failed_node"] == "node-2"
     assert attempt["end_reason"].startswith("hung: step 21 has not advanced for 31.0s (hang timeout 30s")
     assert "rank 3 on node-2 stopped reporting" in attempt["end_reason"] and attempt["hung_since"]
