@@ -184,3 +184,30 @@ def test_trainyard_simulate_prints_the_tables_and_fails_in_one_line(capsys):
         main(["simulate", "--nodes", "64", "--blocking-s", "5"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.count("\n") == 1 and "node_mtbf_h" in err
+
+
+def test_the_next_recovery_avoids_a_straggler_when_the_job_asks(clock, app, client, schedule):
+    agents = {n: FakeAgentSession(client, n, 2) for n in ("node-1", "node-2", "node-3")}
+    body = job_body(num_nodes=2, gpus_per_node=2, watchdog={"avoid_stragglers": True})
+    job = client.post("/v1/jobs", json=body, headers=ADMIN).json()
+    assert schedule() == 1
+    specs = {n: s for n, a in agents.items() for s in a.heartbeat()["assignments"]}
+    for n, spec in specs.items():
+        agents[n].status(spec, "running", workers=workers_for(spec, "running"))
+    slow_node = next(n for n, s in specs.items() if s["node_rank"] == 1)
+    slow_rank = specs[slow_node]["nproc_per_node"]  # the first rank of node rank 1
+    for step in (10, 20, 30, 40):
+        for n, spec in specs.items():
+            _report(agents[n], spec, step, busy={slow_rank: 0.2} if n == slow_node else None)
+        app.state.loops.watchdog_once()
+        clock.advance(2.0)
+    assert _events(client, job["id"], "attempt.straggler")
+    healthy = next(n for n in specs if n != slow_node)
+    code = agents[healthy].status(specs[healthy], "exited", exit_code=1,
+                                  workers=workers_for(specs[healthy], "exited", 1))
+    assert code.status_code == 200
+    for a in agents.values():
+        a.heartbeat([])
+    assert schedule() == 1
+    placed = {n for n, a in agents.items() for s in a.heartbeat()["assignments"] if s["job_id"] == job["id"]}
+    assert slow_node not in placed and len(placed) == 2
