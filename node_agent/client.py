@@ -39,6 +39,7 @@ from trainyard.protocol.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
+from trainyard.protocol.grants import StorageGrants, StorageRequest
 
 log = structlog.get_logger(__name__)
 R = TypeVar("R", bound=BaseModel)
@@ -195,7 +196,8 @@ class ControlPlaneClient:
             if resp.status_code == 409:
                 raise StaleAttempt(_detail(resp), status=409, problem_type=_problem_type(resp))
             if resp.status_code >= 400:
-                raise RequestRejected(f"HTTP {resp.status_code} on {path}: {_detail(resp)}", status=resp.status_code)
+                raise RequestRejected(f"HTTP {resp.status_code} on {path}: {_detail(resp)}", status=resp.status_code,
+                                      problem_type=_problem_type(resp))
             try:
                 return response.model_validate_json(resp.content)
             except ValidationError as exc:
@@ -228,6 +230,10 @@ class ControlPlaneClient:
 
     def report_events(self, attempt_id: str, batch: WorkerEventBatch) -> WorkerEventAck:
         return self._post(f"/attempts/{attempt_id}/events", batch, WorkerEventAck, token=self.node_token)
+
+    def storage_grants(self, attempt_id: str, request: StorageRequest) -> StorageGrants:
+        """Presigned URLs for a worker's checkpoint objects (trainyard/protocol/grants.py)."""
+        return self._post(f"/attempts/{attempt_id}/storage", request, StorageGrants, token=self.node_token)
 
 
 def _detail(resp: httpx.Response) -> str:
