@@ -47,6 +47,7 @@ from node_agent.client import (
     ControlPlaneUnavailable,
     RequestRejected,
     StaleAttempt,
+    TlsMismatch,
     Unauthorized,
 )
 from node_agent.config import AgentConfig
@@ -107,6 +108,7 @@ class Agent:
             join_token=config.join_token,
             timeout_s=config.http_timeout_s,
             stop=self._stop_event,
+            ca_file=str(config.ca_file) if config.ca_file is not None else None,
         )
         self.client.on_stale_agent = self._superseded
         self.superseded: str | None = None
@@ -183,6 +185,9 @@ class Agent:
             node_name=self.config.name,
         )
         self._adopt_existing()
+        if self.config.control_plane_url.startswith("http://"):
+            self.log.warning("control_plane_not_https", url=self.config.control_plane_url,
+                             risk="the join token and node credentials cross the network unencrypted")
         self.log.info("agent_started", gpus=len(self.gpus), local_api=self._api.url, instance=self.instance)
         for name in self._loops:
             self._start_loop(name)
@@ -349,6 +354,9 @@ class Agent:
             return False
         try:
             resp = self.client.register(request)
+        except TlsMismatch as exc:
+            self.log.error("control_plane_tls_mismatch", error=str(exc))
+            return False
         except ControlPlaneUnavailable as exc:
             self.log.info("control_plane_unreachable", error=str(exc))
             return False

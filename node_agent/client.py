@@ -13,6 +13,7 @@ earlier one, say); StaleAttempt.fencing tells them apart by the problem type.
 from __future__ import annotations
 
 import random
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,6 +89,34 @@ def _is_stale_agent(problem_type: str | None) -> bool:
     return problem_type is not None and problem_type.rstrip("/").endswith("/stale-agent")
 
 
+class TlsMismatch(ControlPlaneUnavailable):
+    """The control plane's TLS does not match this agent's: its certificate is not signed by a CA the
+    agent trusts, or one side speaks TLS and the other plain HTTP. Retrying cannot help; an
+    operator must (the message says what)."""
+
+
+def tls_problem(exc: httpx.TransportError, url: str) -> str | None:
+    """One line saying what is wrong when ``exc`` is a TLS mismatch with the server at ``url``."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ssl.SSLError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return (f"the control plane at {url} presented a certificate this agent does not trust "
+                f"({cause.verify_message or cause.reason}): give the CA that signed it with --ca-file")
+    if isinstance(cause, ssl.SSLError) and cause.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE",
+                                                             "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"):
+        return f"the server at {url} does not speak TLS ({cause.reason}): is it plain HTTP?"
+    return None
+
+
+def plain_http_hint(exc: httpx.TransportError, url: str) -> str:
+    """What to add to a failure of a plain-HTTP request that may have met an HTTPS server, which
+    closes the connection without an answer (so might a server that is restarting: only a hint)."""
+    if url.startswith("http://") and isinstance(exc, httpx.RemoteProtocolError):
+        return " (if the server serves HTTPS, use an https:// URL)"
+    return ""
+
+
 class RequestRejected(ControlPlaneError):
     """The control plane rejected the request (4xx other than 401/409); resending won't help."""
 
@@ -120,8 +149,11 @@ class ControlPlaneClient:
         timeout_s: float = 10.0,
         retry: RetryPolicy | None = None,
         stop: threading.Event | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # Verified against ca_file, or the system's trust store (not a bundle shipped with httpx).
+        self._tls = ssl.create_default_context(cafile=ca_file)
         self.join_token = join_token
         self.node_token: str | None = None
         self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
@@ -148,7 +180,8 @@ class ControlPlaneClient:
             with self._lock:
                 if self._closed:
                     raise ControlPlaneUnavailable("client closed")
-                client = httpx.Client(base_url=self.base_url + AGENT_API_PREFIX, timeout=self.timeout)
+                client = httpx.Client(base_url=self.base_url + AGENT_API_PREFIX, timeout=self.timeout,
+                                      verify=self._tls)
                 self._clients.append(client)
             self._local.client = client
         return client
@@ -174,7 +207,10 @@ class ControlPlaneClient:
             try:
                 resp = self._http().post(path, json=payload, headers=headers, timeout=timeout or self.timeout)
             except httpx.TransportError as exc:
-                last = f"{type(exc).__name__}: {exc}"
+                problem = tls_problem(exc, self.base_url)
+                if problem is not None:
+                    raise TlsMismatch(problem) from exc
+                last = f"{type(exc).__name__}: {exc}{plain_http_hint(exc, self.base_url)}"
                 continue
             if resp.status_code >= 500:
                 last = f"HTTP {resp.status_code}: {resp.text[:200]}"

@@ -37,8 +37,18 @@ def server(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(help="PEM certificate (chain) to serve HTTPS with; needs --tls-key.",
+                     envvar="TRAINYARD_TLS_CERT", show_default=False),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option(help="PEM private key of --tls-cert.", envvar="TRAINYARD_TLS_KEY", show_default=False),
+    ] = None,
 ) -> None:
-    """Run the control plane (settings from TRAINYARD_* environment variables)."""
+    """Run the control plane (settings from TRAINYARD_* environment variables); HTTPS with
+    --tls-cert and --tls-key, plain HTTP without (then only behind a TLS-terminating proxy)."""
     import uvicorn
 
     from control_plane.settings import Settings
@@ -47,6 +57,7 @@ def server(
         Settings()  # validate the environment before uvicorn starts: one clear line if it is wrong
     except ValueError as exc:
         raise CliError(f"invalid settings: {_first_line(exc)}") from exc
+    certfile, keyfile = _check_tls(tls_cert, tls_key)
     uvicorn.run(
         "control_plane.app:create_app",
         factory=True,
@@ -55,7 +66,24 @@ def server(
         log_level=log_level,
         # The control plane's own logging covers requests; uvicorn's access log would double them.
         access_log=False,
+        ssl_certfile=certfile,
+        ssl_keyfile=keyfile,
     )
+
+
+def _check_tls(cert: Path | None, key: Path | None) -> tuple[str | None, str | None]:
+    """uvicorn's TLS options, after checking the pair loads (one line if it does not)."""
+    if cert is None and key is None:
+        return None, None
+    if cert is None or key is None:
+        raise CliError("--tls-cert and --tls-key go together")
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise CliError(f"cannot use the TLS certificate {cert} with key {key}: {_first_line(exc)}") from exc
+    return str(cert), str(key)
 
 
 @app.command()
@@ -88,7 +116,7 @@ def migrate(
 
 @app.command()
 def agent(
-    control_plane: Annotated[str, typer.Option(help="Control-plane URL, e.g. http://10.0.0.1:8000.")],
+    control_plane: Annotated[str, typer.Option(help="Control-plane URL, e.g. https://10.0.0.1:8000.")],
     join_token: Annotated[str, typer.Option(help="The cluster's join token.", envvar="TRAINYARD_JOIN_TOKEN")],
     name: Annotated[str, typer.Option(help="Node name, unique in the cluster.")],
     address: Annotated[str, typer.Option(help="Address other nodes reach this node at.")],
@@ -101,6 +129,11 @@ def agent(
         typer.Option(help="Agent state directory. Default: ./.trainyard/agent-NAME.", show_default=False),
     ] = None,
     label: Annotated[list[str] | None, typer.Option(help="Topology label k=v (repeatable).")] = None,
+    ca_file: Annotated[
+        Path | None,
+        typer.Option(help="PEM file of the CA that signed the control plane's certificate. Default: the system's "
+                     "trust store.", envvar="TRAINYARD_CA_FILE", show_default=False),
+    ] = None,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
@@ -109,6 +142,7 @@ def agent(
     try:
         config = AgentConfig(
             control_plane_url=control_plane,
+            ca_file=ca_file,
             join_token=join_token,
             name=name,
             address=address,
@@ -148,6 +182,9 @@ def dev_up(
     s3_access_key: Annotated[str | None, typer.Option(help="With --s3-endpoint.", show_default=False)] = None,
     s3_secret_key: Annotated[str | None, typer.Option(help="With --s3-endpoint.", show_default=False)] = None,
     s3_bucket: Annotated[str, typer.Option(help="Checkpoint bucket.")] = "trainyard",
+    insecure_http: Annotated[
+        bool, typer.Option("--insecure-http", help="Serve the API over plain HTTP instead of HTTPS with a local CA.")
+    ] = False,
 ) -> None:
     """Start Postgres, S3, the control plane and NODES agents in the foreground; Ctrl-C stops all."""
     from trainyard.dev import DevConfig, DevError, run_dev_up
@@ -166,6 +203,7 @@ def dev_up(
             s3_access_key=s3_access_key,
             s3_secret_key=s3_secret_key,
             s3_bucket=s3_bucket,
+            tls=not insecure_http,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
