@@ -12,10 +12,12 @@ earlier one, say); StaleAttempt.fencing tells them apart by the problem type.
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import random
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -163,6 +165,9 @@ class ControlPlaneClient:
         self.on_stale_agent: Callable[[StaleAgent], None] | None = None
         """Called (on the calling thread) when the control plane says another instance took over."""
         self._local = threading.local()
+        self._idle: queue.SimpleQueue[httpx.Client] = queue.SimpleQueue()
+        """Clients for calls made on behalf of workers, from the local API's threads (one per
+        connection, so a thread-local client each would pile up): borrowed, then put back."""
         self._clients: list[httpx.Client] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -174,17 +179,31 @@ class ControlPlaneClient:
         not liveness, and the outbox resends them."""
         self.heartbeat_timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
 
-    def _http(self) -> httpx.Client:
-        client: httpx.Client | None = getattr(self._local, "client", None)
-        if client is None:
-            with self._lock:
-                if self._closed:
-                    raise ControlPlaneUnavailable("client closed")
-                client = httpx.Client(base_url=self.base_url + AGENT_API_PREFIX, timeout=self.timeout,
-                                      verify=self._tls)
-                self._clients.append(client)
-            self._local.client = client
+    def _new_client(self) -> httpx.Client:
+        with self._lock:
+            if self._closed:
+                raise ControlPlaneUnavailable("client closed")
+            client = httpx.Client(base_url=self.base_url + AGENT_API_PREFIX, timeout=self.timeout, verify=self._tls)
+            self._clients.append(client)
         return client
+
+    @contextlib.contextmanager
+    def _http(self, *, pooled: bool = False) -> Iterator[httpx.Client]:
+        """This thread's client (the agent's loops), or one borrowed from the pool (``pooled``)."""
+        if not pooled:
+            client: httpx.Client | None = getattr(self._local, "client", None)
+            if client is None:
+                client = self._local.client = self._new_client()
+            yield client
+            return
+        try:
+            borrowed = self._idle.get_nowait()
+        except queue.Empty:
+            borrowed = self._new_client()
+        try:
+            yield borrowed
+        finally:
+            self._idle.put(borrowed)
 
     def close(self) -> None:
         with self._lock:
@@ -194,7 +213,7 @@ class ControlPlaneClient:
             client.close()
 
     def _post(self, path: str, body: BaseModel, response: type[R], *, token: str | None,
-              timeout: httpx.Timeout | None = None) -> R:
+              timeout: httpx.Timeout | None = None, pooled: bool = False) -> R:
         if token is None:
             raise Unauthorized("not registered")
         node_call = token is not self.join_token
@@ -205,7 +224,8 @@ class ControlPlaneClient:
             if attempt and self._stop.wait(self.retry.delay(attempt - 1)):
                 break  # shutting down: give up now rather than after the backoff
             try:
-                resp = self._http().post(path, json=payload, headers=headers, timeout=timeout or self.timeout)
+                with self._http(pooled=pooled) as http:
+                    resp = http.post(path, json=payload, headers=headers, timeout=timeout or self.timeout)
             except httpx.TransportError as exc:
                 problem = tls_problem(exc, self.base_url)
                 if problem is not None:
@@ -269,7 +289,8 @@ class ControlPlaneClient:
 
     def storage_grants(self, attempt_id: str, request: StorageRequest) -> StorageGrants:
         """Presigned URLs for a worker's checkpoint objects (trainyard/protocol/grants.py)."""
-        return self._post(f"/attempts/{attempt_id}/storage", request, StorageGrants, token=self.node_token)
+        return self._post(f"/attempts/{attempt_id}/storage", request, StorageGrants, token=self.node_token,
+                          pooled=True)  # called from the local API's threads
 
 
 def _detail(resp: httpx.Response) -> str:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,12 +21,13 @@ import httpx
 import pytest
 
 from node_agent.agent import Agent, AgentConfig
-from node_agent.client import ControlPlaneClient, ControlPlaneUnavailable, TlsMismatch
+from node_agent.client import ControlPlaneClient, ControlPlaneUnavailable, StaleAttempt, TlsMismatch
 from tests.factories import ADMIN, ADMIN_TOKEN, JOIN_TOKEN
 from tests.helpers import ProcessReaper, free_port, wait_for
 from trainyard.certs import client_context, ensure_server_tls
 from trainyard.cli import main
 from trainyard.protocol.agent import GpuInfo, RegisterRequest
+from trainyard.protocol.grants import StorageRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,3 +146,29 @@ def test_the_dev_ca_is_kept_and_the_server_certificate_follows_the_hosts(tmp_pat
     assert moved.ca_file.read_bytes() == ca and moved.cert_file.read_bytes() != cert  # the CA stays trusted
     for private in (moved.key_file, tmp_path / "tls" / "ca-key.pem"):
         assert private.stat().st_mode & 0o077 == 0
+
+
+def test_calls_for_workers_from_many_threads_share_a_few_connections(https_server: Server) -> None:
+    """The local API answers each worker connection on a new thread; the storage requests it
+    forwards borrow pooled clients instead of leaving one client (and its TLS connection) per thread."""
+    client = ControlPlaneClient(https_server.url, join_token=JOIN_TOKEN, ca_file=str(https_server.ca_file))
+    gpu = GpuInfo(index=0, uuid="virtual-p-0", kind="virtual-cpu", memory_mb=0)
+    client.register(RegisterRequest(name="p", address="127.0.0.1", gpus=[gpu]))
+    request = StorageRequest(fencing_token="f", node_rank=0, rank=0, method="GET", key="jobs/x/checkpoints/k")
+    answers: list[str] = []
+
+    def ask() -> None:
+        try:
+            client.storage_grants(str(uuid.uuid4()), request)
+        except StaleAttempt as exc:  # no such attempt: refused, over a working connection
+            answers.append(type(exc).__name__)
+
+    try:
+        for _ in range(12):
+            thread = threading.Thread(target=ask)
+            thread.start()
+            thread.join()
+        assert answers == ["StaleAttempt"] * 12
+        assert len(client._clients) <= 2  # the registering thread's, and one pooled
+    finally:
+        client.close()
