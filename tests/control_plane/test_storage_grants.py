@@ -174,6 +174,7 @@ def test_a_worker_creates_its_own_shards_once_and_touches_nothing_else(client, s
     assert {why: r.status_code for why, r in refused.items()} == {why: 403 for why in refused}
     # A forged fencing token, or a node that does not hold the claimed node rank.
     assert Grants(client, *a.node_of(0), 0, token="forged").ask("PUT", victim, size_bytes=8).status_code == 409
+    assert Grants(client, *a.node_of(0), 0, token="forgé").ask("PUT", victim, size_bytes=8).status_code == 422
     wrong_node = Grants(client, a.agents[1], a.specs[0], 0).ask("PUT", a.shard_key(20, 0), size_bytes=8)
     assert wrong_node.status_code == 403
 

@@ -66,16 +66,19 @@ class _Asked(_Wire):
         return self
 
 
+_TOKEN = Field(max_length=256, pattern=r"^[\x21-\x7e]*$", description="The attempt's fencing token.")
+
+
 class LocalStorageRequest(_Asked):
     """Worker -> agent (local API), authenticated by the attempt's fencing token."""
 
-    fencing_token: str = Field(max_length=256)
+    fencing_token: str = _TOKEN
 
 
 class StorageRequest(_Asked):
     """Agent -> control plane (node token), for one of the node's attempts."""
 
-    fencing_token: str = Field(max_length=256)
+    fencing_token: str = _TOKEN
     node_rank: int = Field(ge=0, le=2**31 - 1)
 
 
