@@ -7,6 +7,7 @@ every end-to-end test (tests/e2e/conftest.py and harness.py check that they talk
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from node_agent.agent import Agent, AgentConfig
 from node_agent.client import ControlPlaneClient, ControlPlaneUnavailable, StaleAttempt, TlsMismatch
 from tests.factories import ADMIN, ADMIN_TOKEN, JOIN_TOKEN
 from tests.helpers import ProcessReaper, free_port, wait_for
-from trainyard.certs import client_context, ensure_server_tls
+from trainyard.certs import ensure_server_tls
+from trainyard.tls import client_context
 from trainyard.cli import main
 from trainyard.protocol.agent import GpuInfo, RegisterRequest
 from trainyard.protocol.grants import StorageRequest
@@ -172,3 +174,20 @@ def test_calls_for_workers_from_many_threads_share_a_few_connections(https_serve
         assert len(client._clients) <= 2  # the registering thread's, and one pooled
     finally:
         client.close()
+
+
+def test_the_cli_verifies_the_control_plane_with_trainyard_ca_file(https_server: Server, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TRAINYARD_URL", https_server.url)
+    monkeypatch.setenv("TRAINYARD_TOKEN", ADMIN_TOKEN)
+    monkeypatch.delenv("TRAINYARD_CA_FILE", raising=False)
+    with pytest.raises(SystemExit) as untrusted:  # the system's trust store does not know the cluster's CA
+        main(["whoami"])
+    err = capsys.readouterr().err
+    assert untrusted.value.code == 1 and "not trusted here" in err and "TRAINYARD_CA_FILE" in err, err
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("TRAINYARD_CA_FILE", str(https_server.ca_file))
+    with pytest.raises(SystemExit) as trusted:
+        main(["whoami"])
+    out, err = capsys.readouterr()
+    assert trusted.value.code == 0 and json.loads(out)["role"] == "admin", err

@@ -4,14 +4,14 @@ certificates signed by it (``trainyard dev up``; tests), and what a client trust
 A production cluster uses certificates from its own CA (docs/security.md, "TLS"); this is the
 same thing at the scale of one machine. The CA's key stays in its directory (mode 0600) and the
 CA is kept across runs, so agents and users who trust ``ca.pem`` keep trusting the cluster; the
-server certificate is issued again whenever it would expire soon or names other hosts.
+server certificate is issued again whenever it would expire soon or names other hosts. What a
+client trusts is trainyard/tls.py.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import ssl
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -35,12 +35,6 @@ class ServerTls:
     cert_file: Path
     """The server's certificate (clients verify it with ``ca_file``)."""
     key_file: Path
-
-
-def client_context(ca_file: str | Path | None = None) -> ssl.SSLContext:
-    """What a client verifies the control plane with: ``ca_file``'s CAs, or the system's trust
-    store when None. Hostname checks stay on."""
-    return ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
 
 
 def ensure_server_tls(directory: Path, hosts: list[str], *, common_name: str = "trainyard control plane") -> ServerTls:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.e2e.harness import Cluster, LiveCluster, live_cluster
 from tests.helpers import ProcessReaper
-from trainyard.certs import client_context
+from trainyard.tls import client_context
 from trainyard.embedded import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
