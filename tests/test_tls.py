@@ -26,10 +26,10 @@ from node_agent.client import ControlPlaneClient, ControlPlaneUnavailable, Stale
 from tests.factories import ADMIN, ADMIN_TOKEN, JOIN_TOKEN
 from tests.helpers import ProcessReaper, free_port, wait_for
 from trainyard.certs import ensure_server_tls
-from trainyard.tls import client_context
 from trainyard.cli import main
 from trainyard.protocol.agent import GpuInfo, RegisterRequest
 from trainyard.protocol.grants import StorageRequest
+from trainyard.tls import client_context
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,8 +176,8 @@ def test_calls_for_workers_from_many_threads_share_a_few_connections(https_serve
         client.close()
 
 
-def test_the_cli_verifies_the_control_plane_with_trainyard_ca_file(https_server: Server, monkeypatch: pytest.MonkeyPatch,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_verifies_the_control_plane_with_trainyard_ca_file(
+        https_server: Server, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("TRAINYARD_URL", https_server.url)
     monkeypatch.setenv("TRAINYARD_TOKEN", ADMIN_TOKEN)
     monkeypatch.delenv("TRAINYARD_CA_FILE", raising=False)

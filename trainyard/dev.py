@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainyard.certs import ServerTls, ensure_server_tls
-from trainyard.tls import client_context
 from trainyard.embedded import (
     EmbeddedError,
     EmbeddedPostgres,
@@ -47,6 +46,7 @@ from trainyard.embedded import (
     stop_process_group,
     wait_exited,
 )
+from trainyard.tls import client_context
 
 READY_MARKER = "TRAINYARD_READY"
 
