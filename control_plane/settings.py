@@ -7,6 +7,8 @@ from functools import lru_cache
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainyard.protocol.env import MAX_JOB_ENV_BYTES
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINYARD_", extra="ignore")
@@ -68,7 +70,10 @@ class Settings(BaseSettings):
     )
     rdzv_port_min: int = Field(29500, ge=1024, le=65535)
     rdzv_port_max: int = Field(39499, ge=1024, le=65535)
-    max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")
+    max_env_bytes: int = Field(
+        MAX_JOB_ENV_BYTES, gt=0, le=MAX_JOB_ENV_BYTES,
+        description="Largest total size of a job's env (NAME=value and a NUL each); submit refuses more with 422.",
+    )
     log_follow_poll_s: float = Field(0.5, gt=0)
 
     api_threads: int = Field(

@@ -26,10 +26,12 @@ def submit_job(
     response: Response,
     session: SessionDep,
     principal: PrincipalDep,
+    settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)] = None,
 ) -> JobOut:
     """Queue a job. A retry with the same `Idempotency-Key` returns the same job (200)."""
-    job, created = jobs.submit(session, body, principal=principal.name, idempotency_key=idempotency_key)
+    job, created = jobs.submit(session, body, principal=principal.name, idempotency_key=idempotency_key,
+                               max_env_bytes=settings.max_env_bytes)
     if created:
         runtime.wake_scheduler()
     else:

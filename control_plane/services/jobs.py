@@ -18,6 +18,7 @@ from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
 from control_plane.services import events
 from control_plane.services.states import ATTEMPT_HOLDING, JOB, JOB_TERMINAL, can_transition, set_job_state
+from trainyard.protocol.env import job_env_bytes
 
 # The job state machine and its one mutator live in services/states.py (with those of attempts,
 # attempt parts and nodes); these names stay importable from here.
@@ -59,10 +60,19 @@ def check_fits_cluster(session: Session, body: JobSubmit) -> None:
         )
 
 
+def check_env_size(body: JobSubmit, max_env_bytes: int | None) -> None:
+    """Refuse an env over this server's ``max_env_bytes`` (the schema holds the protocol's cap)."""
+    size = job_env_bytes(body.env)
+    if max_env_bytes is not None and size > max_env_bytes:
+        raise Unprocessable(f"env is {size} bytes; this server allows at most {max_env_bytes}", field="env")
+
+
 def submit(
-    session: Session, body: JobSubmit, *, principal: str, idempotency_key: str | None
+    session: Session, body: JobSubmit, *, principal: str, idempotency_key: str | None,
+    max_env_bytes: int | None = None,
 ) -> tuple[Job, bool]:
     """Create a queued job. Returns (job, created); a retried submit returns the first job."""
+    check_env_size(body, max_env_bytes)
     digest = _request_hash(body)
     if idempotency_key:
         existing = session.scalar(

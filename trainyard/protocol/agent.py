@@ -40,7 +40,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, field_validator
 
 AGENT_API_PREFIX = "/v1/agent"
 
@@ -279,9 +279,10 @@ class NodeAttemptState(StrEnum):
 
 class Progress(_Wire):
     step: int = Field(ge=0)
-    loss: float | None = None
+    # Finite only: JSON has no NaN, and one that got in once made every report of the node unsendable.
+    loss: FiniteFloat | None = None
     at: datetime
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, FiniteFloat] = Field(default_factory=dict)
 
 
 class AttemptStatusReport(_Wire):
@@ -317,10 +318,11 @@ class LogAck(_Wire):
     accepted: int
 
 
-# --- Worker <-> agent local API (served by the agent on its address, for its workers only) ---
+# --- Worker <-> agent local API (served by the agent on a unix socket per attempt) ---
 #
-# Workers learn the URL from TRAINYARD_AGENT_URL and authenticate with the attempt's fencing
-# token (TRAINYARD_FENCING_TOKEN). An unknown or stale attempt gets 409.
+# Workers learn the socket from TRAINYARD_AGENT_SOCKET (and the base URL from TRAINYARD_AGENT_URL)
+# and authenticate with the attempt's fencing token (TRAINYARD_FENCING_TOKEN). An unknown or stale
+# attempt gets 409; a number that is not finite (NaN, Infinity) anywhere in a body gets 422.
 #
 # - POST /v1/local/attempts/{attempt_id}/progress  LocalProgress
 # - POST /v1/local/attempts/{attempt_id}/result    LocalResult
@@ -330,8 +332,8 @@ class LocalProgress(_Wire):
     fencing_token: str
     rank: int = Field(ge=0)
     step: int = Field(ge=0)
-    loss: float | None = None
-    metrics: dict[str, float] = Field(default_factory=dict)
+    loss: FiniteFloat | None = None
+    metrics: dict[str, FiniteFloat] = Field(default_factory=dict)
 
 
 class LocalResult(_Wire):
