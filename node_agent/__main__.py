@@ -1,9 +1,13 @@
-"""python -m node_agent --control-plane URL --join-token T --name N --address A [options]"""
+"""python -m node_agent --control-plane URL --name N --address A [options]
+
+The join token comes from TRAINYARD_JOIN_TOKEN or --join-token-file (a command line is readable by
+every process of the machine); --join-token still works, with a warning."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +15,27 @@ import structlog
 
 from node_agent.agent import AgentConfig, run_agent
 from node_agent.gpus import NoGpusError
+from node_agent.isolation import IsolationError, UidRange
+
+JOIN_TOKEN_ENV = "TRAINYARD_JOIN_TOKEN"
+
+
+def read_join_token(flag: str | None, path: Path | None) -> str:
+    """The join token from --join-token-file, --join-token (with a warning), or the environment."""
+    if path is not None:
+        return path.read_text().strip()
+    if flag:
+        print("node_agent: --join-token puts the token on the command line, where every process of the "
+              f"machine can read it; use {JOIN_TOKEN_ENV} or --join-token-file", file=sys.stderr)
+        return flag
+    return os.environ.get(JOIN_TOKEN_ENV, "")
+
+
+def _uids(text: str) -> UidRange:
+    try:
+        return UidRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -23,13 +48,19 @@ def _label(text: str) -> tuple[str, str]:
 def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser = argparse.ArgumentParser(prog="python -m node_agent", description="Trainyard node agent")
     parser.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://10.0.0.1:8000")
-    parser.add_argument("--join-token", required=True)
+    parser.add_argument("--join-token", default=None, help=f"prefer {JOIN_TOKEN_ENV} or --join-token-file")
+    parser.add_argument("--join-token-file", type=Path, default=None, help="file holding the join token")
     parser.add_argument("--name", required=True, help="node name, unique in the cluster")
     parser.add_argument("--address", required=True, help="address other nodes reach this node at")
     parser.add_argument("--virtual-gpus", type=int, default=None, help="offer N CPU-only slots instead of NVIDIA GPUs")
     parser.add_argument("--work-dir", type=Path, default=Path(".trainyard/agent"))
     parser.add_argument("--label", type=_label, action="append", default=[], help="topology label k=v")
-    parser.add_argument("--local-api-port", type=int, default=0)
+    parser.add_argument("--worker-uids", type=_uids, default=None,
+                        help="run each attempt as its own uid from this pool, e.g. 20000-20063 (needs root)")
+    parser.add_argument("--worker-root", type=Path, default=None, help="worker directories (default WORK_DIR/workers)")
+    parser.add_argument("--run-dir", type=Path, default=None, help="sockets and uid locks (default /run/trainyard)")
+    parser.add_argument("--no-cgroups", action="store_true", help="track processes by uid, not by cgroup v2")
+    parser.add_argument("--worker-env", action="append", default=[], help="an agent variable to pass to workers")
     parser.add_argument("--stop-grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL")
     parser.add_argument(
         "--keep-workers-on-exit", action="store_true", help="leave workers running when the agent exits"
@@ -41,15 +72,23 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
     )
     try:
+        join_token = read_join_token(args.join_token, args.join_token_file)
+    except OSError as exc:
+        parser.error(f"cannot read the join token file: {exc}")
+    try:
         return AgentConfig(
             control_plane_url=args.control_plane,
-            join_token=args.join_token,
+            join_token=join_token,
             name=args.name,
             address=args.address,
             virtual_gpus=args.virtual_gpus,
             work_dir=args.work_dir,
             labels=dict(args.label),
-            local_api_port=args.local_api_port,
+            worker_uids=args.worker_uids,
+            worker_root=args.worker_root,
+            run_dir=args.run_dir,
+            cgroups=not args.no_cgroups,
+            worker_env_passthrough=tuple(args.worker_env),
             stop_grace_s=args.stop_grace,
             keep_workers_on_exit=args.keep_workers_on_exit,
         )
@@ -61,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     try:
         run_agent(config)
-    except NoGpusError as exc:
+    except (NoGpusError, IsolationError) as exc:
         print(f"node_agent: {exc}", file=sys.stderr)
         return 2
     return 0

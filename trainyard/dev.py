@@ -10,7 +10,8 @@ Layout of the data dir::
     DIR/postgres/      PGDATA (kept: a second ``dev up`` on DIR reuses the database)
     DIR/s3/            SeaweedFS data; DIR/s3-credentials.json its keys (0600)
     DIR/logs/NAME.log  output of each process (control-plane, node-1, ..., s3)
-    DIR/nodes/node-i/  each agent's work dir
+    DIR/nodes/node-i/  each agent's work dir (and its workers' directories, when every directory
+                       above DIR lets other users through; else under the temporary directory)
     DIR/dev-up.lock    held while a ``dev up`` runs on DIR; DIR/dev-up.pids its children
 """
 
@@ -18,12 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import secrets
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -43,6 +48,8 @@ from trainyard.embedded import (
 )
 
 READY_MARKER = "TRAINYARD_READY"
+DEV_WORKER_UIDS = "20000-20255"
+"""Shared by every dev cluster of the machine: agents lease uids under locks, never one in use."""
 
 
 class DevError(RuntimeError):
@@ -86,6 +93,9 @@ class DevConfig:
     agent_control_plane: dict[str, str] = field(default_factory=dict)
     """node name -> the control-plane URL its agent uses instead of its replica's (fault tests put
     a proxy there)."""
+    worker_uids: str | None = DEV_WORKER_UIDS if os.geteuid() == 0 else None
+    """The agents' worker uid pool (node_agent/isolation.py): by default, as root, every attempt
+    runs as a uid of its own like in production; None: workers run as the agents' user."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -201,8 +211,10 @@ class DevCluster:
             self._say(f"starting the control plane on {cfg.replica_url(i)}")
             self._start_control_plane(i)
 
+        if cfg.worker_uids:
+            _own_dir(self._workers_tmp)
         for i in range(1, cfg.nodes + 1):
-            self.agents.append(self._spawn(f"node-{i}", self._agent_args(i), {}))
+            self.agents.append(self._spawn(f"node-{i}", self._agent_args(i), self._agent_env()))
         self._say(f"waiting for {cfg.nodes} node(s) to register")
         self._wait(f"{cfg.nodes} ready node(s)", self._nodes_ready)
 
@@ -245,15 +257,41 @@ class DevCluster:
     def _agent_args(self, i: int) -> list[str]:
         cfg = self.config
         name = f"node-{i}"
-        return [
+        # The join token goes in the agent's environment (_agent_env): a command line is readable
+        # by every process of the machine, workers included.
+        args = [
             "-m", "trainyard", "agent",
             "--control-plane", cfg.agent_control_plane.get(name) or cfg.replica_url((i - 1) % cfg.replicas),
-            "--join-token", self.join_token,
             "--name", name,
             "--address", f"127.0.0.{i + 1}",
             "--virtual-gpus", str(cfg.gpus_per_node),
             "--work-dir", str(cfg.data_dir / "nodes" / name),
         ]  # fmt: skip
+        if cfg.worker_uids:
+            args += ["--worker-uids", cfg.worker_uids, "--worker-root", str(self._worker_root(name))]
+        return args
+
+    def _agent_env(self) -> dict[str, str]:
+        return {"TRAINYARD_JOIN_TOKEN": self.join_token}
+
+    def _worker_root(self, name: str) -> Path:
+        """Where node ``name``'s workers get their directories: under its work dir when worker
+        uids can get there, else in a directory of this data dir's under the temporary directory
+        (a pytest tmp_path is 0700)."""
+        node_dir = self.config.data_dir / "nodes" / name
+        if _reachable(node_dir.parent):
+            return node_dir / "workers"
+        return self._workers_tmp / name
+
+    @property
+    def worker_dirs(self) -> list[Path]:
+        """Where this cluster's workers run (their cwd lies below one of these)."""
+        return [self.config.data_dir, self._workers_tmp]
+
+    @property
+    def _workers_tmp(self) -> Path:
+        digest = hashlib.sha256(str(self.config.data_dir).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"trainyard-dev-workers-{digest}"
 
     def start_agent(self, name: str) -> subprocess.Popen[bytes]:
         """Start node ``name``'s agent again, on the same work dir, after its process ended (it was
@@ -263,7 +301,7 @@ class DevCluster:
         if old.proc.poll() is None:
             raise DevError(f"the agent of {name} still runs (pid {old.proc.pid})")
         old.log.close()
-        self.agents[index] = self._spawn(name, self._agent_args(int(name.rsplit("-", 1)[1])), {})
+        self.agents[index] = self._spawn(name, self._agent_args(int(name.rsplit("-", 1)[1])), self._agent_env())
         return self.agents[index].proc
 
     def agent(self, name: str) -> subprocess.Popen[bytes]:
@@ -374,6 +412,8 @@ class DevCluster:
         # Whatever a child started and left behind (say, an agent killed before it could stop its
         # workers, which run in sessions of their own) goes too.
         _kill_all(list(self._descendants.values()))
+        if self.config.worker_uids:
+            shutil.rmtree(self._workers_tmp, ignore_errors=True)
         if self.s3 is not None:
             self._say("stopping S3")
             self.s3.stop()
@@ -523,6 +563,22 @@ def _data_dir_lock(data_dir: Path) -> Iterator[None]:
             yield
         finally:
             fh.truncate(0)
+
+
+def _reachable(path: Path) -> bool:
+    """Every directory from / down to ``path`` lets other users through (o+x)."""
+    path = path.resolve()
+    return all(d.exists() and d.stat().st_mode & stat.S_IXOTH for d in (*path.parents, path))
+
+
+def _own_dir(path: Path) -> None:
+    """``path`` as a directory of this user's that others may only pass through (0711); refuse one
+    someone else made first (it is under the shared temporary directory)."""
+    path.mkdir(mode=0o711, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise DevError(f"{path} exists and is not this user's directory; remove it")
+    path.chmod(0o711)
 
 
 def _s3_credentials(path: Path) -> tuple[str, str]:

@@ -17,6 +17,7 @@ import pytest
 
 from node_agent import processes
 from node_agent.agent import Agent, AgentConfig
+from tests.node_agent import worker_client
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import free_port, make_spec, wait_for, write_script
 from trainyard.protocol.agent import LaunchSpec, NodeAttemptState, WorkerState
@@ -24,13 +25,12 @@ from trainyard.protocol.agent import LaunchSpec, NodeAttemptState, WorkerState
 NODE = "node-a"
 
 REPORTER = """
-import json, os, sys, urllib.request
+import os, sys
+from tests.node_agent.worker_client import post as _post
 
 def post(kind, body):
-    url = f"{os.environ['TRAINYARD_AGENT_URL']}/v1/local/attempts/{os.environ['TRAINYARD_ATTEMPT_ID']}/{kind}"
-    body["fencing_token"] = os.environ["TRAINYARD_FENCING_TOKEN"]
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=5).read()
+    status, answer = _post(kind, body, timeout=5)
+    assert status == 200, answer
 
 rank = int(os.environ["RANK"])
 for step in (1, 2, 3):
@@ -44,20 +44,13 @@ if rank == 0:
 SLEEPER = "import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n"
 
 CHECKPOINTER = """
-import json, os, sys, time, urllib.error, urllib.request
+import json, os, sys, time
+from tests.node_agent.worker_client import post as _post
 
-base = f"{os.environ['TRAINYARD_AGENT_URL']}/v1/local/attempts/{os.environ['TRAINYARD_ATTEMPT_ID']}"
 mode, out = sys.argv[1], sys.argv[2]
 
 def post(path, body):
-    body["fencing_token"] = os.environ["TRAINYARD_FENCING_TOKEN"]
-    headers = {"Content-Type": "application/json"}
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=40) as resp:
-            return [resp.status, json.loads(resp.read())]
-    except urllib.error.HTTPError as exc:
-        return [exc.code, json.loads(exc.read())]
+    return list(_post(path.lstrip("/"), body))
 
 def shard(step):
     key = f"ckpt/step-{step}/rank-0"
@@ -339,12 +332,16 @@ def test_restarted_agent_adopts_and_outage_keeps_workers(agents: Agents, plane: 
     plane.assign(NODE, spec)
     wait_state(plane, spec.attempt_id, NodeAttemptState.running)
     pids = attempt_pids(spec.attempt_id)
-    url = first.local_api_url
+    socket_path = first.local_api_socket(spec.attempt_id)
+    assert socket_path is not None
     first.stop()
     assert attempt_pids(spec.attempt_id) == pids  # kept running
+    assert not Path(socket_path).exists()
 
     second = agents.start()
-    assert second.local_api_url == url  # the workers' TRAINYARD_AGENT_URL still reaches the agent
+    assert second.local_api_socket(spec.attempt_id) == socket_path  # its workers' TRAINYARD_AGENT_SOCKET
+    status, _ = worker_client.request("GET", "/healthz", socket_path=socket_path, timeout=5)
+    assert status == 200
     run = second.run(spec.attempt_id)
     assert run is not None and run.adopted and run.alive
     instance_hb = lambda: [hb for _, hb in plane.heartbeats if hb.agent_instance == second.instance]  # noqa: E731
@@ -365,10 +362,12 @@ def test_restarted_agent_adopts_and_outage_keeps_workers(agents: Agents, plane: 
 
 
 def test_cli_runs_until_sigterm_and_stops_its_workers(agents: Agents, plane: FakeControlPlane, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "node_agent", "--control-plane", plane.url, "--join-token", plane.join_token]
+    cmd = [sys.executable, "-m", "node_agent", "--control-plane", plane.url]
     cmd += ["--name", "cli-node", "--address", "127.0.0.3", "--virtual-gpus", "1", "--label", "rack=r9"]
     cmd += ["--work-dir", str(tmp_path / "cli-agent"), "--stop-grace", "1"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL)
+    # The join token in the environment, never on the command line (which every process can read).
+    env = {**os.environ, "TRAINYARD_JOIN_TOKEN": plane.join_token}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, env=env)
     try:
         wait_for(lambda: plane.registrations, what="the CLI agent to register")
         assert plane.registrations[0].labels == {"rack": "r9"}
