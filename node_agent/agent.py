@@ -235,6 +235,9 @@ class Agent:
             self.log.warning("outbox_items_lost_at_shutdown", items=lost)
         if self._api is not None:
             self._api.stop()
+        for run in self.runs():
+            if run.confinement.lease is not None:
+                run.confinement.lease.close()  # as at exit: the next instance claims the uids of what it adopts
         self.client.close()
         self.log.info("agent_stopped")
 

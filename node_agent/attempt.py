@@ -106,6 +106,7 @@ class AttemptRun:
         """Create the attempt's directories and start torchrun (confined as ``confinement`` says).
         Raises FileExistsError if the attempt directory exists: that attempt has been launched here
         before and must never be launched again."""
+        paths.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         paths.root.mkdir(mode=0o700, exist_ok=False)
         run = cls(spec, paths, stop_grace_s=stop_grace_s, confinement=confinement)
         run._persist()  # before starting: a crash in between must still leave the id taken

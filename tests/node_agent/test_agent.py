@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -221,6 +222,13 @@ def test_runs_an_assigned_attempt_and_reports_it(agents: Agents, plane: FakeCont
     wait_for(lambda: plane.last_heartbeat(NODE).seq >= seq + 5, what="more heartbeats")  # type: ignore[union-attr]
     assert json.loads(state_file.read_text()) == state
     assert state["done"] and state["final_acked"]
+    # The agent's state is its own (state.json holds the fencing token); the worker dir is gone.
+    work_dir = agents.tmp_path / "agent"
+    assert stat.S_IMODE(state_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(state_file.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE((work_dir / "attempts").stat().st_mode) == 0o700
+    assert stat.S_IMODE(work_dir.stat().st_mode) == 0o711
+    assert not (work_dir / "workers" / f"{spec.attempt_id}.0").exists()
     assert plane.status_count(spec.attempt_id) == count
     assert not attempt_pids(spec.attempt_id)
 
