@@ -175,16 +175,19 @@ class Agent:
         )
         for note in notes:
             self.log.info("isolation", detail=note)
-        # Workers must get through to their own directory, never into the agent's state.
+        # Workers must get through to their own directory and socket, never into the agent's state.
         private_dir(config.work_dir, 0o711)
         private_dir(config.workers_dir, 0o711)
+        self._api = LocalApi(self.reports, self.outbox)
+        self._launches = Launches(config, self._api, self.isolation, self.log)
         if self.isolation.isolated:
-            blocked = reachable_by_others(config.workers_dir)
-            if blocked is not None:
-                raise IsolationError(
-                    f"worker uids cannot reach {config.workers_dir}: {blocked} does not let other users "
-                    "through (o+x); choose a --worker-root every worker uid can reach"
-                )
+            for what, directory in (("--worker-root", config.workers_dir), ("--run-dir", self._launches.sockets_dir)):
+                blocked = reachable_by_others(directory)
+                if blocked is not None:
+                    raise IsolationError(
+                        f"worker uids cannot reach {directory}: {blocked} does not let other users through "
+                        f"(o+x); choose a {what} every worker uid can reach"
+                    )
             self.log.info("workers_isolated", uids=str(config.worker_uids))
         else:
             self.log.warning(
@@ -193,8 +196,6 @@ class Agent:
                 "can read the agent's environment and files and signal other jobs' processes; "
                 "configure a worker uid pool (docs/security.md)",
             )
-        self._api = LocalApi(self.reports, self.outbox)
-        self._launches = Launches(config, self._api, self.isolation, self.log)
         self._node = NodeContext(
             local_addr=config.address,
             agent_url=BASE_URL,

@@ -156,7 +156,9 @@ class AttemptRun:
         if state.get("done"):
             return None
         worker, socket = state.get("worker_dir"), state.get("socket")
-        paths = AttemptPaths(paths.root, Path(worker) if isinstance(worker, str) else paths.worker,
+        # No worker_dir: an agent of an earlier version, whose workers wrote status/ and logs/ into
+        # the attempt directory itself.
+        paths = AttemptPaths(paths.root, Path(worker) if isinstance(worker, str) else paths.root,
                              Path(socket) if isinstance(socket, str) else paths.socket)
         run = cls(spec, paths, stop_grace_s=stop_grace_s, confinement=Confinement.from_state(state))
         if isolation is not None:

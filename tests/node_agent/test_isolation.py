@@ -8,9 +8,11 @@ import contextlib
 import json
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -280,3 +282,21 @@ def test_attempt_cgroup_api_on_a_plain_directory(tmp_path: Path) -> None:
     assert cgroup.pids() == {11, 12, 13}
     assert not cgroup.remove()  # not empty
     assert AttemptCgroup(tmp_path / "gone").pids() == set() and AttemptCgroup(tmp_path / "gone").remove()
+
+
+@root_only
+def test_an_agent_whose_workers_could_not_reach_their_directory_refuses_to_start(tmp_path: Path) -> None:
+    from node_agent.agent import Agent, AgentConfig
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    config = AgentConfig(control_plane_url="http://127.0.0.1:9", join_token="j", name="n", address="127.0.0.2",
+                         virtual_gpus=1, work_dir=tmp_path / "agent", worker_uids=UidRange(UID + 30, UID + 31),
+                         worker_root=private / "workers", run_dir=Path(tempfile.mkdtemp(prefix="rd-", dir="/tmp")))
+    agent = Agent(config)
+    try:
+        with pytest.raises(IsolationError, match="--worker-root"):
+            agent.start()
+    finally:
+        agent.stop(timeout=1)
+        shutil.rmtree(config.runtime_dir, ignore_errors=True)
