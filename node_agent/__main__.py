@@ -1,34 +1,20 @@
-"""python -m node_agent --control-plane URL --name N --address A [options]
+"""python -m node_agent --control-plane URL --name N --address A [--join-token-file F] [options]
 
-The join token comes from TRAINYARD_JOIN_TOKEN or --join-token-file (a command line is readable by
-every process of the machine); --join-token still works, with a warning."""
+The join token comes from --join-token-file or TRAINYARD_JOIN_TOKEN, never the command line."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
 import structlog
 
 from node_agent.agent import AgentConfig, run_agent
+from node_agent.config import read_join_token
 from node_agent.gpus import NoGpusError
 from node_agent.isolation import IsolationError, UidRange
-
-JOIN_TOKEN_ENV = "TRAINYARD_JOIN_TOKEN"
-
-
-def read_join_token(flag: str | None, path: Path | None) -> str:
-    """The join token from --join-token-file, --join-token (with a warning), or the environment."""
-    if path is not None:
-        return path.read_text().strip()
-    if flag:
-        print("node_agent: --join-token puts the token on the command line, where every process of the "
-              f"machine can read it; use {JOIN_TOKEN_ENV} or --join-token-file", file=sys.stderr)
-        return flag
-    return os.environ.get(JOIN_TOKEN_ENV, "")
 
 
 def _uids(text: str) -> UidRange:
@@ -48,8 +34,8 @@ def _label(text: str) -> tuple[str, str]:
 def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser = argparse.ArgumentParser(prog="python -m node_agent", description="Trainyard node agent")
     parser.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://10.0.0.1:8000")
-    parser.add_argument("--join-token", default=None, help=f"prefer {JOIN_TOKEN_ENV} or --join-token-file")
-    parser.add_argument("--join-token-file", type=Path, default=None, help="file holding the join token")
+    parser.add_argument("--join-token-file", type=Path, default=None,
+                        help="file holding a join token (default: TRAINYARD_JOIN_TOKEN)")
     parser.add_argument("--name", required=True, help="node name, unique in the cluster")
     parser.add_argument("--address", required=True, help="address other nodes reach this node at")
     parser.add_argument("--virtual-gpus", type=int, default=None, help="offer N CPU-only slots instead of NVIDIA GPUs")
@@ -72,13 +58,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
     )
     try:
-        join_token = read_join_token(args.join_token, args.join_token_file)
-    except OSError as exc:
-        parser.error(f"cannot read the join token file: {exc}")
-    try:
         return AgentConfig(
             control_plane_url=args.control_plane,
-            join_token=join_token,
+            join_token=read_join_token(args.join_token_file),
             name=args.name,
             address=args.address,
             virtual_gpus=args.virtual_gpus,

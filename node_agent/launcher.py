@@ -52,6 +52,7 @@ from trainyard.protocol.env import (
     ENV_JOB_ENV,
     ENV_JOB_ID,
     ENV_JOB_NAME,
+    ENV_LAYOUT,
     ENV_NODE_ID,
     ENV_NODE_NAME,
     ENV_NODE_RANK,
@@ -273,6 +274,8 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid:
     )
     if paths.socket is not None:
         env[ENV_AGENT_SOCKET] = str(paths.socket)
+    if spec.layout is not None:
+        env[ENV_LAYOUT] = spec.layout.model_dump_json()
     if node.node_name:
         env[ENV_NODE_NAME] = node.node_name
     if node.node_id:
