@@ -137,6 +137,10 @@ def main() -> None:
     attempt("read the agent's environment", lambda: read(f"/proc/{agent}/environ"))
     attempt("find the join token on the agent's command line",
             lambda: "got through: on the command line" if "--join-token" in agent_args else "blocked: not there")
+    join_file = flag(agent_args, "--join-token-file")
+    attempt("read the agent's join token file",
+            lambda: read(join_file) if join_file else "blocked: the agent has no join token file")
+    attempt("read the agent's node credential", lambda: read(f"{work_dir}/node-credential"))
     attempt("read the other attempt's environment (its fencing token)", lambda: read(f"/proc/{victim_pid}/environ"))
     attempt("list the agent's attempt directories", lambda: str(os.listdir(f"{work_dir}/attempts")[:0]))
     attempt("read the other attempt's state.json",

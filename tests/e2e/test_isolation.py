@@ -22,6 +22,8 @@ ATTACKS = {
     "read /proc/1/environ",
     "read the agent's environment",
     "find the join token on the agent's command line",
+    "read the agent's join token file",
+    "read the agent's node credential",
     "read the other attempt's environment (its fencing token)",
     "list the agent's attempt directories",
     "read the other attempt's state.json",
