@@ -97,9 +97,9 @@ def create(path: str) -> str:
     return "got through: created"
 
 
-def post_nan() -> str:
-    body = (b'{"fencing_token": "%s", "rank": 0, "step": 1, "loss": NaN}'
-            % os.environ["TRAINYARD_FENCING_TOKEN"].encode())
+def post_number(number: bytes) -> str:
+    body = (b'{"fencing_token": "%s", "rank": 0, "step": 1, "loss": %s}'
+            % (os.environ["TRAINYARD_FENCING_TOKEN"].encode(), number))
     path = f"/v1/local/attempts/{os.environ['TRAINYARD_ATTEMPT_ID']}/progress".encode()
     request = (b"POST " + path + b" HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
@@ -169,7 +169,8 @@ def main() -> None:
             return "got through: connected"
 
         attempt("connect to the other attempt's local API", connect)
-    attempt("post a NaN progress report", post_nan)
+    attempt("post a NaN progress report", lambda: post_number(b"NaN"))
+    attempt("post an infinite progress report (1e999)", lambda: post_number(b"1e999"))
     escapee = escape()
     print(json.dumps({"uid": os.getuid(), "attacks": attacks, "escapee": escapee}), flush=True)
     if ctx.is_main:

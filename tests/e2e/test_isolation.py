@@ -35,6 +35,7 @@ ATTACKS = {
     "signal the other attempt's torchrun",
     "connect to the other attempt's local API",
     "post a NaN progress report",
+    "post an infinite progress report (1e999)",
 }
 
 
@@ -60,10 +61,10 @@ def test_a_hostile_job_cannot_touch_the_node_or_a_job_beside_it(cluster, referen
         assert done["state"] == "succeeded", done["end_reason"]
         result = done["result"]
         escapee = result["escapee"]
-        assert result["uid"] != 0  # the job's code never ran as the agent's user
-        assert {a["name"] for a in result["attacks"]} == ATTACKS  # every attack was tried
         got_through = [a for a in result["attacks"] if not a["blocked"]]
         assert got_through == [], got_through
+        assert {a["name"] for a in result["attacks"]} == ATTACKS  # every attack was tried
+        assert result["uid"] != 0  # the job's code never ran as the agent's user
         # The process that left its session and scrubbed its environment went with its attempt.
         cluster.wait_for("the escaped process to be stopped", lambda: not _alive(escapee), timeout=30)
 
