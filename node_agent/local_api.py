@@ -367,6 +367,9 @@ class _Listener:
         self.path = path
         self.sock = sock
         self.active = threading.BoundedSemaphore(api.limits.connections_per_attempt)
+        self.serving = 0
+        """Connections being served now (for diagnostics and tests)."""
+        self._count = threading.Lock()
         self.context = _Context(attempt_id, api.reports, api.outbox, api.shard_wait_s, api.limits)
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._accept_loop, name=f"local-api-{attempt_id[:12]}", daemon=True)
@@ -385,6 +388,8 @@ class _Listener:
                 self.active.release()
                 self._refuse(conn)
             else:
+                with self._count:
+                    self.serving += 1
                 threading.Thread(target=self._serve, args=(conn,), name="local-api-conn", daemon=True).start()
 
     @staticmethod
@@ -404,6 +409,8 @@ class _Listener:
         finally:
             with contextlib.suppress(OSError):
                 conn.close()
+            with self._count:
+                self.serving -= 1
             self.api.active.release()
             self.active.release()
 
@@ -471,6 +478,12 @@ class LocalApi:
             listener = self._listeners.pop(attempt_id, None)
         if listener is not None:
             listener.close()
+
+    def serving(self, attempt_id: str) -> int:
+        """Connections of the attempt being served now."""
+        with self._lock:
+            listener = self._listeners.get(attempt_id)
+        return 0 if listener is None else listener.serving
 
     def socket_of(self, attempt_id: str) -> Path | None:
         with self._lock:

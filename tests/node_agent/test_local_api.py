@@ -22,6 +22,7 @@ import pytest
 from node_agent.isolation import Confinement, worker_paths
 from node_agent.local_api import LocalApi, LocalApiLimits
 from node_agent.relay import DROPPED_EVENT, Outbox
+from tests.helpers import wait_for
 from trainyard.protocol.agent import ShardInfo, WorkerEvent
 
 
@@ -227,7 +228,7 @@ def test_connections_are_capped_per_attempt_and_other_attempts_still_get_through
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(str(path))
             held.append(sock)
-        time.sleep(0.3)
+        wait_for(lambda: api.serving("att-1") == 2, timeout=10, what="both connections taken in")
         assert raw(path, b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n").startswith(b"HTTP/1.1 503 ")
         with client(api, "att-2") as http:  # another attempt is not held up
             assert http.get("/healthz").status_code == 200
