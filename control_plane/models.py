@@ -213,6 +213,9 @@ class Attempt(Base):
         UUID(as_uuid=True), doc="The checkpoint this attempt restored (its lineage); None: from scratch."
     )
     progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this attempt reported.")
+    progress_metrics: Mapped[dict[str, float] | None] = mapped_column(
+        JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
+    )
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
     )

@@ -117,11 +117,23 @@ class Settings(BaseSettings):
     )
 
     s3_endpoint: str = Field("", description="host:port of the S3 server for checkpoints.")
-    s3_access_key: str = ""
+    s3_access_key: str = Field("", description="The control plane's S3 key; workers and agents never get it.")
     s3_secret_key: str = ""
     s3_bucket: str = "trainyard"
     s3_secure: bool = False
     s3_region: str = "us-east-1"
+    s3_worker_endpoint: str = Field(
+        "", description="host:port at which workers reach S3, when it is not s3_endpoint (presigned URLs name "
+        "it, and their signature covers the host). Empty: s3_endpoint."
+    )
+    storage_grant_ttl_s: int = Field(
+        300, ge=10, le=3600, description="How long a presigned checkpoint URL stays valid (S3 checks it when a "
+        "request starts, so an upload that started in time finishes). Workers ask again when one runs out."
+    )
+    storage_part_size_mb: int = Field(
+        512, ge=5, le=5120, description="Checkpoint objects up to this size are uploaded with one PUT; larger "
+        "ones in parts of this size (S3: one PUT up to 5 GiB, parts of 5 MiB to 5 GiB, at most 10,000)."
+    )
 
     failpoints: str = Field(
         "", description="Testing only: 'name=sleep(S)' or 'name=exit' pairs, ';'-separated (failpoints.py)."

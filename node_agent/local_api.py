@@ -6,6 +6,7 @@ fenced by the attempt's token, served on one unix socket per attempt.
     POST /v1/local/attempts/{attempt_id}/events     LocalEvent    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards     LocalShard    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards?wait=1            -> 200 ShardAck of the control plane
+    POST /v1/local/attempts/{attempt_id}/storage    LocalStorageRequest -> 200 StorageGrants of the control plane
 
 Each attempt part has its own socket (TRAINYARD_AGENT_SOCKET), owned by the attempt's uid with mode
 0600 in a directory only the agent writes: no other attempt, and nothing off the node, can connect
@@ -25,6 +26,9 @@ queued for the relay (relay.py) and answered at once. With ?wait=1 a shard is an
 control plane acknowledged the batch holding it (so the worker learns from `committed_steps` whether
 its step is committed): 409 if the control plane says the attempt is stale, 422 if it refused the
 shard, 504 if no answer came within `shard_wait_s` (the shard stays queued), 503 if it was dropped.
+A storage request (presigned URLs for checkpoint objects, trainyard/protocol/grants.py) is
+forwarded to the control plane at once and answered with its answer: the grants, or its refusal
+(403, 404, 409, 422); 503 when it cannot be reached.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from http import HTTPStatus
@@ -62,11 +67,12 @@ from trainyard.protocol.agent import (
     WorkerEvent,
 )
 from trainyard.protocol.env import LOCAL_API_PREFIX
+from trainyard.protocol.grants import LocalStorageRequest
 
 log = structlog.get_logger(__name__)
 
 _ROUTE = re.compile(
-    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events)$"
+    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events|storage)$"
 )
 _DIGITS = re.compile(r"[0-9]{1,20}")
 MAX_BODY = 1024 * 1024
@@ -74,6 +80,9 @@ SHARD_WAIT_S = 30.0
 BASE_URL = "http://trainyard-agent"
 """TRAINYARD_AGENT_URL: the connection goes to TRAINYARD_AGENT_SOCKET; this only names the host."""
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, NUL included
+
+GrantForwarder = Callable[[str, LocalStorageRequest], tuple[HTTPStatus, dict[str, Any]]]
+"""Asks the control plane for a worker's storage grants (the agent's): (status, JSON body)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,6 +224,7 @@ class _Context:
     outbox: Outbox
     shard_wait_s: float
     limits: LocalApiLimits
+    grants: GrantForwarder | None = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -241,8 +251,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _problem(self, status: HTTPStatus, detail: str, errors: Any = None, **extra: Any) -> None:
-        payload: dict[str, Any] = {"type": "about:blank", "title": status.phrase, "status": int(status)}
+    def _problem(self, status: HTTPStatus, detail: str, errors: Any = None, problem_type: str | None = None,
+                 **extra: Any) -> None:
+        payload: dict[str, Any] = {"type": problem_type or "about:blank", "title": status.phrase,
+                                   "status": int(status)}
         payload["detail"] = detail
         if errors is not None:
             payload["errors"] = errors
@@ -299,6 +311,9 @@ class _Handler(BaseHTTPRequestHandler):
             if kind in ("shards", "events"):
                 self._queue(attempt_id, kind, payload, wait=_truthy(parse_qs(query).get("wait", [""])[-1]))
                 return
+            if kind == "storage":
+                self._storage(attempt_id, LocalStorageRequest.model_validate(payload))
+                return
             reports = self.server.reports
             if kind == "progress":
                 accepted = reports.add_progress(attempt_id, LocalProgress.model_validate(payload))
@@ -316,6 +331,20 @@ class _Handler(BaseHTTPRequestHandler):
     def _fenced_off(self, attempt_id: str, kind: str) -> None:
         log.info("local_report_rejected", attempt_id=attempt_id, kind=kind)
         self._problem(HTTPStatus.CONFLICT, f"attempt {attempt_id} is not running here or is fenced off")
+
+    def _storage(self, attempt_id: str, body: LocalStorageRequest) -> None:
+        if not self.server.reports.accepts(attempt_id, body.fencing_token):
+            self._fenced_off(attempt_id, "storage")
+            return
+        forward = self.server.grants
+        if forward is None:
+            self._problem(HTTPStatus.SERVICE_UNAVAILABLE, "this agent does not forward storage requests")
+            return
+        status, payload = forward(attempt_id, body)
+        if status == HTTPStatus.OK:
+            self._send(status, payload, "application/json")
+        else:
+            self._problem(status, str(payload.get("detail", "")), problem_type=payload.get("type"))
 
     def _queue(self, attempt_id: str, kind: str, payload: Any, *, wait: bool) -> None:
         """Queue a shard or an event for the relay; raises ValidationError for a bad body."""
@@ -370,7 +399,7 @@ class _Listener:
         self.serving = 0
         """Connections being served now (for diagnostics and tests)."""
         self._count = threading.Lock()
-        self.context = _Context(attempt_id, api.reports, api.outbox, api.shard_wait_s, api.limits)
+        self.context = _Context(attempt_id, api.reports, api.outbox, api.shard_wait_s, api.limits, api.grants)
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._accept_loop, name=f"local-api-{attempt_id[:12]}", daemon=True)
 
@@ -434,10 +463,12 @@ class LocalApi:
         *,
         shard_wait_s: float = SHARD_WAIT_S,
         limits: LocalApiLimits | None = None,
+        grants: GrantForwarder | None = None,
     ) -> None:
         self.reports = reports or LocalReports()
         self.outbox = outbox or Outbox()
         self.shard_wait_s = shard_wait_s
+        self.grants = grants
         self.limits = limits or LocalApiLimits()
         self.active = threading.BoundedSemaphore(self.limits.connections_total)
         self._lock = threading.Lock()

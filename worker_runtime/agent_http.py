@@ -8,8 +8,12 @@ import httpx
 from worker_runtime.context import WorkerContext
 
 
-def agent_client(ctx: WorkerContext, timeout: float) -> httpx.Client:
+def socket_client(agent_socket: str | None, timeout: float) -> httpx.Client:
     # trust_env=False: a proxy from the job's environment must never sit between a worker and its agent.
-    if ctx.agent_socket:
-        return httpx.Client(timeout=timeout, trust_env=False, transport=httpx.HTTPTransport(uds=ctx.agent_socket))
+    if agent_socket:
+        return httpx.Client(timeout=timeout, trust_env=False, transport=httpx.HTTPTransport(uds=agent_socket))
     return httpx.Client(timeout=timeout, trust_env=False)
+
+
+def agent_client(ctx: WorkerContext, timeout: float) -> httpx.Client:
+    return socket_client(ctx.agent_socket, timeout)

@@ -141,6 +141,9 @@ def main() -> None:
     attempt("read the agent's join token file",
             lambda: read(join_file) if join_file else "blocked: the agent has no join token file")
     attempt("read the agent's node credential", lambda: read(f"{work_dir}/node-credential"))
+    attempt("find storage credentials in its own environment",
+            lambda: "got through: a secret key" if any(k.endswith("SECRET_KEY") for k in os.environ)
+            else "blocked: none")
     attempt("read the other attempt's environment (its fencing token)", lambda: read(f"/proc/{victim_pid}/environ"))
     attempt("list the agent's attempt directories", lambda: str(os.listdir(f"{work_dir}/attempts")[:0]))
     attempt("read the other attempt's state.json",

@@ -24,6 +24,7 @@ ATTACKS = {
     "find the join token on the agent's command line",
     "read the agent's join token file",
     "read the agent's node credential",
+    "find storage credentials in its own environment",
     "read the other attempt's environment (its fencing token)",
     "list the agent's attempt directories",
     "read the other attempt's state.json",
