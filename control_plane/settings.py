@@ -81,8 +81,12 @@ class Settings(BaseSettings):
         "long after allocation fails the attempt. Longer than node_lost_timeout_s: a silent node is "
         "declared lost first (the clearer reason); this catches a live agent that never picks the part up."
     )
-    rdzv_port_min: int = Field(29500, ge=1024, le=65535)
-    rdzv_port_max: int = Field(39499, ge=1024, le=65535)
+    rdzv_port_min: int = Field(20000, ge=1024, le=65535, description=(
+        "Lowest rendezvous port; an attempt's port is its own on node rank 0's host."))
+    rdzv_port_max: int = Field(32767, ge=1024, le=65535, description=(
+        "Highest rendezvous port. Keep the range below the nodes' ephemeral ports (Linux: "
+        "net.ipv4.ip_local_port_range, 32768-60999 by default): an outgoing connection's local port "
+        "taken from the range makes torchrun's store fail with EADDRINUSE."))
     max_env_bytes: int = Field(
         MAX_JOB_ENV_BYTES, gt=0, le=MAX_JOB_ENV_BYTES,
         description="Largest total size of a job's env (NAME=value and a NUL each); submit refuses more with 422.",

@@ -435,3 +435,41 @@ def test_outbox_is_bounded_in_bytes_events_go_before_shards_and_a_notice_counts_
     assert steps == list(range(steps[0], 20)) and steps[0] > 0  # the newest, in order
     notices = [i.body for i in items if i.kind == "event"]
     assert [n.kind for n in notices] == [DROPPED_EVENT] and notices[0].data["shards"] == steps[0]
+
+
+def test_a_worker_waits_out_a_control_plane_outage_for_its_storage_grant(sockets: Path) -> None:
+    """A checkpoint that falls into a control plane restart or a database failover is delayed, not
+    lost: the worker asks its agent again while the agent answers 503, and gets the grant once the
+    control plane is back (on the commit that introduced presigned storage, three tries in 1.5 s
+    gave up, and the e2e restarts lost the first checkpoint). A refusal is never retried."""
+    from worker_runtime.checkpoint.presigned import AgentGrants, GrantRefused
+
+    down_until = time.monotonic() + 2.5
+    calls: list[float] = []
+
+    def forward(attempt_id: str, body: LocalStorageRequest) -> tuple[HTTPStatus, dict[str, object]]:
+        calls.append(time.monotonic())
+        if body.key.endswith("/stale"):
+            return HTTPStatus.CONFLICT, {"detail": "attempt att-1 is fenced off"}
+        if time.monotonic() < down_until:
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "the control plane is not reachable"}
+        return HTTPStatus.OK, {"grants": []}
+
+    api = serve(sockets, grants=forward)
+    path = str(api.socket_of("att-1"))
+    try:
+        source = AgentGrants(agent_url="http://agent", attempt_id="att-1", fencing_token="fence-1", rank=0,
+                             timeout_s=5, wait_s=30, backoff_s=0.2, max_backoff_s=0.5, agent_socket=path)
+        assert source.grants("PUT", "jobs/j/checkpoints/x", size_bytes=3).grants == []
+        assert calls[-1] >= down_until and len(calls) >= 4
+        n = len(calls)
+        with pytest.raises(GrantRefused):
+            source.grants("PUT", "jobs/j/checkpoints/stale", size_bytes=3)
+        assert len(calls) == n + 1
+        impatient = AgentGrants(agent_url="http://agent", attempt_id="att-1", fencing_token="fence-1", rank=0,
+                                timeout_s=5, wait_s=0.5, backoff_s=0.2, max_backoff_s=0.2, agent_socket=path)
+        down_until = time.monotonic() + 60
+        with pytest.raises(OSError, match="HTTP 503"):
+            impatient.grants("GET", "jobs/j/checkpoints/x")
+    finally:
+        api.stop()
