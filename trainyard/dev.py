@@ -58,6 +58,36 @@ DEV_WORKER_UIDS = "20000-20255"
 """Shared by every dev cluster of the machine: agents lease uids under locks, never one in use."""
 
 
+NOT_ISOLATED = "WORKERS NOT ISOLATED"
+"""Starts the line ``dev up`` prints when its default uid pool cannot be used here."""
+
+
+class _PoolCheck:
+    """Whether the agents' worker uid pool works on this machine, found in a thread of its own:
+    the agent's own start check (node_agent/isolation.py), run as root, with the agents' cwd. A
+    ``dev up`` where it fails (no mount namespaces for a Python in a private /root, say) runs its
+    workers unisolated and says so, rather than not starting at all."""
+
+    def __init__(self, uids: str) -> None:
+        self._uids = uids
+        self._problem: str | None = None
+        self._thread = threading.Thread(target=self._run, name="dev-pool-check", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from node_agent.config import default_run_dir
+        from node_agent.isolation import Isolation, UidRange
+
+        try:
+            Isolation.configure(UidRange.parse(self._uids), default_run_dir(), use_cgroups=False, cwd=os.getcwd())
+        except Exception as exc:  # any reason at all: said, and the cluster still starts
+            self._problem = f"{type(exc).__name__}: {exc}"
+
+    def problem(self) -> str | None:
+        self._thread.join()
+        return self._problem
+
+
 class DevError(RuntimeError):
     """``dev up`` could not start (the message says what to do about it)."""
 
@@ -104,7 +134,8 @@ class DevConfig:
     a proxy there)."""
     worker_uids: str | None = DEV_WORKER_UIDS if os.geteuid() == 0 else None
     """The agents' worker uid pool (node_agent/isolation.py): by default, as root, every attempt
-    runs as a uid of its own like in production; None: workers run as the agents' user."""
+    runs as a uid of its own like in production; None: workers run as the agents' user (also what
+    ``start`` falls back to, saying NOT_ISOLATED, where the pool cannot be used on this machine)."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -191,6 +222,8 @@ class DevCluster:
         for port in range(cfg.port, cfg.port + cfg.replicas):
             if not port_is_free(port, cfg.host):
                 raise DevError(f"port {port} on {cfg.host} is already in use; choose another with --port")
+        # Proven while the databases start (a probe takes about a second), used before the agents.
+        pool_check = _PoolCheck(cfg.worker_uids) if cfg.worker_uids else None
 
         if cfg.database_url is None:
             self._say(f"starting PostgreSQL (data: {cfg.data_dir / 'postgres'})")
@@ -231,6 +264,11 @@ class DevCluster:
             self._say(f"starting the control plane on {cfg.replica_url(i)}")
             self._start_control_plane(i)
 
+        if pool_check is not None and (problem := pool_check.problem()) is not None:
+            self._say(f"{NOT_ISOLATED}: the worker uid pool {cfg.worker_uids} cannot be used on this machine "
+                      f"({problem}); every job runs as this user and can read the agents' secrets and "
+                      "the other jobs' files")
+            cfg.worker_uids = None
         if cfg.worker_uids:
             _own_dir(self._workers_tmp)
         for i in range(1, cfg.nodes + 1):

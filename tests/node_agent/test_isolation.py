@@ -300,3 +300,17 @@ def test_an_agent_whose_workers_could_not_reach_their_directory_refuses_to_start
     finally:
         agent.stop(timeout=1)
         shutil.rmtree(config.runtime_dir, ignore_errors=True)
+
+
+def test_dev_up_finds_out_whether_its_uid_pool_works_here() -> None:
+    """``dev up`` (and CI, run as root on any machine) must not fail to start where the pool cannot
+    be used: the agents' own start check, run first, says why, and the cluster runs unisolated."""
+    from trainyard.dev import _PoolCheck
+
+    account = next(p for p in pwd.getpwall() if p.pw_uid >= 1 and not p.pw_name.startswith("trainyard"))
+    problem = _PoolCheck(str(account.pw_uid)).problem()
+    assert problem is not None and problem.startswith("IsolationError: ")
+    assert (repr(account.pw_name) in problem) if os.geteuid() == 0 else ("running as root" in problem)
+    assert _PoolCheck("20000-1").problem() is not None  # ValueError: first > last
+    if os.geteuid() == 0:
+        assert _PoolCheck(str(UID + 40)).problem() is None  # here it works: the probe ran as that uid
