@@ -250,11 +250,13 @@ def live_cluster(
     finally:
         if http is not None:
             http.close()
-        for p in _processes_under(data_dir):  # frozen ones first get to die, not to wait for a CONT
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(signal.SIGCONT)
+        for directory in dev.worker_dirs:
+            for p in _processes_under(directory):  # frozen ones first get to die, not to wait for a CONT
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(signal.SIGCONT)
         dev.stop()
-        _kill_processes_under(data_dir)  # orphans of a SIGKILLed agent: workers in their own sessions
+        for directory in dev.worker_dirs:
+            _kill_processes_under(directory)  # orphans of a SIGKILLed agent: workers in their own sessions
         for p in [proxy, *agent_proxies.values()]:
             if p is not None:
                 p.close()

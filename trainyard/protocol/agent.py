@@ -362,10 +362,11 @@ class LogAck(_Wire):
     accepted: int
 
 
-# --- Worker <-> agent local API (served by the agent on its address, for its workers only) ---
+# --- Worker <-> agent local API (served by the agent on a unix socket per attempt) ---
 #
-# Workers learn the URL from TRAINYARD_AGENT_URL and authenticate with the attempt's fencing
-# token (TRAINYARD_FENCING_TOKEN). An unknown or stale attempt gets 409.
+# Workers learn the socket from TRAINYARD_AGENT_SOCKET (and the base URL from TRAINYARD_AGENT_URL)
+# and authenticate with the attempt's fencing token (TRAINYARD_FENCING_TOKEN). An unknown or stale
+# attempt gets 409; a number that is not finite (NaN, Infinity) anywhere in a body gets 422.
 #
 # - POST /v1/local/attempts/{attempt_id}/progress  LocalProgress
 # - POST /v1/local/attempts/{attempt_id}/result    LocalResult
