@@ -71,6 +71,12 @@ class StaleAgent(Conflict):
     slug = "stale-agent"
 
 
+class NameInUse(Conflict):
+    """Another agent instance is alive under this node name."""
+
+    slug = "node-name-in-use"
+
+
 class IdempotencyMismatch(Conflict):
     """The Idempotency-Key was used before with a different request body."""
 

@@ -583,6 +583,10 @@ class Agent:
         if finished and run.final_acked:
             return
         report = run.report(*self.reports.snapshot(run.attempt_id))
+        if finished and run.attempt_id not in self.orphans.alive:
+            # The process table has nothing of it left: the control plane releases its GPUs on this
+            # report, a heartbeat sooner than the one that stops listing it.
+            report = report.model_copy(update={"processes_alive": False})
         if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
             return  # the relay delivers the attempt's last shards and events first
         due = report != run.last_report or now - run.last_sent_at >= self.config.status_interval_s

@@ -275,6 +275,8 @@ class SimAgent:
                      workers: list[dict[str, Any]]) -> dict[str, Any] | None:
         body = {"fencing_token": run.spec["fencing_token"], "node_rank": run.spec["node_rank"], "state": state,
                 "exit_code": exit_code, "workers": workers}
+        if state in ("exited", "stopped"):
+            body["processes_alive"] = False  # as the real agent's final report: nothing of it is left
         r = await self._post(f"{AGENT}/attempts/{run.attempt_id}/status", body)
         if r.status_code == 409:  # fenced off: the real agent stops it
             run.alive = False

@@ -77,9 +77,9 @@ async def wait(body: WaitRequest, creds: Credentials, settings: SettingsDep, run
 
 @router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)
 def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeIdentity,
-                   session: SessionDep) -> AttemptStatusAck:
-    attempt, part = agent_protocol.report_status(session, node, attempt_id, body)
-    return AttemptStatusAck(attempt_state=attempt.state, stop=part.desired == "stop")
+                   session: SessionDep, runtime: RuntimeDep) -> AttemptStatusAck:
+    answer = agent_protocol.report_status(session, node, attempt_id, body, runtime)
+    return AttemptStatusAck(attempt_state=answer.attempt_state, stop=answer.stop, released=answer.released)
 
 
 @router.post("/attempts/{attempt_id}/logs", response_model=LogAck, responses=ERRORS)

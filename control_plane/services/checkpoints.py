@@ -39,7 +39,7 @@ from control_plane.clock import now
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
-from control_plane.services import events
+from control_plane.services import events, progress
 from control_plane.services.fencing import authorize_report
 from control_plane.services.states import (
     CHECKPOINT,
@@ -379,8 +379,9 @@ def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, ba
                 attempt.restored_from_step = step
                 restored = _job_checkpoint(session, job, ev.data)
                 attempt.restored_from_checkpoint_id = restored.id if restored is not None else None
-                before = session.scalar(select(Attempt.progress_step).where(
+                previous = session.scalar(select(Attempt.id).where(
                     Attempt.job_id == job.id, Attempt.number == attempt.number - 1))
+                before = progress.step_of(session, previous) if previous is not None else None
                 lost = (before or 0) - step
                 events.record(session, "checkpoint.restored", f"attempt {attempt.number} restored step {step}",
                               job_id=job.id, attempt_id=attempt.id, step=step, steps_lost=max(lost, 0))

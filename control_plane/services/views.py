@@ -35,7 +35,7 @@ from control_plane.schemas.jobs import (
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.scheduling import ReservationOut
-from control_plane.services import reservations, tenants
+from control_plane.services import progress, reservations, tenants
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 
@@ -65,6 +65,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
         .group_by(GpuLease.job_id)
     ).all()) if jobs else {}
     waiting = _waiting_for(session, jobs, attempts, held)
+    done = progress.of_jobs(session, [j.id for j in jobs])
     out = []
     for job in jobs:
         attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
@@ -93,7 +94,8 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 failures=job.failures,
                 time_limit_s=job.time_limit_s,
                 gpu_kind=job.gpu_kind,
-                progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at),
+                progress=Progress(step=done.get(job.id, progress.NONE).step, loss=done.get(job.id, progress.NONE).loss,
+                                  updated_at=done.get(job.id, progress.NONE).at),
                 result=job.result,
                 end_reason=job.end_reason,
                 current_attempt=AttemptRef(id=str(attempt.id), number=attempt.number, state=attempt.state,
@@ -214,6 +216,7 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
         select(Node.id, Node.name).where(Node.id.in_({a.failed_node_id for a in attempts if a.failed_node_id}))
     ).all()) if any(a.failed_node_id for a in attempts) else {}
     previous: dict[uuid.UUID, Attempt] = {b.id: a for a, b in zip(attempts, attempts[1:], strict=False)}
+    done = {a.id: progress.of_parts(a.nodes) for a in attempts}
     return [
         AttemptOut(
             id=str(a.id),
@@ -224,11 +227,11 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
             failed_node=names.get(a.failed_node_id) if a.failed_node_id else None,
             rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
             restored_from_step=a.restored_from_step,
-            progress_step=a.progress_step,
-            recovery=_recovery(previous.get(a.id), a),
+            progress_step=done[a.id].step,
+            recovery=_recovery(previous.get(a.id), a, done),
             created_at=a.created_at,
             started_at=a.started_at,
-            first_progress_at=a.first_progress_at,
+            first_progress_at=done[a.id].first_at,
             failed_at=a.failed_at,
             ended_at=a.ended_at,
             nodes=[
@@ -269,7 +272,7 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     return round((end - start).total_seconds(), 3) if start is not None and end is not None else None
 
 
-def _recovery(prev: Attempt | None, a: Attempt) -> RecoveryOut | None:
+def _recovery(prev: Attempt | None, a: Attempt, done: dict[uuid.UUID, progress.Progress]) -> RecoveryOut | None:
     """The phases of the recovery from ``prev``'s failure to ``a``'s first step."""
     if prev is None or prev.outcome != "failed" or prev.failed_at is None:
         return None
@@ -277,16 +280,17 @@ def _recovery(prev: Attempt | None, a: Attempt) -> RecoveryOut | None:
              if w.ended_at is not None and w.exit_code not in (0, None)]
     failure_at = min([prev.failed_at, *exits])
     lost = None
-    if prev.progress_step is not None:
-        lost = max(prev.progress_step - (a.restored_from_step or 0), 0)
+    reached, first_step_at = done[prev.id].step, done[a.id].first_at
+    if reached is not None:
+        lost = max(reached - (a.restored_from_step or 0), 0)
     return RecoveryOut(
         after_attempt=prev.number,
         failure_at=failure_at,
         detection_s=_seconds(failure_at, prev.failed_at),
         reallocation_s=_seconds(prev.failed_at, a.created_at),
         start_s=_seconds(a.created_at, a.started_at),
-        restore_s=_seconds(a.started_at, a.first_progress_at),
-        to_first_step_s=_seconds(failure_at, a.first_progress_at),
+        restore_s=_seconds(a.started_at, first_step_at),
+        to_first_step_s=_seconds(failure_at, first_step_at),
         steps_lost=lost,
     )
 

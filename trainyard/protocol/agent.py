@@ -40,7 +40,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AGENT_API_PREFIX = "/v1/agent"
 
@@ -293,11 +293,29 @@ class AttemptStatusReport(_Wire):
     progress: Progress | None = None
     result: dict[str, Any] | None = Field(default=None, description="Reported by rank 0 at the end.")
     error: str | None = Field(default=None, description="Why the agent could not launch or run it.")
+    processes_alive: bool | None = Field(
+        default=None,
+        description="False only in a final report (exited or stopped) when the agent found no process of "
+        "the attempt left on the node: the control plane releases the part's GPUs on this report rather "
+        "than at the next heartbeat. None (or true): the heartbeat that no longer lists the attempt "
+        "releases them.",
+    )
+
+    @model_validator(mode="after")
+    def _gone_only_when_final(self) -> AttemptStatusReport:
+        if self.processes_alive is False and self.state not in (NodeAttemptState.exited, NodeAttemptState.stopped):
+            raise ValueError("processes_alive may be false only in a final report (state exited or stopped)")
+        return self
 
 
 class AttemptStatusAck(_Wire):
     attempt_state: str
     stop: bool = Field(description="True when the agent must stop this attempt's processes.")
+    released: bool = Field(
+        default=False,
+        description="The part's GPUs are released (the report said no process is left, or a heartbeat "
+        "confirmed it before): the node's next heartbeat has nothing more to confirm for it.",
+    )
 
 
 class LogChunk(_Wire):
