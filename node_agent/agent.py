@@ -39,11 +39,12 @@ from types import FrameType
 
 import structlog
 
-from node_agent import processes
+from node_agent import identity, processes
 from node_agent.attempt import AttemptRun, attempt_paths
 from node_agent.client import (
     ControlPlaneClient,
     ControlPlaneUnavailable,
+    NameInUse,
     RequestRejected,
     StaleAttempt,
     Unauthorized,
@@ -341,6 +342,10 @@ class Agent:
             labels=self.config.labels,
             agent_version=AGENT_VERSION,
             agent_instance=self.instance,
+            # The credential proves this is the agent the node had (identity.py); replace is the
+            # operator's word, for this process's first registration only.
+            node_token=self.client.node_token or identity.load(self.config.work_dir),
+            replace=self.config.replace and self.node_id is None,
         )
         if self.superseded is not None:
             return False
@@ -349,9 +354,14 @@ class Agent:
         except ControlPlaneUnavailable as exc:
             self.log.info("control_plane_unreachable", error=str(exc))
             return False
+        except NameInUse as exc:
+            # Another instance holds the name: retried (backoff) until that node is lost or removed.
+            self.log.error("registration_refused_name_in_use", error=str(exc))
+            return False
         except (Unauthorized, RequestRejected) as exc:
             self.log.error("registration_rejected", error=str(exc))
             return False
+        identity.save(self.config.work_dir, resp.node_id, resp.node_token)
         self.node_id = resp.node_id
         self.epoch = resp.agent_epoch
         self._heartbeat_interval_s = resp.heartbeat_interval_s

@@ -87,6 +87,15 @@ def _is_stale_agent(problem_type: str | None) -> bool:
     return problem_type is not None and problem_type.rstrip("/").endswith("/stale-agent")
 
 
+class NameInUse(ControlPlaneError):
+    """Another agent instance is alive under this node's name (409 .../node-name-in-use): this one
+    may register once that node is lost or removed (or with ``replace``)."""
+
+
+def _is_name_in_use(problem_type: str | None) -> bool:
+    return problem_type is not None and problem_type.rstrip("/").endswith("/node-name-in-use")
+
+
 class RequestRejected(ControlPlaneError):
     """The control plane rejected the request (4xx other than 401/409); resending won't help."""
 
@@ -192,6 +201,8 @@ class ControlPlaneClient:
                 if self.on_stale_agent is not None:
                     self.on_stale_agent(stale)
                 raise stale
+            if resp.status_code == 409 and _is_name_in_use(_problem_type(resp)):
+                raise NameInUse(_detail(resp), status=409, problem_type=_problem_type(resp))
             if resp.status_code == 409:
                 raise StaleAttempt(_detail(resp), status=409, problem_type=_problem_type(resp))
             if resp.status_code >= 400:

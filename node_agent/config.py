@@ -40,6 +40,10 @@ class AgentConfig:
     """How long torchrun waits for the other nodes of an attempt to join its rendezvous."""
     http_timeout_s: float = 10.0
     """Timeout of one control-plane request."""
+    replace: bool = False
+    """Take the node name over from another agent instance that is still alive (the operator's
+    decision), at this agent's first registration; without it such a registration is refused
+    (409 node-name-in-use) and retried until that node is lost or removed."""
     min_free_mb: int = 64
     """An attempt is not started when its work dir's file system has less free space than this: its
     logs, rank status files and state could not be written, and it would fail later with a reason

@@ -24,7 +24,12 @@ def job_body(**overrides: Any) -> dict[str, Any]:
 
 
 def register_node(client: TestClient, name: str, gpus: int = 2, *, address: str | None = None,
-                  kind: str = "virtual-cpu", labels: dict[str, str] | None = None) -> dict[str, Any]:
+                  kind: str = "virtual-cpu", labels: dict[str, str] | None = None,
+                  replace: bool = False) -> dict[str, Any]:
+    """Register ``name`` as the agent of that node would: registering it again (a restart with its
+    work dir) presents the credential its last registration through this client got, which a
+    live node requires of it (409 node-name-in-use otherwise)."""
+    tokens: dict[str, str] = client.__dict__.setdefault("_trainyard_node_tokens", {})
     r = client.post(
         "/v1/agent/register",
         json={
@@ -32,10 +37,13 @@ def register_node(client: TestClient, name: str, gpus: int = 2, *, address: str 
             "address": address or "127.0.0.1",
             "gpus": [{"index": i, "uuid": f"virtual-{name}-{i}", "kind": kind, "memory_mb": 0} for i in range(gpus)],
             "labels": labels or {},
+            "node_token": tokens.get(name),
+            "replace": replace,
         },
         headers={"Authorization": f"Bearer {JOIN_TOKEN}"},
     )
     assert r.status_code == 200, r.text
+    tokens[name] = r.json()["node_token"]
     return r.json()
 
 

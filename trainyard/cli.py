@@ -101,6 +101,11 @@ def agent(
         typer.Option(help="Agent state directory. Default: ./.trainyard/agent-NAME.", show_default=False),
     ] = None,
     label: Annotated[list[str] | None, typer.Option(help="Topology label k=v (repeatable).")] = None,
+    replace: Annotated[
+        bool,
+        typer.Option(help="Take the node name over even while another agent instance holds it (that one "
+                     "stops). Without it this agent waits until that node is lost or removed."),
+    ] = False,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
@@ -117,6 +122,7 @@ def agent(
             labels=labels,
             local_api_port=0,
             stop_grace_s=5.0,
+            replace=replace,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

@@ -43,7 +43,7 @@ def register(session: Session, req: RegisterRequest, wakeups: Wakeups,
              settings: Settings) -> tuple[Node, str, float]:
     """A (re-)registration; its GPUs may admit waiting jobs. Returns the node, its credential and the
     heartbeat interval to tell its agent (nodes.tell_interval)."""
-    node, token = nodes.register(session, req)  # commits
+    node, token = nodes.register(session, req, settings)  # commits
     interval = nodes.tell_interval(session, node, settings)
     session.commit()
     wakeups.wake_scheduler()

@@ -37,14 +37,17 @@ def _node_token(node_id: uuid.UUID, epoch: int) -> str:
     return f"tyn_{node_id.hex}.{epoch}.{secrets.token_urlsafe(32)}"
 
 
-def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
+def register(session: Session, req: RegisterRequest, settings: Settings | None = None) -> tuple[Node, str]:
     """Register (or re-register) a node by name; returns it and a fresh node credential.
 
     Every registration is a new agent instance with the next epoch: the credential of any earlier
-    one is refused from now on as stale (409 stale-agent, see authenticate), so the newer of two
-    agents with one name wins and the older one is told to stop."""
+    one is refused from now on as stale (409 stale-agent, see authenticate), and that instance
+    stops. So a name is not taken from a live agent by whoever registers last: see
+    ``_refuse_live_name``."""
     node = session.scalar(select(Node).where(Node.name == req.name).with_for_update(key_share=True))
     t = now()
+    if node is not None and settings is not None:
+        _refuse_live_name(node, req, settings, t)
     instance = req.agent_instance  # None: the first heartbeat names it, as before
     if node is None:
         node_id = uuid.uuid4()
@@ -76,12 +79,14 @@ def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
         node.agent_version = req.agent_version
         node.agent_instance = instance
         node.heartbeat_seq = 0
+        # The new instance is alive from now on: another registration under this name is refused
+        # for a lost timeout (_refuse_live_name), even before this one's first heartbeat.
+        node.last_heartbeat_at = t
         if node.state == "removed":
             # Back after an operator removed it: its old attempts were released then, so its agent
             # gets none of them assigned and stops whatever of them still runs.
             # It comes back as a fresh node: schedulable, neither cordoned nor draining (both were
             # set at removal; set_node_state clears them together: ck_nodes_drain_unschedulable).
-            node.last_heartbeat_at = t
             set_node_state(session, node, "ready", f"removed node {req.name} registered again", kind="node.rejoined")
         else:
             events.record(session, "node.reregistered", f"node {req.name} registered again", node_id=node.id,
@@ -89,6 +94,34 @@ def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
     _sync_gpus(session, node, req)
     session.commit()
     return node, token
+
+
+def _refuse_live_name(node: Node, req: RegisterRequest, settings: Settings, t: datetime) -> None:
+    """Two agents with one name (a copied config, a host replaced while the old one still runs):
+    the one registered first keeps the node while it heartbeats. Another instance gets 409
+    node-name-in-use and retries; it takes the node once the node is lost (no heartbeat for its
+    lost timeout) or removed. The same agent coming back presents the node's current credential
+    (kept in its work dir) and is let in at once; so is a registration from the process that
+    holds the node now, and one an operator forces (``replace``). Before, the last to register
+    won, and an old agent that its supervisor restarted took the node back: they took turns."""
+    if node.state != "ready" or req.replace:
+        return
+    if req.agent_instance is not None and req.agent_instance == node.agent_instance:
+        return
+    if req.node_token and secrets.compare_digest(hash_token(req.node_token), node.token_hash):
+        return
+    lost_after = settings.lost_timeout_for(node.heartbeat_interval_s or settings.heartbeat_interval_s)
+    silent = (t - node.last_heartbeat_at).total_seconds() if node.last_heartbeat_at else lost_after
+    if silent >= lost_after:
+        return
+    raise NameInUse(
+        f"node {node.name} is alive under another agent instance (last heartbeat {silent:.1f}s ago, address "
+        f"{node.address}): give each node its own name, or stop the other agent; this agent gets the node "
+        f"once it has been silent for {lost_after:g}s (lost) or is removed (DELETE /v1/nodes/{node.id}), or "
+        "at once with replace (trainyard agent --replace)",
+        node=node.name, node_id=str(node.id), address=node.address, last_heartbeat_s=round(silent, 3),
+        lost_after_s=lost_after,
+    )
 
 
 def _sync_gpus(session: Session, node: Node, req: RegisterRequest) -> None:

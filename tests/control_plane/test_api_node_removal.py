@@ -37,7 +37,8 @@ def test_a_drained_then_removed_node_registers_again_and_can_be_uncordoned(app, 
     for action, scheduling in (("drain", "drained"), ("uncordon", "schedulable"), ("cordon", "cordoned")):
         r = client.post(f"/v1/nodes/{agent.node_id}/{action}", headers=ADMIN)
         assert r.status_code == 200 and r.json()["scheduling"] == scheduling, r.text
-    # Registering once more keeps the operator's cordon (it is not a removed node coming back).
+    # Registering once more (its agent restarting) keeps the operator's cordon (it is not a removed
+    # node coming back).
     register_node(client, "gpu-1", 2)
     assert _node(client, agent.node_id)["scheduling"] == "cordoned"
 

@@ -82,7 +82,9 @@ def test_credentials_come_once_at_registration_and_old_agents_still_get_full_spe
     reg = client.post("/v1/agent/register", headers={"Authorization": "Bearer test-join-token"},
                       json={"name": "new", "address": "127.0.0.1", "gpus": [
                           {"index": i, "uuid": f"virtual-new-{i}", "kind": "virtual-cpu", "memory_mb": 0}
-                          for i in range(2)]}).json()
+                          for i in range(2)],
+                            # the same agent registering again: it presents its credential
+                            "node_token": new.headers["Authorization"].removeprefix("Bearer ")}).json()
     assert reg["storage"] == STORAGE
     new.headers = {"Authorization": f"Bearer {reg['node_token']}"}
     client.post("/v1/jobs", json=job_body(), headers=ADMIN)

@@ -67,6 +67,18 @@ class RegisterRequest(_Wire):
         default=None, max_length=64,
         description="Random id of this agent process; the control plane makes one up when absent.",
     )
+    node_token: str | None = Field(
+        default=None, max_length=512,
+        description="The credential this agent's last registration got (kept in its work dir): presenting the "
+        "node's current one proves it is the same agent coming back. A registration for a node that is alive "
+        "under another agent instance (heartbeating within its lost timeout) without it is refused with 409 "
+        "problem+json of type .../node-name-in-use, unless `replace` is set.",
+    )
+    replace: bool = Field(
+        default=False,
+        description="Take the name over from a live agent instance (an operator's decision: `trainyard agent "
+        "--replace`): the other instance is refused from now on (409 .../stale-agent) and stops.",
+    )
 
     @field_validator("gpus")
     @classmethod
