@@ -138,6 +138,10 @@ class Agent:
         self._versions: dict[str, str] = {}
         self._storage: dict[str, object] = {}
         self._runs_lock = threading.Lock()
+        # Answers come from two loops (heartbeat, long poll): applied one at a time, and an answer
+        # never stops an attempt launched after its request left (_reconcile).
+        self._reconcile_lock = threading.Lock()
+        self._launched_at: dict[str, float] = {}
         self._api: LocalApi | None = None
         self._node: NodeContext | None = None
         self._threads: dict[str, threading.Thread] = {}
@@ -390,11 +394,12 @@ class Agent:
             return min(5.0, 0.25 * 2 ** min(self._register_failures, 5))
         started = time.monotonic()
         self._seq += 1
+        sent_at, known = self._holding()
         request = HeartbeatRequest(
             agent_instance=self.instance,
             seq=self._seq,
             attempts=self._listed_attempts(),
-            known=[KnownAssignment(attempt_id=a, version=v) for a, v in sorted(self._versions.items())],
+            known=known,
         )
         try:
             resp = self.client.heartbeat(request)
@@ -413,7 +418,7 @@ class Agent:
         # The control plane stretches the interval as the cluster grows (its node-lost timeout grows
         # by as much, so the request timeout set at registration still fits).
         self._heartbeat_interval_s = resp.heartbeat_interval_s
-        self._reconcile(resp.assignments, resp.unchanged)
+        self._reconcile(resp.assignments, resp.unchanged, sent_at=sent_at)
         self._heartbeat_done.set()
         # Jittered (never longer than told): a thousand agents do not stay in step after an outage
         # or a wake-up that reached many of them at once.
@@ -422,15 +427,16 @@ class Agent:
 
     def _wait_step(self) -> float:
         """Keep one long poll open; when the control plane says the node's desired state changed (a
-        new attempt, a stop order), heartbeat now rather than at the next interval, which grows with
-        the cluster. Then wait again, with the versions that heartbeat brought."""
+        new attempt, a stop order), apply the desired state the answer carries (or, from a control
+        plane that sends none, heartbeat now) rather than wait for the next heartbeat, whose interval
+        grows with the cluster. Then wait again, with the versions that brought."""
         if not self.registered.is_set() or self._need_register.is_set():
             return 1.0
-        known = [KnownAssignment(attempt_id=a, version=v) for a, v in sorted(dict(self._versions).items())]
+        sent_at, known = self._holding()
         try:
             timeout = min(WAIT_TIMEOUT_MAX_S, max(WAIT_TIMEOUT_S, 2 * self._heartbeat_interval_s))
             timeout *= random.uniform(1 - HEARTBEAT_JITTER, 1.0)  # waits woken together re-arm spread out
-            resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout))
+            resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout, answer=True))
         except Unauthorized:
             self._wake("heartbeat")  # it registers again
             return 1.0
@@ -439,7 +445,9 @@ class Agent:
             return 60.0
         except ControlPlaneUnavailable:
             return self._heartbeat_interval_s
-        if resp.changed:
+        if resp.changed and resp.assignments is not None:
+            self._reconcile(resp.assignments, resp.unchanged, sent_at=sent_at)
+        elif resp.changed:
             self._heartbeat_done.clear()
             self._wake("heartbeat")
             self._heartbeat_done.wait(self._heartbeat_interval_s)  # the next wait knows its answer
@@ -462,22 +470,38 @@ class Agent:
         ]
         return listed
 
-    def _reconcile(self, assignments: list[LaunchSpec], unchanged: list[AssignmentRef] | None = None) -> None:
+    def _holding(self) -> tuple[float, list[KnownAssignment]]:
+        """When a request leaves and the spec versions it reports (taken together: see _reconcile)."""
+        with self._reconcile_lock:
+            return time.monotonic(), [KnownAssignment(attempt_id=a, version=v)
+                                      for a, v in sorted(self._versions.items())]
+
+    def _reconcile(self, assignments: list[LaunchSpec], unchanged: list[AssignmentRef] | None = None, *,
+                   sent_at: float | None = None) -> None:
         """Full specs are new or changed assignments; `unchanged` names the specs this agent holds
         that are still assigned ('run') or not ('stop'). A spec for an attempt launched before is
-        never launched again: only its version is kept."""
-        refs = unchanged or []
-        assigned = {spec.attempt_id for spec in assignments}
-        assigned |= {ref.attempt_id for ref in refs if ref.desired == "run"}
-        # Forget the versions of what is no longer assigned: if it ever came back, so would its spec.
-        self._versions = {a: v for a, v in self._versions.items() if a in assigned}
-        for spec in assignments:
-            if spec.version:
-                self._versions[spec.attempt_id] = spec.version
-            self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}))
-        for run in self.runs():
-            if run.alive and not run.stopping and run.attempt_id not in assigned:
-                run.request_stop("no longer assigned to this node")
+        never launched again: only its version is kept.
+
+        Answers come from the heartbeat and from the long poll, each read by the control plane at
+        its own moment: an answer to a request sent (``sent_at``) before an attempt was launched
+        may have been read before that attempt was assigned, so its silence about it is no order to
+        stop it (an explicit stop comes with the next answer that knows it)."""
+        with self._reconcile_lock:
+            refs = unchanged or []
+            assigned = {spec.attempt_id for spec in assignments}
+            assigned |= {ref.attempt_id for ref in refs if ref.desired == "run"}
+            newer = {a for a, t in self._launched_at.items() if sent_at is not None and t > sent_at}
+            # Forget the versions of what is no longer assigned: if it ever came back, so would its spec.
+            self._versions = {a: v for a, v in self._versions.items() if a in assigned or a in newer}
+            for spec in assignments:
+                if spec.version:
+                    self._versions[spec.attempt_id] = spec.version
+                self._launched_at.setdefault(spec.attempt_id, time.monotonic())
+                self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}))
+            for run in self.runs():
+                if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
+                    run.request_stop("no longer assigned to this node")
+            self._launched_at = {a: t for a, t in self._launched_at.items() if a in self._versions}
 
     def _spec_problem(self, spec: LaunchSpec) -> str | None:
         indices = {gpu.index for gpu in self.gpus}
@@ -554,8 +578,14 @@ class Agent:
             after = run.signature()
             if after != before:
                 # A worker started or exited, or the last process went: tell the control plane at
-                # once (a failure is decided, or the GPUs are released, a period sooner).
-                self._wake("report", *(("heartbeat",) if after[0] != before[0] else ()))
+                # once (a failure is decided, or the GPUs are released, a period sooner). When the
+                # last process went, the final report (processes_alive false) releases the GPUs; the
+                # heartbeat is woken as well only when that report cannot go out now (a fenced-off
+                # run, shards still queued before it) or did not release them (_report_status).
+                gone = before[0] and not after[0]
+                beat = after[0] != before[0] and (
+                    not gone or run.stale or self.outbox.pending(run.attempt_id) > 0)
+                self._wake("report", *(("heartbeat",) if beat else ()))
             if not run.alive and (run.done or run.stale):
                 if run.stale:
                     run.mark_done()  # nothing more to tell about a fenced-off attempt
@@ -616,6 +646,7 @@ class Agent:
                 # attempt stops being listed as pending and the control plane decides without it.
                 run.log.error("final_status_rejected", error=str(exc))
                 run.mark_final_acked()
+                self._wake("heartbeat")  # its GPUs are released by the heartbeat that no longer lists it
                 return
             run.log.warning("status_report_failed", error=str(exc))
             run.next_try_at = now + min(self.config.status_interval_s, 2.0)
@@ -627,6 +658,8 @@ class Agent:
         run.last_report, run.last_sent_at = report, now
         if finished:
             run.mark_final_acked()
+            if not ack.released:
+                self._wake("heartbeat")  # an older control plane: the heartbeat confirms the release
         elif ack.stop:
             run.request_stop("the control plane asked")
 

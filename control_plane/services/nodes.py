@@ -19,8 +19,10 @@ from control_plane.services.locks import lock_node, lock_part
 from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
 from control_plane.settings import Settings
 from trainyard.protocol.agent import (
+    AssignmentRef,
     HeartbeatRequest,
     KnownAssignment,
+    LaunchSpec,
     RegisterRequest,
 )
 
@@ -251,24 +253,28 @@ def tell_interval(session: Session, node: Node, settings: Settings) -> float:
 
 def node_id_of(token: str) -> str | None:
     """The node a credential names (``_node_token``), unverified: a long poll registers its wait under
-    it before ``desired_changed`` authenticates it."""
+    it before ``desired_change`` authenticates it."""
     try:
         return str(uuid.UUID(hex=token.removeprefix("tyn_").split(".", 1)[0]))
     except ValueError:
         return None
 
 
-def desired_changed(factory: sessionmaker[Session], token: str, node_id: str,
-                    known: list[KnownAssignment]) -> bool:
+def desired_change(factory: sessionmaker[Session], token: str, node_id: str,
+                   known: list[KnownAssignment]) -> tuple[list[LaunchSpec], list[AssignmentRef]] | None:
     """Authenticate a long poll (``POST /v1/agent/wait``) and say whether the node's desired state
-    differs from the specs its agent holds (``known``): a new or changed assignment, or a stop. In
-    its own short transaction, so the wait that follows holds no connection."""
+    differs from the specs its agent holds (``known``): a new or changed assignment, or a stop. The
+    answer a heartbeat would give when it does (services/specs.py ``answer``), None when not. In
+    its own short transaction, so the wait that follows holds no connection; every check
+    authenticates again, so a wait that outlives its credential (another instance registered)
+    answers nothing of the node."""
     session = factory()
     try:
         node = authenticate(session, token)
         if str(node.id) != node_id:
             raise Unauthorized("unknown node credential; register the agent again")
-        return specs.changed(session, node.id, known)
+        full, refs = specs.answer(session, node.id, known, None)
+        return (full, refs) if full or any(ref.desired == "stop" for ref in refs) else None
     finally:
         session.rollback()
         session.close()

@@ -130,9 +130,3 @@ def answer(session: Session, node_id: uuid.UUID, known: list[KnownAssignment] | 
     refs.extend(AssignmentRef(attempt_id=a, desired="stop", version=v) for a, v in sorted(held.items()))
     return full, refs
 
-
-def changed(session: Session, node_id: uuid.UUID, known: list[KnownAssignment]) -> bool:
-    """Whether the node's desired state differs from the specs its agent holds: a new or changed
-    assignment, or a stop."""
-    full, refs = answer(session, node_id, known, None)
-    return bool(full) or any(ref.desired == "stop" for ref in refs)

@@ -255,15 +255,28 @@ class HeartbeatResponse(_Wire):
 class WaitRequest(_Wire):
     """``POST /v1/agent/wait``: a long poll. Answered as soon as the node's desired state differs
     from ``known`` (a new or changed assignment, a stop order), or after ``timeout_s`` (at most the
-    control plane's ``agent_wait_timeout_s``) with ``changed`` false. The agent heartbeats at once
-    when ``changed``; either way it then waits again."""
+    control plane's ``agent_wait_timeout_s``) with ``changed`` false. With ``answer``, a change comes
+    with the node's desired state, as a heartbeat answer would carry it, and the agent applies it
+    at once; without, the agent heartbeats at once when ``changed``. Either way it then waits again."""
 
     known: list[KnownAssignment] = Field(default_factory=list, max_length=1024)
     timeout_s: float | None = Field(default=None, gt=0, le=120)
+    answer: bool = Field(
+        default=False,
+        description="Answer a change with `assignments` and `unchanged` (as HeartbeatResponse, relative "
+        "to `known`), so that no heartbeat is needed to learn it. An agent applies such an answer like a "
+        "heartbeat's, except that it never stops an attempt it launched after sending the request (the "
+        "answer was read before that attempt was known to it).",
+    )
 
 
 class WaitResponse(_Wire):
-    changed: bool = Field(description="The node's desired state changed (or may have): heartbeat now.")
+    changed: bool = Field(description="The node's desired state changed (or may have): heartbeat now, or "
+                          "apply `assignments` and `unchanged` when they are given.")
+    assignments: list[LaunchSpec] | None = Field(
+        default=None, description="With `answer` and `changed`: new or changed specs, as in HeartbeatResponse.")
+    unchanged: list[AssignmentRef] | None = Field(
+        default=None, description="With `answer` and `changed`: the known specs, 'run' or 'stop'.")
 
 
 class WorkerState(StrEnum):
