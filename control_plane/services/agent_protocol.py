@@ -141,15 +141,18 @@ def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
     report whose own checkpoint is committed (by this request or another replica)."""
     arrived = checkpoints.record_shards(session, node, attempt_id, report)
     session.commit()
-    # Counted after the commit, in its own transaction: of two reports completing a step at once,
-    # the later one sees both (checkpoints.count_arrivals).
-    ready = checkpoints.count_arrivals(factory, arrived)
-    if store is not None:
+    # Counted after the commit, in a transaction of its own: of two reports completing a step at
+    # once, the later one sees both (checkpoints.count_arrivals). Most reports complete nothing, and
+    # read their answer in that same transaction.
+    steps = {s.step for s in report.shards}
+    ready = checkpoints.count_arrivals(session, arrived)
+    if ready and store is not None:
+        session.commit()
         for checkpoint_id in ready:
             checkpoints.commit_ready(factory, store, checkpoint_id)
-    steps = checkpoints.committed_steps(session, attempt_id, {s.step for s in report.shards})
+    committed = checkpoints.committed_steps(session, attempt_id, steps)
     session.commit()
-    return steps
+    return committed
 
 
 def report_events(session: Session, node: Node, attempt_id: uuid.UUID, batch: WorkerEventBatch) -> int:

@@ -165,27 +165,26 @@ def _pending_checkpoint(session: Session, job: Job, attempt: Attempt, step: int)
     return row.id, row.state
 
 
-def count_arrivals(factory: sessionmaker[Session], arrived: dict[uuid.UUID, int]) -> list[uuid.UUID]:
+def count_arrivals(session: Session, arrived: dict[uuid.UUID, int]) -> list[uuid.UUID]:
     """After the shard report committed: add its new shards to each checkpoint's counter; the
-    checkpoints now complete (ready for :func:`commit_ready`).
+    checkpoints now complete (ready for :func:`commit_ready`). The caller commits.
 
-    Its own short transaction, after the shards' commit, so that of two reports that complete a
+    A transaction of its own, after the shards' commit, so that of two reports that complete a
     step at once the later one counts the other's shards too, and the counter row is locked only
     for the increment. A crash between the two commits leaves the counter short: the maintenance
     pass, which counts the shards themselves, commits that checkpoint."""
     if not arrived:
         return []
     ready: list[uuid.UUID] = []
-    with session_scope(factory) as s:
-        for ckpt_id in sorted(arrived):  # id order (services/locks.py)
-            row = s.execute(
-                update(Checkpoint)
-                .where(Checkpoint.id == ckpt_id, Checkpoint.state == "pending")
-                .values(shards_received=Checkpoint.shards_received + arrived[ckpt_id])
-                .returning(Checkpoint.shards_received, Checkpoint.world_size)
-            ).one_or_none()
-            if row is not None and row.shards_received >= row.world_size:
-                ready.append(ckpt_id)
+    for ckpt_id in sorted(arrived):  # id order (services/locks.py)
+        row = session.execute(
+            update(Checkpoint)
+            .where(Checkpoint.id == ckpt_id, Checkpoint.state == "pending")
+            .values(shards_received=Checkpoint.shards_received + arrived[ckpt_id])
+            .returning(Checkpoint.shards_received, Checkpoint.world_size)
+        ).one_or_none()
+        if row is not None and row.shards_received >= row.world_size:
+            ready.append(ckpt_id)
     return ready
 
 
