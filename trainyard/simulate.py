@@ -133,6 +133,9 @@ class Sample:
     size: int
     full_specs: int
     phase: str
+    kind: str = "heartbeat"
+    """heartbeat, or wait: a long poll's answer that carried the node's desired state (its latency
+    is how long it was held open, not a figure)."""
 
 
 class SimAgent:
@@ -209,7 +212,7 @@ class SimAgent:
             timeout *= random.uniform(0.1, 1.0) if first else random.uniform(0.8, 1.0)
             first = False
             body = {"known": [{"attempt_id": a, "version": v} for a, v in self.held.items()], "timeout_s": timeout,
-                    "answer": self.fleet.wait_answers}
+                    "answer": self.fleet.wait_answers and not self.legacy}
             sent_at = time.monotonic()
             try:
                 r = await self.wait_http.post(f"{AGENT}/wait", json=body, headers=self._headers(),
@@ -230,6 +233,8 @@ class SimAgent:
                 continue
             answer = r.json()
             if answer["changed"] and answer.get("assignments") is not None:
+                self.samples.append(Sample(time.monotonic(), 0.0, len(r.content), len(answer["assignments"]),
+                                           self.fleet.phase, kind="wait"))
                 self._reconcile({"assignments": answer["assignments"], "unchanged": answer.get("unchanged") or []},
                                 sent_at)
             elif answer["changed"]:
@@ -421,7 +426,7 @@ class Fleet:
         self.phase = phase
         await asyncio.sleep(seconds)
         self.phase = "between"
-        return [s for a in self.agents for s in a.samples if s.phase == phase]
+        return [s for a in self.agents for s in a.samples if s.phase == phase and s.kind == "heartbeat"]
 
     # -- admin API ---------------------------------------------------------------------------------
 
@@ -535,7 +540,7 @@ def percentile(values: list[float], q: float) -> float:
 class JobFigures:
     ranks: int
     first_bytes: int = 0
-    """Largest heartbeat response of a node that carried the job's new spec."""
+    """Largest answer to a node (a long poll's, or a heartbeat's) that carried the job's new spec."""
     steady_bytes: int = 0
     """Largest heartbeat response of a node of the job once it holds the spec (delta protocol)."""
     legacy_steady_bytes: int = 0
@@ -553,7 +558,7 @@ def _sizes(agents: list[SimAgent], since: float, *, full: bool, phase: str | Non
 
 
 def _latencies(agents: list[SimAgent], phase: str) -> list[float]:
-    return [s.latency_s for a in agents for s in a.samples if s.phase == phase]
+    return [s.latency_s for a in agents for s in a.samples if s.phase == phase and s.kind == "heartbeat"]
 
 
 async def job_scenario(fleet: Fleet, ranks: int, *, window_s: float = 3.0, args_size: int = 0,
