@@ -9,9 +9,10 @@ duplicated or late report never moves a state backwards. See docs/architecture.m
 
 from __future__ import annotations
 
+import math
 import secrets
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
@@ -23,10 +24,11 @@ from sqlalchemy.orm import Session
 from control_plane import wakeups
 from control_plane.clock import now
 from control_plane.db import reload
+from control_plane.errors import Forbidden
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
 from control_plane.services import events, progress, specs
 from control_plane.services.checkpoints import restore_plan
-from control_plane.services.fencing import authorize_report, lock_attempt
+from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
 from control_plane.services.locks import attempt_order, lock_part, lock_parts
 from control_plane.services.states import (
     JOB_ACTIVE,
@@ -378,6 +380,13 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
         )
 
 
+def progress_metrics(metrics: Mapping[str, float]) -> dict[str, float] | None:
+    """What is stored of a report's metrics: the wire contract bounds them (at most MAX_METRICS
+    finite values under short names, trainyard/protocol/limits.py); JSONB holds no NaN or
+    infinity, so a non-finite value that got past it is dropped rather than failing the report."""
+    return {name: float(value) for name, value in sorted(metrics.items()) if math.isfinite(value)} or None
+
+
 @dataclass(frozen=True)
 class StatusMerged:
     """What merging one status report did (phase 1), and whether phase 2 may have to decide."""
@@ -419,6 +428,7 @@ def apply_status(
         part.progress_step = report.progress.step
         part.progress_loss = report.progress.loss
         part.progress_at = report.progress.at
+        part.progress_metrics = progress_metrics(report.progress.metrics)
         if part.first_progress_at is None:
             part.first_progress_at = t
     released = False
@@ -426,6 +436,12 @@ def apply_status(
         released = bool(release_parts(session, [part.id]))
     elif part.released_at is not None:
         released = True
+    # Global rank 0 reports the result. The agent pins torchrun's node order (node_agent/launcher.py)
+    # so it runs on node rank 0, but another launcher may put it elsewhere: the part that holds
+    # worker rank 0 (as reported, checked by _merge_workers) is the one. settle publishes it.
+    if report.result is not None and job.result is None and not _holds_rank_zero(session, part):
+        raise Forbidden(f"node rank {part.node_rank} does not run global rank 0: only that node reports the "
+                        "job's result")
     session.flush()
     settle = (report.result is not None and job.result is None) or (attempt.outcome is None and (
         report.state.value in PART_DONE or part.error is not None
@@ -449,7 +465,7 @@ def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | Non
     if locked is None:
         return attempt
     job, attempt = locked
-    # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank.
+    # Only the part holding global rank 0 got here with a result (apply_status checked it).
     if result is not None and job.result is None:
         job.result = result
     if attempt.outcome is None:
@@ -458,7 +474,18 @@ def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | Non
     return attempt
 
 
+def _holds_rank_zero(session: Session, part: AttemptNode) -> bool:
+    return session.scalar(select(Worker.attempt_node_id).where(Worker.attempt_id == part.attempt_id,
+                                                                Worker.rank == 0)) == part.id
+
+
 def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report: AttemptStatusReport) -> None:
+    """Merge the node's workers, which must be its own: one node's block of ranks, none of them
+    another node's (fencing.check_own_ranks)."""
+    if report.workers:
+        check_worker_block([(w.rank, w.local_rank) for w in report.workers], world=attempt.num_gpus,
+                           per_node=max(1, len(part.gpu_indices)))
+        check_own_ranks(session, part, {w.rank for w in report.workers})
     existing = {
         w.rank: w for w in session.scalars(select(Worker).where(Worker.attempt_node_id == part.id))
     }

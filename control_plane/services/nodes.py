@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import uuid
 from datetime import datetime, timedelta
@@ -10,10 +9,11 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, literal, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from control_plane.authz import NODE_TOKEN_PREFIX, hash_token
 from control_plane.clock import now
-from control_plane.errors import InvalidState, NameInUse, NotFound, StaleAgent, Unauthorized
+from control_plane.errors import InvalidState, NotFound, StaleAgent, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
-from control_plane.services import attempts, events, specs
+from control_plane.services import attempts, events, join_tokens, specs
 from control_plane.services.fencing import lock_attempt
 from control_plane.services.locks import lock_node, lock_part
 from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
@@ -30,26 +30,34 @@ from trainyard.protocol.agent import (
 VANISHED_AFTER_S = 10.0
 
 
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def _node_token(node_id: uuid.UUID, epoch: int) -> str:
     """A fresh credential naming the node and its registration epoch (see authenticate)."""
-    return f"tyn_{node_id.hex}.{epoch}.{secrets.token_urlsafe(32)}"
+    return f"{NODE_TOKEN_PREFIX}{node_id.hex}.{epoch}.{secrets.token_urlsafe(32)}"
 
 
-def register(session: Session, req: RegisterRequest, settings: Settings | None = None) -> tuple[Node, str]:
+def register(session: Session, req: RegisterRequest, credential: str, *,
+             static_join_token: str = "") -> tuple[Node, str]:
     """Register (or re-register) a node by name; returns it and a fresh node credential.
 
+    ``credential`` is the node's own current credential (an agent registering again), or a join
+    token (services/join_tokens.py says which join token may register which name). A registered
+    node is never handed to whoever asks: only its own credential, or a join token an operator
+    bound to its name, re-claims it.
+
     Every registration is a new agent instance with the next epoch: the credential of any earlier
-    one is refused from now on as stale (409 stale-agent, see authenticate), and that instance
-    stops. So a name is not taken from a live agent by whoever registers last: see
-    ``_refuse_live_name``."""
+    one is refused from now on as stale (409 stale-agent, see authenticate), so the newer of two
+    agents with one name wins and the older one is told to stop."""
     node = session.scalar(select(Node).where(Node.name == req.name).with_for_update(key_share=True))
+    if credential.startswith(NODE_TOKEN_PREFIX):
+        owner = session.scalar(select(Node).where(Node.token_hash == hash_token(credential)))
+        if owner is None:
+            _refuse_stale_instance(session, credential)
+            raise Unauthorized("unknown node credential; register with a join token")
+        if owner.name != req.name:
+            raise Unauthorized(f"this credential is node {owner.name}'s, not {req.name}'s")
+    else:
+        join_tokens.authorize_registration(session, credential, req.name, node, static_token=static_join_token)
     t = now()
-    if node is not None and settings is not None:
-        _refuse_live_name(node, req, settings, t)
     instance = req.agent_instance  # None: the first heartbeat names it, as before
     if node is None:
         node_id = uuid.uuid4()
@@ -81,14 +89,12 @@ def register(session: Session, req: RegisterRequest, settings: Settings | None =
         node.agent_version = req.agent_version
         node.agent_instance = instance
         node.heartbeat_seq = 0
-        # The new instance is alive from now on: another registration under this name is refused
-        # for a lost timeout (_refuse_live_name), even before this one's first heartbeat.
-        node.last_heartbeat_at = t
         if node.state == "removed":
             # Back after an operator removed it: its old attempts were released then, so its agent
             # gets none of them assigned and stops whatever of them still runs.
             # It comes back as a fresh node: schedulable, neither cordoned nor draining (both were
             # set at removal; set_node_state clears them together: ck_nodes_drain_unschedulable).
+            node.last_heartbeat_at = t
             set_node_state(session, node, "ready", f"removed node {req.name} registered again", kind="node.rejoined")
         else:
             events.record(session, "node.reregistered", f"node {req.name} registered again", node_id=node.id,
@@ -96,34 +102,6 @@ def register(session: Session, req: RegisterRequest, settings: Settings | None =
     _sync_gpus(session, node, req)
     session.commit()
     return node, token
-
-
-def _refuse_live_name(node: Node, req: RegisterRequest, settings: Settings, t: datetime) -> None:
-    """Two agents with one name (a copied config, a host replaced while the old one still runs):
-    the one registered first keeps the node while it heartbeats. Another instance gets 409
-    node-name-in-use and retries; it takes the node once the node is lost (no heartbeat for its
-    lost timeout) or removed. The same agent coming back presents the node's current credential
-    (kept in its work dir) and is let in at once; so is a registration from the process that
-    holds the node now, and one an operator forces (``replace``). Before, the last to register
-    won, and an old agent that its supervisor restarted took the node back: they took turns."""
-    if node.state != "ready" or req.replace:
-        return
-    if req.agent_instance is not None and req.agent_instance == node.agent_instance:
-        return
-    if req.node_token and secrets.compare_digest(hash_token(req.node_token), node.token_hash):
-        return
-    lost_after = settings.lost_timeout_for(node.heartbeat_interval_s or settings.heartbeat_interval_s)
-    silent = (t - node.last_heartbeat_at).total_seconds() if node.last_heartbeat_at else lost_after
-    if silent >= lost_after:
-        return
-    raise NameInUse(
-        f"node {node.name} is alive under another agent instance (last heartbeat {silent:.1f}s ago, address "
-        f"{node.address}): give each node its own name, or stop the other agent; this agent gets the node "
-        f"once it has been silent for {lost_after:g}s (lost) or is removed (DELETE /v1/nodes/{node.id}), or "
-        "at once with replace (trainyard agent --replace)",
-        node=node.name, node_id=str(node.id), address=node.address, last_heartbeat_s=round(silent, 3),
-        lost_after_s=lost_after,
-    )
 
 
 def _sync_gpus(session: Session, node: Node, req: RegisterRequest) -> None:
@@ -156,7 +134,7 @@ def _refuse_stale_instance(session: Session, token: str) -> None:
     registered as that node since. 409, not 401: the old instance must stop, not register again
     (two agents with one name would take the node from each other forever)."""
     try:
-        node_hex, epoch_text, _ = token.removeprefix("tyn_").split(".", 2)
+        node_hex, epoch_text, _ = token.removeprefix(NODE_TOKEN_PREFIX).split(".", 2)
         node_id, epoch = uuid.UUID(hex=node_hex), int(epoch_text)
     except ValueError:
         return
@@ -255,7 +233,7 @@ def node_id_of(token: str) -> str | None:
     """The node a credential names (``_node_token``), unverified: a long poll registers its wait under
     it before ``desired_change`` authenticates it."""
     try:
-        return str(uuid.UUID(hex=token.removeprefix("tyn_").split(".", 1)[0]))
+        return str(uuid.UUID(hex=token.removeprefix(NODE_TOKEN_PREFIX).split(".", 1)[0]))
     except ValueError:
         return None
 

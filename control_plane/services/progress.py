@@ -26,6 +26,8 @@ class Progress:
     loss: float | None = None
     at: datetime | None = None
     """When the workers reported ``step`` (the node's clock)."""
+    metrics: dict[str, float] | None = None
+    """The metrics of that report (the measured compute/communication split, ...)."""
     first_at: datetime | None = None
     """When the attempt's first step arrived (any node; the control plane's clock)."""
 
@@ -41,7 +43,7 @@ def of_parts(parts: Iterable[AttemptNode]) -> Progress:
     best = max(reported, key=lambda p: (p.progress_step or 0, p.progress_at is not None, p.progress_at))
     firsts = [p.first_progress_at for p in reported if p.first_progress_at is not None]
     return Progress(step=best.progress_step, loss=best.progress_loss, at=best.progress_at,
-                    first_at=min(firsts) if firsts else None)
+                    metrics=best.progress_metrics, first_at=min(firsts) if firsts else None)
 
 
 def first_at(session: Session, attempt_id: uuid.UUID) -> datetime | None:
@@ -64,11 +66,13 @@ def of_jobs(session: Session, job_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, P
     if not ids:
         return {}
     rows = session.execute(
-        select(Attempt.job_id, AttemptNode.progress_step, AttemptNode.progress_loss, AttemptNode.progress_at)
+        select(Attempt.job_id, AttemptNode.progress_step, AttemptNode.progress_loss, AttemptNode.progress_at,
+               AttemptNode.progress_metrics)
         .join(Attempt, Attempt.id == AttemptNode.attempt_id)
         .where(Attempt.job_id.in_(ids), AttemptNode.progress_step.is_not(None))
         .order_by(Attempt.job_id, Attempt.number.desc(), AttemptNode.progress_step.desc(),
                   AttemptNode.progress_at.desc().nulls_last())
         .distinct(Attempt.job_id)
     ).all()
-    return {r.job_id: Progress(step=r.progress_step, loss=r.progress_loss, at=r.progress_at) for r in rows}
+    return {r.job_id: Progress(step=r.progress_step, loss=r.progress_loss, at=r.progress_at, metrics=r.progress_metrics)
+            for r in rows}

@@ -24,6 +24,7 @@ from control_plane.models import Attempt, AttemptNode, Job
 from control_plane.services.states import ATTEMPT_LIVE
 from trainyard.protocol.agent import AssignmentRef, KnownAssignment, LaunchSpec
 from trainyard.protocol.keys import job_checkpoint_prefix
+from trainyard.protocol.layout import Layout
 
 SPEC_STORAGE_KEYS = ("prefix",)
 """The part of LaunchSpec.storage that is per attempt; the rest (credentials) goes to an agent once,
@@ -49,6 +50,7 @@ def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | 
         args=list(job.args),
         env=dict(job.env),
         checkpoint=dict(job.checkpoint),
+        layout=Layout.model_validate(job.layout) if job.layout else None,
         restore_from=attempt.restore_manifest,
         launched=part.state != "assigned",
         storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},
