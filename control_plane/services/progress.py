@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, select
+from sqlalchemy.dialects.postgresql import distinct_on
 from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode
@@ -72,7 +73,7 @@ def of_jobs(session: Session, job_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, P
         .where(Attempt.job_id.in_(ids), AttemptNode.progress_step.is_not(None))
         .order_by(Attempt.job_id, Attempt.number.desc(), AttemptNode.progress_step.desc(),
                   AttemptNode.progress_at.desc().nulls_last())
-        .distinct(Attempt.job_id)
+        .ext(distinct_on(Attempt.job_id))
     ).all()
     return {r.job_id: Progress(step=r.progress_step, loss=r.progress_loss, at=r.progress_at, metrics=r.progress_metrics)
             for r in rows}

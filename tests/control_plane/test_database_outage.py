@@ -18,7 +18,9 @@ from sqlalchemy.engine import make_url
 
 from control_plane import clock
 from control_plane.app import create_app
+from control_plane.schemas.plans import PLAN_EXAMPLE
 from control_plane.settings import Settings
+from tests.control_plane.access import make_principal
 from tests.e2e.harness import TcpProxy
 from tests.factories import ADMIN, JOIN_TOKEN, job_body, register_node
 
@@ -52,6 +54,20 @@ REQUESTS: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {
     ("GET", "/v1/cluster"): ("admin", None),
     ("GET", "/v1/tenants"): ("admin", None),
     ("PUT", "/v1/tenants/{name}"): ("admin", {"weight": 2}),
+    ("POST", "/v1/agent/attempts/{attempt_id}/storage"): (
+        "node", {**REPORT, "rank": 0, "method": "GET", "key": "k"}),
+    # The bootstrap admin is known without the database; a principal's token is looked up in it.
+    ("GET", "/v1/whoami"): ("principal", None),
+    ("POST", "/v1/plans"): ("admin", PLAN_EXAMPLE),
+    ("GET", "/v1/principals"): ("admin", None),
+    ("POST", "/v1/principals"): ("admin", {"name": "bob", "tenant": "t", "role": "viewer"}),
+    ("DELETE", "/v1/principals/{name}"): ("admin", None),
+    ("GET", "/v1/tokens"): ("admin", None),
+    ("POST", "/v1/tokens"): ("principal", {"ttl_s": 60}),
+    ("DELETE", "/v1/tokens/{token_id}"): ("admin", None),
+    ("GET", "/v1/join-tokens"): ("admin", None),
+    ("POST", "/v1/join-tokens"): ("admin", {}),
+    ("DELETE", "/v1/join-tokens/{token_id}"): ("admin", None),
 }
 
 
@@ -67,8 +83,10 @@ def test_every_route_answers_503_while_the_database_is_unreachable(settings: Set
             reg = register_node(client, "outage-1", 1)
             job = client.post("/v1/jobs", json=job_body(name="before-outage", num_nodes=1, gpus_per_node=1),
                               headers=ADMIN).json()
-            params = {"attempt_id": str(uuid.uuid4()), "job_id": job["id"], "node_id": reg["node_id"], "name": "t"}
-            headers = {"admin": ADMIN, "join": {"Authorization": f"Bearer {JOIN_TOKEN}"},
+            params = {"attempt_id": str(uuid.uuid4()), "job_id": job["id"], "node_id": reg["node_id"], "name": "t",
+                      "token_id": str(uuid.uuid4())}
+            alice = make_principal(client, "alice", "admin", "t")
+            headers = {"admin": ADMIN, "principal": alice.headers, "join": {"Authorization": f"Bearer {JOIN_TOKEN}"},
                        "node": {"Authorization": f"Bearer {reg['node_token']}"}, "none": {}}
             routes = {(m.upper(), path) for path, ops in app.openapi()["paths"].items() for m in ops}
             routes.discard(("GET", "/healthz"))  # liveness: the process is up, whatever the database

@@ -86,7 +86,7 @@ def test_a_report_held_open_does_not_block_the_other_nodes_reports(client):
     # The job's progress is its furthest node's; the attempt's too.
     view = get_job(client, job["id"])
     assert view["progress"]["step"] == 13 and view["progress"]["loss"] == 1.0 / 3
-    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["progress_step"] == 13 and attempt["first_progress_at"] is not None
 
 
@@ -143,7 +143,7 @@ def test_a_final_report_that_says_no_process_is_left_releases_the_gpus(client):
     assert r.status_code == 200 and r.json()["released"] is False
     assert get_job(client, job["id"])["leases_held"] == 1
     agents[0].heartbeat(alive=[])
-    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["state"] == "ended" and all(n["released_at"] for n in attempt["nodes"])
     # The fact belongs to a final report only.
     r = agents[0].status(specs[0], "running", processes_alive=False)
