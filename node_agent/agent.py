@@ -509,7 +509,9 @@ class Agent:
             for run in self.runs():
                 if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
                     run.request_stop("no longer assigned to this node")
-            self._launched_at = {a: t for a, t in self._launched_at.items() if a in self._versions}
+            # Kept while assigned or too new to judge, with a version or without one (a control plane
+            # that sends none): the guard above holds for both.
+            self._launched_at = {a: t for a, t in self._launched_at.items() if a in assigned or a in newer}
 
     def _spec_problem(self, spec: LaunchSpec) -> str | None:
         indices = {gpu.index for gpu in self.gpus}
