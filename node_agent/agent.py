@@ -142,6 +142,10 @@ class Agent:
         self._versions: dict[str, str] = {}
         self._storage: dict[str, object] = {}
         self._runs_lock = threading.Lock()
+        # Answers come from two loops (heartbeat, long poll): applied one at a time, and an answer
+        # never stops an attempt launched after its request left (_reconcile).
+        self._reconcile_lock = threading.Lock()
+        self._launched_at: dict[str, float] = {}
         self._api: LocalApi | None = None
         self._launches: Launches | None = None
         self.isolation: Isolation | None = None
@@ -408,11 +412,12 @@ class Agent:
             return min(5.0, 0.25 * 2 ** min(self._register_failures, 5))
         started = time.monotonic()
         self._seq += 1
+        sent_at, known = self._holding()
         request = HeartbeatRequest(
             agent_instance=self.instance,
             seq=self._seq,
             attempts=self._listed_attempts(),
-            known=[KnownAssignment(attempt_id=a, version=v) for a, v in sorted(self._versions.items())],
+            known=known,
         )
         try:
             resp = self.client.heartbeat(request)
@@ -431,7 +436,7 @@ class Agent:
         # The control plane stretches the interval as the cluster grows (its node-lost timeout grows
         # by as much, so the request timeout set at registration still fits).
         self._heartbeat_interval_s = resp.heartbeat_interval_s
-        self._reconcile(resp.assignments, resp.unchanged)
+        self._reconcile(resp.assignments, resp.unchanged, sent_at=sent_at)
         self._heartbeat_done.set()
         # Jittered (never longer than told): a thousand agents do not stay in step after an outage
         # or a wake-up that reached many of them at once.
@@ -440,15 +445,16 @@ class Agent:
 
     def _wait_step(self) -> float:
         """Keep one long poll open; when the control plane says the node's desired state changed (a
-        new attempt, a stop order), heartbeat now rather than at the next interval, which grows with
-        the cluster. Then wait again, with the versions that heartbeat brought."""
+        new attempt, a stop order), apply the desired state the answer carries (or, from a control
+        plane that sends none, heartbeat now) rather than wait for the next heartbeat, whose interval
+        grows with the cluster. Then wait again, with the versions that brought."""
         if not self.registered.is_set() or self._need_register.is_set():
             return 1.0
-        known = [KnownAssignment(attempt_id=a, version=v) for a, v in sorted(dict(self._versions).items())]
+        sent_at, known = self._holding()
         try:
             timeout = min(WAIT_TIMEOUT_MAX_S, max(WAIT_TIMEOUT_S, 2 * self._heartbeat_interval_s))
             timeout *= random.uniform(1 - HEARTBEAT_JITTER, 1.0)  # waits woken together re-arm spread out
-            resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout))
+            resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout, answer=True))
         except Unauthorized:
             self._wake("heartbeat")  # it registers again
             return 1.0
@@ -457,7 +463,9 @@ class Agent:
             return 60.0
         except ControlPlaneUnavailable:
             return self._heartbeat_interval_s
-        if resp.changed:
+        if resp.changed and resp.assignments is not None:
+            self._reconcile(resp.assignments, resp.unchanged, sent_at=sent_at)
+        elif resp.changed:
             self._heartbeat_done.clear()
             self._wake("heartbeat")
             self._heartbeat_done.wait(self._heartbeat_interval_s)  # the next wait knows its answer
@@ -480,22 +488,40 @@ class Agent:
         ]
         return listed
 
-    def _reconcile(self, assignments: list[LaunchSpec], unchanged: list[AssignmentRef] | None = None) -> None:
+    def _holding(self) -> tuple[float, list[KnownAssignment]]:
+        """When a request leaves and the spec versions it reports (taken together: see _reconcile)."""
+        with self._reconcile_lock:
+            return time.monotonic(), [KnownAssignment(attempt_id=a, version=v)
+                                      for a, v in sorted(self._versions.items())]
+
+    def _reconcile(self, assignments: list[LaunchSpec], unchanged: list[AssignmentRef] | None = None, *,
+                   sent_at: float | None = None) -> None:
         """Full specs are new or changed assignments; `unchanged` names the specs this agent holds
         that are still assigned ('run') or not ('stop'). A spec for an attempt launched before is
-        never launched again: only its version is kept."""
-        refs = unchanged or []
-        assigned = {spec.attempt_id for spec in assignments}
-        assigned |= {ref.attempt_id for ref in refs if ref.desired == "run"}
-        # Forget the versions of what is no longer assigned: if it ever came back, so would its spec.
-        self._versions = {a: v for a, v in self._versions.items() if a in assigned}
-        for spec in assignments:
-            if spec.version:
-                self._versions[spec.attempt_id] = spec.version
-            self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}))
-        for run in self.runs():
-            if run.alive and not run.stopping and run.attempt_id not in assigned:
-                run.request_stop("no longer assigned to this node")
+        never launched again: only its version is kept.
+
+        Answers come from the heartbeat and from the long poll, each read by the control plane at
+        its own moment: an answer to a request sent (``sent_at``) before an attempt was launched
+        may have been read before that attempt was assigned, so its silence about it is no order to
+        stop it (an explicit stop comes with the next answer that knows it)."""
+        with self._reconcile_lock:
+            refs = unchanged or []
+            assigned = {spec.attempt_id for spec in assignments}
+            assigned |= {ref.attempt_id for ref in refs if ref.desired == "run"}
+            newer = {a for a, t in self._launched_at.items() if sent_at is not None and t > sent_at}
+            # Forget the versions of what is no longer assigned: if it ever came back, so would its spec.
+            self._versions = {a: v for a, v in self._versions.items() if a in assigned or a in newer}
+            for spec in assignments:
+                if spec.version:
+                    self._versions[spec.attempt_id] = spec.version
+                self._launched_at.setdefault(spec.attempt_id, time.monotonic())
+                self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}))
+            for run in self.runs():
+                if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
+                    run.request_stop("no longer assigned to this node")
+            # Kept while assigned or too new to judge, with a version or without one (a control plane
+            # that sends none): the guard above holds for both.
+            self._launched_at = {a: t for a, t in self._launched_at.items() if a in assigned or a in newer}
 
     def _launch(self, spec: LaunchSpec) -> None:
         assert self._node is not None and self._launches is not None
@@ -538,8 +564,14 @@ class Agent:
         after = run.signature()
         if after != before:
             # A worker started or exited, or the last process went: tell the control plane at
-            # once (a failure is decided, or the GPUs are released, a period sooner).
-            self._wake("report", *(("heartbeat",) if after[0] != before[0] else ()))
+            # once (a failure is decided, or the GPUs are released, a period sooner). When the
+            # last process went, the final report (processes_alive false) releases the GPUs; the
+            # heartbeat is woken as well only when that report cannot go out now (a fenced-off
+            # run, shards still queued before it) or did not release them (_report_status).
+            gone = before[0] and not after[0]
+            beat = after[0] != before[0] and (
+                not gone or run.stale or self.outbox.pending(run.attempt_id) > 0)
+            self._wake("report", *(("heartbeat",) if beat else ()))
         if not run.alive and (run.done or run.stale):
             if run.stale:
                 run.mark_done()  # nothing more to tell about a fenced-off attempt
@@ -586,6 +618,10 @@ class Agent:
         if finished and run.final_acked:
             return
         report = run.report(*self.reports.snapshot(run.attempt_id))
+        if finished and run.attempt_id not in self.orphans.alive:
+            # The process table has nothing of it left: the control plane releases its GPUs on this
+            # report, a heartbeat sooner than the one that stops listing it.
+            report = report.model_copy(update={"processes_alive": False})
         if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
             return  # the relay delivers the attempt's last shards and events first
         due = report != run.last_report or now - run.last_sent_at >= self.config.status_interval_s
@@ -605,6 +641,7 @@ class Agent:
                 # attempt stops being listed as pending and the control plane decides without it.
                 run.log.error("final_status_rejected", error=str(exc))
                 run.mark_final_acked()
+                self._wake("heartbeat")  # its GPUs are released by the heartbeat that no longer lists it
                 return
             # Refused for what it says (a 4xx other than fencing): the same report would be refused
             # forever. Dropped, said once in the log; the next report that differs goes out.
@@ -619,6 +656,8 @@ class Agent:
         run.last_report, run.last_sent_at = report, now
         if finished:
             run.mark_final_acked()
+            if not ack.released:
+                self._wake("heartbeat")  # an older control plane: the heartbeat confirms the release
         elif ack.stop:
             run.request_stop("the control plane asked")
 

@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -253,13 +254,19 @@ def test_runs_an_assigned_attempt_and_reports_it(agents: Agents, plane: FakeCont
 
 
 def test_unassigned_attempt_is_stopped(agents: Agents, plane: FakeControlPlane) -> None:
-    agents.start()
+    agent = agents.start()
     spec = agents.spec("sleep.py", SLEEPER, nproc_per_node=1, gpu_indices=[1])
+    before = time.monotonic()
     plane.assign(NODE, spec)
     wait_state(plane, spec.attempt_id, NodeAttemptState.running)
     wait_for(lambda: plane.heartbeat_attempts(NODE) == {spec.attempt_id}, what="the attempt in heartbeats")
     pids = attempt_pids(spec.attempt_id)
     assert len(pids) == 3  # torchrun, shim, worker
+    # An answer to a request that left before the attempt arrived (the long poll and the heartbeat
+    # are read at different moments) may predate its assignment: its silence stops nothing.
+    agent._reconcile([], [], sent_at=before)
+    run = agent.run(spec.attempt_id)
+    assert run is not None and not run.stopping and run.alive
     plane.assign(NODE)
     final = wait_state(plane, spec.attempt_id, NodeAttemptState.stopped, timeout=10)
     assert gone(pids)
