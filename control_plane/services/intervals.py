@@ -87,11 +87,15 @@ def _costs(session: Session, job_id: uuid.UUID) -> tuple[float | None, float | N
 
 def update(session: Session, settings: Settings) -> list[uuid.UUID]:
     """Recompute the interval of every running 'auto' job; returns the jobs whose interval changed."""
+    # Each part measures its node's step time (services/attempts.py ``_advance``); the slowest sets the pace.
+    step_time = func.max(AttemptNode.step_time_s)
     rows = session.execute(
-        select(Attempt.job_id, Attempt.step_time_s, Job.num_nodes, Job.checkpoint_auto)
+        select(Attempt.job_id, step_time, Job.num_nodes, Job.checkpoint_auto)
+        .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
         .join(Job, Job.id == Attempt.job_id)
-        .where(Attempt.state == "running", Attempt.outcome.is_(None), Attempt.step_time_s.is_not(None),
+        .where(Attempt.state == "running", Attempt.outcome.is_(None), AttemptNode.step_time_s.is_not(None),
                Job.checkpoint["interval_steps"].astext == AUTO)
+        .group_by(Attempt.id, Job.id)
     ).all()
     if not rows:
         return []

@@ -2,8 +2,9 @@
 failed as hung, naming the ranks that stopped reporting, and recovered like any failure; a rank
 persistently slower than its peers is named a straggler, with its node.
 
-Both read what the agents already send: the attempt's step (rank 0's progress) and each node's
-RankSummary (its own ranks' steps, timings and silences, with the periodic status report). The
+Both read what the agents already send: each node's step (its part's progress, with when the
+control plane saw it advance and the step time it measured) and each node's RankSummary (its own
+ranks' steps, timings and silences, with the periodic status report). The
 rules are pure (control_plane/goodput/rules.py); here they meet the rows. Every replica runs this
 (the watchdog loop): a verdict locks the job and the attempt and is taken once (fail_attempt is
 idempotent), a straggler is named by a conditional UPDATE that only one replica wins.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -23,7 +24,7 @@ from control_plane.clock import now
 from control_plane.db import rowcount
 from control_plane.goodput.rules import RankTiming, Straggler, hang_timeout_s, stragglers
 from control_plane.models import Attempt, AttemptNode, Checkpoint, Job, Node
-from control_plane.services import attempts, events
+from control_plane.services import attempts, events, progress
 from control_plane.services.fencing import lock_attempt
 from control_plane.settings import Settings
 from trainyard.protocol.agent import RANK_SILENT_AFTER_S
@@ -84,11 +85,18 @@ def fail_hung(session: Session, settings: Settings) -> list[uuid.UUID]:
     at = now()
     stall = (select(Checkpoint.job_id, func.max(Checkpoint.blocking_s).label("stall"))
              .group_by(Checkpoint.job_id).subquery())
+    # Each node's reports advance its own part (status reports never write the attempt row): the
+    # attempt advanced when any of its parts did, and the slowest part's step time sets the timeout.
+    parts = (select(AttemptNode.attempt_id, func.max(AttemptNode.step_advanced_at).label("advanced_at"),
+                    func.max(AttemptNode.step_time_s).label("step_time"))
+             .where(AttemptNode.step_advanced_at.is_not(None))
+             .group_by(AttemptNode.attempt_id).subquery())
     rows = session.execute(
-        select(Attempt.id, Attempt.step_advanced_at, Attempt.step_time_s, Job.watchdog, stall.c.stall)
+        select(Attempt.id, parts.c.advanced_at, parts.c.step_time, Job.watchdog, stall.c.stall)
+        .join(parts, parts.c.attempt_id == Attempt.id)
         .join(Job, Job.id == Attempt.job_id)
         .outerjoin(stall, stall.c.job_id == Attempt.job_id)
-        .where(Attempt.state == "running", Attempt.outcome.is_(None), Attempt.step_advanced_at.is_not(None))
+        .where(Attempt.state == "running", Attempt.outcome.is_(None))
     ).all()
     failed: list[uuid.UUID] = []
     for attempt_id, advanced_at, step_time, watchdog, longest_stall in rows:
@@ -101,23 +109,31 @@ def fail_hung(session: Session, settings: Settings) -> list[uuid.UUID]:
         if locked is None:
             continue
         job, attempt = locked
-        if attempt.outcome is not None or attempt.step_advanced_at != advanced_at:
+        if attempt.outcome is not None or _advanced_at(session, attempt.id) != advanced_at:
             continue  # decided meanwhile, or it moved on
+        step = progress.step_of(session, attempt.id)
         idle = (at - advanced_at).total_seconds()
         silent, every = _rank_facts(session, attempt.id)
         who, node_id, ranks = _who(silent, every)
         basis = ("the job's watchdog.hang_timeout_s" if _override(watchdog, "hang_timeout_s") is not None else
                  f"from its step time {step_time or 0:.3g}s and longest checkpoint stall {longest_stall or 0:.3g}s, "
                  f"floor {settings.hang_timeout_min_s:g}s")
-        reason = (f"hung: step {attempt.progress_step} has not advanced for {idle:.1f}s (hang timeout {timeout:.3g}s, "
+        reason = (f"hung: step {step} has not advanced for {idle:.1f}s (hang timeout {timeout:.3g}s, "
                   f"{basis}); {who}")
         attempt.hung_since = advanced_at
         events.record(session, "attempt.hung", reason, job_id=job.id, attempt_id=attempt.id, node_id=node_id,
-                      ranks=ranks, step=attempt.progress_step, idle_s=round(idle, 3), timeout_s=round(timeout, 3))
+                      ranks=ranks, step=step, idle_s=round(idle, 3), timeout_s=round(timeout, 3))
         attempts.fail_attempt(session, job, attempt, reason, node_id=node_id)
         session.commit()
         failed.append(attempt.id)
     return failed
+
+
+def _advanced_at(session: Session, attempt_id: uuid.UUID) -> datetime | None:
+    """When any part of the attempt last advanced its step."""
+    value: datetime | None = session.scalar(
+        select(func.max(AttemptNode.step_advanced_at)).where(AttemptNode.attempt_id == attempt_id))
+    return value
 
 
 def track_stragglers(session: Session, settings: Settings) -> list[Straggler]:
