@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -28,6 +28,10 @@ SUBMIT_EXAMPLE: dict[str, Any] = {
     "checkpoint": {"interval_steps": 50},
     "max_failures": 3,
 }
+
+
+GpuKindName = Annotated[str, Field(min_length=1, max_length=128)]
+MAX_GPU_KINDS = 16
 
 
 class CheckpointSettings(BaseModel):
@@ -61,7 +65,25 @@ class JobSubmit(BaseModel):
     priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is served first.")
     tenant: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9-]*$")
     time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400)
-    gpu_kind: str | None = Field(default=None, max_length=128, description="Require this GPU model.")
+    gpu_kind: GpuKindName | Annotated[list[GpuKindName], Field(min_length=1, max_length=MAX_GPU_KINDS)] | None = Field(
+        default=None,
+        description="Require this GPU kind, or one of a list of kinds (the whole gang runs on one of them). "
+        "Without it the job may run on any kind.",
+    )
+
+    @field_validator("gpu_kind")
+    @classmethod
+    def _gpu_kind(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list):
+            v = list(dict.fromkeys(v))  # the same kind twice says nothing more
+            return v[0] if len(v) == 1 else v
+        return v
+
+    def gpu_kinds(self) -> list[str] | None:
+        """The accepted kinds as a list (None: any)."""
+        if self.gpu_kind is None:
+            return None
+        return [self.gpu_kind] if isinstance(self.gpu_kind, str) else list(self.gpu_kind)
 
     @field_validator("entrypoint")
     @classmethod
@@ -127,7 +149,11 @@ class JobOut(BaseModel):
     max_failures: int
     failures: int
     time_limit_s: int | None
-    gpu_kind: str | None
+    gpu_kind: str | list[str] | None = Field(description="The GPU kind the job requires, or the list of kinds it "
+                                             "accepts; null: any.")
+    allocated_gpu_kind: str | None = Field(
+        default=None, description="The GPU kind its current (or last) attempt got: a gang runs on one kind."
+    )
     progress: Progress
     result: dict[str, Any] | None
     end_reason: str | None
