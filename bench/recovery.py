@@ -68,7 +68,8 @@ def run_trainyard(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     dev = DevCluster(config, log)
     try:
         dev.start()
-        http = httpx.Client(base_url=config.api_url, headers={"Authorization": f"Bearer {dev.token}"}, timeout=30)
+        http = httpx.Client(base_url=config.api_url, headers={"Authorization": f"Bearer {dev.token}"}, timeout=30,
+                            verify=dev.verify)
         job = http.post("/v1/jobs", json={
             "name": "bench-recovery", "num_nodes": 2, "gpus_per_node": 1,
             "entrypoint": "worker_runtime.examples.tiny_gpt",
@@ -83,8 +84,9 @@ def run_trainyard(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             time.sleep(0.5)
         if view["state"] != "succeeded":
             raise RuntimeError(f"the Trainyard job ended {view['state']}: {view['end_reason']}")
-        attempts = http.get(f"/v1/jobs/{job['id']}/attempts").json()
-        committed = [c for c in http.get(f"/v1/jobs/{job['id']}/checkpoints").json() if c["state"] == "committed"]
+        attempts = http.get(f"/v1/jobs/{job['id']}/attempts").json()["items"]
+        checkpoints = http.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
+        committed = [c for c in checkpoints if c["state"] == "committed"]
         http.close()
     finally:
         dev.stop()

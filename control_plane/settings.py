@@ -15,8 +15,16 @@ class Settings(BaseSettings):
         "postgresql+psycopg://postgres@localhost:5432/trainyard",
         description="SQLAlchemy URL of the PostgreSQL database (psycopg 3 driver).",
     )
-    admin_token: str = Field("", description="Bearer token of the admin principal. Required.")
-    join_token: str = Field("", description="Token agents present to register. Required.")
+    admin_token: str = Field(
+        "", description="The bootstrap admin token, for first use: create principals and their tokens with it "
+        "(POST /v1/principals), then keep it for emergencies. Empty: no bootstrap admin."
+    )
+    admin_tenant: str = Field("default", description="The tenant of the bootstrap admin's own jobs.")
+    join_token: str = Field(
+        "", description="Optional static join token: registers new node names only (never re-claims a registered "
+        "node) and never expires. Empty (the default): agents register with per-node join tokens "
+        "(POST /v1/join-tokens), which expire or are single-use."
+    )
 
     heartbeat_interval_s: float = Field(
         1.0, gt=0, description="How often agents heartbeat in a small cluster: the shortest interval given out."
@@ -60,16 +68,44 @@ class Settings(BaseSettings):
         0, description='Nodes kept for recovering jobs only: a number for every GPU kind, or JSON such as '
         '{"h100": 2} per kind.'
     )
+    plan_min_efficiency: float = Field(
+        0.7, ge=0, le=1, description="Scaling efficiency (tokens/s per GPU against the smallest GPU count that "
+        "runs) below which a job's GPU count is warned about at submit, and the least a plan's recommendation "
+        "keeps (docs/planner.md)."
+    )
     limits_interval_s: float = Field(1.0, gt=0, description="Period of the time-limit loop.")
     attempt_launch_timeout_s: float = Field(
         60.0, gt=0, description="A node's part of an attempt that its agent has not confirmed launching this "
         "long after allocation fails the attempt. Longer than node_lost_timeout_s: a silent node is "
         "declared lost first (the clearer reason); this catches a live agent that never picks the part up."
     )
-    rdzv_port_min: int = Field(29500, ge=1024, le=65535)
-    rdzv_port_max: int = Field(39499, ge=1024, le=65535)
+    rdzv_port_min: int = Field(20000, ge=1024, le=65535, description=(
+        "Lowest rendezvous port; an attempt's port is its own on node rank 0's host."))
+    rdzv_port_max: int = Field(32767, ge=1024, le=65535, description=(
+        "Highest rendezvous port. Keep the range below the nodes' ephemeral ports (Linux: "
+        "net.ipv4.ip_local_port_range, 32768-60999 by default): an outgoing connection's local port "
+        "taken from the range makes torchrun's store fail with EADDRINUSE."))
     max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")
-    log_follow_poll_s: float = Field(0.5, gt=0)
+    log_follow_poll_s: float = Field(0.5, gt=0, description="How often a followed log is read again.")
+    log_followers_per_principal: int = Field(
+        4, ge=1, le=1000, description="Logs one principal may follow at once on one replica; more are answered 429."
+    )
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, ge=64 * 1024, description="Largest request body; larger ones are answered 413."
+    )
+    submit_rate_per_window: int = Field(
+        60, ge=1, description="Jobs one principal (admins excepted) may submit per submit_rate_window_s; more are "
+        "answered 429 with Retry-After. Counted in the database: the limit holds across replicas."
+    )
+    submit_rate_window_s: float = Field(60.0, gt=0, le=86400)
+    log_retention_days: float = Field(
+        30.0, ge=0, description="Worker log lines older than this are deleted (0: kept forever)."
+    )
+    event_retention_days: float = Field(
+        90.0, ge=0, description="Events older than this are deleted (0: kept forever)."
+    )
+    retention_interval_s: float = Field(60.0, gt=0, description="Period of the retention loop.")
+    retention_batch: int = Field(5000, ge=1, le=1_000_000, description="Rows one retention statement deletes.")
 
     api_threads: int = Field(
         40, ge=1, le=1000, description="Threads that run requests; the connection pool is sized to cover them."
@@ -80,11 +116,23 @@ class Settings(BaseSettings):
     )
 
     s3_endpoint: str = Field("", description="host:port of the S3 server for checkpoints.")
-    s3_access_key: str = ""
+    s3_access_key: str = Field("", description="The control plane's S3 key; workers and agents never get it.")
     s3_secret_key: str = ""
     s3_bucket: str = "trainyard"
     s3_secure: bool = False
     s3_region: str = "us-east-1"
+    s3_worker_endpoint: str = Field(
+        "", description="host:port at which workers reach S3, when it is not s3_endpoint (presigned URLs name "
+        "it, and their signature covers the host). Empty: s3_endpoint."
+    )
+    storage_grant_ttl_s: int = Field(
+        300, ge=10, le=3600, description="How long a presigned checkpoint URL stays valid (S3 checks it when a "
+        "request starts, so an upload that started in time finishes). Workers ask again when one runs out."
+    )
+    storage_part_size_mb: int = Field(
+        512, ge=5, le=5120, description="Checkpoint objects up to this size are uploaded with one PUT; larger "
+        "ones in parts of this size (S3: one PUT up to 5 GiB, parts of 5 MiB to 5 GiB, at most 10,000)."
+    )
 
     failpoints: str = Field(
         "", description="Testing only: 'name=sleep(S)' or 'name=exit' pairs, ';'-separated (failpoints.py)."

@@ -36,16 +36,18 @@ import uuid
 from collections.abc import Callable
 from http import HTTPStatus
 from types import FrameType
+from typing import Any
 
 import structlog
 
-from node_agent import processes
+from node_agent import credential, processes
 from node_agent.attempt import AttemptRun, attempt_paths
 from node_agent.client import (
     ControlPlaneClient,
     ControlPlaneUnavailable,
     RequestRejected,
     StaleAttempt,
+    TlsMismatch,
     Unauthorized,
 )
 from node_agent.config import AgentConfig
@@ -57,6 +59,7 @@ from node_agent.rank_shim import write_json_atomic
 from node_agent.relay import Outbox, Relay
 from trainyard.protocol.agent import (
     AssignmentRef,
+    AttemptStatusReport,
     GpuInfo,
     HeartbeatRequest,
     KnownAssignment,
@@ -68,6 +71,7 @@ from trainyard.protocol.agent import (
     WaitRequest,
     agent_request_timeout_s,
 )
+from trainyard.protocol.grants import LocalStorageRequest, StorageRequest
 
 __all__ = ["Agent", "AgentConfig", "run_agent"]
 
@@ -105,6 +109,7 @@ class Agent:
             join_token=config.join_token,
             timeout_s=config.http_timeout_s,
             stop=self._stop_event,
+            ca_file=str(config.ca_file) if config.ca_file is not None else None,
         )
         self.client.on_stale_agent = self._superseded
         self.superseded: str | None = None
@@ -128,12 +133,15 @@ class Agent:
         self._need_register = threading.Event()
         self._need_register.set()
         self._register_failures = 0
+        self._refused_reports: dict[str, AttemptStatusReport] = {}
+        """attempt id -> the status report the control plane refused (4xx): not sent again as is."""
         self._heartbeat_interval_s = 1.0
         self._seq = 0
         self._runs: dict[str, AttemptRun] = {}
         self._known: set[str] = set()
         # Spec versions this agent holds (reported in each heartbeat, so unchanged specs are not
-        # resent) and the storage credentials of the registration (LaunchSpec.storage has the prefix).
+        # resent) and the storage access of the registration (LaunchSpec.storage has the prefix);
+        # never a credential: workers get presigned URLs through _storage_grants.
         self._versions: dict[str, str] = {}
         self._storage: dict[str, object] = {}
         self._runs_lock = threading.Lock()
@@ -180,6 +188,9 @@ class Agent:
             node_name=self.config.name,
         )
         self._adopt_existing()
+        if self.config.control_plane_url.startswith("http://"):
+            self.log.warning("control_plane_not_https", url=self.config.control_plane_url,
+                             risk="the join token and node credentials cross the network unencrypted")
         self.log.info("agent_started", gpus=len(self.gpus), local_api=self._api.url, instance=self.instance)
         for name in self._loops:
             self._start_loop(name)
@@ -244,11 +255,11 @@ class Agent:
             except (OSError, ValueError, KeyError, TypeError):
                 previous = 0
             try:
-                api = LocalApi(self.config.address, previous, self.reports, self.outbox)
+                api = LocalApi(self.config.address, previous, self.reports, self.outbox, grants=self._storage_grants)
             except OSError:
-                api = LocalApi(self.config.address, 0, self.reports, self.outbox)
+                api = LocalApi(self.config.address, 0, self.reports, self.outbox, grants=self._storage_grants)
         else:
-            api = LocalApi(self.config.address, port, self.reports, self.outbox)
+            api = LocalApi(self.config.address, port, self.reports, self.outbox, grants=self._storage_grants)
         api.start()
         write_json_atomic(state_file, {"local_api_port": int(api.url.rsplit(":", 1)[1])})
         return api
@@ -345,13 +356,20 @@ class Agent:
         if self.superseded is not None:
             return False
         try:
-            resp = self.client.register(request)
+            resp = self.client.register(request, self.client.node_token or credential.load(self.config.work_dir))
+        except TlsMismatch as exc:
+            self.log.error("control_plane_tls_mismatch", error=str(exc))
+            return False
         except ControlPlaneUnavailable as exc:
             self.log.info("control_plane_unreachable", error=str(exc))
             return False
-        except (Unauthorized, RequestRejected) as exc:
+        except (Unauthorized, RequestRejected, StaleAttempt) as exc:  # StaleAttempt: a 409, the name is taken
             self.log.error("registration_rejected", error=str(exc))
             return False
+        try:
+            credential.save(self.config.work_dir, resp.node_token)
+        except OSError as exc:  # a restart then needs a join token again; this run goes on
+            self.log.error("node_credential_not_saved", error=str(exc))
         self.node_id = resp.node_id
         self.epoch = resp.agent_epoch
         self._heartbeat_interval_s = resp.heartbeat_interval_s
@@ -552,6 +570,7 @@ class Agent:
                 with self._runs_lock:
                     self._runs.pop(run.attempt_id, None)
                 self.reports.unregister(run.attempt_id)
+                self._refused_reports.pop(run.attempt_id, None)
                 self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
         return self.config.poll_interval_s
 
@@ -572,6 +591,7 @@ class Agent:
         run.log.warning("attempt_stale", error=str(exc))
         run.stale = True
         self.reports.unregister(run.attempt_id)
+        self._refused_reports.pop(run.attempt_id, None)
         dropped = self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, f"stale attempt: {exc}")
         if dropped:
             run.log.warning("outbox_dropped_stale", items=dropped)
@@ -586,7 +606,7 @@ class Agent:
         if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
             return  # the relay delivers the attempt's last shards and events first
         due = report != run.last_report or now - run.last_sent_at >= self.config.status_interval_s
-        if not due or now < run.next_try_at:
+        if not due or now < run.next_try_at or self._refused_reports.get(run.attempt_id) == report:
             return
         try:
             ack = self.client.report_status(run.attempt_id, report)
@@ -603,8 +623,11 @@ class Agent:
                 run.log.error("final_status_rejected", error=str(exc))
                 run.mark_final_acked()
                 return
-            run.log.warning("status_report_failed", error=str(exc))
-            run.next_try_at = now + min(self.config.status_interval_s, 2.0)
+            # Refused for what it says (a 4xx other than fencing): the same report would be refused
+            # forever. Dropped, said once in the log; the next report that differs goes out.
+            run.log.error("status_report_dropped", error=str(exc))
+            self._refused_reports[run.attempt_id] = report
+            run.last_report, run.last_sent_at = report, now
             return
         except ControlPlaneUnavailable as exc:
             run.log.warning("status_report_failed", error=str(exc))
@@ -667,6 +690,29 @@ class Agent:
 
     def _need_register_set(self) -> None:
         self._need_register.set()
+
+    # --- storage grants (local API thread) ---
+
+    def _storage_grants(self, attempt_id: str, body: LocalStorageRequest) -> tuple[HTTPStatus, dict[str, Any]]:
+        """Forward a worker's request for presigned checkpoint URLs (trainyard/protocol/grants.py)
+        with this node's credential and the attempt's node rank; the control plane's answer."""
+        run = self.run(attempt_id)
+        if run is None or run.stale:
+            return HTTPStatus.CONFLICT, {"detail": f"attempt {attempt_id} is not running here"}
+        request = StorageRequest(**body.model_dump(), node_rank=run.spec.node_rank)
+        try:
+            grants = self.client.storage_grants(attempt_id, request)
+        except StaleAttempt as exc:
+            return HTTPStatus.CONFLICT, {"detail": str(exc), "type": exc.problem_type}
+        except RequestRejected as exc:  # 403, 404, 422: the worker's to know; a garbled answer: 502
+            status = exc.status if exc.status is not None and 400 <= exc.status < 500 else HTTPStatus.BAD_GATEWAY
+            return HTTPStatus(status), {"detail": str(exc), "type": exc.problem_type}
+        except Unauthorized:
+            self._need_register.set()
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "the agent is registering again; retry"}
+        except ControlPlaneUnavailable as exc:
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": f"the control plane is unreachable: {exc}"}
+        return HTTPStatus.OK, grants.model_dump(mode="json")
 
 
 def run_agent(config: AgentConfig) -> None:

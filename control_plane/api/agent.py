@@ -9,9 +9,9 @@ import uuid
 from fastapi import APIRouter
 
 from control_plane.api.deps import (
-    Credentials,
-    JoinDep,
     NodeIdentity,
+    NodeToken,
+    RegisterCredential,
     RuntimeDep,
     SessionDep,
     SettingsDep,
@@ -19,7 +19,7 @@ from control_plane.api.deps import (
 )
 from control_plane.api.jobs import ERRORS
 from control_plane.errors import Unauthorized
-from control_plane.services import agent_protocol, logs, nodes
+from control_plane.services import agent_protocol, logs, nodes, storage_grants
 from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
@@ -37,14 +37,18 @@ from trainyard.protocol.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
+from trainyard.protocol.grants import StorageGrants, StorageRequest
 
 router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=TransactionRoute)
 
 
 @router.post("/register", response_model=RegisterResponse, responses=ERRORS)
-def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, _: JoinDep,
+def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, credential: RegisterCredential,
              runtime: RuntimeDep) -> RegisterResponse:
-    node, token, interval = agent_protocol.register(session, body, runtime, settings)
+    """With a join token (a new node, or the node a join token is bound to), or with the node's own
+    current credential (an agent registering again). A registered node's name is never taken
+    with an unbound join token (409 node-name-taken)."""
+    node, token, interval = agent_protocol.register(session, body, credential, runtime, settings)
     return RegisterResponse(node_id=str(node.id), node_token=token,
                             heartbeat_interval_s=interval,
                             node_lost_timeout_s=settings.lost_timeout_for(interval),
@@ -61,10 +65,9 @@ def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, s
 
 
 @router.post("/wait", response_model=WaitResponse, responses=ERRORS)
-async def wait(body: WaitRequest, creds: Credentials, settings: SettingsDep, runtime: RuntimeDep) -> WaitResponse:
+async def wait(body: WaitRequest, token: NodeToken, settings: SettingsDep, runtime: RuntimeDep) -> WaitResponse:
     """Long poll (trainyard/protocol/agent.py): holds no thread and no database connection while it
     waits."""
-    token = creds.credentials if creds is not None else ""
     node_id = nodes.node_id_of(token)
     if node_id is None:
         raise Unauthorized("missing or malformed node credential: send 'Authorization: Bearer <node token>'")
@@ -100,3 +103,11 @@ def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity,
 def attempt_events(attempt_id: uuid.UUID, body: WorkerEventBatch, node: NodeIdentity,
                    session: SessionDep) -> WorkerEventAck:
     return WorkerEventAck(accepted=agent_protocol.report_events(session, node, attempt_id, body))
+
+
+@router.post("/attempts/{attempt_id}/storage", response_model=StorageGrants, responses=ERRORS)
+def attempt_storage(attempt_id: uuid.UUID, body: StorageRequest, node: NodeIdentity, session: SessionDep,
+                    settings: SettingsDep, runtime: RuntimeDep) -> StorageGrants:
+    """Presigned URLs for the checkpoint objects a worker of the attempt may read or write
+    (trainyard/protocol/grants.py); workers hold no storage credential."""
+    return storage_grants.grant(session, node, attempt_id, body, runtime.object_store, settings)

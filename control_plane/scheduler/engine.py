@@ -35,6 +35,18 @@ from control_plane.scheduler.model import (
 )
 
 
+def rank_order(nodes: Sequence[NodeState]) -> list[NodeState]:
+    """The node ranks of a gang: the nodes of one topology domain adjacent (the largest domain
+    first, nodes without a label last), by name inside a domain. torchrun numbers ranks node by
+    node in this order (node_agent/launcher.py), so a ring all-reduce crosses between domains as
+    few times as possible and a layout's inner mesh dimension never leaves a node. (Which nodes a
+    gang gets never depends on names; only the numbering of the chosen ones does.)"""
+    sizes: dict[str | None, int] = {}
+    for n in nodes:
+        sizes[n.label] = sizes.get(n.label, 0) + 1
+    return sorted(nodes, key=lambda n: (n.label is None, -sizes[n.label], n.label or "", n.name))
+
+
 class Pass:
     def __init__(
         self,
@@ -452,7 +464,7 @@ class Pass:
         g = j.gpus_per_node
         backfill = from_reserve = False
         parts = []
-        for n in sorted(chosen, key=lambda n: n.name):
+        for n in rank_order(chosen):
             taken = tuple(n.free[:g])
             del n.free[:g]
             if not n.strict and any(r.job is not j and jend < INF and jend <= r.start for r in n.holds):

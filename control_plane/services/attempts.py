@@ -9,9 +9,10 @@ duplicated or late report never moves a state backwards. See docs/architecture.m
 
 from __future__ import annotations
 
+import math
 import secrets
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -21,10 +22,11 @@ from sqlalchemy.orm import Session
 from control_plane import wakeups
 from control_plane.clock import now
 from control_plane.db import reload, rowcount
+from control_plane.errors import Forbidden
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
 from control_plane.services import events
 from control_plane.services.checkpoints import restore_plan
-from control_plane.services.fencing import authorize_report, lock_attempt
+from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
 from control_plane.services.states import (
     ATTEMPT_LIVE,
     JOB_ACTIVE,
@@ -310,6 +312,13 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
         )
 
 
+def progress_metrics(metrics: Mapping[str, float]) -> dict[str, float] | None:
+    """What is stored of a report's metrics: the wire contract bounds them (at most MAX_METRICS
+    finite values under short names, trainyard/protocol/limits.py); JSONB holds no NaN or
+    infinity, so a non-finite value that got past it is dropped rather than failing the report."""
+    return {name: float(value) for name, value in sorted(metrics.items()) if math.isfinite(value)} or None
+
+
 def apply_status(
     session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport
 ) -> tuple[Attempt, AttemptNode]:
@@ -329,10 +338,16 @@ def apply_status(
         job.progress_step = report.progress.step
         job.progress_loss = report.progress.loss
         job.progress_at = report.progress.at
+        attempt.progress_metrics = progress_metrics(report.progress.metrics)
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
-    # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank.
+    # Global rank 0 reports the result. The agent pins torchrun's node order (node_agent/launcher.py)
+    # so it runs on node rank 0, but another launcher may put it elsewhere: the part that holds
+    # worker rank 0 (as reported, checked by _merge_workers) is the one.
     if report.result is not None and job.result is None:
+        if not _holds_rank_zero(session, part):
+            raise Forbidden(f"node rank {part.node_rank} does not run global rank 0: only that node reports the "
+                            "job's result")
         job.result = report.result
     session.flush()
     if attempt.outcome is None:
@@ -340,7 +355,18 @@ def apply_status(
     return attempt, part
 
 
+def _holds_rank_zero(session: Session, part: AttemptNode) -> bool:
+    return session.scalar(select(Worker.attempt_node_id).where(Worker.attempt_id == part.attempt_id,
+                                                                Worker.rank == 0)) == part.id
+
+
 def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report: AttemptStatusReport) -> None:
+    """Merge the node's workers, which must be its own: one node's block of ranks, none of them
+    another node's (fencing.check_own_ranks)."""
+    if report.workers:
+        check_worker_block([(w.rank, w.local_rank) for w in report.workers], world=attempt.num_gpus,
+                           per_node=max(1, len(part.gpu_indices)))
+        check_own_ranks(session, part, {w.rank for w in report.workers})
     existing = {
         w.rank: w for w in session.scalars(select(Worker).where(Worker.attempt_node_id == part.id))
     }

@@ -5,8 +5,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import and_, func, select
+import structlog
+from pydantic import ValidationError
+from sqlalchemy import and_, func, select, tuple_
 from sqlalchemy.orm import Session, selectinload
 
 from control_plane.models import (
@@ -25,19 +28,27 @@ from control_plane.schemas.jobs import (
     AllocationEntry,
     AttemptNodeOut,
     AttemptOut,
+    AttemptPage,
     AttemptRef,
     CheckpointOut,
+    CheckpointPage,
     EventOut,
     JobOut,
     Progress,
     RecoveryOut,
+    SplitOut,
+    StepSplitOut,
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
+from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
-from control_plane.services import reservations, tenants
+from control_plane.services import pages, reservations, tenants
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
+from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
+
+log = structlog.get_logger("trainyard.views")
 
 
 def _s(value: uuid.UUID | None) -> str | None:
@@ -76,6 +87,8 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 for p in attempt.nodes
                 if p.released_at is None
             ]
+        plan = _stored_plan(job)
+        metrics = (attempt.progress_metrics if attempt is not None else None) or {}
         out.append(
             JobOut(
                 id=str(job.id),
@@ -94,7 +107,12 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 time_limit_s=job.time_limit_s,
                 gpu_kind=_kinds_out(job.gpu_kinds),
                 allocated_gpu_kind=attempt.gpu_kind if attempt is not None else None,
-                progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at),
+                model=job.model,
+                layout=Layout.model_validate(job.layout) if job.layout else None,
+                plan=plan,
+                progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at,
+                                  metrics=metrics),
+                split=step_split(plan, metrics),
                 result=job.result,
                 end_reason=job.end_reason,
                 current_attempt=AttemptRef(id=str(attempt.id), number=attempt.number, state=attempt.state,
@@ -110,6 +128,33 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             )
         )
     return out
+
+
+def step_split(plan: JobPlanOut | None, metrics: dict[str, float]) -> SplitOut:
+    """The plan's row for the job's count beside the measured metrics (METRIC_* names)."""
+    row = plan.row if plan is not None else None
+    predicted = measured = None
+    if row is not None and row.step_s and row.compute_s is not None and row.exposed_comm_s is not None:
+        predicted = StepSplitOut(step_s=row.step_s, compute_s=row.compute_s, comm_s=row.exposed_comm_s,
+                                 comm_share=row.exposed_comm_s / row.step_s)
+    step, comm = metrics.get(METRIC_STEP_S), metrics.get(METRIC_COMM_S)
+    if step and step > 0 and comm is not None:
+        measured = StepSplitOut(step_s=step, compute_s=metrics.get(METRIC_COMPUTE_S, step - comm), comm_s=comm,
+                                comm_share=comm / step)
+    ratio = measured.step_s / predicted.step_s if measured and predicted else None
+    return SplitOut(predicted=predicted, measured=measured, step_ratio=ratio)
+
+
+def _stored_plan(job: Job) -> JobPlanOut | None:
+    """The plan stored at submit. One stored by another version that no longer reads is left out
+    (the job runs regardless), never a 500."""
+    if not job.plan:
+        return None
+    try:
+        return JobPlanOut.model_validate(job.plan)
+    except ValidationError:
+        log.warning("stored plan does not read; left out of the job view", job_id=str(job.id))
+        return None
 
 
 @dataclass(frozen=True)
@@ -213,8 +258,28 @@ def _queue_reasons(job: Job, caps: list[_NodeCap]) -> list[str]:
     return []
 
 
+def attempts_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None) -> AttemptPage:
+    """The job's attempts, oldest first, ``limit`` at a time (keyset on the attempt number)."""
+    after = pages.decode(cursor, int)[0] if cursor else 0
+    # The attempt before the page too: the first one's recovery is measured from it.
+    rows = list(session.scalars(
+        select(Attempt).where(Attempt.job_id == job_id, Attempt.number >= max(after, 1))
+        .order_by(Attempt.number).limit(limit + 2)
+        .options(
+            selectinload(Attempt.nodes).selectinload(AttemptNode.node),
+            selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
+        )
+    ))
+    before = rows[0] if rows and rows[0].number == after else None
+    page = rows[1:] if before is not None else rows
+    more = len(page) > limit
+    items = _attempts_out(session, page[:limit], before)
+    return AttemptPage(items=items, next_cursor=pages.encode(page[limit - 1].number) if more else None)
+
+
 def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
-    attempts = session.scalars(
+    """Every attempt of the job, oldest first."""
+    attempts = list(session.scalars(
         select(Attempt)
         .where(Attempt.job_id == job_id)
         .order_by(Attempt.number)
@@ -222,11 +287,16 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
             selectinload(Attempt.nodes).selectinload(AttemptNode.node),
             selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
         )
-    ).all()
+    ))
+    return _attempts_out(session, attempts, None)
+
+
+def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | None) -> list[AttemptOut]:
     names = dict(session.execute(
         select(Node.id, Node.name).where(Node.id.in_({a.failed_node_id for a in attempts if a.failed_node_id}))
     ).all()) if any(a.failed_node_id for a in attempts) else {}
-    previous: dict[uuid.UUID, Attempt] = {b.id: a for a, b in zip(attempts, attempts[1:], strict=False)}
+    chain = [before, *attempts] if before is not None else attempts
+    previous: dict[uuid.UUID, Attempt] = {b.id: a for a, b in zip(chain, chain[1:], strict=False)}
     return [
         AttemptOut(
             id=str(a.id),
@@ -238,6 +308,7 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
             rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
             restored_from_step=a.restored_from_step,
             progress_step=a.progress_step,
+            progress_metrics=a.progress_metrics or {},
             recovery=_recovery(previous.get(a.id), a),
             created_at=a.created_at,
             started_at=a.started_at,
@@ -336,7 +407,24 @@ def event_out(e: Event) -> EventOut:
                     node_id=_s(e.node_id), data=dict(e.data or {}), created_at=e.created_at)
 
 
+def checkpoints_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None) -> CheckpointPage:
+    """The job's checkpoints, newest first (step, then creation), ``limit`` at a time."""
+    where: list[Any] = [Checkpoint.job_id == job_id]
+    if cursor:
+        step, created, cid = pages.decode(cursor, int, datetime, uuid.UUID)
+        where.append(tuple_(Checkpoint.step, Checkpoint.created_at, Checkpoint.id) < tuple_(step, created, cid))
+    items = _checkpoints_out(session, where, limit + 1)
+    more = len(items) > limit
+    last = items[limit - 1] if more else None
+    return CheckpointPage(items=items[:limit], next_cursor=pages.encode(
+        last.step, last.created_at.isoformat(), last.id) if last is not None else None)
+
+
 def checkpoints_out(session: Session, job_id: uuid.UUID) -> list[CheckpointOut]:
+    return _checkpoints_out(session, [Checkpoint.job_id == job_id], None)
+
+
+def _checkpoints_out(session: Session, where: list[Any], limit: int | None) -> list[CheckpointOut]:
     shard_counts = (
         select(CheckpointShard.checkpoint_id, func.count().label("n"))
         .group_by(CheckpointShard.checkpoint_id)
@@ -346,8 +434,9 @@ def checkpoints_out(session: Session, job_id: uuid.UUID) -> list[CheckpointOut]:
         select(Checkpoint, Attempt.number, shard_counts.c.n)
         .join(Attempt, Attempt.id == Checkpoint.attempt_id)
         .outerjoin(shard_counts, shard_counts.c.checkpoint_id == Checkpoint.id)
-        .where(Checkpoint.job_id == job_id)
-        .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc())
+        .where(*where)
+        .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc(), Checkpoint.id.desc())
+        .limit(limit)
     ).all()
     return [
         CheckpointOut(id=str(c.id), step=c.step, attempt_id=str(c.attempt_id), attempt_number=number,

@@ -45,7 +45,7 @@ def test_full_run_to_success(client, schedule, two_nodes):
     a.heartbeat([])
     b.heartbeat([])
     assert _job(client, job["id"])["allocation"] == []
-    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempts[0]["state"] == "ended" and attempts[0]["outcome"] == "succeeded"
     assert sorted(w["rank"] for n in attempts[0]["nodes"] for w in n["workers"]) == [0, 1, 2, 3]
 
@@ -108,9 +108,31 @@ def test_duplicate_and_reordered_reports_never_move_backwards(client, schedule, 
     a.status(sa, "launching", workers=workers_for(sa, "starting"), progress=p(10))  # old, delivered late
     view = _job(client, job["id"])
     assert view["progress"]["step"] == 20
-    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     part = next(n for n in attempts[0]["nodes"] if n["node_rank"] == sa["node_rank"])
     assert part["state"] == "running" and {w["state"] for w in part["workers"]} == {"running"}
+
+
+def test_progress_metrics_are_kept_per_attempt_and_shown_in_the_job_view(client, schedule, two_nodes):
+    a, b = two_nodes
+    job, (sa, sb) = _start(client, schedule, two_nodes)
+    split = {"step_s": 0.5, "compute_s": 0.4, "comm_s": 0.1, "comm_bytes": 2.5e6, "lr": 3e-4}
+
+    def progress(step: int, metrics: dict[str, float]) -> dict:
+        return {"step": step, "loss": 2.0, "at": "2026-12-02T10:00:00Z", "metrics": metrics}
+
+    a.status(sa, "running", workers=workers_for(sa, "running"), progress=progress(10, split))
+    newer = {**split, "comm_s": 0.2, "step_s": 0.6}
+    assert a.status(sa, "running", workers=workers_for(sa, "running"), progress=progress(20, newer)).status_code == 200
+    a.status(sa, "running", workers=workers_for(sa, "running"), progress=progress(5, {"comm_s": 9.0}))  # late
+    view = _job(client, job["id"])
+    assert view["progress"]["step"] == 20
+    assert view["progress"]["metrics"] == newer
+    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["progress_metrics"] == view["progress"]["metrics"]
+    # The measured split; without a model there is no predicted one.
+    assert view["split"] == {"predicted": None, "step_ratio": None, "measured": {
+        "step_s": 0.6, "compute_s": 0.4, "comm_s": 0.2, "comm_share": pytest.approx(1 / 3)}}
 
 
 def test_delayed_heartbeat_is_ignored(client, schedule, two_nodes):
@@ -178,7 +200,7 @@ def test_old_exit_after_a_newer_attempt_started_moves_nothing_backwards(client, 
     after = _job(client, job["id"])
     assert after["state"] == "running" and after["result"] is None and after["failures"] == 1
     assert after["current_attempt"] == before["current_attempt"]
-    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert [(x["number"], x["outcome"], x["restored_from_step"]) for x in attempts] == [(1, "failed", None),
                                                                                         (2, None, None)]
     assert all(n["released_at"] is None for n in attempts[1]["nodes"])  # attempt 2 keeps its GPUs
@@ -194,5 +216,5 @@ def test_duplicated_worker_events_are_recorded_once(client, schedule, two_nodes)
                            json=body).status_code == 200
     events = client.get(f"/v1/jobs/{sa['job_id']}/events", headers=ADMIN).json()["items"]
     assert [e["kind"] for e in events].count("checkpoint.restored") == 1
-    attempt = client.get(f"/v1/jobs/{sa['job_id']}/attempts", headers=ADMIN).json()[0]
+    attempt = client.get(f"/v1/jobs/{sa['job_id']}/attempts", headers=ADMIN).json()["items"][0]
     assert attempt["restored_from_step"] == 40

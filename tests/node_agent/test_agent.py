@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
-from node_agent import processes
+from node_agent import credential, processes
 from node_agent.agent import Agent, AgentConfig
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import free_port, make_spec, wait_for, write_script
@@ -74,7 +74,8 @@ def write(name, value):
 if mode == "stale":
     write(".wait", post("/shards?wait=1", shard(10)))
     time.sleep(120)
-env = {k: v for k, v in os.environ.items() if k.startswith(("TRAINYARD_S3_", "TRAINYARD_CHECKPOINT_PREFIX"))}
+env = {k: v for k, v in os.environ.items()
+       if k.startswith(("TRAINYARD_S3_", "TRAINYARD_CHECKPOINT_PREFIX", "TRAINYARD_STORAGE_"))}
 posts = [post("/events", event("checkpoint.restored")), post("/shards", shard(10)),
          post("/events", event("train.note")), post("/shards", shard(20))]
 write(".first", {"env": env, "posts": [code for code, _ in posts], "wait": post("/shards?wait=1", shard(30))})
@@ -192,6 +193,24 @@ def test_registers_late_control_plane_and_reregisters_after_401(agents: Agents) 
         late.stop()
 
 
+def test_a_restarted_agent_registers_with_its_kept_credential(agents: Agents, plane: FakeControlPlane) -> None:
+    """Issue 11, finding 2: the join token is for the first registration only (it expires or is
+    single-use); the agent keeps its node credential in its work dir, 0600, and uses it after."""
+    first = agents.start()
+    wait_for(lambda: first.registered.is_set(), what="registration")
+    kept = agents.tmp_path / "agent" / credential.CREDENTIAL_FILE
+    assert kept.stat().st_mode & 0o777 == 0o600
+    assert kept.read_text().strip() in plane.tokens and plane.registered_with == ["join"]
+    first.stop(timeout=5)
+    second = agents.start(join_token="")  # no join token any more
+    wait_for(lambda: second.registered.is_set(), what="registration with the credential")
+    assert plane.registered_with == ["join", "credential"]
+    assert kept.read_text().strip() in plane.tokens  # the new credential, kept again
+    second.stop(timeout=5)
+    with pytest.raises(ValueError, match="no join token"):
+        agents.config(join_token="", work_dir=agents.tmp_path / "fresh")
+
+
 def test_runs_an_assigned_attempt_and_reports_it(agents: Agents, plane: FakeControlPlane) -> None:
     agents.start()
     spec = agents.spec("report.py", REPORTER)
@@ -261,8 +280,10 @@ def test_stale_attempt_is_stopped_and_no_longer_reported(agents: Agents, plane: 
     assert plane.last_status(spec.attempt_id).state == NodeAttemptState.running  # type: ignore[union-attr]
 
 
+# What an old control plane sent: the root keys. Workers get presigned URLs instead (issue 11,
+# finding 3): whatever the spec says, no credential reaches a worker or the agent's state.
 STORAGE = {"endpoint": "127.0.0.1:9000", "bucket": "ckpts", "access_key": "AK", "secret_key": "s3cr3t-value",
-           "secure": True, "region": "us-east-1", "prefix": "jobs/job-1/checkpoints"}
+           "secure": True, "region": "us-east-1", "prefix": "jobs/job-1/checkpoints", "access": "presigned"}
 
 
 def read_json(path: Path) -> Any:
@@ -280,9 +301,7 @@ def test_shards_and_events_are_relayed_in_order_across_an_outage(agents: Agents,
     code, ack = first["wait"]  # the ShardAck of the batch holding step 30 (step 20 may be in it too)
     assert code == 200 and 30 in ack["committed_steps"] and ack["accepted"] >= 1
     assert first["env"] == {
-        "TRAINYARD_S3_ENDPOINT": "127.0.0.1:9000", "TRAINYARD_S3_BUCKET": "ckpts", "TRAINYARD_S3_ACCESS_KEY": "AK",
-        "TRAINYARD_S3_SECRET_KEY": "s3cr3t-value", "TRAINYARD_S3_SECURE": "1", "TRAINYARD_S3_REGION": "us-east-1",
-        "TRAINYARD_CHECKPOINT_PREFIX": "jobs/job-1/checkpoints",
+        "TRAINYARD_STORAGE_ACCESS": "presigned", "TRAINYARD_CHECKPOINT_PREFIX": "jobs/job-1/checkpoints",
     }
     state = (agents.tmp_path / "agent" / "attempts" / spec.attempt_id / "state.json").read_text()
     assert "s3cr3t-value" not in state
@@ -365,7 +384,9 @@ def test_restarted_agent_adopts_and_outage_keeps_workers(agents: Agents, plane: 
 
 
 def test_cli_runs_until_sigterm_and_stops_its_workers(agents: Agents, plane: FakeControlPlane, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "node_agent", "--control-plane", plane.url, "--join-token", plane.join_token]
+    token_file = tmp_path / "join-token"
+    token_file.write_text(plane.join_token + "\n")
+    cmd = [sys.executable, "-m", "node_agent", "--control-plane", plane.url, "--join-token-file", str(token_file)]
     cmd += ["--name", "cli-node", "--address", "127.0.0.3", "--virtual-gpus", "1", "--label", "rack=r9"]
     cmd += ["--work-dir", str(tmp_path / "cli-agent"), "--stop-grace", "1"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL)
