@@ -20,6 +20,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     MetaData,
@@ -403,6 +404,7 @@ class Reservation(Base):
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    seq: Mapped[int] = mapped_column(BigInteger, Identity(), doc="Order made: a pass makes many at one created_at.")
     kind: Mapped[str] = mapped_column(String(16), doc="job | recovery-reserve")
     job_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     gpu_kind: Mapped[str | None] = mapped_column(String(128))
