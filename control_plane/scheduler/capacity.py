@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter
 
 from control_plane.scheduler.model import INF, JobDemand, NodeCapacity
@@ -131,6 +131,9 @@ class NodeState:
 
 
 _rank = attrgetter("rank")
+CLAIM_UNIT = 2520
+"""Claims count GPUs in 1/2520ths (divisible by 1..10): a job naming n kinds claims 1/n on each,
+in integers, so the sums do not depend on the order jobs are counted in."""
 
 
 def useful(free: int, share: int) -> int:
@@ -158,6 +161,9 @@ class KindPool:
         """GPUs of waiting jobs that may run on this kind, each job's split evenly over its kinds."""
         self.held = 0
         """Reservations of queued (not recovering) jobs on this kind: capped by max_reservations."""
+        self.claims: dict[int, int] = {}
+        """GPUs-per-node share -> GPUs (in CLAIM_UNITs) that waiting jobs naming this kind among
+        theirs want here, each split over the kinds it names; less what this pass placed."""
         # cost[g][b]: capacity the waiting shapes lose when a g-GPU share is taken on a node with b
         # GPUs free; order[g]: the buckets in the order a g-GPU share tries them.
         self.cost: list[list[float]] = [[0.0] * (self.maxcap + 1) for _ in range(self.maxcap + 1)]
@@ -209,6 +215,17 @@ class KindPool:
             return INF
         return float(math.floor(math.log2(self.free / self.need)))
 
+    def conflict(self, chosen: Sequence[NodeState], g: int) -> int:
+        """The capacity a g-GPU share on each of ``chosen`` takes from jobs that named this kind
+        (their claims, at most): a job that could run elsewhere does not take a kind's GPUs from
+        the jobs that wait for that kind."""
+        lost = 0
+        for share, claimed in self.claims.items():
+            if claimed > 0:
+                usable = sum(useful(len(n.free), share) - useful(len(n.free) - g, share) for n in chosen)
+                lost += min(claimed, usable * CLAIM_UNIT)
+        return lost
+
     def score(self, chosen: Sequence[NodeState], g: int) -> float:
         """The capacity a g-GPU share on each of ``chosen`` takes from the waiting shapes."""
         row = self.cost[g]
@@ -232,7 +249,7 @@ def rank_nodes(nodes: list[NodeState], tags: Mapping[str, tuple[object, ...]]) -
         n.rank = i
 
 
-def rank_pools(pools: list[KindPool], tags: Mapping[str, tuple[object, ...]]) -> list[KindPool]:
+def rank_pools(pools: list[KindPool], tags: Callable[[str], tuple[object, ...]]) -> list[KindPool]:
     """Pools in canonical order (most free GPUs first; ``tags``: the jobs that name each kind);
     the kind's name only orders kinds identical in everything else. Nodes must be ranked first."""
     def brief(p: KindPool) -> tuple[object, ...]:
@@ -241,7 +258,7 @@ def rank_pools(pools: list[KindPool], tags: Mapping[str, tuple[object, ...]]) ->
     def full(p: KindPool) -> tuple[object, ...]:
         shape = tuple((-_latest_end(n), n.total, tuple(n.free), tuple(sorted(n.rel)), n.label or "")
                       for n in sorted(p.nodes, key=_rank))
-        return (*brief(p), shape, tags.get(p.kind, ()), p.kind)
+        return (*brief(p), shape, tags(p.kind), p.kind)
 
     # The full key reads every node: only kinds alike in their totals need it.
     briefs = [brief(p) for p in pools]

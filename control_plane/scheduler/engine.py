@@ -11,10 +11,18 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 
-from control_plane.scheduler.capacity import Hold, KindPool, NodeState, hold_need, rank_nodes, rank_pools
+from control_plane.scheduler.capacity import (
+    CLAIM_UNIT,
+    Hold,
+    KindPool,
+    NodeState,
+    hold_need,
+    rank_nodes,
+    rank_pools,
+)
 from control_plane.scheduler.model import (
     DEFAULT_TENANT,
     INF,
@@ -70,7 +78,7 @@ class Pass:
         for cap in nodes:
             by_kind.setdefault(cap.gpu_kind, []).append(NodeState(cap, options.topology_label))
         self.by_id = {n.id: n for ns in by_kind.values() for n in ns}
-        node_tags, kind_tags = self._tags(jobs, by_kind)
+        node_tags, kind_tags = self._tags(jobs)
         rank_nodes(list(self.by_id.values()), node_tags)
         pools = [KindPool(k, sorted(ns, key=lambda n: n.rank)) for k, ns in by_kind.items()]
         self.ranked = rank_pools(pools, kind_tags)
@@ -87,6 +95,8 @@ class Pass:
         self.res_version = 0  # bumped by every new reservation: part of a failed shape's key
         self.never: dict[tuple[frozenset[str] | None, int, int], bool] = {}
         self.kinds_of: dict[frozenset[str] | None, list[KindPool]] = {}  # pools a kind list names
+        self.room_of: dict[frozenset[str] | None, tuple[int, bool]] = {}  # kind list -> (holds version, room)
+        self.eligible_of: dict[tuple[int, int, frozenset[str] | None], list[KindPool]] = {}
         # Healthy nodes of recovering jobs: held for them, so never in another hold.
         # In service order: recovering jobs go by priority and submit time (they held a place).
         self.recovering = sorted((j for j in jobs if j.recovering),
@@ -103,40 +113,54 @@ class Pass:
         self._weigh(jobs)
         self.decision = Decision()
 
-    def _tags(self, jobs: list[JobDemand], by_kind: Mapping[str, list[NodeState]]
-              ) -> tuple[dict[str, tuple[object, ...]], dict[str, tuple[object, ...]]]:
+    def _tags(self, jobs: list[JobDemand]
+              ) -> tuple[dict[str, tuple[object, ...]], Callable[[str], tuple[object, ...]]]:
         """What besides capacity sets a node or a kind apart, for the canonical ranks: the jobs
         that prefer, avoid or held (last pass) a node; the jobs that name a kind, and its recovery
         reserve."""
         marks: dict[str, list[tuple[int, str]]] = {}
+        named: dict[str, list[str]] = {}
         for j in jobs:
-            for mark, ids in ((0, j.prefer_nodes), (1, j.avoid_nodes)):
-                for nid in ids:
-                    marks.setdefault(nid, []).append((mark, j.job_id))
+            if j.prefer_nodes or j.avoid_nodes:
+                for nid in j.prefer_nodes:
+                    marks.setdefault(nid, []).append((0, j.job_id))
+                for nid in j.avoid_nodes:
+                    marks.setdefault(nid, []).append((1, j.job_id))
+            if j.gpu_kinds:
+                for kind in j.gpu_kinds:
+                    named.setdefault(kind, []).append(j.job_id)
         for job_id, nids in self.previous.items():
             for i, nid in enumerate(nids):
                 marks.setdefault(nid, []).append((2 + i, job_id))
-        named: dict[str, list[str]] = {}
-        for j in jobs:
-            for kind in j.gpu_kinds or ():
-                named.setdefault(kind, []).append(j.job_id)
-        kinds: dict[str, tuple[object, ...]] = {
-            k: (self.opts.reserve_nodes(k), tuple(sorted(named.get(k, ())))) for k in by_kind}
-        return {nid: tuple(sorted(m)) for nid, m in marks.items()}, kinds
+        def kind_tags(kind: str) -> tuple[object, ...]:  # only read for kinds alike in all else
+            return (self.opts.reserve_nodes(kind), tuple(sorted(named.get(kind, ()))))
+
+        return {nid: tuple(sorted(m)) for nid, m in marks.items()}, kind_tags
 
     def _weigh(self, jobs: list[JobDemand]) -> None:
         """Each pool's share of the waiting demand (``KindPool.weigh``): every job's GPUs split
-        evenly over the kinds it may use and that could ever hold it."""
+        evenly over the kinds it may use and that could ever hold it; and the claims of the jobs
+        that name their kinds (``KindPool.claims``)."""
         need: dict[KindPool, list[float]] = {p: [] for p in self.ranked}
         by_share: dict[KindPool, dict[int, list[float]]] = {p: {} for p in self.ranked}
         for (g, k, kinds), count in Counter((j.gpus_per_node, j.num_nodes, j.gpu_kinds) for j in jobs).items():
-            eligible = [p for p in self._kind_pools(kinds) if p.fits_ever(g, k)]
+            eligible = self._eligible(g, k, kinds)
             for p in eligible:
                 share = count * g * k / len(eligible)
                 need[p].append(share)
                 by_share[p].setdefault(g, []).append(share)
+                if kinds is not None:
+                    p.claims[g] = p.claims.get(g, 0) + count * g * k * CLAIM_UNIT // len(eligible)
         for p in self.ranked:
             p.weigh(need[p], by_share[p], self.opts.placement == "scored")
+
+    def _eligible(self, g: int, k: int, kinds: frozenset[str] | None) -> list[KindPool]:
+        """The pools of these kinds that could ever hold a gang of k x g."""
+        key = (g, k, kinds)
+        got = self.eligible_of.get(key)
+        if got is None:
+            got = self.eligible_of[key] = [p for p in self._kind_pools(kinds) if p.fits_ever(g, k)]
+        return got
 
     # -- the pass -----------------------------------------------------------------------------------
 
@@ -252,7 +276,16 @@ class Pass:
         return pool.held < self.opts.max_reservations or (held is not None and held.pool is pool)
 
     def _may_reserve_more(self, j: JobDemand) -> bool:
-        return self.opts.mode == "fair" and any(self._room(p, j) for p in self._pools_for(j))
+        if self.opts.mode != "fair":
+            return False
+        if j.recovering or j.job_id in self.res_of:
+            return any(self._room(p, j) for p in self._pools_for(j))
+        # Asked for every blocked job of a deep queue: per kind list, until a reservation comes or goes.
+        got = self.room_of.get(j.gpu_kinds)
+        if got is None or got[0] != self.res_version + self.drops:
+            room = any(p.held < self.opts.max_reservations for p in self._pools_for(j))
+            got = self.room_of[j.gpu_kinds] = (self.res_version + self.drops, room)
+        return got[1]
 
     def _any_room(self) -> bool:
         return self.opts.mode == "fair" and any(p.held < self.opts.max_reservations for p in self.ranked)
@@ -338,13 +371,13 @@ class Pass:
         return own + holes, spare
 
     def try_place(self, j: JobDemand, jend: float) -> Placement | None:
-        pools = self._pools_for(j)
         plain = self._plain(j)
         if plain:
             # One look for a job that fits none of its kinds (most of a deep queue, most passes).
             shape = (j.gpu_kinds, j.gpus_per_node, j.num_nodes, self._backfills(jend), self.res_version)
             if shape in self.failed:
                 return None
+        pools = self._pools_for(j)
         if len(pools) > 1 and self.opts.placement == "scored":
             found = self._fit_scored(j, jend, pools)
         else:
@@ -357,26 +390,26 @@ class Pass:
 
     def _fit_scored(self, j: JobDemand, jend: float, pools: list[KindPool]
                     ) -> tuple[KindPool, list[NodeState]] | None:
-        """A job that may use several kinds goes to the kind with the most free capacity relative
-        to its demand (``KindPool.preference``); among kinds equally good, to the nodes that take
-        the least capacity from the waiting shapes (``KindPool.score``), then the first in rank."""
+        """A job that may use several kinds goes where it takes the least capacity that jobs naming
+        their kinds wait for (``KindPool.conflict``); then to the kind with the most free capacity
+        relative to its demand (``KindPool.preference``); then to the nodes that take the least
+        capacity from all waiting shapes (``KindPool.score``), then the first kind in rank."""
         g = j.gpus_per_node
         allowed = set(pools)
-        best: tuple[float, int, KindPool, list[NodeState]] | None = None
-        level = -INF
+        best: tuple[tuple[int, float, float, int], KindPool, list[NodeState]] | None = None
         for pool in self._by_preference():
             if pool not in allowed:
                 continue
-            if best is not None and pool.preference() < level:
-                break
+            level = -pool.preference()
+            if best is not None and best[0][0] == 0 and level > best[0][1]:
+                break  # no conflict already, and every kind left is less preferred
             chosen = self._fit(j, jend, pool)
             if chosen is None:
                 continue
-            level = pool.preference()
-            score = (pool.score(chosen, g), pool.rank)
-            if best is None or score < best[:2]:
-                best = (*score, pool, chosen)
-        return None if best is None else (best[2], best[3])
+            key = (pool.conflict(chosen, g), level, pool.score(chosen, g), pool.rank)
+            if best is None or key < best[0]:
+                best = (key, pool, chosen)
+        return None if best is None else (best[1], best[2])
 
     def _plain(self, j: JobDemand) -> bool:
         """Whether ``j`` is placed like any other job of its shape (no history, no reservation)."""
@@ -474,6 +507,10 @@ class Pass:
             pool.reindex(n)
             parts.append((n.id, taken))
         pool.free -= j.num_gpus
+        if j.gpu_kinds is not None:  # what it claimed on each of its kinds is served
+            eligible = self._eligible(g, j.num_nodes, j.gpu_kinds)
+            for p in eligible:
+                p.claims[g] = p.claims.get(g, 0) - j.num_gpus * CLAIM_UNIT // len(eligible)
         self.preferred = None
         self.free_total -= j.num_gpus
         self.usage[j.tenant] = self.usage.get(j.tenant, 0) + j.num_gpus
