@@ -10,10 +10,13 @@
   a steady stream, sized so that the offered load over the arrival window is 1.15 (each job's
   GPU-seconds counted up to the end of the window).
 
-``KindLedger`` follows, from the placements the real passes return, every node's free GPUs and
-which GPUs are held by flexible jobs that could have run on another kind when they started; each
-pass it counts the job-seconds that a job constrained to some kinds waits while (a) GPUs of one of
-its kinds sit idle where it fits, or (b) it would fit there but for such flexible jobs.
+``KindLedger`` follows, from the placements the real passes return, every node's free GPUs, the
+nodes active reservations hold, and which GPUs are held by flexible jobs (any kind, or several)
+that could have run on another kind they accept when they started (after their pass, that kind's
+nodes no reservation holds could still hold them). Each pass it counts the job-seconds that a job
+constrained to some kinds waits while (a) idle GPUs of one of its kinds, on nodes no reservation
+holds, could hold it; (b) they could, counting the idle GPUs of reserved nodes too (the
+reservations' cost); (c) they could, counting the GPUs of such movable flexible jobs too.
 """
 
 from __future__ import annotations
@@ -151,6 +154,8 @@ class _Node:
     free: int
     movable: int = 0
     """GPUs held by flexible jobs that could have run on another kind when they started."""
+    reserved: bool = False
+    """An active reservation holds it."""
 
 
 @dataclass
@@ -160,21 +165,31 @@ class KindLedger:
     nodes: dict[str, _Node] = field(default_factory=dict)
     held: dict[int, tuple[list[tuple[str, int]], bool]] = field(default_factory=dict)
     idle_job_s: float = 0.0
-    """Job-seconds a constrained job waited while it fit on idle GPUs of a kind it accepts."""
+    """Job-seconds a constrained job waited while unreserved idle GPUs of a kind it accepts fit it."""
+    reserved_job_s: float = 0.0
+    """... while it would have fit on idle GPUs only counting those of reserved nodes."""
     movable_job_s: float = 0.0
-    """... while it would have fit but for flexible jobs that could have run elsewhere."""
+    """... while it would have fit only counting the GPUs of movable flexible jobs."""
     by_kind: dict[str, list[_Node]] = field(default_factory=dict)
 
     def add_node(self, node_id: str, kind: str, total: int) -> None:
         self.nodes[node_id] = _Node(kind, total, total)
         self.by_kind.setdefault(kind, []).append(self.nodes[node_id])
 
-    def _fits(self, kind: str, k: int, g: int, extra: bool = False) -> bool:
-        return sum(1 for n in self.by_kind.get(kind, ()) if n.free + (n.movable if extra else 0) >= g) >= k
+    def reserved(self, node_ids: Iterable[str]) -> None:
+        """The nodes that active reservations hold after a pass."""
+        held = set(node_ids)
+        for node_id, n in self.nodes.items():
+            n.reserved = node_id in held
+
+    def _fits(self, kind: str, k: int, g: int, *, reserved: bool = False, movable: bool = False) -> bool:
+        return sum(1 for n in self.by_kind.get(kind, ())
+                   if (reserved or not n.reserved or movable) and n.free + (n.movable if movable else 0) >= g) >= k
 
     def placed(self, placements: list[tuple[int, MixedJob, str, list[tuple[str, int]]]]) -> None:
         """A pass's placements: (job index, job, kind, [(node id, GPUs)]). A flexible job is movable
-        if, once the whole pass is placed, another kind it accepts could still hold it."""
+        if, once the whole pass is placed, another kind it accepts could still hold it on nodes no
+        reservation holds (call ``reserved`` first)."""
         for _, _, _, parts in placements:
             for node_id, n in parts:
                 self.nodes[node_id].free -= n
@@ -200,5 +215,7 @@ class KindLedger:
             k, g = shape(gpus)
             if any(self._fits(kind, k, g) for kind in kinds):
                 self.idle_job_s += count * seconds
-            elif any(self._fits(kind, k, g, extra=True) for kind in kinds):
+            elif any(self._fits(kind, k, g, reserved=True) for kind in kinds):
+                self.reserved_job_s += count * seconds
+            elif any(self._fits(kind, k, g, movable=True) for kind in kinds):
                 self.movable_job_s += count * seconds

@@ -70,6 +70,7 @@ from control_plane.clock import use_clock  # noqa: E402
 from control_plane.db import make_engine, make_session_factory, run_migrations  # noqa: E402
 from control_plane.logging import configure_logging  # noqa: E402
 from control_plane.models import Attempt, AttemptNode, Job, Node  # noqa: E402
+from control_plane.models import Reservation as ReservationRow  # noqa: E402
 from control_plane.scheduler.allocate import PendingCache, schedule_pass  # noqa: E402
 from control_plane.services import attempts, limits, nodes, reservations  # noqa: E402
 from control_plane.services.jobs import set_job_state  # noqa: E402
@@ -207,6 +208,7 @@ class Result:
     wall_s: float = 0.0
     waiting_at_pass: list[int] = field(default_factory=list)  # jobs waiting when each pass ran
     idle_job_s: float = 0.0  # mixed: see mixed_cluster.KindLedger
+    reserved_job_s: float = 0.0
     movable_job_s: float = 0.0
     end_s: float = 0.0  # simulated time when the run stopped
 
@@ -336,9 +338,12 @@ def simulate(policy: str, url: str, sc: Scenario, args: argparse.Namespace) -> R
                 heapq.heappush(ends, (t + spec.runtime_s, current[spec.id], spec.gpus, spec.index))
                 busy += spec.gpus
                 del waiting[spec.index]
-            if ledger is not None:
-                ledger.placed([(by_id[uuid.UUID(p.job_id)].index, _as_mixed(by_id[uuid.UUID(p.job_id)]), p.gpu_kind,
-                                [(nid, len(ix)) for nid, ix in p.nodes]) for p in placed])
+        if ledger is not None:
+            with factory() as s:  # what the reservations hold after the pass (not timed)
+                ledger.reserved(str(n) for (ids,) in s.execute(
+                    select(ReservationRow.node_ids).where(ReservationRow.ended_at.is_(None))) for n in ids)
+            ledger.placed([(by_id[uuid.UUID(p.job_id)].index, _as_mixed(by_id[uuid.UUID(p.job_id)]), p.gpu_kind,
+                            [(nid, len(ix)) for nid, ix in p.nodes]) for p in placed])
         if waiting and not ends and not arrivals:
             result.unfinished = len(waiting)  # nothing runs, nothing comes, and nothing fits: the table says so
             break
@@ -351,7 +356,8 @@ def simulate(policy: str, url: str, sc: Scenario, args: argparse.Namespace) -> R
     result.wall_s = time.perf_counter() - wall0
     result.end_s = t
     if ledger is not None:
-        result.idle_job_s, result.movable_job_s = ledger.idle_job_s, ledger.movable_job_s
+        result.idle_job_s, result.reserved_job_s = ledger.idle_job_s, ledger.reserved_job_s
+        result.movable_job_s = ledger.movable_job_s
     clock.t = T0 + timedelta(seconds=t)
     with factory() as s:
         summary = reservations.summary(s)
@@ -481,6 +487,7 @@ def mixed_metrics(r: Result, sc: Scenario) -> dict[str, float]:
         "util_while_waiting": r.busy_gpu_s_waiting / (sc.gpus * r.waiting_s) if r.waiting_s else float("nan"),
         "never_started": len(sc.specs) - len(started),
         "idle_job_h": r.idle_job_s / 3600,
+        "reserved_job_h": r.reserved_job_s / 3600,
         "movable_job_h": r.movable_job_s / 3600,
         "reservation_idle_gpu_h": r.reservation_idle_gpu_s / 3600,
         "reservation_idle_pct": 100 * r.reservation_idle_gpu_s / (sc.gpus * r.end_s) if r.end_s else 0.0,
@@ -520,7 +527,8 @@ MIXED_ROWS = [
     *[(f"cnever[{n}]", f"never started, {n}", "{:.0f}") for n in mixed.CONSTRAINT_CLASSES],
     ("never_started", "jobs never started", "{:.0f}"),
     ("idle_job_h", "constrained waits beside idle GPUs that fit (job-h)", "{:.1f}"),
-    ("movable_job_h", "... beside GPUs held by movable flexible jobs (job-h)", "{:.1f}"),
+    ("reserved_job_h", "... beside idle GPUs of reserved nodes (job-h)", "{:.1f}"),
+    ("movable_job_h", "... beside GPUs of movable flexible jobs (job-h)", "{:.1f}"),
     ("reservation_idle_gpu_h", "reservation idle cost (GPU-h)", "{:.1f}"),
     ("reservation_idle_pct", "reservation idle cost (% of GPU time)", "{:.2f}"),
     ("reservations_started", "reserved jobs started", "{:.0f}"),
