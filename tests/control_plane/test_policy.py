@@ -168,6 +168,17 @@ def test_flexible_jobs_leave_a_scarce_kind_to_the_jobs_that_need_it():
         assert {p.job_id: p.gpu_kind for p in d.placements} == {"u0": "h100", "u1": "h100", "needs-it": scarce}
 
 
+def test_a_flexible_job_does_not_take_the_gpus_a_job_naming_that_kind_waits_for():
+    """Demand for a common kind (here an 8-GPU job no node can hold now) makes it look less free than
+    a scarce kind; a flexible 2-GPU job still takes the common kind's free GPUs, not the scarce
+    kind's only node that a waiting job names (it took it before the claims were counted)."""
+    nodes = [busy("b1", 8, ends=None, free=3, kind="common"), node("c1", (0, 1), kind="scarce")]
+    jobs = [job("pair", 1, 2), job("four", 1, 4, t=1), job("eight", 1, 8, t=2),
+            job("needs-it", 1, 2, t=3, gpu_kinds=frozenset({"scarce"}))]
+    d = run(jobs, nodes)
+    assert {p.job_id: p.gpu_kind for p in d.placements} == {"pair": "common", "needs-it": "scarce"}
+
+
 def test_a_job_may_accept_several_kinds_and_runs_on_one():
     nodes = [node("a1", (0, 1), kind="a100"), busy("h1", 2, ends=None, free=1, kind="h100"),
              node("h2", (0, 1), kind="h100"), node("l1", (0, 1), kind="l4")]
