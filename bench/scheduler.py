@@ -213,6 +213,10 @@ class Result:
     end_s: float = 0.0  # simulated time when the run stopped
 
 
+BENCH_JOIN_TOKEN = "bench-join-token"
+"""The static join token the bench's nodes register with (the control plane's TRAINYARD_JOIN_TOKEN)."""
+
+
 def build_template(pg: PostgresAdmin, name: str, sc: Scenario) -> None:
     """A migrated database with the scenario's nodes registered (jobs come during the run)."""
     url = pg.create_database(name)
@@ -227,7 +231,7 @@ def build_template(pg: PostgresAdmin, name: str, sc: Scenario) -> None:
                 gpus=[GpuInfo(index=g, uuid=f"{spec.name}-{g}", kind=spec.kind, memory_mb=81559)
                       for g in range(spec.gpus)],
                 labels={"rack": spec.rack},
-            ))
+            ), BENCH_JOIN_TOKEN, static_join_token=BENCH_JOIN_TOKEN)
     engine.dispose()
     use_clock(None)
     pg.mark_template(name)
