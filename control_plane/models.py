@@ -172,9 +172,6 @@ class Job(Base):
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), ForeignKey("attempts.id", use_alter=True, ondelete="SET NULL")
     )
-    progress_step: Mapped[int | None] = mapped_column(Integer)
-    progress_loss: Mapped[float | None] = mapped_column(Float)
-    progress_at: Mapped[datetime | None] = _ts()
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     end_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
@@ -219,17 +216,12 @@ class Attempt(Base):
     restored_from_checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), doc="The checkpoint this attempt restored (its lineage); None: from scratch."
     )
-    progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this attempt reported.")
-    progress_metrics: Mapped[dict[str, float] | None] = mapped_column(
-        JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
-    )
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
     )
     restore_manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
     started_at: Mapped[datetime | None] = _ts(doc="When every worker was running.")
-    first_progress_at: Mapped[datetime | None] = _ts()
     failed_at: Mapped[datetime | None] = _ts()
     ended_at: Mapped[datetime | None] = _ts(doc="When every node confirmed its processes gone.")
 
@@ -260,6 +252,18 @@ class AttemptNode(Base):
     error: Mapped[str | None] = mapped_column(Text)
     reported_at: Mapped[datetime | None] = _ts()
     released_at: Mapped[datetime | None] = _ts(doc="When its processes were confirmed gone.")
+    spec_version: Mapped[str | None] = mapped_column(
+        String(64), doc="Its launch spec's version, fixed at allocation (services/specs.py); NULL before 0014.")
+    # Progress is kept per part, written by the node's own status reports (which never write the job
+    # or the attempt row, so a job's nodes report at once); the views derive the attempt's and the
+    # job's progress from it (services/progress.py).
+    progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this node reported.")
+    progress_loss: Mapped[float | None] = mapped_column(Float)
+    progress_at: Mapped[datetime | None] = _ts(doc="When the workers reported that step (the node's clock).")
+    progress_metrics: Mapped[dict[str, float] | None] = mapped_column(
+        JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
+    )
+    first_progress_at: Mapped[datetime | None] = _ts(doc="When the first step of this node arrived.")
 
     attempt: Mapped[Attempt] = relationship(back_populates="nodes")
     node: Mapped[Node] = relationship()

@@ -12,16 +12,13 @@ from control_plane.schemas.limits import TEXT_LINE
 from control_plane.schemas.plans import JobModelIn, JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.tenants import TENANT_NAME
+from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
 from trainyard.protocol.layout import APPLIED_KINDS, Layout
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-MAX_ENV_BYTES = 32 * 1024
+MAX_ENV_BYTES = MAX_JOB_ENV_BYTES
 MAX_ARGS = 1000
 MAX_ARG_CHARS = 32 * 1024
 MAX_ARGS_BYTES = 64 * 1024
-RESERVED_ENV_PREFIXES = ("TRAINYARD_",)
-RESERVED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "CUDA_VISIBLE_DEVICES", "GROUP_RANK", "ROLE_RANK"}
 
 JOB_STATES = ("queued", "starting", "running", "recovering", "succeeded", "failed", "cancelling",
               "cancelled")
@@ -68,7 +65,14 @@ class JobSubmit(BaseModel):
         default_factory=list, max_length=MAX_ARGS,
         description=f"Arguments of the entrypoint: at most {MAX_ARGS}, each at most {MAX_ARG_CHARS} characters, "
         f"{MAX_ARGS_BYTES} bytes in all, no NUL.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the workers.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment of the training processes (not of torchrun). Refused: TRAINYARD_*, "
+        "PET_*, TORCHELASTIC_*, torchrun's rank variables, the GPU selection, HOME, TMPDIR, USER, LOGNAME, "
+        "PATH, LD_PRELOAD, LD_AUDIT, PYTHONHOME. PYTHONPATH is appended to the platform's. At most "
+        f"{MAX_ENV_BYTES} bytes (NAME=value and a NUL each), or the server's max_env_bytes if lower.",
+        json_schema_extra={"maxProperties": MAX_ENV_BYTES // 3},
+    )
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     max_failures: int = Field(
         default=3, ge=0, le=1000, description="Failed attempts tolerated; one more fails the job."
@@ -153,15 +157,11 @@ class JobSubmit(BaseModel):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        size = 0
         for key, value in v.items():
-            if not ENV_NAME.match(key):
-                raise ValueError(f"env name {key!r} is not a valid variable name")
-            if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIXES):
-                raise ValueError(f"env name {key!r} is set by Trainyard and cannot be overridden")
-            if "\0" in value:
-                raise ValueError(f"env value of {key!r} contains a NUL byte")
-            size += len(key.encode()) + len(value.encode()) + 2
+            problem = job_env_problem(key, value)
+            if problem is not None:
+                raise ValueError(problem)
+        size = job_env_bytes(v)
         if size > MAX_ENV_BYTES:
             raise ValueError(f"env is {size} bytes; at most {MAX_ENV_BYTES} are allowed")
         return v

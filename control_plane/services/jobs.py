@@ -19,6 +19,7 @@ from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
 from control_plane.services import events, pages, plans
 from control_plane.services.states import ATTEMPT_HOLDING, JOB, JOB_TERMINAL, can_transition, set_job_state
+from trainyard.protocol.env import job_env_bytes
 from trainyard.protocol.layout import Layout
 
 # The job state machine and its one mutator live in services/states.py (with those of attempts,
@@ -67,14 +68,22 @@ def check_fits_cluster(session: Session, body: JobSubmit) -> None:
         )
 
 
+def check_env_size(body: JobSubmit, max_env_bytes: int | None) -> None:
+    """Refuse an env over this server's ``max_env_bytes`` (the schema holds the protocol's cap)."""
+    size = job_env_bytes(body.env)
+    if max_env_bytes is not None and size > max_env_bytes:
+        raise Unprocessable(f"env is {size} bytes; this server allows at most {max_env_bytes}", field="env")
+
+
 def submit(
     session: Session, body: JobSubmit, *, principal: Principal, idempotency_key: str | None,
-    rate: SubmitRate | None = None, plan_min_efficiency: float = 0.7,
+    rate: SubmitRate | None = None, plan_min_efficiency: float = 0.7, max_env_bytes: int | None = None,
 ) -> tuple[Job, bool]:
     """Create a queued job for the principal's tenant (an admin may name another). Returns (job,
     created); a retried submit returns the first job. A job with a model block is planned first
     (services/plans.py): refused when its layout does not fit, queued with a warning event for each
     way fewer GPUs would do better."""
+    check_env_size(body, max_env_bytes)
     digest = _request_hash(body)
     if idempotency_key is not None:
         existing = session.scalar(

@@ -43,7 +43,7 @@ from control_plane.schemas.jobs import (
 from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
-from control_plane.services import pages, reservations, tenants
+from control_plane.services import pages, progress, reservations, tenants
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
@@ -76,6 +76,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
         .group_by(GpuLease.job_id)
     ).all()) if jobs else {}
     waiting = _waiting_for(session, jobs, attempts, held)
+    done = progress.of_jobs(session, [j.id for j in jobs])
     out = []
     for job in jobs:
         attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
@@ -88,7 +89,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 if p.released_at is None
             ]
         plan = _stored_plan(job)
-        metrics = (attempt.progress_metrics if attempt is not None else None) or {}
+        metrics = (progress.of_parts(attempt.nodes).metrics if attempt is not None else None) or {}
         out.append(
             JobOut(
                 id=str(job.id),
@@ -110,8 +111,8 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 model=job.model,
                 layout=Layout.model_validate(job.layout) if job.layout else None,
                 plan=plan,
-                progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at,
-                                  metrics=metrics),
+                progress=Progress(step=done.get(job.id, progress.NONE).step, loss=done.get(job.id, progress.NONE).loss,
+                                  updated_at=done.get(job.id, progress.NONE).at, metrics=metrics),
                 split=step_split(plan, metrics),
                 result=job.result,
                 end_reason=job.end_reason,
@@ -297,6 +298,7 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
     ).all()) if any(a.failed_node_id for a in attempts) else {}
     chain = [before, *attempts] if before is not None else attempts
     previous: dict[uuid.UUID, Attempt] = {b.id: a for a, b in zip(chain, chain[1:], strict=False)}
+    done = {a.id: progress.of_parts(a.nodes) for a in chain}
     return [
         AttemptOut(
             id=str(a.id),
@@ -307,12 +309,12 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
             failed_node=names.get(a.failed_node_id) if a.failed_node_id else None,
             rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
             restored_from_step=a.restored_from_step,
-            progress_step=a.progress_step,
-            progress_metrics=a.progress_metrics or {},
-            recovery=_recovery(previous.get(a.id), a),
+            progress_step=done[a.id].step,
+            progress_metrics=done[a.id].metrics or {},
+            recovery=_recovery(previous.get(a.id), a, done),
             created_at=a.created_at,
             started_at=a.started_at,
-            first_progress_at=a.first_progress_at,
+            first_progress_at=done[a.id].first_at,
             failed_at=a.failed_at,
             ended_at=a.ended_at,
             nodes=[
@@ -353,7 +355,7 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     return round((end - start).total_seconds(), 3) if start is not None and end is not None else None
 
 
-def _recovery(prev: Attempt | None, a: Attempt) -> RecoveryOut | None:
+def _recovery(prev: Attempt | None, a: Attempt, done: dict[uuid.UUID, progress.Progress]) -> RecoveryOut | None:
     """The phases of the recovery from ``prev``'s failure to ``a``'s first step."""
     if prev is None or prev.outcome != "failed" or prev.failed_at is None:
         return None
@@ -361,16 +363,17 @@ def _recovery(prev: Attempt | None, a: Attempt) -> RecoveryOut | None:
              if w.ended_at is not None and w.exit_code not in (0, None)]
     failure_at = min([prev.failed_at, *exits])
     lost = None
-    if prev.progress_step is not None:
-        lost = max(prev.progress_step - (a.restored_from_step or 0), 0)
+    reached, first_step_at = done[prev.id].step, done[a.id].first_at
+    if reached is not None:
+        lost = max(reached - (a.restored_from_step or 0), 0)
     return RecoveryOut(
         after_attempt=prev.number,
         failure_at=failure_at,
         detection_s=_seconds(failure_at, prev.failed_at),
         reallocation_s=_seconds(prev.failed_at, a.created_at),
         start_s=_seconds(a.created_at, a.started_at),
-        restore_s=_seconds(a.started_at, a.first_progress_at),
-        to_first_step_s=_seconds(failure_at, a.first_progress_at),
+        restore_s=_seconds(a.started_at, first_step_at),
+        to_first_step_s=_seconds(failure_at, first_step_at),
         steps_lost=lost,
     )
 
