@@ -2,7 +2,7 @@
 kind an attempt got
 
 Revision ID: 0080
-Revises: 0031
+Revises: 0014
 Create Date: 2026-12-05 00:00:00
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0080"
-down_revision = "0031"
+down_revision = "0014"
 branch_labels = None
 depends_on = None
 
