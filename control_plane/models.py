@@ -20,6 +20,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     MetaData,
@@ -152,7 +153,9 @@ class Job(Base):
     state: Mapped[str] = mapped_column(String(16))
     num_nodes: Mapped[int] = mapped_column(Integer)
     gpus_per_node: Mapped[int] = mapped_column(Integer)
-    gpu_kind: Mapped[str | None] = mapped_column(String(128), doc="Required GPU kind, if any.")
+    gpu_kinds: Mapped[list[str] | None] = mapped_column(
+        ARRAY(String(128)), doc="The GPU kinds the job accepts (a gang runs on one of them); NULL: any."
+    )
     entrypoint: Mapped[str] = mapped_column(Text)
     args: Mapped[list[str]] = mapped_column(JSONB, server_default=text("'[]'::jsonb"))
     env: Mapped[dict[str, str]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
@@ -211,6 +214,7 @@ class Attempt(Base):
     )
     end_reason: Mapped[str | None] = mapped_column(Text)
     num_gpus: Mapped[int] = mapped_column(Integer, doc="Leases this attempt must hold: its gang size.")
+    gpu_kind: Mapped[str | None] = mapped_column(String(128), doc="The GPU kind of its nodes (one per gang).")
     rdzv_host: Mapped[str] = mapped_column(String(255))
     rdzv_port: Mapped[int] = mapped_column(Integer)
     restored_from_step: Mapped[int | None] = mapped_column(Integer)
@@ -428,6 +432,7 @@ class Reservation(Base):
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    seq: Mapped[int] = mapped_column(BigInteger, Identity(), doc="Order made: a pass makes many at one created_at.")
     kind: Mapped[str] = mapped_column(String(16), doc="job | recovery-reserve")
     job_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     gpu_kind: Mapped[str | None] = mapped_column(String(128))

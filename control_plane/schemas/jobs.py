@@ -35,6 +35,10 @@ SUBMIT_EXAMPLE: dict[str, Any] = {
 }
 
 
+GpuKindName = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_LINE)]
+MAX_GPU_KINDS = 16
+
+
 class CheckpointSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -102,14 +106,31 @@ class JobSubmit(BaseModel):
         default=None, min_length=1, max_length=128, pattern=TENANT_NAME,
         description="Default: the caller's tenant. Only an admin may name another (403 otherwise).")
     time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400)
-    gpu_kind: str | None = Field(default=None, min_length=1, max_length=128, pattern=TEXT_LINE,
-                                 description="Require this GPU model.")
+    gpu_kind: GpuKindName | Annotated[list[GpuKindName], Field(min_length=1, max_length=MAX_GPU_KINDS)] | None = Field(
+        default=None,
+        description="Require this GPU kind, or one of a list of kinds (the whole gang runs on one of them). "
+        "Without it the job may run on any kind.",
+    )
     model: JobModelIn | None = Field(default=None, description=(
         "What the job trains: the job is planned at submit (docs/planner.md), refused (422, with the numbers) "
         "when its layout does not fit in GPU memory, and warned about (an event) when fewer GPUs would do "
         "better. The plan is shown with the job."))
     layout: Layout | None = Field(default=None, description=(
         "The parallel layout the workers apply (TRAINYARD_LAYOUT); default: DDP without accumulation."))
+
+    @field_validator("gpu_kind")
+    @classmethod
+    def _gpu_kind(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list):
+            v = list(dict.fromkeys(v))  # the same kind twice says nothing more
+            return v[0] if len(v) == 1 else v
+        return v
+
+    def gpu_kinds(self) -> list[str] | None:
+        """The accepted kinds as a list (None: any)."""
+        if self.gpu_kind is None:
+            return None
+        return [self.gpu_kind] if isinstance(self.gpu_kind, str) else list(self.gpu_kind)
 
     @field_validator("layout")
     @classmethod
@@ -228,7 +249,11 @@ class JobOut(BaseModel):
     max_failures: int
     failures: int
     time_limit_s: int | None
-    gpu_kind: str | None
+    gpu_kind: str | list[str] | None = Field(description="The GPU kind the job requires, or the list of kinds it "
+                                             "accepts; null: any.")
+    allocated_gpu_kind: str | None = Field(
+        default=None, description="The GPU kind its current (or last) attempt got: a gang runs on one kind."
+    )
     model: dict[str, Any] | None = Field(default=None, description="The model block the job was submitted with.")
     layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
     plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")

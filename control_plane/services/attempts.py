@@ -90,10 +90,10 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
         )
     }
     node_ids = {node.id for _, placement, _ in allocations for node, _ in placement}
-    gpu_ids = {
-        (node_id, index): gpu_id
-        for gpu_id, node_id, index in session.execute(
-            select(Gpu.id, Gpu.node_id, Gpu.index).where(Gpu.node_id.in_(node_ids))
+    gpus = {
+        (node_id, index): (gpu_id, kind)
+        for gpu_id, node_id, index, kind in session.execute(
+            select(Gpu.id, Gpu.node_id, Gpu.index, Gpu.kind).where(Gpu.node_id.in_(node_ids))
         )
     }
     t = now()
@@ -106,6 +106,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
         attempt_rows.append({
             "id": attempt_id, "job_id": job.id, "number": (earlier or 0) + 1,
             "fencing_token": secrets.token_hex(24), "state": "starting", "num_gpus": job.num_gpus,
+            "gpu_kind": gpus[(placement[0][0].id, placement[0][1][0])][1],  # a gang is of one kind
             "rdzv_host": placement[0][0].address, "rdzv_port": port, "created_at": t,
             # Only a job that ran before can have checkpoints to restore from.
             "restore_manifest": restore_plan(session, job) if earlier else None,
@@ -119,7 +120,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
                                                      SimpleNamespace(**part), None).version
             part_rows.append(part)
             lease_rows += [
-                {"id": uuid.uuid4(), "gpu_id": gpu_ids[(node.id, index)], "node_id": node.id,
+                {"id": uuid.uuid4(), "gpu_id": gpus[(node.id, index)][0], "node_id": node.id,
                  "attempt_id": attempt_id, "job_id": job.id, "created_at": t}
                 for index in indices
             ]

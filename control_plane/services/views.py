@@ -110,7 +110,8 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 max_failures=job.max_failures,
                 failures=job.failures,
                 time_limit_s=job.time_limit_s,
-                gpu_kind=job.gpu_kind,
+                gpu_kind=_kinds_out(job.gpu_kinds),
+                allocated_gpu_kind=attempt.gpu_kind if attempt is not None else None,
                 model=job.model,
                 layout=Layout.model_validate(job.layout) if job.layout else None,
                 plan=plan,
@@ -253,23 +254,35 @@ def _waiting_for(session: Session, jobs: list[Job], attempts: dict[uuid.UUID, At
     return out
 
 
+def _kinds_out(kinds: list[str] | None) -> str | list[str] | None:
+    """As submitted: one kind as a string, several as a list."""
+    if not kinds:
+        return None
+    return kinds[0] if len(kinds) == 1 else list(kinds)
+
+
 def _queue_reasons(job: Job, caps: list[_NodeCap]) -> list[str]:
-    """Why the cluster cannot place the job now: no node of its kind, too few usable nodes, or too
-    few with enough free GPUs."""
-    k, g = job.num_nodes, job.gpus_per_node
-    kind = f" of kind {job.gpu_kind}" if job.gpu_kind else ""
-    of_kind = [n for n in caps if job.gpu_kind is None or n.kind == job.gpu_kind]
-    if not of_kind:
-        return [f"no node with GPU kind {job.gpu_kind}" if job.gpu_kind else "no node is registered"]
-    big = [n for n in of_kind if n.total >= g]
+    """Why the cluster cannot place the job now: no node of a kind it accepts, too few usable nodes
+    of one kind, or too few of one kind with enough free GPUs (a gang runs on one kind)."""
+    k, g, kinds = job.num_nodes, job.gpus_per_node, job.gpu_kinds
+    named = f" of kind {' or '.join(kinds)}" if kinds else ""
+    by_kind: dict[str, list[_NodeCap]] = {}
+    for n in caps:
+        if kinds is None or n.kind in kinds:
+            by_kind.setdefault(n.kind, []).append(n)
+    if not by_kind:
+        return [f"no node with GPU kind {' or '.join(kinds)}" if kinds else "no node is registered"]
+    one = " of one kind" if len(by_kind) > 1 else ""
+    big = [n for ns in by_kind.values() for n in ns if n.total >= g]
     usable = [n for n in big if n.state == "ready" and n.schedulable]
-    if len(usable) < k:
+    most = max(sum(1 for n in usable if n.kind == kind) for kind in by_kind)
+    if most < k:
         others = [_why_not(n) for n in big if n not in usable]
-        return [f"needs {k} nodes with {g} GPUs{kind}, the cluster has {len(usable)} such nodes that take work"
+        return [f"needs {k} nodes{one} with {g} GPUs{named}, the cluster has {most} such nodes that take work"
                 + (f" (also {', '.join(others)})" if others else "")]
-    free = [n for n in usable if n.free >= g]
-    if len(free) < k:
-        return [f"needs {k} nodes with {g} free GPUs{kind}, the cluster has {len(free)} such nodes now "
+    most = max(sum(1 for n in usable if n.kind == kind and n.free >= g) for kind in by_kind)
+    if most < k:
+        return [f"needs {k} nodes{one} with {g} free GPUs{named}, the cluster has {most} such nodes now "
                 "(the others' GPUs are in use)"]
     return []
 

@@ -1,7 +1,7 @@
 """Goodput: watchdogs (hang, stragglers), checkpoint costs, the auto checkpoint interval
 
 Revision ID: 0090
-Revises: 0014
+Revises: 0081
 Create Date: 2026-12-06 00:09:00
 """
 
@@ -12,7 +12,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0090"
-down_revision = "0014"
+down_revision = "0081"
 branch_labels = None
 depends_on = None
 

@@ -107,6 +107,9 @@ def test_unknown_job_is_404_problem(cluster):
         ({"max_failures": -2}, "max_failures"),
         ({"checkpoint": {"interval_steps": 0}}, "checkpoint.interval_steps"),
         ({"name": ""}, "name"),
+        ({"gpu_kind": []}, "gpu_kind"),
+        ({"gpu_kind": [""]}, "gpu_kind"),
+        ({"gpu_kind": ["h100"] * 17}, "gpu_kind"),
     ],
 )
 def test_invalid_fields_are_422_problems(cluster, override, field):
