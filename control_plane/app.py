@@ -17,14 +17,27 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import clock
-from control_plane.api import agent, health, jobs, join_tokens, nodes, plans, principals, tenants
+from control_plane.api import (
+    agent,
+    health,
+    jobs,
+    join_tokens,
+    metrics,
+    nodes,
+    plans,
+    principals,
+    simulations,
+    tenants,
+)
 from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthorized
 from control_plane.limits_http import BodyLimit
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
+from control_plane.services import goodput
 from control_plane.services.logs import Followers
+from control_plane.services.metrics import Exporter
 from control_plane.settings import Settings
 from control_plane.wakeups import Busy, NodeWakeups
 
@@ -228,9 +241,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wake_scheduler = loops.wake_scheduler
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)
+    app.state.metrics = Exporter(factory, settings.metrics_cache_s, goodput.for_cluster)
     app.state.log_followers = Followers(settings.log_followers_per_principal)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, tenants, plans, principals, join_tokens, agent):
+    for module in (health, jobs, nodes, tenants, plans, simulations, principals, join_tokens, agent, metrics):
         app.include_router(module.router)
     _document_policies(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)

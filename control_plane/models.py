@@ -167,6 +167,11 @@ class Job(Base):
     layout: Mapped[dict[str, Any] | None] = mapped_column(
         JSONB, doc="trainyard.protocol.layout.Layout its workers apply (TRAINYARD_LAYOUT); NULL: plain DDP.")
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSONB, doc="schemas/plans.py JobPlanOut, made at submit.")
+    watchdog: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="schemas/jobs.py WatchdogSettings: the job's hang timeout and straggler overrides; NULL: defaults.")
+    checkpoint_auto: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="The platform's checkpoint interval for interval_steps 'auto' (services/intervals.py), "
+        "with its inputs.")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
@@ -216,6 +221,9 @@ class Attempt(Base):
     restored_from_checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), doc="The checkpoint this attempt restored (its lineage); None: from scratch."
     )
+    hung_since: Mapped[datetime | None] = _ts(doc="Failed as hung: when its step last advanced.")
+    checkpoint_interval_steps: Mapped[int | None] = mapped_column(
+        Integer, doc="For a job with interval_steps 'auto': the interval its workers start with.")
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
     )
@@ -264,6 +272,18 @@ class AttemptNode(Base):
         JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
     )
     first_progress_at: Mapped[datetime | None] = _ts(doc="When the first step of this node arrived.")
+    # The hang watchdog's clock, per part for the same reason (services/watchdog.py takes the
+    # attempt's latest advance over its parts).
+    step_advanced_at: Mapped[datetime | None] = _ts(
+        doc="When progress_step last grew (the control plane's clock).")
+    step_time_s: Mapped[float | None] = mapped_column(
+        Float, doc="Seconds per step, smoothed over the advances the control plane saw (the hang timeout's base).")
+    ranks: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="The latest RankSummary of its agent: each local rank's step, step time, busy time, silence.")
+    ranks_at: Mapped[datetime | None] = _ts()
+    straggler_rank: Mapped[int | None] = mapped_column(Integer, doc="Its rank slower than the job's peers now.")
+    straggler_since: Mapped[datetime | None] = _ts(doc="Since when straggler_rank has been slower.")
+    straggler_named_at: Mapped[datetime | None] = _ts(doc="When it was named a straggler (an event).")
 
     attempt: Mapped[Attempt] = relationship(back_populates="nodes")
     node: Mapped[Node] = relationship()
@@ -340,6 +360,10 @@ class Checkpoint(Base):
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
     committed_at: Mapped[datetime | None] = _ts()
     reason: Mapped[str | None] = mapped_column(Text)
+    blocking_s: Mapped[float | None] = mapped_column(
+        Float, doc="The longest any rank's training loop was blocked by this save (reported with the shards).")
+    background_s: Mapped[float | None] = mapped_column(
+        Float, doc="The longest any rank's hashing, upload and report took, after the loop went on.")
 
 
 class CheckpointShard(Base):

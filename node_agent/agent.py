@@ -617,15 +617,19 @@ class Agent:
         finished = run.finished  # before the report: a final report must describe a finished run
         if finished and run.final_acked:
             return
-        report = run.report(*self.reports.snapshot(run.attempt_id))
+        report = run.report(*self.reports.snapshot(run.attempt_id), self.reports.rank_summary(run.attempt_id))
         if finished and run.attempt_id not in self.orphans.alive:
             # The process table has nothing of it left: the control plane releases its GPUs on this
             # report, a heartbeat sooner than the one that stops listing it.
             report = report.model_copy(update={"processes_alive": False})
         if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
             return  # the relay delivers the attempt's last shards and events first
-        due = report != run.last_report or now - run.last_sent_at >= self.config.status_interval_s
-        if not due or now < run.next_try_at or self._refused_reports.get(run.attempt_id) == report:
+        # The rank summary rides on the periodic report (its silences change at every look): a
+        # 128-node job would otherwise send a report per node per step.
+        due = (_without_ranks(report) != _without_ranks(run.last_report)
+               or now - run.last_sent_at >= self.config.status_interval_s)
+        refused = self._refused_reports.get(run.attempt_id)
+        if not due or now < run.next_try_at or _without_ranks(refused) == _without_ranks(report):
             return
         try:
             ack = self.client.report_status(run.attempt_id, report)
@@ -654,6 +658,7 @@ class Agent:
             run.next_try_at = now + min(self.config.status_interval_s, 2.0)
             return
         run.last_report, run.last_sent_at = report, now
+        self.reports.set_checkpoint_interval(run.attempt_id, ack.checkpoint_interval_steps)
         if finished:
             run.mark_final_acked()
             if not ack.released:
@@ -735,6 +740,10 @@ class Agent:
         except ControlPlaneUnavailable as exc:
             return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": f"the control plane is unreachable: {exc}"}
         return HTTPStatus.OK, grants.model_dump(mode="json")
+
+
+def _without_ranks(report: AttemptStatusReport | None) -> AttemptStatusReport | None:
+    return None if report is None else report.model_copy(update={"ranks": None})
 
 
 def run_agent(config: AgentConfig) -> None:

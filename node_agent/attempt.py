@@ -41,6 +41,7 @@ from trainyard.protocol.agent import (
     LaunchSpec,
     NodeAttemptState,
     Progress,
+    RankSummary,
     WorkerState,
     WorkerStatus,
 )
@@ -373,7 +374,8 @@ class AttemptRun:
 
     # --- reporting ---
 
-    def report(self, progress: Progress | None, result: dict[str, Any] | None) -> AttemptStatusReport:
+    def report(self, progress: Progress | None, result: dict[str, Any] | None,
+               ranks: RankSummary | None = None) -> AttemptStatusReport:
         with self._lock:
             workers = list(self._workers)
             if self.finished:
@@ -401,6 +403,7 @@ class AttemptRun:
                 progress=progress,
                 result=result,
                 error=error,
+                ranks=ranks if state == NodeAttemptState.running else None,
             )
 
     def _torchrun_error_tail(self) -> str | None:

@@ -256,6 +256,53 @@ def plan(
         render(result, Console(width=160))
 
 
+@app.command()
+def simulate(
+    nodes: Annotated[int, typer.Option(help="Nodes the job runs on.")],
+    blocking_s: Annotated[float, typer.Option(help="Seconds one save blocks training.")],
+    node_mtbf_h: Annotated[float | None, typer.Option(help="Hours between failures of one node.")] = None,
+    interruptions: Annotated[int | None, typer.Option(help="Or: failures seen over --days (e.g. 419).")] = None,
+    days: Annotated[float | None, typer.Option(help="With --interruptions.")] = None,
+    work_h: Annotated[float, typer.Option(help="Hours of training the job needs.")] = 720,
+    background_s: Annotated[float, typer.Option(help="Upload after the blocking part (async; 0: sync).")] = 0,
+    sync_blocking_s: Annotated[float | None, typer.Option(help="The same save done synchronously.")] = None,
+    interval_s: Annotated[float | None, typer.Option(help="Compute between saves (default: the best).")] = None,
+    recovery_s: Annotated[float, typer.Option(help="Failure to training again, a node at hand.")] = 600,
+    spares: Annotated[int | None, typer.Option(help="Spare nodes (default: always one at hand).")] = None,
+    repair_h: Annotated[float, typer.Option(help="Hours until a failed node is back.")] = 24,
+    runs: Annotated[int, typer.Option(help="Runs averaged.")] = 5,
+    seed: Annotated[int, typer.Option(help="Seed of the first run.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (POST /v1/simulations's answer).")] = False,
+) -> None:
+    """Simulate one long job's goodput: failures, saves, recoveries and spares (docs/goodput.md).
+    Runs here (the model is pure); POST /v1/simulations answers the same."""
+    import json
+
+    from pydantic import ValidationError
+    from rich.console import Console
+
+    from control_plane.errors import Unprocessable
+    from control_plane.schemas.simulations import SimulationIn
+    from control_plane.services.simulations import simulate as run_simulation
+    from trainyard.simulate_view import render
+
+    fields = {"nodes": nodes, "node_mtbf_h": node_mtbf_h, "interruptions": interruptions, "days": days,
+              "work_h": work_h, "interval_s": interval_s, "blocking_s": blocking_s, "background_s": background_s,
+              "sync_blocking_s": sync_blocking_s, "recovery_s": recovery_s, "spares": spares, "repair_h": repair_h,
+              "runs": runs, "seed": seed}
+    try:
+        result = run_simulation(SimulationIn(**{k: v for k, v in fields.items() if v is not None}))
+    except ValidationError as exc:
+        errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in exc.errors())
+        raise CliError(errors) from exc
+    except Unprocessable as exc:
+        raise CliError(str(exc)) from exc
+    if as_json:
+        typer.echo(json.dumps(result.model_dump(mode="json"), indent=2))
+    else:
+        render(result, Console(width=120))
+
+
 def _api_post(url: str, token: str, path: str, body: dict[str, Any]) -> Any:
     """POST to the control plane; any failure is one line (the problem+json detail when there is one)."""
     import httpx

@@ -87,7 +87,8 @@ async def wait(body: WaitRequest, token: NodeToken, settings: SettingsDep, runti
 def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeIdentity,
                    session: SessionDep, runtime: RuntimeDep) -> AttemptStatusAck:
     answer = agent_protocol.report_status(session, node, attempt_id, body, runtime)
-    return AttemptStatusAck(attempt_state=answer.attempt_state, stop=answer.stop, released=answer.released)
+    return AttemptStatusAck(attempt_state=answer.attempt_state, stop=answer.stop, released=answer.released,
+                            checkpoint_interval_steps=answer.checkpoint_interval_steps)
 
 
 @router.post("/attempts/{attempt_id}/logs", response_model=LogAck, responses=ERRORS)

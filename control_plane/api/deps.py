@@ -48,6 +48,8 @@ class Runtime:
     engine: Engine
     wakeups: Any = None
     """control_plane.wakeups.NodeWakeups: the agents' long polls (app.wakeups)."""
+    metrics: Any = None
+    """services.metrics.Exporter: what GET /metrics answers (app.metrics)."""
     log_followers: Any = None
     """services.logs.Followers: followed logs per principal on this replica (app.log_followers)."""
 
@@ -64,7 +66,7 @@ def get_runtime(request: Request) -> Runtime:
     return Runtime(loops=state.loops, run_loops=state.settings.run_loops, object_store=state.object_store,
                    worker_storage=dict(state.worker_storage or {}), session_factory=state.session_factory,
                    engine=state.engine, wakeups=getattr(state, "wakeups", None),
-                   log_followers=getattr(state, "log_followers", None))
+                   metrics=getattr(state, "metrics", None), log_followers=getattr(state, "log_followers", None))
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -206,6 +208,20 @@ class RegisterGuard:
         return _token(creds)
 
 
+class MetricsGuard:
+    """GET /metrics: open when no metrics token is set (it shows no job names, ids or tenants), else
+    that token or the admin token (docs/operations.md, "Metrics")."""
+
+    policy = authz.policy("metrics.read")
+
+    def __call__(self, creds: Credentials, settings: SettingsDep) -> None:
+        if not settings.metrics_token:
+            return
+        token = _token(creds)
+        if not any(t and authz.same_secret(token, t) for t in (settings.metrics_token, settings.admin_token)):
+            raise Unauthorized("invalid bearer token for /metrics")
+
+
 class Declared:
     """A route open to everyone, said so (its ``policy``)."""
 
@@ -264,6 +280,8 @@ JobsSubmit = _allowed("jobs.submit")
 JobsCancel = _allowed("jobs.cancel")
 ClusterRead = _allowed("cluster.read")
 PlansCreate = _allowed("plans.create")
+SimulationsCreate = _allowed("simulations.create")
+MetricsAccess = Annotated[None, Depends(MetricsGuard())]
 NodesRead = _allowed("nodes.read")
 NodesManage = _allowed("nodes.manage")
 JoinTokensManage = _allowed("join_tokens.manage")

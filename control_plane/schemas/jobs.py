@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from control_plane.schemas.goodput import GoodputOut, StragglerOut
 from control_plane.schemas.limits import TEXT_LINE
 from control_plane.schemas.plans import JobModelIn, JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
@@ -41,10 +42,31 @@ MAX_GPU_KINDS = 16
 class CheckpointSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    interval_steps: int | None = Field(
-        default=None, ge=1, le=10_000_000, description="Save a complete checkpoint every N steps."
-    )
+    interval_steps: Annotated[int, Field(ge=1, le=10_000_000)] | Literal["auto"] | None = Field(
+        default=None, description="Save a complete checkpoint every N steps (1 to 10,000,000), or 'auto': the "
+        "platform sets the interval by the Young/Daly rule from the job's measured save cost and the cluster's "
+        "failure rate, and changes it as measurements arrive (docs/goodput.md).")
+    first_interval_steps: int | None = Field(
+        default=None, ge=1, le=10_000_000, description="With 'auto': the interval until the platform has measured "
+        "a save (default 100 steps).")
     keep_last: int = Field(default=3, ge=1, le=1000, description="Committed checkpoints to keep.")
+    when_busy: Literal["wait", "skip"] = Field(
+        default="wait", description="When a save comes while the previous one is still uploading: wait for it "
+        "(training blocks), or skip this save (a checkpoint.skipped event).")
+
+
+class WatchdogSettings(BaseModel):
+    """The job's own watchdog settings; each null takes the cluster's (TRAINYARD_HANG_*, _STRAGGLER_*)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    hang_timeout_s: float | None = Field(
+        default=None, ge=1, le=7 * 86400, description="Fail a running attempt as hung when its step has not "
+        "advanced for this long (default: derived from its step time and checkpoint stalls, with a floor).")
+    straggler_factor: float | None = Field(
+        default=None, gt=1, le=100, description="A rank this many times slower than its peers' median is named.")
+    avoid_stragglers: bool = Field(
+        default=False, description="The next recovery does not place the job on a node named a straggler.")
 
 
 class JobSubmit(BaseModel):
@@ -74,6 +96,7 @@ class JobSubmit(BaseModel):
         json_schema_extra={"maxProperties": MAX_ENV_BYTES // 3},
     )
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    watchdog: WatchdogSettings | None = Field(default=None, description="Hang and straggler detection overrides.")
     max_failures: int = Field(
         default=3, ge=0, le=1000, description="Failed attempts tolerated; one more fails the job."
     )
@@ -255,6 +278,14 @@ class JobOut(BaseModel):
     releasing: bool = Field(
         default=False, description="The job ended but its GPUs are not free yet (leases_held > 0)."
     )
+    watchdog: dict[str, Any] | None = Field(default=None, description="The job's watchdog overrides.")
+    checkpoint_interval: dict[str, Any] | None = Field(
+        default=None, description="For interval_steps 'auto': the interval the platform chose and its inputs.")
+    stragglers: list[StragglerOut] = Field(
+        default_factory=list,
+        description="Ranks of the current attempt named slower than their peers, with their node.")
+    goodput: GoodputOut | None = Field(
+        default=None, description="Allocated GPU-time and what it bought (docs/goodput.md).")
     created_at: datetime
     started_at: datetime | None
     ended_at: datetime | None
@@ -320,6 +351,7 @@ class AttemptOut(BaseModel):
     rendezvous: str
     restored_from_step: int | None
     progress_step: int | None = Field(description="The last step this attempt reported.")
+    hung_since: datetime | None = Field(default=None, description="Failed as hung: when its step last advanced.")
     progress_metrics: dict[str, float] = Field(description="The metrics of that report (see Progress.metrics).")
     recovery: RecoveryOut | None = Field(description="Set when this attempt replaced a failed one.")
     created_at: datetime
@@ -357,6 +389,11 @@ class CheckpointOut(BaseModel):
     shards: int = Field(description="Shards recorded so far.")
     manifest_key: str | None
     reason: str | None
+    blocking_s: float | None = Field(default=None, description="The longest any rank's loop was blocked by this save.")
+    background_s: float | None = Field(
+        default=None, description="The longest any rank's serialise, hash, upload and report took in the background.")
+    upload_bytes_per_s: float | None = Field(
+        default=None, description="size_bytes / background_s: the ranks' uploads together.")
     created_at: datetime
     committed_at: datetime | None
 

@@ -14,7 +14,7 @@ import secrets
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import SimpleNamespace
 from typing import Any, Protocol
 
@@ -26,7 +26,7 @@ from control_plane.clock import now
 from control_plane.db import reload
 from control_plane.errors import Forbidden
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
-from control_plane.services import events, progress, specs
+from control_plane.services import events, intervals, progress, specs
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
 from control_plane.services.locks import attempt_order, lock_part, lock_parts
@@ -110,6 +110,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
             "rdzv_host": placement[0][0].address, "rdzv_port": port, "created_at": t,
             # Only a job that ran before can have checkpoints to restore from.
             "restore_manifest": restore_plan(session, job) if earlier else None,
+            "checkpoint_interval_steps": intervals.launch_steps(job),
         })
         for node_rank, (node, indices) in enumerate(placement):
             part = {"id": uuid.uuid4(), "attempt_id": attempt_id, "node_id": node.id, "node_rank": node_rank,
@@ -426,12 +427,16 @@ def apply_status(
     _merge_workers(session, attempt, part, report)
     # Progress only moves forward within a part; the views take the furthest part (services/progress.py).
     if report.progress is not None and (part.progress_step is None or report.progress.step >= part.progress_step):
+        _advance(part, report.progress.step, t)
         part.progress_step = report.progress.step
         part.progress_loss = report.progress.loss
         part.progress_at = report.progress.at
         part.progress_metrics = progress_metrics(report.progress.metrics)
         if part.first_progress_at is None:
             part.first_progress_at = t
+            session.info["first_step_at"] = t  # may end a recovery (agent_protocol: its phases)
+    if report.ranks is not None and report.ranks.ranks and _own_ranks(session, part, report):
+        part.ranks, part.ranks_at = report.ranks.model_dump(mode="json"), t
     released = False
     if report.processes_alive is False and part.state in PART_DONE and part.released_at is None:
         released = bool(release_parts(session, [part.id]))
@@ -473,6 +478,35 @@ def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | Non
         _decide(session, job, attempt)
     finish_if_released(session, job, attempt)
     return attempt
+
+
+STEP_TIME_WEIGHT = 0.3
+"""Weight of the newest advance in the smoothed step time (an exponential moving average)."""
+
+
+def _advance(part: AttemptNode, step: int, t: datetime) -> None:
+    """The part's step grew (or was first seen) at ``t``: the hang watchdog's clock and step time,
+    kept on the part so that a report writes only its own node's row. The first advance after the
+    first step is the first measurement (the first step includes the restore)."""
+    before, since = part.progress_step, part.step_advanced_at
+    if before is not None and step <= before:
+        return
+    if before is not None and since is not None and part.first_progress_at is not None:
+        seconds = max((t - since).total_seconds(), 0.0) / (step - before)
+        part.step_time_s = seconds if part.step_time_s is None else (
+            STEP_TIME_WEIGHT * seconds + (1 - STEP_TIME_WEIGHT) * part.step_time_s)
+    part.step_advanced_at = t
+
+
+def _own_ranks(session: Session, part: AttemptNode, report: AttemptStatusReport) -> bool:
+    """Whether the node's rank summary names only its own ranks; one that does not is left out (the
+    rest of the report, its exits above all, still counts)."""
+    assert report.ranks is not None
+    try:
+        check_own_ranks(session, part, {r.rank for r in report.ranks.ranks})
+    except Forbidden:
+        return False
+    return True
 
 
 def _holds_rank_zero(session: Session, part: AttemptNode) -> bool:

@@ -6,6 +6,7 @@ import hashlib
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import and_, func, or_, select, text
 from sqlalchemy.exc import IntegrityError
@@ -121,7 +122,9 @@ def submit(
         entrypoint=body.entrypoint,
         args=body.args,
         env=body.env,
-        checkpoint=body.checkpoint.model_dump(),
+        # when_busy only when it is not the default: the stored block stays what older versions wrote.
+        checkpoint=_checkpoint_block(body),
+        watchdog=body.watchdog.model_dump(mode="json") if body.watchdog else None,
         max_failures=body.max_failures,
         failures=0,
         time_limit_s=body.time_limit_s,
@@ -253,3 +256,14 @@ def cancel(session: Session, job_id: uuid.UUID, principal: Principal) -> Job:
         set_job_state(session, job, "cancelled", f"cancelled by {principal.name}")
     session.commit()
     return job
+
+
+def _checkpoint_block(body: JobSubmit) -> dict[str, Any]:
+    """The checkpoint block as stored: the fields added later only when set, so it stays what older
+    versions wrote for the same request."""
+    block = body.checkpoint.model_dump()
+    if block.get("when_busy") == "wait":
+        del block["when_busy"]
+    if block.get("first_interval_steps") is None:
+        block.pop("first_interval_steps", None)
+    return block

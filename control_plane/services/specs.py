@@ -49,7 +49,7 @@ def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | 
         entrypoint=job.entrypoint,
         args=list(job.args),
         env=dict(job.env),
-        checkpoint=dict(job.checkpoint),
+        checkpoint=_checkpoint(job, attempt),
         layout=Layout.model_validate(job.layout) if job.layout else None,
         restore_from=attempt.restore_manifest,
         launched=part.state != "assigned",
@@ -57,6 +57,15 @@ def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | 
     )
     spec.version = spec_version(spec)
     return spec
+
+
+def _checkpoint(job: Job, attempt: Any) -> dict[str, object]:
+    """The job's checkpoint block; an 'auto' job's with the interval its attempt starts with (fixed per
+    attempt, so the spec's version does not change with each new choice: those come in status answers)."""
+    block = dict(job.checkpoint)
+    if attempt.checkpoint_interval_steps is not None:
+        block["auto_interval_steps"] = attempt.checkpoint_interval_steps
+    return block
 
 
 def spec_version(spec: LaunchSpec) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,6 +25,7 @@ from control_plane.models import (
     Node,
     Worker,
 )
+from control_plane.schemas.goodput import StragglerOut
 from control_plane.schemas.jobs import (
     AllocationEntry,
     AttemptNodeOut,
@@ -43,7 +45,7 @@ from control_plane.schemas.jobs import (
 from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
-from control_plane.services import pages, progress, reservations, tenants
+from control_plane.services import goodput, pages, progress, reservations, tenants, watchdog
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
@@ -77,6 +79,8 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
     ).all()) if jobs else {}
     waiting = _waiting_for(session, jobs, attempts, held)
     done = progress.of_jobs(session, [j.id for j in jobs])
+    figures = goodput.for_jobs(session, jobs)
+    slow = _stragglers(session, [a for a in attempts.values() if a.state != "ended"])
     out = []
     for job in jobs:
         attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
@@ -123,11 +127,35 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 waiting_for=waiting.get(job.id),
                 leases_held=leases.get(job.id, 0),
                 releasing=job.state in JOB_TERMINAL and leases.get(job.id, 0) > 0,
+                watchdog=job.watchdog,
+                checkpoint_interval=job.checkpoint_auto,
+                stragglers=slow.get(attempt.id, []) if attempt is not None else [],
+                goodput=figures.get(job.id),
                 created_at=job.created_at,
                 started_at=job.started_at,
                 ended_at=job.ended_at,
             )
         )
+    return out
+
+
+def _stragglers(session: Session, attempts: list[Attempt]) -> dict[uuid.UUID, list[StragglerOut]]:
+    """The ranks named stragglers in each attempt (still slow), against the median of all its ranks."""
+    named = [p for a in attempts for p in a.nodes if p.straggler_named_at is not None and p.ranks]
+    out: dict[uuid.UUID, list[StragglerOut]] = {}
+    for attempt in {p.attempt_id: a for a in attempts for p in a.nodes if p in named}.values():
+        values = [t.busy_s if t.busy_s is not None else t.step_time_s for t in watchdog.timings(attempt.nodes)]
+        known = [v for v in values if v]
+        peers = statistics.median(known) if known else 0.0
+        for p in attempt.nodes:
+            if p not in named:
+                continue
+            mine = next((r for r in p.ranks["ranks"] if r["rank"] == p.straggler_rank), None)  # type: ignore[index]
+            busy = (mine or {}).get("busy_s") or (mine or {}).get("step_time_s") or 0.0
+            out.setdefault(attempt.id, []).append(StragglerOut(
+                rank=p.straggler_rank or 0, node=p.node.name, node_id=str(p.node_id), busy_s=round(busy, 4),
+                peers_busy_s=round(peers, 4), ratio=round(busy / peers, 3) if peers else 0.0,
+                since=p.straggler_since or p.straggler_named_at))
     return out
 
 
@@ -310,6 +338,7 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
             rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
             restored_from_step=a.restored_from_step,
             progress_step=done[a.id].step,
+            hung_since=a.hung_since,
             progress_metrics=done[a.id].metrics or {},
             recovery=_recovery(previous.get(a.id), a, done),
             created_at=a.created_at,
@@ -378,6 +407,19 @@ def _recovery(prev: Attempt | None, a: Attempt, done: dict[uuid.UUID, progress.P
     )
 
 
+def recovery_phases(session: Session, attempt: Attempt) -> dict[str, float | None] | None:
+    """The phases of the recovery ``attempt`` ended with its first step (None: it followed no failure)."""
+    prev = session.scalars(select(Attempt).where(Attempt.job_id == attempt.job_id,
+                                                 Attempt.number == attempt.number - 1)
+                           .options(selectinload(Attempt.nodes).selectinload(AttemptNode.workers))).first()
+    done = {a.id: progress.of_parts(a.nodes) for a in (prev, attempt) if a is not None}
+    recovery = _recovery(prev, attempt, done)
+    if recovery is None:
+        return None
+    return {"detection": recovery.detection_s, "reallocation": recovery.reallocation_s, "start": recovery.start_s,
+            "restore": recovery.restore_s, "total": recovery.to_first_step_s}
+
+
 def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:
     ids = [n.id for n in nodes]
     gpus = session.scalars(select(Gpu).where(Gpu.node_id.in_(ids)).order_by(Gpu.index)).all() if ids else []
@@ -444,7 +486,9 @@ def _checkpoints_out(session: Session, where: list[Any], limit: int | None) -> l
     return [
         CheckpointOut(id=str(c.id), step=c.step, attempt_id=str(c.attempt_id), attempt_number=number,
                       state=c.state, world_size=c.world_size, size_bytes=c.size_bytes, shards=n or 0,
-                      manifest_key=c.manifest_key, reason=c.reason, created_at=c.created_at,
-                      committed_at=c.committed_at)
+                      manifest_key=c.manifest_key, reason=c.reason, blocking_s=c.blocking_s,
+                      background_s=c.background_s,
+                      upload_bytes_per_s=round(c.size_bytes / c.background_s, 1) if c.background_s else None,
+                      created_at=c.created_at, committed_at=c.committed_at)
         for c, number, n in rows
     ]

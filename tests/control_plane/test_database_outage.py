@@ -19,6 +19,7 @@ from sqlalchemy.engine import make_url
 from control_plane import clock
 from control_plane.app import create_app
 from control_plane.schemas.plans import PLAN_EXAMPLE
+from control_plane.schemas.simulations import SIMULATION_EXAMPLE
 from control_plane.settings import Settings
 from tests.control_plane.access import make_principal
 from tests.e2e.harness import TcpProxy
@@ -68,6 +69,9 @@ REQUESTS: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {
     ("GET", "/v1/join-tokens"): ("admin", None),
     ("POST", "/v1/join-tokens"): ("admin", {}),
     ("DELETE", "/v1/join-tokens/{token_id}"): ("admin", None),
+    # The model itself needs no database; a principal allowed to run it is looked up in it.
+    ("POST", "/v1/simulations"): ("principal", SIMULATION_EXAMPLE),
+    ("GET", "/metrics"): ("admin", None),
 }
 
 

@@ -94,7 +94,8 @@ def make_cluster(tmp_path: Path, fresh_database_url: str, s3_bucket: Any) -> Ite
 
 _reference: dict[tuple[str, ...], dict[str, Any]] = {}
 # tiny_gpt flags that change timing or inject faults, never the weights.
-_NOT_MODEL = {"--step-delay-s", "--ckpt-upload-delay-s", "--ckpt-slow-rank", "--crash-at-step", "--crash-rank"}
+_NOT_MODEL = {"--step-delay-s", "--ckpt-upload-delay-s", "--ckpt-slow-rank", "--crash-at-step", "--crash-rank",
+              "--slow-rank", "--slow-busy-s"}
 _NOT_MODEL_FLAGS = {"--crash-kill", "--crash-once"}
 
 

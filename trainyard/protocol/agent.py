@@ -340,6 +340,40 @@ class Progress(_Wire):
 FencingToken = Annotated[str, Field(min_length=1, max_length=128)]
 
 
+RANK_SILENT_AFTER_S = 3.0
+"""A rank that has sent nothing to its agent for this long is listed as silent. Workers report at
+least every REPORT_KEEPALIVE_S, also while blocked in a collective (from a thread): a rank that is
+silent is stopped or frozen, not waiting for a peer."""
+REPORT_KEEPALIVE_S = 1.0
+CHECKPOINT_AUTO_FIRST_STEPS = 100
+"""An 'auto' job's checkpoint interval before the platform chose one (unless the job's
+``first_interval_steps`` says otherwise)."""
+MAX_NODE_RANKS = 256
+"""The most ranks one node's summary lists: a node's own ranks, never the job's world."""
+
+
+Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
+
+
+class RankStat(_Wire):
+    """One local rank as its agent saw it (worker_runtime/reporting.py sends the figures)."""
+
+    rank: Int32
+    step: Int32
+    step_time_s: Seconds | None = Field(default=None, description="Wall seconds per step, lately.")
+    busy_s: Seconds | None = Field(
+        default=None, description="Seconds per step the rank computed on its own (outside collectives), "
+        "lately; what tells a slow rank from one that waits for it.")
+    silent_s: Seconds = Field(description="Seconds since the rank last reported anything.")
+    stalled_s: Seconds = Field(description="Seconds since its step last advanced.")
+
+
+class RankSummary(_Wire):
+    """A node's ranks of an attempt: it grows with the node's own ranks, never with the world size."""
+
+    ranks: list[RankStat] = Field(default_factory=list, max_length=MAX_NODE_RANKS)
+
+
 class AttemptStatusReport(_Wire):
     fencing_token: FencingToken
     node_rank: Int32
@@ -351,6 +385,9 @@ class AttemptStatusReport(_Wire):
     result: JsonDocument | None = Field(default=None, description="Reported by global rank 0 at the end.")
     error: Annotated[str | None, _clip(MAX_MESSAGE_CHARS)] = Field(
         default=None, description="Why the agent could not launch or run it.")
+    ranks: RankSummary | None = Field(
+        default=None, description="The node's ranks' steps, step and busy times and silences (watchdogs); sent "
+        "with the periodic report, not with every step.")
     processes_alive: bool | None = Field(
         default=None,
         description="False only in a final report (exited or stopped) when the agent found no process of "
@@ -369,6 +406,9 @@ class AttemptStatusReport(_Wire):
 class AttemptStatusAck(_Wire):
     attempt_state: str
     stop: bool = Field(description="True when the agent must stop this attempt's processes.")
+    checkpoint_interval_steps: int | None = Field(
+        default=None, ge=1, description="For a job whose checkpoint interval is 'auto': the interval the platform "
+        "chose now; the agent serves it to its workers (local API), which agree on it at their next save.")
     released: bool = Field(
         default=False,
         description="The part's GPUs are released (the report said no process is left, or a heartbeat "
@@ -404,11 +444,25 @@ class LogAck(_Wire):
 
 
 class LocalProgress(_Wire):
+    """Every rank sends it: global rank 0 with its loss and metrics (the attempt's progress), the
+    others with their step and timings only (the node's RankSummary)."""
+
     fencing_token: FencingToken
     rank: Int32
     step: Int32
     loss: Finite | None = None
     metrics: Metrics = Field(default_factory=dict)
+    step_time_s: float | None = Field(default=None, ge=0, le=1e7, allow_inf_nan=False,
+                                      description="Wall seconds per step since the last report.")
+    busy_s: float | None = Field(default=None, ge=0, le=1e7, allow_inf_nan=False,
+                                 description="Seconds per step spent computing alone.")
+
+
+class LocalCheckpointInterval(_Wire):
+    """``POST /v1/local/attempts/{id}/checkpoint-interval``: the interval the platform chose for an 'auto'
+    job (answer: ``{"interval_steps": N | null}``)."""
+
+    fencing_token: FencingToken
 
 
 class LocalResult(_Wire):
@@ -441,6 +495,10 @@ class ShardInfo(_Wire):
                      "attempt and rank.")
     size_bytes: Int64
     sha256: str = Field(pattern="^[0-9a-f]{64}$")
+    blocking_s: float | None = Field(
+        default=None, ge=0, le=86400, description="How long this save blocked the rank's training loop.")
+    background_s: float | None = Field(
+        default=None, ge=0, le=86400, description="Hashing, upload and report after the loop went on.")
 
 
 class LocalShard(ShardInfo):

@@ -34,13 +34,15 @@ log = logging.getLogger(__name__)
 RESTORED = "checkpoint.restored"
 FALLBACK = "checkpoint.fallback"
 SAVE_FAILED = "checkpoint.save_failed"
+SKIPPED = "checkpoint.skipped"
 RESTORE_FAILED = "checkpoint.restore_failed"
 
 
 class ShardSink(Protocol):
     """Where the checkpoint manager reports shards and events (a fake in tests)."""
 
-    def shard(self, *, step: int, key: str, size_bytes: int, sha256: str) -> bool: ...
+    def shard(self, *, step: int, key: str, size_bytes: int, sha256: str,
+              blocking_s: float | None = None, background_s: float | None = None) -> bool: ...
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> bool: ...
 
@@ -73,8 +75,10 @@ class CheckpointReporter:
         self.committed_steps: set[int] = set()
         """Steps the control plane said are committed (only with ``wait_ack``)."""
 
-    def shard(self, *, step: int, key: str, size_bytes: int, sha256: str) -> bool:
-        """Report an uploaded shard; True if the agent took it."""
+    def shard(self, *, step: int, key: str, size_bytes: int, sha256: str,
+              blocking_s: float | None = None, background_s: float | None = None) -> bool:
+        """Report an uploaded shard, with what the save cost (the loop blocked, then the background
+        part); True if the agent took it."""
         body = {
             "fencing_token": self._ctx.fencing_token,
             "rank": self._ctx.rank,
@@ -83,6 +87,8 @@ class CheckpointReporter:
             "key": key,
             "size_bytes": size_bytes,
             "sha256": sha256,
+            "blocking_s": None if blocking_s is None else round(blocking_s, 6),
+            "background_s": None if background_s is None else round(background_s, 6),
         }
         if self._base is None:
             log.info("checkpoint shard step=%d rank=%d %s (%d bytes)", step, self._ctx.rank, key, size_bytes)
@@ -95,6 +101,24 @@ class CheckpointReporter:
             with self._lock:
                 self.committed_steps.update(int(s) for s in answer["committed_steps"])
         return answer is not None
+
+    def checkpoint_interval(self) -> int | None:
+        """The interval the platform chose for an 'auto' job, as the agent has it (None: none yet, or
+        the agent could not be asked). One short try: a save must not wait on it."""
+        if self._base is None or self.stale:
+            return None
+        try:
+            with agent_client(self._ctx, min(self._timeout, 2.0)) as client:
+                response = client.post(f"{self._base}/checkpoint-interval",
+                                       json={"fencing_token": self._ctx.fencing_token})
+        except httpx.HTTPError as exc:
+            log.info("checkpoint interval not read from the agent (%s); keeping the current one", exc)
+            return None
+        if not response.is_success:
+            return None
+        steps = response.json().get("interval_steps") if response.headers.get("content-type", "").startswith(
+            "application/json") else None
+        return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1 else None
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> bool:
         """Report a checkpoint event; True if the agent took it."""
