@@ -172,6 +172,10 @@ class Job(Base):
     progress_step: Mapped[int | None] = mapped_column(Integer)
     progress_loss: Mapped[float | None] = mapped_column(Float)
     progress_at: Mapped[datetime | None] = _ts()
+    progress_total: Mapped[int | None] = mapped_column(Integer, doc="Total steps, when the script says.")
+    progress_rate: Mapped[float | None] = mapped_column(
+        Float, doc="Steps per second of the current attempt, smoothed over its recent reports.")
+    progress_sampled_at: Mapped[datetime | None] = _ts(doc="Time of the last ProgressSample of the job.")
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     end_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
@@ -213,6 +217,11 @@ class Attempt(Base):
         UUID(as_uuid=True), doc="The checkpoint this attempt restored (its lineage); None: from scratch."
     )
     progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this attempt reported.")
+    progress_metrics: Mapped[dict[str, float] | None] = mapped_column(
+        JSONB, doc="The metrics of that report (lr, tokens/s, ...), finite values only."
+    )
+    failure_kind: Mapped[str | None] = mapped_column(
+        String(32), doc="Why a failed attempt failed, classified (services/exits.py FAILURE_KINDS).")
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
     )
@@ -354,6 +363,23 @@ class Event(Base):
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+
+
+class ProgressSample(Base):
+    """A job's progress over time (the dashboard's loss and throughput chart): one row per
+    ``progress_sample_s`` at most, written with the progress report that crossed it."""
+
+    __tablename__ = "progress_samples"
+    __table_args__ = (Index("ix_progress_samples_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_number: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float)
+    steps_per_s: Mapped[float | None] = mapped_column(Float)
+    metrics: Mapped[dict[str, float]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    at: Mapped[datetime] = _ts(nullable=False)
 
 
 class LogChunk(Base):

@@ -122,7 +122,14 @@ class TransactionRoute(APIRoute):
         super().__init__(path, endpoint, **kwargs)
 
 
+def get_agent_openapi(request: Request) -> dict[str, Any]:
+    """The agents' OpenAPI document (control_plane/openapi.py)."""
+    document: dict[str, Any] = request.app.state.agent_openapi()
+    return document
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+AgentOpenApi = Annotated[dict[str, Any], Depends(get_agent_openapi)]
 SessionDep = Annotated[Session, Depends(get_session)]
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]

@@ -146,10 +146,17 @@ class JobSubmit(BaseModel):
         return v
 
 
-class Progress(BaseModel):
+class JobProgress(BaseModel):
+    """The current attempt's progress as its workers report it."""
+
     step: int | None = None
     loss: float | None = None
     updated_at: datetime | None = Field(default=None, description="Time of the last report.")
+    total_steps: int | None = Field(default=None, description="The steps the script will run, when it says.")
+    steps_per_s: float | None = Field(default=None, description="Step rate of the current attempt, smoothed.")
+    eta_s: float | None = Field(default=None, description="(total_steps - step) / steps_per_s, when both are known.")
+    metrics: dict[str, float] = Field(default_factory=dict, description=(
+        "The current attempt's last reported metrics besides the loss (lr, tokens_per_s, ...)."))
 
 
 class AttemptRef(BaseModel):
@@ -185,7 +192,7 @@ class JobOut(BaseModel):
     model: dict[str, Any] | None = Field(default=None, description="The model block the job was submitted with.")
     layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
     plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
-    progress: Progress
+    progress: JobProgress
     result: dict[str, Any] | None
     end_reason: str | None
     current_attempt: AttemptRef | None
@@ -270,6 +277,12 @@ class AttemptOut(BaseModel):
     rendezvous: str
     restored_from_step: int | None
     progress_step: int | None = Field(description="The last step this attempt reported.")
+    progress_metrics: dict[str, float] = Field(default_factory=dict, description="The metrics of that report.")
+    failure_kind: str | None = Field(default=None, description=(
+        "Why a failed attempt failed: start_error (the script could not start: import or syntax error, missing "
+        "file or module), exception (a Python exception, type and message in end_reason), out_of_memory, "
+        "signal (killed), collective_timeout (NCCL or gloo), exit_code (a plain non-zero exit), node_lost, "
+        "launch_error, time_limit, or other."))
     recovery: RecoveryOut | None = Field(description="Set when this attempt replaced a failed one.")
     created_at: datetime
     started_at: datetime | None
@@ -277,6 +290,20 @@ class AttemptOut(BaseModel):
     failed_at: datetime | None
     ended_at: datetime | None
     nodes: list[AttemptNodeOut]
+
+
+class ProgressSampleOut(BaseModel):
+    attempt_number: int
+    step: int
+    loss: float | None
+    steps_per_s: float | None
+    metrics: dict[str, float]
+    at: datetime
+
+
+class ProgressPage(BaseModel):
+    items: list[ProgressSampleOut] = Field(description="Oldest first.")
+    next_cursor: str | None = Field(description="Pass as `cursor` to get the next page.")
 
 
 class EventOut(BaseModel):
@@ -291,8 +318,9 @@ class EventOut(BaseModel):
 
 
 class EventPage(BaseModel):
-    items: list[EventOut]
-    next_after: int | None = Field(description="Pass as `after` to get newer events.")
+    items: list[EventOut] = Field(description="Oldest first.")
+    next_cursor: str | None = Field(description="Pass as `cursor` to get the next page; null at the end (to "
+                                    "follow newer events later, pass the last item's id as `after`).")
 
 
 class CheckpointOut(BaseModel):

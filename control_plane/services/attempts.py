@@ -23,7 +23,7 @@ from control_plane.clock import now
 from control_plane.db import reload, rowcount
 from control_plane.errors import Forbidden
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
-from control_plane.services import events
+from control_plane.services import events, progress
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
 from control_plane.services.states import (
@@ -325,10 +325,7 @@ def apply_status(
     # Progress only moves forward within an attempt; the job shows its current attempt's, which
     # after a recovery starts again from the restored step.
     if report.progress is not None and (attempt.progress_step is None or report.progress.step >= attempt.progress_step):
-        attempt.progress_step = report.progress.step
-        job.progress_step = report.progress.step
-        job.progress_loss = report.progress.loss
-        job.progress_at = report.progress.at
+        progress.merge(session, job, attempt, report.progress, t)
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
     # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank, so

@@ -200,8 +200,10 @@ def get_visible_job(session: Session, job_id: uuid.UUID, principal: Principal, *
 
 def list_jobs(
     session: Session, *, states: list[str] | None, limit: int, cursor: str | None, tenant: str | None = None,
+    name: str | None = None, tenants: list[str] | None = None,
 ) -> tuple[list[Job], str | None]:
-    """Newest first, keyset-paginated; ``tenant``: that tenant's only."""
+    """Newest first, keyset-paginated; ``tenant``: that tenant's only (the caller's visibility);
+    ``name``, ``tenants``: the caller's filters."""
     for s in states or []:
         if s not in JOB_STATES:
             raise Unprocessable(f"unknown state {s!r}; expected one of {', '.join(JOB_STATES)}", field="state")
@@ -210,6 +212,10 @@ def list_jobs(
         stmt = stmt.where(Job.state.in_(states))
     if tenant is not None:
         stmt = stmt.where(Job.tenant == tenant)
+    if tenants:
+        stmt = stmt.where(Job.tenant.in_(tenants))
+    if name is not None:
+        stmt = stmt.where(Job.name == name)
     if cursor:
         created, jid = pages.decode(cursor, datetime, uuid.UUID)
         stmt = stmt.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < jid)))

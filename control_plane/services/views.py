@@ -33,17 +33,20 @@ from control_plane.schemas.jobs import (
     CheckpointOut,
     CheckpointPage,
     EventOut,
+    EventPage,
     JobOut,
-    Progress,
+    JobProgress,
+    ProgressPage,
+    ProgressSampleOut,
     RecoveryOut,
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
-from control_plane.services import pages, reservations, tenants
+from control_plane.services import events, pages, progress, reservations, tenants
 from control_plane.services.nodes import scheduling_state
-from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
+from control_plane.services.states import JOB_ACTIVE, JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import Layout
 
 log = structlog.get_logger("trainyard.views")
@@ -105,7 +108,11 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 model=job.model,
                 layout=Layout.model_validate(job.layout) if job.layout else None,
                 plan=_stored_plan(job),
-                progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at),
+                progress=JobProgress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at,
+                                     total_steps=job.progress_total, metrics=dict(attempt.progress_metrics or {})
+                                     if attempt is not None else {},
+                                     steps_per_s=round(job.progress_rate, 4) if job.progress_rate else None,
+                                     eta_s=progress.eta_s(job) if job.state in JOB_ACTIVE else None),
                 result=job.result,
                 end_reason=job.end_reason,
                 current_attempt=AttemptRef(id=str(attempt.id), number=attempt.number, state=attempt.state,
@@ -274,6 +281,8 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
             rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
             restored_from_step=a.restored_from_step,
             progress_step=a.progress_step,
+            progress_metrics=dict(a.progress_metrics or {}),
+            failure_kind=a.failure_kind,
             recovery=_recovery(previous.get(a.id), a),
             created_at=a.created_at,
             started_at=a.started_at,
@@ -365,6 +374,23 @@ def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:
                 registered_at=n.registered_at, gpus=by_node.get(n.id, []))
         for n in nodes
     ]
+
+
+def events_page(session: Session, job_id: uuid.UUID, *, after: int, limit: int, cursor: str | None) -> EventPage:
+    """The job's events after id ``after``, oldest first, ``limit`` at a time (keyset on the id)."""
+    if cursor:
+        after = max(after, pages.decode(cursor, pages.int64)[0])
+    items = events.list_events(session, job_id=job_id, after=after, limit=limit + 1)
+    more = len(items) > limit
+    return EventPage(items=[event_out(e) for e in items[:limit]],
+                     next_cursor=pages.encode(items[limit - 1].id) if more else None)
+
+
+def progress_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None) -> ProgressPage:
+    rows, next_cursor = progress.samples(session, job_id, limit=limit, cursor=cursor)
+    return ProgressPage(items=[ProgressSampleOut(attempt_number=r.attempt_number, step=r.step, loss=r.loss,
+                                                 steps_per_s=r.steps_per_s, metrics=dict(r.metrics or {}), at=r.at)
+                               for r in rows], next_cursor=next_cursor)
 
 
 def event_out(e: Event) -> EventOut:

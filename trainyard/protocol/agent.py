@@ -322,6 +322,7 @@ class Progress(_Wire):
     loss: Finite | None = None
     at: datetime
     metrics: Metrics = Field(default_factory=dict)
+    total_steps: Int32 | None = Field(default=None, description="The steps the script will run, when it says.")
 
 
 FencingToken = Annotated[str, Field(min_length=1, max_length=128)]
@@ -377,6 +378,7 @@ class LocalProgress(_Wire):
     step: Int32
     loss: Finite | None = None
     metrics: Metrics = Field(default_factory=dict)
+    total_steps: Int32 | None = None
 
 
 class LocalResult(_Wire):
