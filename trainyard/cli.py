@@ -14,13 +14,14 @@ from typing import Annotated, Any
 
 import typer
 
-from trainyard import cli_access
+from trainyard import cli_access, cli_jobs
+from trainyard.api_client import ApiError
 
 app = typer.Typer(
     name="trainyard",
-    help="Self-hosted multi-node GPU training: control plane, node agents, a local dev cluster, the layout planner.",
+    help="Self-hosted multi-node GPU training: jobs, nodes, a local dev cluster, the layout planner, the "
+    "control plane and node agents.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
 dev_app = typer.Typer(help="A complete cluster on this machine, for trying Trainyard out.", no_args_is_help=True)
@@ -29,6 +30,10 @@ app.add_typer(cli_access.principals_app, name="principals")
 app.add_typer(cli_access.tokens_app, name="tokens")
 app.add_typer(cli_access.join_app, name="join-tokens")
 app.command("whoami")(cli_access.whoami)
+for _command in (cli_jobs.login, cli_jobs.run, cli_jobs.ps, cli_jobs.describe, cli_jobs.logs, cli_jobs.cancel):
+    app.command(rich_help_panel="Jobs")(_command)
+app.add_typer(cli_jobs.nodes_app, name="nodes", rich_help_panel="Cluster")
+app.add_typer(cli_jobs.tenants_app, name="tenants", rich_help_panel="Cluster")
 
 
 class CliError(Exception):
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         if message:  # empty after "no arguments: here is the help"
             print(f"trainyard: error: {message}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except (CliError, cli_access.AccessError) as exc:
+    except (CliError, cli_access.AccessError, ApiError) as exc:
         print(f"trainyard: error: {' '.join(str(exc).split())}", file=sys.stderr)
         sys.exit(exc.code if isinstance(exc, CliError) else 1)
     except KeyboardInterrupt:

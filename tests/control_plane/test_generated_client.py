@@ -26,7 +26,8 @@ def _generate(app, where: Path) -> str:
     done = subprocess.run(
         [os.path.join(bin_dir, "openapi-python-client"), "generate", "--path", str(spec), "--meta", "none",
          "--output-path", str(where / "trainyard_client")],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]})
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]})
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 
