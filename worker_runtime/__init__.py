@@ -18,6 +18,7 @@ from worker_runtime.reporting import Reporter, ReportError, StaleAttemptError
 
 if TYPE_CHECKING:
     from worker_runtime.checkpoint.manager import CheckpointManager
+    from worker_runtime.data import ResumableSampler
     from worker_runtime.distributed import (
         device_of,
         init_distributed,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
         settle_ddp_buckets,
         shutdown_distributed,
     )
+    from worker_runtime.loop import TrainLoop
     from worker_runtime.state import (
         DataPosition,
         RngState,
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "CheckpointManager": "worker_runtime.checkpoint.manager",
+    "ResumableSampler": "worker_runtime.data",
+    "TrainLoop": "worker_runtime.loop",
     "device_of": "worker_runtime.distributed",
     "init_distributed": "worker_runtime.distributed",
     "is_distributed": "worker_runtime.distributed",
@@ -72,10 +76,12 @@ __all__ = [
     "DataPosition",
     "ReportError",
     "Reporter",
+    "ResumableSampler",
     "RngState",
     "StaleAttemptError",
     "Stateful",
     "StepCounter",
+    "TrainLoop",
     "TrainState",
     "WorkerContext",
     "WorldSizeMismatchError",
