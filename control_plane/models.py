@@ -281,6 +281,8 @@ class Worker(Base):
     pid: Mapped[int | None] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16), doc="starting | running | exited")
     exit_code: Mapped[int | None] = mapped_column(Integer)
+    exit_cause: Mapped[str | None] = mapped_column(String(32), doc="trainyard.protocol.exits kind of a failed exit.")
+    exit_message: Mapped[str | None] = mapped_column(Text, doc="The worker's own words for it (its stderr).")
     started_at: Mapped[datetime | None] = _ts()
     ended_at: Mapped[datetime | None] = _ts()
 

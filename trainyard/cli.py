@@ -26,6 +26,9 @@ app = typer.Typer(
 )
 dev_app = typer.Typer(help="A complete cluster on this machine, for trying Trainyard out.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
+dev_node_app = typer.Typer(help="Act on a node of the running `trainyard dev up` (to try fault tolerance by hand).",
+                           no_args_is_help=True)
+dev_app.add_typer(dev_node_app, name="node")
 app.add_typer(cli_access.principals_app, name="principals")
 app.add_typer(cli_access.tokens_app, name="tokens")
 app.add_typer(cli_access.join_app, name="join-tokens")
@@ -275,6 +278,37 @@ def dev_up(
     except DevError as exc:
         raise CliError(str(exc), code=1) from exc
     raise typer.Exit(code)
+
+
+DevDataDir = Annotated[Path, typer.Option(help="The data dir of the running `trainyard dev up`.")]
+
+
+def _dev_node(action: str, node: str, data_dir: Path) -> None:
+    from trainyard.dev_control import ControlError, ask
+
+    try:
+        typer.echo(ask(data_dir.expanduser().resolve(), action, node), err=True)
+    except ControlError as exc:
+        raise CliError(str(exc), code=1) from exc
+
+
+@dev_node_app.command("kill")
+def dev_node_kill(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
+    """SIGKILL a node's agent and every process under it: the node dies (the control plane declares it
+    lost and recovers its jobs on the others)."""
+    _dev_node("kill", node, data_dir)
+
+
+@dev_node_app.command("kill-workers")
+def dev_node_kill_workers(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
+    """SIGKILL a node's training processes only: a crashed worker (its job recovers from its checkpoint)."""
+    _dev_node("kill-workers", node, data_dir)
+
+
+@dev_node_app.command("restart")
+def dev_node_restart(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
+    """Start a killed node's agent again, on its work dir."""
+    _dev_node("restart", node, data_dir)
 
 
 def _parse_labels(items: list[str]) -> dict[str, str]:

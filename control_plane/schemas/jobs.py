@@ -237,6 +237,8 @@ class WorkerOut(BaseModel):
     started_at: datetime | None
     ended_at: datetime | None
     reason: str | None = Field(default=None, description="Why an exit shows no exit code, if it does not.")
+    cause: str | None = Field(default=None, description="Why a non-zero exit happened (see AttemptOut.failure_kind).")
+    message: str | None = Field(default=None, description="The worker's own words for it (the end of its stderr).")
 
 
 class AttemptNodeOut(BaseModel):

@@ -163,19 +163,27 @@ def end_attempt(session: Session, attempt: Attempt, *, outcome: str, reason: str
 
 
 def fail_attempt(
-    session: Session, job: Job, attempt: Attempt, reason: str, *, node_id: uuid.UUID | None = None
+    session: Session, job: Job, attempt: Attempt, reason: str, *, node_id: uuid.UUID | None = None,
+    kind: str = "other",
 ) -> None:
     """End a failed attempt, count the failure, and move the job on (recover or fail).
 
     ``node_id`` is the node blamed for the failure (its worker died first, its torchrun failed, or
     it was lost): a node blamed twice by one job is avoided for that job (scheduler/allocate.py).
+    ``kind`` classifies it (trainyard.protocol.exits.FAILURE_KINDS); a script that cannot start
+    (``start_error``) fails the job at once: another attempt would fail the same way.
     """
     if not end_attempt(session, attempt, outcome="failed", reason=reason):
         return
     attempt.failed_node_id = node_id
+    attempt.failure_kind = kind
     if job.state in JOB_TERMINAL or job.state == "cancelling":
         return
     job.failures = (job.failures or 0) + 1
+    if kind == "start_error":
+        set_job_state(session, job, "failed", f"the script cannot start, so it is not retried: {reason}",
+                      failure_kind=kind)
+        return
     if job.failures > job.max_failures:
         chain = [
             f"attempt {a.number}: {a.end_reason}"
@@ -233,7 +241,7 @@ def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> 
             session, job, attempt,
             f"node rank {part.node_rank} on {name} was not confirmed launching within {timeout_s:g}s "
             "(attempt_launch_timeout_s): its agent never picked it up",
-            node_id=part.node_id,
+            node_id=part.node_id, kind="launch_error",
         )
         failed.append(attempt_id)
     return failed
@@ -375,6 +383,9 @@ def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report
             if ws.state.value == "exited" and w.exit_code is None:
                 w.exit_code = ws.exit_code
                 w.ended_at = ws.ended_at or now()
+                if ws.exit_code not in (0, None):
+                    w.exit_cause = ws.cause or ("signal" if (ws.exit_code or 0) < 0 else "exit_code")
+                    w.exit_message = ws.message
 
 
 def _decide(session: Session, job: Job, attempt: Attempt) -> None:
@@ -386,21 +397,24 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
     rank_node = {p.id: p for p in parts}
     failed = [w for w in workers if w.state == "exited" and w.exit_code not in (0, None)]
     if failed:
-        first = min(failed, key=lambda w: (w.ended_at or now(), w.rank))
+        # A script that cannot start is the cause wherever it shows; otherwise the first to die.
+        first = min(failed, key=lambda w: (w.exit_cause != "start_error", w.ended_at or now(), w.rank))
         part = rank_node[first.attempt_node_id]
+        said = f": {first.exit_message}" if first.exit_message else ""
         fail_attempt(
             session,
             job,
             attempt,
-            f"rank {first.rank} on {names[part.node_id]} exited with code {first.exit_code}",
+            f"rank {first.rank} on {names[part.node_id]} exited with code {first.exit_code}{said}",
             node_id=part.node_id,
+            kind=first.exit_cause or "exit_code",
         )
         return
     for p in parts:
         if p.error or (p.state in PART_DONE and p.exit_code not in (0, None)):
             detail = p.error or f"torchrun exited with code {p.exit_code}"
             fail_attempt(session, job, attempt, f"node rank {p.node_rank} on {names[p.node_id]}: {detail}",
-                         node_id=p.node_id)
+                         node_id=p.node_id, kind="launch_error" if p.error else "exit_code")
             return
     world = attempt.num_gpus
     running = sum(1 for w in workers if w.state in ("running", "exited"))

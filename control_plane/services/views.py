@@ -320,7 +320,8 @@ def _worker_out(part: AttemptNode, w: Worker) -> WorkerOut:
         else:
             reason = "its node confirmed the part's processes gone; no exit was recorded for this worker"
     return WorkerOut(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=state, exit_code=w.exit_code,
-                     started_at=w.started_at, ended_at=w.ended_at, reason=reason)
+                     started_at=w.started_at, ended_at=w.ended_at, reason=reason, cause=w.exit_cause,
+                     message=w.exit_message)
 
 
 def _seconds(start: datetime | None, end: datetime | None) -> float | None:

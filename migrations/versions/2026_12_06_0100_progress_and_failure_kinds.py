@@ -24,6 +24,8 @@ def upgrade() -> None:
     op.add_column("jobs", sa.Column("progress_sampled_at", sa.DateTime(timezone=True), nullable=True))
     op.add_column("attempts", sa.Column("progress_metrics", postgresql.JSONB(astext_type=sa.Text()), nullable=True))
     op.add_column("attempts", sa.Column("failure_kind", sa.String(length=32), nullable=True))
+    op.add_column("workers", sa.Column("exit_cause", sa.String(length=32), nullable=True))
+    op.add_column("workers", sa.Column("exit_message", sa.Text(), nullable=True))
     op.create_table(
         "progress_samples",
         sa.Column("id", sa.BigInteger(), autoincrement=True, nullable=False),
@@ -45,6 +47,8 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index("ix_progress_samples_job_id_id", table_name="progress_samples")
     op.drop_table("progress_samples")
+    op.drop_column("workers", "exit_message")
+    op.drop_column("workers", "exit_cause")
     op.drop_column("attempts", "failure_kind")
     op.drop_column("attempts", "progress_metrics")
     op.drop_column("jobs", "progress_sampled_at")

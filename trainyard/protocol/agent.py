@@ -42,6 +42,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from trainyard.protocol.exits import FAILURE_KINDS
 from trainyard.protocol.layout import Layout
 from trainyard.protocol.limits import (
     INT32_MAX,
@@ -304,6 +305,11 @@ class WorkerStatus(_Wire):
                                   description="Negative: killed by that signal.")
     started_at: datetime | None = None
     ended_at: datetime | None = None
+    cause: str | None = Field(
+        default=None, max_length=32, pattern=r"^[a-z_]+$", description="Why a non-zero exit happened: one of "
+        f"{', '.join(FAILURE_KINDS)} (trainyard.protocol.exits), from the worker's own stderr; set by the rank shim.")
+    message: Annotated[str | None, _clip(MAX_MESSAGE_CHARS)] = Field(
+        default=None, description="The worker's own words for it, e.g. the exception's type and text.")
 
 
 class NodeAttemptState(StrEnum):

@@ -1,0 +1,74 @@
+"""Failures that explain themselves (issue 13): a worker whose script cannot start fails its job at
+once (no retries) with the worker's own words in end_reason; other failures are classified on the
+attempt and retried; progress carries total steps, a step rate and an ETA."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from tests.control_plane.helpers import get_job, submit
+from tests.factories import ADMIN, FakeAgentSession, workers_for
+
+
+def _exit(agent: FakeAgentSession, spec: dict, cause: str, message: str) -> None:
+    workers = workers_for(spec, "exited", 1)
+    workers[0].update(cause=cause, message=message)
+    r = agent.status(spec, "exited", exit_code=1, workers=workers)
+    assert r.status_code == 200, r.text
+
+
+def test_a_script_that_cannot_start_fails_its_job_at_once(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1, max_failures=3)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    _exit(agent, spec, "start_error", "ModuleNotFoundError: No module named 'trian' (train.py line 3)")
+    after = get_job(client, job["id"])
+    assert after["state"] == "failed" and after["failures"] == 1
+    assert "cannot start" in after["end_reason"] and "No module named 'trian'" in after["end_reason"]
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "start_error"
+    worker = attempt["nodes"][0]["workers"][0]
+    assert worker["cause"] == "start_error" and "trian" in worker["message"]
+
+
+def test_other_failures_are_classified_and_retried(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1, max_failures=3)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    _exit(agent, spec, "exception", "ValueError: lr must be positive (train.py line 9)")
+    after = get_job(client, job["id"])
+    assert after["state"] == "recovering" and after["failures"] == 1
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "exception"
+    assert attempt["end_reason"] == ("rank 0 on node-1 exited with code 1: "
+                                     "ValueError: lr must be positive (train.py line 9)")
+    # A signal without a classification from the shim (an older agent) is still named.
+    agent.heartbeat([])
+    schedule()
+    spec2 = next(s for s in agent.heartbeat()["assignments"] if s["attempt_id"] != spec["attempt_id"])
+    agent.status(spec2, "exited", exit_code=1, workers=workers_for(spec2, "exited", -9))
+    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempts[1]["failure_kind"] == "signal"
+
+
+def test_progress_has_total_rate_eta_metrics_and_a_history(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    t = datetime.now(UTC)
+    for i, step in enumerate((10, 20, 40)):
+        agent.status(spec, "running", workers=workers_for(spec, "running"), progress={
+            "step": step, "loss": 3.0 - i, "at": (t + timedelta(seconds=10 * i)).isoformat(), "total_steps": 240,
+            "metrics": {"tokens_per_s": 1000.0 + i}})
+    progress = get_job(client, job["id"])["progress"]
+    # Rates 1/s then 2/s, smoothed with weight 0.3 on the newest: 1.3 steps/s; 200 steps to go.
+    assert progress["total_steps"] == 240 and progress["step"] == 40
+    assert abs(progress["steps_per_s"] - 1.3) < 1e-6 and abs(progress["eta_s"] - 200 / 1.3) < 0.1
+    assert progress["metrics"] == {"tokens_per_s": 1002.0}
+    history = client.get(f"/v1/jobs/{job['id']}/progress", headers=ADMIN).json()
+    # The first report of the attempt is always sampled; the rest at most every SAMPLE_S of control-plane time.
+    assert history["items"][0]["step"] == 10 and history["items"][0]["attempt_number"] == 1
+    assert history["next_cursor"] is None
