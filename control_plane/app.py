@@ -11,14 +11,14 @@ import anyio.to_thread
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import clock, openapi
-from control_plane.api import agent, docs, health, jobs, join_tokens, nodes, plans, principals, tenants
+from control_plane.api import agent, docs, health, jobs, join_tokens, nodes, plans, principals, tenants, ui
 from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthorized
@@ -86,7 +86,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         raise exc
 
     @app.exception_handler(TrainyardError)
-    async def _domain(request: Request, exc: TrainyardError) -> JSONResponse:
+    async def _domain(request: Request, exc: TrainyardError) -> Response:
+        if request.url.path.startswith("/ui") and "text/html" in request.headers.get("accept", ""):
+            return ui.error_page(request, exc.status, exc.detail)  # a browser: a page, or the login
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
         if isinstance(exc, TooMany):
             headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
@@ -227,7 +229,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.worker_storage = worker_storage(settings)
     app.state.log_followers = Followers(settings.log_followers_per_principal)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, tenants, plans, principals, join_tokens, agent, docs):
+    for module in (health, jobs, nodes, tenants, plans, principals, join_tokens, agent, docs, ui):
         app.include_router(module.router)
     _document_policies(app)
     openapi.install(app, API_DESCRIPTION)
