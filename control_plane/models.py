@@ -218,10 +218,10 @@ class Attempt(Base):
     )
     progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this attempt reported.")
     progress_metrics: Mapped[dict[str, float] | None] = mapped_column(
-        JSONB, doc="The metrics of that report (lr, tokens/s, ...), finite values only."
+        JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
     )
     failure_kind: Mapped[str | None] = mapped_column(
-        String(32), doc="Why a failed attempt failed, classified (services/exits.py FAILURE_KINDS).")
+        String(32), doc="Why a failed attempt failed, classified (trainyard.protocol.exits FAILURE_KINDS).")
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
     )

@@ -18,6 +18,7 @@ from worker_runtime.reporting import Reporter, ReportError, StaleAttemptError
 
 if TYPE_CHECKING:
     from worker_runtime.checkpoint.manager import CheckpointManager
+    from worker_runtime.comm_meter import CommMeter
     from worker_runtime.data import ResumableSampler
     from worker_runtime.distributed import (
         device_of,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
         settle_ddp_buckets,
         shutdown_distributed,
     )
+    from worker_runtime.layouts import LayoutError, ParallelModel, apply_layout
     from worker_runtime.loop import TrainLoop
     from worker_runtime.state import (
         DataPosition,
@@ -43,6 +45,10 @@ _LAZY = {
     "CheckpointManager": "worker_runtime.checkpoint.manager",
     "ResumableSampler": "worker_runtime.data",
     "TrainLoop": "worker_runtime.loop",
+    "CommMeter": "worker_runtime.comm_meter",
+    "LayoutError": "worker_runtime.layouts",
+    "ParallelModel": "worker_runtime.layouts",
+    "apply_layout": "worker_runtime.layouts",
     "device_of": "worker_runtime.distributed",
     "init_distributed": "worker_runtime.distributed",
     "is_distributed": "worker_runtime.distributed",
@@ -73,6 +79,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CheckpointManager",
+    "CommMeter",
+    "LayoutError",
+    "ParallelModel",
     "DataPosition",
     "ReportError",
     "Reporter",
@@ -85,6 +94,7 @@ __all__ = [
     "TrainState",
     "WorkerContext",
     "WorldSizeMismatchError",
+    "apply_layout",
     "capture_rng_state",
     "device_of",
     "init_distributed",

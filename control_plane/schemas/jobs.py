@@ -156,7 +156,29 @@ class JobProgress(BaseModel):
     steps_per_s: float | None = Field(default=None, description="Step rate of the current attempt, smoothed.")
     eta_s: float | None = Field(default=None, description="(total_steps - step) / steps_per_s, when both are known.")
     metrics: dict[str, float] = Field(default_factory=dict, description=(
-        "The current attempt's last reported metrics besides the loss (lr, tokens_per_s, ...)."))
+        "The current attempt's last reported metrics: the measured split of a step, in seconds per "
+        "optimizer step and bytes (step_s, compute_s, comm_s: exposed communication, comm_busy_s, "
+        "comm_bytes; means over ranks and over the steps since the previous report), and whatever "
+        "else the script reports (lr, ...)."))
+
+
+class StepSplitOut(BaseModel):
+    """One optimizer step split into compute and exposed (not overlapped) communication, seconds."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float
+    comm_share: float = Field(description="comm_s / step_s.")
+
+
+class SplitOut(BaseModel):
+    """The plan's predicted step next to the step the workers measured."""
+
+    predicted: StepSplitOut | None = Field(description="From the plan's row for the job's own count "
+                                           "(compute_s, exposed_comm_s, step_s); null without a plan.")
+    measured: StepSplitOut | None = Field(description="From the current attempt's progress.metrics; null until "
+                                          "the workers report them.")
+    step_ratio: float | None = Field(description="measured / predicted step time.")
 
 
 class AttemptRef(BaseModel):
@@ -193,6 +215,7 @@ class JobOut(BaseModel):
     layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
     plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
     progress: JobProgress
+    split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None
     end_reason: str | None
     current_attempt: AttemptRef | None
@@ -279,7 +302,7 @@ class AttemptOut(BaseModel):
     rendezvous: str
     restored_from_step: int | None
     progress_step: int | None = Field(description="The last step this attempt reported.")
-    progress_metrics: dict[str, float] = Field(default_factory=dict, description="The metrics of that report.")
+    progress_metrics: dict[str, float] = Field(description="The metrics of that report (see JobProgress.metrics).")
     failure_kind: str | None = Field(default=None, description=(
         "Why a failed attempt failed: start_error (the script could not start: import or syntax error, missing "
         "file or module), exception (a Python exception, type and message in end_reason), out_of_memory, "

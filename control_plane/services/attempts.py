@@ -336,8 +336,9 @@ def apply_status(
         progress.merge(session, job, attempt, report.progress, t)
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
-    # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank, so
-    # the part that holds worker rank 0 (as reported, checked by _merge_workers) is the one.
+    # Global rank 0 reports the result. The agent pins torchrun's node order (node_agent/launcher.py)
+    # so it runs on node rank 0, but another launcher may put it elsewhere: the part that holds
+    # worker rank 0 (as reported, checked by _merge_workers) is the one.
     if report.result is not None and job.result is None:
         if not _holds_rank_zero(session, part):
             raise Forbidden(f"node rank {part.node_rank} does not run global rank 0: only that node reports the "

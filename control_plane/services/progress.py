@@ -3,7 +3,9 @@ metrics, and a sampled history for charts (the dashboard's loss and throughput).
 
 from __future__ import annotations
 
+import math
 import uuid
+from collections.abc import Mapping
 from datetime import datetime
 
 from sqlalchemy import select
@@ -31,7 +33,7 @@ def merge(session: Session, job: Job, attempt: Attempt, progress: Progress, t: d
             job.progress_rate = rate if job.progress_rate is None else (
                 RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * job.progress_rate)
     attempt.progress_step = progress.step
-    attempt.progress_metrics = dict(progress.metrics)
+    attempt.progress_metrics = stored_metrics(progress.metrics)
     job.progress_step = progress.step
     job.progress_loss = progress.loss
     job.progress_at = progress.at
@@ -41,7 +43,14 @@ def merge(session: Session, job: Job, attempt: Attempt, progress: Progress, t: d
         job.progress_sampled_at = t
         session.add(ProgressSample(job_id=job.id, attempt_number=attempt.number, step=progress.step,
                                    loss=progress.loss, steps_per_s=job.progress_rate,
-                                   metrics=dict(progress.metrics), at=progress.at))
+                                   metrics=stored_metrics(progress.metrics) or {}, at=progress.at))
+
+
+def stored_metrics(metrics: Mapping[str, float]) -> dict[str, float] | None:
+    """What is stored of a report's metrics: the wire contract bounds them (at most MAX_METRICS
+    finite values under short names, trainyard/protocol/limits.py); JSONB holds no NaN or
+    infinity, so a non-finite value that got past it is dropped rather than failing the report."""
+    return {name: float(value) for name, value in sorted(metrics.items()) if math.isfinite(value)} or None
 
 
 def eta_s(job: Job) -> float | None:

@@ -1,8 +1,8 @@
-"""Progress a person can read (total steps, smoothed step rate, the latest metrics per attempt, a
-sampled history for charts) and failed attempts classified by cause
+"""Progress a person can read (total steps, smoothed step rate, a sampled history for charts) and
+failed attempts and workers classified by cause
 
 Revision ID: 0100
-Revises: 0050
+Revises: 0030
 Create Date: 2026-12-06 01:00:00
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0100"
-down_revision = "0050"
+down_revision = "0030"
 branch_labels = None
 depends_on = None
 
@@ -22,7 +22,6 @@ def upgrade() -> None:
     op.add_column("jobs", sa.Column("progress_total", sa.Integer(), nullable=True))
     op.add_column("jobs", sa.Column("progress_rate", sa.Float(), nullable=True))
     op.add_column("jobs", sa.Column("progress_sampled_at", sa.DateTime(timezone=True), nullable=True))
-    op.add_column("attempts", sa.Column("progress_metrics", postgresql.JSONB(astext_type=sa.Text()), nullable=True))
     op.add_column("attempts", sa.Column("failure_kind", sa.String(length=32), nullable=True))
     op.add_column("workers", sa.Column("exit_cause", sa.String(length=32), nullable=True))
     op.add_column("workers", sa.Column("exit_message", sa.Text(), nullable=True))
@@ -50,7 +49,6 @@ def downgrade() -> None:
     op.drop_column("workers", "exit_message")
     op.drop_column("workers", "exit_cause")
     op.drop_column("attempts", "failure_kind")
-    op.drop_column("attempts", "progress_metrics")
     op.drop_column("jobs", "progress_sampled_at")
     op.drop_column("jobs", "progress_rate")
     op.drop_column("jobs", "progress_total")

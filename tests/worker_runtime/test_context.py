@@ -102,7 +102,7 @@ def test_standalone_device_follows_the_machine() -> None:
 def test_reads_torchrun_and_trainyard_variables() -> None:
     ctx = WorkerContext.from_env(FULL_ENV)
     assert ctx.rank == 5 and ctx.local_rank == 1 and ctx.world_size == 8 and ctx.local_world_size == 4
-    assert ctx.group_rank == 1 and ctx.node_rank == 0  # c10d may order nodes unlike the control plane
+    assert ctx.group_rank == 1 and ctx.node_rank == 0  # c10d (another launcher) may reorder nodes
     assert (ctx.job_id, ctx.job_name, ctx.attempt_id, ctx.attempt_number) == ("job-1", "tiny", "att-3", 2)
     assert ctx.fencing_token == "tok"
     assert ctx.agent_url == "http://10.0.0.2:7070"
