@@ -18,7 +18,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import clock, openapi
-from control_plane.api import agent, docs, health, jobs, join_tokens, nodes, plans, principals, tenants, ui
+from control_plane.api import agent, code, docs, health, jobs, join_tokens, nodes, plans, principals, tenants, ui
 from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthorized
@@ -229,13 +229,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.worker_storage = worker_storage(settings)
     app.state.log_followers = Followers(settings.log_followers_per_principal)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, tenants, plans, principals, join_tokens, agent, docs, ui):
+    for module in (health, jobs, code, nodes, tenants, plans, principals, join_tokens, agent, docs, ui):
         app.include_router(module.router)
     _document_policies(app)
     openapi.install(app, API_DESCRIPTION)
     app.mount(docs.SWAGGER, StaticFiles(directory=swagger_ui_path()), name="swagger-ui")
     app.mount(docs.VENDOR, StaticFiles(directory=openapi.STATIC_DIR), name="vendor")
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes,
+                       larger={"/v1/code/": settings.max_code_bytes})
     return app
 
 

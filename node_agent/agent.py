@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import Callable
 from http import HTTPStatus
+from pathlib import Path
 from types import FrameType
 
 import structlog
@@ -43,11 +44,13 @@ from node_agent import credential, processes
 from node_agent.attempt import AttemptRun, attempt_paths
 from node_agent.client import (
     ControlPlaneClient,
+    ControlPlaneError,
     ControlPlaneUnavailable,
     RequestRejected,
     StaleAttempt,
     Unauthorized,
 )
+from node_agent.code import CodeUnavailable, cached_archive
 from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource, gpu_source
 from node_agent.launcher import NodeContext
@@ -496,6 +499,7 @@ class Agent:
 
     def _launch(self, spec: LaunchSpec) -> None:
         assert self._node is not None
+        archive, code_problem = self._code(spec)  # fetched outside the lock: the loops go on meanwhile
         with self._runs_lock:
             if spec.attempt_id in self._known or self._stop_event.is_set():
                 return
@@ -515,12 +519,12 @@ class Agent:
                                         stop_grace_s=grace, create_dir=False)
             else:
                 try:
-                    problem = self._spec_problem(spec)
+                    problem = self._spec_problem(spec) or code_problem
                     if problem is not None:
                         self.log.error("attempt_not_runnable", attempt_id=spec.attempt_id, problem=problem)
                         run = AttemptRun.failed(spec, paths, problem, stop_grace_s=grace)
                     else:
-                        run = AttemptRun.launch(spec, self._node, paths, stop_grace_s=grace)
+                        run = AttemptRun.launch(spec, self._node, paths, stop_grace_s=grace, code_archive=archive)
                 except FileExistsError:
                     if paths.root.is_dir():
                         # Launched here before (adoption missed it): never launched twice.
@@ -535,6 +539,17 @@ class Agent:
                     run = AttemptRun.failed(spec, paths, reason, stop_grace_s=grace, create_dir=False)
             self._runs[spec.attempt_id] = run
             self.reports.register(spec.attempt_id, spec.fencing_token)
+
+    def _code(self, spec: LaunchSpec) -> tuple[Path | None, str | None]:
+        """The job's code archive in this node's cache (fetched once per content hash), or why not."""
+        if spec.code is None or spec.launched or spec.attempt_id in self._known:
+            return None, None
+        ref = spec.code
+        try:
+            return cached_archive(self.config.work_dir, ref, lambda: self.client.fetch_code(spec.attempt_id)), None
+        except (CodeUnavailable, ControlPlaneError, OSError) as exc:
+            self.log.error("code_fetch_failed", attempt_id=spec.attempt_id, error=str(exc))
+            return None, f"the job's code {ref.sha256[:12]} could not be fetched: {exc}"
 
     # --- supervise loop ---
 

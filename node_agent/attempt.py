@@ -15,6 +15,7 @@ directory exists, the attempt is never launched again on this node.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ import structlog
 from pydantic import ValidationError
 
 from node_agent import processes
+from node_agent.code import CodeUnavailable, unpack
 from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
 from node_agent.logs import LogTailer
 from node_agent.rank_shim import write_json_atomic
@@ -89,14 +91,26 @@ class AttemptRun:
     # --- creation ---
 
     @classmethod
-    def launch(cls, spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, stop_grace_s: float) -> AttemptRun:
-        """Create the attempt directory and start torchrun. Raises FileExistsError if the directory
-        exists: that attempt has been launched here before and must never be launched again."""
+    def launch(cls, spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, stop_grace_s: float,
+               code_archive: Path | None = None) -> AttemptRun:
+        """Create the attempt directory, unpack the job's shipped code into it (``code_archive``: the
+        workers then run there) and start torchrun. Raises FileExistsError if the directory exists:
+        that attempt has been launched here before and must never be launched again."""
         paths.root.mkdir(parents=True, exist_ok=False)
         run = cls(spec, paths, stop_grace_s=stop_grace_s)
         run._persist()  # before starting: a crash in between must still leave the id taken
         try:
-            proc = start_torchrun(spec, node, paths)
+            cwd = None
+            if code_archive is not None:
+                cwd = unpack(code_archive, paths.root / "code")
+                node = dataclasses.replace(node, cwd=str(cwd))
+            proc = start_torchrun(spec, node, paths, cwd=cwd)
+        except CodeUnavailable as exc:
+            run.log.error("code_unpack_failed", error=str(exc))
+            run.error = str(exc)
+            run.torchrun_done, run.alive = True, False
+            run._persist()
+            return run
         except OSError as exc:
             run.log.error("launch_failed", error=str(exc))
             run.error = f"could not start torchrun: {exc}"

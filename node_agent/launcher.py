@@ -227,17 +227,18 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict
     return env
 
 
-def start_torchrun(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> subprocess.Popen[bytes]:
+def start_torchrun(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths,
+                   cwd: Path | None = None) -> subprocess.Popen[bytes]:
     """Start torchrun in its own session, so that a Ctrl-C or signal aimed at the agent's group
     spares it (the agent stops workers itself, or leaves them for its successor). torchrun puts
     each rank in yet another session: processes.py finds them all. The attempt directory must
-    already exist."""
+    already exist. ``cwd``: where the workers run (the job's unpacked code), else the attempt dir."""
     paths.status_dir.mkdir(exist_ok=True)
     paths.log_dir.mkdir(exist_ok=True)
     with paths.torchrun_stdout.open("ab") as out, paths.torchrun_stderr.open("ab") as err:
         return subprocess.Popen(
             torchrun_command(spec, node, paths),
-            cwd=paths.root,
+            cwd=cwd or paths.root,
             env=worker_env(spec, node, paths),
             stdin=subprocess.DEVNULL,
             stdout=out,

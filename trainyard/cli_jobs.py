@@ -99,8 +99,9 @@ def run(
         body["name"] = name
     api = Api.from_options(url, token_file)
     if workdir is not None:
-        raise ApiError(f"{spec_file}: workdir is not supported yet; install the code on the nodes and name "
-                       "its module or file in entrypoint")
+        from trainyard.code_ship import ship
+
+        body["code"] = ship(api, workdir)
     job = api.post("/v1/jobs", body, headers={"Idempotency-Key": idempotency_key or str(uuid.uuid4())})
     print(f"job {job['name']} {job['id']} {job['state']}", file=sys.stderr)
     print(job["id"], flush=True)

@@ -46,6 +46,20 @@ class CheckpointSettings(BaseModel):
     keep_last: int = Field(default=3, ge=1, le=1000, description="Committed checkpoints to keep.")
 
 
+class CodeIn(BaseModel):
+    """Code uploaded with PUT /v1/code/{sha256} (what `trainyard run` does with a job file's
+    `workdir`): the workers run in it, unpacked on each node, and the entrypoint is resolved inside it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    sha256: str = Field(pattern="^[0-9a-f]{64}$", description="sha256 of the uploaded archive (tar.gz).")
+
+
+class CodeOut(BaseModel):
+    sha256: str
+    size_bytes: int
+
+
 class JobSubmit(BaseModel):
     """A training job: `num_nodes` x `gpus_per_node` workers started together."""
 
@@ -83,6 +97,8 @@ class JobSubmit(BaseModel):
         "better. The plan is shown with the job."))
     layout: Layout | None = Field(default=None, description=(
         "The parallel layout the workers apply (TRAINYARD_LAYOUT); default: DDP without accumulation."))
+    code: CodeIn | None = Field(default=None, description=(
+        "Code to run in (uploaded before with PUT /v1/code/{sha256}); default: the code on the nodes."))
 
     @field_validator("layout")
     @classmethod
@@ -214,6 +230,7 @@ class JobOut(BaseModel):
     model: dict[str, Any] | None = Field(default=None, description="The model block the job was submitted with.")
     layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
     plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
+    code: CodeOut | None = Field(default=None, description="The shipped code its workers run in, if any.")
     progress: JobProgress
     split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None

@@ -6,6 +6,7 @@ import hashlib
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import and_, func, or_, select, text
 from sqlalchemy.exc import IntegrityError
@@ -17,7 +18,7 @@ from control_plane.clock import now
 from control_plane.errors import Forbidden, IdempotencyMismatch, InvalidState, NotFound, TooMany, Unprocessable
 from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
-from control_plane.services import events, pages, plans
+from control_plane.services import code, events, pages, plans
 from control_plane.services.states import ATTEMPT_HOLDING, JOB, JOB_TERMINAL, can_transition, set_job_state
 from trainyard.protocol.layout import Layout
 
@@ -63,12 +64,19 @@ def check_fits_cluster(session: Session, body: JobSubmit) -> None:
 
 def submit(
     session: Session, body: JobSubmit, *, principal: Principal, idempotency_key: str | None,
-    rate: SubmitRate | None = None, plan_min_efficiency: float = 0.7,
+    rate: SubmitRate | None = None, plan_min_efficiency: float = 0.7, store: Any = None,
 ) -> tuple[Job, bool]:
     """Create a queued job for the principal's tenant (an admin may name another). Returns (job,
     created); a retried submit returns the first job. A job with a model block is planned first
     (services/plans.py): refused when its layout does not fit, queued with a warning event for each
-    way fewer GPUs would do better."""
+    way fewer GPUs would do better. Shipped code must have been uploaded for the job's tenant: checked
+    in the object ``store`` first, before any transaction."""
+    shipped = None
+    if body.code is not None:
+        try:
+            shipped = code.for_job(store, authz.submit_tenant(principal, body.tenant), body.code.sha256)
+        except ValueError as exc:
+            raise Forbidden(str(exc)) from exc
     digest = _request_hash(body)
     if idempotency_key is not None:
         existing = session.scalar(
@@ -113,6 +121,7 @@ def submit(
         model=body.model.model_dump(mode="json", exclude_none=True) if body.model else None,
         layout=body.layout.model_dump(mode="json") if body.layout else None,
         plan=job_plan.model_dump(mode="json") if job_plan else None,
+        code=shipped,
         idempotency_key=idempotency_key,
         request_hash=digest,
         created_at=now(),

@@ -22,6 +22,7 @@ from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_START
 from control_plane.settings import Settings
 from trainyard.protocol.agent import (
     AssignmentRef,
+    CodeRef,
     HeartbeatRequest,
     KnownAssignment,
     LaunchSpec,
@@ -233,6 +234,7 @@ def assignments(session: Session, node: Node, storage: dict[str, object] | None)
                 env=dict(job.env),
                 checkpoint=dict(job.checkpoint),
                 layout=Layout.model_validate(job.layout) if job.layout else None,
+                code=CodeRef.model_validate(job.code) if job.code else None,
                 restore_from=attempt.restore_manifest,
                 launched=part.state != "assigned",
                 storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},

@@ -62,8 +62,8 @@ def test_a_body_that_is_not_json_gets_the_same_status_and_its_line_and_column_on
     body = b'{"name": "x",\n  "num_nodes": 1,,\n}'
     seen = 0
     for route in api_routes(app.routes):
-        if not ({"POST", "PUT"} & route.methods) or route.body_field is None:
-            continue
+        if not ({"POST", "PUT"} & route.methods) or route.body_field is None or route.path.startswith("/ui"):
+            continue  # the dashboard's forms are not JSON
         path = re.sub(r"\{(\w+)\}", lambda m: "x" if m.group(1) == "name" else
                       "00000000-0000-0000-0000-000000000000", route.path)
         headers = agent.headers if path.startswith("/v1/agent") else ADMIN

@@ -43,7 +43,7 @@ def world(client):
 
 
 def _path(route: APIRoute, world: dict, job: str) -> str:
-    values = {"job_id": job, "node_id": world["agent"].node_id, "name": "throwaway",
+    values = {"job_id": job, "node_id": world["agent"].node_id, "name": "throwaway", "sha256": "0" * 64,
               "token_id": str(uuid.uuid4()), "attempt_id": str(uuid.uuid4())}
     if route.path.startswith("/v1/tenants/"):
         values["name"] = "vision"

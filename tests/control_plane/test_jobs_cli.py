@@ -114,6 +114,11 @@ def test_login_run_ps_describe_logs_cancel_nodes_tenants(settings, tmp_path, mon
         spec_file.write_text(JOB_YAML.replace("num_nodes: 1", "num_nodes: 0"))
         code, out, err = _run(["run", str(spec_file)], capsys)
         assert code == 1 and err.startswith("trainyard: error: 422: num_nodes:") and len(err.splitlines()) == 1, err
+        (tmp_path / "code").mkdir()
+        (tmp_path / "code" / "train.py").write_text("print('hi')\n")
+        spec_file.write_text(JOB_YAML + "workdir: code\n")
+        code, out, err = _run(["run", str(spec_file)], capsys)  # this control plane has no S3
+        assert code == 1 and "code shipping needs S3" in err and len(err.splitlines()) == 1, err
         config.chmod(0o644)
         code, out, err = _run(["ps"], capsys)
         assert code == 1 and "readable by others" in err

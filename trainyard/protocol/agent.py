@@ -206,6 +206,15 @@ class RestorePlan(_Wire):
     candidates: list[RestoreCandidate] = Field(default_factory=list, max_length=RESTORE_CANDIDATES_MAX)
 
 
+class CodeRef(_Wire):
+    """The job's shipped code: an archive (tar.gz) the agent fetches once per content hash
+    (``GET /v1/agent/attempts/{attempt_id}/code``), checks, and unpacks into the attempt's directory;
+    the workers run there and the entrypoint is resolved inside it."""
+
+    sha256: str = Field(pattern="^[0-9a-f]{64}$")
+    size_bytes: Int64
+
+
 class LaunchSpec(_Wire):
     """Everything an agent needs to start its part of an attempt."""
 
@@ -234,6 +243,7 @@ class LaunchSpec(_Wire):
         description="Restore plan: references to at most RESTORE_CANDIDATES_MAX usable checkpoints "
         "(not their manifests), or None.",
     )
+    code: CodeRef | None = Field(default=None, description="Shipped code to run in, or None (the node's own).")
     launched: bool = Field(
         default=False,
         description="An agent already reported this part as started (perhaps a previous agent instance "
