@@ -147,7 +147,7 @@ def logs(
     stream: Annotated[str | None, typer.Option(help="stdout or stderr (default: both).")] = None,
     url: Url = None, token_file: TokenFile = None,
 ) -> None:
-    """A job's worker logs, each line prefixed with [attempt node rank]; -f follows them with live
+    """A job's worker logs, each line prefixed with its attempt, node rank and rank; -f follows them with live
     progress (on a terminal) and ends with the job, exit status 1 when it failed."""
     api = Api.from_options(url, token_file)
     job = api.find_job(job_ref)
