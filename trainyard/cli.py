@@ -301,7 +301,7 @@ def dev_node_kill(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> N
 
 @dev_node_app.command("kill-workers")
 def dev_node_kill_workers(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
-    """SIGKILL a node's training processes only: a crashed worker (its job recovers from its checkpoint)."""
+    """SIGKILL a node's workers only: crashed training processes (the job recovers from its checkpoint)."""
     _dev_node("kill-workers", node, data_dir)
 
 

@@ -73,10 +73,10 @@ def descendants(pid: int) -> list[Any]:
 
 
 def is_training(proc: Any) -> bool:
-    """A node's training processes: torchrun and everything under it (the rank shims, the workers)."""
+    """A node's training processes: the workers themselves, each the child of its rank shim. Killing
+    them is a crash the shims record (exit -9), as when a worker dies; torchrun stops the rest."""
     try:
-        return any("torch.distributed.run" in part or "rank_shim" in part for part in proc.cmdline()) or any(
-            "torch.distributed.run" in " ".join(parent.cmdline()) for parent in proc.parents())
+        return any("rank_shim" in part for part in proc.parent().cmdline())
     except Exception:
         return False
 

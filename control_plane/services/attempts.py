@@ -33,6 +33,7 @@ from control_plane.services.states import (
     NODE_UNREACHABLE,
     PART_DONE,
     PART_ORDER,
+    PART_STARTED,
     PART_UNLAUNCHED,
     advance_part,
     set_attempt_state,
@@ -389,6 +390,17 @@ def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report
                     w.exit_message = ws.message
 
 
+CONSEQUENCE_GRACE_S = 3.0
+"""How long a failure that looks like the consequence of another (a collective error) waits for the
+cause's report before it is decided on its own."""
+
+
+def _recent(failed: Sequence[Worker]) -> bool:
+    # ended_at is the node's clock: a clock ahead of ours (negative age) never defers the decision.
+    ages = [(now() - w.ended_at).total_seconds() for w in failed if w.ended_at is not None]
+    return bool(ages) and all(0 <= age < CONSEQUENCE_GRACE_S for age in ages)
+
+
 def _decide(session: Session, job: Job, attempt: Attempt) -> None:
     parts = session.scalars(
         select(AttemptNode).where(AttemptNode.attempt_id == attempt.id).order_by(AttemptNode.node_rank)
@@ -397,9 +409,18 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
     names = {n.id: n.name for n in session.scalars(select(Node).where(Node.id.in_([p.node_id for p in parts])))}
     rank_node = {p.id: p for p in parts}
     failed = [w for w in workers if w.state == "exited" and w.exit_code not in (0, None)]
+    if (failed and all(w.exit_cause == "collective_timeout" for w in failed) and _recent(failed)
+            and any(p.state in PART_STARTED for p in parts)):
+        # A lost peer or a collective that timed out is usually the consequence of another rank's
+        # failure, whose report may be a moment behind: give it that moment, so that the rank that
+        # failed first is blamed, not its peers. A part still running resends its status every
+        # interval (and a lost node is failed by the monitor), so the decision comes.
+        return
     if failed:
-        # A script that cannot start is the cause wherever it shows; otherwise the first to die.
-        first = min(failed, key=lambda w: (w.exit_cause != "start_error", w.ended_at or now(), w.rank))
+        # A script that cannot start is the cause wherever it shows; then a rank's own failure before
+        # a peer's collective error; then the first to die.
+        first = min(failed, key=lambda w: (w.exit_cause != "start_error", w.exit_cause == "collective_timeout",
+                                           w.ended_at or now(), w.rank))
         part = rank_node[first.attempt_node_id]
         said = f": {first.exit_message}" if first.exit_message else ""
         fail_attempt(

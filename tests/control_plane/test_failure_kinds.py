@@ -72,3 +72,35 @@ def test_progress_has_total_rate_eta_metrics_and_a_history(client, schedule):
     # The first report of the attempt is always sampled; the rest at most every SAMPLE_S of control-plane time.
     assert history["items"][0]["step"] == 10 and history["items"][0]["attempt_number"] == 1
     assert history["next_cursor"] is None
+
+
+def test_a_peers_collective_error_waits_for_the_rank_that_failed_first(client, schedule):
+    a, b = FakeAgentSession(client, "node-1", 1), FakeAgentSession(client, "node-2", 1)
+    job = submit(client, num_nodes=2, gpus_per_node=1)
+    schedule()
+    specs = {agent.name: agent.heartbeat()["assignments"][0] for agent in (a, b)}
+    for agent in (a, b):
+        spec = specs[agent.name]
+        agent.status(spec, "running", workers=workers_for(spec, "running"))
+    # node-1's rank lost its peer: a consequence. Its report arrives first; node-2 still runs.
+    _exit(a, specs["node-1"], "collective_timeout", "RuntimeError: Connection closed by peer")
+    assert get_job(client, job["id"])["state"] == "running"
+    killed = workers_for(specs["node-2"], "exited", -9)
+    killed[0].update(cause="signal", message="killed by SIGKILL")
+    b.status(specs["node-2"], "exited", exit_code=1, workers=killed)
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "signal" and attempt["failed_node"] == "node-2"
+    assert "killed by SIGKILL" in attempt["end_reason"]
+
+
+def test_collective_errors_everywhere_are_decided_at_once(client, schedule):
+    a, b = FakeAgentSession(client, "node-1", 1), FakeAgentSession(client, "node-2", 1)
+    job = submit(client, num_nodes=2, gpus_per_node=1)
+    schedule()
+    specs = {agent.name: agent.heartbeat()["assignments"][0] for agent in (a, b)}
+    _exit(b, specs["node-2"], "collective_timeout", "RuntimeError: Timed out waiting 300000ms for recv operation")
+    _exit(a, specs["node-1"], "collective_timeout", "RuntimeError: Timed out waiting 300000ms for recv operation")
+    after = get_job(client, job["id"])
+    assert after["state"] == "recovering"  # nothing more will come: decided now, not stuck
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "collective_timeout"
