@@ -45,10 +45,10 @@ def job_page(session: Session, principal: Principal, job_id: uuid.UUID) -> JobPa
     out = views.job_out(session, job)
     attempts = views.attempts_out(session, job.id)[-50:]
     checkpoints = views.checkpoints_page(session, job.id, limit=10, cursor=None).items
-    rows, _ = progress.samples(session, job.id, limit=5000, cursor=None)
+    rows = progress.chart_samples(session, job.id)
     samples = [ProgressSampleOut(attempt_number=r.attempt_number, step=r.step, loss=r.loss,
                                  steps_per_s=r.steps_per_s, metrics=dict(r.metrics or {}), at=r.at) for r in rows]
-    recent = [views.event_out(e) for e in events.list_events(session, job_id=job.id, limit=1000)][-30:]
+    recent = [views.event_out(e) for e in events.recent_events(session, job.id, 30)]
     return JobPage(job=out, attempts=attempts, checkpoints=checkpoints, samples=samples, events=recent,
                    chart=progress_chart(samples), ended=job.state in JOB_TERMINAL)
 

@@ -104,3 +104,23 @@ def test_collective_errors_everywhere_are_decided_at_once(client, schedule):
     assert after["state"] == "recovering"  # nothing more will come: decided now, not stuck
     (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["failure_kind"] == "collective_timeout"
+
+
+def test_a_long_history_is_charted_from_evenly_spread_samples(app, client, schedule):
+    from sqlalchemy import insert
+
+    from control_plane.db import session_scope
+    from control_plane.models import ProgressSample
+    from control_plane.services import progress
+
+    FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1)
+    t = datetime.now(UTC)
+    with session_scope(app.state.session_factory) as s:
+        s.execute(insert(ProgressSample), [{"job_id": job["id"], "attempt_number": 1, "step": i, "loss": 1.0,
+                                            "at": t + timedelta(seconds=i)} for i in range(1, 2501)])
+    with session_scope(app.state.session_factory) as s:
+        steps = [r.step for r in progress.chart_samples(s, job["id"], points=500)]
+    assert steps[0] == 1 and steps[-1] == 2500 and 400 <= len(steps) <= 502
+    gaps = {b - a for a, b in zip(steps, steps[1:-1], strict=False)}
+    assert gaps == {5}  # evenly spread
