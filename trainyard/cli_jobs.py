@@ -101,7 +101,7 @@ def run(
     if workdir is not None:
         from trainyard.code_ship import ship
 
-        body["code"] = ship(api, workdir)
+        body["code"] = ship(api, workdir, body.get("tenant"))
     job = api.post("/v1/jobs", body, headers={"Idempotency-Key": idempotency_key or str(uuid.uuid4())})
     print(f"job {job['name']} {job['id']} {job['state']}", file=sys.stderr)
     print(job["id"], flush=True)

@@ -82,12 +82,12 @@ def pack(workdir: Path) -> bytes:
     return out.getvalue()
 
 
-def ship(api: Api, workdir: Path) -> dict[str, str]:
-    """Pack and upload (unless it is there already); the job body's ``code``."""
+def ship(api: Api, workdir: Path, tenant: str | None = None) -> dict[str, str]:
+    """Pack and upload (unless it is there already) for the job's ``tenant``; the job body's ``code``."""
     data = pack(workdir)
     sha256 = hashlib.sha256(data).hexdigest()
     try:
-        api.get(f"/v1/code/{sha256}")
+        api.get(f"/v1/code/{sha256}", tenant=tenant)
     except ApiError as exc:
         if exc.status != 404:
             raise
@@ -95,6 +95,7 @@ def ship(api: Api, workdir: Path) -> dict[str, str]:
 
         try:
             response = httpx.put(f"{api.url}/v1/code/{sha256}", content=data, timeout=300.0,
+                                 params={"tenant": tenant} if tenant else None,
                                  headers={**api.headers, "Content-Type": "application/octet-stream"})
         except httpx.HTTPError as err:
             raise ApiError(f"cannot upload the workdir to {api.url}: {err}") from err

@@ -17,8 +17,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from control_plane import authz
 from control_plane.authz import Principal
-from control_plane.errors import NotFound, StaleAttempt, TrainyardError, Unprocessable
+from control_plane.errors import Forbidden, NotFound, StaleAttempt, TrainyardError, Unprocessable
 from control_plane.models import Attempt, AttemptNode, Job, Node
 from control_plane.services.states import ATTEMPT_LIVE
 
@@ -46,25 +47,37 @@ def find(store: Any, tenant: str, sha256: str) -> dict[str, Any] | None:
     return None if info is None else {"sha256": sha256, "size_bytes": int(info.size)}
 
 
-def get(store: Any, principal: Principal, sha256: str) -> dict[str, Any]:
-    found = find(store, principal.tenant, sha256)
+def _tenant(principal: Principal, tenant: str | None) -> str:
+    """The caller's tenant; an admin may name another (as when submitting on a team's behalf)."""
+    try:
+        return authz.submit_tenant(principal, tenant)
+    except ValueError as exc:
+        raise Forbidden(str(exc)) from exc
+
+
+def get(store: Any, principal: Principal, sha256: str, tenant: str | None = None) -> dict[str, Any]:
+    owner = _tenant(principal, tenant)
+    found = find(store, owner, sha256)
     if found is None:
-        raise NotFound(f"no code {sha256} uploaded for tenant {principal.tenant}")
+        raise NotFound(f"no code {sha256} uploaded for tenant {owner}")
     return found
 
 
-def upload(store: Any, principal: Principal, sha256: str, data: bytes) -> tuple[dict[str, Any], bool]:
-    """Store an archive under its hash for the caller's tenant; (its reference, whether it is new)."""
+def upload(store: Any, principal: Principal, sha256: str, data: bytes,
+           tenant: str | None = None) -> tuple[dict[str, Any], bool]:
+    """Store an archive under its hash for the caller's tenant (an admin's: ``tenant``); (its
+    reference, whether it is new)."""
+    owner = _tenant(principal, tenant)
     digest = hashlib.sha256(data).hexdigest()
     if digest != sha256:
         raise Unprocessable(f"the body's sha256 is {digest}, not {sha256}: the upload was cut or changed",
                             field="sha256")
     if not data.startswith(b"\x1f\x8b"):
         raise Unprocessable("the body is not a gzip archive (trainyard run packs a tar.gz)", field="body")
-    existing = find(store, principal.tenant, sha256)
+    existing = find(store, owner, sha256)
     if existing is not None:
         return existing, False
-    _store(store).put_object(code_key(principal.tenant, sha256), io.BytesIO(data), length=len(data))
+    _store(store).put_object(code_key(owner, sha256), io.BytesIO(data), length=len(data))
     return {"sha256": sha256, "size_bytes": len(data)}, True
 
 

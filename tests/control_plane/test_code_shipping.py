@@ -50,10 +50,15 @@ def test_code_is_uploaded_once_named_by_a_job_and_fetched_by_its_nodes_only(s3_c
     cut = client.put(f"/v1/code/{sha}", content=data[:-5], headers=gz)
     assert cut.status_code == 422 and "sha256" in cut.json()["detail"]
 
-    # Another tenant cannot name it, even knowing its hash.
+    # Another tenant cannot name it, even knowing its hash, nor upload for a tenant not its own.
     other = make_principal(client, "bob", "member", "nlp")
     refused = client.post("/v1/jobs", json=job_body(num_nodes=1, code={"sha256": sha}), headers=other.headers)
     assert refused.status_code == 422 and "not uploaded for tenant nlp" in refused.json()["detail"]
+    assert client.put(f"/v1/code/{sha}", params={"tenant": "default"}, content=data,
+                      headers={**other.headers, "Content-Type": "application/octet-stream"}).status_code == 403
+    # An admin uploads for a team and submits on its behalf.
+    assert client.put(f"/v1/code/{sha}", params={"tenant": "nlp"}, content=data, headers=gz).status_code == 201
+    assert client.get(f"/v1/code/{sha}", headers=other.headers).status_code == 200
 
     job = client.post("/v1/jobs", json=job_body(num_nodes=1, entrypoint="train.py", code={"sha256": sha}),
                       headers=ADMIN).json()
