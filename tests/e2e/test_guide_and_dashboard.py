@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ENDED = {"succeeded", "failed", "cancelled"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def guide_cluster(tmp_path_factory: pytest.TempPathFactory, embedded_pg: Any, _schema_template: Any,
                   embedded_s3: Any) -> Iterator[tuple[Cluster, Path]]:
-    """`trainyard dev up --nodes 2 --gpus-per-node 1`, shared by this module's two tests."""
+    """`trainyard dev up --nodes 2 --gpus-per-node 1`, as the guide starts it."""
     base = tmp_path_factory.mktemp("guide")
     database = f"trainyard_guide_{secrets.token_hex(4)}"
     url = embedded_pg.create_database(database, template=_schema_template.get())
@@ -85,9 +85,16 @@ def _plain_torchrun(reaper: ProcessReaper, steps: int) -> subprocess.Popen[str]:
                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_the_guides_example_runs_is_killed_and_resumes_exactly(guide_cluster, tmp_path, monkeypatch, capsys,
-                                                              process_reaper):
+def test_the_guides_example_then_the_dashboard(guide_cluster, tmp_path, monkeypatch, capsys, process_reaper):
+    """One test, one cluster: pytest-xdist's worksteal may give two tests of a module to two workers,
+    each of which would start its own cluster."""
     cluster, data_dir = guide_cluster
+    _guide(cluster, data_dir, tmp_path, monkeypatch, capsys, process_reaper)
+    _dashboard(cluster, tmp_path)
+
+
+def _guide(cluster: Cluster, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+           capsys: pytest.CaptureFixture[str], process_reaper: ProcessReaper) -> None:
     monkeypatch.setenv("TRAINYARD_CONFIG", str(tmp_path / "config.json"))
     monkeypatch.delenv("TRAINYARD_TOKEN", raising=False)
     monkeypatch.delenv("TRAINYARD_URL", raising=False)
@@ -126,11 +133,10 @@ def test_the_guides_example_runs_is_killed_and_resumes_exactly(guide_cluster, tm
     assert code == 0 and "recovery from #1" in out and "[signal] rank" in out, out
 
 
-def test_the_dashboard_in_chromium(guide_cluster, tmp_path):
+def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     need(chromium is not None, "the dashboard test needs Debian's chromium (scripts/system-deps.sh installs it)")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    cluster, _ = guide_cluster
+    from playwright import sync_api
     shots = tmp_path / "screenshots"
     shots.mkdir()
     r = cluster.http.post("/v1/jobs", json={
