@@ -90,8 +90,13 @@ def test_login_run_ps_describe_logs_cancel_nodes_tenants(settings, tmp_path, mon
         assert code == 0 and "cordoned" in err
         code, out, err = _run(["nodes", "uncordon", "node-1"], capsys)
         assert code == 0 and "schedulable" in err
+        code, out, err = _run(["nodes", "drain", "node-1"], capsys)
+        assert code == 0 and "draining" in err  # its job still runs
+        _run(["nodes", "uncordon", "node-1"], capsys)
+        code, out, err = _run(["tenants", "set", "vision", "--weight", "2", "--gpu-quota", "8"], capsys)
+        assert code == 0 and "weight 2.0, quota 8" in err
         code, out, err = _run(["tenants"], capsys)
-        assert code == 0 and "default" in out
+        assert code == 0 and "default" in out and "vision" in out
 
         code, out, err = _run(["cancel", "demo"], capsys)
         assert code == 0 and "cancelling" in err
