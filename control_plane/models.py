@@ -166,6 +166,7 @@ class Job(Base):
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSONB, doc="schemas/plans.py JobPlanOut, made at submit.")
     code: Mapped[dict[str, Any] | None] = mapped_column(
         JSONB, doc="The shipped code (sha256, size_bytes: services/code.py); NULL: the nodes' own.")
+    python: Mapped[str | None] = mapped_column(Text, doc="Interpreter on the nodes for its workers; NULL: the agent's.")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(

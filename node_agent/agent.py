@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import re
 import shutil
@@ -483,6 +484,8 @@ class Agent:
         indices = {gpu.index for gpu in self.gpus}
         if not set(spec.gpu_indices) <= indices:
             return f"GPU indices {spec.gpu_indices} are not all on this node (it has {sorted(indices)})"
+        if spec.python is not None and not (os.path.isabs(spec.python) and os.access(spec.python, os.X_OK)):
+            return f"the job's python {spec.python} is not an executable on this node"
         if spec.nproc_per_node < 1 or spec.nnodes < 1 or not 0 <= spec.node_rank < spec.nnodes:
             return (
                 f"invalid shape: node_rank {spec.node_rank} of {spec.nnodes} nodes, "

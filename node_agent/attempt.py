@@ -104,6 +104,8 @@ class AttemptRun:
             if code_archive is not None:
                 cwd = unpack(code_archive, paths.root / "code")
                 node = dataclasses.replace(node, cwd=str(cwd))
+            if spec.python is not None:
+                node = dataclasses.replace(node, python=spec.python)
             proc = start_torchrun(spec, node, paths, cwd=cwd)
         except CodeUnavailable as exc:
             run.log.error("code_unpack_failed", error=str(exc))

@@ -99,6 +99,10 @@ class JobSubmit(BaseModel):
         "The parallel layout the workers apply (TRAINYARD_LAYOUT); default: DDP without accumulation."))
     code: CodeIn | None = Field(default=None, description=(
         "Code to run in (uploaded before with PUT /v1/code/{sha256}); default: the code on the nodes."))
+    python: str | None = Field(default=None, min_length=2, max_length=1024, pattern=r"^/[^\x00-\x1f]*$",
+                               description=(
+        "The Python interpreter on the nodes that runs torchrun and the workers (an absolute path, e.g. "
+        "a venv's /opt/envs/llm/bin/python with torch and trainyard[worker]); default: the agent's."))
 
     @field_validator("layout")
     @classmethod
@@ -231,6 +235,7 @@ class JobOut(BaseModel):
     layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
     plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
     code: CodeOut | None = Field(default=None, description="The shipped code its workers run in, if any.")
+    python: str | None = Field(default=None, description="The interpreter its workers run with, if not the agent's.")
     progress: JobProgress
     split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None

@@ -122,6 +122,7 @@ def submit(
         layout=body.layout.model_dump(mode="json") if body.layout else None,
         plan=job_plan.model_dump(mode="json") if job_plan else None,
         code=shipped,
+        python=body.python,
         idempotency_key=idempotency_key,
         request_hash=digest,
         created_at=now(),

@@ -235,6 +235,7 @@ def assignments(session: Session, node: Node, storage: dict[str, object] | None)
                 checkpoint=dict(job.checkpoint),
                 layout=Layout.model_validate(job.layout) if job.layout else None,
                 code=CodeRef.model_validate(job.code) if job.code else None,
+                python=job.python,
                 restore_from=attempt.restore_manifest,
                 launched=part.state != "assigned",
                 storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},

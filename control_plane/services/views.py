@@ -114,6 +114,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 layout=Layout.model_validate(job.layout) if job.layout else None,
                 plan=plan,
                 code=CodeOut.model_validate(job.code) if job.code else None,
+                python=job.python,
                 progress=JobProgress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at,
                                      total_steps=job.progress_total, metrics=metrics,
                                      steps_per_s=round(job.progress_rate, 4) if job.progress_rate else None,

@@ -1,5 +1,6 @@
 """Progress a person can read (total steps, smoothed step rate, a sampled history for charts) and
-failed attempts and workers classified by cause; a job's shipped code
+failed attempts and workers classified by cause; a job's shipped code and
+interpreter
 
 Revision ID: 0100
 Revises: 0030
@@ -23,6 +24,7 @@ def upgrade() -> None:
     op.add_column("jobs", sa.Column("progress_rate", sa.Float(), nullable=True))
     op.add_column("jobs", sa.Column("progress_sampled_at", sa.DateTime(timezone=True), nullable=True))
     op.add_column("jobs", sa.Column("code", postgresql.JSONB(astext_type=sa.Text()), nullable=True))
+    op.add_column("jobs", sa.Column("python", sa.Text(), nullable=True))
     op.add_column("attempts", sa.Column("failure_kind", sa.String(length=32), nullable=True))
     op.add_column("workers", sa.Column("exit_cause", sa.String(length=32), nullable=True))
     op.add_column("workers", sa.Column("exit_message", sa.Text(), nullable=True))
@@ -50,6 +52,7 @@ def downgrade() -> None:
     op.drop_column("workers", "exit_message")
     op.drop_column("workers", "exit_cause")
     op.drop_column("attempts", "failure_kind")
+    op.drop_column("jobs", "python")
     op.drop_column("jobs", "code")
     op.drop_column("jobs", "progress_sampled_at")
     op.drop_column("jobs", "progress_rate")

@@ -1,6 +1,7 @@
 """Shipped code through the control plane (issue 13): uploaded once per content hash for the
 caller's tenant, named by a job (refused when it was not uploaded for that tenant), handed to
-the nodes of the job's live attempt only, with its hash in the launch spec."""
+the nodes of the job's live attempt only, with its hash in the launch spec; a job's interpreter
+on the nodes (an absolute path) travels with it."""
 
 from __future__ import annotations
 
@@ -60,14 +61,16 @@ def test_code_is_uploaded_once_named_by_a_job_and_fetched_by_its_nodes_only(s3_c
     assert client.put(f"/v1/code/{sha}", params={"tenant": "nlp"}, content=data, headers=gz).status_code == 201
     assert client.get(f"/v1/code/{sha}", headers=other.headers).status_code == 200
 
-    job = client.post("/v1/jobs", json=job_body(num_nodes=1, entrypoint="train.py", code={"sha256": sha}),
-                      headers=ADMIN).json()
-    assert job["code"] == {"sha256": sha, "size_bytes": len(data)}
+    job = client.post("/v1/jobs", json=job_body(num_nodes=1, entrypoint="train.py", code={"sha256": sha},
+                                                python="/opt/envs/llm/bin/python"), headers=ADMIN).json()
+    assert job["code"] == {"sha256": sha, "size_bytes": len(data)} and job["python"] == "/opt/envs/llm/bin/python"
+    relative = client.post("/v1/jobs", json=job_body(num_nodes=1, python="bin/python"), headers=ADMIN)
+    assert relative.status_code == 422 and "python" in relative.json()["detail"]
     app.state.loops.schedule_once()
     specs = {agent.name: agent.heartbeat()["assignments"] for agent in (a, b)}
     holder, idle = (a, b) if specs["node-1"] else (b, a)
     (spec,) = specs[holder.name]
-    assert spec["code"] == {"sha256": sha, "size_bytes": len(data)}
+    assert spec["code"] == {"sha256": sha, "size_bytes": len(data)} and spec["python"] == "/opt/envs/llm/bin/python"
     got = client.get(f"/v1/agent/attempts/{spec['attempt_id']}/code", headers=holder.headers)
     assert got.status_code == 200 and got.content == data and got.headers["X-Content-SHA256"] == sha
     assert client.get(f"/v1/agent/attempts/{spec['attempt_id']}/code", headers=idle.headers).status_code == 409

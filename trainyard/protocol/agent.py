@@ -244,6 +244,8 @@ class LaunchSpec(_Wire):
         "(not their manifests), or None.",
     )
     code: CodeRef | None = Field(default=None, description="Shipped code to run in, or None (the node's own).")
+    python: str | None = Field(default=None, description="The interpreter for torchrun and the workers (an "
+                               "absolute path on the node), or None (the agent's own).")
     launched: bool = Field(
         default=False,
         description="An agent already reported this part as started (perhaps a previous agent instance "
