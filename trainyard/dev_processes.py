@@ -76,9 +76,12 @@ def is_training(proc: Any) -> bool:
     """A node's training processes: the workers themselves, each the child of its rank shim. Killing
     them is a crash the shims record (exit -9), as when a worker dies; torchrun stops the rest."""
     try:
-        return any("rank_shim" in part for part in proc.parent().cmdline())
+        parent = proc.parent().cmdline()
     except Exception:
         return False
+    # The shim's own command line starts "python [-u] -m node_agent.rank_shim"; torchrun's names
+    # the shim too, but as its entrypoint, after "-m torch.distributed.run".
+    return "node_agent.rank_shim" in parent[:4] and "torch.distributed.run" not in parent
 
 
 def kill_all(procs: list[Any]) -> None:

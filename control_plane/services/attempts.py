@@ -9,6 +9,7 @@ duplicated or late report never moves a state backwards. See docs/architecture.m
 
 from __future__ import annotations
 
+import re
 import secrets
 import uuid
 from collections.abc import Sequence
@@ -390,6 +391,19 @@ def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report
                     w.exit_message = ws.message
 
 
+_TORCHRUN_SIGNAL = re.compile(r"exitcode: -\d+")
+
+
+def _part_failure(part: AttemptNode) -> str:
+    """The kind of a node part's failure when no worker's exit says it: never launched, or torchrun
+    ended non-zero (a worker or its shim killed by a signal, by torchrun's own account, or not)."""
+    if part.exit_code is None:
+        return "launch_error"
+    if part.exit_code < 0 or _TORCHRUN_SIGNAL.search(part.error or ""):
+        return "signal"
+    return "exit_code"
+
+
 CONSEQUENCE_GRACE_S = 3.0
 """How long a failure that looks like the consequence of another (a collective error) waits for the
 cause's report before it is decided on its own."""
@@ -436,7 +450,7 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
         if p.error or (p.state in PART_DONE and p.exit_code not in (0, None)):
             detail = p.error or f"torchrun exited with code {p.exit_code}"
             fail_attempt(session, job, attempt, f"node rank {p.node_rank} on {names[p.node_id]}: {detail}",
-                         node_id=p.node_id, kind="launch_error" if p.error else "exit_code")
+                         node_id=p.node_id, kind=_part_failure(p))
             return
     world = attempt.num_gpus
     running = sum(1 for w in workers if w.state in ("running", "exited"))

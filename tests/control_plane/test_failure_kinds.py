@@ -124,3 +124,16 @@ def test_a_long_history_is_charted_from_evenly_spread_samples(app, client, sched
     assert steps[0] == 1 and steps[-1] == 2500 and 400 <= len(steps) <= 502
     gaps = {b - a for a, b in zip(steps, steps[1:-1], strict=False)}
     assert gaps == {5}  # evenly spread
+
+
+def test_a_part_whose_shim_was_killed_is_a_signal_by_torchruns_account(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 1)
+    job = submit(client, num_nodes=1, gpus_per_node=1)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    agent.status(spec, "running", workers=workers_for(spec, "running"))
+    # The rank's shim died with it: no exit recorded for the worker; torchrun's own words say -9.
+    agent.status(spec, "exited", exit_code=1, workers=workers_for(spec, "exited"),
+                 error="torchrun exited with 1: ...] failed (exitcode: -9) local_rank: 0 (pid: 15824) of binary")
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "signal" and "exitcode: -9" in attempt["end_reason"]
