@@ -167,7 +167,9 @@ def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
         page.wait_for_function("document.getElementById('log').textContent.includes('[a1 n')", timeout=30_000)
         seen = len(page.locator("#log").inner_text())
         wait_for(lambda: len(page.locator("#log").inner_text()) > seen, 30, what="the followed log to grow")
-        page.locator("svg.chart polyline").first.wait_for()
+        line = page.locator("svg.chart polyline").first
+        line.wait_for(state="attached")  # a flat line has no height: attached, not "visible"
+        assert len((line.get_attribute("points") or "").split()) >= 2
         assert page.locator("#job-state").inner_text() == "running"
         page.screenshot(path=str(shots / "job.png"), full_page=True)
 
