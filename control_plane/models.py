@@ -195,8 +195,11 @@ class Attempt(Base):
     __tablename__ = "attempts"
     __table_args__ = (
         UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),
+        # A rendezvous port is the attempt's own on its host (node rank 0's address): torchrun's store
+        # listens there. Other hosts may use the same number at once.
         Index(
             "uq_attempts_active_rdzv_port",
+            "rdzv_host",
             "rdzv_port",
             unique=True,
             postgresql_where=text("state IN ('starting', 'running', 'stopping')"),

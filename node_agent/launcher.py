@@ -47,12 +47,13 @@ from trainyard.protocol.env import (
     ENV_NODE_RANK,
     ENV_RESTORE_FROM,
     ENV_STATUS_DIR,
+    ENV_STORAGE_ACCESS,
     PREFIX,
-    STORAGE_ENV,
 )
 
-# LaunchSpec.storage key -> worker variable.
-_STORAGE_ENV = {**STORAGE_ENV, "prefix": ENV_CHECKPOINT_PREFIX}
+# LaunchSpec.storage key -> worker variable. Nothing else of LaunchSpec.storage reaches a worker:
+# whatever a control plane sends, no storage credential does (docs/security.md).
+_STORAGE_ENV = {"access": ENV_STORAGE_ACCESS, "prefix": ENV_CHECKPOINT_PREFIX}
 
 # The package root, so that `-m node_agent.rank_shim` imports from any cwd without an install.
 _PACKAGE_ROOT = str(Path(node_agent.__file__).resolve().parent.parent)
@@ -171,18 +172,9 @@ def device_env(spec: LaunchSpec, node: NodeContext) -> dict[str, str]:
 
 
 def storage_env(storage: Mapping[str, Any]) -> dict[str, str]:
-    """The TRAINYARD_S3_* variables (and TRAINYARD_CHECKPOINT_PREFIX) for the keys `storage` has;
-    `secure` becomes "1" or "0". Holds the secret key: never log it."""
-    env = {}
-    for key, name in _STORAGE_ENV.items():
-        value = storage.get(key)
-        if value is None:
-            continue
-        if key == "secure":
-            env[name] = "1" if str(value).strip().lower() in ("1", "true", "yes", "on") else "0"
-        else:
-            env[name] = str(value)
-    return env
+    """TRAINYARD_STORAGE_ACCESS and TRAINYARD_CHECKPOINT_PREFIX for the keys `storage` has: how a
+    worker reaches checkpoint storage (presigned URLs through this agent), never a credential."""
+    return {name: str(storage[key]) for key, name in _STORAGE_ENV.items() if storage.get(key) is not None}
 
 
 def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict[str, str]:

@@ -3,7 +3,9 @@ failures are one line (the problem+json ``detail``).
 
 Where the URL and the token come from, first found wins:
 
-- URL: ``--url``, ``TRAINYARD_URL``, the config file, http://127.0.0.1:8000.
+- URL: ``--url``, ``TRAINYARD_URL``, the config file, https://127.0.0.1:8000.
+- the CA its certificate is verified with: ``TRAINYARD_CA_FILE``, the config file, else the
+  system's trust store (trainyard/tls.py).
 - token: ``--token-file`` / ``TRAINYARD_TOKEN_FILE``, ``TRAINYARD_TOKEN``, the config file. Never
   an argument: other users of the machine see command lines in the process table.
 
@@ -23,7 +25,7 @@ from typing import Annotated, Any
 
 import typer
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_URL = "https://127.0.0.1:8000"
 TOKEN_ENV = "TRAINYARD_TOKEN"
 URL_ENV = "TRAINYARD_URL"
 CONFIG_ENV = "TRAINYARD_CONFIG"
@@ -103,6 +105,13 @@ def resolve_token(token_file: Path | None) -> str:
     return str(token)
 
 
+def verify_context() -> Any:
+    """What the control plane's certificate is verified with (an ssl.SSLContext)."""
+    from trainyard.tls import CA_FILE_ENV, client_context
+
+    return client_context(os.environ.get(CA_FILE_ENV) or load_config().get("ca_file") or None)
+
+
 def problem_detail(response: Any) -> str:
     try:
         problem = response.json()
@@ -119,6 +128,8 @@ class Api:
     url: str
     token: str
     timeout_s: float = 30.0
+    ca_file: str | None = None
+    """The CA to verify the control plane with; None: verify_context()'s."""
 
     @classmethod
     def from_options(cls, url: str | None, token_file: Path | None) -> Api:
@@ -128,15 +139,28 @@ class Api:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
 
+    @property
+    def verify(self) -> Any:
+        if self.ca_file is not None:
+            from trainyard.tls import client_context
+
+            return client_context(self.ca_file)
+        return verify_context()
+
+    def unreachable(self, exc: BaseException, doing: str = "cannot reach") -> ApiError:
+        from trainyard.tls import untrusted
+
+        return ApiError(f"{doing} the control plane at {self.url}: {untrusted(exc) or exc or type(exc).__name__}")
+
     def request(self, method: str, path: str, *, body: Any = None, params: Any = None,
                 headers: dict[str, str] | None = None) -> Any:
         import httpx
 
         try:
             response = httpx.request(method, self.url + path, json=body, params=params, timeout=self.timeout_s,
-                                     headers={**self.headers, **(headers or {})})
+                                     headers={**self.headers, **(headers or {})}, verify=self.verify)
         except httpx.HTTPError as exc:
-            raise ApiError(f"cannot reach the control plane at {self.url}: {exc or type(exc).__name__}") from exc
+            raise self.unreachable(exc) from exc
         if response.status_code >= 400:
             raise ApiError(f"{response.status_code}: {problem_detail(response)}", response.status_code)
         try:
@@ -170,13 +194,14 @@ class Api:
 
         try:
             with httpx.stream("GET", self.url + path, params={k: v for k, v in params.items() if v is not None},
-                              headers=self.headers, timeout=httpx.Timeout(self.timeout_s, read=None)) as response:
+                              headers=self.headers, timeout=httpx.Timeout(self.timeout_s, read=None),
+                              verify=self.verify) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise ApiError(f"{response.status_code}: {problem_detail(response)}", response.status_code)
                 yield from response.iter_lines()
         except httpx.HTTPError as exc:
-            raise ApiError(f"lost the control plane at {self.url}: {exc or type(exc).__name__}") from exc
+            raise self.unreachable(exc, "lost") from exc
 
     def find_job(self, ref: str) -> dict[str, Any]:
         """A job by id, by name (the newest of that name), or by a prefix of its id (8+ characters)."""

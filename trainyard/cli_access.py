@@ -58,13 +58,15 @@ def call(url: str | None, token_file: Path | None, method: str, path: str, body:
          params: dict[str, Any] | None = None) -> Any:
     import httpx
 
+    from trainyard.tls import untrusted
+
     token = read_secret(token_file, "TRAINYARD_TOKEN")
     url = api_client.resolve_url(url)
     try:
         resp = httpx.request(method, url + path, json=body, params=params, timeout=30,
-                             headers={"Authorization": f"Bearer {token}"})
+                             headers={"Authorization": f"Bearer {token}"}, verify=api_client.verify_context())
     except httpx.HTTPError as exc:
-        raise AccessError(f"cannot reach {url}: {exc}") from exc
+        raise AccessError(f"cannot reach {url}: {untrusted(exc) or exc}") from exc
     if resp.status_code >= 400:
         try:
             problem = resp.json()

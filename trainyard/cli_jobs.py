@@ -48,8 +48,15 @@ def login(
     url: Annotated[str, typer.Argument(help="Control-plane URL, e.g. https://trainyard.example:8000.")],
     token_file: Annotated[Path | None, typer.Option(
         "--token-file", help="Read the token from this file (default: TRAINYARD_TOKEN, else a prompt).")] = None,
+    ca_file: Annotated[Path | None, typer.Option(
+        "--ca-file", envvar="TRAINYARD_CA_FILE", show_default=False,
+        help="The CA that signed the control plane's certificate (dev up: DATA_DIR/tls/ca.pem); default: "
+        "the system's trust store.")] = None,
 ) -> None:
     """Check a token against a control plane and remember both (a 0600 config file)."""
+    config = {"ca_file": str(ca_file.resolve())} if ca_file is not None else {}
+    if ca_file is not None and not ca_file.is_file():
+        raise ApiError(f"--ca-file {ca_file} is not a file")
     if token_file is not None:
         token = read_token_file(token_file)
     elif os.environ.get("TRAINYARD_TOKEN", "").strip():
@@ -58,9 +65,9 @@ def login(
         token = typer.prompt("API token", hide_input=True).strip()
         if not token:
             raise ApiError("no token given")
-    api = Api(url.rstrip("/"), token)
+    api = Api(url.rstrip("/"), token, ca_file=config.get("ca_file"))
     me = api.get("/v1/whoami")
-    path = save_config({"url": api.url, "token": token})
+    path = save_config({"url": api.url, "token": token, **config})
     print(f"logged in to {api.url} as {me['name']} ({me['role']} of tenant {me['tenant']}); saved in {path}",
           file=sys.stderr)
 

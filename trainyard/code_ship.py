@@ -96,9 +96,10 @@ def ship(api: Api, workdir: Path, tenant: str | None = None) -> dict[str, str]:
         try:
             response = httpx.put(f"{api.url}/v1/code/{sha256}", content=data, timeout=300.0,
                                  params={"tenant": tenant} if tenant else None,
-                                 headers={**api.headers, "Content-Type": "application/octet-stream"})
+                                 headers={**api.headers, "Content-Type": "application/octet-stream"},
+                                 verify=api.verify)
         except httpx.HTTPError as err:
-            raise ApiError(f"cannot upload the workdir to {api.url}: {err}") from err
+            raise api.unreachable(err, "cannot upload the workdir to") from err
         if response.status_code >= 400:
             from trainyard.api_client import problem_detail
 

@@ -30,7 +30,7 @@ def s3_credentials(path: Path) -> tuple[str, str]:
     with contextlib.suppress(OSError, ValueError, KeyError):
         saved = json.loads(path.read_text())
         return str(saved["access_key"]), str(saved["secret_key"])
-    access, secret = "trainyard", secrets.token_urlsafe(24)
+    access, secret = f"trainyard-{secrets.token_hex(6)}", secrets.token_urlsafe(24)  # no guessable default
     path.touch(mode=0o600, exist_ok=True)
     path.write_text(json.dumps({"access_key": access, "secret_key": secret}))
     return access, secret

@@ -86,8 +86,9 @@ class WorkerContext:
     """The restore plan, ``{"candidates": [reference, ...]}`` most recent first (each reference names a
     checkpoint and its manifest in storage; see checkpoint.restore.resolve), or None."""
     storage: dict[str, str] = field(default_factory=dict, repr=False)
-    """Checkpoint storage: endpoint, bucket, access_key, secret_key, secure, region (the keys
-    present). Holds a secret, so it stays out of repr."""
+    """Checkpoint storage. Under an agent only ``access`` (``presigned``: URLs per object, obtained
+    through the agent); a script run outside Trainyard may give its own endpoint, bucket,
+    access_key, secret_key, secure, region. May hold a secret, so it stays out of repr."""
     checkpoint_prefix: str | None = None
     """Where this job's checkpoints live in the bucket (``jobs/<job_id>/checkpoints``)."""
     layout: Layout = field(default_factory=Layout)

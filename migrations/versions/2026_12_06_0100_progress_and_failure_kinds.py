@@ -3,7 +3,7 @@ failed attempts and workers classified by cause; a job's shipped code and
 interpreter
 
 Revision ID: 0100
-Revises: 0030
+Revises: 0031
 Create Date: 2026-12-06 01:00:00
 """
 
@@ -14,7 +14,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0100"
-down_revision = "0030"
+down_revision = "0031"
 branch_labels = None
 depends_on = None
 

@@ -29,6 +29,7 @@ from tests.e2e.harness import Cluster
 from tests.helpers import ProcessReaper, need, wait_for
 from trainyard.cli import main
 from trainyard.embedded import free_port
+from trainyard.tls import client_context
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,9 +62,14 @@ def guide_cluster(tmp_path_factory: pytest.TempPathFactory, embedded_pg: Any, _s
                 assert time.monotonic() < deadline, f"dev up not ready:\n{log.read_text()[-3000:]}"
                 time.sleep(0.2)
             token = (data_dir / "admin.token").read_text().strip()
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"},
-                              timeout=30) as http:
-                yield Cluster(url=f"http://127.0.0.1:{port}", token=token, http=http, log=log), data_dir
+            # dev up serves HTTPS: the ready line names the URL and the CA its certificate is from.
+            line = log.read_text().split("TRAINYARD_READY ", 1)[1].split("\n")[0]
+            ready = dict(field.split("=", 1) for field in line.split())
+            assert ready["url"] == f"https://127.0.0.1:{port}" and ready["token"] == token, ready
+            verify = client_context(ready["ca"])
+            with httpx.Client(base_url=ready["url"], headers={"Authorization": f"Bearer {token}"}, timeout=30,
+                              verify=verify) as http:
+                yield Cluster(url=ready["url"], token=token, http=http, log=log, verify=verify), data_dir
         finally:
             reaper.reap()
             embedded_pg.drop_database(database)
@@ -102,7 +108,8 @@ def _guide(cluster: Cluster, data_dir: Path, tmp_path: Path, monkeypatch: pytest
     steps = int(spec.split('"--steps", "')[1].split('"')[0])
     reference = _plain_torchrun(process_reaper, steps)  # the same script, no Trainyard, meanwhile
 
-    code, _, err = _cli(["login", cluster.url, "--token-file", str(data_dir / "admin.token")], capsys)
+    code, _, err = _cli(["login", cluster.url, "--token-file", str(data_dir / "admin.token"), "--ca-file",
+                         str(data_dir / "tls" / "ca.pem")], capsys)
     assert code == 0, err
     code, out, err = _cli(["run", str(ROOT / "examples" / "minimal.yaml")], capsys)
     assert code == 0, err
@@ -148,7 +155,8 @@ def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
 
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        # The dev cluster's CA is not the browser's: trust its certificate for this test.
+        page = browser.new_context(ignore_https_errors=True, viewport={"width": 1400, "height": 1000}).new_page()
         page.goto(f"{cluster.url}/ui")
         assert "/ui/login" in page.url
         page.fill("#token", cluster.token)

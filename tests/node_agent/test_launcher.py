@@ -121,21 +121,23 @@ def test_worker_env(tmp_path: Path) -> None:
     assert not any(k.startswith("TRAINYARD_S3_") for k in gpu)  # no storage in the spec
 
 
-def test_storage_env(tmp_path: Path) -> None:
+def test_storage_env_never_passes_a_credential(tmp_path: Path) -> None:
+    """Issue 11, finding 3: workers reach storage through presigned URLs; whatever a control plane
+    puts in LaunchSpec.storage (an old one sent the root keys), no credential reaches a worker."""
     storage = {"endpoint": "s3:9000", "bucket": "b", "access_key": "ak", "secret_key": "sk", "secure": False,
-               "region": "r", "prefix": "jobs/j/checkpoints", "other": "ignored"}
+               "region": "r", "prefix": "jobs/j/checkpoints", "access": "presigned", "other": "ignored"}
     assert storage_env(storage) == {
-        "TRAINYARD_S3_ENDPOINT": "s3:9000", "TRAINYARD_S3_BUCKET": "b", "TRAINYARD_S3_ACCESS_KEY": "ak",
-        "TRAINYARD_S3_SECRET_KEY": "sk", "TRAINYARD_S3_SECURE": "0", "TRAINYARD_S3_REGION": "r",
-        "TRAINYARD_CHECKPOINT_PREFIX": "jobs/j/checkpoints",
+        "TRAINYARD_STORAGE_ACCESS": "presigned", "TRAINYARD_CHECKPOINT_PREFIX": "jobs/j/checkpoints",
     }
-    assert storage_env({"secure": "true", "region": None}) == {"TRAINYARD_S3_SECURE": "1"}  # only keys present
+    assert storage_env({"access": "presigned", "prefix": None}) == {"TRAINYARD_STORAGE_ACCESS": "presigned"}
     assert storage_env({}) == {}
-    base = {"TRAINYARD_S3_BUCKET": "the-agent's", "TRAINYARD_CHECKPOINT_PREFIX": "x"}
-    spec = make_spec(storage={"bucket": "b"}, env={"TRAINYARD_S3_BUCKET": "job's"})
+    base = {"TRAINYARD_S3_SECRET_KEY": "the-agent's", "TRAINYARD_CHECKPOINT_PREFIX": "x"}
+    spec = make_spec(storage=storage)
     env = worker_env(spec, NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env=base),
                      AttemptPaths(tmp_path))
-    assert env["TRAINYARD_S3_BUCKET"] == "b" and "TRAINYARD_CHECKPOINT_PREFIX" not in env
+    assert env["TRAINYARD_CHECKPOINT_PREFIX"] == "jobs/j/checkpoints"
+    assert "sk" not in env.values() and "the-agent's" not in env.values()
+    assert not any(k.startswith("TRAINYARD_S3_") for k in env)
 
 
 def _check_ranks(runs: list[AttemptRun], world: int) -> None:

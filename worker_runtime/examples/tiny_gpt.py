@@ -12,7 +12,7 @@ So the same world size and steps give the same weights_sha256, and a run resumed
 saved at step k ends bit-identical to one that never stopped.
 
 Checkpoints: with the job's ``interval_steps`` and storage set (TRAINYARD_CHECKPOINT,
-TRAINYARD_S3_*), every rank saves its shard after the optimizer step of every interval step, and a
+TRAINYARD_STORAGE_ACCESS), every rank saves its shard after the optimizer step of every interval step, and a
 new attempt first restores the newest good checkpoint of its restore plan (TRAINYARD_RESTORE_FROM)
 and goes on from the step after it.
 
