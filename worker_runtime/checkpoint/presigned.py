@@ -55,45 +55,61 @@ class AgentGrants:
     """Grants from the worker's agent (local API ``POST .../storage``), fenced by the attempt's token.
 
     404 (not a readable checkpoint of the plan) raises ObjectNotFoundError, other refusals
-    GrantRefused; an agent or control plane that cannot answer (503, no connection) is tried
-    ``tries`` times, then OSError."""
+    GrantRefused. An agent or control plane that cannot answer (503, 5xx, no connection) is asked
+    again with backoff (``backoff_s`` doubling up to ``max_backoff_s``) for up to ``wait_s``, then
+    OSError: a control plane restart or a database failover must delay a checkpoint, not lose it.
+    While it waits the attempt is still fenced: once the control plane is back, a stale attempt's
+    request is refused (409), never granted."""
 
     def __init__(self, *, agent_url: str, attempt_id: str, fencing_token: str, rank: int,
-                 timeout_s: float = 40.0, tries: int = 3, backoff_s: float = 0.5) -> None:
+                 timeout_s: float = 40.0, wait_s: float = 300.0, backoff_s: float = 0.5,
+                 max_backoff_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self._url = f"{agent_url}{LOCAL_API_PREFIX}/attempts/{quote(attempt_id, safe='')}/storage"
         self._token = fencing_token
         self._rank = rank
         self._timeout = timeout_s
-        self._tries = max(1, tries)
+        self._wait = max(0.0, wait_s)
         self._backoff = backoff_s
+        self._max_backoff = max_backoff_s
+        self._clock = clock
+        self._sleep = sleep
 
     def grants(self, method: str, key: str, *, size_bytes: int | None = None,
                upload_id: str | None = None) -> StorageGrants:
         body = LocalStorageRequest(fencing_token=self._token, rank=self._rank, method=method,  # type: ignore[arg-type]
                                    key=key, size_bytes=size_bytes, upload_id=upload_id)
         last = "no try made"
+        deadline = self._clock() + self._wait
+        tries = 0
         with httpx.Client(timeout=self._timeout, trust_env=False) as client:
-            for attempt in range(self._tries):
-                if attempt:
-                    time.sleep(self._backoff * 2 ** (attempt - 1))
+            while True:
+                tries += 1
                 try:
                     resp = client.post(self._url, content=body.model_dump_json(),
                                        headers={"Content-Type": "application/json"})
                 except httpx.HTTPError as exc:
                     last = f"{type(exc).__name__}: {exc}"
-                    continue
-                if resp.status_code == 200:
-                    try:
-                        return StorageGrants.model_validate_json(resp.content)
-                    except ValidationError as exc:
-                        raise OSError(f"the agent's storage grants for {key} are malformed: {exc}") from exc
-                detail = _detail(resp)
-                if resp.status_code == 404:
-                    raise ObjectNotFoundError(f"{key}: {detail}")
-                if 400 <= resp.status_code < 500:
-                    raise GrantRefused(resp.status_code, detail)
-                last = f"HTTP {resp.status_code}: {detail}"
-        raise OSError(f"no storage grant for {key} from the agent ({last})")
+                else:
+                    if resp.status_code == 200:
+                        try:
+                            return StorageGrants.model_validate_json(resp.content)
+                        except ValidationError as exc:
+                            raise OSError(f"the agent's storage grants for {key} are malformed: {exc}") from exc
+                    detail = _detail(resp)
+                    if resp.status_code == 404:
+                        raise ObjectNotFoundError(f"{key}: {detail}")
+                    if 400 <= resp.status_code < 500 and resp.status_code != 429:
+                        raise GrantRefused(resp.status_code, detail)
+                    last = f"HTTP {resp.status_code}: {detail}"
+                pause = min(self._max_backoff, self._backoff * 2 ** min(tries - 1, 16))
+                if self._clock() + pause > deadline:
+                    break
+                if tries == 1 or tries % 10 == 0:
+                    log.warning("storage grant for %s not available yet (%s); asking again", key, last)
+                self._sleep(pause)
+        raise OSError(f"no storage grant for {key} from the agent after {tries} tries in "
+                      f"{self._wait:.0f} s ({last})")
 
 
 class PresignedStorage:
