@@ -154,7 +154,9 @@ def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
     cluster.wait_for("progress", lambda: (cluster.job(job["id"])["progress"]["step"] or 0) >= 20, 180)
 
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        # CI runs as root (no sandbox) and maybe in a container whose /dev/shm is 64 MiB.
+        browser = p.chromium.launch(executable_path=chromium,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         # The dev cluster's CA is not the browser's: trust its certificate for this test.
         page = browser.new_context(ignore_https_errors=True, viewport={"width": 1400, "height": 1000}).new_page()
         page.goto(f"{cluster.url}/ui")
