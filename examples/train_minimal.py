@@ -60,7 +60,7 @@ def main() -> None:
         data = loop.data_loader(dataset, batch_size=args.batch_size)
         net = loop.ddp(model, dataset[0][0].unsqueeze(0))
 
-        for _step, (x, y) in loop.steps(data):
+        for step, (x, y) in loop.steps(data):
             started = time.monotonic()
             loss = F.mse_loss(net(x.to(loop.device)), y.to(loop.device))
             optimizer.zero_grad(set_to_none=True)
@@ -68,6 +68,8 @@ def main() -> None:
             optimizer.step()
             schedule.step()
             loop.log(loss=loss, lr=schedule.get_last_lr()[0])
+            if step % 100 == 0 and loop.ctx.rank == 0:  # a line in the job's log now and then
+                print(f"step {step} loss {loss.item():.4f}", flush=True)
             time.sleep(max(0.0, args.step_time_s - (time.monotonic() - started)))
 
         loop.result(weights_sha256=weights_sha256(model), restored_from_step=loop.restored_step)

@@ -174,7 +174,9 @@ def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
 
         row.locator("a").first.click()
         page.wait_for_url(f"{cluster.url}/ui/jobs/{job['id']}")
-        page.wait_for_function("document.getElementById('log').textContent.includes('[a1 n')", timeout=30_000)
+        # The example prints its loss every 100 steps (5 s here): the followed log shows them as they come.
+        page.wait_for_function("document.getElementById('log').textContent.includes('[a1 n0 r0] step ')",
+                               timeout=30_000)
         seen = len(page.locator("#log").inner_text())
         wait_for(lambda: len(page.locator("#log").inner_text()) > seen, 30, what="the followed log to grow")
         line = page.locator("svg.chart polyline").first
