@@ -45,7 +45,9 @@ def guide_cluster(tmp_path_factory: pytest.TempPathFactory, embedded_pg: Any, _s
     url = embedded_pg.create_database(database, template=_schema_template.get())
     bucket = f"guide-{secrets.token_hex(4)}"
     embedded_s3.client().make_bucket(bucket)
-    reaper = ProcessReaper()
+    # dev up stops its agents, then the rest, with 10 s of grace each; killed sooner (the reaper's
+    # default is 5 s), it would leave them running, each in its own session, past the test.
+    reaper = ProcessReaper(grace_s=30)
     port, data_dir, log = free_port(), base / "cluster", base / "dev-up.log"
     with log.open("w") as out:
         proc = reaper.spawn(
