@@ -12,13 +12,14 @@ import sys
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers import ProcessReaper, wait_for
 from trainyard.cli import main
 from trainyard.dev import DevCluster, DevConfig
 from trainyard.dev_control import ControlError, ask
-from trainyard.dev_processes import Child
+from trainyard.dev_processes import Child, stop_children
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
 
@@ -81,3 +82,18 @@ def test_a_dead_agent_is_reported_and_nodes_are_killed_and_restarted_on_request(
 def test_asking_without_a_running_dev_up_is_one_line(tmp_path):
     with pytest.raises(ControlError, match="no 'trainyard dev up' runs on"):
         ask(tmp_path, "kill", "node-1", timeout_s=1)
+
+
+def test_stopping_children_ends_them_and_what_left_their_group(tmp_path, process_reaper):
+    """dev up's stop (Ctrl-C, the demo's end, a test's teardown) ends each child's group and the
+    descendants that started a session of their own, as an agent's torchrun does."""
+    pid_file = tmp_path / "stray.pid"
+    stray = (f"import subprocess, sys, time; p = subprocess.Popen({SLEEPER!r}, start_new_session=True);"
+             f" open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(300)")
+    child = _child(process_reaper, "node-1", tmp_path, [sys.executable, "-c", stray])
+    wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30, what="the stray's pid")
+    stray_proc = psutil.Process(int(pid_file.read_text()))
+    stop_children([child], 5)
+    assert child.proc.poll() is not None
+    wait_for(lambda: not stray_proc.is_running() or stray_proc.status() == psutil.STATUS_ZOMBIE, 10,
+             what="the stray to end")

@@ -50,7 +50,7 @@ def exit_code(proc: subprocess.Popen[Any]) -> int | None:
 def stop_children(children: list[Child], grace: float) -> None:
     """TERM every child's process group at once, KILL what is left after ``grace``, and end any
     descendant that left its group (an agent's torchrun runs in a session of its own)."""
-    descendants = [p for child in children if not has_exited(child.proc) for p in descendants(child.proc.pid)]
+    strays = [p for child in children if not has_exited(child.proc) for p in descendants(child.proc.pid)]
     for child in children:
         if not has_exited(child.proc):
             signal_group(child.proc, signal.SIGTERM)
@@ -60,7 +60,7 @@ def stop_children(children: list[Child], grace: float) -> None:
     for child in children:
         stop_process_group(child.proc, 0)
         child.log.close()
-    kill_all(descendants)
+    kill_all(strays)
 
 
 def descendants(pid: int) -> list[Any]:
