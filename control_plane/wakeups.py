@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio.to_thread
 import structlog
@@ -25,6 +25,7 @@ from sqlalchemy import event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 log = structlog.get_logger("trainyard.wakeups")
+T = TypeVar("T")
 
 CHANNEL = "trainyard_node"
 _PENDING = "wake_nodes"  # session.info key: nodes to wake locally once the transaction commits
@@ -55,6 +56,7 @@ class NodeWakeups:
         self._count = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def waiting(self) -> int:
@@ -80,18 +82,29 @@ class NodeWakeups:
             if not waiters:
                 del self._waiters[node_id]
 
-    async def wait(self, node_id: str, changed: Callable[[], bool], timeout_s: float) -> bool:
-        """A long poll: True as soon as the node's desired state changed (``changed()``, run in a
-        worker thread, reads it once, after the wait is registered), False after ``timeout_s``."""
+    async def wait(self, node_id: str, change: Callable[[], T | None], timeout_s: float) -> T | None:
+        """A long poll: what ``change()`` (run in a worker thread) says changed in the node's desired
+        state, as soon as it says so, else None after ``timeout_s``. It reads once after the wait is
+        registered (so no change between the agent's last answer and the wait is missed) and again
+        each time the wait is woken (a wake-up may be for a change the agent already has, or for
+        all waits after the listener reconnected); the wait goes on until the timeout."""
         ev = self.add(node_id)
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
-            if await anyio.to_thread.run_sync(changed):
-                return True
-            try:
-                await asyncio.wait_for(ev.wait(), timeout_s)
-            except TimeoutError:
-                return False
-            return True
+            while True:
+                ev.clear()  # before the read: a wake-up during it is not lost
+                found = await anyio.to_thread.run_sync(change)
+                if found is not None:
+                    return found
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0 or self._stopping:
+                    return None
+                try:
+                    await asyncio.wait_for(ev.wait(), left)
+                except TimeoutError:
+                    return None
+                if self._stopping:
+                    return None
         finally:
             self.remove(node_id, ev)
 
@@ -134,6 +147,7 @@ class NodeWakeups:
         self._task = asyncio.create_task(self.run(), name="trainyard-wakeups")
 
     async def stop(self) -> None:
+        self._stopping = True
         self._fire_all()  # every wait answers now ("nothing changed")
         if self._task is not None:
             self._task.cancel()

@@ -37,11 +37,19 @@ def cached_archive(work_dir: Path, ref: CodeRef, fetch: Callable[[], bytes]) -> 
     return path
 
 
-def unpack(archive: Path, into: Path) -> Path:
-    into.mkdir(parents=True, exist_ok=False)
+def unpack(archive: Path, into: Path, *, uid: int | None = None, gid: int | None = None) -> Path:
+    """Unpack ``archive`` into a new directory ``into``, owned by ``uid``/``gid`` when given (the
+    attempt's: its workers run and read there, in a worker directory no other uid may enter)."""
+    into.mkdir(mode=0o700, parents=True, exist_ok=False)
     try:
         with tarfile.open(archive, "r:gz") as tar:
             tar.extractall(into, filter="data")
+        if uid is not None and gid is not None:
+            # lchown: the "data" filter refuses links that leave the tree; none is followed anyway.
+            os.lchown(into, uid, gid)
+            for root, dirs, files in os.walk(into):
+                for name in (*dirs, *files):
+                    os.lchown(os.path.join(root, name), uid, gid)
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise CodeUnavailable(f"the job's code could not be unpacked: {exc}") from exc
     return into

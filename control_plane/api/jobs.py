@@ -61,7 +61,7 @@ def submit_job(
     `job.plan_warning` event when fewer GPUs would give more tokens/s, or more per GPU."""
     rate = jobs.SubmitRate(settings.submit_rate_per_window, settings.submit_rate_window_s)
     job, created = jobs.submit(session, body, principal=principal, idempotency_key=idempotency_key, rate=rate,
-                               store=runtime.object_store,
+                               store=runtime.object_store, max_env_bytes=settings.max_env_bytes,
                                plan_min_efficiency=settings.plan_min_efficiency)
     if created:
         runtime.wake_scheduler()

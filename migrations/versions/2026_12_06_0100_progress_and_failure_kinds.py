@@ -1,9 +1,9 @@
-"""Progress a person can read (total steps, smoothed step rate, a sampled history for charts) and
-failed attempts and workers classified by cause; a job's shipped code and
+"""Progress a person can read (total steps and a smoothed step rate on each attempt part, a sampled
+history for charts) and failed attempts and workers classified by cause; a job's shipped code and
 interpreter
 
 Revision ID: 0100
-Revises: 0031
+Revises: 0081
 Create Date: 2026-12-06 01:00:00
 """
 
@@ -14,15 +14,15 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0100"
-down_revision = "0031"
+down_revision = "0081"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column("jobs", sa.Column("progress_total", sa.Integer(), nullable=True))
-    op.add_column("jobs", sa.Column("progress_rate", sa.Float(), nullable=True))
-    op.add_column("jobs", sa.Column("progress_sampled_at", sa.DateTime(timezone=True), nullable=True))
+    op.add_column("attempt_nodes", sa.Column("progress_total", sa.Integer(), nullable=True))
+    op.add_column("attempt_nodes", sa.Column("progress_rate", sa.Float(), nullable=True))
+    op.add_column("attempt_nodes", sa.Column("progress_sampled_at", sa.DateTime(timezone=True), nullable=True))
     op.add_column("jobs", sa.Column("code", postgresql.JSONB(astext_type=sa.Text()), nullable=True))
     op.add_column("jobs", sa.Column("python", sa.Text(), nullable=True))
     op.add_column("attempts", sa.Column("failure_kind", sa.String(length=32), nullable=True))
@@ -54,6 +54,6 @@ def downgrade() -> None:
     op.drop_column("attempts", "failure_kind")
     op.drop_column("jobs", "python")
     op.drop_column("jobs", "code")
-    op.drop_column("jobs", "progress_sampled_at")
-    op.drop_column("jobs", "progress_rate")
-    op.drop_column("jobs", "progress_total")
+    op.drop_column("attempt_nodes", "progress_sampled_at")
+    op.drop_column("attempt_nodes", "progress_rate")
+    op.drop_column("attempt_nodes", "progress_total")
