@@ -1,6 +1,7 @@
 """A job's shipped code and interpreter on a node (issue 13): the archive is fetched once per hash
-into the work dir's cache and checked, unpacked into the attempt's worker directory (owned by the attempt's uid), where the workers
-run and the entrypoint is found; the job's python runs torchrun and the workers."""
+into the work dir's cache and checked, unpacked into the attempt's worker directory (owned by the
+attempt's uid), where the workers run and the entrypoint is found; the job's python runs torchrun
+and the workers."""
 
 from __future__ import annotations
 
