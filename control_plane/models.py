@@ -172,6 +172,9 @@ class Job(Base):
     checkpoint_auto: Mapped[dict[str, Any] | None] = mapped_column(
         JSONB, doc="The platform's checkpoint interval for interval_steps 'auto' (services/intervals.py), "
         "with its inputs.")
+    code: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="The shipped code (sha256, size_bytes: services/code.py); NULL: the nodes' own.")
+    python: Mapped[str | None] = mapped_column(Text, doc="Interpreter on the nodes for its workers; NULL: the agent's.")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
@@ -224,6 +227,8 @@ class Attempt(Base):
     hung_since: Mapped[datetime | None] = _ts(doc="Failed as hung: when its step last advanced.")
     checkpoint_interval_steps: Mapped[int | None] = mapped_column(
         Integer, doc="For a job with interval_steps 'auto': the interval its workers start with.")
+    failure_kind: Mapped[str | None] = mapped_column(
+        String(32), doc="Why a failed attempt failed, classified (trainyard.protocol.exits FAILURE_KINDS).")
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
     )
@@ -284,6 +289,10 @@ class AttemptNode(Base):
     straggler_rank: Mapped[int | None] = mapped_column(Integer, doc="Its rank slower than the job's peers now.")
     straggler_since: Mapped[datetime | None] = _ts(doc="Since when straggler_rank has been slower.")
     straggler_named_at: Mapped[datetime | None] = _ts(doc="When it was named a straggler (an event).")
+    progress_total: Mapped[int | None] = mapped_column(Integer, doc="Total steps, when the script says.")
+    progress_rate: Mapped[float | None] = mapped_column(
+        Float, doc="Steps per second of this node's reports, smoothed over the recent ones.")
+    progress_sampled_at: Mapped[datetime | None] = _ts(doc="Time of this node's last ProgressSample.")
 
     attempt: Mapped[Attempt] = relationship(back_populates="nodes")
     node: Mapped[Node] = relationship()
@@ -306,6 +315,8 @@ class Worker(Base):
     pid: Mapped[int | None] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16), doc="starting | running | exited")
     exit_code: Mapped[int | None] = mapped_column(Integer)
+    exit_cause: Mapped[str | None] = mapped_column(String(32), doc="trainyard.protocol.exits kind of a failed exit.")
+    exit_message: Mapped[str | None] = mapped_column(Text, doc="The worker's own words for it (its stderr).")
     started_at: Mapped[datetime | None] = _ts()
     ended_at: Mapped[datetime | None] = _ts()
 
@@ -392,6 +403,23 @@ class Event(Base):
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+
+
+class ProgressSample(Base):
+    """A job's progress over time (the dashboard's loss and throughput chart): one row per
+    ``progress_sample_s`` at most, written with the progress report that crossed it."""
+
+    __tablename__ = "progress_samples"
+    __table_args__ = (Index("ix_progress_samples_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_number: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float)
+    steps_per_s: Mapped[float | None] = mapped_column(Float)
+    metrics: Mapped[dict[str, float]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    at: Mapped[datetime] = _ts(nullable=False)
 
 
 class LogChunk(Base):

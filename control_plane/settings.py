@@ -127,6 +127,10 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         8 * 1024 * 1024, ge=64 * 1024, description="Largest request body; larger ones are answered 413."
     )
+    max_code_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024 * 1024, description="Largest code archive (trainyard run's workdir, packed); "
+        "larger ones are answered 413."
+    )
     submit_rate_per_window: int = Field(
         60, ge=1, description="Jobs one principal (admins excepted) may submit per submit_rate_window_s; more are "
         "answered 429 with Retry-After. Counted in the database: the limit holds across replicas."

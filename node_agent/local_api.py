@@ -174,7 +174,8 @@ class LocalReports:
                 return True  # another rank's step and timings only: its node's RankSummary
             # Ranks report in any order; the attempt's progress is the furthest step seen.
             if entry.progress is None or body.step >= entry.progress.step:
-                entry.progress = Progress(step=body.step, loss=body.loss, metrics=body.metrics, at=datetime.now(UTC))
+                entry.progress = Progress(step=body.step, loss=body.loss, metrics=body.metrics,
+                                          total_steps=body.total_steps, at=datetime.now(UTC))
             return True
 
     @staticmethod

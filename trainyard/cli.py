@@ -14,21 +14,29 @@ from typing import Annotated, Any
 
 import typer
 
-from trainyard import cli_access
+from trainyard import cli_access, cli_jobs
+from trainyard.api_client import ApiError
 
 app = typer.Typer(
     name="trainyard",
-    help="Self-hosted multi-node GPU training: control plane, node agents, a local dev cluster, the layout planner.",
+    help="Self-hosted multi-node GPU training: jobs, nodes, a local dev cluster, the layout planner, the "
+    "control plane and node agents.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
 dev_app = typer.Typer(help="A complete cluster on this machine, for trying Trainyard out.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
+dev_node_app = typer.Typer(help="Act on a node of the running `trainyard dev up` (to try fault tolerance by hand).",
+                           no_args_is_help=True)
+dev_app.add_typer(dev_node_app, name="node")
 app.add_typer(cli_access.principals_app, name="principals")
 app.add_typer(cli_access.tokens_app, name="tokens")
 app.add_typer(cli_access.join_app, name="join-tokens")
 app.command("whoami")(cli_access.whoami)
+for _command in (cli_jobs.login, cli_jobs.run, cli_jobs.ps, cli_jobs.describe, cli_jobs.logs, cli_jobs.cancel):
+    app.command(rich_help_panel="Jobs")(_command)
+app.add_typer(cli_jobs.nodes_app, name="nodes", rich_help_panel="Cluster")
+app.add_typer(cli_jobs.tenants_app, name="tenants", rich_help_panel="Cluster")
 
 
 class CliError(Exception):
@@ -385,6 +393,37 @@ def dev_up(
     raise typer.Exit(code)
 
 
+DevDataDir = Annotated[Path, typer.Option(help="The data dir of the running `trainyard dev up`.")]
+
+
+def _dev_node(action: str, node: str, data_dir: Path) -> None:
+    from trainyard.dev_control import ControlError, ask
+
+    try:
+        typer.echo(ask(data_dir.expanduser().resolve(), action, node), err=True)
+    except ControlError as exc:
+        raise CliError(str(exc), code=1) from exc
+
+
+@dev_node_app.command("kill")
+def dev_node_kill(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
+    """SIGKILL a node's agent and every process under it: the node dies (the control plane declares it
+    lost and recovers its jobs on the others)."""
+    _dev_node("kill", node, data_dir)
+
+
+@dev_node_app.command("kill-workers")
+def dev_node_kill_workers(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
+    """SIGKILL a node's workers only: crashed training processes (the job recovers from its checkpoint)."""
+    _dev_node("kill-workers", node, data_dir)
+
+
+@dev_node_app.command("restart")
+def dev_node_restart(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
+    """Start a killed node's agent again, on its work dir."""
+    _dev_node("restart", node, data_dir)
+
+
 def _parse_labels(items: list[str]) -> dict[str, str]:
     labels: dict[str, str] = {}
     for item in items:
@@ -414,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
         if message:  # empty after "no arguments: here is the help"
             print(f"trainyard: error: {message}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except (CliError, cli_access.AccessError) as exc:
+    except (CliError, cli_access.AccessError, ApiError) as exc:
         print(f"trainyard: error: {' '.join(str(exc).split())}", file=sys.stderr)
         sys.exit(exc.code if isinstance(exc, CliError) else 1)
     except KeyboardInterrupt:

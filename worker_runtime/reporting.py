@@ -75,7 +75,10 @@ class Reporter:
         all_ranks: bool = False,
         echo: bool = True,
         keepalive_s: float = REPORT_KEEPALIVE_S,
+        total_steps: int | None = None,
     ) -> None:
+        """``total_steps``: the steps the script will run, sent with every progress report (the
+        control plane shows step of total and an ETA)."""
         if min_interval_s < 0 or result_tries < 1:
             raise ValueError("min_interval_s must be >= 0 and result_tries >= 1")
         self._ctx = ctx
@@ -85,6 +88,7 @@ class Reporter:
         self._last_step: tuple[int, float] | None = None
         self._busy = 0.0
         self._echo = echo
+        self.total_steps = total_steps
         self._interval = min_interval_s
         self._progress_timeout = progress_timeout_s
         self._result_timeout = result_timeout_s
@@ -155,6 +159,8 @@ class Reporter:
             "step_time_s": step_time,
             "busy_s": busy,
         }
+        if self.total_steps is not None:
+            body["total_steps"] = int(self.total_steps)
         with self._cond:
             self._pending = body
             if self._thread is None:
@@ -314,7 +320,8 @@ class Reporter:
             if self._echo and self._metrics_rank:
                 extra = "".join(f" {k}={v:.6g}" for k, v in sorted(body["metrics"].items()))
                 loss = "" if body["loss"] is None else f" loss={body['loss']:.6g}"
-                print(f"[trainyard] step={body['step']}{loss}{extra}", file=sys.stderr, flush=True)
+                total = f"/{body['total_steps']}" if body.get("total_steps") else ""
+                print(f"[trainyard] step={body['step']}{total}{loss}{extra}", file=sys.stderr, flush=True)
             with self._cond:
                 self._in_flight = False
                 self._next_send_at = time.monotonic() + self._interval

@@ -69,6 +69,20 @@ class WatchdogSettings(BaseModel):
         default=False, description="The next recovery does not place the job on a node named a straggler.")
 
 
+class CodeIn(BaseModel):
+    """Code uploaded with PUT /v1/code/{sha256} (what `trainyard run` does with a job file's
+    `workdir`): the workers run in it, unpacked on each node, and the entrypoint is resolved inside it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    sha256: str = Field(pattern="^[0-9a-f]{64}$", description="sha256 of the uploaded archive (tar.gz).")
+
+
+class CodeOut(BaseModel):
+    sha256: str
+    size_bytes: int
+
+
 class JobSubmit(BaseModel):
     """A training job: `num_nodes` x `gpus_per_node` workers started together."""
 
@@ -117,6 +131,12 @@ class JobSubmit(BaseModel):
         "better. The plan is shown with the job."))
     layout: Layout | None = Field(default=None, description=(
         "The parallel layout the workers apply (TRAINYARD_LAYOUT); default: DDP without accumulation."))
+    code: CodeIn | None = Field(default=None, description=(
+        "Code to run in (uploaded before with PUT /v1/code/{sha256}); default: the code on the nodes."))
+    python: str | None = Field(default=None, min_length=2, max_length=1024, pattern=r"^/[^\x00-\x1f]*$",
+                               description=(
+        "The Python interpreter on the nodes that runs torchrun and the workers (an absolute path, e.g. "
+        "a venv's /opt/envs/llm/bin/python with torch and trainyard[worker]); default: the agent's."))
 
     @field_validator("gpu_kind")
     @classmethod
@@ -190,10 +210,15 @@ class JobSubmit(BaseModel):
         return v
 
 
-class Progress(BaseModel):
+class JobProgress(BaseModel):
+    """The current attempt's progress as its workers report it."""
+
     step: int | None = None
     loss: float | None = None
     updated_at: datetime | None = Field(default=None, description="Time of the last report.")
+    total_steps: int | None = Field(default=None, description="The steps the script will run, when it says.")
+    steps_per_s: float | None = Field(default=None, description="Step rate of the current attempt, smoothed.")
+    eta_s: float | None = Field(default=None, description="(total_steps - step) / steps_per_s, when both are known.")
     metrics: dict[str, float] = Field(default_factory=dict, description=(
         "The current attempt's last reported metrics: the measured split of a step, in seconds per "
         "optimizer step and bytes (step_s, compute_s, comm_s: exposed communication, comm_busy_s, "
@@ -257,7 +282,9 @@ class JobOut(BaseModel):
     model: dict[str, Any] | None = Field(default=None, description="The model block the job was submitted with.")
     layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
     plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
-    progress: Progress
+    code: CodeOut | None = Field(default=None, description="The shipped code its workers run in, if any.")
+    python: str | None = Field(default=None, description="The interpreter its workers run with, if not the agent's.")
+    progress: JobProgress
     split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None
     end_reason: str | None
@@ -311,6 +338,8 @@ class WorkerOut(BaseModel):
     started_at: datetime | None
     ended_at: datetime | None
     reason: str | None = Field(default=None, description="Why an exit shows no exit code, if it does not.")
+    cause: str | None = Field(default=None, description="Why a non-zero exit happened (see AttemptOut.failure_kind).")
+    message: str | None = Field(default=None, description="The worker's own words for it (the end of its stderr).")
 
 
 class AttemptNodeOut(BaseModel):
@@ -352,7 +381,12 @@ class AttemptOut(BaseModel):
     restored_from_step: int | None
     progress_step: int | None = Field(description="The last step this attempt reported.")
     hung_since: datetime | None = Field(default=None, description="Failed as hung: when its step last advanced.")
-    progress_metrics: dict[str, float] = Field(description="The metrics of that report (see Progress.metrics).")
+    progress_metrics: dict[str, float] = Field(description="The metrics of that report (see JobProgress.metrics).")
+    failure_kind: str | None = Field(default=None, description=(
+        "Why a failed attempt failed: start_error (the script could not start: import or syntax error, missing "
+        "file or module), exception (a Python exception, type and message in end_reason), out_of_memory, "
+        "signal (killed), collective_timeout (NCCL or gloo), exit_code (a plain non-zero exit), node_lost, "
+        "launch_error, time_limit, or other."))
     recovery: RecoveryOut | None = Field(description="Set when this attempt replaced a failed one.")
     created_at: datetime
     started_at: datetime | None
@@ -360,6 +394,20 @@ class AttemptOut(BaseModel):
     failed_at: datetime | None
     ended_at: datetime | None
     nodes: list[AttemptNodeOut]
+
+
+class ProgressSampleOut(BaseModel):
+    attempt_number: int
+    step: int
+    loss: float | None
+    steps_per_s: float | None
+    metrics: dict[str, float]
+    at: datetime
+
+
+class ProgressPage(BaseModel):
+    items: list[ProgressSampleOut] = Field(description="Oldest first.")
+    next_cursor: str | None = Field(description="Pass as `cursor` to get the next page.")
 
 
 class EventOut(BaseModel):
@@ -374,8 +422,9 @@ class EventOut(BaseModel):
 
 
 class EventPage(BaseModel):
-    items: list[EventOut]
-    next_after: int | None = Field(description="Pass as `after` to get newer events.")
+    items: list[EventOut] = Field(description="Oldest first.")
+    next_cursor: str | None = Field(description="Pass as `cursor` to get the next page; null at the end (to "
+                                    "follow newer events later, pass the last item's id as `after`).")
 
 
 class CheckpointOut(BaseModel):

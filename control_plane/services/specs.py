@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode, Job
 from control_plane.services.states import ATTEMPT_LIVE
-from trainyard.protocol.agent import AssignmentRef, KnownAssignment, LaunchSpec
+from trainyard.protocol.agent import AssignmentRef, CodeRef, KnownAssignment, LaunchSpec
 from trainyard.protocol.keys import job_checkpoint_prefix
 from trainyard.protocol.layout import Layout
 
@@ -51,6 +51,8 @@ def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | 
         env=dict(job.env),
         checkpoint=_checkpoint(job, attempt),
         layout=Layout.model_validate(job.layout) if job.layout else None,
+        code=CodeRef.model_validate(job.code) if job.code else None,
+        python=job.python,
         restore_from=attempt.restore_manifest,
         launched=part.state != "assigned",
         storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},

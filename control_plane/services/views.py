@@ -34,9 +34,13 @@ from control_plane.schemas.jobs import (
     AttemptRef,
     CheckpointOut,
     CheckpointPage,
+    CodeOut,
     EventOut,
+    EventPage,
     JobOut,
-    Progress,
+    JobProgress,
+    ProgressPage,
+    ProgressSampleOut,
     RecoveryOut,
     SplitOut,
     StepSplitOut,
@@ -45,9 +49,9 @@ from control_plane.schemas.jobs import (
 from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
-from control_plane.services import goodput, pages, progress, reservations, tenants, watchdog
+from control_plane.services import events, goodput, pages, progress, reservations, tenants, watchdog
 from control_plane.services.nodes import scheduling_state
-from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
+from control_plane.services.states import JOB_ACTIVE, JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
 
 log = structlog.get_logger("trainyard.views")
@@ -94,6 +98,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             ]
         plan = _stored_plan(job)
         metrics = (progress.of_parts(attempt.nodes).metrics if attempt is not None else None) or {}
+        now_at = done.get(job.id, progress.NONE)
         out.append(
             JobOut(
                 id=str(job.id),
@@ -115,8 +120,12 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 model=job.model,
                 layout=Layout.model_validate(job.layout) if job.layout else None,
                 plan=plan,
-                progress=Progress(step=done.get(job.id, progress.NONE).step, loss=done.get(job.id, progress.NONE).loss,
-                                  updated_at=done.get(job.id, progress.NONE).at, metrics=metrics),
+                code=CodeOut.model_validate(job.code) if job.code else None,
+                python=job.python,
+                progress=JobProgress(step=now_at.step, loss=now_at.loss, updated_at=now_at.at,
+                                     total_steps=now_at.total, metrics=metrics,
+                                     steps_per_s=round(now_at.rate, 4) if now_at.rate else None,
+                                     eta_s=now_at.eta_s() if job.state in JOB_ACTIVE else None),
                 split=step_split(plan, metrics),
                 result=job.result,
                 end_reason=job.end_reason,
@@ -340,6 +349,7 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
             progress_step=done[a.id].step,
             hung_since=a.hung_since,
             progress_metrics=done[a.id].metrics or {},
+            failure_kind=a.failure_kind,
             recovery=_recovery(previous.get(a.id), a, done),
             created_at=a.created_at,
             started_at=a.started_at,
@@ -377,7 +387,8 @@ def _worker_out(part: AttemptNode, w: Worker) -> WorkerOut:
         else:
             reason = "its node confirmed the part's processes gone; no exit was recorded for this worker"
     return WorkerOut(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=state, exit_code=w.exit_code,
-                     started_at=w.started_at, ended_at=w.ended_at, reason=reason)
+                     started_at=w.started_at, ended_at=w.ended_at, reason=reason, cause=w.exit_cause,
+                     message=w.exit_message)
 
 
 def _seconds(start: datetime | None, end: datetime | None) -> float | None:
@@ -445,6 +456,23 @@ def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:
                 registered_at=n.registered_at, gpus=by_node.get(n.id, []))
         for n in nodes
     ]
+
+
+def events_page(session: Session, job_id: uuid.UUID, *, after: int, limit: int, cursor: str | None) -> EventPage:
+    """The job's events after id ``after``, oldest first, ``limit`` at a time (keyset on the id)."""
+    if cursor:
+        after = max(after, pages.decode(cursor, pages.int64)[0])
+    items = events.list_events(session, job_id=job_id, after=after, limit=limit + 1)
+    more = len(items) > limit
+    return EventPage(items=[event_out(e) for e in items[:limit]],
+                     next_cursor=pages.encode(items[limit - 1].id) if more else None)
+
+
+def progress_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None) -> ProgressPage:
+    rows, next_cursor = progress.samples(session, job_id, limit=limit, cursor=cursor)
+    return ProgressPage(items=[ProgressSampleOut(attempt_number=r.attempt_number, step=r.step, loss=r.loss,
+                                                 steps_per_s=r.steps_per_s, metrics=dict(r.metrics or {}), at=r.at)
+                               for r in rows], next_cursor=next_cursor)
 
 
 def event_out(e: Event) -> EventOut:

@@ -58,6 +58,9 @@ def cluster(
         yield Cluster(url=ready["url"], token=token, http=http, log=log, verify=verify)
     finally:
         http.close()
+        # dev up stops its agents, then the rest, with 10 s of grace each; killed sooner (the
+        # reaper's default is 5 s), it would leave them running, each in its own session.
+        process_reaper.grace_s = 30
         process_reaper.reap()
         out.close()
 

@@ -42,6 +42,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from trainyard.protocol.exits import FAILURE_KINDS
 from trainyard.protocol.layout import Layout
 from trainyard.protocol.limits import (
     INT32_MAX,
@@ -205,6 +206,15 @@ class RestorePlan(_Wire):
     candidates: list[RestoreCandidate] = Field(default_factory=list, max_length=RESTORE_CANDIDATES_MAX)
 
 
+class CodeRef(_Wire):
+    """The job's shipped code: an archive (tar.gz) the agent fetches once per content hash
+    (``GET /v1/agent/attempts/{attempt_id}/code``), checks, and unpacks into the attempt's directory;
+    the workers run there and the entrypoint is resolved inside it."""
+
+    sha256: str = Field(pattern="^[0-9a-f]{64}$")
+    size_bytes: Int64
+
+
 class LaunchSpec(_Wire):
     """Everything an agent needs to start its part of an attempt."""
 
@@ -233,6 +243,9 @@ class LaunchSpec(_Wire):
         description="Restore plan: references to at most RESTORE_CANDIDATES_MAX usable checkpoints "
         "(not their manifests), or None.",
     )
+    code: CodeRef | None = Field(default=None, description="Shipped code to run in, or None (the node's own).")
+    python: str | None = Field(default=None, description="The interpreter for torchrun and the workers (an "
+                               "absolute path on the node), or None (the agent's own).")
     launched: bool = Field(
         default=False,
         description="An agent already reported this part as started (perhaps a previous agent instance "
@@ -317,6 +330,11 @@ class WorkerStatus(_Wire):
                                   description="Negative: killed by that signal.")
     started_at: datetime | None = None
     ended_at: datetime | None = None
+    cause: str | None = Field(
+        default=None, max_length=32, pattern=r"^[a-z_]+$", description="Why a non-zero exit happened: one of "
+        f"{', '.join(FAILURE_KINDS)} (trainyard.protocol.exits), from the worker's own stderr; set by the rank shim.")
+    message: Annotated[str | None, _clip(MAX_MESSAGE_CHARS)] = Field(
+        default=None, description="The worker's own words for it, e.g. the exception's type and text.")
 
 
 class NodeAttemptState(StrEnum):
@@ -335,6 +353,7 @@ class Progress(_Wire):
     loss: Finite | None = None
     at: datetime
     metrics: Metrics = Field(default_factory=dict)
+    total_steps: Int32 | None = Field(default=None, description="The steps the script will run, when it says.")
 
 
 FencingToken = Annotated[str, Field(min_length=1, max_length=128)]
@@ -452,6 +471,7 @@ class LocalProgress(_Wire):
     step: Int32
     loss: Finite | None = None
     metrics: Metrics = Field(default_factory=dict)
+    total_steps: Int32 | None = None
     step_time_s: float | None = Field(default=None, ge=0, le=1e7, allow_inf_nan=False,
                                       description="Wall seconds per step since the last report.")
     busy_s: float | None = Field(default=None, ge=0, le=1e7, allow_inf_nan=False,

@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.use_deterministic_algorithms(True)
     init_distributed(ctx, timeout=300)
     try:
-        with Reporter(ctx, echo=False) as reporter:
+        with Reporter(ctx, echo=False, total_steps=cfg.steps) as reporter:
             result = train(cfg, ctx, reporter)
             if result is None:
                 print("tiny_gpt: attempt is stale; stopping without a result", file=sys.stderr)
