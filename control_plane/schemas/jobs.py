@@ -6,7 +6,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from control_plane.schemas.goodput import GoodputOut, StragglerOut
 from control_plane.schemas.limits import TEXT_LINE
@@ -39,10 +39,15 @@ GpuKindName = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_LI
 MAX_GPU_KINDS = 16
 
 
+# Documented as a one-value enum, not a const: generated clients (openapi-python-client) parse a
+# const member of a union without falling back to the union's other members, so 50 failed there.
+AutoInterval = Annotated[Literal["auto"], WithJsonSchema({"type": "string", "enum": ["auto"]})]
+
+
 class CheckpointSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    interval_steps: Annotated[int, Field(ge=1, le=10_000_000)] | Literal["auto"] | None = Field(
+    interval_steps: Annotated[int, Field(ge=1, le=10_000_000)] | AutoInterval | None = Field(
         default=None, description="Save a complete checkpoint every N steps (1 to 10,000,000), or 'auto': the "
         "platform sets the interval by the Young/Daly rule from the job's measured save cost and the cluster's "
         "failure rate, and changes it as measurements arrive (docs/goodput.md).")

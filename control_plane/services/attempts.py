@@ -611,8 +611,9 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
         if first.exit_cause == "collective_timeout" and _consequence_pending(session, attempt, failed):
             return None
         name = session.scalar(select(Node.name).where(Node.id == first.node_id))
-        said = f": {first.exit_message}" if first.exit_message else ""
-        return _Verdict((f"rank {first.rank} on {name} exited with code {first.exit_code}{said}", first.node_id,
+        plain = f"exited with code {first.exit_code}"  # a plain exit's message says no more than this
+        said = f": {first.exit_message}" if first.exit_message and first.exit_message != plain else ""
+        return _Verdict((f"rank {first.rank} on {name} {plain}{said}", first.node_id,
                          first.exit_cause or "exit_code"), False, False)
     bad = session.execute(
         select(AttemptNode)
