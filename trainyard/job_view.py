@@ -10,6 +10,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from trainyard.protocol.display import duration
+
 STATE_STYLE = {"queued": "yellow", "starting": "cyan", "running": "green", "recovering": "magenta",
                "succeeded": "bold green", "failed": "bold red", "cancelling": "yellow", "cancelled": "dim"}
 ENDED = ("succeeded", "failed", "cancelled")
@@ -17,20 +19,6 @@ ENDED = ("succeeded", "failed", "cancelled")
 
 def parse_time(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value) if value else None
-
-
-def duration(seconds: float | None) -> str:
-    """3s, 4m05s, 2h03m, 3d04h: short and sortable by eye."""
-    if seconds is None:
-        return "-"
-    s = int(max(seconds, 0))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def age(value: str | None, now: datetime | None = None) -> str:

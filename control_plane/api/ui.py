@@ -31,6 +31,7 @@ from control_plane.api.deps import (
 )
 from control_plane.authz import Principal
 from control_plane.services import cluster, dashboard, jobs
+from trainyard.protocol.display import duration
 
 router = APIRouter(prefix="/ui", tags=["ui"], route_class=TransactionRoute, include_in_schema=False)
 templates = Jinja2Templates(directory=str(Path(__file__).resolve().parents[1] / "ui" / "templates"))
@@ -39,28 +40,15 @@ SESSION_S = 12 * 3600
 """How long the session cookie lives (the token itself may expire or be revoked sooner)."""
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(max(seconds, 0))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
 def _age(at: datetime | None) -> str:
-    return "-" if at is None else _duration((datetime.now(UTC) - at).total_seconds())
+    return "-" if at is None else duration((datetime.now(UTC) - at).total_seconds())
 
 
 def _number(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
-templates.env.filters.update(duration=_duration, age=_age, number=_number)
+templates.env.filters.update(duration=duration, age=_age, number=_number)
 
 
 def _page(request: Request, name: str, principal: Principal | None, status_code: int = 200,
