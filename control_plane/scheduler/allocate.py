@@ -314,11 +314,13 @@ def _fail_unplaceable(
     return kept
 
 
-def _ports_in_use(session: Session) -> set[tuple[str, int]]:
-    """(host, port) of every attempt that may still listen: a port is unique on its host only."""
+def _ports_in_use(session: Session, hosts: set[str]) -> set[tuple[str, int]]:
+    """(host, port) of every attempt on these hosts that may still listen: a port is unique on its
+    host only (read through the partial index on active ports: a busy cluster holds thousands)."""
     return {
         (host, port) for host, port in session.execute(
-            select(Attempt.rdzv_host, Attempt.rdzv_port).where(Attempt.state.in_(ATTEMPT_HOLDING)))
+            select(Attempt.rdzv_host, Attempt.rdzv_port)
+            .where(Attempt.state.in_(ATTEMPT_HOLDING), Attempt.rdzv_host.in_(sorted(hosts))))
     }
 
 
@@ -428,11 +430,11 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
         )
         if job.state in WAITING_STATES
     }
-    used_ports = _ports_in_use(session)
+    admitted = [p for p in placements if p.job_id in locked]
+    used_ports = _ports_in_use(session, {nodes[p.nodes[0][0]].address for p in admitted})
     # A random start spreads attempts over the range, so a port a just-ended attempt (or another
     # cluster on the same machine) still holds is unlikely to be picked again at once.
     seed = secrets.randbelow(settings.rdzv_port_max - settings.rdzv_port_min + 1)
-    admitted = [p for p in placements if p.job_id in locked]
     t = now()
     for p in admitted:  # since it entered the queue (submitted, or failed over to recovering)
         job = locked[p.job_id]

@@ -129,6 +129,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
     session.execute(insert(AttemptNode), part_rows)
     wakeups.notify_nodes(session, {row["node_id"] for row in part_rows})  # wake their long polls
     session.execute(insert(GpuLease), lease_rows)
+    batch = events.Batch()
     for (job, placement, port), row in zip(allocations, attempt_rows, strict=True):
         number, attempt_id = row["number"], row["id"]
         job.current_attempt_id = attempt_id
@@ -140,9 +141,9 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
             f"attempt {number} allocated {job.num_gpus} GPUs on {len(placement)} nodes",
             attempt_id=str(attempt_id),
             placement=layout,
+            batch=batch,
         )
-        events.record(
-            session,
+        batch.add(
             "attempt.allocated",
             f"attempt {number} gang-allocated",
             job_id=job.id,
@@ -150,6 +151,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
             placement=layout,
             rendezvous=f"{row['rdzv_host']}:{port}",
         )
+    batch.write(session)
     return [row["id"] for row in attempt_rows]
 
 

@@ -6,7 +6,7 @@ import uuid
 from typing import Any
 
 import structlog
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from control_plane.models import Event
@@ -37,6 +37,29 @@ def record(
         **data,
     )
     return event
+
+
+class Batch:
+    """Events of a bulk change (a scheduling pass admits hundreds of gangs, two events each): kept
+    as plain rows and written by ``write`` in one INSERT, in the order they were added, instead of
+    one ORM object each (whose flush fetched every new id back)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, kind: str, message: str, *, job_id: uuid.UUID | None = None,
+            attempt_id: uuid.UUID | None = None, node_id: uuid.UUID | None = None, **data: Any) -> None:
+        self.rows.append({"kind": kind, "message": message, "job_id": job_id, "attempt_id": attempt_id,
+                          "node_id": node_id, "data": data})
+        log.info(message, kind=kind, job_id=str(job_id) if job_id else None,
+                 attempt_id=str(attempt_id) if attempt_id else None, node_id=str(node_id) if node_id else None,
+                 **data)
+
+    def write(self, session: Session) -> None:
+        """Insert the events added so far (in the caller's transaction) and forget them."""
+        if self.rows:
+            session.execute(insert(Event), self.rows)
+            self.rows = []
 
 
 def list_events(

@@ -211,11 +211,13 @@ def can_transition(src: str, dst: str) -> bool:
     return dst in JOB.get(src, State(frozenset())).to
 
 
-def set_job_state(session: Session, job: Job, new_state: str, reason: str, **data: Any) -> bool:
+def set_job_state(session: Session, job: Job, new_state: str, reason: str, *, batch: events.Batch | None = None,
+                  **data: Any) -> bool:
     """Move ``job`` to ``new_state`` and record the event; the only writer of ``Job.state``.
 
     Returns False (and changes nothing) when the job is already in ``new_state``; raises
-    InvalidState for a transition the state machine does not allow.
+    InvalidState for a transition the state machine does not allow. ``batch``: the event goes there
+    (the caller writes it with the others of a bulk change).
     """
     if job.state == new_state:
         return False
@@ -230,9 +232,12 @@ def set_job_state(session: Session, job: Job, new_state: str, reason: str, **dat
         job.ended_at = t
         if new_state != "succeeded":
             job.end_reason = reason
-    events.record(
-        session, f"job.{new_state}", reason, job_id=job.id, from_state=old, to_state=new_state, **data
-    )
+    if batch is not None:
+        batch.add(f"job.{new_state}", reason, job_id=job.id, from_state=old, to_state=new_state, **data)
+    else:
+        events.record(
+            session, f"job.{new_state}", reason, job_id=job.id, from_state=old, to_state=new_state, **data
+        )
     return True
 
 
