@@ -13,10 +13,15 @@
 ``KindLedger`` follows, from the placements the real passes return, every node's free GPUs, the
 nodes active reservations hold, and which GPUs are held by flexible jobs (any kind, or several)
 that could have run on another kind they accept when they started (after their pass, that kind's
-nodes no reservation holds could still hold them). Each pass it counts the job-seconds that a job
-constrained to some kinds waits while (a) idle GPUs of one of its kinds, on nodes no reservation
-holds, could hold it; (b) they could, counting the idle GPUs of reserved nodes too (the
-reservations' cost); (c) they could, counting the GPUs of such movable flexible jobs too.
+nodes no reservation holds could still hold them). Such a placement was avoidable only if a job
+constrained to that kind was waiting after the same pass: one placed while none waited cannot be
+moved once a constrained job comes (nothing healthy is preempted), so its GPUs are counted apart.
+Each pass it counts the job-seconds that a job constrained to some kinds waits while (a) idle GPUs
+of one of its kinds, on nodes no reservation holds, could hold it; (b) they could, counting the
+idle GPUs of reserved nodes too (the reservations' cost); (c) they could, counting the GPUs of
+flexible jobs placed there while a job constrained to that kind waited and that could have run
+elsewhere (avoidable); (d) they could only counting too the GPUs of flexible jobs placed there
+before any job constrained to that kind waited (not avoidable without preemption).
 """
 
 from __future__ import annotations
@@ -153,7 +158,11 @@ class _Node:
     total: int
     free: int
     movable: int = 0
-    """GPUs held by flexible jobs that could have run on another kind when they started."""
+    """GPUs held by flexible jobs that could have run on another kind when they started, placed
+    while a job constrained to this kind waited (avoidable)."""
+    early: int = 0
+    """GPUs held by flexible jobs that could have run on another kind, placed while no job
+    constrained to this kind waited (not movable without preemption)."""
     reserved: bool = False
     """An active reservation holds it."""
 
@@ -163,13 +172,17 @@ class KindLedger:
     """Free GPUs per node, from the placements and ends the bench sees (see the module docstring)."""
 
     nodes: dict[str, _Node] = field(default_factory=dict)
-    held: dict[int, tuple[list[tuple[str, int]], bool]] = field(default_factory=dict)
+    held: dict[int, tuple[list[tuple[str, int]], str]] = field(default_factory=dict)
     idle_job_s: float = 0.0
     """Job-seconds a constrained job waited while unreserved idle GPUs of a kind it accepts fit it."""
     reserved_job_s: float = 0.0
     """... while it would have fit on idle GPUs only counting those of reserved nodes."""
     movable_job_s: float = 0.0
-    """... while it would have fit only counting the GPUs of movable flexible jobs."""
+    """... while it would have fit only counting the GPUs of flexible jobs placed there, while a
+    job constrained to the kind waited, that could have run elsewhere (avoidable)."""
+    early_job_s: float = 0.0
+    """... while it would have fit only counting too the GPUs of flexible jobs placed there before
+    any job constrained to the kind waited (not avoidable without preemption)."""
     by_kind: dict[str, list[_Node]] = field(default_factory=dict)
 
     def add_node(self, node_id: str, kind: str, total: int) -> None:
@@ -182,32 +195,41 @@ class KindLedger:
         for node_id, n in self.nodes.items():
             n.reserved = node_id in held
 
-    def _fits(self, kind: str, k: int, g: int, *, reserved: bool = False, movable: bool = False) -> bool:
-        return sum(1 for n in self.by_kind.get(kind, ())
-                   if (reserved or not n.reserved or movable) and n.free + (n.movable if movable else 0) >= g) >= k
+    def _fits(self, kind: str, k: int, g: int, *, reserved: bool = False, movable: bool = False,
+              early: bool = False) -> bool:
+        def free(n: _Node) -> int:
+            return n.free + (n.movable if movable or early else 0) + (n.early if early else 0)
 
-    def placed(self, placements: list[tuple[int, MixedJob, str, list[tuple[str, int]]]]) -> None:
-        """A pass's placements: (job index, job, kind, [(node id, GPUs)]). A flexible job is movable
-        if, once the whole pass is placed, another kind it accepts could still hold it on nodes no
-        reservation holds (call ``reserved`` first)."""
+        return sum(1 for n in self.by_kind.get(kind, ())
+                   if (reserved or not n.reserved or movable or early) and free(n) >= g) >= k
+
+    def placed(self, placements: list[tuple[int, MixedJob, str, list[tuple[str, int]]]],
+               waiting: Iterable[MixedJob]) -> None:
+        """A pass's placements: (job index, job, kind, [(node id, GPUs)]), and the jobs still waiting
+        after it. A flexible job could have run elsewhere if, once the whole pass is placed, another
+        kind it accepts could still hold it on nodes no reservation holds (call ``reserved`` first);
+        its GPUs are movable if a job constrained to its kind still waits, early if none does."""
+        wanted = {kind for j in waiting if j.kinds is not None for kind in j.kinds}
         for _, _, _, parts in placements:
             for node_id, n in parts:
                 self.nodes[node_id].free -= n
         for index, job, kind, parts in placements:
             accepted = job.kinds if job.kinds is not None else tuple(self.by_kind)
             k, g = shape(job.gpus)
-            movable = len(accepted) > 1 and any(self._fits(other, k, g) for other in accepted if other != kind)
-            if movable:
-                for node_id, n in parts:
-                    self.nodes[node_id].movable += n
-            self.held[index] = (parts, movable)
+            how = ""
+            if len(accepted) > 1 and any(self._fits(other, k, g) for other in accepted if other != kind):
+                how = "movable" if kind in wanted else "early"
+            for node_id, n in parts:
+                if how:
+                    setattr(self.nodes[node_id], how, getattr(self.nodes[node_id], how) + n)
+            self.held[index] = (parts, how)
 
     def ended(self, index: int) -> None:
-        parts, movable = self.held.pop(index)
+        parts, how = self.held.pop(index)
         for node_id, n in parts:
             self.nodes[node_id].free += n
-            if movable:
-                self.nodes[node_id].movable -= n
+            if how:
+                setattr(self.nodes[node_id], how, getattr(self.nodes[node_id], how) - n)
 
     def account(self, waiting: Iterable[MixedJob], seconds: float) -> None:
         shapes = Counter((j.gpus, j.kinds) for j in waiting if j.kinds is not None)
@@ -219,3 +241,5 @@ class KindLedger:
                 self.reserved_job_s += count * seconds
             elif any(self._fits(kind, k, g, movable=True) for kind in kinds):
                 self.movable_job_s += count * seconds
+            elif any(self._fits(kind, k, g, early=True) for kind in kinds):
+                self.early_job_s += count * seconds
