@@ -494,7 +494,9 @@ def _descriptors(nodes: list[NodeCapacity], jobs: list[JobDemand], opts: PolicyO
                       + [(1, j.job_id) for j in jobs if n.node_id in j.avoid_nodes]
                       + [(2 + i, jid) for jid, ids in previous.items()
                          for i, nid in enumerate(ids) if nid == n.node_id])
-        return (n.total, n.free, tuple(running), n.labels.get("rack", ""), tuple(refs))
+        # The topology label only sets nodes apart when the policy reads it (topology_label).
+        label = n.labels.get(opts.topology_label, "") if opts.topology_label else ""
+        return (n.total, n.free, tuple(running), label, tuple(refs))
 
     kinds = {}
     for kind in {n.gpu_kind for n in nodes}:
