@@ -24,7 +24,8 @@ the decision in one transaction. docs/architecture.md ("Scheduling policy") is t
 - Nothing running is ever touched: the policy only places waiting work.
 
 The data types live in ``model.py`` (re-exported here); the pass itself, written for ~10^4
-waiting jobs and ~10^3 nodes, in ``engine.py``.
+waiting jobs and ~10^3 nodes, in ``engine.py`` (with ``pass_base.py``, ``placing.py`` and
+``reserving.py``).
 """
 
 from __future__ import annotations

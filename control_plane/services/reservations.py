@@ -62,7 +62,7 @@ def previous(session: Session) -> dict[str, list[str]]:
 
 def previous_starts(session: Session) -> dict[str, datetime | None]:
     """Job id -> earliest start of the active reservations (None: unknown): a kept reservation
-    starts from there, so one planned around it is not delayed when it moves (scheduler/engine.py)."""
+    starts from there, so one planned around it is not delayed when it moves (scheduler/reserving.py)."""
     rows = session.execute(
         select(ReservationRow.job_id, ReservationRow.earliest_start)
         .where(ReservationRow.ended_at.is_(None), ReservationRow.kind == JOB)
