@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from node_agent import processes, safe_files
 from node_agent.code import CodeUnavailable, unpack
 from node_agent.envs import EnvBuildFailed, EnvCache
-from node_agent.isolation import Confinement, Isolation, make_worker_dir
+from node_agent.isolation import Confinement, Isolation, hidden_paths, make_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
 from node_agent.logs import LogTailer
 from trainyard.protocol.agent import (
@@ -191,6 +191,11 @@ class AttemptRun:
                 return
             self.env_key = key
             self.log.info("requirements_ready", env=key[:12], seconds=round(time.monotonic() - started, 2))
+            if self.confinement.uid is not None:
+                # The venv may sit below a directory its uid cannot enter (a private work dir's
+                # parent): exposed read-only in the part's mount namespace, as the interpreter is.
+                hidden = hidden_paths([str(Path(python).parent.parent)])
+                self.confinement.expose = tuple(dict.fromkeys((*self.confinement.expose, *hidden)))
             try:
                 proc = start_torchrun(self.spec, dataclasses.replace(node, python=python), self.paths,
                                       self.confinement, cwd=cwd)
