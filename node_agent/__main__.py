@@ -53,6 +53,11 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser.add_argument(
         "--keep-workers-on-exit", action="store_true", help="leave workers running when the agent exits"
     )
+    parser.add_argument("--pip-constraint", type=Path, default=None,
+                        help="constraints for every job's requirements (the node's torch is pinned besides)")
+    parser.add_argument("--env-cache-max-count", type=int, default=8,
+                        help="cached venvs of jobs' requirements to keep (least recently used removed first)")
+    parser.add_argument("--env-cache-max-gb", type=float, default=20.0, help="disk the cached venvs may take")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     structlog.configure(
@@ -76,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             worker_env_passthrough=tuple(args.worker_env),
             stop_grace_s=args.stop_grace,
             keep_workers_on_exit=args.keep_workers_on_exit,
+            pip_constraints=args.pip_constraint,
+            env_cache_max_count=args.env_cache_max_count,
+            env_cache_max_gb=args.env_cache_max_gb,
         )
     except ValueError as exc:
         parser.error(str(exc))

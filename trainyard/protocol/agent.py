@@ -56,6 +56,7 @@ from trainyard.protocol.limits import (
     JsonDocument,
     Text,
 )
+from trainyard.protocol.requirements import MAX_REQUIREMENTS_CHARS
 
 AGENT_API_PREFIX = "/v1/agent"
 MAX_LOG_CHUNK_CHARS = 1024 * 1024
@@ -246,6 +247,10 @@ class LaunchSpec(_Wire):
     code: CodeRef | None = Field(default=None, description="Shipped code to run in, or None (the node's own).")
     python: str | None = Field(default=None, description="The interpreter for torchrun and the workers (an "
                                "absolute path on the node), or None (the agent's own).")
+    requirements: str | None = Field(
+        default=None, max_length=MAX_REQUIREMENTS_CHARS,
+        description="A pip requirements file to install (from wheels) into a virtualenv cached by content hash on "
+        "the node, built on `python` (or the agent's) and seeing its packages; the workers run in it. None: none.")
     launched: bool = Field(
         default=False,
         description="An agent already reported this part as started (perhaps a previous agent instance "
@@ -393,6 +398,10 @@ class RankSummary(_Wire):
     ranks: list[RankStat] = Field(default_factory=list, max_length=MAX_NODE_RANKS)
 
 
+AgentErrorKind = Literal["start_error", "launch_error"]
+"""The failure kinds an agent may name for its part's error (trainyard.protocol.exits)."""
+
+
 class AttemptStatusReport(_Wire):
     fencing_token: FencingToken
     node_rank: Int32
@@ -404,6 +413,10 @@ class AttemptStatusReport(_Wire):
     result: JsonDocument | None = Field(default=None, description="Reported by global rank 0 at the end.")
     error: Annotated[str | None, _clip(MAX_MESSAGE_CHARS)] = Field(
         default=None, description="Why the agent could not launch or run it.")
+    error_kind: AgentErrorKind | None = Field(
+        default=None, description="What kind of failure `error` is, when the agent knows: start_error (the job's "
+        "own setup cannot work, e.g. its requirements do not install: not retried) or launch_error (this node "
+        "could not launch it). None: the control plane classifies it.")
     ranks: RankSummary | None = Field(
         default=None, description="The node's ranks' steps, step and busy times and silences (watchdogs); sent "
         "with the periodic report, not with every step.")
