@@ -13,15 +13,17 @@
 ``KindLedger`` follows, from the placements the real passes return, every node's free GPUs, the
 nodes active reservations hold, and which GPUs are held by flexible jobs (any kind, or several)
 that could have run on another kind they accept when they started (after their pass, that kind's
-nodes no reservation holds could still hold them). Such a placement was avoidable only if a job
-constrained to that kind was waiting after the same pass: one placed while none waited cannot be
-moved once a constrained job comes (nothing healthy is preempted), so its GPUs are counted apart.
+nodes no reservation holds could still hold them). Such a placement was avoidable only if it took
+GPUs that a job constrained to that kind, still waiting after the same pass, could have used on
+that node then (the pass's own test, ``KindPool.conflict``); one that took only GPUs no waiting
+job could use (none waited for the kind, or none fit beside what ran there) cannot be moved once
+such a job comes, as nothing healthy is preempted: its GPUs are counted apart.
 Each pass it counts the job-seconds that a job constrained to some kinds waits while (a) idle GPUs
 of one of its kinds, on nodes no reservation holds, could hold it; (b) they could, counting the
 idle GPUs of reserved nodes too (the reservations' cost); (c) they could, counting the GPUs of
-flexible jobs placed there while a job constrained to that kind waited and that could have run
-elsewhere (avoidable); (d) they could only counting too the GPUs of flexible jobs placed there
-before any job constrained to that kind waited (not avoidable without preemption).
+flexible jobs that took GPUs a waiting job constrained to that kind could use and could have run
+elsewhere (avoidable); (d) they could only counting too the GPUs of flexible jobs that took GPUs
+no waiting job could use then (not avoidable without preemption).
 """
 
 from __future__ import annotations
@@ -152,17 +154,22 @@ def offered_load(nodes: list[NodeSpec], specs: Iterable[MixedJob], window_s: flo
         sum(n.gpus for n in nodes) * window_s)
 
 
+def _useful(free: int, share: int) -> int:
+    """GPUs of ``free`` that jobs taking ``share`` GPUs per node can use."""
+    return free - free % share if free > 0 else 0
+
+
 @dataclass
 class _Node:
     kind: str
     total: int
     free: int
     movable: int = 0
-    """GPUs held by flexible jobs that could have run on another kind when they started, placed
-    while a job constrained to this kind waited (avoidable)."""
-    early: int = 0
-    """GPUs held by flexible jobs that could have run on another kind, placed while no job
-    constrained to this kind waited (not movable without preemption)."""
+    """GPUs held by flexible jobs that could have run on another kind when they started, and that
+    took GPUs a waiting job constrained to this kind could use (avoidable)."""
+    unclaimed: int = 0
+    """GPUs held by flexible jobs that could have run on another kind, and that took only GPUs no
+    waiting job constrained to this kind could use then (not movable without preemption)."""
     reserved: bool = False
     """An active reservation holds it."""
 
@@ -178,11 +185,11 @@ class KindLedger:
     reserved_job_s: float = 0.0
     """... while it would have fit on idle GPUs only counting those of reserved nodes."""
     movable_job_s: float = 0.0
-    """... while it would have fit only counting the GPUs of flexible jobs placed there, while a
-    job constrained to the kind waited, that could have run elsewhere (avoidable)."""
-    early_job_s: float = 0.0
-    """... while it would have fit only counting too the GPUs of flexible jobs placed there before
-    any job constrained to the kind waited (not avoidable without preemption)."""
+    """... while it would have fit only counting the GPUs of flexible jobs that took GPUs a
+    waiting job constrained to the kind could use, and could have run elsewhere (avoidable)."""
+    unclaimed_job_s: float = 0.0
+    """... while it would have fit only counting too the GPUs of flexible jobs that took GPUs no
+    waiting job could use then (not avoidable without preemption)."""
     by_kind: dict[str, list[_Node]] = field(default_factory=dict)
 
     def add_node(self, node_id: str, kind: str, total: int) -> None:
@@ -196,29 +203,36 @@ class KindLedger:
             n.reserved = node_id in held
 
     def _fits(self, kind: str, k: int, g: int, *, reserved: bool = False, movable: bool = False,
-              early: bool = False) -> bool:
+              unclaimed: bool = False) -> bool:
         def free(n: _Node) -> int:
-            return n.free + (n.movable if movable or early else 0) + (n.early if early else 0)
+            return n.free + (n.movable if movable or unclaimed else 0) + (n.unclaimed if unclaimed else 0)
 
         return sum(1 for n in self.by_kind.get(kind, ())
-                   if (reserved or not n.reserved or movable or early) and free(n) >= g) >= k
+                   if (reserved or not n.reserved or movable or unclaimed) and free(n) >= g) >= k
 
     def placed(self, placements: list[tuple[int, MixedJob, str, list[tuple[str, int]]]],
                waiting: Iterable[MixedJob]) -> None:
         """A pass's placements: (job index, job, kind, [(node id, GPUs)]), and the jobs still waiting
         after it. A flexible job could have run elsewhere if, once the whole pass is placed, another
         kind it accepts could still hold it on nodes no reservation holds (call ``reserved`` first);
-        its GPUs are movable if a job constrained to its kind still waits, early if none does."""
-        wanted = {kind for j in waiting if j.kinds is not None for kind in j.kinds}
-        for _, _, _, parts in placements:
+        its GPUs are movable if, on a node it took, a job constrained to its kind that still waits
+        lost GPUs it could use there (in the pass's order), unclaimed if not."""
+        shares: dict[str, set[int]] = {}
+        for j in waiting:
+            for kind in j.kinds or ():
+                shares.setdefault(kind, set()).add(shape(j.gpus)[1])
+        claimed = []
+        for _, _, kind, parts in placements:
+            claimed.append(any(_useful(self.nodes[nid].free, s) > _useful(self.nodes[nid].free - n, s)
+                               for nid, n in parts for s in shares.get(kind, ())))
             for node_id, n in parts:
                 self.nodes[node_id].free -= n
-        for index, job, kind, parts in placements:
+        for (index, job, kind, parts), took in zip(placements, claimed, strict=True):
             accepted = job.kinds if job.kinds is not None else tuple(self.by_kind)
             k, g = shape(job.gpus)
             how = ""
             if len(accepted) > 1 and any(self._fits(other, k, g) for other in accepted if other != kind):
-                how = "movable" if kind in wanted else "early"
+                how = "movable" if took else "unclaimed"
             for node_id, n in parts:
                 if how:
                     setattr(self.nodes[node_id], how, getattr(self.nodes[node_id], how) + n)
@@ -241,5 +255,5 @@ class KindLedger:
                 self.reserved_job_s += count * seconds
             elif any(self._fits(kind, k, g, movable=True) for kind in kinds):
                 self.movable_job_s += count * seconds
-            elif any(self._fits(kind, k, g, early=True) for kind in kinds):
-                self.early_job_s += count * seconds
+            elif any(self._fits(kind, k, g, unclaimed=True) for kind in kinds):
+                self.unclaimed_job_s += count * seconds

@@ -22,8 +22,9 @@ baselines place by first fit (the first GPU kind that holds the job, the fullest
   2-hour window, simulated to 12 h. Figures: utilization while jobs wait, waits by size and by
   constraint, jobs never started, pass latency, and the job-hours a job constrained to some kinds
   waited while GPUs of one of them sat idle where it fit, or were held by flexible jobs that
-  could have run on another kind (split: placed while a job constrained to that kind waited,
-  which a pass could have avoided, or before, which only preemption could undo).
+  could have run on another kind (split: those that took GPUs a waiting job constrained to that
+  kind could use then, which a pass could have avoided, and the others, which only preemption
+  could undo).
 
 What is real: nodes register through ``services.nodes.register``; every scheduling pass is
 ``scheduler.allocate.schedule_pass`` (advisory lock, queue and capacity reads, the pure policy,
@@ -211,7 +212,7 @@ class Result:
     idle_job_s: float = 0.0  # mixed: see mixed_cluster.KindLedger
     reserved_job_s: float = 0.0
     movable_job_s: float = 0.0
-    early_job_s: float = 0.0
+    unclaimed_job_s: float = 0.0
     end_s: float = 0.0  # simulated time when the run stopped
 
 
@@ -363,7 +364,7 @@ def simulate(policy: str, url: str, sc: Scenario, args: argparse.Namespace) -> R
     result.end_s = t
     if ledger is not None:
         result.idle_job_s, result.reserved_job_s = ledger.idle_job_s, ledger.reserved_job_s
-        result.movable_job_s, result.early_job_s = ledger.movable_job_s, ledger.early_job_s
+        result.movable_job_s, result.unclaimed_job_s = ledger.movable_job_s, ledger.unclaimed_job_s
     clock.t = T0 + timedelta(seconds=t)
     with factory() as s:
         summary = reservations.summary(s)
@@ -495,7 +496,7 @@ def mixed_metrics(r: Result, sc: Scenario) -> dict[str, float]:
         "idle_job_h": r.idle_job_s / 3600,
         "reserved_job_h": r.reserved_job_s / 3600,
         "movable_job_h": r.movable_job_s / 3600,
-        "early_job_h": r.early_job_s / 3600,
+        "unclaimed_job_h": r.unclaimed_job_s / 3600,
         "reservation_idle_gpu_h": r.reservation_idle_gpu_s / 3600,
         "reservation_idle_pct": 100 * r.reservation_idle_gpu_s / (sc.gpus * r.end_s) if r.end_s else 0.0,
         "reservations_started": r.reservations_started,
@@ -536,7 +537,7 @@ MIXED_ROWS = [
     ("idle_job_h", "constrained waits beside idle GPUs that fit (job-h)", "{:.1f}"),
     ("reserved_job_h", "... beside idle GPUs of reserved nodes (job-h)", "{:.1f}"),
     ("movable_job_h", "... beside GPUs of movable flexible jobs (job-h)", "{:.1f}"),
-    ("early_job_h", "... beside flexible jobs placed before it was wanted (job-h)", "{:.1f}"),
+    ("unclaimed_job_h", "... beside flexible jobs on GPUs none waiting could use (job-h)", "{:.1f}"),
     ("reservation_idle_gpu_h", "reservation idle cost (GPU-h)", "{:.1f}"),
     ("reservation_idle_pct", "reservation idle cost (% of GPU time)", "{:.2f}"),
     ("reservations_started", "reserved jobs started", "{:.0f}"),
@@ -600,8 +601,8 @@ def targets(all_results: dict[str, dict[str, dict[str, float]]]) -> None:
         print(f"  mixed: no constrained job waits beside idle GPUs of its kind or GPUs held by flexible jobs that "
               f"could have run elsewhere: {fair['idle_job_h']:.1f} + {fair['movable_job_h']:.1f} job-h -> "
               f"{'met' if lost == 0 else 'MISSED'} (not counted, as no pass could have avoided it without "
-              f"preempting: {fair['early_job_h']:.1f} job-h beside flexible jobs placed while no job "
-              f"constrained to that kind waited)")
+              f"preempting: {fair['unclaimed_job_h']:.1f} job-h beside flexible jobs that took only GPUs no "
+              f"waiting job constrained to that kind could use then)")
 
 
 def main() -> int:

@@ -23,7 +23,7 @@ def test_flexible_job_placed_before_any_constrained_job_waited_is_not_counted_as
     led.reserved([])
     led.placed([(0, job(1, None), "p100", [("scarce-0", 1)])], waiting=[])
     led.account([job(1, ("p100",))], 60.0)
-    assert (led.idle_job_s, led.movable_job_s, led.early_job_s) == (0.0, 0.0, 60.0)
+    assert (led.idle_job_s, led.movable_job_s, led.unclaimed_job_s) == (0.0, 0.0, 60.0)
 
 
 def test_flexible_job_placed_while_a_constrained_job_waited_is_counted_as_avoidable():
@@ -32,7 +32,7 @@ def test_flexible_job_placed_while_a_constrained_job_waited_is_counted_as_avoida
     waiting = [job(1, ("p100",))]
     led.placed([(0, job(1, None), "p100", [("scarce-0", 1)])], waiting=waiting)
     led.account(waiting, 60.0)
-    assert (led.idle_job_s, led.movable_job_s, led.early_job_s) == (0.0, 60.0, 0.0)
+    assert (led.idle_job_s, led.movable_job_s, led.unclaimed_job_s) == (0.0, 60.0, 0.0)
     led.ended(0)  # its GPU is back: the constrained job now waits beside an idle GPU it fits
     led.account(waiting, 60.0)
     assert led.idle_job_s == 60.0
@@ -46,4 +46,18 @@ def test_a_flexible_job_that_could_not_run_elsewhere_is_never_counted():
     led.placed([(0, big, "h100", [("plenty-0", 8)]), (1, big, "h100", [("plenty-1", 8)]),
                 (2, job(1, None), "p100", [("scarce-0", 1)])], waiting=[job(8, ("h100",))])
     led.account([job(8, ("h100",))], 60.0)
-    assert (led.idle_job_s, led.movable_job_s, led.early_job_s) == (0.0, 0.0, 0.0)
+    assert (led.idle_job_s, led.movable_job_s, led.unclaimed_job_s) == (0.0, 0.0, 0.0)
+
+
+def test_flexible_job_that_took_gpus_no_waiting_job_could_use_is_not_counted_as_avoidable():
+    """An h100 job waits for a whole node (8 GPUs); a flexible 1-GPU job takes the last free GPU of
+    a node where 7 run: nothing the waiting job could use then. When the 7 end, the waiting job
+    would fit only with that GPU back: not avoidable without preemption."""
+    led = ledger()
+    led.reserved([])
+    waiting = [job(8, ("h100",))]
+    led.placed([(0, job(7, ("h100",)), "h100", [("plenty-0", 7)])], waiting=waiting)
+    led.placed([(1, job(1, None), "h100", [("plenty-0", 1)])], waiting=waiting)
+    led.ended(0)
+    led.account(waiting, 60.0)
+    assert (led.idle_job_s, led.movable_job_s, led.unclaimed_job_s) == (0.0, 0.0, 60.0)
