@@ -17,13 +17,13 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import clock
-from control_plane.api import agent, health, jobs, nodes, tenants
+from control_plane.api import agent, health, jobs, nodes, tenants, uploads
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TrainyardError, Unauthorized
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
 from control_plane.settings import Settings
-from control_plane.wakeups import Busy, NodeWakeups
+from control_plane.wakeups import SLOT_CHANNEL, Busy, Wakeups
 
 log = structlog.get_logger("trainyard.app")
 
@@ -70,7 +70,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Busy)
     async def _too_many_waits(request: Request, exc: Busy) -> JSONResponse:
-        return _busy(request, f"{exc}; retry the long poll later (heartbeats carry on meanwhile)")
+        return _busy(request, f"{exc}; retry the long poll later")
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
@@ -163,8 +163,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     factory = make_session_factory(engine)
     store = object_store(settings)
     loops = Loops(factory, settings, store)
-    wakeups = NodeWakeups(settings.database_url, max_waiters=settings.agent_wait_max)
+    wakeups = Wakeups(settings.database_url, max_waiters=settings.agent_wait_max)
     wakeups.install(factory)
+    slot_wakeups = Wakeups(settings.database_url, max_waiters=settings.upload_slot_wait_max, channel=SLOT_CHANNEL)
+    slot_wakeups.install(factory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -181,12 +183,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except Exception:
             log.warning("database clock not readable at start; anchoring on the first loop", exc_info=True)
         await wakeups.start()
+        await slot_wakeups.start()
         if settings.run_loops:
             loops.start()
         try:
             yield
         finally:
             await wakeups.stop()
+            await slot_wakeups.stop()
             loops.stop()
             engine.dispose()
 
@@ -201,10 +205,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.session_factory = factory
     app.state.loops = loops
     app.state.wakeups = wakeups
+    app.state.slot_wakeups = slot_wakeups
     app.state.wake_scheduler = loops.wake_scheduler
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, tenants, agent):
+    for module in (health, jobs, nodes, tenants, uploads, agent):
         app.include_router(module.router)
     return app

@@ -60,6 +60,32 @@ class Settings(BaseSettings):
         0, description='Nodes kept for recovering jobs only: a number for every GPU kind, or JSON such as '
         '{"h100": 2} per kind.'
     )
+    upload_slots_max: int = Field(
+        0, ge=0, description="Checkpoint shard uploads in flight at once in the whole cluster; 0: unlimited "
+        "(docs/architecture.md, \"Checkpoint upload slots\")."
+    )
+    upload_slots_per_label: int = Field(
+        0, ge=0, description="Checkpoint shard uploads in flight at once per topology domain (nodes with one "
+        "value of topology_label; nodes without the label form one domain); 0: unlimited."
+    )
+    upload_node_rate_bytes_per_s: int = Field(
+        0, ge=0, description="Bytes per second the checkpoint uploads of one node may use together, shared "
+        "evenly by its uploads in flight; 0: unlimited."
+    )
+    upload_slot_ttl_s: float = Field(
+        30.0, gt=0, le=3600, description="An upload slot's lease: a granted slot not renewed (its worker renews "
+        "every third of it) or a queue place not asked for again within this long is reclaimed."
+    )
+    upload_slot_poll_s: float = Field(
+        20.0, gt=0, le=60, description="The longest one long poll for an upload slot stays open."
+    )
+    upload_slot_max_wait_s: float = Field(
+        900.0, ge=0, description="A worker waits this long for an upload slot at most, then uploads without one "
+        "(with a checkpoint.upload_unslotted event); 0: no bound but the next save."
+    )
+    upload_slot_wait_max: int = Field(
+        4000, ge=0, description="Upload-slot long polls one replica holds open at once; more are answered 503."
+    )
     limits_interval_s: float = Field(1.0, gt=0, description="Period of the time-limit loop.")
     attempt_launch_timeout_s: float = Field(
         60.0, gt=0, description="A node's part of an attempt that its agent has not confirmed launching this "

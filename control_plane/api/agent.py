@@ -19,7 +19,7 @@ from control_plane.api.deps import (
 )
 from control_plane.api.jobs import ERRORS
 from control_plane.errors import Unauthorized
-from control_plane.services import agent_protocol, logs, nodes
+from control_plane.services import agent_protocol, logs, nodes, upload_slots
 from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
@@ -37,6 +37,7 @@ from trainyard.protocol.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
+from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotReleased, SlotRequest
 
 router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=TransactionRoute)
 
@@ -100,3 +101,22 @@ def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity,
 def attempt_events(attempt_id: uuid.UUID, body: WorkerEventBatch, node: NodeIdentity,
                    session: SessionDep) -> WorkerEventAck:
     return WorkerEventAck(accepted=agent_protocol.report_events(session, node, attempt_id, body))
+
+
+@router.post("/attempts/{attempt_id}/upload-slots", response_model=SlotAnswer, responses=ERRORS)
+async def upload_slot(attempt_id: uuid.UUID, body: SlotRequest, creds: Credentials, settings: SettingsDep,
+                      runtime: RuntimeDep) -> SlotAnswer:
+    """A checkpoint upload slot, as a long poll (trainyard/protocol/uploads.py): granted, or waiting with
+    the queue position after `wait_s`. Asking again for the same (rank, step) polls or renews it. Holds no
+    thread and no database connection while it waits."""
+    token = creds.credentials if creds is not None else ""
+    return await upload_slots.ask_and_wait(runtime.session_factory, runtime.slot_wakeups, token, attempt_id, body,
+                                           settings)
+
+
+@router.post("/attempts/{attempt_id}/upload-slots/release", response_model=SlotReleased, responses=ERRORS)
+def release_upload_slot(attempt_id: uuid.UUID, body: SlotRelease, node: NodeIdentity, session: SessionDep,
+                        settings: SettingsDep, runtime: RuntimeDep) -> SlotReleased:
+    """The upload ended (or failed, or its worker stopped waiting): the slot goes to the next waiter."""
+    released = upload_slots.release_and_grant(session, node, attempt_id, body, runtime.session_factory, settings)
+    return SlotReleased(released=released)

@@ -45,7 +45,9 @@ class Runtime:
     session_factory: sessionmaker[Session]
     engine: Engine
     wakeups: Any = None
-    """control_plane.wakeups.NodeWakeups: the agents' long polls (app.wakeups)."""
+    """control_plane.wakeups.Wakeups: the agents' long polls (app.wakeups)."""
+    slot_wakeups: Any = None
+    """control_plane.wakeups.Wakeups: the long polls for checkpoint upload slots (app.slot_wakeups)."""
 
     def wake_scheduler(self) -> None:
         self.loops.wake_scheduler()
@@ -59,7 +61,8 @@ def get_runtime(request: Request) -> Runtime:
     state = request.app.state
     return Runtime(loops=state.loops, run_loops=state.settings.run_loops, object_store=state.object_store,
                    worker_storage=dict(state.worker_storage or {}), session_factory=state.session_factory,
-                   engine=state.engine, wakeups=getattr(state, "wakeups", None))
+                   engine=state.engine, wakeups=getattr(state, "wakeups", None),
+                   slot_wakeups=getattr(state, "slot_wakeups", None))
 
 
 def get_session(request: Request) -> Iterator[Session]:

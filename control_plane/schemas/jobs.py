@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from control_plane.schemas.scheduling import ReservationOut
+from control_plane.schemas.uploads import CheckpointUploadOut
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_BYTES = 32 * 1024
@@ -250,3 +251,5 @@ class CheckpointOut(BaseModel):
     reason: str | None
     created_at: datetime
     committed_at: datetime | None
+    upload: CheckpointUploadOut | None = Field(
+        default=None, description="Its shards' upload slot waits and upload rate; null before any is reported.")

@@ -42,6 +42,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from trainyard.protocol.uploads import UploadStats
+
 AGENT_API_PREFIX = "/v1/agent"
 
 
@@ -362,6 +364,8 @@ class ShardInfo(_Wire):
     key: str = Field(min_length=1, description="Object key of the uploaded shard.")
     size_bytes: int = Field(ge=0)
     sha256: str = Field(pattern="^[0-9a-f]{64}$")
+    upload: UploadStats | None = Field(default=None, description="Its upload's slot wait and duration "
+                                       "(trainyard/protocol/uploads.py); None from an older worker runtime.")
 
 
 class LocalShard(ShardInfo):

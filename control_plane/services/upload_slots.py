@@ -1,0 +1,283 @@
+"""Checkpoint upload slots: leases on the shared links, granted first come, first served within a
+cluster-wide limit and a limit per topology domain, paced by a byte budget per node
+(docs/architecture.md, "Checkpoint upload slots"; the pure policy is services/upload_policy.py).
+
+Scale (1,024 ranks asking at once): a request is fenced like a shard report, sharing the job and
+attempt rows (``FOR SHARE``: the ranks of a job never wait for each other) and writing only its own
+slot row. Grants are decided by a grant pass under a transaction-scoped advisory lock taken with
+``pg_try_advisory_xact_lock``: a request that finds a pass running does not queue behind it, and
+the running pass, once committed, runs again while waiting slots that could fit remain (so a slot
+that arrived during the pass is not left waiting). A grant sends ``NOTIFY trainyard_upload_slot``
+with the slot's key, which wakes the slot's long poll on whichever replica holds it
+(control_plane/wakeups.py). Waiting holds no thread and no connection.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from datetime import datetime, timedelta
+from typing import Any
+
+import structlog
+from sqlalchemy import and_, delete, exists, func, not_, or_, select, true
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane import wakeups
+from control_plane.clock import now
+from control_plane.db import session_scope
+from control_plane.errors import NotFound, StaleAttempt, Unprocessable
+from control_plane.models import Attempt, Job, Node, UploadSlot
+from control_plane.schemas.uploads import SlotLimitsOut, UploadSlotOut, UploadSlotsOut
+from control_plane.services import events, nodes
+from control_plane.services.fencing import authorize_report
+from control_plane.services.states import UPLOAD_SLOT_OPEN, move_upload_slots
+from control_plane.services.upload_policy import Slot, SlotLimits, full_labels, grantable, node_rate
+from control_plane.settings import Settings
+from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotRequest
+
+log = structlog.get_logger("trainyard.upload_slots")
+
+PASS_LOCK_KEY = 0x74_79_75_70_6C_64  # "tyupld": serializes grant passes across replicas
+PASS_ROUNDS = 4
+"""Passes one caller runs back to back at most; a waiter left beyond them is served by the next
+request, release or maintenance pass."""
+WALK_MAX = 20_000
+"""Waiting slots one pass reads at most (oldest first)."""
+VIEW_MAX = 10_000
+"""Slots one view lists at most."""
+HISTORY_S = 86_400.0
+"""Ended slots are deleted this long after they ended (the maintenance loop)."""
+
+
+def limits_of(settings: Settings) -> SlotLimits:
+    return SlotLimits.of(settings.upload_slots_max, settings.upload_slots_per_label,
+                         settings.upload_node_rate_bytes_per_s)
+
+
+def slot_key(attempt_id: uuid.UUID | str, rank: int, step: int) -> str:
+    """The long-poll key of the one open slot of (attempt, rank, step)."""
+    return f"{attempt_id}/{rank}/{step}"
+
+
+def domain_of(node: Node, topology_label: str) -> str:
+    """The node's topology domain: its value of the topology label ('' without one)."""
+    return (node.effective_labels.get(topology_label) or "") if topology_label else ""
+
+
+async def ask_and_wait(factory: sessionmaker[Session], waits: wakeups.Wakeups, token: str,
+                       attempt_id: uuid.UUID, req: SlotRequest, settings: Settings) -> SlotAnswer:
+    """A slot request as a long poll: granted at once if it can be, else answered when a grant
+    pass (on any replica) grants it, or after ``wait_s`` (at most upload_slot_poll_s) with the
+    queue position."""
+    def first() -> SlotAnswer | None:
+        answer = ask(factory, token, attempt_id, req, settings)
+        return answer if answer.state == "granted" or req.wait_s <= 0 else None
+
+    wait_s = min(req.wait_s, settings.upload_slot_poll_s)
+    return await waits.wait_until(slot_key(attempt_id, req.rank, req.step), first,
+                                  lambda: ask(factory, token, attempt_id, req, settings), wait_s)
+
+
+def ask(factory: sessionmaker[Session], token: str, attempt_id: uuid.UUID, req: SlotRequest,
+        settings: Settings) -> SlotAnswer:
+    """Create, poll or renew the slot of (attempt, rank, step), fenced by the attempt (a stale one
+    gets 409 and no slot); then a grant pass if it waits. Its own transactions."""
+    limits = limits_of(settings)
+    with session_scope(factory) as s:
+        node = nodes.authenticate(s, token)
+        _job, attempt, _part = authorize_report(s, node, attempt_id, req.fencing_token, req.node_rank,
+                                                exclusive=False)
+        if attempt.outcome is not None:
+            raise StaleAttempt(f"attempt {attempt.number} already ended ({attempt.outcome}); no upload slot")
+        if req.rank >= attempt.num_gpus:
+            raise Unprocessable(f"rank {req.rank} is outside attempt {attempt.number}'s world of {attempt.num_gpus}")
+        slot = _open_slot(s, attempt_id, req.rank, req.step)
+        t = now()
+        if slot is None:
+            slot = _create(s, node, attempt.job_id, attempt_id, req, limits, settings, t)
+        elif slot.state == "waiting":
+            slot.expires_at = _queue_expiry(t, settings)
+        else:  # a renewal: the lease goes on, at the node's current share of its budget
+            slot.expires_at = t + timedelta(seconds=settings.upload_slot_ttl_s)
+            slot.rate_bytes_per_s = node_rate(limits, _holders(s, slot.node_id))
+        slot_id, waiting = slot.id, slot.state == "waiting"
+    if waiting:
+        grant_pass(factory, settings)
+    with session_scope(factory) as s:
+        return _answer(s, s.get(UploadSlot, slot_id), settings, long_poll=req.wait_s > 0)
+
+
+def _open_slot(s: Session, attempt_id: uuid.UUID, rank: int, step: int) -> UploadSlot | None:
+    return s.scalar(select(UploadSlot).where(
+        UploadSlot.attempt_id == attempt_id, UploadSlot.rank == rank, UploadSlot.step == step,
+        UploadSlot.state.in_(UPLOAD_SLOT_OPEN)).with_for_update(key_share=True))
+
+
+def _create(s: Session, node: Node, job_id: uuid.UUID, attempt_id: uuid.UUID, req: SlotRequest,
+            limits: SlotLimits, settings: Settings, t: datetime) -> UploadSlot:
+    # Without a limit or a budget there is nothing to decide: granted as it is recorded, no pass.
+    direct = limits.unlimited and limits.node_rate_bytes_per_s is None
+    values: dict[str, Any] = dict(
+        id=uuid.uuid4(), job_id=job_id, attempt_id=attempt_id, node_id=node.id, rank=req.rank, step=req.step,
+        label=domain_of(node, settings.topology_label), size_bytes=req.size_bytes, requested_at=t,
+        state="granted" if direct else "waiting", granted_at=t if direct else None,
+        expires_at=t + timedelta(seconds=settings.upload_slot_ttl_s) if direct else _queue_expiry(t, settings))
+    # A concurrent request for the same slot (a retry whose first answer was lost) inserts nothing.
+    s.execute(pg_insert(UploadSlot).values(**values).on_conflict_do_nothing(
+        index_elements=["attempt_id", "rank", "step"], index_where=UploadSlot.state.in_(UPLOAD_SLOT_OPEN)))
+    slot = _open_slot(s, attempt_id, req.rank, req.step)
+    assert slot is not None
+    return slot
+
+
+def _queue_expiry(t: datetime, settings: Settings) -> datetime:
+    """A waiter asks again when each long poll ends; one that stops asking (crashed) is dropped."""
+    return t + timedelta(seconds=settings.upload_slot_poll_s + settings.upload_slot_ttl_s)
+
+
+def _holders(s: Session, node_id: uuid.UUID) -> int:
+    return int(s.scalar(select(func.count()).where(UploadSlot.node_id == node_id, UploadSlot.state == "granted"))
+               or 0)
+
+
+def _answer(s: Session, slot: UploadSlot | None, settings: Settings, *, long_poll: bool) -> SlotAnswer:
+    if slot is None or slot.state not in UPLOAD_SLOT_OPEN:
+        # Reclaimed between the request's two transactions: its attempt ended or stopped being current.
+        raise StaleAttempt("the upload slot was reclaimed: its attempt ended or is no longer the job's current one")
+    t = now()
+    position = 0
+    if slot.state == "waiting":
+        position = int(s.scalar(select(func.count()).where(UploadSlot.state == "waiting",
+                                                             UploadSlot.seq < slot.seq)) or 0)
+    return SlotAnswer(
+        slot_id=str(slot.id), state="granted" if slot.state == "granted" else "waiting", position=position,
+        retry_after_s=0.0 if long_poll or slot.state == "granted" else min(1.0, settings.upload_slot_poll_s),
+        rate_bytes_per_s=slot.rate_bytes_per_s, ttl_s=max(0.001, (slot.expires_at - t).total_seconds()),
+        max_wait_s=settings.upload_slot_max_wait_s or None)
+
+
+def release_and_grant(session: Session, node: Node, attempt_id: uuid.UUID, req: SlotRelease,
+                      factory: sessionmaker[Session], settings: Settings) -> bool:
+    """The upload ended (or failed, or its worker stopped waiting): release the slot, committed,
+    then hand what it held to the next waiters. False when it was not open any more."""
+    authorize_report(session, node, attempt_id, req.fencing_token, req.node_rank, exclusive=False)
+    t = now()
+    moved = move_upload_slots(session, and_(UploadSlot.attempt_id == attempt_id, UploadSlot.rank == req.rank,
+                                            UploadSlot.step == req.step), "released",
+                              ended_at=t, ok=req.ok, uploaded_bytes=req.uploaded_bytes, upload_s=req.upload_s)
+    session.commit()
+    if moved:
+        grant_pass(factory, settings)
+    return bool(moved)
+
+
+def grant_pass(factory: sessionmaker[Session], settings: Settings) -> int:
+    """Reclaim expired and stale slots, then grant waiters oldest first within the limits; returns
+    how many it granted. Skips at once when another pass holds the lock (that pass, or the next
+    request's, serves the waiters); runs again while a waiter that could fit is left."""
+    limits = limits_of(settings)
+    total = 0
+    for _ in range(PASS_ROUNDS):
+        with session_scope(factory) as s:
+            if not s.scalar(select(func.pg_try_advisory_xact_lock(PASS_LOCK_KEY))):
+                return total
+            granted, blocked = _pass(s, limits, settings)
+            total += granted
+        if blocked is None or not _waiter_that_fits(factory, blocked):
+            break
+    return total
+
+
+def _pass(s: Session, limits: SlotLimits, settings: Settings) -> tuple[int, set[str] | None]:
+    """One pass in one transaction: how many it granted, and the domains now full (None when the
+    cluster is full: nothing more fits)."""
+    t = now()
+    _reclaim(s, t)
+    held = [Slot(str(r.id), r.seq, r.label, str(r.node_id)) for r in s.execute(
+        select(UploadSlot.id, UploadSlot.seq, UploadSlot.label, UploadSlot.node_id)
+        .where(UploadSlot.state == "granted"))]
+    if limits.cluster is not None and len(held) >= limits.cluster:
+        return 0, None
+    full = full_labels(limits, held)
+    waiting = [Slot(str(r.id), r.seq, r.label, str(r.node_id)) for r in s.execute(
+        select(UploadSlot.id, UploadSlot.seq, UploadSlot.label, UploadSlot.node_id)
+        .where(UploadSlot.state == "waiting", UploadSlot.label.not_in(full) if full else true())
+        .order_by(UploadSlot.seq).limit(WALK_MAX))]
+    chosen = set(grantable(limits, held, waiting))
+    if not chosen:
+        return 0, full
+    granted = [w for w in waiting if w.id in chosen]
+    holders: dict[str, int] = defaultdict(int)
+    for slot in [*held, *granted]:
+        holders[slot.node] += 1
+    by_rate: dict[int | None, list[uuid.UUID]] = defaultdict(list)
+    for slot in granted:
+        by_rate[node_rate(limits, holders[slot.node])].append(uuid.UUID(slot.id))
+    expires = t + timedelta(seconds=settings.upload_slot_ttl_s)
+    moved = []
+    for rate, ids in by_rate.items():
+        moved += move_upload_slots(s, UploadSlot.id.in_(ids), "granted", granted_at=t, expires_at=expires,
+                                   rate_bytes_per_s=rate)
+    wakeups.notify(s, wakeups.SLOT_CHANNEL, [slot_key(r.attempt_id, r.rank, r.step) for r in moved])
+    after = [*held, *granted]
+    cluster_full = limits.cluster is not None and len(after) >= limits.cluster
+    return len(moved), None if cluster_full else full_labels(limits, after)
+
+
+def _waiter_that_fits(factory: sessionmaker[Session], full: set[str]) -> bool:
+    """After a pass committed with room left: a waiting slot outside the full domains exists (one
+    that arrived while the pass ran, unseen by it)."""
+    with session_scope(factory) as s:
+        return s.scalar(select(exists().where(
+            UploadSlot.state == "waiting", UploadSlot.label.not_in(full) if full else true()))) is True
+
+
+def _reclaim(s: Session, t: datetime) -> None:
+    """Expire open slots past their lease, and those of an attempt that ended or is not its job's
+    current one any more (a stale attempt holds no slot); an event per attempt."""
+    current = exists().where(Job.id == UploadSlot.job_id, Job.current_attempt_id == UploadSlot.attempt_id,
+                             Attempt.id == UploadSlot.attempt_id, Attempt.outcome.is_(None))
+    moved = move_upload_slots(s, or_(UploadSlot.expires_at < t, not_(current)), "expired", ended_at=t)
+    silent: dict[tuple[uuid.UUID, uuid.UUID], list[int]] = defaultdict(list)
+    for row in moved:
+        silent[(row.job_id, row.attempt_id)].append(row.rank)
+    for (job_id, attempt_id), ranks in sorted(silent.items()):
+        ranks.sort()
+        events.record(s, "upload_slot.expired",
+                      f"{len(ranks)} upload slot(s) reclaimed: not renewed or asked for within the lease, or the "
+                      f"attempt ended (ranks {ranks[:16]}{' ...' if len(ranks) > 16 else ''})",
+                      job_id=job_id, attempt_id=attempt_id, ranks=ranks[:256])
+
+
+def maintenance(factory: sessionmaker[Session], settings: Settings) -> None:
+    """The maintenance loop's share: a grant pass (reclaims what crashed holders left and serves
+    waiters even when no request comes), and old ended slots deleted."""
+    grant_pass(factory, settings)
+    with session_scope(factory) as s:
+        old = select(UploadSlot.id).where(UploadSlot.state.not_in(UPLOAD_SLOT_OPEN),
+                                          UploadSlot.ended_at < now() - timedelta(seconds=HISTORY_S)).limit(10_000)
+        s.execute(delete(UploadSlot).where(UploadSlot.id.in_(old.scalar_subquery())))
+
+
+def view(session: Session, settings: Settings, job_id: uuid.UUID | None) -> UploadSlotsOut:
+    """The limits, the open slots of the cluster (or every slot of one job, oldest first)."""
+    if job_id is not None and session.get(Job, job_id) is None:
+        raise NotFound(f"job {job_id} not found")
+    counts = dict(session.execute(select(UploadSlot.state, func.count()).where(
+        UploadSlot.state.in_(UPLOAD_SLOT_OPEN)).group_by(UploadSlot.state)).tuples().all())
+    which = UploadSlot.job_id == job_id if job_id is not None else UploadSlot.state.in_(UPLOAD_SLOT_OPEN)
+    rows = session.execute(select(UploadSlot, Node.name).join(Node, Node.id == UploadSlot.node_id)
+                           .where(which).order_by(UploadSlot.seq).limit(VIEW_MAX)).all()
+    limits = SlotLimitsOut(max=settings.upload_slots_max, per_label=settings.upload_slots_per_label,
+                           topology_label=settings.topology_label,
+                           node_rate_bytes_per_s=settings.upload_node_rate_bytes_per_s,
+                           ttl_s=settings.upload_slot_ttl_s)
+    return UploadSlotsOut(limits=limits, granted=counts.get("granted", 0), waiting=counts.get("waiting", 0), slots=[
+        UploadSlotOut(id=str(u.id), seq=u.seq, job_id=str(u.job_id), attempt_id=str(u.attempt_id),
+                      node_id=str(u.node_id), node_name=name, label=u.label, rank=u.rank, step=u.step,
+                      size_bytes=u.size_bytes, state=u.state, requested_at=u.requested_at, granted_at=u.granted_at,
+                      expires_at=u.expires_at, ended_at=u.ended_at, rate_bytes_per_s=u.rate_bytes_per_s, ok=u.ok,
+                      uploaded_bytes=u.uploaded_bytes, upload_s=u.upload_s)
+        for u, name in rows])
