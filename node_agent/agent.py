@@ -55,6 +55,7 @@ from node_agent.local_api import LocalApi, LocalReports
 from node_agent.orphans import OrphanSweeper
 from node_agent.rank_shim import write_json_atomic
 from node_agent.relay import Outbox, Relay
+from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
     AssignmentRef,
     GpuInfo,
@@ -121,6 +122,8 @@ class Agent:
             on_stale=self._relay_stale,
             on_unauthorized=self._need_register_set,
         )
+        self.slots = SlotRelay(self.client, target=self._relay_target, on_stale=self._relay_stale,
+                               on_unauthorized=self._need_register_set)
         self._gpu_source = gpus or gpu_source(config.virtual_gpus, config.name)
         self.gpus: list[GpuInfo] = []
         self.node_id: str | None = None
@@ -244,11 +247,11 @@ class Agent:
             except (OSError, ValueError, KeyError, TypeError):
                 previous = 0
             try:
-                api = LocalApi(self.config.address, previous, self.reports, self.outbox)
+                api = LocalApi(self.config.address, previous, self.reports, self.outbox, slots=self.slots)
             except OSError:
-                api = LocalApi(self.config.address, 0, self.reports, self.outbox)
+                api = LocalApi(self.config.address, 0, self.reports, self.outbox, slots=self.slots)
         else:
-            api = LocalApi(self.config.address, port, self.reports, self.outbox)
+            api = LocalApi(self.config.address, port, self.reports, self.outbox, slots=self.slots)
         api.start()
         write_json_atomic(state_file, {"local_api_port": int(api.url.rsplit(":", 1)[1])})
         return api

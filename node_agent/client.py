@@ -39,6 +39,7 @@ from trainyard.protocol.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
+from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotReleased, SlotRequest
 
 log = structlog.get_logger(__name__)
 R = TypeVar("R", bound=BaseModel)
@@ -228,6 +229,16 @@ class ControlPlaneClient:
 
     def report_events(self, attempt_id: str, batch: WorkerEventBatch) -> WorkerEventAck:
         return self._post(f"/attempts/{attempt_id}/events", batch, WorkerEventAck, token=self.node_token)
+
+    def upload_slot(self, attempt_id: str, request: SlotRequest) -> SlotAnswer:
+        """A checkpoint upload slot (a long poll of up to ``request.wait_s``)."""
+        held = request.wait_s + 10.0
+        return self._post(f"/attempts/{attempt_id}/upload-slots", request, SlotAnswer, token=self.node_token,
+                          timeout=httpx.Timeout(held, connect=min(held, 3.0)))
+
+    def release_upload_slot(self, attempt_id: str, request: SlotRelease) -> SlotReleased:
+        return self._post(f"/attempts/{attempt_id}/upload-slots/release", request, SlotReleased,
+                          token=self.node_token)
 
 
 def _detail(resp: httpx.Response) -> str:

@@ -6,6 +6,8 @@ fenced by the attempt's token.
     POST /v1/local/attempts/{attempt_id}/events     LocalEvent    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards     LocalShard    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards?wait=1            -> 200 ShardAck of the control plane
+    POST /v1/local/attempts/{attempt_id}/upload-slot          LocalSlotRequest -> 200 SlotAnswer
+    POST /v1/local/attempts/{attempt_id}/upload-slot/release  LocalSlotRelease -> 200 SlotReleased
 
 An attempt unknown to the agent (never launched here, stale, or finished) or a wrong fencing
 token gets 409 problem+json: a worker of a superseded attempt learns it is fenced off. The agent
@@ -14,6 +16,8 @@ for the relay (relay.py) and answered at once. With ?wait=1 a shard is answered 
 plane acknowledged the batch holding it (so the worker learns from `committed_steps` whether its
 step is committed): 409 if the control plane says the attempt is stale, 422 if it refused the
 shard, 504 if no answer came within `shard_wait_s` (the shard stays queued), 503 if it was dropped.
+Upload-slot requests are relayed to the control plane as they come (upload_slots.py); an agent
+built without a relay answers them 404 (the worker then uploads without a slot).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import structlog
 from pydantic import ValidationError
 
 from node_agent.relay import Outbox
+from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
     LocalEvent,
     LocalProgress,
@@ -43,11 +48,12 @@ from trainyard.protocol.agent import (
     WorkerEvent,
 )
 from trainyard.protocol.env import LOCAL_API_PREFIX
+from trainyard.protocol.uploads import LocalSlotRelease, LocalSlotRequest
 
 log = structlog.get_logger(__name__)
 
 _ROUTE = re.compile(
-    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events)$"
+    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events|upload-slot|upload-slot/release)$"
 )
 MAX_BODY = 1024 * 1024
 SHARD_WAIT_S = 30.0
@@ -154,6 +160,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         attempt_id, kind = unquote(match["attempt_id"]), match["kind"]
         try:
+            if kind.startswith("upload-slot"):
+                self._upload_slot(attempt_id, kind, raw)
+                return
             if kind in ("shards", "events"):
                 self._queue(attempt_id, kind, raw, wait=_truthy(parse_qs(query).get("wait", [""])[-1]))
                 return
@@ -172,6 +181,27 @@ class _Handler(BaseHTTPRequestHandler):
     def _fenced_off(self, attempt_id: str, kind: str) -> None:
         log.info("local_report_rejected", attempt_id=attempt_id, kind=kind)
         self._problem(HTTPStatus.CONFLICT, f"attempt {attempt_id} is not running here or is fenced off")
+
+    def _upload_slot(self, attempt_id: str, kind: str, raw: bytes) -> None:
+        """Relay a slot request or release (raises ValidationError for a bad body)."""
+        body = (LocalSlotRelease if kind.endswith("/release") else LocalSlotRequest).model_validate_json(raw)
+        if not self.server.reports.accepts(attempt_id, body.fencing_token):
+            self._fenced_off(attempt_id, kind)
+            return
+        slots = self.server.slots
+        if slots is None:
+            self._problem(HTTPStatus.NOT_FOUND, "this agent relays no upload slots")
+            return
+        if isinstance(body, LocalSlotRelease):
+            status, payload = slots.release(attempt_id, body)
+        else:
+            status, payload = slots.ask(attempt_id, body)
+        if status == HTTPStatus.OK:
+            self._send(status, payload, "application/json")
+            return
+        retry = payload.get("retry_after_s")
+        self._problem(status, str(payload.get("detail", "")), upstream_status=payload.get("upstream_status"),
+                      retry_after_s=retry)
 
     def _queue(self, attempt_id: str, kind: str, raw: bytes, *, wait: bool) -> None:
         """Queue a shard or an event for the relay; raises ValidationError for a bad body."""
@@ -212,13 +242,15 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], reports: LocalReports, outbox: Outbox, shard_wait_s: float) -> None:
+    def __init__(self, address: tuple[str, int], reports: LocalReports, outbox: Outbox, shard_wait_s: float,
+                 slots: SlotRelay | None) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
         self.reports = reports
         self.outbox = outbox
         self.shard_wait_s = shard_wait_s
+        self.slots = slots
 
 
 class LocalApi:
@@ -232,10 +264,11 @@ class LocalApi:
         outbox: Outbox | None = None,
         *,
         shard_wait_s: float = SHARD_WAIT_S,
+        slots: SlotRelay | None = None,
     ) -> None:
         self.reports = reports or LocalReports()
         self.outbox = outbox or Outbox()
-        self._server = _Server((host, port), self.reports, self.outbox, shard_wait_s)
+        self._server = _Server((host, port), self.reports, self.outbox, shard_wait_s, slots)
         self._thread: threading.Thread | None = None
         self._stopped = False
 
