@@ -11,6 +11,13 @@ has reported (phase 2); no collective is needed here. At most one save is in fli
 finds the previous upload still running waits for it. A failed upload never stops training: it
 is logged and reported as ``checkpoint.save_failed``, and the control plane aborts that step.
 
+Before uploading, the background thread waits for an upload slot (slots.py; docs/architecture.md,
+"Checkpoint upload slots") and then uploads at the slot's byte rate (pacing.py). Training never
+waits for a slot: a save that finds the previous one still waiting for its slot (or paced) ends
+that wait, and the previous upload goes at once, unpaced, so the loop waits no longer than it
+waited before slots existed (for the upload itself). The wait and the upload's duration go with the
+shard report and are shown per checkpoint by ``GET /v1/jobs/{id}/checkpoints``.
+
 What a shard holds (``TrainState.shard_state_dict``): rank 0's holds everything registered
 (model, optimizer, scheduler, scaler, data position, RNG, step, ...); another rank's holds only
 what differs between ranks: its per-rank state (data position, RNG) and sharded state. Under DDP
@@ -28,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,15 +46,17 @@ from typing import Any
 import torch
 
 from trainyard.protocol.keys import job_checkpoint_prefix, shard_key
-from trainyard.protocol.storage import CheckpointStorage
+from trainyard.protocol.storage import CheckpointStorage, ObjectInfo, PacedStorage
 from worker_runtime.checkpoint.notify import (
     FALLBACK,
     RESTORE_FAILED,
     RESTORED,
     SAVE_FAILED,
+    UPLOAD_UNSLOTTED,
     CheckpointReporter,
     ShardSink,
 )
+from worker_runtime.checkpoint.pacing import Pacer
 from worker_runtime.checkpoint.restore import (
     Problem,
     agree,
@@ -56,6 +66,7 @@ from worker_runtime.checkpoint.restore import (
     is_bad,
     resolve,
 )
+from worker_runtime.checkpoint.slots import SlotGrant, UploadSlots
 from worker_runtime.context import WorkerContext
 from worker_runtime.distributed import device_of
 from worker_runtime.state import TrainState
@@ -66,6 +77,10 @@ log = logging.getLogger(__name__)
 class CheckpointUnavailableError(RuntimeError):
     """There is a restore plan but its storage cannot be reached (starting fresh would waste the
     job's progress; failing the attempt lets the control plane retry later)."""
+
+
+class StaleSlotError(RuntimeError):
+    """The control plane refused this attempt an upload slot: it is stale."""
 
 
 class CheckpointLoadError(RuntimeError):
@@ -86,7 +101,11 @@ class SaveRecord:
     snapshot_s: float = 0.0
     """Time the loop was paused serialising the state (the synchronous part)."""
     upload_s: float = 0.0
-    """Hashing and uploading, in the background."""
+    """Hashing and uploading, in the background (the slot wait not included)."""
+    slot_wait_s: float = 0.0
+    """Time the background thread waited for an upload slot."""
+    slot: str = "none"
+    """How the shard was uploaded: granted (within a slot), bypassed (without one), none (no slot service)."""
     reported: bool = False
     error: str | None = None
 
@@ -109,7 +128,8 @@ class CheckpointManager:
     ``interval_steps`` and ``storage`` default to the job's settings (``ctx.checkpoint``) and the
     TRAINYARD_S3_* storage; ``reporter`` to the agent of ``ctx``. ``async_upload=False`` makes
     ``save`` return only after the upload and report. ``upload_delay_s`` sleeps between upload and
-    report (tests use it to kill a worker mid-checkpoint).
+    report (tests use it to kill a worker mid-checkpoint). ``slots`` defaults to the agent of
+    ``ctx`` (slots.py).
     """
 
     def __init__(
@@ -122,6 +142,7 @@ class CheckpointManager:
         reporter: ShardSink | None = None,
         async_upload: bool = True,
         upload_delay_s: float = 0.0,
+        slots: UploadSlots | None = None,
     ) -> None:
         interval = interval_steps if interval_steps is not None else ctx.checkpoint.get("interval_steps")
         if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool) or interval < 1):
@@ -134,6 +155,8 @@ class CheckpointManager:
         self.prefix = (ctx.checkpoint_prefix or job_checkpoint_prefix(ctx.job_id)).strip("/")
         self._async = async_upload
         self._upload_delay_s = upload_delay_s
+        self.slots = slots if slots is not None else UploadSlots(ctx)
+        self._hurry = threading.Event()  # set by a save that finds the previous upload still waiting
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[SaveRecord] | None = None
         self._closed = False
@@ -171,7 +194,11 @@ class CheckpointManager:
         if not self.enabled or self._closed or getattr(self.reporter, "stale", False):
             return False
         t0 = time.monotonic()
+        pending = self._pending
+        if pending is not None and not pending.done():
+            self._hurry.set()  # the loop never waits for a slot or a pace: the upload in flight goes now
         self.wait()
+        self._hurry.clear()
         t1 = time.monotonic()
         buffer = io.BytesIO()
         torch.save(self.state.shard_state_dict(self.ctx.rank), buffer)
@@ -208,37 +235,69 @@ class CheckpointManager:
     def _upload(self, step: int, buffer: io.BytesIO, timing: tuple[float, float]) -> SaveRecord:
         key = self.shard_key(step)
         blocked_s, snapshot_s = timing
-        started = time.monotonic()
         size, digest = 0, ""
+        grant = SlotGrant(use="none", wait_s=0.0)
+        started = time.monotonic()
         try:
             with buffer.getbuffer() as view:
                 size, digest = view.nbytes, hashlib.sha256(view).hexdigest()
             buffer.seek(0)
-            assert self.storage is not None
-            info = self.storage.put_object(key, buffer, length=size)
+            grant = self.slots.acquire(step, size, hurry=self._hurry)
+            if grant.stale:
+                if hasattr(self.reporter, "stale"):
+                    self.reporter.stale = True  # later saves are skipped, as after a refused report
+                raise StaleSlotError("the attempt is stale: no upload slot, nothing uploaded")
+            if grant.use == "bypassed":
+                self.reporter.event(UPLOAD_UNSLOTTED, f"step {step} uploaded without a slot: {grant.reason}"[:4096],
+                                    {"step": step, "waited_s": round(grant.wait_s, 3)})
+            started = time.monotonic()
+            info = self._put(step, key, buffer, size, grant)
             if info.size != size:
                 raise OSError(f"storage holds {info.size} bytes under {key}, {size} were sent")
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-            log.error("checkpoint of step %d not saved (upload of %s failed: %s); training continues",
-                      step, key, error)
-            self.reporter.event(SAVE_FAILED, f"upload of {key} failed: {error}"[:4096], {"step": step})
+            upload_s = time.monotonic() - started
+            if not grant.stale:
+                log.error("checkpoint of step %d not saved (upload of %s failed: %s); training continues",
+                          step, key, error)
+                self.reporter.event(SAVE_FAILED, f"upload of {key} failed: {error}"[:4096], {"step": step})
             record = SaveRecord(step=step, key=key, ok=False, size_bytes=size, sha256=digest,
-                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=time.monotonic() - started,
-                                error=error)
+                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s,
+                                slot_wait_s=grant.wait_s, slot=grant.use, error=error)
         else:
             upload_s = time.monotonic() - started
             if self._upload_delay_s > 0:
                 time.sleep(self._upload_delay_s)
-            reported = self.reporter.shard(step=step, key=key, size_bytes=size, sha256=digest)
+            stats = {"wait_s": round(grant.wait_s, 6), "upload_s": round(upload_s, 6), "slot": grant.use}
+            reported = self.reporter.shard(step=step, key=key, size_bytes=size, sha256=digest, upload=stats)
             record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
-                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, reported=reported)
-            log.info("checkpoint shard of step %d saved: %s (%d bytes, paused %.3fs, upload %.3fs)",
-                     step, key, size, snapshot_s, upload_s)
+                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s,
+                                slot_wait_s=grant.wait_s, slot=grant.use, reported=reported)
+            log.info("checkpoint shard of step %d saved: %s (%d bytes, paused %.3fs, slot %s after %.3fs, "
+                     "upload %.3fs)", step, key, size, snapshot_s, grant.use, grant.wait_s, upload_s)
         finally:
             buffer.close()
         self.saves.append(record)
         return record
+
+    def _put(self, step: int, key: str, buffer: io.BytesIO, size: int, grant: SlotGrant) -> ObjectInfo:
+        """Upload within the slot: paced at its rate (lifted by a due save), renewed while it runs,
+        released at the end whatever happened."""
+        assert self.storage is not None
+        pacer = Pacer(grant.rate_bytes_per_s, lifted=self._hurry)
+        renewal = self.slots.keep(step, size, grant, pacer)
+        started, ok = time.monotonic(), False
+        try:
+            if grant.rate_bytes_per_s is not None and isinstance(self.storage, PacedStorage):
+                info = self.storage.put_object_paced(key, buffer, length=size, pace=pacer)
+            else:
+                info = self.storage.put_object(key, buffer, length=size)
+            ok = info.size == size
+            return info
+        finally:
+            renewal.stop()
+            if grant.use == "granted":
+                self.slots.release(step, ok=ok, uploaded_bytes=size if ok else 0, upload_s=time.monotonic() - started)
 
     # --- restoring ---
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, BinaryIO
 
-from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError
+from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError, Pace
 
 PART_SIZE = 16 * 1024 * 1024
 
@@ -58,6 +59,7 @@ class S3Storage:
             retries=urllib3.Retry(total=retries, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504)),
             maxsize=16,
         )
+        self._http = http
         self._client = Minio(
             config.endpoint,
             access_key=config.access_key or None,
@@ -79,6 +81,23 @@ class S3Storage:
             result = self._client.put_object(self.bucket, key, data, length=length)
         info = self.stat(key)
         return info or ObjectInfo(key=key, size=length or 0, etag=result.etag)
+
+    def put_object_paced(self, key: str, data: BinaryIO, *, length: int, pace: Pace) -> ObjectInfo:
+        """One PUT whose body is sent chunk by chunk as ``pace`` releases it (the rate of an upload
+        slot: worker_runtime/checkpoint/pacing.py), so the bytes leave at that rate rather than being
+        read at it and then sent in one burst (the SDK reads a whole part into memory first). The
+        request is signed in its URL (a presigned PUT, unsigned payload), which lets the body stream."""
+        from worker_runtime.checkpoint.pacing import paced_chunks
+
+        url = self._client.presigned_put_object(self.bucket, key, expires=timedelta(hours=1))
+        # No retry: a streamed body cannot be sent again (the caller fails the save, as for any error).
+        resp = self._http.urlopen("PUT", url, body=paced_chunks(data, length, pace),
+                                  headers={"Content-Length": str(length)}, retries=False, preload_content=True,
+                                  chunked=False)
+        if resp.status >= 300:
+            raise OSError(f"PUT {key}: HTTP {resp.status} {resp.data[:300]!r}")
+        info = self.stat(key)
+        return info or ObjectInfo(key=key, size=length, etag=resp.headers.get("ETag"))
 
     def put_bytes(self, key: str, payload: bytes) -> ObjectInfo:
         return self.put_object(key, io.BytesIO(payload), length=len(payload))
