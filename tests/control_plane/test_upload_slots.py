@@ -255,3 +255,64 @@ def test_the_checkpoint_view_shows_each_shards_wait_and_rate(settings: Settings)
         [ckpt] = c.get(f"/v1/jobs/{job.id}/checkpoints", headers=ADMIN).json()
         assert ckpt["upload"] == {"reported": 2, "wait_s_max": 3.5, "wait_s_mean": 2.5, "upload_s_max": 2.0,
                                   "bytes_per_s": 2000.0, "bypassed": 1}
+
+
+def test_a_worker_waits_for_its_slot_through_its_agent(settings: Settings) -> None:
+    """The three sides with their own code (worker_runtime's UploadSlots -> the agent's local API and
+    SlotRelay -> the control plane): a worker waits in a long poll until another's release, a worker
+    with a wrong token is refused by its agent, and a stale attempt's worker gets no slot while its
+    agent is told to stop it."""
+    from node_agent.client import ControlPlaneClient, RetryPolicy
+    from node_agent.local_api import LocalApi
+    from node_agent.upload_slots import SlotRelay
+    from trainyard.protocol.agent import AttemptStatusReport, HeartbeatRequest, RegisterRequest
+    from worker_runtime import WorkerContext
+    from worker_runtime.checkpoint.slots import UploadSlots
+
+    app = create_app(settings.model_copy(update={"upload_slots_max": 1}))
+    with serve(app) as url:
+        client = ControlPlaneClient(url, join_token=JOIN_TOKEN, retry=RetryPolicy(attempts=1))
+        client.register(RegisterRequest.model_validate({"name": "node-0", "address": "127.0.0.1", "gpus": [
+            {"index": i, "uuid": f"node-0-{i}", "kind": "virtual-cpu", "memory_mb": 0} for i in range(2)]}))
+        with httpx.Client(base_url=url) as admin:
+            assert admin.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=2),
+                              headers=ADMIN).status_code == 201
+        assert app.state.loops.schedule_once() == 1
+        [spec] = client.heartbeat(HeartbeatRequest(agent_instance="i", seq=1)).assignments
+        stale: list[str] = []
+        relay = SlotRelay(client, target=lambda a: (spec.fencing_token, spec.node_rank),
+                          on_stale=lambda a, exc: stale.append(a), on_unauthorized=lambda: None)
+        api = LocalApi("127.0.0.1", 0, slots=relay)
+        api.start()
+        api.reports.register(spec.attempt_id, spec.fencing_token)
+        try:
+            def worker(rank: int, token: str = spec.fencing_token) -> UploadSlots:
+                ctx = WorkerContext(job_id=spec.job_id, attempt_id=spec.attempt_id, fencing_token=token, rank=rank,
+                                    world_size=2, agent_url=api.url)
+                return UploadSlots(ctx, unreachable_s=5.0)
+
+            never = threading.Event()
+            first = worker(0).acquire(10, 1000, hurry=never)
+            assert first.use == "granted" and first.slot_id
+            second: list[Any] = []
+            waiter = threading.Thread(target=lambda: second.append(worker(1).acquire(10, 1000, hurry=never)))
+            waiter.start()
+            deadline = time.monotonic() + PROMPTLY_S
+            while app.state.slot_wakeups.waiting < 1:
+                assert time.monotonic() < deadline, "the second worker is not waiting in a long poll"
+                time.sleep(0.02)
+            assert second == []
+            assert worker(0).release(10, ok=True, uploaded_bytes=1000, upload_s=0.1)
+            waiter.join(PROMPTLY_S)
+            assert second and second[0].use == "granted" and second[0].slot_id != first.slot_id
+            assert worker(1, token="forged").acquire(11, 1, hurry=never).stale  # refused by the agent itself
+            assert stale == []
+
+            client.report_status(spec.attempt_id, AttemptStatusReport(
+                fencing_token=spec.fencing_token, node_rank=0, state="exited", exit_code=1))
+            late = worker(0).acquire(12, 1000, hurry=never)
+            assert late.stale and late.use == "none"
+            assert stale == [spec.attempt_id]  # the agent learns the attempt is stale and stops it
+        finally:
+            api.stop()
+            client.close()
