@@ -117,8 +117,7 @@ def _open_slot(s: Session, attempt_id: uuid.UUID, rank: int, step: int) -> Uploa
 
 def _create(s: Session, node: Node, job_id: uuid.UUID, attempt_id: uuid.UUID, req: SlotRequest,
             limits: SlotLimits, settings: Settings, t: datetime) -> UploadSlot:
-    # Without a limit or a budget there is nothing to decide: granted as it is recorded, no pass.
-    direct = limits.unlimited and limits.node_rate_bytes_per_s is None
+    direct = _grants_directly(limits)
     values: dict[str, Any] = dict(
         id=uuid.uuid4(), job_id=job_id, attempt_id=attempt_id, node_id=node.id, rank=req.rank, step=req.step,
         label=domain_of(node, settings.topology_label), size_bytes=req.size_bytes, requested_at=t,
@@ -130,6 +129,12 @@ def _create(s: Session, node: Node, job_id: uuid.UUID, attempt_id: uuid.UUID, re
     slot = _open_slot(s, attempt_id, req.rank, req.step)
     assert slot is not None
     return slot
+
+
+def _grants_directly(limits: SlotLimits) -> bool:
+    """Without a limit or a budget there is nothing to decide: a slot is granted as it is recorded,
+    and no pass is needed."""
+    return limits.unlimited and limits.node_rate_bytes_per_s is None
 
 
 def _queue_expiry(t: datetime, settings: Settings) -> datetime:
@@ -168,7 +173,7 @@ def release_and_grant(session: Session, node: Node, attempt_id: uuid.UUID, req: 
                                             UploadSlot.step == req.step), "released",
                               ended_at=t, ok=req.ok, uploaded_bytes=req.uploaded_bytes, upload_s=req.upload_s)
     session.commit()
-    if moved:
+    if moved and not _grants_directly(limits_of(settings)):  # otherwise nobody waits
         grant_pass(factory, settings)
     return bool(moved)
 

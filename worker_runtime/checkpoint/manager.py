@@ -252,11 +252,13 @@ class CheckpointManager:
                                     {"step": step, "waited_s": round(grant.wait_s, 3)})
             started = time.monotonic()
             info = self._put(step, key, buffer, size, grant)
+            upload_s = time.monotonic() - started
             if info.size != size:
                 raise OSError(f"storage holds {info.size} bytes under {key}, {size} were sent")
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             upload_s = time.monotonic() - started
+            self._release(step, grant, ok=False, size=0, upload_s=upload_s)
             if not grant.stale:
                 log.error("checkpoint of step %d not saved (upload of %s failed: %s); training continues",
                           step, key, error)
@@ -265,11 +267,12 @@ class CheckpointManager:
                                 blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s,
                                 slot_wait_s=grant.wait_s, slot=grant.use, error=error)
         else:
-            upload_s = time.monotonic() - started
             if self._upload_delay_s > 0:
                 time.sleep(self._upload_delay_s)
             stats = {"wait_s": round(grant.wait_s, 6), "upload_s": round(upload_s, 6), "slot": grant.use}
             reported = self.reporter.shard(step=step, key=key, size_bytes=size, sha256=digest, upload=stats)
+            # After the report (queued by the local agent at once): the commit does not wait for it.
+            self._release(step, grant, ok=True, size=size, upload_s=upload_s)
             record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
                                 blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s,
                                 slot_wait_s=grant.wait_s, slot=grant.use, reported=reported)
@@ -281,23 +284,27 @@ class CheckpointManager:
         return record
 
     def _put(self, step: int, key: str, buffer: io.BytesIO, size: int, grant: SlotGrant) -> ObjectInfo:
-        """Upload within the slot: paced at its rate (lifted by a due save), renewed while it runs,
-        released at the end whatever happened."""
+        """Upload within the slot: paced at its rate (lifted by a due save), renewed while it runs."""
         assert self.storage is not None
         pacer = Pacer(grant.rate_bytes_per_s, lifted=self._hurry)
         renewal = self.slots.keep(step, size, grant, pacer)
-        started, ok = time.monotonic(), False
         try:
             if grant.rate_bytes_per_s is not None and isinstance(self.storage, PacedStorage):
-                info = self.storage.put_object_paced(key, buffer, length=size, pace=pacer)
-            else:
-                info = self.storage.put_object(key, buffer, length=size)
-            ok = info.size == size
-            return info
+                return self.storage.put_object_paced(key, buffer, length=size, pace=pacer)
+            return self.storage.put_object(key, buffer, length=size)
         finally:
             renewal.stop()
-            if grant.use == "granted":
-                self.slots.release(step, ok=ok, uploaded_bytes=size if ok else 0, upload_s=time.monotonic() - started)
+
+    def _release(self, step: int, grant: SlotGrant, *, ok: bool, size: int, upload_s: float) -> None:
+        """Give a granted slot back; in the background when the next save is due (the loop waits for
+        this thread then, and must not wait for a round trip to the control plane)."""
+        if grant.use != "granted":
+            return
+        if self._hurry.is_set():
+            threading.Thread(target=self.slots.release, args=(step,), daemon=True, name="trainyard-upload-slot-release",
+                             kwargs={"ok": ok, "uploaded_bytes": size, "upload_s": upload_s}).start()
+        else:
+            self.slots.release(step, ok=ok, uploaded_bytes=size, upload_s=upload_s)
 
     # --- restoring ---
 
