@@ -270,8 +270,8 @@ def view(session: Session, settings: Settings, job_id: uuid.UUID | None) -> Uplo
     """The limits, the open slots of the cluster (or every slot of one job, oldest first)."""
     if job_id is not None and session.get(Job, job_id) is None:
         raise NotFound(f"job {job_id} not found")
-    counts = dict(session.execute(select(UploadSlot.state, func.count()).where(
-        UploadSlot.state.in_(UPLOAD_SLOT_OPEN)).group_by(UploadSlot.state)).tuples().all())
+    counts: dict[str, int] = {state: n for state, n in session.execute(select(UploadSlot.state, func.count()).where(
+        UploadSlot.state.in_(UPLOAD_SLOT_OPEN)).group_by(UploadSlot.state))}
     which = UploadSlot.job_id == job_id if job_id is not None else UploadSlot.state.in_(UPLOAD_SLOT_OPEN)
     rows = session.execute(select(UploadSlot, Node.name).join(Node, Node.id == UploadSlot.node_id)
                            .where(which).order_by(UploadSlot.seq).limit(VIEW_MAX)).all()
