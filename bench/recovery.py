@@ -83,8 +83,9 @@ def run_trainyard(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             time.sleep(0.5)
         if view["state"] != "succeeded":
             raise RuntimeError(f"the Trainyard job ended {view['state']}: {view['end_reason']}")
-        attempts = http.get(f"/v1/jobs/{job['id']}/attempts").json()
-        committed = [c for c in http.get(f"/v1/jobs/{job['id']}/checkpoints").json() if c["state"] == "committed"]
+        attempts = http.get(f"/v1/jobs/{job['id']}/attempts").json()["items"]
+        checkpoints = http.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
+        committed = [c for c in checkpoints if c["state"] == "committed"]
         http.close()
     finally:
         dev.stop()

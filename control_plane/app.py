@@ -17,11 +17,14 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane import clock
-from control_plane.api import agent, health, jobs, nodes, tenants, uploads
+from control_plane.api import agent, health, jobs, join_tokens, nodes, plans, principals, tenants, uploads
+from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
-from control_plane.errors import PROBLEM_JSON, TrainyardError, Unauthorized
+from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthorized
+from control_plane.limits_http import BodyLimit
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
+from control_plane.services.logs import Followers
 from control_plane.settings import Settings
 from control_plane.wakeups import SLOT_CHANNEL, Busy, Wakeups
 
@@ -31,8 +34,9 @@ API_DESCRIPTION = """
 Trainyard runs multi-node `torchrun` training jobs: it gang-allocates every GPU a job needs in one
 transaction, starts the workers through node agents, and reports progress, logs and results.
 
-Authenticate with `Authorization: Bearer <admin token>`. Errors are RFC 9457
-`application/problem+json` documents.
+Authenticate with `Authorization: Bearer <token>`: a principal's API token (`tyt_...`; roles admin,
+operator, member, viewer: see each operation's `x-trainyard-policy`), or the bootstrap admin token.
+Errors are RFC 9457 `application/problem+json` documents.
 """
 
 
@@ -83,6 +87,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TrainyardError)
     async def _domain(request: Request, exc: TrainyardError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+        if isinstance(exc, TooMany):
+            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
         return _problem(exc.status, exc.problem(request.url.path), headers)
 
     @app.exception_handler(RequestValidationError)
@@ -209,7 +215,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wake_scheduler = loops.wake_scheduler
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)
+    app.state.log_followers = Followers(settings.log_followers_per_principal)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, tenants, uploads, agent):
+    for module in (health, jobs, nodes, tenants, plans, principals, join_tokens, uploads, agent):
         app.include_router(module.router)
+    _document_policies(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     return app
+
+
+def _document_policies(app: FastAPI) -> None:
+    """Each operation's policy and roles in the OpenAPI document (x-trainyard-policy)."""
+    for route in api_routes(app.routes):
+        if (policy := route_policy(route)) is not None:
+            route.openapi_extra = {**(route.openapi_extra or {}), "x-trainyard-policy": {
+                "name": policy.name, "credential": policy.credential, "roles": sorted(policy.roles),
+                "tenant_scoped": policy.tenant_scoped}}

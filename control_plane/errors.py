@@ -71,6 +71,12 @@ class StaleAgent(Conflict):
     slug = "stale-agent"
 
 
+class NodeNameTaken(Conflict):
+    """The node name is registered to another agent."""
+
+    slug = "node-name-taken"
+
+
 class IdempotencyMismatch(Conflict):
     """The Idempotency-Key was used before with a different request body."""
 
@@ -96,6 +102,17 @@ class Forbidden(TrainyardError):
 
     status = 403
     slug = "forbidden"
+
+
+class TooMany(TrainyardError):
+    """Too many requests; retry later."""
+
+    status = 429
+    slug = "too-many-requests"
+
+    def __init__(self, detail: str | None = None, *, retry_after_s: float = 1.0, **extra: Any) -> None:
+        super().__init__(detail, **extra)
+        self.retry_after_s = retry_after_s
 
 
 class NotReady(TrainyardError):

@@ -115,6 +115,9 @@ class Tenant(Base):
         Float, server_default=text("1"), doc="Share weight: GPUs in use / weight orders the queue."
     )
     gpu_quota: Mapped[int | None] = mapped_column(Integer, doc="Most GPUs its running jobs may hold.")
+    max_priority: Mapped[int] = mapped_column(
+        Integer, server_default=text("0"), doc="Highest priority its members may give a job (admins: any)."
+    )
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
     updated_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
 
@@ -137,6 +140,8 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         Index("ix_jobs_state_created", "state", "created_at"),
+        Index("ix_jobs_tenant_created", "tenant", "created_at"),
+        Index("ix_jobs_principal_created", "principal", "created_at"),
         UniqueConstraint("principal", "idempotency_key", name="uq_jobs_principal_idempotency_key"),
     )
 
@@ -156,6 +161,10 @@ class Job(Base):
     max_failures: Mapped[int] = mapped_column(Integer)
     failures: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     time_limit_s: Mapped[int | None] = mapped_column(Integer)
+    model: Mapped[dict[str, Any] | None] = mapped_column(JSONB, doc="The model block it was submitted with.")
+    layout: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="trainyard.protocol.layout.Layout its workers apply (TRAINYARD_LAYOUT); NULL: plain DDP.")
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSONB, doc="schemas/plans.py JobPlanOut, made at submit.")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
@@ -448,3 +457,60 @@ class Reservation(Base):
     updated_at: Mapped[datetime] = _ts(nullable=False)
     ended_at: Mapped[datetime | None] = _ts()
     end_reason: Mapped[str | None] = mapped_column(Text)
+
+
+class PrincipalRecord(Base):
+    """Someone (a person, a CI system) with a tenant and a role (control_plane/authz.py). Its API
+    tokens are ``ApiToken`` rows; the bootstrap admin (TRAINYARD_ADMIN_TOKEN) has no row."""
+
+    __tablename__ = "principals"
+    __table_args__ = (
+        CheckConstraint("role IN ('admin', 'operator', 'member', 'viewer')", name="role_known"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+    disabled_at: Mapped[datetime | None] = _ts(doc="Set: every token of it is refused.")
+
+
+class ApiToken(Base):
+    """A principal's bearer token, stored as its sha256 (the token itself is shown once, at creation)."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    principal_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("principals.id", ondelete="CASCADE"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True, doc="sha256 hex of the token.")
+    description: Mapped[str] = mapped_column(String(256), server_default="")
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+    expires_at: Mapped[datetime | None] = _ts()
+    last_used_at: Mapped[datetime | None] = _ts(doc="Updated at most once a minute.")
+    revoked_at: Mapped[datetime | None] = _ts()
+
+
+class JoinToken(Base):
+    """A bootstrap token an agent registers with (services/join_tokens.py): it expires, and it is
+    single-use unless created with more uses. One bound to a node name may also re-claim that
+    registered node (an operator vouches for the machine)."""
+
+    __tablename__ = "join_tokens"
+    __table_args__ = (
+        CheckConstraint("max_uses IS NULL OR max_uses >= 1", name="max_uses_positive"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True, doc="sha256 hex of the token.")
+    node_name: Mapped[str | None] = mapped_column(String(128), doc="Only this node name may register with it.")
+    max_uses: Mapped[int | None] = mapped_column(Integer, doc="Registrations it allows; NULL: any until it expires.")
+    uses: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    description: Mapped[str] = mapped_column(String(256), server_default="")
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+    expires_at: Mapped[datetime] = _ts(nullable=False)
+    last_used_at: Mapped[datetime | None] = _ts()
+    revoked_at: Mapped[datetime | None] = _ts()

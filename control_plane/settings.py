@@ -15,8 +15,16 @@ class Settings(BaseSettings):
         "postgresql+psycopg://postgres@localhost:5432/trainyard",
         description="SQLAlchemy URL of the PostgreSQL database (psycopg 3 driver).",
     )
-    admin_token: str = Field("", description="Bearer token of the admin principal. Required.")
-    join_token: str = Field("", description="Token agents present to register. Required.")
+    admin_token: str = Field(
+        "", description="The bootstrap admin token, for first use: create principals and their tokens with it "
+        "(POST /v1/principals), then keep it for emergencies. Empty: no bootstrap admin."
+    )
+    admin_tenant: str = Field("default", description="The tenant of the bootstrap admin's own jobs.")
+    join_token: str = Field(
+        "", description="Optional static join token: registers new node names only (never re-claims a registered "
+        "node) and never expires. Empty (the default): agents register with per-node join tokens "
+        "(POST /v1/join-tokens), which expire or are single-use."
+    )
 
     heartbeat_interval_s: float = Field(
         1.0, gt=0, description="How often agents heartbeat in a small cluster: the shortest interval given out."
@@ -60,6 +68,11 @@ class Settings(BaseSettings):
         0, description='Nodes kept for recovering jobs only: a number for every GPU kind, or JSON such as '
         '{"h100": 2} per kind.'
     )
+    plan_min_efficiency: float = Field(
+        0.7, ge=0, le=1, description="Scaling efficiency (tokens/s per GPU against the smallest GPU count that "
+        "runs) below which a job's GPU count is warned about at submit, and the least a plan's recommendation "
+        "keeps (docs/planner.md)."
+    )
     upload_slots_max: int = Field(
         0, ge=0, description="Checkpoint shard uploads in flight at once in the whole cluster; 0: unlimited "
         "(docs/architecture.md, \"Checkpoint upload slots\")."
@@ -95,7 +108,26 @@ class Settings(BaseSettings):
     rdzv_port_min: int = Field(29500, ge=1024, le=65535)
     rdzv_port_max: int = Field(39499, ge=1024, le=65535)
     max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")
-    log_follow_poll_s: float = Field(0.5, gt=0)
+    log_follow_poll_s: float = Field(0.5, gt=0, description="How often a followed log is read again.")
+    log_followers_per_principal: int = Field(
+        4, ge=1, le=1000, description="Logs one principal may follow at once on one replica; more are answered 429."
+    )
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, ge=64 * 1024, description="Largest request body; larger ones are answered 413."
+    )
+    submit_rate_per_window: int = Field(
+        60, ge=1, description="Jobs one principal (admins excepted) may submit per submit_rate_window_s; more are "
+        "answered 429 with Retry-After. Counted in the database: the limit holds across replicas."
+    )
+    submit_rate_window_s: float = Field(60.0, gt=0, le=86400)
+    log_retention_days: float = Field(
+        30.0, ge=0, description="Worker log lines older than this are deleted (0: kept forever)."
+    )
+    event_retention_days: float = Field(
+        90.0, ge=0, description="Events older than this are deleted (0: kept forever)."
+    )
+    retention_interval_s: float = Field(60.0, gt=0, description="Period of the retention loop.")
+    retention_batch: int = Field(5000, ge=1, le=1_000_000, description="Rows one retention statement deletes.")
 
     api_threads: int = Field(
         40, ge=1, le=1000, description="Threads that run requests; the connection pool is sized to cover them."

@@ -1,4 +1,6 @@
-"""python -m node_agent --control-plane URL --join-token T --name N --address A [options]"""
+"""python -m node_agent --control-plane URL --name N --address A [--join-token-file F] [options]
+
+The join token comes from --join-token-file or TRAINYARD_JOIN_TOKEN, never the command line."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import structlog
 
 from node_agent.agent import AgentConfig, run_agent
+from node_agent.config import read_join_token
 from node_agent.gpus import NoGpusError
 
 
@@ -23,7 +26,8 @@ def _label(text: str) -> tuple[str, str]:
 def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser = argparse.ArgumentParser(prog="python -m node_agent", description="Trainyard node agent")
     parser.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://10.0.0.1:8000")
-    parser.add_argument("--join-token", required=True)
+    parser.add_argument("--join-token-file", type=Path, default=None,
+                        help="file holding a join token (default: TRAINYARD_JOIN_TOKEN)")
     parser.add_argument("--name", required=True, help="node name, unique in the cluster")
     parser.add_argument("--address", required=True, help="address other nodes reach this node at")
     parser.add_argument("--virtual-gpus", type=int, default=None, help="offer N CPU-only slots instead of NVIDIA GPUs")
@@ -43,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     try:
         return AgentConfig(
             control_plane_url=args.control_plane,
-            join_token=args.join_token,
+            join_token=read_join_token(args.join_token_file),
             name=args.name,
             address=args.address,
             virtual_gpus=args.virtual_gpus,

@@ -39,7 +39,7 @@ from types import FrameType
 
 import structlog
 
-from node_agent import processes
+from node_agent import credential, processes
 from node_agent.attempt import AttemptRun, attempt_paths
 from node_agent.client import (
     ControlPlaneClient,
@@ -58,6 +58,7 @@ from node_agent.relay import Outbox, Relay
 from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
     AssignmentRef,
+    AttemptStatusReport,
     GpuInfo,
     HeartbeatRequest,
     KnownAssignment,
@@ -131,6 +132,8 @@ class Agent:
         self._need_register = threading.Event()
         self._need_register.set()
         self._register_failures = 0
+        self._refused_reports: dict[str, AttemptStatusReport] = {}
+        """attempt id -> the status report the control plane refused (4xx): not sent again as is."""
         self._heartbeat_interval_s = 1.0
         self._seq = 0
         self._runs: dict[str, AttemptRun] = {}
@@ -348,13 +351,17 @@ class Agent:
         if self.superseded is not None:
             return False
         try:
-            resp = self.client.register(request)
+            resp = self.client.register(request, self.client.node_token or credential.load(self.config.work_dir))
         except ControlPlaneUnavailable as exc:
             self.log.info("control_plane_unreachable", error=str(exc))
             return False
-        except (Unauthorized, RequestRejected) as exc:
+        except (Unauthorized, RequestRejected, StaleAttempt) as exc:  # StaleAttempt: a 409, the name is taken
             self.log.error("registration_rejected", error=str(exc))
             return False
+        try:
+            credential.save(self.config.work_dir, resp.node_token)
+        except OSError as exc:  # a restart then needs a join token again; this run goes on
+            self.log.error("node_credential_not_saved", error=str(exc))
         self.node_id = resp.node_id
         self.epoch = resp.agent_epoch
         self._heartbeat_interval_s = resp.heartbeat_interval_s
@@ -555,6 +562,7 @@ class Agent:
                 with self._runs_lock:
                     self._runs.pop(run.attempt_id, None)
                 self.reports.unregister(run.attempt_id)
+                self._refused_reports.pop(run.attempt_id, None)
                 self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
         return self.config.poll_interval_s
 
@@ -575,6 +583,7 @@ class Agent:
         run.log.warning("attempt_stale", error=str(exc))
         run.stale = True
         self.reports.unregister(run.attempt_id)
+        self._refused_reports.pop(run.attempt_id, None)
         dropped = self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, f"stale attempt: {exc}")
         if dropped:
             run.log.warning("outbox_dropped_stale", items=dropped)
@@ -589,7 +598,7 @@ class Agent:
         if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
             return  # the relay delivers the attempt's last shards and events first
         due = report != run.last_report or now - run.last_sent_at >= self.config.status_interval_s
-        if not due or now < run.next_try_at:
+        if not due or now < run.next_try_at or self._refused_reports.get(run.attempt_id) == report:
             return
         try:
             ack = self.client.report_status(run.attempt_id, report)
@@ -606,8 +615,11 @@ class Agent:
                 run.log.error("final_status_rejected", error=str(exc))
                 run.mark_final_acked()
                 return
-            run.log.warning("status_report_failed", error=str(exc))
-            run.next_try_at = now + min(self.config.status_interval_s, 2.0)
+            # Refused for what it says (a 4xx other than fencing): the same report would be refused
+            # forever. Dropped, said once in the log; the next report that differs goes out.
+            run.log.error("status_report_dropped", error=str(exc))
+            self._refused_reports[run.attempt_id] = report
+            run.last_report, run.last_sent_at = report, now
             return
         except ControlPlaneUnavailable as exc:
             run.log.warning("status_report_failed", error=str(exc))

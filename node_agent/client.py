@@ -203,10 +203,23 @@ class ControlPlaneClient:
                 raise RequestRejected(f"unexpected response to {path}: {exc}", status=resp.status_code) from exc
         raise ControlPlaneUnavailable(f"{path}: {last or 'stopped'}")
 
-    def register(self, request: RegisterRequest) -> RegisterResponse:
-        resp = self._post("/register", request, RegisterResponse, token=self.join_token)
-        self.node_token = resp.node_token
-        return resp
+    def register(self, request: RegisterRequest, credential: str | None = None) -> RegisterResponse:
+        """With the node's own ``credential`` when there is one (it re-claims its registered node);
+        with the join token when there is none, or when the control plane does not know it (401)."""
+        tokens = [t for t in (credential, self.join_token) if t]
+        if not tokens:
+            raise Unauthorized("neither a node credential nor a join token to register with")
+        for i, token in enumerate(tokens):
+            try:
+                resp = self._post("/register", request, RegisterResponse, token=token)
+            except Unauthorized:
+                if i == len(tokens) - 1:
+                    raise
+                log.warning("node_credential_refused_trying_join_token")
+                continue
+            self.node_token = resp.node_token
+            return resp
+        raise AssertionError("unreachable")
 
     def heartbeat(self, request: HeartbeatRequest) -> HeartbeatResponse:
         return self._post("/heartbeat", request, HeartbeatResponse, token=self.node_token,

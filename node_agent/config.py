@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from node_agent import credential
+
+
+def read_join_token(path: Path | None) -> str:
+    """The join token from ``path`` (its first line) or else TRAINYARD_JOIN_TOKEN; "" if neither."""
+    if path is not None:
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the join token file {path}: {exc.strerror or exc}") from exc
+    return os.environ.get("TRAINYARD_JOIN_TOKEN", "").strip()
 
 
 @dataclass(kw_only=True)
 class AgentConfig:
     control_plane_url: str
     """Base URL of the control plane, e.g. http://127.0.0.1:8000."""
-    join_token: str
-    """Shared secret that lets a node register; later calls use the per-node token it returns."""
+    join_token: str = ""
+    """A join token (an operator's ``trainyard join-tokens create``) for the first registration; later
+    registrations use the node credential kept in work_dir (node_agent/credential.py). Read from a
+    file or TRAINYARD_JOIN_TOKEN (read_join_token), never from the command line."""
     name: str
     """Node name, unique in the cluster; re-registering a name keeps its node id."""
     address: str
@@ -49,8 +64,9 @@ class AgentConfig:
         self.work_dir = Path(self.work_dir)
         if not self.control_plane_url.startswith(("http://", "https://")):
             raise ValueError(f"control_plane_url must be an http(s) URL, got {self.control_plane_url!r}")
-        if not self.join_token:
-            raise ValueError("join_token is required")
+        if not self.join_token and credential.load(self.work_dir) is None:
+            raise ValueError("no join token: pass --join-token-file or set TRAINYARD_JOIN_TOKEN (the agent needs one "
+                             "until it has registered and keeps its node credential in its work dir)")
         if not self.name or len(self.name) > 128:
             raise ValueError("name must be 1-128 characters")
         if not self.address:

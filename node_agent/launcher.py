@@ -38,6 +38,7 @@ from trainyard.protocol.env import (
     ENV_FENCING_TOKEN,
     ENV_JOB_ID,
     ENV_JOB_NAME,
+    ENV_LAYOUT,
     ENV_NODE_ID,
     ENV_NODE_NAME,
     ENV_NODE_RANK,
@@ -215,6 +216,8 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
     )
+    if spec.layout is not None:
+        env[ENV_LAYOUT] = spec.layout.model_dump_json()
     if node.node_name:
         env[ENV_NODE_NAME] = node.node_name
     if node.node_id:

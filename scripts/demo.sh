@@ -124,7 +124,7 @@ while :; do
     if [[ -n "$KILL_AT_STEP" && "$STATE" == running && "${step:-0}" -ge "$KILL_AT_STEP" ]]; then
         KILL_AT_STEP=""
         VICTIM="$(curl -sS "$URL/v1/jobs/$JOB_ID/attempts" -H "Authorization: Bearer $TOKEN" | "$PY" -c 'import json, sys
-workers = [w for n in json.load(sys.stdin)[-1]["nodes"] for w in n["workers"] if w["state"] == "running"]
+workers = [w for n in json.load(sys.stdin)["items"][-1]["nodes"] for w in n["workers"] if w["state"] == "running"]
 print(max(workers, key=lambda w: w["rank"])["pid"] if workers else "")')"
         if [[ -n "$VICTIM" ]]; then
             say "killing a worker (SIGKILL pid $VICTIM) to show recovery"
@@ -154,7 +154,7 @@ print(json.dumps({k: job.get(k) for k in ("state", "end_reason", "failures", "pr
 say "attempts"
 show "curl -sS $URL/v1/jobs/$JOB_ID/attempts -H 'Authorization: Bearer $TOKEN'"
 curl -sS "$URL/v1/jobs/$JOB_ID/attempts" -H "Authorization: Bearer $TOKEN" | "$PY" -c 'import json, sys
-for a in json.load(sys.stdin):
+for a in json.load(sys.stdin)["items"]:
     line = "attempt %s: %s" % (a["number"], a["outcome"])
     if a["outcome"] == "failed":
         line += " (%s)" % a["end_reason"]

@@ -23,20 +23,29 @@ def job_body(**overrides: Any) -> dict[str, Any]:
     return body
 
 
+def register_body(name: str, gpus: int = 2, *, address: str | None = None, kind: str = "virtual-cpu",
+                  labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "address": address or "127.0.0.1",
+        "gpus": [{"index": i, "uuid": f"virtual-{name}-{i}", "kind": kind, "memory_mb": 0} for i in range(gpus)],
+        "labels": labels or {},
+    }
+
+
 def register_node(client: TestClient, name: str, gpus: int = 2, *, address: str | None = None,
-                  kind: str = "virtual-cpu", labels: dict[str, str] | None = None) -> dict[str, Any]:
-    r = client.post(
-        "/v1/agent/register",
-        json={
-            "name": name,
-            "address": address or "127.0.0.1",
-            "gpus": [{"index": i, "uuid": f"virtual-{name}-{i}", "kind": kind, "memory_mb": 0} for i in range(gpus)],
-            "labels": labels or {},
-        },
-        headers={"Authorization": f"Bearer {JOIN_TOKEN}"},
-    )
+                  kind: str = "virtual-cpu", labels: dict[str, str] | None = None,
+                  token: str = JOIN_TOKEN) -> dict[str, Any]:
+    """Register a new node with the static join token of the test settings (new names only)."""
+    r = client.post("/v1/agent/register", json=register_body(name, gpus, address=address, kind=kind, labels=labels),
+                    headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def reregister_node(client: TestClient, name: str, credential: str, gpus: int = 2, **kw: Any) -> dict[str, Any]:
+    """Register a registered node again, as its agent does: with its own credential."""
+    return register_node(client, name, gpus, token=credential, **kw)
 
 
 class FakeAgentSession:
@@ -47,8 +56,10 @@ class FakeAgentSession:
     """
 
     def __init__(self, client: TestClient, name: str, gpus: int = 2, instance: str = "i1",
-                 kind: str = "virtual-cpu") -> None:
-        reg = register_node(client, name, gpus, kind=kind)
+                 kind: str = "virtual-cpu", credential: str | None = None) -> None:
+        """``credential``: the node's own, to register a registered node again (as its agent does)."""
+        reg = register_node(client, name, gpus, kind=kind, token=credential or JOIN_TOKEN)
+        self.token = reg["node_token"]
         self.client = client
         self.name = name
         self.node_id = reg["node_id"]

@@ -260,10 +260,35 @@ def test_cli_bad_input_is_one_line_error() -> None:
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     result = subprocess.run(
-        [sys.executable, "-m", "trainyard", "agent", "--control-plane", "ftp://x", "--join-token", "t",
+        [sys.executable, "-m", "trainyard", "agent", "--control-plane", "ftp://x",
          "--name", "n", "--address", "127.0.0.1", "--label", "no-equals-sign"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    # A join token is never a command-line argument (issue 11, finding 2): a file or the environment.
+    result = subprocess.run(
+        [sys.executable, "-m", "trainyard", "agent", "--control-plane", "http://x", "--join-token", "secret",
+         "--name", "n", "--address", "127.0.0.1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0 and "--join-token" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_embedded_postgres_trusts_nobody(embedded_pg: PostgresAdmin) -> None:
+    """pgserver initialises with trust authentication; the embedded server replaces it with peer
+    authentication for its own OS user only (issue 11, finding 13)."""
+    if not isinstance(embedded_pg, EmbeddedPostgres):
+        return  # an external server's authentication is its operator's
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(embedded_pg.admin_url)
+    try:
+        with engine.connect() as conn:
+            rules = conn.execute(text("SELECT type, auth_method, error FROM pg_hba_file_rules")).all()
+            mapped = conn.execute(text("SELECT system_user FROM pg_ident_file_mappings")).scalars().all()
+    finally:
+        engine.dispose()
+    assert rules and all(method == "peer" and error is None for _, method, error in rules), rules
+    assert "nobody" not in mapped and mapped

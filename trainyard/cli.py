@@ -7,21 +7,28 @@ exit status, never a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from trainyard import cli_access
+
 app = typer.Typer(
     name="trainyard",
-    help="Self-hosted multi-node GPU training: control plane, node agents, and a local dev cluster.",
+    help="Self-hosted multi-node GPU training: control plane, node agents, a local dev cluster, the layout planner.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 dev_app = typer.Typer(help="A complete cluster on this machine, for trying Trainyard out.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
+app.add_typer(cli_access.principals_app, name="principals")
+app.add_typer(cli_access.tokens_app, name="tokens")
+app.add_typer(cli_access.join_app, name="join-tokens")
+app.command("whoami")(cli_access.whoami)
 
 
 class CliError(Exception):
@@ -89,7 +96,6 @@ def migrate(
 @app.command()
 def agent(
     control_plane: Annotated[str, typer.Option(help="Control-plane URL, e.g. http://10.0.0.1:8000.")],
-    join_token: Annotated[str, typer.Option(help="The cluster's join token.", envvar="TRAINYARD_JOIN_TOKEN")],
     name: Annotated[str, typer.Option(help="Node name, unique in the cluster.")],
     address: Annotated[str, typer.Option(help="Address other nodes reach this node at.")],
     virtual_gpus: Annotated[
@@ -101,15 +107,19 @@ def agent(
         typer.Option(help="Agent state directory. Default: ./.trainyard/agent-NAME.", show_default=False),
     ] = None,
     label: Annotated[list[str] | None, typer.Option(help="Topology label k=v (repeatable).")] = None,
+    join_token_file: Annotated[Path | None, typer.Option(
+        help="File holding a join token (default: the TRAINYARD_JOIN_TOKEN variable). Needed for the first "
+        "registration only: the agent keeps its node credential in its work dir.", show_default=False)] = None,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
     from node_agent.agent import AgentConfig, run_agent
+    from node_agent.config import read_join_token
 
     try:
         config = AgentConfig(
             control_plane_url=control_plane,
-            join_token=join_token,
+            join_token=read_join_token(join_token_file),
             name=name,
             address=address,
             virtual_gpus=virtual_gpus,
@@ -121,6 +131,92 @@ def agent(
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     run_agent(config)
+
+
+@app.command()
+def plan(
+    seq_len: Annotated[int, typer.Option(help="Tokens per sample.")],
+    global_batch: Annotated[int, typer.Option(help="Samples per optimizer step.")],
+    gpu_kind: Annotated[str, typer.Option(help="h100, h200, a100-sxm, l40s, ... or a kind the nodes report.")],
+    params: Annotated[float | None, typer.Option(help="Parameters, e.g. 7.5e9 (or give the shape).")] = None,
+    layers: Annotated[int | None, typer.Option(help="Transformer layers.")] = None,
+    hidden: Annotated[int | None, typer.Option(help="Hidden size.")] = None,
+    vocab: Annotated[int | None, typer.Option(help="Vocabulary size.")] = None,
+    heads: Annotated[int | None, typer.Option(help="Attention heads (default hidden/128).")] = None,
+    micro_batch: Annotated[int | None, typer.Option(help="Samples per GPU per micro-step (accumulation).")] = None,
+    precision: Annotated[str, typer.Option(help="bf16-mixed, fp16-mixed, fp32 or bf16.")] = "bf16-mixed",
+    optimizer: Annotated[str, typer.Option(help="adamw, adam, sgd-momentum or sgd.")] = "adamw",
+    activation_checkpointing: Annotated[bool, typer.Option(help="Recompute activations in backward.")] = False,
+    activation_bytes: Annotated[
+        float | None, typer.Option(help="Measured activation bytes per sample (default: from the shape).")] = None,
+    mfu: Annotated[float, typer.Option(help="Model FLOPs utilisation of the compute.")] = 0.4,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node.")] = 8,
+    gpus: Annotated[str | None, typer.Option(help="GPU counts, e.g. 8,16,32 (default 1-64 nodes).")] = None,
+    layout: Annotated[list[str] | None, typer.Option(
+        help="ddp, fsdp, hsdp[:SHARD], tp_dp[:TP], ddp+bf16 (repeatable; default all).")] = None,
+    intra_link: Annotated[str | None, typer.Option(help="nvlink3/4/5, pcie4/5: override the kind's.")] = None,
+    inter_link: Annotated[str | None, typer.Option(help="infiniband, roce or ethernet: override the kind's.")] = None,
+    inter_gbits: Annotated[float | None, typer.Option(help="A node's NICs together, Gbit/s.")] = None,
+    min_efficiency: Annotated[float | None, typer.Option(help="Least scaling efficiency recommended.")] = None,
+    control_plane: Annotated[str, typer.Option(help="Control-plane URL.", envvar="TRAINYARD_URL")] = (
+        "http://127.0.0.1:8000"),
+    token_file: cli_access.TokenFile = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of the table.")] = False,
+) -> None:
+    """Plan a model's parallel layout: memory per GPU, bytes per link, step time and tokens/s of
+    DDP, FSDP, HSDP and TP x DP on each GPU count, and a recommendation (POST /v1/plans)."""
+    import json
+
+    from rich.console import Console
+
+    from trainyard.plan_view import parse_counts, parse_layout, render
+
+    try:
+        counts = parse_counts(gpus) if gpus else None
+        layouts = [parse_layout(item) for item in layout] if layout else None
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    model = {"params": params, "layers": layers, "hidden": hidden, "vocab": vocab, "heads": heads, "seq_len": seq_len,
+             "global_batch": global_batch, "micro_batch": micro_batch, "precision": precision,
+             "optimizer": optimizer, "activation_checkpointing": activation_checkpointing,
+             "activation_bytes_per_sample": activation_bytes, "mfu": mfu}
+    hardware = {"intra_link": intra_link, "inter_link": inter_link, "inter_gbits_per_s": inter_gbits}
+    body = {
+        "model": {k: v for k, v in model.items() if v is not None},
+        "gpu_kind": gpu_kind, "gpus_per_node": gpus_per_node, "gpu_counts": counts, "layouts": layouts,
+        "hardware": {k: v for k, v in hardware.items() if v is not None} or None, "min_efficiency": min_efficiency,
+    }
+    # The token from TRAINYARD_TOKEN or a file, never an argument (other users see command lines).
+    token = cli_access.read_secret(token_file, "TRAINYARD_TOKEN") if token_file or os.environ.get(
+        "TRAINYARD_TOKEN") else ""
+    result = _api_post(control_plane, token, "/v1/plans", {k: v for k, v in body.items() if v is not None})
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        render(result, Console(width=160))
+
+
+def _api_post(url: str, token: str, path: str, body: dict[str, Any]) -> Any:
+    """POST to the control plane; any failure is one line (the problem+json detail when there is one)."""
+    import httpx
+
+    try:
+        response = httpx.post(url.rstrip("/") + path, json=body, timeout=30.0,
+                              headers={"Authorization": f"Bearer {token}"} if token else {})
+    except httpx.HTTPError as exc:
+        raise CliError(f"cannot reach the control plane at {url}: {_first_line(exc) or type(exc).__name__}",
+                       code=1) from exc
+    if response.status_code >= 400:
+        try:
+            problem = response.json()
+            detail = problem.get("detail") or problem.get("title") or response.reason_phrase
+        except ValueError:
+            detail = response.text[:200] or response.reason_phrase
+        raise CliError(f"{response.status_code}: {detail}", code=1)
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise CliError(f"the control plane at {url} did not answer JSON", code=1) from exc
 
 
 @dev_app.command("up")
@@ -205,9 +301,9 @@ def main(argv: list[str] | None = None) -> None:
         if message:  # empty after "no arguments: here is the help"
             print(f"trainyard: error: {message}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except CliError as exc:
+    except (CliError, cli_access.AccessError) as exc:
         print(f"trainyard: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        sys.exit(exc.code)
+        sys.exit(exc.code if isinstance(exc, CliError) else 1)
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(result if isinstance(result, int) else 0)

@@ -137,7 +137,6 @@ class DevCluster:
         self.config = config
         self.out = out or sys.stdout
         self.token = config.token or secrets.token_urlsafe(24)
-        self.join_token = secrets.token_urlsafe(24)
         self.logs_dir = config.data_dir / "logs"
         self.pg: EmbeddedPostgres | None = None
         self.s3: EmbeddedS3 | None = None
@@ -189,7 +188,6 @@ class DevCluster:
         env = {
             "TRAINYARD_DATABASE_URL": self.database_url,
             "TRAINYARD_ADMIN_TOKEN": self.token,
-            "TRAINYARD_JOIN_TOKEN": self.join_token,
             "TRAINYARD_S3_ENDPOINT": s3_endpoint,
             "TRAINYARD_S3_ACCESS_KEY": s3_access,
             "TRAINYARD_S3_SECRET_KEY": s3_secret,
@@ -202,6 +200,7 @@ class DevCluster:
             self._start_control_plane(i)
 
         for i in range(1, cfg.nodes + 1):
+            self._make_join_token(f"node-{i}")
             self.agents.append(self._spawn(f"node-{i}", self._agent_args(i), {}))
         self._say(f"waiting for {cfg.nodes} node(s) to register")
         self._wait(f"{cfg.nodes} ready node(s)", self._nodes_ready)
@@ -248,12 +247,35 @@ class DevCluster:
         return [
             "-m", "trainyard", "agent",
             "--control-plane", cfg.agent_control_plane.get(name) or cfg.replica_url((i - 1) % cfg.replicas),
-            "--join-token", self.join_token,
+            "--join-token-file", str(self.join_token_file(name)),
             "--name", name,
             "--address", f"127.0.0.{i + 1}",
             "--virtual-gpus", str(cfg.gpus_per_node),
             "--work-dir", str(cfg.data_dir / "nodes" / name),
         ]  # fmt: skip
+
+    def join_token_file(self, name: str) -> Path:
+        """Where node ``name``'s join token is (0600): made by ``dev up`` through the API, bound to the
+        name, reusable for 30 days, so that the dev cluster's agents restart, even with a wiped work
+        dir. A production agent gets a single-use one (docs/security.md)."""
+        return self.config.data_dir / "nodes" / f"{name}.join-token"
+
+    def _make_join_token(self, name: str) -> None:
+        import httpx
+
+        try:
+            resp = httpx.post(f"{self.config.api_url}/v1/join-tokens", timeout=10.0,
+                              headers={"Authorization": f"Bearer {self.token}"},
+                              json={"node_name": name, "ttl_s": 30 * 86400, "max_uses": None,
+                                    "description": "trainyard dev up"})
+        except httpx.HTTPError as exc:
+            raise DevError(f"could not create a join token for {name}: {exc}") from exc
+        if resp.status_code != 201:
+            raise DevError(f"could not create a join token for {name}: HTTP {resp.status_code} {resp.text[:200]}")
+        path = self.join_token_file(name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(resp.json()["token"] + "\n")
 
     def start_agent(self, name: str) -> subprocess.Popen[bytes]:
         """Start node ``name``'s agent again, on the same work dir, after its process ended (it was

@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +181,7 @@ class SimAgent:
                                 "attempts": [{"attempt_id": a} for a, run in self.runs.items() if run.alive]}
         if not self.legacy:
             body["known"] = [{"attempt_id": a, "version": v} for a, v in self.held.items()]
+        phase = self.fleet.phase  # the phase it was sent in: legacy-ness is decided at send time
         t0 = time.perf_counter()
         r = await self.http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers())
         latency = time.perf_counter() - t0
@@ -189,8 +190,7 @@ class SimAgent:
             return {}
         r.raise_for_status()
         resp: dict[str, Any] = r.json()
-        self.samples.append(Sample(time.monotonic(), latency, len(r.content), len(resp["assignments"]),
-                                   self.fleet.phase))
+        self.samples.append(Sample(time.monotonic(), latency, len(r.content), len(resp["assignments"]), phase))
         if self.fleet.follow_interval:
             self.interval_s = float(resp.get("heartbeat_interval_s") or self.interval_s)
         self._reconcile(resp)
@@ -396,9 +396,18 @@ class Fleet:
             await client.aclose()
         self._pool.shutdown(wait=False)
 
-    async def measure(self, phase: str, seconds: float) -> list[Sample]:
+    async def measure(self, phase: str, seconds: float, *, each_of: Sequence[SimAgent] = (),
+                      timeout_s: float = 120.0) -> list[Sample]:
+        """Tag heartbeats with ``phase`` for ``seconds``, and on until each agent of ``each_of`` has
+        sent one in it: a fixed window shorter than a loaded machine's heartbeat period can hold
+        no heartbeat of a given node at all (seen in make test under load)."""
         self.phase = phase
         await asyncio.sleep(seconds)
+        deadline = time.monotonic() + timeout_s
+        while any(not any(s.phase == phase for s in a.samples) for a in each_of):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no heartbeat of every node in phase {phase} within {timeout_s:g}s")
+            await asyncio.sleep(0.05)
         self.phase = "between"
         return [s for a in self.agents for s in a.samples if s.phase == phase]
 
@@ -471,7 +480,7 @@ class Fleet:
 
         async def committed() -> bool | None:
             r = await self.http.get(f"/v1/jobs/{job_id}/checkpoints", headers=self.admin)
-            return True if any(c["step"] == step and c["state"] == "committed" for c in r.json()) else None
+            return True if any(c["step"] == step and c["state"] == "committed" for c in r.json()["items"]) else None
 
         await wait_until(committed, 60.0, f"step {step} of job {job_id} committed")
         return time.perf_counter() - t0
@@ -549,13 +558,13 @@ async def job_scenario(fleet: Fleet, ranks: int, *, window_s: float = 3.0, args_
     agents = [a for a, _ in parts]
     await asyncio.sleep(fleet.longest_interval() * 1.5)  # every node has sent a heartbeat with `known` since
     figures.first_bytes = max(_sizes(agents, t_submit, full=True), default=0)
-    await fleet.measure(f"steady-{ranks}", window_s)
+    await fleet.measure(f"steady-{ranks}", window_s, each_of=agents)
     figures.steady_bytes = max(_sizes(agents, t_submit, full=False, phase=f"steady-{ranks}"), default=0)
     figures.extra["steady_full_specs"] = sum(s.full_specs for a in agents for s in a.samples
                                              if s.phase == f"steady-{ranks}")
     for a in agents:
         a.legacy = True
-    await fleet.measure(f"legacy-{ranks}", window_s)
+    await fleet.measure(f"legacy-{ranks}", window_s, each_of=agents)
     for a in agents:
         a.legacy = False
     figures.legacy_steady_bytes = max(_sizes(agents, t_submit, full=True, phase=f"legacy-{ranks}"), default=0)

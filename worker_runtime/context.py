@@ -57,8 +57,9 @@ class WorkerContext:
     """The attempt this process belongs to; every report names it."""
     attempt_number: int = 0
     """0 for the first attempt of the job, then 1, 2, ... after each recovery."""
-    fencing_token: str = ""
-    """Proves to the agent that reports come from the current attempt (stale ones get 409)."""
+    fencing_token: str = field(default="", repr=False)
+    """Proves to the agent that reports come from the current attempt (stale ones get 409). A secret:
+    left out of the repr, so that it is in no log line or traceback."""
     rank: int = 0
     """Global rank across all nodes of the attempt."""
     local_rank: int = 0

@@ -9,9 +9,9 @@ import uuid
 from fastapi import APIRouter
 
 from control_plane.api.deps import (
-    Credentials,
-    JoinDep,
     NodeIdentity,
+    NodeToken,
+    RegisterCredential,
     RuntimeDep,
     SessionDep,
     SettingsDep,
@@ -43,9 +43,12 @@ router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=Transact
 
 
 @router.post("/register", response_model=RegisterResponse, responses=ERRORS)
-def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, _: JoinDep,
+def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, credential: RegisterCredential,
              runtime: RuntimeDep) -> RegisterResponse:
-    node, token, interval = agent_protocol.register(session, body, runtime, settings)
+    """With a join token (a new node, or the node a join token is bound to), or with the node's own
+    current credential (an agent registering again). A registered node's name is never taken
+    with an unbound join token (409 node-name-taken)."""
+    node, token, interval = agent_protocol.register(session, body, credential, runtime, settings)
     return RegisterResponse(node_id=str(node.id), node_token=token,
                             heartbeat_interval_s=interval,
                             node_lost_timeout_s=settings.lost_timeout_for(interval),
@@ -62,10 +65,9 @@ def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, s
 
 
 @router.post("/wait", response_model=WaitResponse, responses=ERRORS)
-async def wait(body: WaitRequest, creds: Credentials, settings: SettingsDep, runtime: RuntimeDep) -> WaitResponse:
+async def wait(body: WaitRequest, token: NodeToken, settings: SettingsDep, runtime: RuntimeDep) -> WaitResponse:
     """Long poll (trainyard/protocol/agent.py): holds no thread and no database connection while it
     waits."""
-    token = creds.credentials if creds is not None else ""
     node_id = nodes.node_id_of(token)
     if node_id is None:
         raise Unauthorized("missing or malformed node credential: send 'Authorization: Bearer <node token>'")
@@ -104,12 +106,11 @@ def attempt_events(attempt_id: uuid.UUID, body: WorkerEventBatch, node: NodeIden
 
 
 @router.post("/attempts/{attempt_id}/upload-slots", response_model=SlotAnswer, responses=ERRORS)
-async def upload_slot(attempt_id: uuid.UUID, body: SlotRequest, creds: Credentials, settings: SettingsDep,
+async def upload_slot(attempt_id: uuid.UUID, body: SlotRequest, token: NodeToken, settings: SettingsDep,
                       runtime: RuntimeDep) -> SlotAnswer:
     """A checkpoint upload slot, as a long poll (trainyard/protocol/uploads.py): granted, or waiting with
     the queue position after `wait_s`. Asking again for the same (rank, step) polls or renews it. Holds no
     thread and no database connection while it waits."""
-    token = creds.credentials if creds is not None else ""
     return await upload_slots.ask_and_wait(runtime.session_factory, runtime.slot_wakeups, token, attempt_id, body,
                                            settings)
 

@@ -5,9 +5,8 @@ runtime collaborators (``RuntimeDep``). This module is the only one under api/ t
 from __future__ import annotations
 
 import functools
-import hmac
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -17,12 +16,15 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from control_plane.errors import Unauthorized
+from control_plane import authz
+from control_plane.authz import Principal
+from control_plane.errors import Forbidden, Unauthorized
 from control_plane.models import Node
-from control_plane.services import nodes
+from control_plane.services import nodes, principals
 from control_plane.settings import Settings
 
-_bearer = HTTPBearer(auto_error=False, description="Admin token (API) or node credential (agents).")
+_bearer = HTTPBearer(auto_error=False, description="API token of a principal (tyt_...), the bootstrap admin token, "
+                     "a node credential (agents, tyn_...) or a join token (registration, tyj_...).")
 
 
 def get_settings(request: Request) -> Settings:
@@ -48,6 +50,8 @@ class Runtime:
     """control_plane.wakeups.Wakeups: the agents' long polls (app.wakeups)."""
     slot_wakeups: Any = None
     """control_plane.wakeups.Wakeups: the long polls for checkpoint upload slots (app.slot_wakeups)."""
+    log_followers: Any = None
+    """services.logs.Followers: followed logs per principal on this replica (app.log_followers)."""
 
     def wake_scheduler(self) -> None:
         self.loops.wake_scheduler()
@@ -62,7 +66,8 @@ def get_runtime(request: Request) -> Runtime:
     return Runtime(loops=state.loops, run_loops=state.settings.run_loops, object_store=state.object_store,
                    worker_storage=dict(state.worker_storage or {}), session_factory=state.session_factory,
                    engine=state.engine, wakeups=getattr(state, "wakeups", None),
-                   slot_wakeups=getattr(state, "slot_wakeups", None))
+                   slot_wakeups=getattr(state, "slot_wakeups", None),
+                   log_followers=getattr(state, "log_followers", None))
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -126,12 +131,12 @@ RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-@dataclass(frozen=True)
-class Principal:
-    """Who is calling. Today only the admin; tenants and roles hang off this later."""
-
-    name: str
-    is_admin: bool
+# -- Who is calling: every route declares one policy (control_plane/authz.py) -----------------------
+#
+# A route's policy is the ``policy`` attribute of one of its dependencies (``route_policy``):
+# ``Allow`` for principals' tokens, ``NodeGuard`` for node credentials, ``RegisterGuard`` for
+# registration, ``PUBLIC`` for health checks. tests/control_plane/test_authz_matrix.py fails for a
+# route without one and calls every route as every role.
 
 
 def _token(creds: HTTPAuthorizationCredentials | None) -> str:
@@ -140,31 +145,143 @@ def _token(creds: HTTPAuthorizationCredentials | None) -> str:
     return creds.credentials
 
 
-def get_principal(creds: Credentials, settings: SettingsDep) -> Principal:
-    token = _token(creds)
-    if settings.admin_token and hmac.compare_digest(token.encode(), settings.admin_token.encode()):
-        return Principal(name="admin", is_admin=True)
-    raise Unauthorized("invalid bearer token")
+class Allow:
+    """Authenticate a principal's token and require a role the policy allows (403 otherwise)."""
+
+    def __init__(self, name: str) -> None:
+        self.policy = authz.policy(name)
+        assert self.policy.credential == "user", name
+
+    def __call__(self, creds: Credentials, settings: SettingsDep, session: SessionDep) -> Principal:
+        token = _token(creds)
+        if settings.admin_token and authz.same_secret(token, settings.admin_token):
+            principal: Principal | None = Principal(name=authz.BOOTSTRAP_ADMIN, tenant=settings.admin_tenant,
+                                                    role=authz.Role.admin)
+        else:
+            try:
+                principal = principals.authenticate(session, token)
+            except BaseException:
+                end_transaction(session, ok=False)
+                raise
+            session.commit()  # before the endpoint's thread (see end_transaction): last_used_at
+        if principal is None:
+            raise Unauthorized("invalid, expired or revoked bearer token")
+        if not self.policy.allows(principal.role):
+            raise Forbidden(f"a {principal.role} may not do this ({self.policy.name}: "
+                            f"{', '.join(sorted(self.policy.roles))})")
+        return principal
 
 
-def get_join(creds: Credentials, settings: SettingsDep) -> None:
-    token = _token(creds)
-    if not settings.join_token or not hmac.compare_digest(token.encode(), settings.join_token.encode()):
-        raise Unauthorized("invalid join token")
+class NodeGuard:
+    """Authenticate a node credential (policy ``agent``)."""
+
+    policy = authz.policy("agent")
+
+    def __call__(self, creds: Credentials, session: SessionDep) -> Node:
+        try:
+            node = nodes.authenticate(session, _token(creds))
+        except BaseException:
+            end_transaction(session, ok=False)
+            raise
+        # The endpoint runs in another thread: end the transaction (and release its connection)
+        # before waiting for it. It commits, as the endpoint's commit would have, whatever
+        # authenticating wrote.
+        session.commit()
+        return node
 
 
-def get_node(creds: Credentials, session: SessionDep) -> Node:
-    try:
-        node = nodes.authenticate(session, _token(creds))
-    except BaseException:
-        end_transaction(session, ok=False)
-        raise
-    # The endpoint runs in another thread: end the transaction (and release its connection) before
-    # waiting for it. It commits, as the endpoint's commit would have, whatever authenticating wrote.
-    session.commit()
-    return node
+class NodeCredential:
+    """The bearer token of a long poll, unverified here (no database): the service checks it."""
+
+    policy = authz.policy("agent")
+
+    async def __call__(self, creds: Credentials) -> str:
+        return _token(creds)
 
 
-PrincipalDep = Annotated[Principal, Depends(get_principal)]
-NodeIdentity = Annotated[Node, Depends(get_node)]
-JoinDep = Annotated[None, Depends(get_join)]
+class RegisterGuard:
+    """The credential a registration presents: checked by the service, in the registration's own
+    transaction (a join token's use commits with the node it registered)."""
+
+    policy = authz.policy("agent.register")
+
+    def __call__(self, creds: Credentials) -> str:
+        return _token(creds)
+
+
+class Declared:
+    """A route open to everyone, said so (its ``policy``)."""
+
+    def __init__(self, name: str) -> None:
+        self.policy = authz.policy(name)
+
+    def __call__(self) -> None:
+        return None
+
+
+PUBLIC = Depends(Declared("public"))
+
+
+def api_routes(routes: Iterable[Any]) -> Iterator[APIRoute]:
+    """Every APIRoute of an app's route table, also those of included routers (which FastAPI keeps
+    as included-router entries, each with its ``original_router``)."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            yield route
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from api_routes(inner.routes)
+
+
+def other_routes(routes: Iterable[Any]) -> Iterator[Any]:
+    """The routes that are neither API routes nor included routers (FastAPI's documentation pages)."""
+    for route in routes:
+        if not isinstance(route, APIRoute) and getattr(route, "original_router", None) is None:
+            yield route
+
+
+def route_policy(route: APIRoute) -> authz.Policy | None:
+    """The policy a route declares through its dependencies; None if it declares none."""
+    found: list[authz.Policy] = []
+
+    def walk(dependant: Any) -> None:
+        declared = getattr(dependant.call, "policy", None)
+        if isinstance(declared, authz.Policy):
+            found.append(declared)
+        for sub in dependant.dependencies:
+            walk(sub)
+
+    walk(route.dependant)
+    if len({p.name for p in found}) > 1:
+        raise RuntimeError(f"route {route.path} declares several policies: {sorted({p.name for p in found})}")
+    return found[0] if found else None
+
+
+def _allowed(name: str) -> Any:
+    return Annotated[Principal, Depends(Allow(name))]
+
+
+SelfDep = _allowed("self")
+JobsRead = _allowed("jobs.read")
+JobsSubmit = _allowed("jobs.submit")
+JobsCancel = _allowed("jobs.cancel")
+ClusterRead = _allowed("cluster.read")
+PlansCreate = _allowed("plans.create")
+NodesRead = _allowed("nodes.read")
+NodesManage = _allowed("nodes.manage")
+JoinTokensManage = _allowed("join_tokens.manage")
+TenantsRead = _allowed("tenants.read")
+TenantsManage = _allowed("tenants.manage")
+PrincipalsManage = _allowed("principals.manage")
+NodeIdentity = Annotated[Node, Depends(NodeGuard())]
+NodeToken = Annotated[str, Depends(NodeCredential())]
+RegisterCredential = Annotated[str, Depends(RegisterGuard())]
+
+
+def _legacy_admin(creds: Credentials, settings: SettingsDep, session: SessionDep) -> Principal:
+    return Allow("principals.manage")(creds, settings, session)
+
+
+PrincipalDep = Annotated[Principal, Depends(_legacy_admin)]
+"""Admins only, and no declared policy: a route still using it (written before roles) is safe, and
+fails the authorization matrix test until it declares its policy."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from control_plane.api.deps import RuntimeDep, TransactionRoute
+from control_plane.api.deps import PUBLIC, RuntimeDep, TransactionRoute
 from control_plane.db import schema_version
 from control_plane.errors import NotReady
 
-router = APIRouter(tags=["health"], route_class=TransactionRoute)
+router = APIRouter(tags=["health"], route_class=TransactionRoute, dependencies=[PUBLIC])
 
 
 @router.get("/healthz", summary="The process is up")

@@ -1,4 +1,5 @@
-"""Background loops of a control-plane replica: scheduling passes, node liveness, time limits.
+"""Background loops of a control-plane replica: scheduling passes, node liveness, time limits,
+checkpoint maintenance, retention of logs and events.
 
 Each loop runs in its own thread under a ``Loops`` monitor with an idempotent ``stop``. A loop
 iteration is one short transaction; an exception is logged and the loop carries on. Every
@@ -19,14 +20,14 @@ from control_plane import clock
 from control_plane.clock import now
 from control_plane.db import session_scope
 from control_plane.scheduler.allocate import PendingCache, schedule_pass
-from control_plane.services import attempts, checkpoints, limits, nodes, upload_slots
+from control_plane.services import attempts, checkpoints, limits, nodes, retention, upload_slots
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.loops")
 
 
 class Loops:
-    THREADS = 4
+    THREADS = 5
     """Threads ``start`` runs, each holding at most one connection at a time."""
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, store: object | None = None) -> None:
@@ -51,6 +52,7 @@ class Loops:
             ("monitor", self.monitor_once, self._settings.monitor_interval_s),
             ("checkpoints", self.checkpoints_once, self._settings.checkpoint_maintenance_interval_s),
             ("limits", self.limits_once, self._settings.limits_interval_s),
+            ("retention", self.retention_once, self._settings.retention_interval_s),
         ):
             t = threading.Thread(target=self._run, args=(name, fn, period), name=f"trainyard-{name}", daemon=True)
             t.start()
@@ -115,6 +117,12 @@ class Loops:
         with session_scope(self._factory) as session:
             failed = limits.enforce_time_limits(session)
         return len(failed)
+
+    def retention_once(self) -> tuple[int, int]:
+        """Delete logs and events past their retention (services/retention.py)."""
+        st = self._settings
+        return retention.apply(self._factory, log_days=st.log_retention_days, event_days=st.event_retention_days,
+                               batch=st.retention_batch)
 
     def checkpoints_once(self) -> None:
         checkpoints.maintenance(

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from control_plane.schemas.limits import TEXT_LINE
+from control_plane.schemas.plans import JobModelIn, JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
+from control_plane.schemas.tenants import TENANT_NAME
 from control_plane.schemas.uploads import CheckpointUploadOut
+from trainyard.protocol.layout import APPLIED_KINDS, Layout
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_BYTES = 32 * 1024
+MAX_ARGS = 1000
+MAX_ARG_CHARS = 32 * 1024
+MAX_ARGS_BYTES = 64 * 1024
 RESERVED_ENV_PREFIXES = ("TRAINYARD_",)
 RESERVED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "CUDA_VISIBLE_DEVICES", "GROUP_RANK", "ROLE_RANK"}
@@ -32,7 +39,7 @@ SUBMIT_EXAMPLE: dict[str, Any] = {
 
 
 class CheckpointSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     interval_steps: int | None = Field(
         default=None, ge=1, le=10_000_000, description="Save a complete checkpoint every N steps."
@@ -43,7 +50,8 @@ class CheckpointSettings(BaseModel):
 class JobSubmit(BaseModel):
     """A training job: `num_nodes` x `gpus_per_node` workers started together."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [SUBMIT_EXAMPLE]})
+    # strict: a JSON true is not a number here ("priority": false was accepted as 0).
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [SUBMIT_EXAMPLE]})
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     num_nodes: int = Field(ge=1, le=4096, description="Nodes the job spans (one torchrun each).")
@@ -53,16 +61,51 @@ class JobSubmit(BaseModel):
         max_length=1024,
         description="Python module (run as `torchrun -m MODULE`) or a path to a `.py` file.",
     )
-    args: list[str] = Field(default_factory=list, max_length=1000)
+    args: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_ARGS,
+        description=f"Arguments of the entrypoint: at most {MAX_ARGS}, each at most {MAX_ARG_CHARS} characters, "
+        f"{MAX_ARGS_BYTES} bytes in all, no NUL.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the workers.")
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     max_failures: int = Field(
         default=3, ge=0, le=1000, description="Failed attempts tolerated; one more fails the job."
     )
-    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher is served first.")
-    tenant: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9-]*$")
+    priority: int = Field(default=0, ge=-1000, le=1000,
+                          description="Higher is served first; at most the tenant's max_priority (admins: any).")
+    tenant: str | None = Field(
+        default=None, min_length=1, max_length=128, pattern=TENANT_NAME,
+        description="Default: the caller's tenant. Only an admin may name another (403 otherwise).")
     time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400)
-    gpu_kind: str | None = Field(default=None, max_length=128, description="Require this GPU model.")
+    gpu_kind: str | None = Field(default=None, min_length=1, max_length=128, pattern=TEXT_LINE,
+                                 description="Require this GPU model.")
+    model: JobModelIn | None = Field(default=None, description=(
+        "What the job trains: the job is planned at submit (docs/planner.md), refused (422, with the numbers) "
+        "when its layout does not fit in GPU memory, and warned about (an event) when fewer GPUs would do "
+        "better. The plan is shown with the job."))
+    layout: Layout | None = Field(default=None, description=(
+        "The parallel layout the workers apply (TRAINYARD_LAYOUT); default: DDP without accumulation."))
+
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, layout: Layout | None, info: ValidationInfo) -> Layout | None:
+        if layout is None:
+            return None
+        if layout.kind not in APPLIED_KINDS:
+            raise ValueError(f"layout {layout.kind} is planned only: the worker runtime applies "
+                             f"{', '.join(sorted(APPLIED_KINDS))} (POST /v1/plans plans {layout.kind})")
+        if layout.compression != "none" and layout.kind != "ddp":
+            raise ValueError(f"gradient compression applies to ddp only, not {layout.kind}")
+        if layout.kind == "hsdp" and layout.shard_size is not None:
+            node = info.data.get("gpus_per_node")
+            nodes = info.data.get("num_nodes")
+            if node is None or nodes is None:
+                return layout  # those fields are invalid themselves: their errors say so
+            size, gpus = layout.shard_size, nodes * node
+            whole = node % size == 0 if size <= node else size % node == 0
+            if gpus % size or not whole:
+                raise ValueError(f"hsdp shard_size {size} must divide the job's {gpus} GPUs and be a divisor "
+                                 f"or a multiple of gpus_per_node {node}")
+        return layout
 
     @field_validator("entrypoint")
     @classmethod
@@ -74,6 +117,17 @@ class JobSubmit(BaseModel):
             raise ValueError("entrypoint must not contain control characters")
         if not v.endswith(".py") and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", v):
             raise ValueError(f"entrypoint {v!r} is neither a dotted module name nor a path to a .py file")
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, v: list[str]) -> list[str]:
+        for arg in v:
+            if "\0" in arg:
+                raise ValueError("args must not contain NUL characters")
+        size = sum(len(a.encode()) for a in v)
+        if size > MAX_ARGS_BYTES:
+            raise ValueError(f"args are {size} bytes; at most {MAX_ARGS_BYTES} are allowed")
         return v
 
     @field_validator("env")
@@ -129,6 +183,9 @@ class JobOut(BaseModel):
     failures: int
     time_limit_s: int | None
     gpu_kind: str | None
+    model: dict[str, Any] | None = Field(default=None, description="The model block the job was submitted with.")
+    layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
+    plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
     progress: Progress
     result: dict[str, Any] | None
     end_reason: str | None
@@ -157,6 +214,7 @@ class JobOut(BaseModel):
 class JobPage(BaseModel):
     items: list[JobOut]
     next_cursor: str | None = Field(description="Pass as `cursor` to get the next page.")
+
 
 
 class WorkerOut(BaseModel):
@@ -253,3 +311,12 @@ class CheckpointOut(BaseModel):
     committed_at: datetime | None
     upload: CheckpointUploadOut | None = Field(
         default=None, description="Its shards' upload slot waits and upload rate; null before any is reported.")
+
+class AttemptPage(BaseModel):
+    items: list[AttemptOut] = Field(description="Oldest first.")
+    next_cursor: str | None = Field(description="Pass as `cursor` to get the next page.")
+
+
+class CheckpointPage(BaseModel):
+    items: list[CheckpointOut] = Field(description="Newest first.")
+    next_cursor: str | None = Field(description="Pass as `cursor` to get the next page.")

@@ -39,11 +39,12 @@ class Wakeups(Protocol):
         loops; True if it placed something."""
 
 
-def register(session: Session, req: RegisterRequest, wakeups: Wakeups,
+def register(session: Session, req: RegisterRequest, credential: str, wakeups: Wakeups,
              settings: Settings) -> tuple[Node, str, float]:
-    """A (re-)registration; its GPUs may admit waiting jobs. Returns the node, its credential and the
-    heartbeat interval to tell its agent (nodes.tell_interval)."""
-    node, token = nodes.register(session, req)  # commits
+    """A (re-)registration with a join token or the node's own credential; its GPUs may admit
+    waiting jobs. Returns the node, its credential and the heartbeat interval to tell its agent
+    (nodes.tell_interval)."""
+    node, token = nodes.register(session, req, credential, static_join_token=settings.join_token)  # commits
     interval = nodes.tell_interval(session, node, settings)
     session.commit()
     wakeups.wake_scheduler()

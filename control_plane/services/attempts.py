@@ -21,10 +21,11 @@ from sqlalchemy.orm import Session
 from control_plane import wakeups
 from control_plane.clock import now
 from control_plane.db import reload, rowcount
+from control_plane.errors import Forbidden
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
 from control_plane.services import events
 from control_plane.services.checkpoints import restore_plan
-from control_plane.services.fencing import authorize_report, lock_attempt
+from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
 from control_plane.services.states import (
     ATTEMPT_LIVE,
     JOB_ACTIVE,
@@ -330,8 +331,12 @@ def apply_status(
         job.progress_at = report.progress.at
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
-    # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank.
+    # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank, so
+    # the part that holds worker rank 0 (as reported, checked by _merge_workers) is the one.
     if report.result is not None and job.result is None:
+        if not _holds_rank_zero(session, part):
+            raise Forbidden(f"node rank {part.node_rank} does not run global rank 0: only that node reports the "
+                            "job's result")
         job.result = report.result
     session.flush()
     if attempt.outcome is None:
@@ -339,7 +344,18 @@ def apply_status(
     return attempt, part
 
 
+def _holds_rank_zero(session: Session, part: AttemptNode) -> bool:
+    return session.scalar(select(Worker.attempt_node_id).where(Worker.attempt_id == part.attempt_id,
+                                                                Worker.rank == 0)) == part.id
+
+
 def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report: AttemptStatusReport) -> None:
+    """Merge the node's workers, which must be its own: one node's block of ranks, none of them
+    another node's (fencing.check_own_ranks)."""
+    if report.workers:
+        check_worker_block([(w.rank, w.local_rank) for w in report.workers], world=attempt.num_gpus,
+                           per_node=max(1, len(part.gpu_indices)))
+        check_own_ranks(session, part, {w.rank for w in report.workers})
     existing = {
         w.rank: w for w in session.scalars(select(Worker).where(Worker.attempt_node_id == part.id))
     }

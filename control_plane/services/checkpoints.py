@@ -40,7 +40,7 @@ from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
 from control_plane.services import events
-from control_plane.services.fencing import authorize_report
+from control_plane.services.fencing import authorize_report, check_own_ranks
 from control_plane.services.states import (
     CHECKPOINT,
     CHECKPOINT_COLLECTED,
@@ -51,6 +51,7 @@ from trainyard.protocol import keys
 from trainyard.protocol.agent import (
     RESTORE_CANDIDATES_MAX,
     RESTORE_PLAN_FORMAT,
+    WORKER_CHECKPOINT_EVENTS,
     RestoreCandidate,
     RestorePlan,
     ShardReport,
@@ -98,8 +99,8 @@ def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
     nodes' reports: the job and the attempt are only shared (authorize_report ``exclusive=False``),
     the checkpoint row is created with ``INSERT ... ON CONFLICT DO NOTHING`` and never locked here,
     and the shards are inserted in one statement (``ON CONFLICT DO NOTHING RETURNING``)."""
-    job, attempt, _part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank,
-                                           exclusive=False)
+    job, attempt, part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank,
+                                          exclusive=False)
     if attempt.outcome is not None and attempt.outcome != "failed":
         raise StaleAttempt(f"attempt {attempt.number} already ended ({attempt.outcome}); shard refused")
     by_step: dict[int, dict[int, Any]] = {}
@@ -109,13 +110,17 @@ def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
                            f"attempt {attempt.number} has {attempt.num_gpus} ranks")
         if shard.rank >= attempt.num_gpus:
             raise Conflict(f"rank {shard.rank} is outside attempt {attempt.number}'s world")
-        expected = checkpoint_prefix(job.id, shard.step, attempt.number) + "/"
-        if not shard.key.startswith(expected):
-            raise Conflict(f"shard key {shard.key!r} is not under this attempt's prefix {expected!r}")
+        # The exact key, built as workers build it (trainyard/protocol/keys.py): a prefix check let
+        # ".../attempt-0001/../../jobs/<other job>/..." through.
+        expected = keys.shard_key(keys.job_checkpoint_prefix(job.id), shard.step, attempt.number, shard.rank)
+        if shard.key != expected:
+            raise Conflict(f"shard key {shard.key!r} is not this attempt's key for rank {shard.rank} at step "
+                           f"{shard.step}: {expected!r}")
         seen = by_step.setdefault(shard.step, {})
         if shard.rank in seen and _shard_facts(seen[shard.rank]) != _shard_facts(shard):
             raise Conflict(f"rank {shard.rank} reported two different shards for step {shard.step}")
         seen[shard.rank] = shard
+    check_own_ranks(session, part, {rank for shards in by_step.values() for rank in shards})
     arrived: dict[uuid.UUID, int] = {}
     for step in sorted(by_step):
         ckpt_id, state = _pending_checkpoint(session, job, attempt, step)
@@ -411,7 +416,9 @@ def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, ba
                 session.flush()
             abort(session, ckpt, f"rank {ev.rank} could not save: {ev.message}")
             continue
-        events.record(session, ev.kind if ev.kind.startswith("checkpoint.") else f"worker.{ev.kind}",
+        # Only the worker kinds keep their name: a worker cannot write checkpoint.committed (or any
+        # other control-plane kind); anything else is recorded as worker.<kind>.
+        events.record(session, ev.kind if ev.kind in WORKER_CHECKPOINT_EVENTS else f"worker.{ev.kind}",
                       f"rank {ev.rank}: {ev.message}", job_id=job.id, attempt_id=attempt.id,
                       rank=ev.rank, **{k: v for k, v in ev.data.items() if k not in RESERVED_EVENT_KEYS})
     return len(batch.events)

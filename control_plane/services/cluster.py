@@ -19,7 +19,10 @@ from control_plane.services.states import JOB_TERMINAL, JOB_WAITING
 QUEUE_STATES = JOB_WAITING
 
 
-def summary(session: Session, *, queue_limit: int = 50) -> ClusterOut:
+def summary(session: Session, *, queue_limit: int = 50, tenant: str | None = None) -> ClusterOut:
+    """Capacity, jobs by state, the queue in service order and the scheduler's holds. ``tenant``:
+    the view of a member or viewer: capacity as it is, jobs, queue and reservations of that tenant
+    only (positions stay the cluster-wide ones)."""
     nodes = session.execute(
         select(Node.state, Node.schedulable, func.count(Gpu.id))
         .outerjoin(Gpu, Gpu.node_id == Node.id)
@@ -44,7 +47,10 @@ def summary(session: Session, *, queue_limit: int = 50) -> ClusterOut:
         utilization=round(in_use / allocatable, 4) if allocatable else 0.0,
         gpus_releasing=releasing,
     )
-    by_state = dict(session.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+    counted = select(Job.state, func.count()).group_by(Job.state)
+    if tenant is not None:
+        counted = counted.where(Job.tenant == tenant)
+    by_state = dict(session.execute(counted).all())
     t = now()
     queue = [
         QueuedJobOut(
@@ -52,9 +58,14 @@ def summary(session: Session, *, queue_limit: int = 50) -> ClusterOut:
             position=i + 1, waiting_s=round((t - j.created_at).total_seconds(), 3),
         )
         for i, j in enumerate(_service_order(session, queue_limit))
+        if tenant is None or j.tenant == tenant
     ]
-    return ClusterOut(capacity=capacity, jobs_by_state=by_state, queue=queue,
-                      scheduling=reservations.summary(session))
+    scheduling = reservations.summary(session)
+    if tenant is not None:
+        own = {str(i) for i in session.scalars(select(Job.id).where(
+            Job.id.in_([uuid.UUID(r.job_id) for r in scheduling.reservations]), Job.tenant == tenant))}
+        scheduling.reservations = [r for r in scheduling.reservations if r.job_id in own]
+    return ClusterOut(capacity=capacity, jobs_by_state=by_state, queue=queue, scheduling=scheduling)
 
 
 def _service_order(session: Session, limit: int) -> list[Job]:

@@ -3,14 +3,14 @@ secret token, and come from the node that holds the claimed node rank (docs/arch
 
 from __future__ import annotations
 
-import secrets
 import uuid
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from control_plane.authz import same_secret
 from control_plane.errors import Forbidden, StaleAttempt
-from control_plane.models import Attempt, AttemptNode, Job, Node
+from control_plane.models import Attempt, AttemptNode, Job, Node, Worker
 from control_plane.services.locks import lock_job_attempt, share_job_attempt
 
 
@@ -38,7 +38,7 @@ def authorize_report(
     the job's nodes proceed at once. Such a transaction must not then update or lock either row
     exclusively (two sharers upgrading would deadlock)."""
     locked = lock_attempt(session, attempt_id) if exclusive else share_job_attempt(session, attempt_id)
-    if locked is None or not secrets.compare_digest(locked[1].fencing_token, fencing_token):
+    if locked is None or not same_secret(fencing_token, locked[1].fencing_token):
         raise StaleAttempt(f"attempt {attempt_id} is unknown or its fencing token does not match")
     job, attempt = locked
     if job.current_attempt_id != attempt.id:
@@ -52,3 +52,38 @@ def authorize_report(
     if part is None or part.node_id != node.id:
         raise Forbidden(f"node {node.name} does not hold node rank {node_rank} of attempt {attempt_id}")
     return job, attempt, part
+
+
+def check_own_ranks(session: Session, part: AttemptNode, ranks: set[int]) -> None:
+    """A node speaks only for its own ranks: none of ``ranks`` may be a worker of another node's
+    part of the attempt, and once this part has reported workers, each must be in their block (one
+    torchrun runs ``per node`` consecutive global ranks). torchrun's c10d rendezvous decides which
+    block a node gets, so a part's ranks are known from its first status report with workers on;
+    before it, a shard report is checked against the other parts only."""
+    if not ranks:
+        return
+    per_node = max(1, len(part.gpu_indices))
+    owners = dict(session.execute(
+        select(Worker.rank, Worker.attempt_node_id).where(Worker.attempt_id == part.attempt_id)).all())
+    theirs = sorted(r for r in ranks if r in owners and owners[r] != part.id)
+    if theirs:
+        raise Forbidden(f"ranks {theirs} are workers of another node of the attempt; node rank {part.node_rank} "
+                        "reports only its own")
+    blocks = {rank // per_node for rank, owner in owners.items() if owner == part.id}
+    outside = sorted(r for r in ranks if blocks and r // per_node not in blocks)
+    if outside:
+        raise Forbidden(f"ranks {outside} are not in node rank {part.node_rank}'s block of {per_node} ranks")
+
+
+def check_worker_block(ranks: list[tuple[int, int]], *, world: int, per_node: int) -> None:
+    """The ranks one node's torchrun runs: ``per_node`` consecutive global ranks starting at a
+    multiple of ``per_node`` (group rank x local world size + local rank), inside the world. Pure;
+    raises Forbidden."""
+    bases = set()
+    for rank, local_rank in ranks:
+        if not (0 <= rank < world and 0 <= local_rank < per_node):
+            raise Forbidden(f"rank {rank} (local rank {local_rank}) is outside the attempt's {world} ranks of "
+                            f"{per_node} per node")
+        bases.add(rank - local_rank)
+    if len(bases) > 1 or any(b % per_node for b in bases):
+        raise Forbidden(f"ranks {sorted(r for r, _ in ranks)} are not one node's block of {per_node} ranks")

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
 import uuid
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, func, or_, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from control_plane import authz
+from control_plane.authz import Principal
 from control_plane.clock import now
-from control_plane.errors import IdempotencyMismatch, InvalidState, NotFound, Unprocessable
+from control_plane.errors import Forbidden, IdempotencyMismatch, InvalidState, NotFound, TooMany, Unprocessable
 from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
-from control_plane.services import events
+from control_plane.services import events, pages, plans
 from control_plane.services.states import ATTEMPT_HOLDING, JOB, JOB_TERMINAL, can_transition, set_job_state
+from trainyard.protocol.layout import Layout
 
 # The job state machine and its one mutator live in services/states.py (with those of attempts,
 # attempt parts and nodes); these names stay importable from here.
@@ -60,25 +62,42 @@ def check_fits_cluster(session: Session, body: JobSubmit) -> None:
 
 
 def submit(
-    session: Session, body: JobSubmit, *, principal: str, idempotency_key: str | None
+    session: Session, body: JobSubmit, *, principal: Principal, idempotency_key: str | None,
+    rate: SubmitRate | None = None, plan_min_efficiency: float = 0.7,
 ) -> tuple[Job, bool]:
-    """Create a queued job. Returns (job, created); a retried submit returns the first job."""
+    """Create a queued job for the principal's tenant (an admin may name another). Returns (job,
+    created); a retried submit returns the first job. A job with a model block is planned first
+    (services/plans.py): refused when its layout does not fit, queued with a warning event for each
+    way fewer GPUs would do better."""
     digest = _request_hash(body)
-    if idempotency_key:
+    if idempotency_key is not None:
         existing = session.scalar(
-            select(Job).where(Job.principal == principal, Job.idempotency_key == idempotency_key)
+            select(Job).where(Job.principal == principal.name, Job.idempotency_key == idempotency_key)
         )
         if existing is not None:
             return _same_request(existing, digest), False
-    from control_plane.services.tenants import check_quota  # tenants imports this module
+    from control_plane.services.tenants import check_quota, max_priority  # tenants imports this module
 
+    try:
+        tenant = authz.submit_tenant(principal, body.tenant)
+        authz.check_priority(principal, body.priority, max_priority(session, tenant), tenant)
+    except ValueError as exc:
+        raise Forbidden(str(exc)) from exc
+    if rate is not None and not principal.is_admin:
+        check_submit_rate(session, principal.name, rate)
     check_fits_cluster(session, body)
-    check_quota(session, body.tenant, body.num_nodes * body.gpus_per_node)
+    check_quota(session, tenant, body.num_nodes * body.gpus_per_node)
+    job_plan = None
+    if body.model is not None:
+        job_plan = plans.plan_for_job(
+            session, model=body.model, layout=body.layout or Layout(),
+            gpu_kind=plans.job_gpu_kind(session, body.gpu_kind, body.gpus_per_node), num_nodes=body.num_nodes,
+            gpus_per_node=body.gpus_per_node, min_efficiency=plan_min_efficiency)
     job = Job(
         id=uuid.uuid4(),
         name=body.name,
-        principal=principal,
-        tenant=body.tenant,
+        principal=principal.name,
+        tenant=tenant,
         priority=body.priority,
         state="queued",
         num_nodes=body.num_nodes,
@@ -91,6 +110,9 @@ def submit(
         max_failures=body.max_failures,
         failures=0,
         time_limit_s=body.time_limit_s,
+        model=body.model.model_dump(mode="json", exclude_none=True) if body.model else None,
+        layout=body.layout.model_dump(mode="json") if body.layout else None,
+        plan=job_plan.model_dump(mode="json") if job_plan else None,
         idempotency_key=idempotency_key,
         request_hash=digest,
         created_at=now(),
@@ -103,20 +125,49 @@ def submit(
         "job.queued",
         f"job {body.name} submitted: {body.num_nodes} x {body.gpus_per_node} GPUs",
         job_id=job.id,
-        principal=principal,
+        principal=principal.name,
+        tenant=tenant,
     )
+    for warning in job_plan.warnings if job_plan else []:
+        events.record(session, "job.plan_warning", f"job {body.name}: {warning.message}", job_id=job.id,
+                      reason=warning.kind, gpus=body.num_nodes * body.gpus_per_node, better_gpus=warning.better_gpus)
     try:
         session.commit()
     except IntegrityError:
         # A concurrent retry with the same key won the race: return its job.
         session.rollback()
         existing = session.scalar(
-            select(Job).where(Job.principal == principal, Job.idempotency_key == idempotency_key)
+            select(Job).where(Job.principal == principal.name, Job.idempotency_key == idempotency_key)
         )
         if existing is None:
             raise
         return _same_request(existing, digest), False
     return job, True
+
+
+@dataclass(frozen=True)
+class SubmitRate:
+    """At most ``jobs`` submits per principal per ``window_s`` (settings.submit_rate_*)."""
+
+    jobs: int
+    window_s: float
+
+
+def check_submit_rate(session: Session, principal: str, rate: SubmitRate) -> None:
+    """Refuse (429) a submit past the principal's rate. Counted from the jobs table, so the limit
+    holds across replicas; a transaction-scoped advisory lock per principal serializes one
+    principal's concurrent submits, so a burst cannot all pass the count at once."""
+    session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
+                    {"key": f"trainyard.submit:{principal}"})
+    since = now() - timedelta(seconds=rate.window_s)
+    recent = list(session.scalars(
+        select(Job.created_at).where(Job.principal == principal, Job.created_at > since)
+        .order_by(Job.created_at).limit(rate.jobs)))
+    if len(recent) >= rate.jobs:
+        wait = (recent[0] - since).total_seconds()
+        raise TooMany(f"principal {principal} submitted {rate.jobs} jobs in the last {rate.window_s:g}s "
+                      f"(settings submit_rate_per_window / submit_rate_window_s); retry in {wait:.0f}s",
+                      retry_after_s=max(1.0, wait))
 
 
 def _same_request(job: Job, digest: str) -> Job:
@@ -138,42 +189,41 @@ def get_job(session: Session, job_id: uuid.UUID, *, for_update: bool = False) ->
     return job
 
 
-def _encode_cursor(job: Job) -> str:
-    raw = json.dumps([job.created_at.isoformat(), str(job.id)]).encode()
-    return base64.urlsafe_b64encode(raw).decode()
-
-
-def _decode_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
-    try:
-        created, jid = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        return datetime.fromisoformat(created), uuid.UUID(jid)
-    except Exception as exc:
-        raise Unprocessable("cursor is not one this API returned", field="cursor") from exc
+def get_visible_job(session: Session, job_id: uuid.UUID, principal: Principal, *, for_update: bool = False) -> Job:
+    """The job, if the principal may see it: another tenant's job is 404 to a member or viewer, as
+    one that does not exist, so that ids cannot be probed."""
+    job = get_job(session, job_id, for_update=for_update)
+    if not principal.can_see(job.tenant):
+        raise NotFound(f"job {job_id} does not exist")
+    return job
 
 
 def list_jobs(
-    session: Session, *, states: list[str] | None, limit: int, cursor: str | None
+    session: Session, *, states: list[str] | None, limit: int, cursor: str | None, tenant: str | None = None,
 ) -> tuple[list[Job], str | None]:
-    """Newest first, keyset-paginated."""
+    """Newest first, keyset-paginated; ``tenant``: that tenant's only."""
     for s in states or []:
         if s not in JOB_STATES:
             raise Unprocessable(f"unknown state {s!r}; expected one of {', '.join(JOB_STATES)}", field="state")
     stmt = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
     if states:
         stmt = stmt.where(Job.state.in_(states))
+    if tenant is not None:
+        stmt = stmt.where(Job.tenant == tenant)
     if cursor:
-        created, jid = _decode_cursor(cursor)
+        created, jid = pages.decode(cursor, datetime, uuid.UUID)
         stmt = stmt.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < jid)))
     jobs = list(session.scalars(stmt))
-    next_cursor = _encode_cursor(jobs[limit - 1]) if len(jobs) > limit else None
+    last = jobs[limit - 1] if len(jobs) > limit else None
+    next_cursor = pages.encode(last.created_at.isoformat(), str(last.id)) if last is not None else None
     return jobs[:limit], next_cursor
 
 
-def cancel(session: Session, job_id: uuid.UUID) -> Job:
+def cancel(session: Session, job_id: uuid.UUID, principal: Principal) -> Job:
     """Cancel a job: at once if nothing runs, else stop every process first (cancelling)."""
     from control_plane.services import attempts  # attempts imports this module
 
-    job = get_job(session, job_id, for_update=True)
+    job = get_visible_job(session, job_id, principal, for_update=True)
     if job.state in TERMINAL:
         raise InvalidState(f"job {job.id} already ended ({job.state}); there is nothing to cancel")
     if job.state == "cancelling":
@@ -181,10 +231,10 @@ def cancel(session: Session, job_id: uuid.UUID) -> Job:
     attempt = (session.get(Attempt, job.current_attempt_id, with_for_update={"key_share": True}, populate_existing=True)
                if job.current_attempt_id else None)
     if attempt is not None and attempt.state in ATTEMPT_HOLDING:
-        attempts.end_attempt(session, attempt, outcome="cancelled", reason="cancelled by user")
+        attempts.end_attempt(session, attempt, outcome="cancelled", reason=f"cancelled by {principal.name}")
         set_job_state(session, job, "cancelling", "cancel requested; stopping every worker")
         attempts.finish_if_released(session, job, attempt)
     else:
-        set_job_state(session, job, "cancelled", "cancelled by user")
+        set_job_state(session, job, "cancelled", f"cancelled by {principal.name}")
     session.commit()
     return job

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import secrets
-import time
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
+import anyio.to_thread
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
+from control_plane.authz import same_secret
 from control_plane.db import rowcount, session_scope
-from control_plane.errors import Forbidden, StaleAttempt
+from control_plane.errors import Forbidden, StaleAttempt, TooMany
 from control_plane.models import Attempt, AttemptNode, Job, LogChunk, Node
 from control_plane.services.states import JOB_TERMINAL
 from trainyard.protocol.agent import LogBatch
@@ -25,7 +27,7 @@ def append(session: Session, node: Node, attempt_id: uuid.UUID, batch: LogBatch)
     or not, so the last words of a failed attempt are kept. They never change any state.
     """
     attempt = session.get(Attempt, attempt_id)
-    if attempt is None or not secrets.compare_digest(attempt.fencing_token, batch.fencing_token):
+    if attempt is None or not same_secret(batch.fencing_token, attempt.fencing_token):
         raise StaleAttempt(f"attempt {attempt_id} is unknown or its fencing token does not match")
     part = session.scalar(
         select(AttemptNode).where(AttemptNode.attempt_id == attempt.id, AttemptNode.node_rank == batch.node_rank)
@@ -89,31 +91,99 @@ def format_chunk(chunk: LogChunk, attempt_number: int, *, prefix: bool = True) -
     return "".join(tag + line if line.endswith("\n") else tag + line + "\n" for line in lines)
 
 
-def stream_text(
+@dataclass(frozen=True)
+class LogQuery:
+    """Which lines of a job's logs: all, or those of one attempt, node rank, rank or stream."""
+
+    job_id: uuid.UUID
+    attempt_number: int | None = None
+    node_rank: int | None = None
+    rank: int | None = None
+    stream: str | None = None
+    prefix: bool = True
+
+
+class Followers:
+    """Logs followed at once, per principal, on this replica (settings.log_followers_per_principal).
+    A follower holds no thread and no connection while it waits, but it does hold a socket and a
+    poll: the cap keeps one principal from taking a replica's polls."""
+
+    def __init__(self, per_principal: int) -> None:
+        self.per_principal = per_principal
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, principal: str) -> None:
+        with self._lock:
+            held = self._held.get(principal, 0)
+            if held >= self.per_principal:
+                raise TooMany(f"principal {principal} already follows {held} logs on this replica "
+                              f"(log_followers_per_principal); stop one or retry later", retry_after_s=5)
+            self._held[principal] = held + 1
+
+    def release(self, principal: str) -> None:
+        with self._lock:
+            held = self._held.get(principal, 0) - 1
+            if held > 0:
+                self._held[principal] = held
+            else:
+                self._held.pop(principal, None)
+
+    def held(self, principal: str) -> int:
+        with self._lock:
+            return self._held.get(principal, 0)
+
+
+def _read_once(factory: sessionmaker[Session], query: LogQuery, after: int) -> tuple[list[tuple[LogChunk, int]], bool]:
+    """One short transaction: the next chunks after ``after``, and whether the job has ended."""
+    with session_scope(factory) as s:
+        chunks = read(s, query.job_id, after=after, attempt_number=query.attempt_number, node_rank=query.node_rank,
+                      rank=query.rank, stream=query.stream)
+        ended = s.scalar(select(Job.state).where(Job.id == query.job_id)) in JOB_TERMINAL
+    return chunks, ended
+
+
+def open_stream(
     factory: sessionmaker[Session],
-    job_id: uuid.UUID,
+    query: LogQuery,
     *,
-    attempt_number: int | None = None,
-    node_rank: int | None = None,
-    rank: int | None = None,
-    stream: str | None = None,
-    prefix: bool = True,
-    follow: bool = False,
-    poll_s: float = 1.0,
-) -> Iterator[str]:
-    """The job's logs as text, in arrival order; with ``follow``, until the job ends. Each read is
-    its own short transaction: no connection is held while the client reads or while it waits."""
-    after = 0
-    while True:
-        with session_scope(factory) as s:
-            chunks = read(s, job_id, after=after, attempt_number=attempt_number, node_rank=node_rank,
-                          rank=rank, stream=stream)
-            ended = s.scalar(select(Job.state).where(Job.id == job_id)) in JOB_TERMINAL
-        for chunk, number in chunks:
-            after = chunk.id
-            yield format_chunk(chunk, number, prefix=prefix)
-        if chunks:
-            continue
-        if not follow or ended:
-            return
-        time.sleep(poll_s)
+    follow: bool,
+    poll_s: float,
+    disconnected: Callable[[], Awaitable[bool]],
+    followers: Followers | None = None,
+    principal: str = "",
+) -> AsyncIterator[str]:
+    """The job's logs as text, in arrival order; with ``follow``, until the job ends or the client
+    goes away. The first read happens here, in the caller's thread, so that a failure is an error
+    status rather than a broken body. After that each read is its own short transaction in a worker
+    thread; between reads nothing is held (an asyncio sleep, no thread, no connection), so followers
+    cannot starve the requests (heartbeats) that need the threads and the pool."""
+    if follow and followers is not None:
+        followers.acquire(principal)
+    try:
+        first, ended = _read_once(factory, query, 0)
+    except BaseException:
+        if follow and followers is not None:
+            followers.release(principal)
+        raise
+
+    async def body() -> AsyncIterator[str]:
+        chunks, done = first, ended
+        after = 0
+        try:
+            while True:
+                for chunk, number in chunks:
+                    after = chunk.id
+                    yield format_chunk(chunk, number, prefix=query.prefix)
+                if not chunks:
+                    if not follow or done:
+                        return
+                    await anyio.sleep(poll_s)
+                    if await disconnected():
+                        return
+                chunks, done = await anyio.to_thread.run_sync(_read_once, factory, query, after)
+        finally:
+            if follow and followers is not None:
+                followers.release(principal)
+
+    return body()

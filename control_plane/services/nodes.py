@@ -10,11 +10,12 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, literal, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from control_plane.authz import NODE_TOKEN_PREFIX, hash_token
 from control_plane.clock import now
 from control_plane.db import reload
 from control_plane.errors import InvalidState, NotFound, StaleAgent, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
-from control_plane.services import attempts, events
+from control_plane.services import attempts, events, join_tokens
 from control_plane.services.fencing import lock_attempt
 from control_plane.services.locks import lock_node
 from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
@@ -27,27 +28,39 @@ from trainyard.protocol.agent import (
     RegisterRequest,
 )
 from trainyard.protocol.keys import job_checkpoint_prefix
+from trainyard.protocol.layout import Layout
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
 VANISHED_AFTER_S = 10.0
 
 
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def _node_token(node_id: uuid.UUID, epoch: int) -> str:
     """A fresh credential naming the node and its registration epoch (see authenticate)."""
-    return f"tyn_{node_id.hex}.{epoch}.{secrets.token_urlsafe(32)}"
+    return f"{NODE_TOKEN_PREFIX}{node_id.hex}.{epoch}.{secrets.token_urlsafe(32)}"
 
 
-def register(session: Session, req: RegisterRequest) -> tuple[Node, str]:
+def register(session: Session, req: RegisterRequest, credential: str, *,
+             static_join_token: str = "") -> tuple[Node, str]:
     """Register (or re-register) a node by name; returns it and a fresh node credential.
+
+    ``credential`` is the node's own current credential (an agent registering again), or a join
+    token (services/join_tokens.py says which join token may register which name). A registered
+    node is never handed to whoever asks: only its own credential, or a join token an operator
+    bound to its name, re-claims it.
 
     Every registration is a new agent instance with the next epoch: the credential of any earlier
     one is refused from now on as stale (409 stale-agent, see authenticate), so the newer of two
     agents with one name wins and the older one is told to stop."""
     node = session.scalar(select(Node).where(Node.name == req.name).with_for_update(key_share=True))
+    if credential.startswith(NODE_TOKEN_PREFIX):
+        owner = session.scalar(select(Node).where(Node.token_hash == hash_token(credential)))
+        if owner is None:
+            _refuse_stale_instance(session, credential)
+            raise Unauthorized("unknown node credential; register with a join token")
+        if owner.name != req.name:
+            raise Unauthorized(f"this credential is node {owner.name}'s, not {req.name}'s")
+    else:
+        join_tokens.authorize_registration(session, credential, req.name, node, static_token=static_join_token)
     t = now()
     instance = req.agent_instance  # None: the first heartbeat names it, as before
     if node is None:
@@ -125,7 +138,7 @@ def _refuse_stale_instance(session: Session, token: str) -> None:
     registered as that node since. 409, not 401: the old instance must stop, not register again
     (two agents with one name would take the node from each other forever)."""
     try:
-        node_hex, epoch_text, _ = token.removeprefix("tyn_").split(".", 2)
+        node_hex, epoch_text, _ = token.removeprefix(NODE_TOKEN_PREFIX).split(".", 2)
         node_id, epoch = uuid.UUID(hex=node_hex), int(epoch_text)
     except ValueError:
         return
@@ -219,6 +232,7 @@ def assignments(session: Session, node: Node, storage: dict[str, object] | None)
                 args=list(job.args),
                 env=dict(job.env),
                 checkpoint=dict(job.checkpoint),
+                layout=Layout.model_validate(job.layout) if job.layout else None,
                 restore_from=attempt.restore_manifest,
                 launched=part.state != "assigned",
                 storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},
@@ -293,7 +307,7 @@ def node_id_of(token: str) -> str | None:
     """The node a credential names (``_node_token``), unverified: a long poll registers its wait under
     it before ``desired_changed`` authenticates it."""
     try:
-        return str(uuid.UUID(hex=token.removeprefix("tyn_").split(".", 1)[0]))
+        return str(uuid.UUID(hex=token.removeprefix(NODE_TOKEN_PREFIX).split(".", 1)[0]))
     except ValueError:
         return None
 

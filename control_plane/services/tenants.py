@@ -16,6 +16,7 @@ from control_plane.schemas.tenants import TenantIn, TenantOut
 from control_plane.services.states import JOB_ACTIVE, JOB_WAITING
 
 DEFAULT_WEIGHT = 1.0
+DEFAULT_MAX_PRIORITY = 0
 WAITING = JOB_WAITING
 RUNNING = JOB_ACTIVE
 
@@ -34,6 +35,7 @@ def put_tenant(session: Session, name: str, body: TenantIn) -> Tenant:
         session.add(tenant)
     tenant.weight = body.weight
     tenant.gpu_quota = body.gpu_quota
+    tenant.max_priority = body.max_priority
     tenant.updated_at = t
     session.commit()
     return tenant
@@ -46,6 +48,12 @@ def check_quota(session: Session, tenant: str, gpus: int) -> None:
         raise Unprocessable(
             f"the job needs {gpus} GPUs but tenant {tenant!r} has a quota of {quota} GPUs", field="tenant"
         )
+
+
+def max_priority(session: Session, tenant: str) -> int:
+    """The highest priority the tenant's members may give a job; a tenant without a row: the default."""
+    cap = session.scalar(select(Tenant.max_priority).where(Tenant.name == tenant))
+    return DEFAULT_MAX_PRIORITY if cap is None else cap
 
 
 def gpus_in_use(session: Session) -> dict[str, int]:
@@ -76,7 +84,8 @@ def list_tenants(session: Session) -> list[TenantOut]:
         weight = row.weight if row else DEFAULT_WEIGHT
         used = usage.get(name, 0)
         out.append(TenantOut(
-            name=name, weight=weight, gpu_quota=row.gpu_quota if row else None, configured=row is not None,
+            name=name, weight=weight, gpu_quota=row.gpu_quota if row else None,
+            max_priority=row.max_priority if row else DEFAULT_MAX_PRIORITY, configured=row is not None,
             gpus_in_use=used, weighted_share=round(used / weight, 6),
             jobs_waiting=sum(counts.get((name, s), 0) for s in WAITING),
             jobs_running=sum(counts.get((name, s), 0) for s in RUNNING),

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, func, select
+import structlog
+from pydantic import ValidationError
+from sqlalchemy import and_, func, select, tuple_
 from sqlalchemy.orm import Session, selectinload
 
 from control_plane.models import (
@@ -26,8 +28,10 @@ from control_plane.schemas.jobs import (
     AllocationEntry,
     AttemptNodeOut,
     AttemptOut,
+    AttemptPage,
     AttemptRef,
     CheckpointOut,
+    CheckpointPage,
     EventOut,
     JobOut,
     Progress,
@@ -35,11 +39,15 @@ from control_plane.schemas.jobs import (
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
+from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.uploads import CheckpointUploadOut
-from control_plane.services import reservations, tenants
+from control_plane.services import pages, reservations, tenants
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
+from trainyard.protocol.layout import Layout
+
+log = structlog.get_logger("trainyard.views")
 
 
 def _s(value: uuid.UUID | None) -> str | None:
@@ -95,6 +103,9 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 failures=job.failures,
                 time_limit_s=job.time_limit_s,
                 gpu_kind=job.gpu_kind,
+                model=job.model,
+                layout=Layout.model_validate(job.layout) if job.layout else None,
+                plan=_stored_plan(job),
                 progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at),
                 result=job.result,
                 end_reason=job.end_reason,
@@ -111,6 +122,18 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             )
         )
     return out
+
+
+def _stored_plan(job: Job) -> JobPlanOut | None:
+    """The plan stored at submit. One stored by another version that no longer reads is left out
+    (the job runs regardless), never a 500."""
+    if not job.plan:
+        return None
+    try:
+        return JobPlanOut.model_validate(job.plan)
+    except ValidationError:
+        log.warning("stored plan does not read; left out of the job view", job_id=str(job.id))
+        return None
 
 
 @dataclass(frozen=True)
@@ -202,8 +225,28 @@ def _queue_reasons(job: Job, caps: list[_NodeCap]) -> list[str]:
     return []
 
 
+def attempts_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None) -> AttemptPage:
+    """The job's attempts, oldest first, ``limit`` at a time (keyset on the attempt number)."""
+    after = pages.decode(cursor, int)[0] if cursor else 0
+    # The attempt before the page too: the first one's recovery is measured from it.
+    rows = list(session.scalars(
+        select(Attempt).where(Attempt.job_id == job_id, Attempt.number >= max(after, 1))
+        .order_by(Attempt.number).limit(limit + 2)
+        .options(
+            selectinload(Attempt.nodes).selectinload(AttemptNode.node),
+            selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
+        )
+    ))
+    before = rows[0] if rows and rows[0].number == after else None
+    page = rows[1:] if before is not None else rows
+    more = len(page) > limit
+    items = _attempts_out(session, page[:limit], before)
+    return AttemptPage(items=items, next_cursor=pages.encode(page[limit - 1].number) if more else None)
+
+
 def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
-    attempts = session.scalars(
+    """Every attempt of the job, oldest first."""
+    attempts = list(session.scalars(
         select(Attempt)
         .where(Attempt.job_id == job_id)
         .order_by(Attempt.number)
@@ -211,11 +254,16 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
             selectinload(Attempt.nodes).selectinload(AttemptNode.node),
             selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
         )
-    ).all()
+    ))
+    return _attempts_out(session, attempts, None)
+
+
+def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | None) -> list[AttemptOut]:
     names = dict(session.execute(
         select(Node.id, Node.name).where(Node.id.in_({a.failed_node_id for a in attempts if a.failed_node_id}))
     ).all()) if any(a.failed_node_id for a in attempts) else {}
-    previous: dict[uuid.UUID, Attempt] = {b.id: a for a, b in zip(attempts, attempts[1:], strict=False)}
+    chain = [before, *attempts] if before is not None else attempts
+    previous: dict[uuid.UUID, Attempt] = {b.id: a for a, b in zip(chain, chain[1:], strict=False)}
     return [
         AttemptOut(
             id=str(a.id),
@@ -325,7 +373,24 @@ def event_out(e: Event) -> EventOut:
                     node_id=_s(e.node_id), data=dict(e.data or {}), created_at=e.created_at)
 
 
+def checkpoints_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None) -> CheckpointPage:
+    """The job's checkpoints, newest first (step, then creation), ``limit`` at a time."""
+    where: list[Any] = [Checkpoint.job_id == job_id]
+    if cursor:
+        step, created, cid = pages.decode(cursor, int, datetime, uuid.UUID)
+        where.append(tuple_(Checkpoint.step, Checkpoint.created_at, Checkpoint.id) < tuple_(step, created, cid))
+    items = _checkpoints_out(session, where, limit + 1)
+    more = len(items) > limit
+    last = items[limit - 1] if more else None
+    return CheckpointPage(items=items[:limit], next_cursor=pages.encode(
+        last.step, last.created_at.isoformat(), last.id) if last is not None else None)
+
+
 def checkpoints_out(session: Session, job_id: uuid.UUID) -> list[CheckpointOut]:
+    return _checkpoints_out(session, [Checkpoint.job_id == job_id], None)
+
+
+def _checkpoints_out(session: Session, where: list[Any], limit: int | None) -> list[CheckpointOut]:
     shard = CheckpointShard
     shard_counts = (
         select(shard.checkpoint_id, func.count().label("n"),
@@ -335,6 +400,7 @@ def checkpoints_out(session: Session, job_id: uuid.UUID) -> list[CheckpointOut]:
                func.sum(shard.size_bytes).filter(shard.upload_s.is_not(None)).label("bytes"),
                func.sum(shard.upload_s).label("seconds"),
                func.count().filter(shard.upload_slot == "bypassed").label("bypassed"))
+        .where(shard.checkpoint_id.in_(select(Checkpoint.id).where(*where)))  # this job's shards only
         .group_by(shard.checkpoint_id)
         .subquery()
     )
@@ -342,8 +408,9 @@ def checkpoints_out(session: Session, job_id: uuid.UUID) -> list[CheckpointOut]:
         select(Checkpoint, Attempt.number, shard_counts)
         .join(Attempt, Attempt.id == Checkpoint.attempt_id)
         .outerjoin(shard_counts, shard_counts.c.checkpoint_id == Checkpoint.id)
-        .where(Checkpoint.job_id == job_id)
-        .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc())
+        .where(*where)
+        .order_by(Checkpoint.step.desc(), Checkpoint.created_at.desc(), Checkpoint.id.desc())
+        .limit(limit)
     ).all()
     return [
         CheckpointOut(id=str(r.Checkpoint.id), step=r.Checkpoint.step, attempt_id=str(r.Checkpoint.attempt_id),

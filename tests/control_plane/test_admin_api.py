@@ -10,7 +10,8 @@ def test_tenants_api_and_submit_refuses_a_job_larger_than_the_quota(client):
     register_node(client, "node-1", 4)
     r = client.put("/v1/tenants/vision", json={"weight": 2, "gpu_quota": 3}, headers=ADMIN)
     assert r.status_code == 200, r.text
-    assert r.json() == {"name": "vision", "weight": 2.0, "gpu_quota": 3, "configured": True, "gpus_in_use": 0,
+    assert r.json() == {"name": "vision", "weight": 2.0, "gpu_quota": 3, "max_priority": 0, "configured": True,
+                        "gpus_in_use": 0,
                         "weighted_share": 0.0, "jobs_waiting": 0, "jobs_running": 0}
     too_big = client.post("/v1/jobs", json=job_body(tenant="vision", num_nodes=1, gpus_per_node=4), headers=ADMIN)
     assert too_big.status_code == 422 and "quota of 3" in too_big.json()["detail"]

@@ -3,14 +3,14 @@ refused with 409 stale-agent (stop), an unknown one with 401 (register)."""
 
 from __future__ import annotations
 
-from tests.factories import register_node
+from tests.factories import register_node, reregister_node
 
 HB = {"agent_instance": "a", "seq": 1, "attempts": []}
 
 
 def test_an_older_instance_is_refused_as_stale_and_the_newer_one_is_served(client):
     first = register_node(client, "n1")
-    second = register_node(client, "n1")
+    second = reregister_node(client, "n1", first["node_token"])
     assert first["node_id"] == second["node_id"]
     assert second["agent_epoch"] == first["agent_epoch"] + 1
 

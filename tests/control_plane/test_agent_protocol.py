@@ -45,7 +45,7 @@ def test_full_run_to_success(client, schedule, two_nodes):
     a.heartbeat([])
     b.heartbeat([])
     assert _job(client, job["id"])["allocation"] == []
-    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempts[0]["state"] == "ended" and attempts[0]["outcome"] == "succeeded"
     assert sorted(w["rank"] for n in attempts[0]["nodes"] for w in n["workers"]) == [0, 1, 2, 3]
 
@@ -108,7 +108,7 @@ def test_duplicate_and_reordered_reports_never_move_backwards(client, schedule, 
     a.status(sa, "launching", workers=workers_for(sa, "starting"), progress=p(10))  # old, delivered late
     view = _job(client, job["id"])
     assert view["progress"]["step"] == 20
-    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     part = next(n for n in attempts[0]["nodes"] if n["node_rank"] == sa["node_rank"])
     assert part["state"] == "running" and {w["state"] for w in part["workers"]} == {"running"}
 
@@ -178,7 +178,7 @@ def test_old_exit_after_a_newer_attempt_started_moves_nothing_backwards(client, 
     after = _job(client, job["id"])
     assert after["state"] == "running" and after["result"] is None and after["failures"] == 1
     assert after["current_attempt"] == before["current_attempt"]
-    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert [(x["number"], x["outcome"], x["restored_from_step"]) for x in attempts] == [(1, "failed", None),
                                                                                         (2, None, None)]
     assert all(n["released_at"] is None for n in attempts[1]["nodes"])  # attempt 2 keeps its GPUs
@@ -194,5 +194,5 @@ def test_duplicated_worker_events_are_recorded_once(client, schedule, two_nodes)
                            json=body).status_code == 200
     events = client.get(f"/v1/jobs/{sa['job_id']}/events", headers=ADMIN).json()["items"]
     assert [e["kind"] for e in events].count("checkpoint.restored") == 1
-    attempt = client.get(f"/v1/jobs/{sa['job_id']}/attempts", headers=ADMIN).json()[0]
+    attempt = client.get(f"/v1/jobs/{sa['job_id']}/attempts", headers=ADMIN).json()["items"][0]
     assert attempt["restored_from_step"] == 40

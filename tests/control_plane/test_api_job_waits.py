@@ -8,7 +8,7 @@ from __future__ import annotations
 from control_plane.db import session_scope
 from control_plane.services import nodes
 from tests.control_plane.helpers import get_job, submit
-from tests.factories import ADMIN, FakeAgentSession, register_node, workers_for
+from tests.factories import ADMIN, FakeAgentSession, reregister_node, workers_for
 
 
 def _specs(agents, job_id):
@@ -50,13 +50,13 @@ def test_a_waiting_job_says_what_it_waits_for(client, schedule):
     assert "needs 2 nodes with 2 GPUs of kind virtual-cpu, the cluster has 1 such nodes that take work" in why
     assert "gpu-b cordoned" in why
     # Both nodes now report another GPU kind: nothing could ever hold the job.
-    for name in ("gpu-a", "gpu-b"):
-        register_node(client, name, 2, kind="h100")
+    tokens = {agent.name: reregister_node(client, agent.name, agent.token, 2, kind="h100")["node_token"]
+              for agent in (a, b)}
     assert get_job(client, job["id"])["waiting_for"] == "no node with GPU kind virtual-cpu"
     assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).status_code in (200, 202)
 
     # Too few free GPUs, and a tenant at its quota.
-    a, b = FakeAgentSession(client, "gpu-a", 2), FakeAgentSession(client, "gpu-b", 2)  # virtual-cpu again
+    a, b = (FakeAgentSession(client, name, 2, credential=tokens[name]) for name in ("gpu-a", "gpu-b"))  # virtual-cpu
     assert client.post(f"/v1/nodes/{b.node_id}/uncordon", headers=ADMIN).status_code == 200
     assert client.put("/v1/tenants/vision", json={"weight": 1, "gpu_quota": 3}, headers=ADMIN).status_code == 200
     first = submit(client, num_nodes=1, gpus_per_node=2, tenant="vision")
@@ -101,7 +101,7 @@ def test_cancel_ends_even_when_a_node_of_the_attempt_is_lost(clock, app, client,
     agents[1].heartbeat([])  # back, its workers gone
     view = get_job(client, job["id"])
     assert view["leases_held"] == 0 and view["releasing"] is False and _held(client, "node-2") == []
-    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["state"] == "ended"
 
 

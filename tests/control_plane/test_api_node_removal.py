@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from control_plane.db import session_scope
 from control_plane.services import nodes
-from tests.factories import ADMIN, FakeAgentSession, register_node
+from tests.factories import ADMIN, FakeAgentSession, register_node, reregister_node
 
 
 def _node(client, node_id):
@@ -37,8 +37,9 @@ def test_a_drained_then_removed_node_registers_again_and_can_be_uncordoned(app, 
     for action, scheduling in (("drain", "drained"), ("uncordon", "schedulable"), ("cordon", "cordoned")):
         r = client.post(f"/v1/nodes/{agent.node_id}/{action}", headers=ADMIN)
         assert r.status_code == 200 and r.json()["scheduling"] == scheduling, r.text
-    # Registering once more keeps the operator's cordon (it is not a removed node coming back).
-    register_node(client, "gpu-1", 2)
+    # Registering once more (with its credential) keeps the operator's cordon (it is not a removed
+    # node coming back).
+    reregister_node(client, "gpu-1", again["node_token"], 2)
     assert _node(client, agent.node_id)["scheduling"] == "cordoned"
 
 

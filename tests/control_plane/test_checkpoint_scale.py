@@ -71,7 +71,7 @@ class World:
                                            "shards": list(shards)})
 
     def checkpoints(self) -> list[dict]:
-        return self.client.get(f"/v1/jobs/{self.job['id']}/checkpoints", headers=ADMIN).json()
+        return self.client.get(f"/v1/jobs/{self.job['id']}/checkpoints", headers=ADMIN).json()["items"]
 
     def events(self, kind: str) -> int:
         items = self.client.get(f"/v1/jobs/{self.job['id']}/events", params={"limit": 1000},

@@ -67,7 +67,7 @@ class Gang:
                                       "shards": list(shards)})
 
     def checkpoints(self) -> list[dict]:
-        return self.client.get(f"/v1/jobs/{self.job['id']}/checkpoints", headers=ADMIN).json()
+        return self.client.get(f"/v1/jobs/{self.job['id']}/checkpoints", headers=ADMIN).json()["items"]
 
     def maintain(self, pending_timeout_s: float = 600.0) -> None:
         checkpoints.maintenance(self.client.app.state.session_factory, self.store,
@@ -257,7 +257,7 @@ def test_the_restore_plan_does_not_grow_with_the_world_size(s3_client, tmp_path)
                              headers=ADMIN).json()
         assert s3_client.app.state.loops.schedule_once() == 1
         _commit_one_checkpoint(s3_client, store, agents, job, step=100)
-        [ckpt] = s3_client.get(f"/v1/jobs/{job['id']}/checkpoints", headers=ADMIN).json()
+        [ckpt] = s3_client.get(f"/v1/jobs/{job['id']}/checkpoints", headers=ADMIN).json()["items"]
         assert ckpt["state"] == "committed" and ckpt["shards"] == nodes * gpus
         responses = _recover(s3_client, agents)
         spec = responses[0]["assignments"][0]

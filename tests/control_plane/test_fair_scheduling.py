@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from control_plane.app import create_app
 from control_plane.settings import Settings
 from tests.control_plane.helpers import finish, get_job, nodes_of, submit
-from tests.factories import ADMIN, FakeAgentSession, register_node, workers_for
+from tests.factories import ADMIN, FakeAgentSession, register_node, reregister_node, workers_for
 
 # -- tenants ------------------------------------------------------------------------------------
 
@@ -51,14 +51,14 @@ def test_lower_weighted_share_is_served_first(client, schedule):
 
 
 def test_operator_labels_win_and_keep_a_gang_in_one_rack(client, schedule):
-    ids = {name: register_node(client, name, 2, labels={"rack": "r1"})["node_id"]
-           for name in ("node-1", "node-2", "node-3")}
+    regs = {name: register_node(client, name, 2, labels={"rack": "r1"}) for name in ("node-1", "node-2", "node-3")}
+    ids = {name: reg["node_id"] for name, reg in regs.items()}
     r = client.put(f"/v1/nodes/{ids['node-2']}/labels", json={"labels": {"rack": "r2"}}, headers=ADMIN)
     assert r.status_code == 200 and r.json()["labels"] == {"rack": "r2"} and r.json()["label_overrides"] == {
         "rack": "r2"}
     register_node(client, "node-4", 2, labels={"rack": "r2"})
     # Re-registration (agent restart) keeps the operator's label.
-    register_node(client, "node-2", 2, labels={"rack": "r1"})
+    reregister_node(client, "node-2", regs["node-2"]["node_token"], 2, labels={"rack": "r1"})
     assert client.get(f"/v1/nodes/{ids['node-2']}", headers=ADMIN).json()["labels"] == {"rack": "r2"}
     one = submit(client, num_nodes=1, gpus_per_node=2)
     assert schedule() == 1

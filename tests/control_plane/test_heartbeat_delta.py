@@ -79,7 +79,7 @@ def test_unchanged_assignment_is_a_small_reference_whatever_the_job_size(client,
 def test_credentials_come_once_at_registration_and_old_agents_still_get_full_specs(client, schedule):
     new = DeltaAgent(client, "new")
     old = DeltaAgent(client, "old")
-    reg = client.post("/v1/agent/register", headers={"Authorization": "Bearer test-join-token"},
+    reg = client.post("/v1/agent/register", headers=new.headers,  # registered again, with its credential
                       json={"name": "new", "address": "127.0.0.1", "gpus": [
                           {"index": i, "uuid": f"virtual-new-{i}", "kind": "virtual-cpu", "memory_mb": 0}
                           for i in range(2)]}).json()

@@ -65,7 +65,7 @@ def test_old_agent_heartbeat_without_the_new_field_parses(client, schedule, cloc
 
 
 def _workers_view(client, job_id):
-    (attempt,) = client.get(f"/v1/jobs/{job_id}/attempts", headers=ADMIN).json()
+    (attempt,) = client.get(f"/v1/jobs/{job_id}/attempts", headers=ADMIN).json()["items"]
     return {n["node_name"]: n["workers"] for n in attempt["nodes"]}, attempt
 
 

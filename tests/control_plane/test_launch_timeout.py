@@ -39,12 +39,12 @@ def test_a_part_never_confirmed_launching_fails_its_attempt_after_the_launch_tim
     monitor()
     view = _job(client, job["id"])
     assert view["state"] == "recovering"
-    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["outcome"] == "failed" and attempt["failed_node"] == "gpu-1"
     assert "not confirmed launching" in attempt["end_reason"] and "gpu-1" in attempt["end_reason"]
     # The next heartbeat (the attempt not listed) releases its GPU, and the job is placed again.
     agent.heartbeat()
-    assert client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()[0]["state"] == "ended"
+    assert client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"][0]["state"] == "ended"
     assert schedule() == 1
     assert agent.heartbeat()["assignments"][0]["attempt_id"] != spec["attempt_id"]
 

@@ -30,7 +30,7 @@ def _job(client, job_id):
 
 
 def _attempts(client, job_id):
-    return client.get(f"/v1/jobs/{job_id}/attempts", headers=ADMIN).json()
+    return client.get(f"/v1/jobs/{job_id}/attempts", headers=ADMIN).json()["items"]
 
 
 def _assignments(agents) -> dict[str, dict]:

@@ -38,7 +38,7 @@ def test_time_limit_stops_the_attempt_and_fails_the_job(client, schedule, app, c
     assert get_job(client, limited["id"])["allocation"] == []
     assert get_job(client, free["id"])["state"] == "running"
     assert app.state.loops.limits_once() == 0
-    attempts = client.get(f"/v1/jobs/{limited['id']}/attempts", headers=ADMIN).json()
+    attempts = client.get(f"/v1/jobs/{limited['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempts[0]["outcome"] == "failed" and attempts[0]["state"] == "ended"
 
 
@@ -62,5 +62,5 @@ def test_an_ending_written_without_autoflush_is_not_lost_to_the_reload_of_the_lo
     assert app.state.loops.limits_once() == 0
     view = get_job(client, job["id"])
     assert view["state"] == "succeeded" and view["allocation"] == []
-    listed = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()
+    listed = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert listed[0]["outcome"] == "succeeded" and listed[0]["state"] == "ended"

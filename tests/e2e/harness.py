@@ -189,10 +189,10 @@ class LiveCluster(Cluster):
         return next(n for n in self.get("/v1/nodes") if n["name"] == name)
 
     def attempts(self, job_id: str) -> list[dict[str, Any]]:
-        return self.get(f"/v1/jobs/{job_id}/attempts")
+        return self.get(f"/v1/jobs/{job_id}/attempts")["items"]
 
     def checkpoints(self, job_id: str, state: str | None = None) -> list[dict[str, Any]]:
-        items = self.get(f"/v1/jobs/{job_id}/checkpoints")
+        items = self.get(f"/v1/jobs/{job_id}/checkpoints")["items"]
         return [c for c in items if state is None or c["state"] == state]
 
     def events(self, job_id: str, kind: str | None = None) -> list[dict[str, Any]]:

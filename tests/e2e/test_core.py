@@ -12,7 +12,7 @@ ENDED = {"succeeded", "failed", "cancelled"}
 
 
 def _pids(cluster, job_id: str) -> list[int]:
-    attempts = cluster.get(f"/v1/jobs/{job_id}/attempts")
+    attempts = cluster.get(f"/v1/jobs/{job_id}/attempts")["items"]
     return [w["pid"] for a in attempts for n in a["nodes"] for w in n["workers"] if w["pid"]]
 
 
@@ -29,7 +29,7 @@ def test_two_node_tiny_gpt_succeeds_with_a_result(cluster):
     assert result["final_loss"] < result["initial_loss"]
     assert done["progress"]["step"] == 120
 
-    attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")
+    attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]
     assert len(attempts) == 1, [a["end_reason"] for a in attempts]
     (attempt,) = attempts
     assert attempt["outcome"] == "succeeded"

@@ -57,13 +57,13 @@ def test_big_job_starts_on_its_reserved_nodes_while_small_jobs_run_elsewhere(clu
             seen_overlap = True  # the small ones keep running elsewhere
         return b["state"] in ENDED and all(j["state"] in ENDED for j in jobs)
 
-    cluster.wait_for("every job done", observe, timeout=150, every=0.25)
+    cluster.wait_for("every job done", observe, timeout=240, every=0.25)
 
     everyone = [long, short, big, *small]
     for j in everyone:
         done = cluster.job(j["id"])
         assert done["state"] == "succeeded", (done["name"], done["end_reason"])
-        attempts = cluster.get(f"/v1/jobs/{j['id']}/attempts")
+        attempts = cluster.get(f"/v1/jobs/{j['id']}/attempts")["items"]
         assert [a["outcome"] for a in attempts] == ["succeeded"], done["name"]  # none stopped, none retried
     assert first_allocation["nodes"] == {"node-2", "node-3"}
     assert big_started_after_short, "big started before the node it waited for had drained"

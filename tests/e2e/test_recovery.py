@@ -19,14 +19,14 @@ ARGS = ["--steps", "80", "--step-delay-s", "0.05"]
 
 
 def _worker_pids(cluster, job_id: str) -> dict[int, int]:
-    attempts = cluster.get(f"/v1/jobs/{job_id}/attempts")
+    attempts = cluster.get(f"/v1/jobs/{job_id}/attempts")["items"]
     current = attempts[-1]
     return {w["rank"]: w["pid"] for n in current["nodes"] for w in n["workers"]
             if w["pid"] and w["state"] == "running"}
 
 
 def _committed(cluster, job_id: str) -> list[dict]:
-    return [c for c in cluster.get(f"/v1/jobs/{job_id}/checkpoints") if c["state"] == "committed"]
+    return [c for c in cluster.get(f"/v1/jobs/{job_id}/checkpoints")["items"] if c["state"] == "committed"]
 
 
 def _max_concurrent(slots: list[dict]) -> int:
@@ -58,7 +58,7 @@ def test_sigkill_mid_run_resumes_exactly(cluster):
 
     resumed = cluster.wait_state(job["id"], ENDED, timeout=240)
     assert resumed["state"] == "succeeded", resumed["end_reason"]
-    attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")
+    attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]
     assert len(attempts) == 2 and attempts[0]["outcome"] == "failed"
     assert "exited with code -9" in attempts[0]["end_reason"]
     assert attempts[1]["restored_from_step"] is not None and attempts[1]["restored_from_step"] >= 20

@@ -46,6 +46,7 @@ class FakeControlPlane:
         self.lock = threading.Lock()
         self.node_ids: dict[str, str] = {}
         self.tokens: dict[str, str] = {}  # node token -> node name
+        self.registered_with: list[str] = []  # "join" or "credential", per registration
         self.registrations: list[RegisterRequest] = []
         self.assignments: dict[str, list[LaunchSpec]] = defaultdict(list)
         self.heartbeats: list[tuple[str, HeartbeatRequest]] = []
@@ -69,6 +70,7 @@ class FakeControlPlane:
         self.refuse_status: set[str] = set()
         """Attempts whose status reports get a 503 (heartbeats still answered)."""
         self.reject_status: set[str] = set()
+        self.rejected: dict[str, int] = defaultdict(int)  # status reports answered 422, per attempt
         """Attempts whose status reports get a 422 (an answer: resending will not help)."""
         self.down = False
         self._server = ThreadingHTTPServer((host, port), self._handler())
@@ -145,9 +147,11 @@ class FakeControlPlane:
             return 503, {"title": "Service Unavailable", "status": 503}
         with self.lock:
             if path == "/v1/agent/register":
-                if token != self.join_token:
-                    return 401, {"title": "Unauthorized", "status": 401}
                 req = RegisterRequest.model_validate_json(body)
+                # The join token, or the node's own credential (as the real control plane).
+                if token != self.join_token and self.tokens.get(token) != req.name:
+                    return 401, {"title": "Unauthorized", "status": 401}
+                self.registered_with.append("join" if token == self.join_token else "credential")
                 self.registrations.append(req)
                 node_id = self.node_ids.setdefault(req.name, f"node-{uuid.uuid4().hex[:8]}")
                 node_token = f"tok-{uuid.uuid4().hex}"
@@ -183,6 +187,7 @@ class FakeControlPlane:
             if kind == "status" and attempt_id in self.refuse_status:
                 return 503, {"title": "Service Unavailable", "status": 503}
             if kind == "status" and attempt_id in self.reject_status:
+                self.rejected[attempt_id] += 1
                 return 422, {"title": "Unprocessable Entity", "status": 422}
             if kind == "status":
                 report = AttemptStatusReport.model_validate_json(body)

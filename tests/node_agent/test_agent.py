@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
-from node_agent import processes
+from node_agent import credential, processes
 from node_agent.agent import Agent, AgentConfig
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import free_port, make_spec, wait_for, write_script
@@ -192,6 +192,24 @@ def test_registers_late_control_plane_and_reregisters_after_401(agents: Agents) 
         late.stop()
 
 
+def test_a_restarted_agent_registers_with_its_kept_credential(agents: Agents, plane: FakeControlPlane) -> None:
+    """Issue 11, finding 2: the join token is for the first registration only (it expires or is
+    single-use); the agent keeps its node credential in its work dir, 0600, and uses it after."""
+    first = agents.start()
+    wait_for(lambda: first.registered.is_set(), what="registration")
+    kept = agents.tmp_path / "agent" / credential.CREDENTIAL_FILE
+    assert kept.stat().st_mode & 0o777 == 0o600
+    assert kept.read_text().strip() in plane.tokens and plane.registered_with == ["join"]
+    first.stop(timeout=5)
+    second = agents.start(join_token="")  # no join token any more
+    wait_for(lambda: second.registered.is_set(), what="registration with the credential")
+    assert plane.registered_with == ["join", "credential"]
+    assert kept.read_text().strip() in plane.tokens  # the new credential, kept again
+    second.stop(timeout=5)
+    with pytest.raises(ValueError, match="no join token"):
+        agents.config(join_token="", work_dir=agents.tmp_path / "fresh")
+
+
 def test_runs_an_assigned_attempt_and_reports_it(agents: Agents, plane: FakeControlPlane) -> None:
     agents.start()
     spec = agents.spec("report.py", REPORTER)
@@ -365,7 +383,9 @@ def test_restarted_agent_adopts_and_outage_keeps_workers(agents: Agents, plane: 
 
 
 def test_cli_runs_until_sigterm_and_stops_its_workers(agents: Agents, plane: FakeControlPlane, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "node_agent", "--control-plane", plane.url, "--join-token", plane.join_token]
+    token_file = tmp_path / "join-token"
+    token_file.write_text(plane.join_token + "\n")
+    cmd = [sys.executable, "-m", "node_agent", "--control-plane", plane.url, "--join-token-file", str(token_file)]
     cmd += ["--name", "cli-node", "--address", "127.0.0.3", "--virtual-gpus", "1", "--label", "rack=r9"]
     cmd += ["--work-dir", str(tmp_path / "cli-agent"), "--stop-grace", "1"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL)

@@ -152,3 +152,21 @@ def test_a_rejected_final_status_is_an_answer_and_the_attempt_leaves(agents: Age
     seq = hb.seq  # type: ignore[union-attr]
     wait_for(lambda: plane.last_heartbeat(NODE).seq > seq, what="a heartbeat")  # type: ignore[union-attr]
     assert spec.attempt_id not in {a.attempt_id for a in plane.last_heartbeat(NODE).attempts}  # type: ignore[union-attr]
+
+
+def test_a_rejected_status_is_dropped_not_resent(agents: Agents, plane: FakeControlPlane) -> None:
+    """Issue 11, finding 10: a report the control plane refuses for what it says (4xx) would be
+    refused again: the agent drops it (logged) and sends the next one that differs, instead of
+    resending the same one every round."""
+    agent = agents.start()
+    spec = agents.spec("sleepy.py", "import time\ntime.sleep(60)\n")
+    plane.reject_status.add(spec.attempt_id)
+    plane.assign(NODE, spec)
+    run = wait_for(lambda: agent.run(spec.attempt_id), what="the launch")
+    wait_for(lambda: plane.rejected[spec.attempt_id] and run.report(None, None).state == "running"
+             and run.report(None, None).workers, what="a rejected running report")
+    time.sleep(1.0)  # the report settles (its workers all seen)
+    before = plane.rejected[spec.attempt_id]
+    time.sleep(4 * agents.config().status_interval_s)  # four resend periods
+    assert plane.rejected[spec.attempt_id] - before <= 1
+    assert run.alive  # dropping a report stops nothing

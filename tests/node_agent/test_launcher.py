@@ -22,6 +22,7 @@ from node_agent.launcher import (
 )
 from tests.node_agent.helpers import Launcher, make_spec, read_log, wait_finished, wait_for, write_script
 from trainyard.protocol.agent import NodeAttemptState, WorkerState
+from trainyard.protocol.layout import Layout
 
 ALL_REDUCE = """
 import json, os, sys
@@ -105,6 +106,11 @@ def test_worker_env(tmp_path: Path) -> None:
     assert virtual["TRAINYARD_AGENT_URL"] == "http://a:1"
     assert virtual["TRAINYARD_ATTEMPT_ID"] == spec.attempt_id
     assert virtual["TRAINYARD_NODE_RANK"] == "0" and virtual["TRAINYARD_ATTEMPT_NUMBER"] == "1"
+    assert "TRAINYARD_LAYOUT" not in virtual  # no layout: plain DDP
+    fsdp = Layout(kind="fsdp", grad_accum_steps=4)
+    layered = worker_env(make_spec(layout=fsdp), NodeContext(local_addr="127.0.0.2", agent_url="http://a:1",
+                                                            virtual=True, base_env=base), paths)
+    assert Layout.model_validate_json(layered["TRAINYARD_LAYOUT"]) == fsdp
     gpu = worker_env(
         spec, NodeContext(local_addr="10.1.2.3", agent_url="http://a:1", virtual=False, base_env=base), paths
     )

@@ -154,3 +154,11 @@ def test_is_frozen() -> None:
 
 def _cpu() -> dict[str, str]:
     return {"TRAINYARD_DEVICE": "cpu"}
+
+
+def test_the_repr_never_shows_the_fencing_token() -> None:
+    """Issue 11, finding 13: a context printed or logged must not leak the attempt's secret."""
+    secret = "f3nc1ng-s3cr3t-token"
+    ctx = WorkerContext(attempt_id="a1", fencing_token=secret, agent_url="http://127.0.0.1:1")
+    assert secret not in repr(ctx) and secret not in str(ctx)
+    assert "a1" in repr(ctx) and ctx.fencing_token == secret

@@ -120,7 +120,10 @@ class EmbeddedPostgres(PostgresAdmin):
 
     ``data_dir`` is initialised on first use and reused afterwards, so data survives a restart.
     The server listens only on a unix socket (in ``data_dir``, or in a runtime directory when that
-    path is too long for a socket), with trust authentication for the ``postgres`` superuser.
+    path is too long for a socket). pgserver initialises it with trust authentication; once it is
+    up, ``_peer_auth_only`` replaces that with peer authentication: only this process's OS user
+    (and pgserver's system user) may connect, as ``postgres``. Any other local user, such as the
+    unprivileged users workers run as, is refused even where it can reach the socket.
 
     When running as root, pgserver runs PostgreSQL as a system user ``pgserver`` (created with
     ``useradd`` if missing), chowns ``data_dir`` to it and adds o+rx to every parent directory so
@@ -183,6 +186,34 @@ class EmbeddedPostgres(PostgresAdmin):
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise EmbeddedError(f"PostgreSQL failed to start in {self.data_dir}: {exc}\n{tail}") from exc
         self._pid = self._server.get_pid()
+        try:
+            self._peer_auth_only()
+        except Exception:
+            self.stop()
+            raise
+
+    def _peer_auth_only(self) -> None:
+        """No trust authentication (issue 11, finding 13): peer authentication on the socket, the
+        connecting OS user mapped to ``postgres`` only for our own user and pgserver's. pgserver
+        always runs initdb with --auth=trust, so the files are rewritten (idempotent) and reloaded."""
+        import getpass
+
+        import psycopg
+
+        users = {getpass.getuser(), *([self._server.system_user] if self._server.system_user else [])}
+        hba = self.data_dir / "pg_hba.conf"
+        ident = self.data_dir / "pg_ident.conf"
+        wanted_hba = "# Written by trainyard.embedded: peer authentication only, no trust.\n" \
+                     "local all all peer map=trainyard\n"
+        wanted_ident = "".join(f"trainyard {user} postgres\n" for user in sorted(users))
+        if hba.read_text() == wanted_hba and ident.read_text().endswith(wanted_ident):
+            return
+        ident.write_text("# Written by trainyard.embedded.\n" + wanted_ident)
+        hba.write_text(wanted_hba)
+        info = self._server.get_postmaster_info()
+        with psycopg.connect(host=str(info.socket_dir), port=info.port, user="postgres", dbname="postgres",
+                             autocommit=True) as conn:
+            conn.execute("SELECT pg_reload_conf()")
 
     def _forget_dead_handles(self) -> None:
         """Drop what a killed earlier process left behind, so pgserver neither trusts nor waits on it."""

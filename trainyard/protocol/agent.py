@@ -38,13 +38,28 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from trainyard.protocol.layout import Layout
+from trainyard.protocol.limits import (
+    INT32_MAX,
+    INT64_MAX,
+    MAX_MESSAGE_CHARS,
+    MAX_METRICS,
+    TEXT_LINE,
+    Finite,
+    Int32,
+    Int64,
+    JsonDocument,
+    Text,
+)
 from trainyard.protocol.uploads import UploadStats
 
 AGENT_API_PREFIX = "/v1/agent"
+MAX_LOG_CHUNK_CHARS = 1024 * 1024
+"""A log chunk's text (the agent reads 64 KiB at a time: node_agent/logs.py)."""
 
 
 class _Wire(BaseModel):
@@ -52,21 +67,34 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _clip(limit: int) -> Any:
+    """Text the agent itself writes (an error it saw): cut to ``limit`` and freed of NUL rather than
+    refused, so that the agent never builds a message it cannot send."""
+    def clip(value: Any) -> Any:
+        return value.replace("\x00", "")[:limit] if isinstance(value, str) else value
+    return BeforeValidator(clip)
+
+
 class GpuInfo(_Wire):
-    index: int = Field(ge=0, description="Device index on the node (CUDA ordinal or virtual slot).")
-    uuid: str = Field(max_length=128, description="Stable device id (NVML UUID, or 'virtual-<node>-<index>').")
-    kind: str = Field(max_length=128, description="GPU model, e.g. 'NVIDIA H100 80GB HBM3', or 'virtual-cpu'.")
-    memory_mb: int = Field(ge=0, description="Device memory in MiB (0 for virtual slots).")
+    index: int = Field(ge=0, le=4096, description="Device index on the node (CUDA ordinal or virtual slot).")
+    uuid: str = Field(max_length=128, pattern=TEXT_LINE,
+                      description="Stable device id (NVML UUID, or 'virtual-<node>-<index>').")
+    kind: str = Field(max_length=128, pattern=TEXT_LINE,
+                      description="GPU model, e.g. 'NVIDIA H100 80GB HBM3', or 'virtual-cpu'.")
+    memory_mb: int = Field(ge=0, le=INT32_MAX, description="Device memory in MiB (0 for virtual slots).")
 
 
 class RegisterRequest(_Wire):
-    name: str = Field(min_length=1, max_length=128)
-    address: str = Field(max_length=255, description="Address other nodes reach this node at (rendezvous host).")
-    gpus: list[GpuInfo]
-    labels: dict[str, str] = Field(default_factory=dict, description="Topology labels, e.g. rack.")
-    agent_version: str = Field("0", max_length=64)
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    address: str = Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:\[\]%-]+$",
+                         description="Address other nodes reach this node at (rendezvous host).")
+    gpus: list[GpuInfo] = Field(max_length=4096)
+    labels: dict[Annotated[str, Field(max_length=63, pattern=TEXT_LINE)],
+                 Annotated[str, Field(max_length=253, pattern=TEXT_LINE)]] = Field(
+        default_factory=dict, max_length=64, description="Topology labels, e.g. rack.")
+    agent_version: str = Field("0", max_length=64, pattern=TEXT_LINE)
     agent_instance: str | None = Field(
-        default=None, max_length=64,
+        default=None, max_length=64, pattern=TEXT_LINE,
         description="Random id of this agent process; the control plane makes one up when absent.",
     )
 
@@ -121,7 +149,7 @@ class LocalAttempt(_Wire):
     """An attempt the agent still holds on this node: it has processes, or its final status is not
     acknowledged yet. A listed attempt is never declared vanished."""
 
-    attempt_id: str
+    attempt_id: str = Field(max_length=128)
     processes_alive: bool = True
     final_status_pending: bool = Field(
         default=False, description="Its processes are gone and its final status is not acknowledged yet."
@@ -136,10 +164,11 @@ class KnownAssignment(_Wire):
 
 
 class HeartbeatRequest(_Wire):
-    agent_instance: str = Field(description="Random id of this agent process (changes on restart).")
-    seq: int = Field(ge=0, description="Monotonic per agent instance; older heartbeats are ignored.")
+    agent_instance: str = Field(max_length=64, pattern=TEXT_LINE,
+                                description="Random id of this agent process (changes on restart).")
+    seq: int = Field(ge=0, le=INT64_MAX, description="Monotonic per agent instance; older heartbeats are ignored.")
     attempts: list[LocalAttempt] = Field(
-        default_factory=list,
+        default_factory=list, max_length=4096,
         description="Attempts with live processes on this node, and those whose final status is pending.",
     )
     known: list[KnownAssignment] | None = Field(
@@ -195,6 +224,11 @@ class LaunchSpec(_Wire):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     checkpoint: dict[str, Any] = Field(default_factory=dict)
+    layout: Layout | None = Field(
+        default=None,
+        description="The job's parallel layout, passed to workers as TRAINYARD_LAYOUT (JSON); None: plain DDP. "
+        "A few fields, the same on every node: the spec does not grow with the world size.",
+    )
     restore_from: RestorePlan | None = Field(
         default=None,
         description="Restore plan: references to at most RESTORE_CANDIDATES_MAX usable checkpoints "
@@ -263,11 +297,12 @@ class WorkerState(StrEnum):
 
 
 class WorkerStatus(_Wire):
-    rank: int = Field(ge=0)
-    local_rank: int = Field(ge=0)
-    pid: int | None = None
+    rank: Int32
+    local_rank: Int32
+    pid: int | None = Field(default=None, ge=0, le=INT32_MAX)
     state: WorkerState
-    exit_code: int | None = Field(default=None, description="Negative: killed by that signal.")
+    exit_code: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX,
+                                  description="Negative: killed by that signal.")
     started_at: datetime | None = None
     ended_at: datetime | None = None
 
@@ -279,22 +314,31 @@ class NodeAttemptState(StrEnum):
     stopped = "stopped"  # stopped by the agent because the control plane asked
 
 
+Metrics = Annotated[dict[Annotated[str, Field(max_length=128, pattern=TEXT_LINE)], Finite],
+                    Field(max_length=MAX_METRICS)]
+
+
 class Progress(_Wire):
-    step: int = Field(ge=0)
-    loss: float | None = None
+    step: Int32
+    loss: Finite | None = None
     at: datetime
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: Metrics = Field(default_factory=dict)
+
+
+FencingToken = Annotated[str, Field(min_length=1, max_length=128)]
 
 
 class AttemptStatusReport(_Wire):
-    fencing_token: str
-    node_rank: int = Field(ge=0)
+    fencing_token: FencingToken
+    node_rank: Int32
     state: NodeAttemptState
-    exit_code: int | None = Field(default=None, description="torchrun's exit code once exited.")
-    workers: list[WorkerStatus] = Field(default_factory=list)
+    exit_code: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX,
+                                  description="torchrun's exit code once exited.")
+    workers: list[WorkerStatus] = Field(default_factory=list, max_length=4096)
     progress: Progress | None = None
-    result: dict[str, Any] | None = Field(default=None, description="Reported by rank 0 at the end.")
-    error: str | None = Field(default=None, description="Why the agent could not launch or run it.")
+    result: JsonDocument | None = Field(default=None, description="Reported by global rank 0 at the end.")
+    error: Annotated[str | None, _clip(MAX_MESSAGE_CHARS)] = Field(
+        default=None, description="Why the agent could not launch or run it.")
 
 
 class AttemptStatusAck(_Wire):
@@ -303,16 +347,16 @@ class AttemptStatusAck(_Wire):
 
 
 class LogChunk(_Wire):
-    rank: int = Field(ge=0)
+    rank: Int32
     stream: str = Field(pattern="^(stdout|stderr)$")
-    offset: int = Field(ge=0, description="Byte offset of data in that rank's stream.")
-    data: str
+    offset: Int64 = Field(description="Byte offset of data in that rank's stream.")
+    data: str = Field(max_length=MAX_LOG_CHUNK_CHARS, description="NUL characters are dropped when stored.")
 
 
 class LogBatch(_Wire):
-    fencing_token: str
-    node_rank: int = Field(ge=0)
-    chunks: list[LogChunk]
+    fencing_token: FencingToken
+    node_rank: Int32
+    chunks: list[LogChunk] = Field(max_length=4096)
 
 
 class LogAck(_Wire):
@@ -329,17 +373,17 @@ class LogAck(_Wire):
 
 
 class LocalProgress(_Wire):
-    fencing_token: str
-    rank: int = Field(ge=0)
-    step: int = Field(ge=0)
-    loss: float | None = None
-    metrics: dict[str, float] = Field(default_factory=dict)
+    fencing_token: FencingToken
+    rank: Int32
+    step: Int32
+    loss: Finite | None = None
+    metrics: Metrics = Field(default_factory=dict)
 
 
 class LocalResult(_Wire):
-    fencing_token: str
-    rank: int = Field(ge=0)
-    result: dict[str, Any]
+    fencing_token: FencingToken
+    rank: Int32
+    result: JsonDocument
 
 
 # The environment given to every worker process is in trainyard/protocol/env.py (standard
@@ -358,24 +402,26 @@ class LocalResult(_Wire):
 
 
 class ShardInfo(_Wire):
-    rank: int = Field(ge=0)
-    step: int = Field(ge=0)
-    world_size: int = Field(ge=1)
-    key: str = Field(min_length=1, description="Object key of the uploaded shard.")
-    size_bytes: int = Field(ge=0)
+    rank: Int32
+    step: Int32
+    world_size: int = Field(ge=1, le=INT32_MAX)
+    key: str = Field(min_length=1, max_length=1024,
+                     description="Object key of the uploaded shard: exactly keys.shard_key of its job, step, "
+                     "attempt and rank.")
+    size_bytes: Int64
     sha256: str = Field(pattern="^[0-9a-f]{64}$")
     upload: UploadStats | None = Field(default=None, description="Its upload's slot wait and duration "
                                        "(trainyard/protocol/uploads.py); None from an older worker runtime.")
 
 
 class LocalShard(ShardInfo):
-    fencing_token: str
+    fencing_token: FencingToken
 
 
 class ShardReport(_Wire):
-    fencing_token: str
-    node_rank: int = Field(ge=0)
-    shards: list[ShardInfo]
+    fencing_token: FencingToken
+    node_rank: Int32
+    shards: list[ShardInfo] = Field(max_length=4096)
 
 
 class ShardAck(_Wire):
@@ -383,23 +429,40 @@ class ShardAck(_Wire):
     committed_steps: list[int] = Field(default_factory=list, description="Steps now committed.")
 
 
+WORKER_CHECKPOINT_EVENTS = frozenset({
+    "checkpoint.restored", "checkpoint.fallback", "checkpoint.save_failed", "checkpoint.restore_failed",
+})
+"""The only checkpoint.* kinds a worker may send: facts about its own restore and saves. The others
+(checkpoint.committed, .aborted, .deleted, ...) are the control plane's to write. Any other kind
+is stored as ``worker.<kind>``, so it cannot pass for a control-plane event either."""
+
+
 class WorkerEvent(_Wire):
-    rank: int = Field(ge=0)
+    rank: Int32
     kind: str = Field(pattern=r"^[a-z][a-z0-9_.]*$", max_length=64,
-                      description="e.g. checkpoint.restored, checkpoint.fallback, checkpoint.save_failed")
-    message: str = Field(max_length=4096)
-    data: dict[str, Any] = Field(default_factory=dict)
+                      description="checkpoint.restored, checkpoint.fallback, checkpoint.save_failed, "
+                      "checkpoint.restore_failed, or a kind of the worker's own (stored as worker.<kind>)")
+    message: Text = Field(max_length=MAX_MESSAGE_CHARS)
+    data: JsonDocument = Field(default_factory=dict)
     at: datetime | None = None
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, kind: str) -> str:
+        if kind.startswith("checkpoint.") and kind not in WORKER_CHECKPOINT_EVENTS:
+            raise ValueError(f"{kind!r} is a control-plane event; workers send only "
+                             f"{', '.join(sorted(WORKER_CHECKPOINT_EVENTS))} or kinds of their own")
+        return kind
 
 
 class LocalEvent(WorkerEvent):
-    fencing_token: str
+    fencing_token: FencingToken
 
 
 class WorkerEventBatch(_Wire):
-    fencing_token: str
-    node_rank: int = Field(ge=0)
-    events: list[WorkerEvent]
+    fencing_token: FencingToken
+    node_rank: Int32
+    events: list[WorkerEvent] = Field(max_length=4096)
 
 
 class WorkerEventAck(_Wire):

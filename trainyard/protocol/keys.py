@@ -6,7 +6,7 @@
             /manifest.json                                       manifest_key (the commit writes it)
 
 The control plane hands a job's prefix to its workers (LaunchSpec.storage["prefix"], then
-TRAINYARD_CHECKPOINT_PREFIX), checks every reported shard key against step_prefix, writes the
+TRAINYARD_CHECKPOINT_PREFIX), checks every reported shard key to be exactly shard_key, writes the
 manifest under manifest_key and deletes a checkpoint by its step_prefix; workers save under
 shard_key. Shards of one step from different attempts never share a key.
 """

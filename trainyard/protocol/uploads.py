@@ -23,12 +23,19 @@ Agent -> control plane (node credential), relayed as they come:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainyard.protocol.limits import Int32, Int64
+
 SLOT_WAIT_MAX_S = 60.0
 """The longest one long poll for a slot may be asked to last."""
+SECONDS_MAX = 1e9
+"""Bound of the durations a worker reports (finite: NaN and infinities are refused)."""
+
+Seconds = Annotated[float, Field(ge=0, le=SECONDS_MAX)]
+Token = Annotated[str, Field(min_length=1, max_length=128)]
 
 
 class _Wire(BaseModel):
@@ -36,23 +43,23 @@ class _Wire(BaseModel):
 
 
 class _SlotKey(_Wire):
-    rank: int = Field(ge=0, le=1_000_000, description="Global rank of the uploading worker.")
-    step: int = Field(ge=0, description="The checkpoint's step.")
+    rank: Int32 = Field(description="Global rank of the uploading worker.")
+    step: Int32 = Field(description="The checkpoint's step.")
 
 
 class _Ask(_SlotKey):
-    size_bytes: int = Field(ge=0, description="Bytes the worker is about to upload.")
+    size_bytes: Int64 = Field(description="Bytes the worker is about to upload.")
     wait_s: float = Field(default=20.0, ge=0, le=SLOT_WAIT_MAX_S,
                           description="Longest this request may wait for the slot (a long poll); 0: answer now.")
 
 
 class LocalSlotRequest(_Ask):
-    fencing_token: str = Field(max_length=256)
+    fencing_token: Token
 
 
 class SlotRequest(_Ask):
-    fencing_token: str = Field(max_length=256)
-    node_rank: int = Field(ge=0)
+    fencing_token: Token
+    node_rank: Int32
 
 
 class SlotAnswer(_Wire):
@@ -70,18 +77,18 @@ class SlotAnswer(_Wire):
 
 
 class _Release(_SlotKey):
-    uploaded_bytes: int = Field(default=0, ge=0)
-    upload_s: float = Field(default=0.0, ge=0, description="Seconds the upload took (0 when it never started).")
+    uploaded_bytes: Int64 = 0
+    upload_s: Seconds = Field(default=0.0, description="Seconds the upload took (0 when it never started).")
     ok: bool = Field(default=True, description="False: the upload failed, or the worker stopped waiting.")
 
 
 class LocalSlotRelease(_Release):
-    fencing_token: str = Field(max_length=256)
+    fencing_token: Token
 
 
 class SlotRelease(_Release):
-    fencing_token: str = Field(max_length=256)
-    node_rank: int = Field(ge=0)
+    fencing_token: Token
+    node_rank: Int32
 
 
 class SlotReleased(_Wire):
@@ -98,6 +105,6 @@ agent, or an agent that predates slots)."""
 class UploadStats(_Wire):
     """What a shard's upload cost, reported with the shard (ShardInfo.upload)."""
 
-    wait_s: float = Field(ge=0, description="Time spent waiting for a slot.")
-    upload_s: float = Field(ge=0, description="Time the upload itself took.")
+    wait_s: Seconds = Field(description="Time spent waiting for a slot.")
+    upload_s: Seconds = Field(description="Time the upload itself took.")
     slot: SlotUse

@@ -1,0 +1,82 @@
+"""A request body limit for the whole API (settings.max_request_bytes): 413 problem+json.
+
+A pure ASGI middleware: a declared Content-Length over the limit is refused before anything is
+read (the server then delivers no more than it declared), and a body sent without one (chunked) is
+read here as it arrives and refused once it passes the limit, so no request can make a replica
+buffer more than the limit."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from control_plane.errors import PROBLEM_JSON
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and (declared < 0 or declared > self.max_bytes):
+            await self._refuse(scope, send, declared)
+            return
+        if declared is not None:
+            await self.app(scope, receive, send)  # the server delivers no more than it declares
+            return
+        # No Content-Length (chunked): read it here, up to the limit, then hand it over whole.
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._refuse(scope, send, None)
+                return
+            if not message.get("more_body", False):
+                break
+        whole: Message = {"type": "http.request", "body": bytes(body), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
+
+    async def _refuse(self, scope: Scope, send: Send, declared: int | None) -> None:
+        size = f"{declared} bytes" if declared is not None and declared >= 0 else "more"
+        body: dict[str, Any] = {
+            "type": "https://trainyard.dev/problems/too-large",
+            "title": "The request body is too large",
+            "status": 413,
+            "detail": f"the body is {size}; at most {self.max_bytes} bytes are accepted (max_request_bytes)",
+            "instance": scope.get("path", ""),
+        }
+        payload = json.dumps(body).encode()
+        headers = [(b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(payload)).encode()),
+                   (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return -1
+    return None

@@ -1,0 +1,170 @@
+"""``trainyard principals|tokens|join-tokens|whoami``: who may use the cluster, over its API.
+
+The caller's token comes from ``TRAINYARD_TOKEN`` or a file (``--token-file`` /
+``TRAINYARD_TOKEN_FILE``), never from the command line, where other users of the machine would
+see it in the process table. A token the API creates is printed once, on stdout, alone on its line
+(or written to ``--output`` with mode 0600): everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+principals_app = typer.Typer(help="Principals (people, CI systems) with a tenant and a role.", no_args_is_help=True)
+tokens_app = typer.Typer(help="API tokens: create (shown once), list, revoke.", no_args_is_help=True)
+join_app = typer.Typer(help="Join tokens for node agents (operators).", no_args_is_help=True)
+
+Url = Annotated[str, typer.Option("--url", envvar="TRAINYARD_URL", help="Control-plane URL.")]
+TokenFile = Annotated[Path | None, typer.Option(
+    "--token-file", envvar="TRAINYARD_TOKEN_FILE", show_default=False,
+    help="File holding your API token (default: the TRAINYARD_TOKEN variable).")]
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class AccessError(Exception):
+    """One line for the user (trainyard.cli prints it)."""
+
+
+def read_secret(path: Path | None, env: str) -> str:
+    """A secret from a file (first line, whitespace stripped) or else the environment variable."""
+    if path is not None:
+        try:
+            value = path.read_text().strip()
+        except OSError as exc:
+            raise AccessError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        if not value:
+            raise AccessError(f"{path} is empty")
+        return value
+    value = os.environ.get(env, "").strip()
+    if not value:
+        raise AccessError(f"no token: set {env} or pass a file with --token-file")
+    return value
+
+
+def call(url: str, token_file: Path | None, method: str, path: str, body: dict[str, Any] | None = None,
+         params: dict[str, Any] | None = None) -> Any:
+    import httpx
+
+    token = read_secret(token_file, "TRAINYARD_TOKEN")
+    try:
+        resp = httpx.request(method, url.rstrip("/") + path, json=body, params=params, timeout=30,
+                             headers={"Authorization": f"Bearer {token}"})
+    except httpx.HTTPError as exc:
+        raise AccessError(f"cannot reach {url}: {exc}") from exc
+    if resp.status_code >= 400:
+        try:
+            problem = resp.json()
+            detail = problem.get("detail") or problem.get("title")
+        except ValueError:
+            detail = resp.text[:200]
+        raise AccessError(f"HTTP {resp.status_code}: {detail}")
+    return resp.json()
+
+
+def _show(doc: Any) -> None:
+    print(json.dumps(doc, indent=2), file=sys.stderr)
+
+
+def _secret_out(token: str, output: Path | None) -> None:
+    if output is None:
+        print(token, flush=True)
+        return
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    os.chmod(output, 0o600)
+    print(f"token written to {output} (mode 0600)", file=sys.stderr)
+
+
+Output = Annotated[Path | None, typer.Option(help="Write the new token to this file (0600) instead of stdout.",
+                                             show_default=False)]
+
+
+@principals_app.command("create")
+def principals_create(
+    name: str, tenant: Annotated[str, typer.Option(help="Its team.")],
+    role: Annotated[str, typer.Option(help="admin, operator, member or viewer.")] = "member",
+    token_ttl_s: Annotated[int | None, typer.Option(help="Lifetime of its first token.")] = None,
+    output: Output = None, url: Url = DEFAULT_URL, token_file: TokenFile = None,
+) -> None:
+    """Create a principal; its first token is printed once."""
+    doc = call(url, token_file, "POST", "/v1/principals",
+               {"name": name, "tenant": tenant, "role": role, "token_ttl_s": token_ttl_s})
+    token = doc.pop("token")
+    _show(doc)
+    _secret_out(token, output)
+
+
+@principals_app.command("list")
+def principals_list(url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+    print(json.dumps(call(url, token_file, "GET", "/v1/principals"), indent=2))
+
+
+@principals_app.command("disable")
+def principals_disable(name: str, url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+    """Revoke every token of the principal and refuse it from now on."""
+    _show(call(url, token_file, "DELETE", f"/v1/principals/{name}"))
+
+
+@tokens_app.command("create")
+def tokens_create(
+    principal: Annotated[str | None, typer.Option(help="Whose (admins); default: yours.")] = None,
+    description: Annotated[str, typer.Option(help="What it is for.")] = "",
+    ttl_s: Annotated[int | None, typer.Option(help="Lifetime in seconds; default: until revoked.")] = None,
+    output: Output = None, url: Url = DEFAULT_URL, token_file: TokenFile = None,
+) -> None:
+    """Create an API token; printed once."""
+    doc = call(url, token_file, "POST", "/v1/tokens",
+               {"principal": principal, "description": description, "ttl_s": ttl_s})
+    token = doc.pop("token")
+    _show(doc)
+    _secret_out(token, output)
+
+
+@tokens_app.command("list")
+def tokens_list(principal: Annotated[str | None, typer.Option(help="Whose (admins).")] = None,
+                url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+    params = {"principal": principal} if principal else None
+    print(json.dumps(call(url, token_file, "GET", "/v1/tokens", params=params), indent=2))
+
+
+@tokens_app.command("revoke")
+def tokens_revoke(token_id: str, url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+    _show(call(url, token_file, "DELETE", f"/v1/tokens/{token_id}"))
+
+
+@join_app.command("create")
+def join_create(
+    node: Annotated[str | None, typer.Option(help="Only this node name; it may also re-claim that node.")] = None,
+    ttl_s: Annotated[int, typer.Option(help="Lifetime in seconds.")] = 3600,
+    uses: Annotated[int, typer.Option(help="Registrations it allows (0: any until it expires).")] = 1,
+    description: Annotated[str, typer.Option(help="What it is for.")] = "",
+    output: Output = None, url: Url = DEFAULT_URL, token_file: TokenFile = None,
+) -> None:
+    """Create a join token for an agent (give it the file: trainyard agent --join-token-file)."""
+    doc = call(url, token_file, "POST", "/v1/join-tokens", {
+        "node_name": node, "ttl_s": ttl_s, "max_uses": uses or None, "description": description})
+    token = doc.pop("token")
+    _show(doc)
+    _secret_out(token, output)
+
+
+@join_app.command("list")
+def join_list(url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+    print(json.dumps(call(url, token_file, "GET", "/v1/join-tokens"), indent=2))
+
+
+@join_app.command("revoke")
+def join_revoke(token_id: str, url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+    _show(call(url, token_file, "DELETE", f"/v1/join-tokens/{token_id}"))
+
+
+def whoami(url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+    """Your principal: name, tenant, role."""
+    print(json.dumps(call(url, token_file, "GET", "/v1/whoami"), indent=2))
