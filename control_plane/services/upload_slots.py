@@ -31,7 +31,7 @@ from control_plane.errors import NotFound, StaleAttempt, Unprocessable
 from control_plane.models import Attempt, Job, Node, UploadSlot
 from control_plane.schemas.uploads import SlotLimitsOut, UploadSlotOut, UploadSlotsOut
 from control_plane.services import events, nodes
-from control_plane.services.fencing import authorize_report
+from control_plane.services.fencing import authorize_report, check_own_ranks
 from control_plane.services.states import UPLOAD_SLOT_OPEN, move_upload_slots
 from control_plane.services.upload_policy import Slot, SlotLimits, full_labels, grantable, node_rate
 from control_plane.settings import Settings
@@ -87,12 +87,13 @@ def ask(factory: sessionmaker[Session], token: str, attempt_id: uuid.UUID, req: 
     limits = limits_of(settings)
     with session_scope(factory) as s:
         node = nodes.authenticate(s, token)
-        _job, attempt, _part = authorize_report(s, node, attempt_id, req.fencing_token, req.node_rank,
-                                                exclusive=False)
+        _job, attempt, part = authorize_report(s, node, attempt_id, req.fencing_token, req.node_rank,
+                                               exclusive=False)
         if attempt.outcome is not None:
             raise StaleAttempt(f"attempt {attempt.number} already ended ({attempt.outcome}); no upload slot")
         if req.rank >= attempt.num_gpus:
             raise Unprocessable(f"rank {req.rank} is outside attempt {attempt.number}'s world of {attempt.num_gpus}")
+        check_own_ranks(s, part, {req.rank})  # a node asks (and releases) only for its own ranks
         slot = _open_slot(s, attempt_id, req.rank, req.step)
         t = now()
         if slot is None:
@@ -167,7 +168,9 @@ def release_and_grant(session: Session, node: Node, attempt_id: uuid.UUID, req: 
                       factory: sessionmaker[Session], settings: Settings) -> bool:
     """The upload ended (or failed, or its worker stopped waiting): release the slot, committed,
     then hand what it held to the next waiters. False when it was not open any more."""
-    authorize_report(session, node, attempt_id, req.fencing_token, req.node_rank, exclusive=False)
+    _job, _attempt, part = authorize_report(session, node, attempt_id, req.fencing_token, req.node_rank,
+                                            exclusive=False)
+    check_own_ranks(session, part, {req.rank})
     t = now()
     moved = move_upload_slots(session, and_(UploadSlot.attempt_id == attempt_id, UploadSlot.rank == req.rank,
                                             UploadSlot.step == req.step), "released",

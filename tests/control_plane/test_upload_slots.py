@@ -56,8 +56,8 @@ class Job:
         return min(rank // self.gpus, len(self.specs) - 1)
 
     def ask(self, c: httpx.Client | TestClient, rank: int, *, step: int = 10, wait_s: float = 0.0,
-            token: str | None = None) -> httpx.Response:
-        n = self.node_of(rank)
+            token: str | None = None, node: int | None = None) -> httpx.Response:
+        n = self.node_of(rank) if node is None else node
         spec = self.specs[n]
         return c.post(f"/v1/agent/attempts/{spec['attempt_id']}/upload-slots", headers=self.auth[n],
                       json={"fencing_token": token or spec["fencing_token"], "node_rank": spec["node_rank"],
@@ -232,6 +232,13 @@ def test_a_nodes_budget_is_shared_by_its_holders(settings: Settings) -> None:
     app = create_app(settings.model_copy(update={"upload_node_rate_bytes_per_s": 1_000_000}))
     with TestClient(app) as c:
         job = Job(c, app, ["r1", "r2"], gpus=2)
+        spec = job.specs[1]
+        r = c.post(f"/v1/agent/attempts/{spec['attempt_id']}/status", headers=job.auth[1], json={
+            "fencing_token": spec["fencing_token"], "node_rank": 1, "state": "running",
+            "workers": workers_for(spec, "running")})
+        assert r.status_code == 200, r.text
+        forged = job.ask(c, 2, node=0)  # a node asks only for its own ranks (2 runs on node rank 1)
+        assert forged.status_code == 403, forged.text
         assert job.ask(c, 0).json()["rate_bytes_per_s"] == 1_000_000
         assert job.ask(c, 1).json()["rate_bytes_per_s"] == 500_000  # the node's second upload
         assert job.ask(c, 2).json()["rate_bytes_per_s"] == 1_000_000  # another node's budget
@@ -252,7 +259,7 @@ def test_the_checkpoint_view_shows_each_shards_wait_and_rate(settings: Settings)
         r = c.post(f"/v1/agent/attempts/{spec['attempt_id']}/shards", headers=job.auth[0],
                    json={"fencing_token": spec["fencing_token"], "node_rank": 0, "shards": shards})
         assert r.status_code == 200, r.text
-        [ckpt] = c.get(f"/v1/jobs/{job.id}/checkpoints", headers=ADMIN).json()
+        [ckpt] = c.get(f"/v1/jobs/{job.id}/checkpoints", headers=ADMIN).json()["items"]
         assert ckpt["upload"] == {"reported": 2, "wait_s_max": 3.5, "wait_s_mean": 2.5, "upload_s_max": 2.0,
                                   "bytes_per_s": 2000.0, "bypassed": 1}
 
