@@ -172,7 +172,7 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
                 "gpus": [{"index": i, "uuid": f"{name_}-{i}", "kind": "virtual-cpu", "memory_mb": 0}
                          for i in range(gpus)]}))
             clients.append(client)
-        r = admin.post("/v1/jobs", json={"name": f"upload-{name}", "num_nodes": args.nodes, "gpus_per_node": gpus,
+        r = admin.post("/v1/jobs", json={"name": f"upload-{round_}", "num_nodes": args.nodes, "gpus_per_node": gpus,
                                          "entrypoint": "bench", "checkpoint": {"interval_steps": 1}})
         r.raise_for_status()
         job_id = r.json()["id"]
