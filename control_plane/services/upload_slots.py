@@ -62,8 +62,9 @@ def slot_key(attempt_id: uuid.UUID | str, rank: int, step: int) -> str:
 
 
 def domain_of(node: Node, topology_label: str) -> str:
-    """The node's topology domain: its value of the topology label ('' without one)."""
-    return (node.effective_labels.get(topology_label) or "") if topology_label else ""
+    """The node's topology domain: its value of the topology label ('' without one; labels are at
+    most 253 characters, the column holds 255: a longer one stored before the limit is cut)."""
+    return (node.effective_labels.get(topology_label) or "")[:255] if topology_label else ""
 
 
 async def ask_and_wait(factory: sessionmaker[Session], waits: wakeups.Wakeups, token: str,
