@@ -68,7 +68,8 @@ def run_trainyard(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     dev = DevCluster(config, log)
     try:
         dev.start()
-        http = httpx.Client(base_url=config.api_url, headers={"Authorization": f"Bearer {dev.token}"}, timeout=30)
+        http = httpx.Client(base_url=config.api_url, headers={"Authorization": f"Bearer {dev.token}"}, timeout=30,
+                            verify=dev.verify)
         job = http.post("/v1/jobs", json={
             "name": "bench-recovery", "num_nodes": 2, "gpus_per_node": 1,
             "entrypoint": "worker_runtime.examples.tiny_gpt",

@@ -136,26 +136,23 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def object_store(settings: Settings):  # type: ignore[no-untyped-def]
-    """The control plane's S3 access (verify shards, write manifests, delete old checkpoints)."""
+    """The control plane's S3 access (verify shards, write manifests, delete old checkpoints, sign
+    workers' URLs): the only holder of the credentials."""
     if not settings.s3_endpoint:
         return None
     from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 
-    return S3Storage(S3Config.from_mapping(worker_storage(settings)), timeout_s=10.0, retries=1)
+    config = S3Config(endpoint=settings.s3_endpoint, bucket=settings.s3_bucket, access_key=settings.s3_access_key,
+                      secret_key=settings.s3_secret_key, secure=settings.s3_secure, region=settings.s3_region,
+                      public_endpoint=settings.s3_worker_endpoint)
+    return S3Storage(config, timeout_s=10.0, retries=1)
 
 
 def worker_storage(settings: Settings) -> dict[str, Any]:
-    """What workers get to reach checkpoint storage (later: per-attempt scoped credentials)."""
-    if not settings.s3_endpoint:
-        return {}
-    return {
-        "endpoint": settings.s3_endpoint,
-        "bucket": settings.s3_bucket,
-        "access_key": settings.s3_access_key,
-        "secret_key": settings.s3_secret_key,
-        "secure": settings.s3_secure,
-        "region": settings.s3_region,
-    }
+    """What agents and workers learn about checkpoint storage: that there is some, reached through
+    presigned URLs the control plane grants per object (trainyard/protocol/grants.py). No endpoint,
+    no credential."""
+    return {"access": "presigned"} if settings.s3_endpoint else {}
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

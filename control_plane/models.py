@@ -189,8 +189,11 @@ class Attempt(Base):
     __tablename__ = "attempts"
     __table_args__ = (
         UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),
+        # A rendezvous port is the attempt's own on its host (node rank 0's address): torchrun's store
+        # listens there. Other hosts may use the same number at once.
         Index(
             "uq_attempts_active_rdzv_port",
+            "rdzv_host",
             "rdzv_port",
             unique=True,
             postgresql_where=text("state IN ('starting', 'running', 'stopping')"),
@@ -214,6 +217,9 @@ class Attempt(Base):
         UUID(as_uuid=True), doc="The checkpoint this attempt restored (its lineage); None: from scratch."
     )
     progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this attempt reported.")
+    progress_metrics: Mapped[dict[str, float] | None] = mapped_column(
+        JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
+    )
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
     )

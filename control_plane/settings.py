@@ -105,8 +105,12 @@ class Settings(BaseSettings):
         "long after allocation fails the attempt. Longer than node_lost_timeout_s: a silent node is "
         "declared lost first (the clearer reason); this catches a live agent that never picks the part up."
     )
-    rdzv_port_min: int = Field(29500, ge=1024, le=65535)
-    rdzv_port_max: int = Field(39499, ge=1024, le=65535)
+    rdzv_port_min: int = Field(20000, ge=1024, le=65535, description=(
+        "Lowest rendezvous port; an attempt's port is its own on node rank 0's host."))
+    rdzv_port_max: int = Field(32767, ge=1024, le=65535, description=(
+        "Highest rendezvous port. Keep the range below the nodes' ephemeral ports (Linux: "
+        "net.ipv4.ip_local_port_range, 32768-60999 by default): an outgoing connection's local port "
+        "taken from the range makes torchrun's store fail with EADDRINUSE."))
     max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")
     log_follow_poll_s: float = Field(0.5, gt=0, description="How often a followed log is read again.")
     log_followers_per_principal: int = Field(
@@ -138,11 +142,23 @@ class Settings(BaseSettings):
     )
 
     s3_endpoint: str = Field("", description="host:port of the S3 server for checkpoints.")
-    s3_access_key: str = ""
+    s3_access_key: str = Field("", description="The control plane's S3 key; workers and agents never get it.")
     s3_secret_key: str = ""
     s3_bucket: str = "trainyard"
     s3_secure: bool = False
     s3_region: str = "us-east-1"
+    s3_worker_endpoint: str = Field(
+        "", description="host:port at which workers reach S3, when it is not s3_endpoint (presigned URLs name "
+        "it, and their signature covers the host). Empty: s3_endpoint."
+    )
+    storage_grant_ttl_s: int = Field(
+        300, ge=10, le=3600, description="How long a presigned checkpoint URL stays valid (S3 checks it when a "
+        "request starts, so an upload that started in time finishes). Workers ask again when one runs out."
+    )
+    storage_part_size_mb: int = Field(
+        512, ge=5, le=5120, description="Checkpoint objects up to this size are uploaded with one PUT; larger "
+        "ones in parts of this size (S3: one PUT up to 5 GiB, parts of 5 MiB to 5 GiB, at most 10,000)."
+    )
 
     failpoints: str = Field(
         "", description="Testing only: 'name=sleep(S)' or 'name=exit' pairs, ';'-separated (failpoints.py)."

@@ -25,7 +25,9 @@ def _label(text: str) -> tuple[str, str]:
 
 def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser = argparse.ArgumentParser(prog="python -m node_agent", description="Trainyard node agent")
-    parser.add_argument("--control-plane", required=True, help="control plane URL, e.g. http://10.0.0.1:8000")
+    parser.add_argument("--control-plane", required=True, help="control plane URL, e.g. https://10.0.0.1:8000")
+    parser.add_argument("--ca-file", type=Path, default=None,
+                        help="PEM file of the CA that signed the control plane's certificate (default: system trust)")
     parser.add_argument("--join-token-file", type=Path, default=None,
                         help="file holding a join token (default: TRAINYARD_JOIN_TOKEN)")
     parser.add_argument("--name", required=True, help="node name, unique in the cluster")
@@ -47,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     try:
         return AgentConfig(
             control_plane_url=args.control_plane,
+            ca_file=args.ca_file,
             join_token=read_join_token(args.join_token_file),
             name=args.name,
             address=args.address,

@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Callable
 from http import HTTPStatus
 from types import FrameType
+from typing import Any
 
 import structlog
 
@@ -46,6 +47,7 @@ from node_agent.client import (
     ControlPlaneUnavailable,
     RequestRejected,
     StaleAttempt,
+    TlsMismatch,
     Unauthorized,
 )
 from node_agent.config import AgentConfig
@@ -70,6 +72,7 @@ from trainyard.protocol.agent import (
     WaitRequest,
     agent_request_timeout_s,
 )
+from trainyard.protocol.grants import LocalStorageRequest, StorageRequest
 
 __all__ = ["Agent", "AgentConfig", "run_agent"]
 
@@ -107,6 +110,7 @@ class Agent:
             join_token=config.join_token,
             timeout_s=config.http_timeout_s,
             stop=self._stop_event,
+            ca_file=str(config.ca_file) if config.ca_file is not None else None,
         )
         self.client.on_stale_agent = self._superseded
         self.superseded: str | None = None
@@ -139,7 +143,8 @@ class Agent:
         self._runs: dict[str, AttemptRun] = {}
         self._known: set[str] = set()
         # Spec versions this agent holds (reported in each heartbeat, so unchanged specs are not
-        # resent) and the storage credentials of the registration (LaunchSpec.storage has the prefix).
+        # resent) and the storage access of the registration (LaunchSpec.storage has the prefix);
+        # never a credential: workers get presigned URLs through _storage_grants.
         self._versions: dict[str, str] = {}
         self._storage: dict[str, object] = {}
         self._runs_lock = threading.Lock()
@@ -186,6 +191,9 @@ class Agent:
             node_name=self.config.name,
         )
         self._adopt_existing()
+        if self.config.control_plane_url.startswith("http://"):
+            self.log.warning("control_plane_not_https", url=self.config.control_plane_url,
+                             risk="the join token and node credentials cross the network unencrypted")
         self.log.info("agent_started", gpus=len(self.gpus), local_api=self._api.url, instance=self.instance)
         for name in self._loops:
             self._start_loop(name)
@@ -250,11 +258,14 @@ class Agent:
             except (OSError, ValueError, KeyError, TypeError):
                 previous = 0
             try:
-                api = LocalApi(self.config.address, previous, self.reports, self.outbox, slots=self.slots)
+                api = LocalApi(self.config.address, previous, self.reports, self.outbox, grants=self._storage_grants,
+                               slots=self.slots)
             except OSError:
-                api = LocalApi(self.config.address, 0, self.reports, self.outbox, slots=self.slots)
+                api = LocalApi(self.config.address, 0, self.reports, self.outbox, grants=self._storage_grants,
+                               slots=self.slots)
         else:
-            api = LocalApi(self.config.address, port, self.reports, self.outbox, slots=self.slots)
+            api = LocalApi(self.config.address, port, self.reports, self.outbox, grants=self._storage_grants,
+                           slots=self.slots)
         api.start()
         write_json_atomic(state_file, {"local_api_port": int(api.url.rsplit(":", 1)[1])})
         return api
@@ -352,6 +363,9 @@ class Agent:
             return False
         try:
             resp = self.client.register(request, self.client.node_token or credential.load(self.config.work_dir))
+        except TlsMismatch as exc:
+            self.log.error("control_plane_tls_mismatch", error=str(exc))
+            return False
         except ControlPlaneUnavailable as exc:
             self.log.info("control_plane_unreachable", error=str(exc))
             return False
@@ -682,6 +696,29 @@ class Agent:
 
     def _need_register_set(self) -> None:
         self._need_register.set()
+
+    # --- storage grants (local API thread) ---
+
+    def _storage_grants(self, attempt_id: str, body: LocalStorageRequest) -> tuple[HTTPStatus, dict[str, Any]]:
+        """Forward a worker's request for presigned checkpoint URLs (trainyard/protocol/grants.py)
+        with this node's credential and the attempt's node rank; the control plane's answer."""
+        run = self.run(attempt_id)
+        if run is None or run.stale:
+            return HTTPStatus.CONFLICT, {"detail": f"attempt {attempt_id} is not running here"}
+        request = StorageRequest(**body.model_dump(), node_rank=run.spec.node_rank)
+        try:
+            grants = self.client.storage_grants(attempt_id, request)
+        except StaleAttempt as exc:
+            return HTTPStatus.CONFLICT, {"detail": str(exc), "type": exc.problem_type}
+        except RequestRejected as exc:  # 403, 404, 422: the worker's to know; a garbled answer: 502
+            status = exc.status if exc.status is not None and 400 <= exc.status < 500 else HTTPStatus.BAD_GATEWAY
+            return HTTPStatus(status), {"detail": str(exc), "type": exc.problem_type}
+        except Unauthorized:
+            self._need_register.set()
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "the agent is registering again; retry"}
+        except ControlPlaneUnavailable as exc:
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": f"the control plane is unreachable: {exc}"}
+        return HTTPStatus.OK, grants.model_dump(mode="json")
 
 
 def run_agent(config: AgentConfig) -> None:

@@ -12,9 +12,12 @@ earlier one, say); StaleAttempt.fencing tells them apart by the problem type.
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import random
+import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -39,6 +42,7 @@ from trainyard.protocol.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
+from trainyard.protocol.grants import StorageGrants, StorageRequest
 from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotReleased, SlotRequest
 
 log = structlog.get_logger(__name__)
@@ -88,6 +92,34 @@ def _is_stale_agent(problem_type: str | None) -> bool:
     return problem_type is not None and problem_type.rstrip("/").endswith("/stale-agent")
 
 
+class TlsMismatch(ControlPlaneUnavailable):
+    """The control plane's TLS does not match this agent's: its certificate is not signed by a CA the
+    agent trusts, or one side speaks TLS and the other plain HTTP. Retrying cannot help; an
+    operator must (the message says what)."""
+
+
+def tls_problem(exc: httpx.TransportError, url: str) -> str | None:
+    """One line saying what is wrong when ``exc`` is a TLS mismatch with the server at ``url``."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ssl.SSLError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return (f"the control plane at {url} presented a certificate this agent does not trust "
+                f"({cause.verify_message or cause.reason}): give the CA that signed it with --ca-file")
+    if isinstance(cause, ssl.SSLError) and cause.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE",
+                                                             "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"):
+        return f"the server at {url} does not speak TLS ({cause.reason}): is it plain HTTP?"
+    return None
+
+
+def plain_http_hint(exc: httpx.TransportError, url: str) -> str:
+    """What to add to a failure of a plain-HTTP request that may have met an HTTPS server, which
+    closes the connection without an answer (so might a server that is restarting: only a hint)."""
+    if url.startswith("http://") and isinstance(exc, httpx.RemoteProtocolError):
+        return " (if the server serves HTTPS, use an https:// URL)"
+    return ""
+
+
 class RequestRejected(ControlPlaneError):
     """The control plane rejected the request (4xx other than 401/409); resending won't help."""
 
@@ -120,8 +152,11 @@ class ControlPlaneClient:
         timeout_s: float = 10.0,
         retry: RetryPolicy | None = None,
         stop: threading.Event | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # Verified against ca_file, or the system's trust store (not a bundle shipped with httpx).
+        self._tls = ssl.create_default_context(cafile=ca_file)
         self.join_token = join_token
         self.node_token: str | None = None
         self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
@@ -131,6 +166,9 @@ class ControlPlaneClient:
         self.on_stale_agent: Callable[[StaleAgent], None] | None = None
         """Called (on the calling thread) when the control plane says another instance took over."""
         self._local = threading.local()
+        self._idle: queue.SimpleQueue[httpx.Client] = queue.SimpleQueue()
+        """Clients for calls made on behalf of workers, from the local API's threads (one per
+        connection, so a thread-local client each would pile up): borrowed, then put back."""
         self._clients: list[httpx.Client] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -142,16 +180,31 @@ class ControlPlaneClient:
         not liveness, and the outbox resends them."""
         self.heartbeat_timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
 
-    def _http(self) -> httpx.Client:
-        client: httpx.Client | None = getattr(self._local, "client", None)
-        if client is None:
-            with self._lock:
-                if self._closed:
-                    raise ControlPlaneUnavailable("client closed")
-                client = httpx.Client(base_url=self.base_url + AGENT_API_PREFIX, timeout=self.timeout)
-                self._clients.append(client)
-            self._local.client = client
+    def _new_client(self) -> httpx.Client:
+        with self._lock:
+            if self._closed:
+                raise ControlPlaneUnavailable("client closed")
+            client = httpx.Client(base_url=self.base_url + AGENT_API_PREFIX, timeout=self.timeout, verify=self._tls)
+            self._clients.append(client)
         return client
+
+    @contextlib.contextmanager
+    def _http(self, *, pooled: bool = False) -> Iterator[httpx.Client]:
+        """This thread's client (the agent's loops), or one borrowed from the pool (``pooled``)."""
+        if not pooled:
+            client: httpx.Client | None = getattr(self._local, "client", None)
+            if client is None:
+                client = self._local.client = self._new_client()
+            yield client
+            return
+        try:
+            borrowed = self._idle.get_nowait()
+        except queue.Empty:
+            borrowed = self._new_client()
+        try:
+            yield borrowed
+        finally:
+            self._idle.put(borrowed)
 
     def close(self) -> None:
         with self._lock:
@@ -161,7 +214,7 @@ class ControlPlaneClient:
             client.close()
 
     def _post(self, path: str, body: BaseModel, response: type[R], *, token: str | None,
-              timeout: httpx.Timeout | None = None) -> R:
+              timeout: httpx.Timeout | None = None, pooled: bool = False) -> R:
         if token is None:
             raise Unauthorized("not registered")
         node_call = token is not self.join_token
@@ -172,9 +225,13 @@ class ControlPlaneClient:
             if attempt and self._stop.wait(self.retry.delay(attempt - 1)):
                 break  # shutting down: give up now rather than after the backoff
             try:
-                resp = self._http().post(path, json=payload, headers=headers, timeout=timeout or self.timeout)
+                with self._http(pooled=pooled) as http:
+                    resp = http.post(path, json=payload, headers=headers, timeout=timeout or self.timeout)
             except httpx.TransportError as exc:
-                last = f"{type(exc).__name__}: {exc}"
+                problem = tls_problem(exc, self.base_url)
+                if problem is not None:
+                    raise TlsMismatch(problem) from exc
+                last = f"{type(exc).__name__}: {exc}{plain_http_hint(exc, self.base_url)}"
                 continue
             if resp.status_code >= 500:
                 last = f"HTTP {resp.status_code}: {resp.text[:200]}"
@@ -196,7 +253,8 @@ class ControlPlaneClient:
             if resp.status_code == 409:
                 raise StaleAttempt(_detail(resp), status=409, problem_type=_problem_type(resp))
             if resp.status_code >= 400:
-                raise RequestRejected(f"HTTP {resp.status_code} on {path}: {_detail(resp)}", status=resp.status_code)
+                raise RequestRejected(f"HTTP {resp.status_code} on {path}: {_detail(resp)}", status=resp.status_code,
+                                      problem_type=_problem_type(resp))
             try:
                 return response.model_validate_json(resp.content)
             except ValidationError as exc:
@@ -243,15 +301,21 @@ class ControlPlaneClient:
     def report_events(self, attempt_id: str, batch: WorkerEventBatch) -> WorkerEventAck:
         return self._post(f"/attempts/{attempt_id}/events", batch, WorkerEventAck, token=self.node_token)
 
+    def storage_grants(self, attempt_id: str, request: StorageRequest) -> StorageGrants:
+        """Presigned URLs for a worker's checkpoint objects (trainyard/protocol/grants.py)."""
+        return self._post(f"/attempts/{attempt_id}/storage", request, StorageGrants, token=self.node_token,
+                          pooled=True)  # called from the local API's threads
+
     def upload_slot(self, attempt_id: str, request: SlotRequest) -> SlotAnswer:
         """A checkpoint upload slot (a long poll of up to ``request.wait_s``)."""
         held = request.wait_s + 10.0
         return self._post(f"/attempts/{attempt_id}/upload-slots", request, SlotAnswer, token=self.node_token,
-                          timeout=httpx.Timeout(held, connect=min(held, 3.0)))
+                          timeout=httpx.Timeout(held, connect=min(held, 3.0)),
+                          pooled=True)  # called from the local API's threads, as storage_grants
 
     def release_upload_slot(self, attempt_id: str, request: SlotRelease) -> SlotReleased:
         return self._post(f"/attempts/{attempt_id}/upload-slots/release", request, SlotReleased,
-                          token=self.node_token)
+                          token=self.node_token, pooled=True)
 
 
 def _detail(resp: httpx.Response) -> str:

@@ -22,7 +22,10 @@ def read_join_token(path: Path | None) -> str:
 @dataclass(kw_only=True)
 class AgentConfig:
     control_plane_url: str
-    """Base URL of the control plane, e.g. http://127.0.0.1:8000."""
+    """Base URL of the control plane, e.g. https://10.0.0.1:8000."""
+    ca_file: Path | None = None
+    """PEM file of the CA(s) whose certificates this agent trusts for the control plane; None: the
+    system's trust store."""
     join_token: str = ""
     """A join token (an operator's ``trainyard join-tokens create``) for the first registration; later
     registrations use the node credential kept in work_dir (node_agent/credential.py). Read from a
@@ -62,6 +65,10 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir)
+        if self.ca_file is not None:
+            self.ca_file = Path(self.ca_file)
+            if not self.ca_file.is_file():
+                raise ValueError(f"ca_file {self.ca_file} is not a readable file")
         if not self.control_plane_url.startswith(("http://", "https://")):
             raise ValueError(f"control_plane_url must be an http(s) URL, got {self.control_plane_url!r}")
         if not self.join_token and credential.load(self.work_dir) is None:

@@ -8,10 +8,13 @@ Layout of an attempt's directory, work_dir/attempts/<attempt_id>/ (also the work
     status/rank-<R>.json  one per global rank, written by the rank shim
     logs/rank-<R>/stdout.log, logs/rank-<R>/stderr.log   each rank's output, shipped by offset
 
-Rendezvous is torchrun's c10d backend on the attempt's own port at node rank 0's address. Several
-"nodes" may share one machine on different loopback addresses, where torch's guess of "am I the
-rendezvous host" (does the endpoint resolve to this machine?) is true for all of them; is_host
-is therefore always explicit.
+Rendezvous is torchrun's static backend on the attempt's own port at node rank 0's address, with
+``--node-rank`` set to the control plane's node rank: torchrun's group rank is then that node
+rank, and global rank = node rank x nproc-per-node + local rank. The control plane orders node
+ranks by topology (same rack adjacent) and a node's ranks are contiguous, so a layout's inner
+mesh dimension (HSDP's shard group, worker_runtime/layouts.py) stays inside a node. The c10d
+backend would renumber the nodes by sorting their addresses. Node rank 0 hosts the store (never a
+guess from its address: several "nodes" may share one machine on different loopback addresses).
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ from trainyard.protocol.env import (
     ENV_NODE_RANK,
     ENV_RESTORE_FROM,
     ENV_STATUS_DIR,
+    ENV_STORAGE_ACCESS,
     PREFIX,
-    STORAGE_ENV,
 )
 
-# LaunchSpec.storage key -> worker variable.
-_STORAGE_ENV = {**STORAGE_ENV, "prefix": ENV_CHECKPOINT_PREFIX}
+# LaunchSpec.storage key -> worker variable. Nothing else of LaunchSpec.storage reaches a worker:
+# whatever a control plane sends, no storage credential does (docs/security.md).
+_STORAGE_ENV = {"access": ENV_STORAGE_ACCESS, "prefix": ENV_CHECKPOINT_PREFIX}
 
 # The package root, so that `-m node_agent.rank_shim` imports from any cwd without an install.
 _PACKAGE_ROOT = str(Path(node_agent.__file__).resolve().parent.parent)
@@ -134,18 +138,17 @@ def torchrun_command(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -
     entrypoint = spec.entrypoint
     if kind == "file":
         entrypoint = os.path.join(node.cwd, entrypoint)  # no-op for an absolute path
-    is_host = 1 if spec.node_rank == 0 else 0
     return [
         node.python, "-m", "torch.distributed.run",
         "--nnodes", str(spec.nnodes),
         "--nproc-per-node", str(spec.nproc_per_node),
-        # Informational with c10d (group ranks follow rendezvous order); TRAINYARD_NODE_RANK is
-        # the control plane's node rank.
+        # torchrun's group rank is the control plane's node rank (see the module docstring).
         "--node-rank", str(spec.node_rank),
-        "--rdzv-backend", "c10d",
+        "--rdzv-backend", "static",
         "--rdzv-endpoint", _endpoint(spec.rdzv_host, spec.rdzv_port),
         "--rdzv-id", spec.attempt_id,
-        "--rdzv-conf", f"is_host={is_host},join_timeout={node.join_timeout_s}",
+        # How long node rank 0 waits for the others to connect, and they for it.
+        "--rdzv-conf", f"timeout={node.join_timeout_s}",
         "--local-addr", node.local_addr,
         # Recovery is the control plane's decision (a new attempt from a checkpoint), not torchrun's.
         "--max-restarts", "0",
@@ -169,18 +172,9 @@ def device_env(spec: LaunchSpec, node: NodeContext) -> dict[str, str]:
 
 
 def storage_env(storage: Mapping[str, Any]) -> dict[str, str]:
-    """The TRAINYARD_S3_* variables (and TRAINYARD_CHECKPOINT_PREFIX) for the keys `storage` has;
-    `secure` becomes "1" or "0". Holds the secret key: never log it."""
-    env = {}
-    for key, name in _STORAGE_ENV.items():
-        value = storage.get(key)
-        if value is None:
-            continue
-        if key == "secure":
-            env[name] = "1" if str(value).strip().lower() in ("1", "true", "yes", "on") else "0"
-        else:
-            env[name] = str(value)
-    return env
+    """TRAINYARD_STORAGE_ACCESS and TRAINYARD_CHECKPOINT_PREFIX for the keys `storage` has: how a
+    worker reaches checkpoint storage (presigned URLs through this agent), never a credential."""
+    return {name: str(storage[key]) for key, name in _STORAGE_ENV.items() if storage.get(key) is not None}
 
 
 def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict[str, str]:

@@ -8,6 +8,7 @@ fenced by the attempt's token.
     POST /v1/local/attempts/{attempt_id}/shards?wait=1            -> 200 ShardAck of the control plane
     POST /v1/local/attempts/{attempt_id}/upload-slot          LocalSlotRequest -> 200 SlotAnswer
     POST /v1/local/attempts/{attempt_id}/upload-slot/release  LocalSlotRelease -> 200 SlotReleased
+    POST /v1/local/attempts/{attempt_id}/storage          LocalStorageRequest -> 200 StorageGrants of the control plane
 
 An attempt unknown to the agent (never launched here, stale, or finished) or a wrong fencing
 token gets 409 problem+json: a worker of a superseded attempt learns it is fenced off. The agent
@@ -18,6 +19,9 @@ step is committed): 409 if the control plane says the attempt is stale, 422 if i
 shard, 504 if no answer came within `shard_wait_s` (the shard stays queued), 503 if it was dropped.
 Upload-slot requests are relayed to the control plane as they come (upload_slots.py); an agent
 built without a relay answers them 404 (the worker then uploads without a slot).
+A storage request (presigned URLs for checkpoint objects, trainyard/protocol/grants.py) is
+forwarded to the control plane at once and answered with its answer: the grants, or its refusal
+(403, 404, 409, 422); 503 when it cannot be reached.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import re
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from http import HTTPStatus
@@ -48,15 +53,19 @@ from trainyard.protocol.agent import (
     WorkerEvent,
 )
 from trainyard.protocol.env import LOCAL_API_PREFIX
+from trainyard.protocol.grants import LocalStorageRequest
 from trainyard.protocol.uploads import LocalSlotRelease, LocalSlotRequest
 
 log = structlog.get_logger(__name__)
 
 _ROUTE = re.compile(
-    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events|upload-slot|upload-slot/release)$"
+    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events|storage|upload-slot|upload-slot/release)$"
 )
 MAX_BODY = 1024 * 1024
 SHARD_WAIT_S = 30.0
+
+GrantForwarder = Callable[[str, LocalStorageRequest], tuple[HTTPStatus, dict[str, Any]]]
+"""Asks the control plane for a worker's storage grants (the agent's): (status, JSON body)."""
 
 
 @dataclass
@@ -132,8 +141,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _problem(self, status: HTTPStatus, detail: str, errors: Any = None, **extra: Any) -> None:
-        payload: dict[str, Any] = {"type": "about:blank", "title": status.phrase, "status": int(status)}
+    def _problem(self, status: HTTPStatus, detail: str, errors: Any = None, problem_type: str | None = None,
+                 **extra: Any) -> None:
+        payload: dict[str, Any] = {"type": problem_type or "about:blank", "title": status.phrase,
+                                   "status": int(status)}
         payload["detail"] = detail
         if errors is not None:
             payload["errors"] = errors
@@ -165,6 +176,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if kind in ("shards", "events"):
                 self._queue(attempt_id, kind, raw, wait=_truthy(parse_qs(query).get("wait", [""])[-1]))
+                return
+            if kind == "storage":
+                self._storage(attempt_id, LocalStorageRequest.model_validate_json(raw))
                 return
             if kind == "progress":
                 accepted = self.server.reports.add_progress(attempt_id, LocalProgress.model_validate_json(raw))
@@ -202,6 +216,20 @@ class _Handler(BaseHTTPRequestHandler):
         retry = payload.get("retry_after_s")
         self._problem(status, str(payload.get("detail", "")), upstream_status=payload.get("upstream_status"),
                       retry_after_s=retry)
+
+    def _storage(self, attempt_id: str, body: LocalStorageRequest) -> None:
+        if not self.server.reports.accepts(attempt_id, body.fencing_token):
+            self._fenced_off(attempt_id, "storage")
+            return
+        forward = self.server.grants
+        if forward is None:
+            self._problem(HTTPStatus.SERVICE_UNAVAILABLE, "this agent does not forward storage requests")
+            return
+        status, payload = forward(attempt_id, body)
+        if status == HTTPStatus.OK:
+            self._send(status, payload, "application/json")
+        else:
+            self._problem(status, str(payload.get("detail", "")), problem_type=payload.get("type"))
 
     def _queue(self, attempt_id: str, kind: str, raw: bytes, *, wait: bool) -> None:
         """Queue a shard or an event for the relay; raises ValidationError for a bad body."""
@@ -243,7 +271,7 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], reports: LocalReports, outbox: Outbox, shard_wait_s: float,
-                 slots: SlotRelay | None) -> None:
+                 grants: GrantForwarder | None, slots: SlotRelay | None) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
@@ -251,6 +279,7 @@ class _Server(ThreadingHTTPServer):
         self.outbox = outbox
         self.shard_wait_s = shard_wait_s
         self.slots = slots
+        self.grants = grants
 
 
 class LocalApi:
@@ -264,11 +293,12 @@ class LocalApi:
         outbox: Outbox | None = None,
         *,
         shard_wait_s: float = SHARD_WAIT_S,
+        grants: GrantForwarder | None = None,
         slots: SlotRelay | None = None,
     ) -> None:
         self.reports = reports or LocalReports()
         self.outbox = outbox or Outbox()
-        self._server = _Server((host, port), self.reports, self.outbox, shard_wait_s, slots)
+        self._server = _Server((host, port), self.reports, self.outbox, shard_wait_s, grants, slots)
         self._thread: threading.Thread | None = None
         self._stopped = False
 

@@ -90,12 +90,16 @@ while [[ -z "$READY_LINE" ]]; do
 done
 URL="$(sed -n 's/.* url=\([^ ]*\).*/\1/p' <<<"$READY_LINE")"
 TOKEN="$(sed -n 's/.* token=\([^ ]*\).*/\1/p' <<<"$READY_LINE")"
+# The API is HTTPS, its certificate signed by the cluster's own CA: curl trusts that CA alone.
+CA="$(sed -n 's/.* ca=\([^ ]*\).*/\1/p' <<<"$READY_LINE")"
+CURL=(curl)
+[[ -n "$CA" ]] && CURL=(curl --cacert "$CA")
 sed -n '/^Trainyard dev cluster is up/,/^Press Ctrl-C/p' "$OUT"
 
 say "submitting a job"
 BODY='{"name": "tiny-gpt", "num_nodes": 2, "gpus_per_node": 2, "entrypoint": "worker_runtime.examples.tiny_gpt", "args": ["--steps", "300"], "checkpoint": {"interval_steps": 50}, "max_failures": 3}'
-show "curl -sS -X POST $URL/v1/jobs -H 'Authorization: Bearer $TOKEN' -H 'Content-Type: application/json' -d '$BODY'"
-SUBMIT="$(curl -sS --fail-with-body -X POST "$URL/v1/jobs" \
+show "${CURL[*]} -sS -X POST $URL/v1/jobs -H 'Authorization: Bearer $TOKEN' -H 'Content-Type: application/json' -d '$BODY'"
+SUBMIT="$("${CURL[@]}" -sS --fail-with-body -X POST "$URL/v1/jobs" \
     -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' -d "$BODY")" || {
     echo "demo: submit failed: $SUBMIT" >&2
     exit 1
@@ -104,12 +108,12 @@ JOB_ID="$(json id <<<"$SUBMIT")"
 echo "job id: $JOB_ID"
 
 say "following the job"
-show "curl -sS $URL/v1/jobs/$JOB_ID -H 'Authorization: Bearer $TOKEN'"
+show "${CURL[*]} -sS $URL/v1/jobs/$JOB_ID -H 'Authorization: Bearer $TOKEN'"
 deadline=$((SECONDS + JOB_TIMEOUT_S))
 last=""
 STATE=""
 while :; do
-    JOB="$(curl -sS --fail-with-body "$URL/v1/jobs/$JOB_ID" -H "Authorization: Bearer $TOKEN")" || {
+    JOB="$("${CURL[@]}" -sS --fail-with-body "$URL/v1/jobs/$JOB_ID" -H "Authorization: Bearer $TOKEN")" || {
         echo "demo: could not read the job: $JOB" >&2
         exit 1
     }
@@ -123,7 +127,7 @@ while :; do
     step="$(json progress.step <<<"$JOB")"
     if [[ -n "$KILL_AT_STEP" && "$STATE" == running && "${step:-0}" -ge "$KILL_AT_STEP" ]]; then
         KILL_AT_STEP=""
-        VICTIM="$(curl -sS "$URL/v1/jobs/$JOB_ID/attempts" -H "Authorization: Bearer $TOKEN" | "$PY" -c 'import json, sys
+        VICTIM="$("${CURL[@]}" -sS "$URL/v1/jobs/$JOB_ID/attempts" -H "Authorization: Bearer $TOKEN" | "$PY" -c 'import json, sys
 workers = [w for n in json.load(sys.stdin)["items"][-1]["nodes"] for w in n["workers"] if w["state"] == "running"]
 print(max(workers, key=lambda w: w["rank"])["pid"] if workers else "")')"
         if [[ -n "$VICTIM" ]]; then
@@ -152,8 +156,8 @@ job = json.load(sys.stdin)
 print(json.dumps({k: job.get(k) for k in ("state", "end_reason", "failures", "progress", "result")}, indent=2))' <<<"$JOB"
 
 say "attempts"
-show "curl -sS $URL/v1/jobs/$JOB_ID/attempts -H 'Authorization: Bearer $TOKEN'"
-curl -sS "$URL/v1/jobs/$JOB_ID/attempts" -H "Authorization: Bearer $TOKEN" | "$PY" -c 'import json, sys
+show "${CURL[*]} -sS $URL/v1/jobs/$JOB_ID/attempts -H 'Authorization: Bearer $TOKEN'"
+"${CURL[@]}" -sS "$URL/v1/jobs/$JOB_ID/attempts" -H "Authorization: Bearer $TOKEN" | "$PY" -c 'import json, sys
 for a in json.load(sys.stdin)["items"]:
     line = "attempt %s: %s" % (a["number"], a["outcome"])
     if a["outcome"] == "failed":
@@ -165,8 +169,8 @@ for a in json.load(sys.stdin)["items"]:
     print(line)'
 
 say "last log lines"
-show "curl -sS '$URL/v1/jobs/$JOB_ID/logs' -H 'Authorization: Bearer $TOKEN' | tail -n 8"
-curl -sS "$URL/v1/jobs/$JOB_ID/logs" -H "Authorization: Bearer $TOKEN" | tail -n 8 || true
+show "${CURL[*]} -sS '$URL/v1/jobs/$JOB_ID/logs' -H 'Authorization: Bearer $TOKEN' | tail -n 8"
+"${CURL[@]}" -sS "$URL/v1/jobs/$JOB_ID/logs" -H "Authorization: Bearer $TOKEN" | tail -n 8 || true
 
 if [[ "$STATE" != succeeded ]]; then
     echo "demo: the job ended '$STATE' (logs of each process: $DATA_DIR/logs/)" >&2

@@ -6,6 +6,9 @@ import subprocess
 import sys
 import uuid
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from control_plane.services.checkpoints import checkpoint_prefix
 from trainyard.protocol import keys
 from worker_runtime import WorkerContext
@@ -44,3 +47,21 @@ def test_the_contract_imports_nothing_heavy() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(step=st.integers(0, 10**12), attempt=st.integers(0, 10**6), rank=st.integers(0, 10**7))
+def test_parse_key_reads_back_exactly_the_keys_the_layout_spells(step: int, attempt: int, rank: int) -> None:
+    """The control plane signs storage URLs only for keys parse_key accepts (issue 11, finding 3)."""
+    prefix = keys.job_checkpoint_prefix(uuid.UUID(int=step))
+    shard, manifest = keys.shard_key(prefix, step, attempt, rank), keys.manifest_key(prefix, step, attempt)
+    assert keys.parse_key(prefix, shard) == keys.CheckpointObject(step, attempt, rank)
+    assert keys.parse_key(prefix, manifest) == keys.CheckpointObject(step, attempt, None)
+    other = keys.job_checkpoint_prefix(uuid.UUID(int=step + 1))
+    for bad in (
+        shard.replace(prefix, other),  # another job's
+        f"{prefix}/step-{step:09d}/attempt-{attempt:04d}/../../{shard}",  # climbs out
+        shard + "x", "/" + shard, shard.replace("rank-", "rank-0"),  # not as the layout spells it
+        prefix + "/", prefix, f"{prefix}/step-{step:09d}/",  # prefixes: listings
+    ):
+        assert keys.parse_key(prefix, bad) is None, bad

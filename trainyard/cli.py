@@ -44,8 +44,18 @@ def server(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "info",
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(help="PEM certificate (chain) to serve HTTPS with; needs --tls-key.",
+                     envvar="TRAINYARD_TLS_CERT", show_default=False),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option(help="PEM private key of --tls-cert.", envvar="TRAINYARD_TLS_KEY", show_default=False),
+    ] = None,
 ) -> None:
-    """Run the control plane (settings from TRAINYARD_* environment variables)."""
+    """Run the control plane (settings from TRAINYARD_* environment variables); HTTPS with
+    --tls-cert and --tls-key, plain HTTP without (then only behind a TLS-terminating proxy)."""
     import uvicorn
 
     from control_plane.settings import Settings
@@ -54,6 +64,7 @@ def server(
         Settings()  # validate the environment before uvicorn starts: one clear line if it is wrong
     except ValueError as exc:
         raise CliError(f"invalid settings: {_first_line(exc)}") from exc
+    certfile, keyfile = _check_tls(tls_cert, tls_key)
     uvicorn.run(
         "control_plane.app:create_app",
         factory=True,
@@ -62,7 +73,24 @@ def server(
         log_level=log_level,
         # The control plane's own logging covers requests; uvicorn's access log would double them.
         access_log=False,
+        ssl_certfile=certfile,
+        ssl_keyfile=keyfile,
     )
+
+
+def _check_tls(cert: Path | None, key: Path | None) -> tuple[str | None, str | None]:
+    """uvicorn's TLS options, after checking the pair loads (one line if it does not)."""
+    if cert is None and key is None:
+        return None, None
+    if cert is None or key is None:
+        raise CliError("--tls-cert and --tls-key go together")
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise CliError(f"cannot use the TLS certificate {cert} with key {key}: {_first_line(exc)}") from exc
+    return str(cert), str(key)
 
 
 @app.command()
@@ -95,7 +123,7 @@ def migrate(
 
 @app.command()
 def agent(
-    control_plane: Annotated[str, typer.Option(help="Control-plane URL, e.g. http://10.0.0.1:8000.")],
+    control_plane: Annotated[str, typer.Option(help="Control-plane URL, e.g. https://10.0.0.1:8000.")],
     name: Annotated[str, typer.Option(help="Node name, unique in the cluster.")],
     address: Annotated[str, typer.Option(help="Address other nodes reach this node at.")],
     virtual_gpus: Annotated[
@@ -110,6 +138,11 @@ def agent(
     join_token_file: Annotated[Path | None, typer.Option(
         help="File holding a join token (default: the TRAINYARD_JOIN_TOKEN variable). Needed for the first "
         "registration only: the agent keeps its node credential in its work dir.", show_default=False)] = None,
+    ca_file: Annotated[
+        Path | None,
+        typer.Option(help="PEM file of the CA that signed the control plane's certificate. Default: the system's "
+                     "trust store.", envvar="TRAINYARD_CA_FILE", show_default=False),
+    ] = None,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
@@ -119,6 +152,7 @@ def agent(
     try:
         config = AgentConfig(
             control_plane_url=control_plane,
+            ca_file=ca_file,
             join_token=read_join_token(join_token_file),
             name=name,
             address=address,
@@ -159,7 +193,7 @@ def plan(
     inter_gbits: Annotated[float | None, typer.Option(help="A node's NICs together, Gbit/s.")] = None,
     min_efficiency: Annotated[float | None, typer.Option(help="Least scaling efficiency recommended.")] = None,
     control_plane: Annotated[str, typer.Option(help="Control-plane URL.", envvar="TRAINYARD_URL")] = (
-        "http://127.0.0.1:8000"),
+        "https://127.0.0.1:8000"),
     token_file: cli_access.TokenFile = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of the table.")] = False,
 ) -> None:
@@ -200,12 +234,14 @@ def _api_post(url: str, token: str, path: str, body: dict[str, Any]) -> Any:
     """POST to the control plane; any failure is one line (the problem+json detail when there is one)."""
     import httpx
 
+    from trainyard.tls import cli_context, untrusted
+
     try:
-        response = httpx.post(url.rstrip("/") + path, json=body, timeout=30.0,
+        response = httpx.post(url.rstrip("/") + path, json=body, timeout=30.0, verify=cli_context(),
                               headers={"Authorization": f"Bearer {token}"} if token else {})
     except httpx.HTTPError as exc:
-        raise CliError(f"cannot reach the control plane at {url}: {_first_line(exc) or type(exc).__name__}",
-                       code=1) from exc
+        why = untrusted(exc) or _first_line(exc) or type(exc).__name__
+        raise CliError(f"cannot reach the control plane at {url}: {why}", code=1) from exc
     if response.status_code >= 400:
         try:
             problem = response.json()
@@ -244,6 +280,9 @@ def dev_up(
     s3_access_key: Annotated[str | None, typer.Option(help="With --s3-endpoint.", show_default=False)] = None,
     s3_secret_key: Annotated[str | None, typer.Option(help="With --s3-endpoint.", show_default=False)] = None,
     s3_bucket: Annotated[str, typer.Option(help="Checkpoint bucket.")] = "trainyard",
+    insecure_http: Annotated[
+        bool, typer.Option("--insecure-http", help="Serve the API over plain HTTP instead of HTTPS with a local CA.")
+    ] = False,
 ) -> None:
     """Start Postgres, S3, the control plane and NODES agents in the foreground; Ctrl-C stops all."""
     from trainyard.dev import DevConfig, DevError, run_dev_up
@@ -262,6 +301,7 @@ def dev_up(
             s3_access_key=s3_access_key,
             s3_secret_key=s3_secret_key,
             s3_bucket=s3_bucket,
+            tls=not insecure_http,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

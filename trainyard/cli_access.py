@@ -24,7 +24,7 @@ Url = Annotated[str, typer.Option("--url", envvar="TRAINYARD_URL", help="Control
 TokenFile = Annotated[Path | None, typer.Option(
     "--token-file", envvar="TRAINYARD_TOKEN_FILE", show_default=False,
     help="File holding your API token (default: the TRAINYARD_TOKEN variable).")]
-DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_URL = "https://127.0.0.1:8000"
 
 
 class AccessError(Exception):
@@ -51,12 +51,14 @@ def call(url: str, token_file: Path | None, method: str, path: str, body: dict[s
          params: dict[str, Any] | None = None) -> Any:
     import httpx
 
+    from trainyard.tls import cli_context, untrusted
+
     token = read_secret(token_file, "TRAINYARD_TOKEN")
     try:
         resp = httpx.request(method, url.rstrip("/") + path, json=body, params=params, timeout=30,
-                             headers={"Authorization": f"Bearer {token}"})
+                             headers={"Authorization": f"Bearer {token}"}, verify=cli_context())
     except httpx.HTTPError as exc:
-        raise AccessError(f"cannot reach {url}: {exc}") from exc
+        raise AccessError(f"cannot reach {url}: {untrusted(exc) or exc}") from exc
     if resp.status_code >= 400:
         try:
             problem = resp.json()

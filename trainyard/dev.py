@@ -1,14 +1,17 @@
 """``trainyard dev up``: a whole cluster on this machine, in the foreground.
 
 Order of start: PostgreSQL (embedded unless a URL is given), S3 (embedded ``weed mini`` unless an
-endpoint is given), migrations, the control plane (``python -m trainyard server``), one agent per
-node (``python -m trainyard agent``, node i at 127.0.0.(i+1) with virtual GPU slots). Stop is the
-reverse, on Ctrl-C, SIGTERM, or when any part dies (then the exit status is 1).
+endpoint is given), migrations, a local CA and the server certificate (trainyard/certs.py), the
+control plane over HTTPS (``python -m trainyard server --tls-cert ...``; plain HTTP with
+``--insecure-http``), one agent per node (``python -m trainyard agent --ca-file ...``, node i at
+127.0.0.(i+1) with virtual GPU slots). Stop is the reverse, on Ctrl-C, SIGTERM, or when any part
+dies (then the exit status is 1).
 
 Layout of the data dir::
 
     DIR/postgres/      PGDATA (kept: a second ``dev up`` on DIR reuses the database)
     DIR/s3/            SeaweedFS data; DIR/s3-credentials.json its keys (0600)
+    DIR/tls/           ca.pem (give it to clients: curl --cacert), ca-key.pem, server.pem, server-key.pem
     DIR/logs/NAME.log  output of each process (control-plane, node-1, ..., s3)
     DIR/nodes/node-i/  each agent's work dir
     DIR/dev-up.lock    held while a ``dev up`` runs on DIR; DIR/dev-up.pids its children
@@ -22,6 +25,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from trainyard.certs import ServerTls, ensure_server_tls
 from trainyard.embedded import (
     EmbeddedError,
     EmbeddedPostgres,
@@ -41,6 +46,7 @@ from trainyard.embedded import (
     stop_process_group,
     wait_exited,
 )
+from trainyard.tls import client_context
 
 READY_MARKER = "TRAINYARD_READY"
 
@@ -65,6 +71,9 @@ class DevConfig:
     """Control-plane processes on one database; node i's agent talks to replica i % replicas."""
     host: str = "127.0.0.1"
     """Control-plane listen address."""
+    tls: bool = True
+    """Serve the API over HTTPS, with a certificate from a local CA kept in DATA_DIR/tls that the
+    agents (and the printed curl commands) trust; False: plain HTTP (``--insecure-http``)."""
     data_dir: Path = field(default_factory=lambda: Path(".trainyard/dev"))
     token: str | None = None
     """Admin token; None: a new random one."""
@@ -116,9 +125,18 @@ class DevConfig:
     def api_url(self) -> str:
         return self.replica_url(0)
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def tls_hosts(self) -> list[str]:
+        """What the server certificate names: loopback, and the listen address unless a wildcard."""
+        return ["127.0.0.1", "localhost", "::1", *([self.host] if self.host not in ("0.0.0.0", "::", "") else [])]
+
     def replica_url(self, index: int) -> str:
         reach = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{reach}:{self.port + index}"
+        return f"{self.scheme}://{reach}:{self.port + index}"
 
 
 @dataclass
@@ -141,6 +159,8 @@ class DevCluster:
         self.pg: EmbeddedPostgres | None = None
         self.s3: EmbeddedS3 | None = None
         self.database_url = config.database_url or ""
+        self.tls: ServerTls | None = None
+        """The CA and server certificate, once ``start`` made them (None over plain HTTP)."""
         self.control_planes: list[_Child | None] = [None] * config.replicas
         self.agents: list[_Child] = []
         self._control_plane_env: dict[str, str] = {}
@@ -195,6 +215,8 @@ class DevCluster:
             **cfg.control_plane_env,
         }
         self._control_plane_env = env
+        if cfg.tls:
+            self.tls = ensure_server_tls(cfg.data_dir / "tls", cfg.tls_hosts)
         for i in range(cfg.replicas):
             self._say(f"starting the control plane on {cfg.replica_url(i)}")
             self._start_control_plane(i)
@@ -213,9 +235,10 @@ class DevCluster:
     def _start_control_plane(self, index: int, extra_env: dict[str, str] | None = None) -> None:
         name = "control-plane" if index == 0 else f"control-plane-{index + 1}"
         port = str(self.config.port + index)
+        tls = ["--tls-cert", str(self.tls.cert_file), "--tls-key", str(self.tls.key_file)] if self.tls else []
         self.control_planes[index] = self._spawn(
             name,
-            ["-m", "trainyard", "server", "--host", self.config.host, "--port", port],
+            ["-m", "trainyard", "server", "--host", self.config.host, "--port", port, *tls],
             {**self._control_plane_env, **(extra_env or {})},
         )
         url = self.config.replica_url(index)
@@ -252,6 +275,7 @@ class DevCluster:
             "--address", f"127.0.0.{i + 1}",
             "--virtual-gpus", str(cfg.gpus_per_node),
             "--work-dir", str(cfg.data_dir / "nodes" / name),
+            *(["--ca-file", str(self.tls.ca_file)] if self.tls else []),
         ]  # fmt: skip
 
     def join_token_file(self, name: str) -> Path:
@@ -264,7 +288,7 @@ class DevCluster:
         import httpx
 
         try:
-            resp = httpx.post(f"{self.config.api_url}/v1/join-tokens", timeout=10.0,
+            resp = httpx.post(f"{self.config.api_url}/v1/join-tokens", timeout=10.0, verify=self.verify,
                               headers={"Authorization": f"Bearer {self.token}"},
                               json={"node_name": name, "ttl_s": 30 * 86400, "max_uses": None,
                                     "description": "trainyard dev up"})
@@ -325,9 +349,14 @@ class DevCluster:
         except Exception as exc:
             raise DevError(f"S3 at {endpoint} is not usable: {' '.join(str(exc).split())[:200]}") from exc
 
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """What an HTTP client of this cluster verifies its certificate with (httpx's ``verify``)."""
+        return client_context(self.tls.ca_file) if self.tls else True
+
     def announce(self) -> None:
         url, token = self.config.api_url, self.token
-        auth = f'-H "Authorization: Bearer {token}"'
+        auth = f'-H "Authorization: Bearer {token}"' + (f" --cacert {self.tls.ca_file}" if self.tls else "")
         body = json.dumps(
             {
                 "name": "tiny-gpt",
@@ -347,6 +376,8 @@ class DevCluster:
             *([f"  replicas:    {', '.join(self.config.replica_url(i) for i in range(self.config.replicas))}"]
               if self.config.replicas > 1 else []),
             f"  admin token: {token}",
+            *([f"  CA:          {self.tls.ca_file}   (the API's certificate is signed by it)"] if self.tls else
+              ["  plain HTTP:  --insecure-http; tokens cross the network in the clear"]),
             f"  logs:        {self.logs_dir}",
             "",
             "Try:",
@@ -355,7 +386,7 @@ class DevCluster:
             f"  curl -s {auth} {url}/v1/jobs/JOB_ID",
             "",
             "Press Ctrl-C to stop.",
-            f"{READY_MARKER} url={url} token={token}",
+            f"{READY_MARKER} url={url} token={token}" + (f" ca={self.tls.ca_file}" if self.tls else ""),
         ]
         print("\n".join(lines), file=self.out, flush=True)
 
@@ -472,7 +503,7 @@ class DevCluster:
         import httpx
 
         try:
-            return httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200
+            return httpx.get(f"{url}/readyz", timeout=2.0, verify=self.verify).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -484,6 +515,7 @@ class DevCluster:
                 f"{self.config.api_url}/v1/nodes",
                 headers={"Authorization": f"Bearer {self.token}"},
                 timeout=2.0,
+                verify=self.verify,
             )
         except httpx.HTTPError:
             return False
@@ -552,7 +584,7 @@ def _s3_credentials(path: Path) -> tuple[str, str]:
     with contextlib.suppress(OSError, ValueError, KeyError):
         saved = json.loads(path.read_text())
         return str(saved["access_key"]), str(saved["secret_key"])
-    access, secret = "trainyard", secrets.token_urlsafe(24)
+    access, secret = f"trainyard-{secrets.token_hex(6)}", secrets.token_urlsafe(24)  # no guessable default
     path.touch(mode=0o600, exist_ok=True)
     path.write_text(json.dumps({"access_key": access, "secret_key": secret}))
     return access, secret

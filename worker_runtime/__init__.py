@@ -18,6 +18,7 @@ from worker_runtime.reporting import Reporter, ReportError, StaleAttemptError
 
 if TYPE_CHECKING:
     from worker_runtime.checkpoint.manager import CheckpointManager
+    from worker_runtime.comm_meter import CommMeter
     from worker_runtime.distributed import (
         device_of,
         init_distributed,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
         settle_ddp_buckets,
         shutdown_distributed,
     )
+    from worker_runtime.layouts import LayoutError, ParallelModel, apply_layout
     from worker_runtime.state import (
         DataPosition,
         RngState,
@@ -39,6 +41,10 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "CheckpointManager": "worker_runtime.checkpoint.manager",
+    "CommMeter": "worker_runtime.comm_meter",
+    "LayoutError": "worker_runtime.layouts",
+    "ParallelModel": "worker_runtime.layouts",
+    "apply_layout": "worker_runtime.layouts",
     "device_of": "worker_runtime.distributed",
     "init_distributed": "worker_runtime.distributed",
     "is_distributed": "worker_runtime.distributed",
@@ -69,6 +75,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CheckpointManager",
+    "CommMeter",
+    "LayoutError",
+    "ParallelModel",
     "DataPosition",
     "ReportError",
     "Reporter",
@@ -79,6 +88,7 @@ __all__ = [
     "TrainState",
     "WorkerContext",
     "WorldSizeMismatchError",
+    "apply_layout",
     "capture_rng_state",
     "device_of",
     "init_distributed",

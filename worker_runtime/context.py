@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 # Set by the node agent for every worker process (node_agent/launcher.py, worker_env).
 from trainyard.protocol.env import (
     ENV_AGENT_URL,
@@ -27,10 +29,12 @@ from trainyard.protocol.env import (
     ENV_FENCING_TOKEN,
     ENV_JOB_ID,
     ENV_JOB_NAME,
+    ENV_LAYOUT,
     ENV_NODE_RANK,
     ENV_RESTORE_FROM,
     STORAGE_ENV,
 )
+from trainyard.protocol.layout import Layout
 
 # Set by torchrun (torch.distributed.run) for every worker it starts.
 ENV_RANK = "RANK"
@@ -68,8 +72,9 @@ class WorkerContext:
     node_rank: int = 0
     """The control plane's rank of this node in the attempt (what the agent reports under)."""
     group_rank: int = 0
-    """torchrun's rank of this node; with c10d rendezvous it follows join order, so it may differ
-    from node_rank. Global ranks derive from it, never from node_rank."""
+    """torchrun's rank of this node. The agent pins it to node_rank (static rendezvous,
+    node_agent/launcher.py); under another launcher (a c10d rendezvous sorts nodes by address)
+    it may differ. Global ranks derive from it, never from node_rank."""
     local_world_size: int = 1
     device: Device = "cpu"
     """``cuda`` (NCCL) on GPU nodes, ``cpu`` (gloo) on nodes with virtual slots."""
@@ -81,10 +86,14 @@ class WorkerContext:
     """The restore plan, ``{"candidates": [reference, ...]}`` most recent first (each reference names a
     checkpoint and its manifest in storage; see checkpoint.restore.resolve), or None."""
     storage: dict[str, str] = field(default_factory=dict, repr=False)
-    """Checkpoint storage: endpoint, bucket, access_key, secret_key, secure, region (the keys
-    present). Holds a secret, so it stays out of repr."""
+    """Checkpoint storage. Under an agent only ``access`` (``presigned``: URLs per object, obtained
+    through the agent); a script run outside Trainyard may give its own endpoint, bucket,
+    access_key, secret_key, secure, region. May hold a secret, so it stays out of repr."""
     checkpoint_prefix: str | None = None
     """Where this job's checkpoints live in the bucket (``jobs/<job_id>/checkpoints``)."""
+    layout: Layout = field(default_factory=Layout)
+    """The parallel layout the job asks for (TRAINYARD_LAYOUT; plain DDP when absent), applied by
+    ``worker_runtime.layouts.apply_layout``."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -141,6 +150,7 @@ class WorkerContext:
             restore_from=_json_object(env, ENV_RESTORE_FROM),
             storage={key: env[name] for key, name in STORAGE_ENV.items() if env.get(name)},
             checkpoint_prefix=(env.get(ENV_CHECKPOINT_PREFIX) or "").strip("/") or None,
+            layout=_layout(env),
         )
 
 
@@ -165,6 +175,17 @@ def _json_object(env: Mapping[str, str], name: str) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def _layout(env: Mapping[str, str]) -> Layout:
+    raw = _json_object(env, ENV_LAYOUT)
+    if raw is None:
+        return Layout()
+    try:
+        return Layout.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'layout'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{ENV_LAYOUT} is not a valid layout: {problems}") from None
 
 
 def _device(raw: str | None) -> Device:

@@ -246,10 +246,15 @@ def weights_sha256(module: torch.nn.Module) -> str:
     """Hex sha256 over the parameters in name order (bytes of contiguous CPU copies).
 
     Two runs that should be identical compare with this; tied parameters are counted once.
+    Sharded parameters (FSDP2's DTensors) are gathered whole first: then it is a collective, to
+    be called on every rank.
     """
     digest = hashlib.sha256()
     for _, param in sorted(module.named_parameters(), key=lambda item: item[0]):
+        data = param.detach()
+        if holds_dtensor(data):
+            data = data.full_tensor()  # type: ignore[attr-defined]
         # Viewed as bytes so every dtype hashes (numpy has no bfloat16).
-        tensor = param.detach().to("cpu").contiguous().reshape(-1)
+        tensor = data.to("cpu").contiguous().reshape(-1)
         digest.update(tensor.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

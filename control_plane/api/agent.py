@@ -19,7 +19,7 @@ from control_plane.api.deps import (
 )
 from control_plane.api.jobs import ERRORS
 from control_plane.errors import Unauthorized
-from control_plane.services import agent_protocol, logs, nodes, upload_slots
+from control_plane.services import agent_protocol, logs, nodes, storage_grants, upload_slots
 from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
@@ -37,6 +37,7 @@ from trainyard.protocol.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
+from trainyard.protocol.grants import StorageGrants, StorageRequest
 from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotReleased, SlotRequest
 
 router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=TransactionRoute)
@@ -103,6 +104,14 @@ def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity,
 def attempt_events(attempt_id: uuid.UUID, body: WorkerEventBatch, node: NodeIdentity,
                    session: SessionDep) -> WorkerEventAck:
     return WorkerEventAck(accepted=agent_protocol.report_events(session, node, attempt_id, body))
+
+
+@router.post("/attempts/{attempt_id}/storage", response_model=StorageGrants, responses=ERRORS)
+def attempt_storage(attempt_id: uuid.UUID, body: StorageRequest, node: NodeIdentity, session: SessionDep,
+                    settings: SettingsDep, runtime: RuntimeDep) -> StorageGrants:
+    """Presigned URLs for the checkpoint objects a worker of the attempt may read or write
+    (trainyard/protocol/grants.py); workers hold no storage credential."""
+    return storage_grants.grant(session, node, attempt_id, body, runtime.object_store, settings)
 
 
 @router.post("/attempts/{attempt_id}/upload-slots", response_model=SlotAnswer, responses=ERRORS)

@@ -294,20 +294,22 @@ def _fail_unplaceable(
     return kept
 
 
-def _ports_in_use(session: Session) -> set[int]:
-    return set(
-        session.scalars(select(Attempt.rdzv_port).where(Attempt.state.in_(ATTEMPT_HOLDING)))
-    )
+def _ports_in_use(session: Session) -> set[tuple[str, int]]:
+    """(host, port) of every attempt that may still listen: a port is unique on its host only."""
+    return {
+        (host, port) for host, port in session.execute(
+            select(Attempt.rdzv_host, Attempt.rdzv_port).where(Attempt.state.in_(ATTEMPT_HOLDING)))
+    }
 
 
-def _pick_port(used: set[int], settings: Settings, seed: int) -> int:
+def _pick_port(used: set[tuple[str, int]], host: str, settings: Settings, seed: int) -> int:
     span = settings.rdzv_port_max - settings.rdzv_port_min + 1
     for i in range(span):
         port = settings.rdzv_port_min + (seed + i) % span
-        if port not in used:
-            used.add(port)
+        if (host, port) not in used:
+            used.add((host, port))
             return port
-    raise RuntimeError("no free rendezvous port in the configured range")
+    raise RuntimeError(f"no free rendezvous port on {host} in the configured range")
 
 
 def _try_lock(session: Session) -> bool:
@@ -410,7 +412,7 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
     admitted = [p for p in placements if p.job_id in locked]
     attempts.create_attempts(session, [
         (locked[p.job_id], [(nodes[node_id], ix) for node_id, ix in p.nodes],
-         _pick_port(used_ports, settings, seed + i))
+         _pick_port(used_ports, nodes[p.nodes[0][0]].address, settings, seed + i))
         for i, p in enumerate(admitted)
     ])
     return admitted

@@ -57,6 +57,17 @@ class _Res:
         return self.start + limit if limit and self.start < INF else INF
 
 
+def rank_order(nodes: Sequence[_Node]) -> list[_Node]:
+    """The node ranks of a gang: the nodes of one topology domain adjacent (the largest domain
+    first, nodes without a label last), by name inside a domain. torchrun numbers ranks node by
+    node in this order (node_agent/launcher.py), so a ring all-reduce crosses between domains as
+    few times as possible and a layout's inner mesh dimension never leaves a node."""
+    sizes: dict[str | None, int] = {}
+    for n in nodes:
+        sizes[n.label] = sizes.get(n.label, 0) + 1
+    return sorted(nodes, key=lambda n: (n.label is None, -sizes[n.label], n.label or "", n.name))
+
+
 def _need(h: _Res, holds: list[_Res]) -> int:
     """GPUs the reservations ``holds`` of one node occupy at ``h``'s start (``h``'s own share included)."""
     return h.share + sum(k.share for k in holds if k is not h and k.start <= h.start < k.end)
@@ -476,7 +487,7 @@ class Pass:
         g = j.gpus_per_node
         backfill = from_reserve = False
         parts = []
-        for n in sorted(chosen, key=lambda n: n.name):
+        for n in rank_order(chosen):
             taken = tuple(n.free[:g])
             del n.free[:g]
             if not n.strict and any(r.job is not j and jend < INF and jend <= r.start for r in n.holds):

@@ -151,6 +151,30 @@ class Progress(BaseModel):
     step: int | None = None
     loss: float | None = None
     updated_at: datetime | None = Field(default=None, description="Time of the last report.")
+    metrics: dict[str, float] = Field(default_factory=dict, description=(
+        "The current attempt's last reported metrics: the measured split of a step, in seconds per "
+        "optimizer step and bytes (step_s, compute_s, comm_s: exposed communication, comm_busy_s, "
+        "comm_bytes; means over ranks and over the steps since the previous report), and whatever "
+        "else the script reports (lr, ...)."))
+
+
+class StepSplitOut(BaseModel):
+    """One optimizer step split into compute and exposed (not overlapped) communication, seconds."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float
+    comm_share: float = Field(description="comm_s / step_s.")
+
+
+class SplitOut(BaseModel):
+    """The plan's predicted step next to the step the workers measured."""
+
+    predicted: StepSplitOut | None = Field(description="From the plan's row for the job's own count "
+                                           "(compute_s, exposed_comm_s, step_s); null without a plan.")
+    measured: StepSplitOut | None = Field(description="From the current attempt's progress.metrics; null until "
+                                          "the workers report them.")
+    step_ratio: float | None = Field(description="measured / predicted step time.")
 
 
 class AttemptRef(BaseModel):
@@ -187,6 +211,7 @@ class JobOut(BaseModel):
     layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
     plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
     progress: Progress
+    split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None
     end_reason: str | None
     current_attempt: AttemptRef | None
@@ -271,6 +296,7 @@ class AttemptOut(BaseModel):
     rendezvous: str
     restored_from_step: int | None
     progress_step: int | None = Field(description="The last step this attempt reported.")
+    progress_metrics: dict[str, float] = Field(description="The metrics of that report (see Progress.metrics).")
     recovery: RecoveryOut | None = Field(description="Set when this attempt replaced a failed one.")
     created_at: datetime
     started_at: datetime | None

@@ -9,9 +9,10 @@ duplicated or late report never moves a state backwards. See docs/architecture.m
 
 from __future__ import annotations
 
+import math
 import secrets
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -310,6 +311,13 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
         )
 
 
+def progress_metrics(metrics: Mapping[str, float]) -> dict[str, float] | None:
+    """What is stored of a report's metrics: the wire contract bounds them (at most MAX_METRICS
+    finite values under short names, trainyard/protocol/limits.py); JSONB holds no NaN or
+    infinity, so a non-finite value that got past it is dropped rather than failing the report."""
+    return {name: float(value) for name, value in sorted(metrics.items()) if math.isfinite(value)} or None
+
+
 def apply_status(
     session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport
 ) -> tuple[Attempt, AttemptNode]:
@@ -329,10 +337,12 @@ def apply_status(
         job.progress_step = report.progress.step
         job.progress_loss = report.progress.loss
         job.progress_at = report.progress.at
+        attempt.progress_metrics = progress_metrics(report.progress.metrics)
         if attempt.first_progress_at is None:
             attempt.first_progress_at = t
-    # Global rank 0 reports the result; torchrun's c10d rendezvous may put it on any node rank, so
-    # the part that holds worker rank 0 (as reported, checked by _merge_workers) is the one.
+    # Global rank 0 reports the result. The agent pins torchrun's node order (node_agent/launcher.py)
+    # so it runs on node rank 0, but another launcher may put it elsewhere: the part that holds
+    # worker rank 0 (as reported, checked by _merge_workers) is the one.
     if report.result is not None and job.result is None:
         if not _holds_rank_zero(session, part):
             raise Forbidden(f"node rank {part.node_rank} does not run global rank 0: only that node reports the "

@@ -36,6 +36,8 @@ from control_plane.schemas.jobs import (
     JobOut,
     Progress,
     RecoveryOut,
+    SplitOut,
+    StepSplitOut,
     WorkerOut,
 )
 from control_plane.schemas.nodes import GpuOut, NodeOut
@@ -45,7 +47,7 @@ from control_plane.schemas.uploads import CheckpointUploadOut
 from control_plane.services import pages, reservations, tenants
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
-from trainyard.protocol.layout import Layout
+from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
 
 log = structlog.get_logger("trainyard.views")
 
@@ -86,6 +88,8 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 for p in attempt.nodes
                 if p.released_at is None
             ]
+        plan = _stored_plan(job)
+        metrics = (attempt.progress_metrics if attempt is not None else None) or {}
         out.append(
             JobOut(
                 id=str(job.id),
@@ -105,8 +109,10 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 gpu_kind=job.gpu_kind,
                 model=job.model,
                 layout=Layout.model_validate(job.layout) if job.layout else None,
-                plan=_stored_plan(job),
-                progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at),
+                plan=plan,
+                progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at,
+                                  metrics=metrics),
+                split=step_split(plan, metrics),
                 result=job.result,
                 end_reason=job.end_reason,
                 current_attempt=AttemptRef(id=str(attempt.id), number=attempt.number, state=attempt.state,
@@ -122,6 +128,21 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             )
         )
     return out
+
+
+def step_split(plan: JobPlanOut | None, metrics: dict[str, float]) -> SplitOut:
+    """The plan's row for the job's count beside the measured metrics (METRIC_* names)."""
+    row = plan.row if plan is not None else None
+    predicted = measured = None
+    if row is not None and row.step_s and row.compute_s is not None and row.exposed_comm_s is not None:
+        predicted = StepSplitOut(step_s=row.step_s, compute_s=row.compute_s, comm_s=row.exposed_comm_s,
+                                 comm_share=row.exposed_comm_s / row.step_s)
+    step, comm = metrics.get(METRIC_STEP_S), metrics.get(METRIC_COMM_S)
+    if step and step > 0 and comm is not None:
+        measured = StepSplitOut(step_s=step, compute_s=metrics.get(METRIC_COMPUTE_S, step - comm), comm_s=comm,
+                                comm_share=comm / step)
+    ratio = measured.step_s / predicted.step_s if measured and predicted else None
+    return SplitOut(predicted=predicted, measured=measured, step_ratio=ratio)
 
 
 def _stored_plan(job: Job) -> JobPlanOut | None:
@@ -275,6 +296,7 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
             rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
             restored_from_step=a.restored_from_step,
             progress_step=a.progress_step,
+            progress_metrics=a.progress_metrics or {},
             recovery=_recovery(previous.get(a.id), a),
             created_at=a.created_at,
             started_at=a.started_at,

@@ -113,6 +113,28 @@ def test_duplicate_and_reordered_reports_never_move_backwards(client, schedule, 
     assert part["state"] == "running" and {w["state"] for w in part["workers"]} == {"running"}
 
 
+def test_progress_metrics_are_kept_per_attempt_and_shown_in_the_job_view(client, schedule, two_nodes):
+    a, b = two_nodes
+    job, (sa, sb) = _start(client, schedule, two_nodes)
+    split = {"step_s": 0.5, "compute_s": 0.4, "comm_s": 0.1, "comm_bytes": 2.5e6, "lr": 3e-4}
+
+    def progress(step: int, metrics: dict[str, float]) -> dict:
+        return {"step": step, "loss": 2.0, "at": "2026-12-02T10:00:00Z", "metrics": metrics}
+
+    a.status(sa, "running", workers=workers_for(sa, "running"), progress=progress(10, split))
+    newer = {**split, "comm_s": 0.2, "step_s": 0.6}
+    assert a.status(sa, "running", workers=workers_for(sa, "running"), progress=progress(20, newer)).status_code == 200
+    a.status(sa, "running", workers=workers_for(sa, "running"), progress=progress(5, {"comm_s": 9.0}))  # late
+    view = _job(client, job["id"])
+    assert view["progress"]["step"] == 20
+    assert view["progress"]["metrics"] == newer
+    [attempt] = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["progress_metrics"] == view["progress"]["metrics"]
+    # The measured split; without a model there is no predicted one.
+    assert view["split"] == {"predicted": None, "step_ratio": None, "measured": {
+        "step_s": 0.6, "compute_s": 0.4, "comm_s": 0.2, "comm_share": pytest.approx(1 / 3)}}
+
+
 def test_delayed_heartbeat_is_ignored(client, schedule, two_nodes):
     a, b = two_nodes
     job, (sa, sb) = _start(client, schedule, two_nodes)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.factories import ADMIN, FakeAgentSession, job_body
+from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 
 H100 = "NVIDIA H100 80GB HBM3"
 # A 1.3B model (shape given), 2k tokens per sample, 2 samples per GPU per micro-step.
@@ -103,3 +103,24 @@ def test_the_layout_reaches_every_node_in_its_launch_spec(client, h100s, schedul
         assert len(specs) == 1
         assert specs[0]["layout"] == {**layout, "ddp_bucket_mb": 25.0, "compression": "none", "powersgd_rank": 1,
                                       "tp_size": 1}
+
+
+def test_the_job_view_puts_the_measured_split_next_to_the_plan(client, schedule, h100s):
+    body = job_body(num_nodes=2, gpus_per_node=8, model=MODEL, layout={"kind": "hsdp"})
+    job = client.post("/v1/jobs", json=body, headers=ADMIN).json()
+    assert job["split"] == {"predicted": job["split"]["predicted"], "measured": None, "step_ratio": None}
+    row = job["plan"]["row"]
+    assert job["split"]["predicted"] == {"step_s": row["step_s"], "compute_s": row["compute_s"],
+                                         "comm_s": row["exposed_comm_s"],
+                                         "comm_share": row["exposed_comm_s"] / row["step_s"]}
+    assert schedule() == 1
+    agent = h100s[0]
+    spec = agent.heartbeat()["assignments"][0]
+    metrics = {"step_s": 2 * row["step_s"], "compute_s": 1.5 * row["step_s"], "comm_s": 0.5 * row["step_s"],
+               "comm_bytes": 1e9}
+    agent.status(spec, "running", workers=workers_for(spec, "running"),
+                 progress={"step": 10, "loss": 2.0, "at": "2026-12-02T10:00:00Z", "metrics": metrics})
+    split = client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()["split"]
+    assert split["measured"] == {"step_s": metrics["step_s"], "compute_s": metrics["compute_s"],
+                                 "comm_s": metrics["comm_s"], "comm_share": 0.25}
+    assert split["step_ratio"] == pytest.approx(2.0)

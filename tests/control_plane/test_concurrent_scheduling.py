@@ -4,8 +4,11 @@ never apply the same decision twice."""
 from __future__ import annotations
 
 import threading
+import uuid
 
+import pytest
 from sqlalchemy import create_engine, text
+from sqlalchemy.exc import IntegrityError
 
 from control_plane.db import make_engine, make_session_factory
 from control_plane.scheduler import allocate
@@ -120,3 +123,42 @@ def test_two_passes_deciding_on_the_same_snapshot_apply_it_once(client, settings
     assert state["double_leased"] == [] and state["partial"] == []
     assert set(state["attempts_per_job"].values()) == {1} and len(state["attempts_per_job"]) == 3
     assert state["allocated_events"] == 3 and state["leased"] == 6
+
+
+def test_a_rendezvous_port_is_unique_per_host_not_per_cluster(fresh_database_url):
+    """With one port in the range, two single-node jobs on two nodes (two rendezvous hosts) both
+    start, and the database refuses the port twice on one host. (Ports were unique cluster-wide: a
+    1,000-node cluster ran out of them long before its GPUs, and the default range reached into
+    Linux's ephemeral ports, where an outgoing connection's local port made torchrun's store fail
+    with EADDRINUSE.)"""
+    from fastapi.testclient import TestClient
+
+    from control_plane.app import create_app
+    from control_plane.settings import Settings
+    from tests.control_plane.conftest import ADMIN_TOKEN, JOIN_TOKEN
+
+    assert Settings.model_fields["rdzv_port_max"].default < 32768  # below the ephemeral range
+    settings = Settings(database_url=fresh_database_url, admin_token=ADMIN_TOKEN, join_token=JOIN_TOKEN,
+                        run_loops=False, log_json=False, startup_grace_s=0, rdzv_port_min=30000,
+                        rdzv_port_max=30000)
+    app = create_app(settings)
+    with TestClient(app) as client:
+        register_node(client, "node-a", 1, address="10.0.0.1")
+        register_node(client, "node-b", 1, address="10.0.0.2")
+        for i in range(2):
+            r = client.post("/v1/jobs", json=job_body(name=f"one-{i}", num_nodes=1, gpus_per_node=1), headers=ADMIN)
+            assert r.status_code == 201, r.text
+        app.state.loops.schedule_once()
+        started = client.get("/v1/jobs", params={"state": "starting"}, headers=ADMIN).json()["items"]
+        assert len(started) == 2
+    engine = create_engine(fresh_database_url)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT rdzv_host, rdzv_port FROM attempts")).all()
+        assert sorted(r.rdzv_port for r in rows) == [30000, 30000] and len({r.rdzv_host for r in rows}) == 2
+        job = conn.execute(text("SELECT job_id, rdzv_host FROM attempts LIMIT 1")).one()
+        with pytest.raises(IntegrityError, match="uq_attempts_active_rdzv_port"):
+            conn.execute(text(
+                "INSERT INTO attempts (id, job_id, number, fencing_token, state, num_gpus, rdzv_host, rdzv_port) "
+                "VALUES (:a, :j, 99, 't', 'starting', 1, :h, 30000)"), {"a": uuid.uuid4(), "j": job.job_id,
+                                                                       "h": job.rdzv_host})
+    engine.dispose()

@@ -1,26 +1,26 @@
 """The heartbeat delta protocol over HTTP on real Postgres (finding 21): an agent that reports the
 specs it holds gets full specs only for new or changed assignments, a compact reference for the
-rest, and storage credentials only at registration; an old agent still gets full specs."""
+rest, and the storage access only at registration (never a credential: issue 11, finding 3); an
+old agent still gets full specs."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from control_plane.settings import Settings
 from tests.factories import ADMIN, FakeAgentSession, job_body
 
-SECRET = "s3-secret-never-in-a-heartbeat"
-STORAGE = {"endpoint": "127.0.0.1:9", "bucket": "b", "access_key": "ak", "secret_key": SECRET,
-           "secure": False, "region": "us-east-1"}
+SECRET = "s3-secret-never-sent-to-an-agent"
+STORAGE = {"access": "presigned"}
 
 
 @pytest.fixture
-def app(app: FastAPI) -> FastAPI:
-    app.state.worker_storage = dict(STORAGE)  # what workers get; no S3 is reached in these tests
-    return app
+def settings(settings: Settings) -> Settings:
+    # S3 configured (never reached in these tests): agents learn that there is storage, not its keys.
+    return settings.model_copy(update={"s3_endpoint": "127.0.0.1:9", "s3_access_key": "ak", "s3_secret_key": SECRET})
 
 
 class DeltaAgent(FakeAgentSession):
@@ -76,14 +76,14 @@ def test_unchanged_assignment_is_a_small_reference_whatever_the_job_size(client,
     assert {size for _, size in small["second"]} == {size for _, size in big["second"]}
 
 
-def test_credentials_come_once_at_registration_and_old_agents_still_get_full_specs(client, schedule):
+def test_storage_access_comes_once_at_registration_without_credentials_and_old_agents_get_full_specs(client, schedule):
     new = DeltaAgent(client, "new")
     old = DeltaAgent(client, "old")
     reg = client.post("/v1/agent/register", headers=new.headers,  # registered again, with its credential
                       json={"name": "new", "address": "127.0.0.1", "gpus": [
                           {"index": i, "uuid": f"virtual-new-{i}", "kind": "virtual-cpu", "memory_mb": 0}
                           for i in range(2)]}).json()
-    assert reg["storage"] == STORAGE
+    assert reg["storage"] == STORAGE and SECRET not in str(reg)
     new.headers = {"Authorization": f"Bearer {reg['node_token']}"}
     client.post("/v1/jobs", json=job_body(), headers=ADMIN)
     assert schedule() == 1
@@ -91,7 +91,8 @@ def test_credentials_come_once_at_registration_and_old_agents_still_get_full_spe
     assert set(spec_new["storage"]) == {"prefix"}
     for _ in range(2):  # no `known`: the full spec every time, as before
         [spec_old] = old.heartbeat()["assignments"]
-        assert spec_old["storage"]["secret_key"] == SECRET and spec_old["storage"]["prefix"]
+        assert spec_old["storage"] == {**STORAGE, "prefix": spec_old["storage"]["prefix"]}
+        assert SECRET not in str(spec_old)
     # Credentials are not part of the version: the same agent, upgraded, keeps that spec.
     resp, _ = old.beat([spec_old["attempt_id"]], known={spec_old["attempt_id"]: spec_old["version"]})
     assert resp["assignments"] == [] and resp["unchanged"][0]["desired"] == "run"

@@ -104,6 +104,15 @@ def test_a_gang_stays_in_one_rack_when_it_can():
     assert p is not None and {n for n, _ in p.nodes} >= {"b1", "b2", "b3"}
 
 
+def test_node_ranks_keep_each_rack_together():
+    # Four nodes in two racks, names interleaved: by name alone the ranks would alternate racks.
+    nodes = [node("n1", (0,), rack="r2"), node("n2", (0,), rack="r1"), node("n3", (0,), rack="r2"),
+             node("n4", (0,), rack="r1"), node("n5", (0,), rack="r2"), node("n6", (0,))]
+    p = place(job("x", 6, 1), nodes)
+    # The largest rack first, then by rack name, unlabelled last; by name inside a rack.
+    assert p is not None and [n for n, _ in p.nodes] == ["n1", "n3", "n5", "n2", "n4", "n6"]
+
+
 def test_topology_can_be_turned_off():
     nodes = [node("a1", (0, 1), 4, rack="a"), node("b1", (2, 3), 4, rack="b"), node("b2", (0, 1, 2, 3), rack="b")]
     p = place(job("x", 2, 2), nodes, topology_label=None)
@@ -412,6 +421,10 @@ def test_decisions_are_whole_gangs_within_free_capacity_and_quotas(scenario):
             free[nid] -= set(ix)
             assert nid not in j.avoid_nodes
             assert j.recovering or nid not in reserve
+        if opts.topology_label:  # node ranks keep a topology domain together
+            labels = [caps[nid].labels.get(opts.topology_label) for nid, _ in p.nodes]
+            runs = [label for i, label in enumerate(labels) if i == 0 or labels[i - 1] != label]
+            assert len(runs) == len(set(runs)), labels
         used[j.tenant] = used.get(j.tenant, 0) + j.num_gpus
         quota = tenants.get(j.tenant, TenantShare()).gpu_quota
         assert quota is None or used[j.tenant] <= quota  # quotas respected

@@ -323,3 +323,41 @@ def test_a_worker_waits_for_its_slot_through_its_agent(settings: Settings) -> No
         finally:
             api.stop()
             client.close()
+
+
+@pytest.fixture
+def storage_client(settings: Settings, s3_bucket: Any) -> Any:
+    """A control plane that signs storage URLs on the real S3 server, with 5 MiB parts."""
+    s3 = settings.model_copy(update={
+        "s3_endpoint": s3_bucket.endpoint, "s3_access_key": s3_bucket.access_key,
+        "s3_secret_key": s3_bucket.secret_key, "s3_bucket": s3_bucket.bucket, "storage_part_size_mb": 5,
+    })
+    with TestClient(create_app(s3)) as c:
+        yield c
+
+
+def test_a_workers_presigned_upload_keeps_to_its_slots_rate_in_one_put_and_in_parts(storage_client: Any) -> None:
+    """A worker under an agent uploads through presigned URLs (presigned.py): a granted rate paces
+    that upload too, whether it goes in one PUT or in parts, and what is stored is the whole shard."""
+    import hashlib
+    import io
+
+    from control_plane.app import object_store
+    from tests.control_plane.test_storage_grants import Job as GrantedJob
+    from worker_runtime.checkpoint.pacing import CHUNK, Pacer
+
+    job = GrantedJob(storage_client, "paced", nodes=1, gpus=1)
+    store = object_store(storage_client.app.state.settings)
+    storage, grants = job.storage(0)
+    burst = 4 * CHUNK
+    for step, size, rate in ((10, 1_500_000, 1_000_000), (20, 11 * 2**20 + 5, 24 * 2**20)):
+        data = (bytes(range(256)) * (size // 256 + 1))[:size]
+        key = job.shard_key(step, 0)
+        pacer = Pacer(rate)
+        started = time.monotonic()
+        assert storage.put_object_paced(key, io.BytesIO(data), length=size, pace=pacer).size == size
+        took = time.monotonic() - started
+        assert took >= (size - burst) / rate, f"{size} bytes went up in {took:.2f}s, faster than {rate} B/s"
+        assert pacer.waited_s > 0
+        assert hashlib.sha256(store.get_bytes(key)).digest() == hashlib.sha256(data).digest()
+    assert [m for m, _ in grants.asked] == ["PUT", "PUT", "PUT"]  # one PUT; then the create and the parts

@@ -18,6 +18,7 @@ import pytest
 from tests.e2e.harness import Cluster, LiveCluster, live_cluster
 from tests.helpers import ProcessReaper
 from trainyard.embedded import free_port
+from trainyard.tls import client_context
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,10 +49,14 @@ def cluster(
         assert proc.poll() is None, f"dev up exited early:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"dev up not ready:\n{log.read_text()[-3000:]}"
         time.sleep(0.2)
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"},
-                        timeout=30)
+    # dev up serves HTTPS by default: the ready line names the URL and the CA its certificate is from.
+    ready = dict(f.split("=", 1) for f in log.read_text().split("TRAINYARD_READY ", 1)[1].split("\n")[0].split())
+    assert ready["url"] == f"https://127.0.0.1:{port}", ready
+    verify = client_context(ready["ca"])
+    http = httpx.Client(base_url=ready["url"], headers={"Authorization": f"Bearer {token}"}, timeout=30,
+                        verify=verify)
     try:
-        yield Cluster(url=f"http://127.0.0.1:{port}", token=token, http=http, log=log)
+        yield Cluster(url=ready["url"], token=token, http=http, log=log, verify=verify)
     finally:
         http.close()
         process_reaper.reap()

@@ -30,6 +30,8 @@ class Cluster:
     token: str
     http: httpx.Client
     log: Path
+    verify: Any = True
+    """What a client verifies the cluster's certificate with (httpx's ``verify``): its CA."""
 
     def get(self, path: str, **kw: Any) -> Any:
         r = self.http.get(path, **kw)
@@ -230,18 +232,24 @@ def live_cluster(
         database_url=database_url, s3_endpoint=proxy.endpoint if proxy else bucket.endpoint,
         s3_access_key=bucket.access_key, s3_secret_key=bucket.secret_key, s3_bucket=bucket.bucket,
         stop_grace_s=3.0, control_plane_env=settings or {},
-        agent_control_plane={name: f"http://{p.endpoint}" for name, p in agent_proxies.items()},
+        # TLS end to end through the proxy: the agent verifies the control plane's certificate
+        # (it names 127.0.0.1, whatever the port).
+        agent_control_plane={name: f"https://{p.endpoint}" for name, p in agent_proxies.items()},
     )
     log = tmp_path / "dev.log"
     out = log.open("w")
     dev = DevCluster(config, out)
-    http = httpx.Client(base_url=config.api_url, headers={"Authorization": f"Bearer {dev.token}"}, timeout=30)
+    http: httpx.Client | None = None
     try:
         dev.start()
+        assert config.api_url.startswith("https://") and dev.tls is not None  # dev up's default
+        http = httpx.Client(base_url=config.api_url, headers={"Authorization": f"Bearer {dev.token}"}, timeout=30,
+                            verify=dev.verify)
         yield LiveCluster(url=config.api_url, token=dev.token, http=http, log=dev.logs_dir, dev=dev,
-                          s3_proxy=proxy, s3=bucket, agent_proxies=agent_proxies)
+                          s3_proxy=proxy, s3=bucket, agent_proxies=agent_proxies, verify=dev.verify)
     finally:
-        http.close()
+        if http is not None:
+            http.close()
         for p in _processes_under(data_dir):  # frozen ones first get to die, not to wait for a CONT
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGCONT)

@@ -58,7 +58,7 @@ def _start_agent(cluster: LiveCluster, reaper: ProcessReaper, work_dir: Path, lo
     return reaper.spawn(
         [sys.executable, "-m", "trainyard", "agent", "--control-plane", dev.config.replica_url(0),
          "--join-token-file", str(dev.join_token_file("node-1")), "--name", "node-1", "--address", "127.0.0.2",
-         "--virtual-gpus", "1", "--work-dir", str(work_dir)],
+         "--virtual-gpus", "1", "--work-dir", str(work_dir), "--ca-file", str(dev.tls.ca_file)],
         stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
     )
 

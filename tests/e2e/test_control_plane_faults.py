@@ -50,7 +50,8 @@ def test_two_replicas_share_the_work_and_commit_each_checkpoint_once(make_cluste
     import httpx
 
     cluster = make_cluster(nodes=2, replicas=2)  # node-1 reports to replica 1, node-2 to replica 2
-    second = httpx.Client(base_url=cluster.dev.config.replica_url(1), headers=dict(cluster.http.headers), timeout=30)
+    second = httpx.Client(base_url=cluster.dev.config.replica_url(1), headers=dict(cluster.http.headers), timeout=30,
+                          verify=cluster.verify)
     args = ["--steps", "80", "--step-delay-s", "0.05"]
     try:
         r = second.post("/v1/jobs", json=job_body(name="replicated", args=args, num_nodes=2, gpus_per_node=1,

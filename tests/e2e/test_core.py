@@ -28,6 +28,10 @@ def test_two_node_tiny_gpt_succeeds_with_a_result(cluster):
     assert len(result["weights_sha256"]) == 64 and result["world_size"] == 4 and result["steps"] == 120
     assert result["final_loss"] < result["initial_loss"]
     assert done["progress"]["step"] == 120
+    # The measured split of the last logged steps (means over the 4 ranks) reached the job view.
+    split = done["progress"]["metrics"]
+    assert split["comm_bytes"] > 0 and 0 < split["comm_s"] <= split["step_s"]
+    assert split["compute_s"] + split["comm_s"] == pytest.approx(split["step_s"])
 
     attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]
     assert len(attempts) == 1, [a["end_reason"] for a in attempts]
@@ -37,6 +41,8 @@ def test_two_node_tiny_gpt_succeeds_with_a_result(cluster):
     assert {n["node_name"] for n in attempt["nodes"]} == {"node-1", "node-2"}
     workers = [w for n in attempt["nodes"] for w in n["workers"]]
     assert sorted(w["rank"] for w in workers) == [0, 1, 2, 3]
+    # A node's ranks are contiguous, in node-rank order (node_agent/launcher.py).
+    assert {n["node_rank"]: sorted(w["rank"] for w in n["workers"]) for n in attempt["nodes"]} == {0: [0, 1], 1: [2, 3]}
     assert all(w["exit_code"] == 0 and w["pid"] for w in workers)
 
     logs = cluster.http.get(f"/v1/jobs/{job['id']}/logs").text

@@ -74,7 +74,8 @@ def write(name, value):
 if mode == "stale":
     write(".wait", post("/shards?wait=1", shard(10)))
     time.sleep(120)
-env = {k: v for k, v in os.environ.items() if k.startswith(("TRAINYARD_S3_", "TRAINYARD_CHECKPOINT_PREFIX"))}
+env = {k: v for k, v in os.environ.items()
+       if k.startswith(("TRAINYARD_S3_", "TRAINYARD_CHECKPOINT_PREFIX", "TRAINYARD_STORAGE_"))}
 posts = [post("/events", event("checkpoint.restored")), post("/shards", shard(10)),
          post("/events", event("train.note")), post("/shards", shard(20))]
 write(".first", {"env": env, "posts": [code for code, _ in posts], "wait": post("/shards?wait=1", shard(30))})
@@ -279,8 +280,10 @@ def test_stale_attempt_is_stopped_and_no_longer_reported(agents: Agents, plane: 
     assert plane.last_status(spec.attempt_id).state == NodeAttemptState.running  # type: ignore[union-attr]
 
 
+# What an old control plane sent: the root keys. Workers get presigned URLs instead (issue 11,
+# finding 3): whatever the spec says, no credential reaches a worker or the agent's state.
 STORAGE = {"endpoint": "127.0.0.1:9000", "bucket": "ckpts", "access_key": "AK", "secret_key": "s3cr3t-value",
-           "secure": True, "region": "us-east-1", "prefix": "jobs/job-1/checkpoints"}
+           "secure": True, "region": "us-east-1", "prefix": "jobs/job-1/checkpoints", "access": "presigned"}
 
 
 def read_json(path: Path) -> Any:
@@ -298,9 +301,7 @@ def test_shards_and_events_are_relayed_in_order_across_an_outage(agents: Agents,
     code, ack = first["wait"]  # the ShardAck of the batch holding step 30 (step 20 may be in it too)
     assert code == 200 and 30 in ack["committed_steps"] and ack["accepted"] >= 1
     assert first["env"] == {
-        "TRAINYARD_S3_ENDPOINT": "127.0.0.1:9000", "TRAINYARD_S3_BUCKET": "ckpts", "TRAINYARD_S3_ACCESS_KEY": "AK",
-        "TRAINYARD_S3_SECRET_KEY": "s3cr3t-value", "TRAINYARD_S3_SECURE": "1", "TRAINYARD_S3_REGION": "us-east-1",
-        "TRAINYARD_CHECKPOINT_PREFIX": "jobs/job-1/checkpoints",
+        "TRAINYARD_STORAGE_ACCESS": "presigned", "TRAINYARD_CHECKPOINT_PREFIX": "jobs/job-1/checkpoints",
     }
     state = (agents.tmp_path / "agent" / "attempts" / spec.attempt_id / "state.json").read_text()
     assert "s3cr3t-value" not in state

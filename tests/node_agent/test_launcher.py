@@ -35,6 +35,7 @@ t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
 print(json.dumps({"rank": rank, "world": world, "sum": t.item(), "args": sys.argv[1:],
                   "master": os.environ["MASTER_ADDR"], "node_rank": os.environ["TRAINYARD_NODE_RANK"],
+                  "local_rank": int(os.environ["LOCAL_RANK"]), "group_rank": int(os.environ["GROUP_RANK"]),
                   "device": os.environ["TRAINYARD_DEVICE"], "cuda": os.environ["CUDA_VISIBLE_DEVICES"]}))
 print(f"rank {rank} stderr", file=sys.stderr)
 dist.destroy_process_group()
@@ -65,9 +66,9 @@ def test_command_line(tmp_path: Path) -> None:
     cmd = torchrun_command(spec, node, paths)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     joined = " ".join(cmd)
-    assert "--nnodes 2 --nproc-per-node 2 --node-rank 1 --rdzv-backend c10d" in joined
+    assert "--nnodes 2 --nproc-per-node 2 --node-rank 1 --rdzv-backend static" in joined
     assert f"--rdzv-endpoint 127.0.0.2:29999 --rdzv-id {spec.attempt_id}" in joined
-    assert "--rdzv-conf is_host=0,join_timeout=300 --local-addr 127.0.0.3 --max-restarts 0" in joined
+    assert "--rdzv-conf timeout=300 --local-addr 127.0.0.3 --max-restarts 0" in joined
     assert cmd[cmd.index("node_agent.rank_shim") :] == [
         "node_agent.rank_shim",
         "--log-dir",
@@ -78,7 +79,7 @@ def test_command_line(tmp_path: Path) -> None:
         "1",
     ]
     host_cmd = torchrun_command(make_spec(node_rank=0, nnodes=2, entrypoint="pkg.mod"), node, paths)
-    assert any(arg.startswith("is_host=1,") for arg in host_cmd)
+    assert host_cmd[host_cmd.index("--node-rank") + 1] == "0"
     assert host_cmd[-2:] == ["module", "pkg.mod"]
 
 
@@ -120,21 +121,23 @@ def test_worker_env(tmp_path: Path) -> None:
     assert not any(k.startswith("TRAINYARD_S3_") for k in gpu)  # no storage in the spec
 
 
-def test_storage_env(tmp_path: Path) -> None:
+def test_storage_env_never_passes_a_credential(tmp_path: Path) -> None:
+    """Issue 11, finding 3: workers reach storage through presigned URLs; whatever a control plane
+    puts in LaunchSpec.storage (an old one sent the root keys), no credential reaches a worker."""
     storage = {"endpoint": "s3:9000", "bucket": "b", "access_key": "ak", "secret_key": "sk", "secure": False,
-               "region": "r", "prefix": "jobs/j/checkpoints", "other": "ignored"}
+               "region": "r", "prefix": "jobs/j/checkpoints", "access": "presigned", "other": "ignored"}
     assert storage_env(storage) == {
-        "TRAINYARD_S3_ENDPOINT": "s3:9000", "TRAINYARD_S3_BUCKET": "b", "TRAINYARD_S3_ACCESS_KEY": "ak",
-        "TRAINYARD_S3_SECRET_KEY": "sk", "TRAINYARD_S3_SECURE": "0", "TRAINYARD_S3_REGION": "r",
-        "TRAINYARD_CHECKPOINT_PREFIX": "jobs/j/checkpoints",
+        "TRAINYARD_STORAGE_ACCESS": "presigned", "TRAINYARD_CHECKPOINT_PREFIX": "jobs/j/checkpoints",
     }
-    assert storage_env({"secure": "true", "region": None}) == {"TRAINYARD_S3_SECURE": "1"}  # only keys present
+    assert storage_env({"access": "presigned", "prefix": None}) == {"TRAINYARD_STORAGE_ACCESS": "presigned"}
     assert storage_env({}) == {}
-    base = {"TRAINYARD_S3_BUCKET": "the-agent's", "TRAINYARD_CHECKPOINT_PREFIX": "x"}
-    spec = make_spec(storage={"bucket": "b"}, env={"TRAINYARD_S3_BUCKET": "job's"})
+    base = {"TRAINYARD_S3_SECRET_KEY": "the-agent's", "TRAINYARD_CHECKPOINT_PREFIX": "x"}
+    spec = make_spec(storage=storage)
     env = worker_env(spec, NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env=base),
                      AttemptPaths(tmp_path))
-    assert env["TRAINYARD_S3_BUCKET"] == "b" and "TRAINYARD_CHECKPOINT_PREFIX" not in env
+    assert env["TRAINYARD_CHECKPOINT_PREFIX"] == "jobs/j/checkpoints"
+    assert "sk" not in env.values() and "the-agent's" not in env.values()
+    assert not any(k.startswith("TRAINYARD_S3_") for k in env)
 
 
 def _check_ranks(runs: list[AttemptRun], world: int) -> None:
@@ -152,6 +155,9 @@ def _check_ranks(runs: list[AttemptRun], world: int) -> None:
             assert out["rank"] == worker.rank and out["world"] == world
             assert out["sum"] == world * (world + 1) / 2
             assert out["node_rank"] == str(run.spec.node_rank)
+            # torchrun's node order is the control plane's, and a node's ranks are contiguous.
+            assert out["group_rank"] == run.spec.node_rank
+            assert worker.rank == run.spec.node_rank * run.spec.nproc_per_node + out["local_rank"]
             assert out["device"] == "cpu" and out["cuda"] == ""
             seen[worker.rank] = out
     assert sorted(seen) == list(range(world))
@@ -169,21 +175,22 @@ def test_single_node_all_reduce(launcher: Launcher, tmp_path: Path) -> None:
 
 
 def test_two_nodes_on_two_loopback_addresses(launcher: Launcher, tmp_path: Path) -> None:
-    """Two torchruns, as two nodes 127.0.0.2 (node rank 0, rendezvous host) and 127.0.0.3, form one
-    world of 4 ranks over c10d rendezvous and gloo."""
+    """Two torchruns, as two nodes 127.0.0.3 (node rank 0, rendezvous host) and 127.0.0.2, form one
+    world of 4 ranks and gloo, numbered in the control plane's node order (a c10d rendezvous would
+    sort them by address and put 127.0.0.2 first)."""
     write_script(tmp_path, "train.py", ALL_REDUCE)
-    shared = make_spec(nnodes=2, rdzv_host="127.0.0.2", entrypoint="train.py")
+    shared = make_spec(nnodes=2, rdzv_host="127.0.0.3", entrypoint="train.py")
     # The second node starts first: it must wait for the host rather than become one.
-    second = launcher.launch(shared.model_copy(update={"node_rank": 1}), launcher.node("127.0.0.3"))
+    second = launcher.launch(shared.model_copy(update={"node_rank": 1}), launcher.node("127.0.0.2"))
     time.sleep(0.5)
-    first = launcher.launch(shared, launcher.node("127.0.0.2"))
+    first = launcher.launch(shared, launcher.node("127.0.0.3"))
     wait_finished(first, timeout=60)
     wait_finished(second, timeout=60)
     _check_ranks([first, second], world=4)
     masters = {
         json.loads(read_log(run, w.rank))["master"] for run in (first, second) for w in run.report(None, None).workers
     }
-    assert len(masters) == 1 and masters <= {"127.0.0.2", "127.0.0.3"}
+    assert masters == {"127.0.0.3"}  # global rank 0 is on node rank 0
 
 
 def test_failing_rank_exit_code(launcher: Launcher, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 from node_agent.local_api import LocalApi
 from node_agent.relay import Outbox
 from trainyard.protocol.agent import ShardInfo, WorkerEvent
+from trainyard.protocol.grants import LocalStorageRequest
 
 
 @pytest.fixture
@@ -183,3 +184,79 @@ def test_outbox_drops_the_oldest_when_full() -> None:
     closed = outbox.put("a", "shard", ShardInfo(rank=0, step=1, world_size=1, key="k", size_bytes=0, sha256=SHA),
                         wait=True)
     assert closed is not None and closed.status == HTTPStatus.SERVICE_UNAVAILABLE
+
+
+def test_storage_requests_are_fenced_and_forwarded_as_answered() -> None:
+    """A worker's request for presigned URLs (issue 11, finding 3) is forwarded only with its
+    attempt's fencing token, and answered with the control plane's answer, refusals included."""
+    forwarded: list[tuple[str, LocalStorageRequest]] = []
+    answers = iter([(HTTPStatus.OK, {"grants": []}),
+                    (HTTPStatus.FORBIDDEN, {"detail": "not yours", "type": "https://trainyard.dev/problems/forbidden"})])
+
+    def forward(attempt_id: str, body: LocalStorageRequest) -> tuple[HTTPStatus, dict[str, object]]:
+        forwarded.append((attempt_id, body))
+        return next(answers)
+
+    api = LocalApi("127.0.0.2", 0, grants=forward)
+    api.start()
+    api.reports.register("att-1", "fence-1")
+    body = {"fencing_token": "fence-1", "rank": 1, "method": "PUT", "key": "jobs/j/checkpoints/x", "size_bytes": 3}
+    try:
+        assert post(api, "att-1", "storage", {**body, "fencing_token": "old"}).status_code == 409
+        assert post(api, "att-2", "storage", body).status_code == 409
+        assert post(api, "att-1", "storage", {**body, "size_bytes": None}).status_code == 422  # a PUT needs a size
+        assert forwarded == []
+        ok = post(api, "att-1", "storage", body)
+        assert ok.status_code == 200 and ok.json() == {"grants": []}
+        refused = post(api, "att-1", "storage", body)
+        assert refused.status_code == 403 and refused.json()["detail"] == "not yours"
+        assert refused.json()["type"].endswith("/forbidden")
+        assert [(a, b.rank, b.key, b.size_bytes) for a, b in forwarded] == [("att-1", 1, body["key"], 3)] * 2
+    finally:
+        api.stop()
+    bare = LocalApi("127.0.0.2", 0)
+    bare.start()
+    bare.reports.register("att-1", "fence-1")
+    try:
+        assert post(bare, "att-1", "storage", body).status_code == 503
+    finally:
+        bare.stop()
+
+
+def test_a_worker_waits_out_a_control_plane_outage_for_its_storage_grant() -> None:
+    """A checkpoint that falls into a control plane restart or a database failover is delayed, not
+    lost: the worker asks its agent again while the agent answers 503, and gets the grant once the
+    control plane is back (on the commit that introduced presigned storage, three tries in 1.5 s
+    gave up, and the e2e restarts lost the first checkpoint). A refusal is never retried."""
+    from worker_runtime.checkpoint.presigned import AgentGrants, GrantRefused
+
+    down_until = time.monotonic() + 2.5
+    calls: list[float] = []
+
+    def forward(attempt_id: str, body: LocalStorageRequest) -> tuple[HTTPStatus, dict[str, object]]:
+        calls.append(time.monotonic())
+        if body.key.endswith("/stale"):
+            return HTTPStatus.CONFLICT, {"detail": "attempt att-1 is fenced off"}
+        if time.monotonic() < down_until:
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "the control plane is not reachable"}
+        return HTTPStatus.OK, {"grants": []}
+
+    api = LocalApi("127.0.0.2", 0, grants=forward)
+    api.start()
+    api.reports.register("att-1", "fence-1")
+    try:
+        source = AgentGrants(agent_url=api.url, attempt_id="att-1", fencing_token="fence-1", rank=0,
+                             timeout_s=5, wait_s=30, backoff_s=0.2, max_backoff_s=0.5)
+        assert source.grants("PUT", "jobs/j/checkpoints/x", size_bytes=3).grants == []
+        assert calls[-1] >= down_until and len(calls) >= 4
+        n = len(calls)
+        with pytest.raises(GrantRefused):
+            source.grants("PUT", "jobs/j/checkpoints/stale", size_bytes=3)
+        assert len(calls) == n + 1
+        impatient = AgentGrants(agent_url=api.url, attempt_id="att-1", fencing_token="fence-1", rank=0,
+                                timeout_s=5, wait_s=0.5, backoff_s=0.2, max_backoff_s=0.2)
+        down_until = time.monotonic() + 60
+        with pytest.raises(OSError, match="HTTP 503"):
+            impatient.grants("GET", "jobs/j/checkpoints/x")
+    finally:
+        api.stop()

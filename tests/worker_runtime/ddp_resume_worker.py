@@ -1,5 +1,6 @@
-"""Run under torchrun by test_tiny_gpt: a DDP run resumed from saved state at step k must end
-bit-identical to the uninterrupted run. Rank 0 prints both results as one JSON line."""
+"""Run under torchrun by test_tiny_gpt: a run resumed from saved state at step k must end
+bit-identical to the uninterrupted run, under the layout of TRAINYARD_LAYOUT (DDP by default).
+Rank 0 prints both results and what the layout applied as one JSON line."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from worker_runtime import Reporter, WorkerContext, init_distributed, shutdown_distributed
 from worker_runtime.examples.tiny_gpt import Config, Trainer
+from worker_runtime.state import holds_dtensor
 
 CFG = Config(steps=12, batch_size=4, seq_len=16, d_model=32, layers=1, heads=2, log_every=4)
 
@@ -29,7 +31,11 @@ def compare(ctx: WorkerContext) -> dict[str, Any]:
         resumed = Trainer(CFG, ctx)
         resumed.state.load_state_dict(torch.load(buffer, weights_only=True))
         result = resumed.fit(reporter)
-    return {"uninterrupted": uninterrupted, "resumed": result}
+    # What the layout did to the model: its parameters' local size on this rank, the state saved.
+    local = sum((p.to_local() if holds_dtensor(p) else p).numel() for p in resumed.model.parameters())
+    applied = {"local_numel": local, "numel": sum(p.numel() for p in resumed.model.parameters()),
+               "state": resumed.state.names(), "wrapper": type(resumed.ddp).__name__}
+    return {"uninterrupted": uninterrupted, "resumed": result, "applied": applied}
 
 
 def main() -> None:

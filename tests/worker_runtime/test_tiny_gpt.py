@@ -3,12 +3,14 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 import torch
 
 from tests.conftest import S3Bucket
 from tests.helpers import ProcessReaper
 from tests.worker_runtime.fake_agent import manifest_from_shards, serve_fake_agent
 from tests.worker_runtime.torchrun import run_torchrun
+from trainyard.protocol.layout import METRIC_COMM_BYTES, METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S
 from worker_runtime import Reporter, WorkerContext
 from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.examples.tiny_gpt import Config, Trainer
@@ -74,17 +76,41 @@ def test_torchrun_is_deterministic_and_learns(process_reaper: ProcessReaper) -> 
     # Through the agent: progress from rank 0 only, then rank 0's result, the same as printed.
     assert progress and {p["rank"] for p in progress} == {0} and progress[-1]["step"] == 20
     assert all(p["fencing_token"] == "tok-7" for p in progress)
+    # The measured split of every reported window: compute + exposed communication = the step,
+    # and the gradients' all-reduce passed bytes.
+    for p in progress:
+        m = p["metrics"]
+        assert {METRIC_STEP_S, METRIC_COMPUTE_S, METRIC_COMM_S, METRIC_COMM_BYTES} <= set(m), m
+        assert m[METRIC_STEP_S] > 0 and 0 <= m[METRIC_COMM_S] <= m[METRIC_STEP_S]
+        assert abs(m[METRIC_COMPUTE_S] + m[METRIC_COMM_S] - m[METRIC_STEP_S]) < 1e-6
+        assert m[METRIC_COMM_BYTES] > 0
     assert results == [{"fencing_token": "tok-7", "rank": 0, "result": first}]
 
 
-def test_ddp_resume_is_bit_identical_with_four_ranks(process_reaper: ProcessReaper) -> None:
+@pytest.mark.parametrize("layout", [
+    None,  # plain DDP
+    # FSDP2 over 2 replicas x 2 shards (DTensor state saved and loaded per rank), no sync on the
+    # first micro-step.
+    {"kind": "hsdp", "shard_size": 2, "grad_accum_steps": 2},
+    # DDP's no_sync, and PowerSGD's error feedback, factors and RNG saved per rank.
+    {"kind": "ddp", "compression": "powersgd", "grad_accum_steps": 2},
+], ids=["ddp", "hsdp-accum", "ddp-powersgd-accum"])
+def test_resume_is_bit_identical_with_four_ranks(process_reaper: ProcessReaper,
+                                                 layout: dict[str, object] | None) -> None:
     # With more than two ranks the order of the all-reduce sums matters: a resumed process must
     # reduce its first step in the same bucket layout as the uninterrupted one (settle_ddp_buckets).
-    both, stdout = run_torchrun(process_reaper, ["tests.worker_runtime.ddp_resume_worker"], {}, nproc=4)
-    resumed, uninterrupted = both["resumed"], both["uninterrupted"]
+    env = {"TRAINYARD_LAYOUT": json.dumps(layout)} if layout else {}
+    both, stdout = run_torchrun(process_reaper, ["tests.worker_runtime.ddp_resume_worker"], env, nproc=4)
+    resumed, uninterrupted, applied = both["resumed"], both["uninterrupted"], both["applied"]
     assert resumed["weights_sha256"] == uninterrupted["weights_sha256"], stdout
     assert resumed["final_loss"] == uninterrupted["final_loss"]
     assert (resumed["steps"], resumed["world_size"]) == (12, 4)
+    kind = (layout or {}).get("kind", "ddp")
+    if kind == "hsdp":  # each rank holds half of every parameter (a shard group of 2)
+        assert applied["local_numel"] < applied["numel"] * 0.6 and applied["wrapper"] == "FSDPTinyGPT"
+    else:
+        assert applied["local_numel"] == applied["numel"] and applied["wrapper"] == "DistributedDataParallel"
+    assert ("powersgd" in applied["state"]) == ((layout or {}).get("compression") == "powersgd")
 
 
 def test_torchrun_resumes_from_s3_checkpoints_bit_identical(process_reaper: ProcessReaper, s3_bucket: S3Bucket) -> None:

@@ -102,7 +102,7 @@ class EmbeddedS3:
         data_dir: Path | str,
         port: int | None = None,
         *,
-        access_key: str = "trainyard",
+        access_key: str | None = None,
         secret_key: str | None = None,
         bucket: str = "trainyard",
         host: str = LOOPBACK,
@@ -112,7 +112,8 @@ class EmbeddedS3:
     ) -> None:
         self.data_dir = Path(data_dir).expanduser().resolve()
         self.host = host
-        self.access_key = access_key
+        # Random unless given: no two servers share a key, and none has a guessable one.
+        self.access_key = access_key if access_key is not None else f"trainyard-{secrets.token_hex(6)}"
         self.secret_key = secret_key if secret_key is not None else secrets.token_urlsafe(24)
         self.bucket = bucket
         self.log_path = Path(log_path) if log_path is not None else self.data_dir / "weed.log"

@@ -43,8 +43,12 @@ ENV_LAYOUT: Final = "TRAINYARD_LAYOUT"
 ENV_STATUS_DIR: Final = "TRAINYARD_STATUS_DIR"
 """Where the rank shim writes ``rank-<r>.json`` (node_agent/rank_shim.py)."""
 
-# Checkpoint storage (LaunchSpec.storage, passed on by the agent): the seam for per-attempt
-# worker credentials.
+# Checkpoint storage. Under an agent a worker gets only ENV_STORAGE_ACCESS and the prefix: it reads
+# and writes through presigned URLs (trainyard/protocol/grants.py) and holds no credential. The
+# TRAINYARD_S3_* variables are for a script run outside Trainyard with storage of its own; an agent
+# never sets them (node_agent/launcher.py).
+ENV_STORAGE_ACCESS: Final = "TRAINYARD_STORAGE_ACCESS"
+"""``presigned``: checkpoint storage exists, reached through URLs the agent obtains per object."""
 ENV_S3_ENDPOINT: Final = "TRAINYARD_S3_ENDPOINT"
 ENV_S3_ACCESS_KEY: Final = "TRAINYARD_S3_ACCESS_KEY"
 ENV_S3_SECRET_KEY: Final = "TRAINYARD_S3_SECRET_KEY"
@@ -63,6 +67,7 @@ STORAGE_ENV: Final[dict[str, str]] = {
     "bucket": ENV_S3_BUCKET,
     "secure": ENV_S3_SECURE,
     "region": ENV_S3_REGION,
+    "access": ENV_STORAGE_ACCESS,
 }
 """S3 access key (as in LaunchSpec.storage and S3Config.from_mapping) -> the worker's variable."""
 

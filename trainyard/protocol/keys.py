@@ -13,7 +13,9 @@ shard_key. Shards of one step from different attempts never share a key.
 
 from __future__ import annotations
 
+import re
 import uuid
+from dataclasses import dataclass
 from typing import Final
 
 MANIFEST_FORMAT: Final = "trainyard.checkpoint/1"
@@ -38,3 +40,32 @@ def shard_key(prefix: str, step: int, attempt_number: int, rank: int) -> str:
 def manifest_key(prefix: str, step: int, attempt_number: int) -> str:
     """The object key of a checkpoint's manifest: beside its shards."""
     return f"{step_prefix(prefix, step, attempt_number)}/manifest.json"
+
+
+_OBJECT = re.compile(r"^step-(\d{9,})/attempt-(\d{4,})/(?:rank-(\d{5,})\.pt|manifest\.json)$")
+
+
+@dataclass(frozen=True)
+class CheckpointObject:
+    """What a checkpoint object's key names (``parse_key``)."""
+
+    step: int
+    attempt_number: int
+    rank: int | None
+    """The shard's rank; None for the manifest."""
+
+
+def parse_key(prefix: str, key: str) -> CheckpointObject | None:
+    """The shard or manifest that ``key`` names under the job's ``prefix``, or None when it is not
+    exactly such a key (as :func:`shard_key` and :func:`manifest_key` spell them: no ``..``, no
+    other zero padding, nothing after)."""
+    head = prefix.strip("/") + "/"
+    if not key.startswith(head):
+        return None
+    match = _OBJECT.match(key[len(head):])
+    if match is None:
+        return None
+    step, attempt = int(match[1]), int(match[2])
+    rank = int(match[3]) if match[3] is not None else None
+    canonical = manifest_key(prefix, step, attempt) if rank is None else shard_key(prefix, step, attempt, rank)
+    return CheckpointObject(step, attempt, rank) if canonical == key else None

@@ -72,6 +72,7 @@ from worker_runtime.distributed import device_of
 from worker_runtime.state import TrainState
 
 log = logging.getLogger(__name__)
+_STORAGE_VARS = "TRAINYARD_STORAGE_ACCESS or TRAINYARD_S3_*"
 
 
 class CheckpointUnavailableError(RuntimeError):
@@ -111,10 +112,19 @@ class SaveRecord:
 
 
 def storage_from_context(ctx: WorkerContext, *, timeout_s: float = 10.0, retries: int = 1) -> CheckpointStorage | None:
-    """S3 storage from the TRAINYARD_S3_* variables, or None when no endpoint and bucket are set.
+    """The worker's checkpoint storage, or None when it has none.
 
-    Short timeouts and one retry: a dead S3 must cost a save seconds, not minutes.
+    Under an agent (TRAINYARD_STORAGE_ACCESS=presigned): presigned URLs per object, obtained through
+    the agent; the worker holds no credential. Outside Trainyard: S3 from the script's own
+    TRAINYARD_S3_* variables. Short timeouts and one retry: a dead S3 must cost a save seconds, not
+    minutes.
     """
+    if ctx.storage.get("access") == "presigned" and ctx.agent_url:
+        from worker_runtime.checkpoint.presigned import AgentGrants, PresignedStorage
+
+        source = AgentGrants(agent_url=ctx.agent_url, attempt_id=ctx.attempt_id, fencing_token=ctx.fencing_token,
+                             rank=ctx.rank)
+        return PresignedStorage(source, timeout_s=timeout_s, retries=retries)
     if not (ctx.storage.get("endpoint") and ctx.storage.get("bucket")):
         return None
     from worker_runtime.checkpoint.s3 import S3Config, S3Storage
@@ -126,7 +136,7 @@ class CheckpointManager:
     """Saves and restores one rank's :class:`TrainState`; a no-op without interval or storage.
 
     ``interval_steps`` and ``storage`` default to the job's settings (``ctx.checkpoint``) and the
-    TRAINYARD_S3_* storage; ``reporter`` to the agent of ``ctx``. ``async_upload=False`` makes
+    worker's storage (storage_from_context); ``reporter`` to the agent of ``ctx``. ``async_upload=False`` makes
     ``save`` return only after the upload and report. ``upload_delay_s`` sleeps between upload and
     report (tests use it to kill a worker mid-checkpoint). ``slots`` defaults to the agent of
     ``ctx`` (slots.py).
@@ -163,7 +173,7 @@ class CheckpointManager:
         self.saves: deque[SaveRecord] = deque(maxlen=1000)
         """Every save of this process, oldest first."""
         if not self.enabled and ctx.is_main:
-            why = "no interval_steps" if interval is None else "no checkpoint storage (TRAINYARD_S3_*)"
+            why = "no interval_steps" if interval is None else f"no checkpoint storage ({_STORAGE_VARS})"
             log.info("checkpoints disabled: %s", why)
 
     @property
@@ -320,7 +330,7 @@ class CheckpointManager:
             return None
         if self.storage is None:
             raise CheckpointUnavailableError(
-                f"{len(candidates)} checkpoint(s) to restore but no checkpoint storage (TRAINYARD_S3_*) is set")
+                f"{len(candidates)} checkpoint(s) to restore but no checkpoint storage ({_STORAGE_VARS}) is set")
         main, rank, world = self.ctx.is_main, self.ctx.rank, self.ctx.world_size
         device = device_of(self.ctx)
         tried: list[Any] = []

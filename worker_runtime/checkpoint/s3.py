@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, BinaryIO
 
 from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError, Pace
@@ -27,12 +27,17 @@ class S3Config:
     secret_key: str = ""
     secure: bool = False
     region: str | None = "us-east-1"
+    public_endpoint: str = ""
+    """host:port at which workers reach the store, when it is not ``endpoint``: presigned URLs
+    name it (the signature covers the host). Empty: ``endpoint``."""
 
     def __post_init__(self) -> None:
         if not self.endpoint or "://" in self.endpoint:
             raise ValueError(f"S3 endpoint must be host:port without a scheme, got {self.endpoint!r}")
         if not self.bucket:
             raise ValueError("S3 bucket must not be empty")
+        if "://" in self.public_endpoint:
+            raise ValueError(f"S3 public endpoint must be host:port without a scheme, got {self.public_endpoint!r}")
 
     @classmethod
     def from_mapping(cls, m: dict[str, Any]) -> S3Config:
@@ -43,6 +48,7 @@ class S3Config:
             secret_key=str(m.get("secret_key") or ""),
             secure=str(m.get("secure", "")).lower() in ("1", "true", "yes"),
             region=str(m.get("region") or "us-east-1"),
+            public_endpoint=str(m.get("public_endpoint") or ""),
         )
 
 
@@ -135,6 +141,17 @@ class S3Storage:
 
     def delete(self, key: str) -> None:
         self._client.remove_object(self.bucket, key)
+
+    def presign(self, method: str, key: str, *, expires_s: int, headers: dict[str, str] | None = None,
+                query: dict[str, str] | None = None, now: datetime | None = None) -> str:
+        """A URL that allows ``method`` on ``key`` (with exactly ``headers``) for ``expires_s``
+        seconds from ``now`` (default: the wall clock), to whoever holds it (sigv4.presign; offline)."""
+        from worker_runtime.checkpoint.sigv4 import presign
+
+        cfg = self.config
+        return presign(method=method, endpoint=cfg.public_endpoint or cfg.endpoint, bucket=self.bucket, key=key,
+                       access_key=cfg.access_key, secret_key=cfg.secret_key, region=cfg.region or "us-east-1",
+                       expires_s=expires_s, secure=cfg.secure, headers=headers, query=query, now=now)
 
     def list_keys(self, prefix: str) -> Iterator[str]:
         for obj in self.list_objects(prefix):

@@ -12,7 +12,7 @@ So the same world size and steps give the same weights_sha256, and a run resumed
 saved at step k ends bit-identical to one that never stopped.
 
 Checkpoints: with the job's ``interval_steps`` and storage set (TRAINYARD_CHECKPOINT,
-TRAINYARD_S3_*), every rank saves its shard after the optimizer step of every interval step, and a
+TRAINYARD_STORAGE_ACCESS), every rank saves its shard after the optimizer step of every interval step, and a
 new attempt first restores the newest good checkpoint of its restore plan (TRAINYARD_RESTORE_FROM)
 and goes on from the step after it.
 
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.parallel import DistributedDataParallel
 
+from trainyard.protocol.layout import METRIC_COMM_S, METRIC_STEP_S
 from worker_runtime import (
     CheckpointManager,
     DataPosition,
@@ -50,11 +50,11 @@ from worker_runtime import (
     device_of,
     init_distributed,
     is_distributed,
-    settle_ddp_buckets,
     shutdown_distributed,
     weights_sha256,
 )
 from worker_runtime.examples.tiny_gpt_model import MarkovCorpus, TinyGPT
+from worker_runtime.layouts import LayoutError, apply_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +83,8 @@ class Config:
     """Crash by SIGKILL to itself (exit code -9) rather than exit code 3."""
     crash_once: bool = False
     """Crash only in the first run: Trainyard attempt 1, or torchrun's first worker group."""
+    bf16: bool = False
+    """Forward and backward under bf16 autocast (weights, optimizer and reductions stay fp32)."""
 
     def __post_init__(self) -> None:
         if min(self.steps, self.batch_size, self.seq_len, self.d_model, self.layers, self.log_every) < 1:
@@ -136,12 +138,11 @@ class Trainer:
         # Same seed on every rank: identical initial weights without relying on DDP's broadcast.
         torch.manual_seed(cfg.seed)
         self.model = TinyGPT(cfg.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads).to(self.device)
-        self.ddp: nn.Module = self.model
-        if is_distributed():
-            device_ids = [ctx.local_rank] if ctx.device == "cuda" else None
-            self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
-            # Every step, the first after a restore too, then reduces in the same bucket layout.
-            settle_ddp_buckets(self.ddp, torch.zeros(1, cfg.seq_len, dtype=torch.long, device=self.device))
+        # The job's layout (TRAINYARD_LAYOUT): DDP, FSDP2 or HSDP, accumulation, compression.
+        self.parallel = apply_layout(self.model, ctx)
+        self.ddp: nn.Module = self.parallel.module
+        # Every step, the first after a restore too, then reduces in the same DDP bucket layout.
+        self.parallel.settle(torch.zeros(1, cfg.seq_len, dtype=torch.long, device=self.device))
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -161,18 +162,28 @@ class Trainer:
         self.state.register("step", self.step)
         self.state.register("data", self.position, per_rank=True)
         self.state.register("rng", RngState(), per_rank=True)
+        for name, extra in self.parallel.extra_state.items():
+            self.state.register(name, extra, per_rank=True)
 
     def train_step(self) -> torch.Tensor:
-        x, y = self.batches.next(self.device)
-        logits = self.ddp(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.scheduler.step()
+        """One optimizer step over the layout's micro-batches; the mean micro-batch loss."""
+        accum = self.parallel.accum_steps
+        total = torch.zeros((), device=self.device)
+        with self.parallel.meter.step():
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in range(accum):
+                x, y = self.batches.next(self.device)
+                with self.parallel.micro_step(micro):
+                    with torch.autocast(self.device.type, torch.bfloat16, enabled=self.cfg.bf16):
+                        logits = self.ddp(x)
+                        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+                    (loss / accum if accum > 1 else loss).backward()
+                total += loss.detach()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.scheduler.step()
         self.step.value += 1
-        return loss.detach()
+        return total / accum if accum > 1 else total
 
     def _may_crash(self) -> bool:
         if not self.cfg.crash_once:
@@ -180,13 +191,19 @@ class Trainer:
         first_group = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         return first_group and self.ctx.attempt_number <= 1
 
-    def global_mean(self, loss: torch.Tensor, stop: bool = False) -> tuple[float, bool]:
-        """Mean loss over ranks, and whether any rank wants to stop (one small collective)."""
-        packed = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
+    def global_mean(self, loss: torch.Tensor, stop: bool = False,
+                    metrics: dict[str, float] | None = None) -> tuple[float, bool, dict[str, float]]:
+        """Mean loss and step metrics over ranks, and whether any rank wants to stop (one small
+        collective). Every rank passes the same metric names (the layout's meter on each)."""
+        names = sorted(metrics or {})
+        values = [float((metrics or {})[n]) for n in names]
+        packed = torch.tensor([float(loss), float(stop), *values], dtype=torch.float64, device=loss.device)
         if is_distributed():
             dist.all_reduce(packed)
             packed[0] /= self.ctx.world_size
-        return float(packed[0]), bool(packed[1] > 0)
+            packed[2:] /= self.ctx.world_size
+        means = {n: float(v) for n, v in zip(names, packed[2:].tolist(), strict=True)}
+        return float(packed[0]), bool(packed[1] > 0), means
 
     def fit(
         self, reporter: Reporter, until: int | None = None, checkpoints: CheckpointManager | None = None
@@ -218,17 +235,22 @@ class Trainer:
             # recoveries by it (failure -> first new step).
             if step in (first, until) or step % self.cfg.log_every == 0:
                 # The stop flag rides on the loss collective: every rank stops at the same step.
-                mean, stop = self.global_mean(loss, stop=reporter.stale)
+                mean, stop, metrics = self.global_mean(loss, stop=reporter.stale,
+                                                       metrics=self.parallel.meter.summary())
                 # Stdout carries the result as strict JSON, which has no NaN: a diverged loss is null.
                 finite = mean if math.isfinite(mean) else None
                 if step == 1:
                     initial_loss = finite
                 final_loss = finite
                 lr = float(self.scheduler.get_last_lr()[0])
-                reporter.progress(step, loss=mean, lr=lr)
+                reporter.progress(step, loss=mean, lr=lr, **metrics)
                 if self.ctx.is_main:
                     elapsed = time.monotonic() - started
-                    print(f"step {step}/{until} loss {mean:.4f} lr {lr:.2e} {elapsed:.1f}s", flush=True)
+                    split = ""
+                    if metrics.get(METRIC_STEP_S):  # the measured split of the steps since the last line
+                        split = (f" | {metrics[METRIC_STEP_S] * 1e3:.1f} ms/step,"
+                                 f" {metrics[METRIC_COMM_S] / metrics[METRIC_STEP_S]:.0%} communication")
+                    print(f"step {step}/{until} loss {mean:.4f} lr {lr:.2e} {elapsed:.1f}s{split}", flush=True)
                 if stop:
                     return None
         return {
@@ -249,6 +271,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL rather than exit code 3")
     parser.add_argument("--crash-once", action="store_true", help="crash only in the first attempt")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast for forward and backward")
     parser.add_argument("--step-delay-s", type=float, default=defaults.step_delay_s)
     parser.add_argument("--ckpt-upload-delay-s", type=float, default=defaults.ckpt_upload_delay_s)
     args = parser.parse_args(argv)
@@ -302,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StaleAttemptError as exc:
         print(f"tiny_gpt: {exc}", file=sys.stderr)
         return 1
+    except LayoutError as exc:  # the same on every rank: all exit before any collective of training
+        print(f"tiny_gpt: cannot apply the job's layout: {exc}", file=sys.stderr)
+        return 2
     finally:
         shutdown_distributed()
     return 0

@@ -1,0 +1,151 @@
+"""Storage grants: presigned URLs for exactly the checkpoint objects a worker may touch
+(trainyard/protocol/grants.py says what; docs/security.md, "Checkpoint storage", why).
+
+Workers hold no storage credential. Every URL is for one object and one method, expires after
+``storage_grant_ttl_s``, and is signed here with the credentials only the control plane holds.
+The key is never taken from the request as is: it must parse as exactly the key the layout gives
+(trainyard.protocol.keys.parse_key), so nothing outside the job's prefix, and no ``..``, is ever
+signed. PUT URLs sign ``If-None-Match: *``: S3 refuses to overwrite any object with them, so a
+shard once written (and a checkpoint once committed) cannot be changed through a grant.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane.clock import now
+from control_plane.errors import Conflict, Forbidden, NotFound, Unprocessable
+from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
+from control_plane.services.fencing import authorize_report
+from control_plane.settings import Settings
+from trainyard.protocol import keys
+from trainyard.protocol.grants import MAX_PARTS, GrantAction, StorageGrant, StorageGrants, StorageRequest
+
+CREATE_ONLY = {"If-None-Match": "*"}
+"""Signed into every URL that creates an object: S3 answers 412 instead of overwriting one."""
+READABLE = ("committed", "unusable")
+"""Checkpoint states whose objects a restore may read (an unusable one is still in storage; a
+restore that fell back from it has already read it)."""
+
+
+class Signer(Protocol):
+    """What signs URLs (worker_runtime.checkpoint.s3.S3Storage.presign)."""
+
+    def presign(self, method: str, key: str, *, expires_s: int, headers: dict[str, str] | None = None,
+                query: dict[str, str] | None = None, now: datetime | None = None) -> str: ...
+
+
+class StorageUnavailable(Conflict):
+    """This control plane has no checkpoint storage."""
+
+    slug = "no-storage"
+
+
+def grant(session: Session, node: Node, attempt_id: uuid.UUID, req: StorageRequest, signer: Signer | None,
+          settings: Settings) -> StorageGrants:
+    """The URLs ``req`` may have, for a worker of ``node``'s part of the attempt; raises a domain
+    error (403, 404, 409, 422) for anything else. Reads only; ends its transaction before signing."""
+    if signer is None:
+        raise StorageUnavailable("this control plane has no checkpoint storage (TRAINYARD_S3_ENDPOINT)")
+    job, attempt, _part = authorize_report(session, node, attempt_id, req.fencing_token, req.node_rank,
+                                           exclusive=False)
+    if req.rank >= attempt.num_gpus:
+        raise Forbidden(f"rank {req.rank} is outside attempt {attempt.number}'s world of {attempt.num_gpus}")
+    prefix = keys.job_checkpoint_prefix(job.id)
+    named = keys.parse_key(prefix, req.key)
+    if named is None:
+        # Another job's object, a listing, or a key the layout does not spell: nothing to sign.
+        raise Forbidden(f"{req.key!r} is not a checkpoint object of job {job.id}")
+    if req.method == "PUT":
+        _check_put(session, job, attempt, req, named)
+        session.commit()
+        return _put_grants(signer, req, settings)
+    _check_readable(session, job, attempt, named)
+    session.commit()
+    wanted = [req.key]
+    if named.rank is None:  # a manifest: the shards a restore of this rank reads come with it
+        wanted += [keys.shard_key(prefix, named.step, named.attempt_number, r) for r in sorted({req.rank, 0})]
+    elif named.rank not in (req.rank, 0):
+        raise Forbidden(f"rank {req.rank} restores its own shard and rank 0's, not rank {named.rank}'s")
+    ttl = settings.storage_grant_ttl_s
+    return StorageGrants(grants=[_signed(signer, GrantAction.get, "GET", key, ttl) for key in wanted])
+
+
+def _check_put(session: Session, job: Job, attempt: Attempt, req: StorageRequest, named: keys.CheckpointObject) -> None:
+    if named.rank is None:
+        raise Forbidden("workers do not write manifests: the control plane's commit does")
+    if named.attempt_number != attempt.number or named.rank != req.rank:
+        raise Forbidden(f"rank {req.rank} of attempt {attempt.number} writes only its own shards, "
+                        f"not {req.key!r}")
+    if attempt.outcome is not None and attempt.outcome != "failed":
+        raise Conflict(f"attempt {attempt.number} already ended ({attempt.outcome}); no more shards")
+    ckpt = session.execute(select(Checkpoint.id, Checkpoint.state).where(
+        Checkpoint.job_id == job.id, Checkpoint.attempt_id == attempt.id, Checkpoint.step == named.step)).one_or_none()
+    if ckpt is None:
+        return
+    if ckpt.state != "pending":
+        raise Conflict(f"the checkpoint of step {named.step} is {ckpt.state}: its shards cannot be written again")
+    reported = session.scalar(select(CheckpointShard.id).where(
+        CheckpointShard.checkpoint_id == ckpt.id, CheckpointShard.rank == req.rank))
+    if reported is not None:
+        raise Conflict(f"rank {req.rank} already reported its shard of step {named.step}")
+
+
+def _check_readable(session: Session, job: Job, attempt: Attempt, named: keys.CheckpointObject) -> None:
+    """``named`` belongs to a checkpoint of the attempt's restore plan that is still in storage."""
+    plan: dict[str, Any] = attempt.restore_manifest or {}
+    ids = []
+    for candidate in plan.get("candidates") or []:
+        if candidate.get("step") == named.step and candidate.get("attempt_number") == named.attempt_number:
+            try:
+                ids.append(uuid.UUID(str(candidate.get("checkpoint_id"))))
+            except ValueError:
+                continue
+    found = session.scalar(select(Checkpoint.id).where(
+        Checkpoint.id.in_(ids), Checkpoint.job_id == job.id, Checkpoint.state.in_(READABLE))) if ids else None
+    if found is None:
+        raise NotFound(f"no readable checkpoint of attempt {attempt.number}'s restore plan has step {named.step} "
+                       f"of attempt {named.attempt_number}")
+
+
+def _put_grants(signer: Signer, req: StorageRequest, settings: Settings) -> StorageGrants:
+    size = req.size_bytes or 0
+    part = settings.storage_part_size_mb * 2**20
+    ttl = settings.storage_grant_ttl_s
+    if size <= part:
+        if req.upload_id is not None:
+            raise Unprocessable(f"an object of {size} bytes is uploaded with one PUT, not in parts")
+        return StorageGrants(grants=[_signed(signer, GrantAction.put, "PUT", req.key, ttl, headers=CREATE_ONLY)])
+    parts = math.ceil(size / part)
+    if parts > MAX_PARTS:
+        raise Unprocessable(f"an object of {size} bytes needs {parts} parts of {part} bytes; S3 allows {MAX_PARTS}")
+    if req.upload_id is None:
+        create = _signed(signer, GrantAction.create_upload, "POST", req.key, ttl, query={"uploads": ""})
+        return StorageGrants(grants=[create], part_size_bytes=part)
+    upload = {"uploadId": req.upload_id}
+    grants = [
+        _signed(signer, GrantAction.upload_part, "PUT", req.key, ttl, query={**upload, "partNumber": str(n)},
+                part_number=n)
+        for n in range(1, parts + 1)
+    ]
+    grants.append(_signed(signer, GrantAction.complete_upload, "POST", req.key, ttl, query=upload,
+                          headers=CREATE_ONLY))
+    grants.append(_signed(signer, GrantAction.abort_upload, "DELETE", req.key, ttl, query=upload))
+    return StorageGrants(grants=grants, part_size_bytes=part)
+
+
+def _signed(signer: Signer, action: GrantAction, method: str, key: str, ttl: int, *,
+            headers: dict[str, str] | None = None, query: dict[str, str] | None = None,
+            part_number: int | None = None) -> StorageGrant:
+    # Signed at the shared clock's time, not this replica's wall clock, which may be off (S3 refuses
+    # a URL dated in its future).
+    at = now()
+    url = signer.presign(method, key, expires_s=ttl, headers=headers, query=query, now=at)
+    return StorageGrant(key=key, action=action, method=method, url=url, headers=dict(headers or {}),
+                        part_number=part_number, expires_at=at + timedelta(seconds=ttl))

@@ -1,0 +1,110 @@
+"""Storage grants: presigned URLs for the exact checkpoint objects a worker may read or write
+(pydantic only; docs/security.md, "Checkpoint storage").
+
+Workers hold no storage credentials. To save a shard or restore a checkpoint a worker asks its
+agent, whose local API forwards the request to the control plane with the node's credential; the
+control plane checks the attempt's fencing token and what the key is, and signs URLs with the
+credentials only it holds (offline: no request to S3):
+
+- ``POST /v1/local/attempts/{attempt_id}/storage``  LocalStorageRequest -> 200 StorageGrants
+- ``POST /v1/agent/attempts/{attempt_id}/storage``  StorageRequest (node token) -> 200 StorageGrants
+
+What may be granted:
+
+- PUT: this attempt's own shard key of the worker's rank (``trainyard.protocol.keys.shard_key``), for
+  a step whose checkpoint is not decided yet. The URL is create-only: it signs ``If-None-Match: *``,
+  so it can never overwrite an object, not even the shard it wrote. An object larger than the
+  control plane's part size is uploaded in parts: the first answer is a ``create_upload`` grant;
+  the worker sends it, then asks again with the ``upload_id`` S3 gave and gets a grant per part,
+  one to complete the upload (create-only as well) and one to abort it.
+- GET: the manifest and shards of the checkpoints in the attempt's restore plan. Asked for a
+  manifest, the control plane also grants the worker's own shard and rank 0's (which holds the
+  replicated state), so a restore costs one request per candidate.
+
+Nothing grants listing, deleting, or any object of another job. A refused request is 403 (not
+this worker's object), 404 (not a readable checkpoint of the plan), 409 (a stale attempt, or a
+step already decided), or 422.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_KEY_LENGTH = 1024
+"""S3's longest object key, in bytes of UTF-8."""
+MAX_PARTS = 10_000
+"""S3's most parts of one multipart upload."""
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Asked(_Wire):
+    rank: int = Field(ge=0, le=2**31 - 1, description="The asking worker's global rank.")
+    method: Literal["GET", "PUT"]
+    key: str = Field(min_length=1, max_length=MAX_KEY_LENGTH, description="The object key.")
+    size_bytes: int | None = Field(
+        default=None, ge=0, le=5 * 2**40,
+        description="PUT: the object's size in bytes (S3 objects are at most 5 TiB). Required for PUT.",
+    )
+    upload_id: str | None = Field(
+        default=None, min_length=1, max_length=1024, pattern=r"^[\x21-\x7e]+$",
+        description="PUT in parts: the upload id S3 answered to the create_upload grant.",
+    )
+
+    @model_validator(mode="after")
+    def _put_has_size(self) -> _Asked:
+        if self.method == "PUT" and self.size_bytes is None:
+            raise ValueError("a PUT grant needs size_bytes")
+        if self.method == "GET" and (self.size_bytes is not None or self.upload_id is not None):
+            raise ValueError("size_bytes and upload_id only go with PUT")
+        return self
+
+
+_TOKEN = Field(max_length=256, pattern=r"^[\x21-\x7e]*$", description="The attempt's fencing token.")
+
+
+class LocalStorageRequest(_Asked):
+    """Worker -> agent (local API), authenticated by the attempt's fencing token."""
+
+    fencing_token: str = _TOKEN
+
+
+class StorageRequest(_Asked):
+    """Agent -> control plane (node token), for one of the node's attempts."""
+
+    fencing_token: str = _TOKEN
+    node_rank: int = Field(ge=0, le=2**31 - 1)
+
+
+class GrantAction(StrEnum):
+    get = "get"
+    put = "put"
+    create_upload = "create_upload"
+    upload_part = "upload_part"
+    complete_upload = "complete_upload"
+    abort_upload = "abort_upload"
+
+
+class StorageGrant(_Wire):
+    key: str
+    action: GrantAction
+    method: str = Field(description="The HTTP method the URL is signed for.")
+    url: str = Field(description="Presigned URL; holds no credential, only a signature.")
+    headers: dict[str, str] = Field(
+        default_factory=dict, description="Signed headers: send exactly these, or S3 refuses the request."
+    )
+    part_number: int | None = Field(default=None, ge=1, le=MAX_PARTS)
+    expires_at: datetime
+
+
+class StorageGrants(_Wire):
+    grants: list[StorageGrant] = Field(default_factory=list)
+    part_size_bytes: int | None = Field(
+        default=None, ge=1, description="Uploads in parts: the size of every part but the last."
+    )
