@@ -34,6 +34,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,8 @@ class Flight:
 
 
 class CountedStorage:
-    """The real S3Storage (through the link), counting its uploads in flight per rack."""
+    """A worker's real storage (presigned URLs through its agent, sent through the link), counting
+    its uploads in flight per rack."""
 
     def __init__(self, inner: Any, rack: str, flight: Flight) -> None:
         self.inner, self.rack, self.flight = inner, rack, flight
@@ -144,9 +146,11 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
     from node_agent.relay import Outbox, Relay
     from node_agent.upload_slots import SlotRelay
     from trainyard.protocol.agent import AttemptStatusReport, HeartbeatRequest, RegisterRequest, WorkerStatus
+    from trainyard.protocol.grants import StorageRequest
     from trainyard.simulate import ControlPlane
     from worker_runtime import CheckpointManager, WorkerContext
     from worker_runtime.checkpoint.notify import CheckpointReporter
+    from worker_runtime.checkpoint.presigned import AgentGrants, PresignedStorage
     from worker_runtime.checkpoint.s3 import S3Config, S3Storage
     from worker_runtime.state import TrainState
 
@@ -154,7 +158,9 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
     cp = ControlPlane(ctx["pg_url"], s3, admin_token="bench-admin", join_token="bench-join",
                       log_path=ctx["data"] / f"control-plane-{round_}.log", env={
                           "TRAINYARD_NODE_LOST_TIMEOUT_S": "300", "TRAINYARD_ATTEMPT_LAUNCH_TIMEOUT_S": "900",
-                          "TRAINYARD_CHECKPOINT_PENDING_TIMEOUT_S": "1800", **env})
+                          "TRAINYARD_CHECKPOINT_PENDING_TIMEOUT_S": "1800",
+                          # Workers' presigned URLs name the link, so their uploads go through it.
+                          "TRAINYARD_S3_WORKER_ENDPOINT": link.endpoint, **env})
     cp.start()
     apis: list[Any] = []
     clients: list[Any] = []
@@ -194,7 +200,11 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
                           on_unauthorized=lambda: None)
             slots = SlotRelay(client, target=lambda a, t=target: t, on_stale=lambda a, e: None,
                               on_unauthorized=lambda: None)
-            api = LocalApi("127.0.0.1", 0, outbox=outbox, slots=slots)
+            def grants(attempt_id: str, body: Any, client: Any = client, node_rank: int = spec.node_rank) -> Any:
+                granted = client.storage_grants(attempt_id, StorageRequest(**body.model_dump(), node_rank=node_rank))
+                return HTTPStatus.OK, granted.model_dump(mode="json")  # a failure fails the bench, loudly
+
+            api = LocalApi("127.0.0.1", 0, outbox=outbox, slots=slots, grants=grants)
             api.reports.register(spec.attempt_id, spec.fencing_token)
             api.start()
             apis.append(api)
@@ -222,7 +232,9 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
                 state = TrainState()
                 torch.manual_seed(rank)
                 state.register("blob", torch.nn.Embedding(int(args.shard_mb * MB) // 4000, 1000))
-                store = CountedStorage(S3Storage(storage_cfg, timeout_s=120, retries=0), rack, flight)
+                source = AgentGrants(agent_url=api.url, attempt_id=spec.attempt_id,
+                                     fencing_token=spec.fencing_token, rank=rank)
+                store = CountedStorage(PresignedStorage(source, timeout_s=120, retries=0), rack, flight)
                 managers.append(CheckpointManager(wctx, state, storage=store, reporter=CheckpointReporter(wctx),
                                                   interval_steps=1))
         fg = Foreground(S3Storage(storage_cfg, timeout_s=120, retries=0))
@@ -249,7 +261,7 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
         ckpt = None
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            ckpts = admin.get(f"/v1/jobs/{job_id}/checkpoints").json()
+            ckpts = admin.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"]
             if ckpts and ckpts[0]["state"] == "committed":
                 ckpt = ckpts[0]
                 break
@@ -305,11 +317,12 @@ async def _scale(cp: Any, args: argparse.Namespace, per_node: int, racks: int,
                                                              "gpus_per_node": per_node, "entrypoint": "bench"})
         r.raise_for_status()
         job_id = r.json()["id"]
-        specs: list[dict[str, Any]] = []
+        specs: list[tuple[dict[str, Any], dict[str, str]]] = []  # each node's launch spec and its credential
         for _ in range(600):
             answers = await asyncio.gather(*[http.post("/v1/agent/heartbeat", headers=t, json={
                 "agent_instance": "bench", "seq": int(time.time() * 1000), "attempts": []}) for t in tokens])
-            specs = [a.json()["assignments"][0] for a in answers if a.json()["assignments"]]
+            specs = [(a.json()["assignments"][0], t) for a, t in zip(answers, tokens, strict=True)
+                     if a.json()["assignments"]]
             if len(specs) == nodes:
                 break
             await asyncio.sleep(0.2)
@@ -345,8 +358,9 @@ async def _scale(cp: Any, args: argparse.Namespace, per_node: int, racks: int,
             requests += 1
             r.raise_for_status()
 
-        tasks = [asyncio.create_task(rank(spec, tokens[i], local)) for i, spec in enumerate(
-            sorted(specs, key=lambda s: s["node_rank"])) for local in range(per_node)]
+        # Node ranks follow the topology (racks), not the order of registration: each node asks with
+        # its own credential for its own block of ranks.
+        tasks = [asyncio.create_task(rank(spec, auth, local)) for spec, auth in specs for local in range(per_node)]
         await asyncio.sleep(2.0)  # the statistics of what came before are flushed
         before = transactions()
         t0 = time.monotonic()
