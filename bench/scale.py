@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/scale.py [--agents 160] [--ranks 512,1024] [--window 5]
     .venv/bin/python bench/scale.py --agents 250,1000,2000 --ranks 512,1024     # the full run
+    .venv/bin/python bench/scale.py --agents 250 --ranks 512,1024 --repeat 3    # job figures, medians
 
 Starts embedded PostgreSQL and S3 (SeaweedFS) in a temporary directory, a ``trainyard server``
 subprocess on them, and ``--agents`` simulated agents (trainyard/simulate.py) in this process, each
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import secrets
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -76,7 +78,8 @@ async def run(args: argparse.Namespace, cp: ControlPlane, s3: S3Target) -> None:
                     if ranks // 8 > n:
                         say(f"skipping the {ranks}-rank job: it needs {ranks // 8} agents")
                         continue
-                    jobs.append(await job_scenario(fleet, ranks, window_s=args.window, say=say))
+                    for _ in range(args.repeat):
+                        jobs.append(await job_scenario(fleet, ranks, window_s=args.window, say=say))
     finally:
         await fleet.close()
     if fleet.errors:
@@ -96,7 +99,7 @@ async def run(args: argparse.Namespace, cp: ControlPlane, s3: S3Target) -> None:
               f"{interval:>11g}")
     print()
     print(f"Jobs (fleet of {args.agents[0]} agents, 8 ranks per node)")
-    header = (f"{'ranks':>6} {'hb first B':>11} {'hb steady B':>12} {'full-spec B':>12} {'recovered B':>12} "
+    header = (f"{'ranks':>6} {'first B':>11} {'hb steady B':>12} {'full-spec B':>12} {'recovered B':>12} "
               f"{'steady p50/p99 ms':>18} {'full-spec p50/p99 ms':>21} {'commit s':>9} {'fail->1st s':>12} "
               f"{'fail->all s':>12}")
     print(header)
@@ -107,15 +110,23 @@ async def run(args: argparse.Namespace, cp: ControlPlane, s3: S3Target) -> None:
               f"{j.recovered_first_bytes:>12} {f'{d50 * 1000:.1f}/{d99 * 1000:.1f}':>18} "
               f"{f'{l50 * 1000:.1f}/{l99 * 1000:.1f}':>21} {j.commit_s:>9.2f} {j.recovery_first_s:>12.2f} "
               f"{j.recovery_all_s:>12.2f}")
+    if args.repeat > 1:
+        print(f"medians of {args.repeat} runs")
+        for ranks in args.ranks:
+            runs = [j for j in jobs if j.ranks == ranks]
+            if runs:
+                print(f"{ranks:>6} commit s {statistics.median(j.commit_s for j in runs):.2f}, fail->1st s "
+                      f"{statistics.median(j.recovery_first_s for j in runs):.2f}, fail->all s "
+                      f"{statistics.median(j.recovery_all_s for j in runs):.2f}")
     for j in jobs:
         c50, c99, count = j.extra["checkpoint_hb"]
         print(f"{j.ranks:>6} ranks: heartbeats of every agent during the checkpoint: p50 {c50 * 1000:.1f} ms, "
               f"p99 {c99 * 1000:.1f} ms ({count} samples)")
     print()
-    print("hb first B: largest heartbeat response of a node of the job carrying its new spec; hb steady B:")
+    print("first B: largest answer to a node of the job carrying its new spec (its long poll's); hb steady B:")
     print("largest response of such a node once it holds the spec (delta protocol, sent every second);")
     print("full-spec B: the same node as an old agent (no `known`: the full spec, credentials included,")
-    print("every second: the protocol before finding 21); recovered B: the response carrying the recovery")
+    print("every second: the protocol before finding 21); recovered B: the answer carrying the recovery")
     print("attempt's spec (it includes the restore plan). commit s: from the first shard report of a step")
     print("to the acknowledgement that committed it (every node reports its 8 shards at once). fail->1st")
     print("/all s: from the failure report until the first / every node holds the recovery attempt.")
@@ -127,6 +138,8 @@ def main() -> int:
     parser.add_argument("--agents", type=_ints, default=[160], help="fleet sizes, comma-separated, growing")
     parser.add_argument("--ranks", type=_ints, default=[512, 1024], help="job sizes in ranks (8 per node)")
     parser.add_argument("--window", type=float, default=5.0, help="seconds of each latency window")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each job that many times on the first fleet size (the table adds medians)")
     parser.add_argument("--interval", type=float, default=1.0,
                         help="heartbeat interval of the agents (the control plane's minimum with --protocol scaled)")
     parser.add_argument("--protocol", choices=["scaled", "fixed"], default="scaled",

@@ -142,7 +142,7 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
     import torch
 
     from node_agent.client import ControlPlaneClient
-    from node_agent.local_api import LocalApi
+    from node_agent.local_api import BASE_URL, LocalApi
     from node_agent.relay import Outbox, Relay
     from node_agent.upload_slots import SlotRelay
     from trainyard.protocol.agent import AttemptStatusReport, HeartbeatRequest, RegisterRequest, WorkerStatus
@@ -167,6 +167,7 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
     stop = threading.Event()
     relays: list[threading.Thread] = []
     admin = httpx.Client(base_url=cp.url, headers={"Authorization": "Bearer bench-admin"}, timeout=60)
+    sockets = tempfile.TemporaryDirectory(prefix="tyu-", dir="/tmp")  # a socket path holds 107 bytes
     try:
         gpus = args.ranks // args.nodes
         racks = ["r1" if n < args.nodes // 2 else "r2" for n in range(args.nodes)]
@@ -204,9 +205,10 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
                 granted = client.storage_grants(attempt_id, StorageRequest(**body.model_dump(), node_rank=node_rank))
                 return HTTPStatus.OK, granted.model_dump(mode="json")  # a failure fails the bench, loudly
 
-            api = LocalApi("127.0.0.1", 0, outbox=outbox, slots=slots, grants=grants)
+            api = LocalApi(outbox=outbox, slots=slots, grants=grants)
             api.reports.register(spec.attempt_id, spec.fencing_token)
-            api.start()
+            # Each node's part of the attempt has its own socket, as under an agent (TRAINYARD_AGENT_SOCKET).
+            api.open(spec.attempt_id, Path(sockets.name) / f"{spec.node_rank}.sock")
             apis.append(api)
 
             def relay_loop(relay: Relay = relay, outbox: Outbox = outbox) -> None:
@@ -227,13 +229,14 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
                 rank = spec.node_rank * gpus + i
                 wctx = WorkerContext(job_id=job_id, attempt_id=spec.attempt_id, attempt_number=spec.attempt_number,
                                      fencing_token=spec.fencing_token, rank=rank, world_size=args.ranks,
-                                     agent_url=api.url, checkpoint={"interval_steps": 1},
+                                     agent_url=BASE_URL, agent_socket=str(api.socket_of(spec.attempt_id)),
+                                     checkpoint={"interval_steps": 1},
                                      checkpoint_prefix=spec.storage.get("prefix") or None)
                 state = TrainState()
                 torch.manual_seed(rank)
                 state.register("blob", torch.nn.Embedding(int(args.shard_mb * MB) // 4000, 1000))
-                source = AgentGrants(agent_url=api.url, attempt_id=spec.attempt_id,
-                                     fencing_token=spec.fencing_token, rank=rank)
+                source = AgentGrants(agent_url=BASE_URL, attempt_id=spec.attempt_id,
+                                     fencing_token=spec.fencing_token, rank=rank, agent_socket=wctx.agent_socket)
                 store = CountedStorage(PresignedStorage(source, timeout_s=120, retries=0), rack, flight)
                 managers.append(CheckpointManager(wctx, state, storage=store, reporter=CheckpointReporter(wctx),
                                                   interval_steps=1))
@@ -280,6 +283,7 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
             client.close()
         admin.close()
         cp.stop()
+        sockets.cleanup()
 
 
 @dataclass

@@ -12,7 +12,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -48,12 +48,30 @@ RETRY_AFTER_S = 1
 """What a 503 for a busy database (pool exhausted, lock conflict) tells the client to wait."""
 
 # SQLSTATEs of a transaction that lost a race and may simply be run again: serialization_failure,
-# deadlock_detected, lock_not_available; and of a database that is briefly unreachable.
-RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57P01", "57P02", "57P03", "08000", "08003", "08006"})
+# deadlock_detected, lock_not_available.
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
+# SQLSTATE classes of a database that cannot serve anyone now but may soon: connection exception
+# (08), insufficient resources (53: too many connections, out of memory or disk), operator
+# intervention (57: shutdown, crash recovery, a cancelled statement).
+RETRYABLE_CLASSES = ("08", "53", "57")
 
 
 def _sqlstate(exc: DBAPIError) -> str | None:
     return getattr(exc.orig, "sqlstate", None)
+
+
+def retryable(exc: DBAPIError) -> bool:
+    """Whether a database error is an outage or a lost race (503, retry) rather than a bug (500).
+
+    A server that cannot be reached at all (connection refused or reset, a timeout, a socket that
+    vanished) answers with no SQLSTATE: the driver raises OperationalError or InterfaceError (PEP
+    249: errors of the database's operation, not of the statement) without one."""
+    state = _sqlstate(exc)
+    if exc.connection_invalidated:
+        return True
+    if state is None:
+        return isinstance(exc, (OperationalError, InterfaceError))
+    return state in RETRYABLE_SQLSTATES or state[:2] in RETRYABLE_CLASSES
 
 
 def _busy(request: Request, detail: str) -> JSONResponse:
@@ -79,8 +97,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
         state = _sqlstate(exc)
-        if state in RETRYABLE_SQLSTATES or exc.connection_invalidated:
-            log.warning("transient database error", path=request.url.path, sqlstate=state)
+        if retryable(exc):
+            log.warning("transient database error", path=request.url.path, sqlstate=state,
+                        error=type(exc.orig).__name__)
+            if state is None:
+                return _busy(request, "the database cannot be reached for now")
             return _busy(request, f"the database refused this transaction for now (SQLSTATE {state})")
         raise exc
 

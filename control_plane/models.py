@@ -153,7 +153,9 @@ class Job(Base):
     state: Mapped[str] = mapped_column(String(16))
     num_nodes: Mapped[int] = mapped_column(Integer)
     gpus_per_node: Mapped[int] = mapped_column(Integer)
-    gpu_kind: Mapped[str | None] = mapped_column(String(128), doc="Required GPU kind, if any.")
+    gpu_kinds: Mapped[list[str] | None] = mapped_column(
+        ARRAY(String(128)), doc="The GPU kinds the job accepts (a gang runs on one of them); NULL: any."
+    )
     entrypoint: Mapped[str] = mapped_column(Text)
     args: Mapped[list[str]] = mapped_column(JSONB, server_default=text("'[]'::jsonb"))
     env: Mapped[dict[str, str]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
@@ -170,9 +172,6 @@ class Job(Base):
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), ForeignKey("attempts.id", use_alter=True, ondelete="SET NULL")
     )
-    progress_step: Mapped[int | None] = mapped_column(Integer)
-    progress_loss: Mapped[float | None] = mapped_column(Float)
-    progress_at: Mapped[datetime | None] = _ts()
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     end_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
@@ -210,15 +209,12 @@ class Attempt(Base):
     )
     end_reason: Mapped[str | None] = mapped_column(Text)
     num_gpus: Mapped[int] = mapped_column(Integer, doc="Leases this attempt must hold: its gang size.")
+    gpu_kind: Mapped[str | None] = mapped_column(String(128), doc="The GPU kind of its nodes (one per gang).")
     rdzv_host: Mapped[str] = mapped_column(String(255))
     rdzv_port: Mapped[int] = mapped_column(Integer)
     restored_from_step: Mapped[int | None] = mapped_column(Integer)
     restored_from_checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), doc="The checkpoint this attempt restored (its lineage); None: from scratch."
-    )
-    progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this attempt reported.")
-    progress_metrics: Mapped[dict[str, float] | None] = mapped_column(
-        JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
     )
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
@@ -226,7 +222,6 @@ class Attempt(Base):
     restore_manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
     started_at: Mapped[datetime | None] = _ts(doc="When every worker was running.")
-    first_progress_at: Mapped[datetime | None] = _ts()
     failed_at: Mapped[datetime | None] = _ts()
     ended_at: Mapped[datetime | None] = _ts(doc="When every node confirmed its processes gone.")
 
@@ -257,6 +252,18 @@ class AttemptNode(Base):
     error: Mapped[str | None] = mapped_column(Text)
     reported_at: Mapped[datetime | None] = _ts()
     released_at: Mapped[datetime | None] = _ts(doc="When its processes were confirmed gone.")
+    spec_version: Mapped[str | None] = mapped_column(
+        String(64), doc="Its launch spec's version, fixed at allocation (services/specs.py); NULL before 0014.")
+    # Progress is kept per part, written by the node's own status reports (which never write the job
+    # or the attempt row, so a job's nodes report at once); the views derive the attempt's and the
+    # job's progress from it (services/progress.py).
+    progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this node reported.")
+    progress_loss: Mapped[float | None] = mapped_column(Float)
+    progress_at: Mapped[datetime | None] = _ts(doc="When the workers reported that step (the node's clock).")
+    progress_metrics: Mapped[dict[str, float] | None] = mapped_column(
+        JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
+    )
+    first_progress_at: Mapped[datetime | None] = _ts(doc="When the first step of this node arrived.")
 
     attempt: Mapped[Attempt] = relationship(back_populates="nodes")
     node: Mapped[Node] = relationship()
@@ -450,6 +457,7 @@ class Reservation(Base):
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    seq: Mapped[int] = mapped_column(BigInteger, Identity(), doc="Order made: a pass makes many at one created_at.")
     kind: Mapped[str] = mapped_column(String(16), doc="job | recovery-reserve")
     job_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     gpu_kind: Mapped[str | None] = mapped_column(String(128))

@@ -7,6 +7,8 @@ from functools import lru_cache
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainyard.protocol.env import MAX_JOB_ENV_BYTES
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINYARD_", extra="ignore")
@@ -111,7 +113,10 @@ class Settings(BaseSettings):
         "Highest rendezvous port. Keep the range below the nodes' ephemeral ports (Linux: "
         "net.ipv4.ip_local_port_range, 32768-60999 by default): an outgoing connection's local port "
         "taken from the range makes torchrun's store fail with EADDRINUSE."))
-    max_env_bytes: int = Field(32768, gt=0, description="Largest total size of a job's env.")
+    max_env_bytes: int = Field(
+        MAX_JOB_ENV_BYTES, gt=0, le=MAX_JOB_ENV_BYTES,
+        description="Largest total size of a job's env (NAME=value and a NUL each); submit refuses more with 422.",
+    )
     log_follow_poll_s: float = Field(0.5, gt=0, description="How often a followed log is read again.")
     log_followers_per_principal: int = Field(
         4, ge=1, le=1000, description="Logs one principal may follow at once on one replica; more are answered 429."

@@ -27,11 +27,11 @@ from sqlalchemy import event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 log = structlog.get_logger("trainyard.wakeups")
+T = TypeVar("T")
 
 CHANNEL = "trainyard_node"
 SLOT_CHANNEL = "trainyard_upload_slot"
 _PENDING = "wake:"  # + channel, session.info key: keys to wake locally once the transaction commits
-T = TypeVar("T")
 
 
 def notify(session: Session, channel: str, keys: Iterable[uuid.UUID | str]) -> None:
@@ -66,6 +66,7 @@ class Wakeups:
         self._count = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def waiting(self) -> int:
@@ -91,18 +92,29 @@ class Wakeups:
             if not waiters:
                 del self._waiters[node_id]
 
-    async def wait(self, node_id: str, changed: Callable[[], bool], timeout_s: float) -> bool:
-        """A long poll: True as soon as the node's desired state changed (``changed()``, run in a
-        worker thread, reads it once, after the wait is registered), False after ``timeout_s``."""
+    async def wait(self, node_id: str, change: Callable[[], T | None], timeout_s: float) -> T | None:
+        """A long poll: what ``change()`` (run in a worker thread) says changed in the node's desired
+        state, as soon as it says so, else None after ``timeout_s``. It reads once after the wait is
+        registered (so no change between the agent's last answer and the wait is missed) and again
+        each time the wait is woken (a wake-up may be for a change the agent already has, or for
+        all waits after the listener reconnected); the wait goes on until the timeout."""
         ev = self.add(node_id)
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
-            if await anyio.to_thread.run_sync(changed):
-                return True
-            try:
-                await asyncio.wait_for(ev.wait(), timeout_s)
-            except TimeoutError:
-                return False
-            return True
+            while True:
+                ev.clear()  # before the read: a wake-up during it is not lost
+                found = await anyio.to_thread.run_sync(change)
+                if found is not None:
+                    return found
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0 or self._stopping:
+                    return None
+                try:
+                    await asyncio.wait_for(ev.wait(), left)
+                except TimeoutError:
+                    return None
+                if self._stopping:
+                    return None
         finally:
             self.remove(node_id, ev)
 
@@ -163,6 +175,7 @@ class Wakeups:
         self._task = asyncio.create_task(self.run(), name=f"trainyard-wakeups-{self.channel}")
 
     async def stop(self) -> None:
+        self._stopping = True
         self._fire_all()  # every wait answers now ("nothing changed")
         if self._task is not None:
             self._task.cancel()

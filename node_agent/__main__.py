@@ -14,6 +14,14 @@ import structlog
 from node_agent.agent import AgentConfig, run_agent
 from node_agent.config import read_join_token
 from node_agent.gpus import NoGpusError
+from node_agent.isolation import IsolationError, UidRange
+
+
+def _uids(text: str) -> UidRange:
+    try:
+        return UidRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -35,7 +43,12 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser.add_argument("--virtual-gpus", type=int, default=None, help="offer N CPU-only slots instead of NVIDIA GPUs")
     parser.add_argument("--work-dir", type=Path, default=Path(".trainyard/agent"))
     parser.add_argument("--label", type=_label, action="append", default=[], help="topology label k=v")
-    parser.add_argument("--local-api-port", type=int, default=0)
+    parser.add_argument("--worker-uids", type=_uids, default=None,
+                        help="run each attempt as its own uid from this pool, e.g. 20000-20063 (needs root)")
+    parser.add_argument("--worker-root", type=Path, default=None, help="worker directories (default WORK_DIR/workers)")
+    parser.add_argument("--run-dir", type=Path, default=None, help="sockets and uid locks (default /run/trainyard)")
+    parser.add_argument("--no-cgroups", action="store_true", help="track processes by uid, not by cgroup v2")
+    parser.add_argument("--worker-env", action="append", default=[], help="an agent variable to pass to workers")
     parser.add_argument("--stop-grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL")
     parser.add_argument(
         "--keep-workers-on-exit", action="store_true", help="leave workers running when the agent exits"
@@ -56,7 +69,11 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             virtual_gpus=args.virtual_gpus,
             work_dir=args.work_dir,
             labels=dict(args.label),
-            local_api_port=args.local_api_port,
+            worker_uids=args.worker_uids,
+            worker_root=args.worker_root,
+            run_dir=args.run_dir,
+            cgroups=not args.no_cgroups,
+            worker_env_passthrough=tuple(args.worker_env),
             stop_grace_s=args.stop_grace,
             keep_workers_on_exit=args.keep_workers_on_exit,
         )
@@ -68,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     try:
         run_agent(config)
-    except NoGpusError as exc:
+    except (NoGpusError, IsolationError) as exc:
         print(f"node_agent: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -24,11 +24,9 @@ The protocol (attempts, fencing, leases) is in docs/architecture.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import os
 import random
-import re
-import shutil
 import signal
 import threading
 import time
@@ -41,7 +39,7 @@ from typing import Any
 import structlog
 
 from node_agent import credential, processes
-from node_agent.attempt import AttemptRun, attempt_paths
+from node_agent.attempt import AttemptRun
 from node_agent.client import (
     ControlPlaneClient,
     ControlPlaneUnavailable,
@@ -52,10 +50,11 @@ from node_agent.client import (
 )
 from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource, gpu_source
+from node_agent.isolation import Isolation, IsolationError, private_dir, reachable_by_others
 from node_agent.launcher import NodeContext
-from node_agent.local_api import LocalApi, LocalReports
+from node_agent.launches import Launches
+from node_agent.local_api import BASE_URL, LocalApi, LocalReports
 from node_agent.orphans import OrphanSweeper
-from node_agent.rank_shim import write_json_atomic
 from node_agent.relay import Outbox, Relay
 from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
@@ -74,13 +73,11 @@ from trainyard.protocol.agent import (
 )
 from trainyard.protocol.grants import LocalStorageRequest, StorageRequest
 
-__all__ = ["Agent", "AgentConfig", "run_agent"]
+__all__ = ["Agent", "AgentConfig", "IsolationError", "run_agent"]
 
 AGENT_VERSION = "0.1.0"
 log = structlog.get_logger(__name__)
 
-# Attempt ids name directories: nothing that could climb out of work_dir/attempts.
-_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _REPORT_INTERVAL_S = 0.5
 _LOG_BATCHES_PER_ROUND = 4
 _FINAL_STATES = (NodeAttemptState.exited, NodeAttemptState.stopped)
@@ -148,7 +145,13 @@ class Agent:
         self._versions: dict[str, str] = {}
         self._storage: dict[str, object] = {}
         self._runs_lock = threading.Lock()
+        # Answers come from two loops (heartbeat, long poll): applied one at a time, and an answer
+        # never stops an attempt launched after its request left (_reconcile).
+        self._reconcile_lock = threading.Lock()
+        self._launched_at: dict[str, float] = {}
         self._api: LocalApi | None = None
+        self._launches: Launches | None = None
+        self.isolation: Isolation | None = None
         self._node: NodeContext | None = None
         self._threads: dict[str, threading.Thread] = {}
         self._loops: dict[str, Callable[[], float]] = {
@@ -166,35 +169,62 @@ class Agent:
 
     # --- lifecycle ---
 
-    @property
-    def local_api_url(self) -> str:
-        if self._api is None:
-            raise RuntimeError("agent not started")
-        return self._api.url
+    def local_api_socket(self, attempt_id: str) -> str | None:
+        """The local API's socket of one attempt part this agent serves (TRAINYARD_AGENT_SOCKET)."""
+        path = None if self._api is None else self._api.socket_of(attempt_id)
+        return None if path is None else str(path)
 
     def start(self) -> None:
-        """Discover GPUs, serve the local API, re-adopt attempts left in work_dir, start the loops.
-        Returns at once: registration happens in the background, retried until it succeeds."""
+        """Discover GPUs, set up isolation, re-adopt attempts left in work_dir (serving their local
+        API sockets again), start the loops. Returns at once: registration happens in the
+        background, retried until it succeeds. Raises IsolationError when the configured isolation
+        cannot be had."""
         with self._lifecycle:
             if self._started or self._stopped:
                 return
             self._started = True
+        config = self.config
         self.gpus = self._gpu_source.discover()
-        (self.config.work_dir / "attempts").mkdir(parents=True, exist_ok=True)
-        self._api = self._start_local_api()
+        self.isolation, notes = Isolation.configure(
+            config.worker_uids, config.runtime_dir, use_cgroups=config.cgroups, cwd=os.getcwd()
+        )
+        for note in notes:
+            self.log.info("isolation", detail=note)
+        # Workers must get through to their own directory and socket, never into the agent's state.
+        private_dir(config.work_dir, 0o711)
+        private_dir(config.workers_dir, 0o711)
+        self._api = LocalApi(self.reports, self.outbox, grants=self._storage_grants, slots=self.slots)
+        self._launches = Launches(config, self._api, self.isolation, self.log)
+        if self.isolation.isolated:
+            for what, directory in (("--worker-root", config.workers_dir), ("--run-dir", self._launches.sockets_dir)):
+                blocked = reachable_by_others(directory)
+                if blocked is not None:
+                    raise IsolationError(
+                        f"worker uids cannot reach {directory}: {blocked} does not let other users through "
+                        f"(o+x); choose a {what} every worker uid can reach"
+                    )
+            self.log.info("workers_isolated", uids=str(config.worker_uids))
+        else:
+            self.log.warning(
+                "workers_not_isolated",
+                detail=f"no --worker-uids: every job's code runs as this agent's user (uid {os.geteuid()}), "
+                "can read the agent's environment and files and signal other jobs' processes; "
+                "configure a worker uid pool (docs/security.md)",
+            )
         self._node = NodeContext(
-            local_addr=self.config.address,
-            agent_url=self._api.url,
+            local_addr=config.address,
+            agent_url=BASE_URL,
             virtual=self._gpu_source.virtual,
-            join_timeout_s=self.config.rdzv_join_timeout_s,
-            shutdown_timeout_s=math.ceil(self.config.stop_grace_s),
-            node_name=self.config.name,
+            join_timeout_s=config.rdzv_join_timeout_s,
+            shutdown_timeout_s=math.ceil(config.stop_grace_s),
+            node_name=config.name,
+            env_passthrough=config.worker_env_passthrough,
         )
         self._adopt_existing()
         if self.config.control_plane_url.startswith("http://"):
             self.log.warning("control_plane_not_https", url=self.config.control_plane_url,
                              risk="the join token and node credentials cross the network unencrypted")
-        self.log.info("agent_started", gpus=len(self.gpus), local_api=self._api.url, instance=self.instance)
+        self.log.info("agent_started", gpus=len(self.gpus), instance=self.instance)
         for name in self._loops:
             self._start_loop(name)
         self._threads["monitor"] = threading.Thread(target=self._monitor, name="agent-monitor", daemon=True)
@@ -224,6 +254,9 @@ class Agent:
             self.log.warning("outbox_items_lost_at_shutdown", items=lost)
         if self._api is not None:
             self._api.stop()
+        for run in self.runs():
+            if run.confinement.lease is not None:
+                run.confinement.lease.close()  # as at exit: the next instance claims the uids of what it adopts
         self.client.close()
         self.log.info("agent_stopped")
 
@@ -248,49 +281,27 @@ class Agent:
         if left:
             self.log.error("workers_left_running", attempts=left)
 
-    def _start_local_api(self) -> LocalApi:
-        state_file = self.config.work_dir / "agent.json"
-        port = self.config.local_api_port
-        if port == 0:
-            # Re-adopted workers still know the previous URL; keep it if the port is free.
-            try:
-                previous = int(json.loads(state_file.read_text())["local_api_port"])
-            except (OSError, ValueError, KeyError, TypeError):
-                previous = 0
-            try:
-                api = LocalApi(self.config.address, previous, self.reports, self.outbox, grants=self._storage_grants,
-                               slots=self.slots)
-            except OSError:
-                api = LocalApi(self.config.address, 0, self.reports, self.outbox, grants=self._storage_grants,
-                               slots=self.slots)
-        else:
-            api = LocalApi(self.config.address, port, self.reports, self.outbox, grants=self._storage_grants,
-                           slots=self.slots)
-        api.start()
-        write_json_atomic(state_file, {"local_api_port": int(api.url.rsplit(":", 1)[1])})
-        return api
-
     def _adopt_existing(self) -> None:
-        for root in sorted((self.config.work_dir / "attempts").iterdir()):
-            if not root.is_dir():
-                continue
-            self._known.add(root.name)  # whatever its state: never launched again
-            run = AttemptRun.adopt(
-                attempt_paths(self.config.work_dir, root.name), stop_grace_s=self.config.stop_grace_s
-            )
-            if run is not None:
-                self._runs[run.attempt_id] = run
-                if run.spec.version:
-                    self._versions[run.attempt_id] = run.spec.version
-                self.reports.register(run.attempt_id, run.spec.fencing_token)
+        assert self._launches is not None
+        seen, runs = self._launches.adopt_all()
+        self._known |= seen  # whatever their state: never launched again
+        for run in runs:
+            self._runs[run.attempt_id] = run
+            if run.spec.version:
+                self._versions[run.attempt_id] = run.spec.version
+            self.reports.register(run.attempt_id, run.spec.fencing_token)
 
     def _sweep_orphans(self, table: processes.ProcessTable) -> None:
         """Stop this node's processes that no attempt of this instance owns (node_agent/orphans.py);
         their attempts are never launched by this instance."""
+        # Listed before the owned attempts are read: a launch makes its cgroup and joins _runs under
+        # the lock, so every cgroup listed here belongs to an attempt that is in _runs by then.
+        tree = self.isolation.cgroups if self.isolation is not None else None
+        cgroups = tree.parts(self.node_id) if tree is not None and self.node_id is not None else None
         with self._runs_lock:  # after the scan: a launch that the scan saw is in _runs by now
             owned = set(self._runs)
         before = self.orphans.alive
-        new = self.orphans.sweep(table, owned)
+        new = self.orphans.sweep(table, owned, cgroups)
         with self._runs_lock:
             self._known |= new
         if self.orphans.alive != before:
@@ -404,11 +415,12 @@ class Agent:
             return min(5.0, 0.25 * 2 ** min(self._register_failures, 5))
         started = time.monotonic()
         self._seq += 1
+        sent_at, known = self._holding()
         request = HeartbeatRequest(
             agent_instance=self.instance,
             seq=self._seq,
             attempts=self._listed_attempts(),
-            known=[KnownAssignment(attempt_id=a, version=v) for a, v in sorted(self._versions.items())],
+            known=known,
         )
         try:
             resp = self.client.heartbeat(request)
@@ -427,7 +439,7 @@ class Agent:
         # The control plane stretches the interval as the cluster grows (its node-lost timeout grows
         # by as much, so the request timeout set at registration still fits).
         self._heartbeat_interval_s = resp.heartbeat_interval_s
-        self._reconcile(resp.assignments, resp.unchanged)
+        self._reconcile(resp.assignments, resp.unchanged, sent_at=sent_at)
         self._heartbeat_done.set()
         # Jittered (never longer than told): a thousand agents do not stay in step after an outage
         # or a wake-up that reached many of them at once.
@@ -436,15 +448,16 @@ class Agent:
 
     def _wait_step(self) -> float:
         """Keep one long poll open; when the control plane says the node's desired state changed (a
-        new attempt, a stop order), heartbeat now rather than at the next interval, which grows with
-        the cluster. Then wait again, with the versions that heartbeat brought."""
+        new attempt, a stop order), apply the desired state the answer carries (or, from a control
+        plane that sends none, heartbeat now) rather than wait for the next heartbeat, whose interval
+        grows with the cluster. Then wait again, with the versions that brought."""
         if not self.registered.is_set() or self._need_register.is_set():
             return 1.0
-        known = [KnownAssignment(attempt_id=a, version=v) for a, v in sorted(dict(self._versions).items())]
+        sent_at, known = self._holding()
         try:
             timeout = min(WAIT_TIMEOUT_MAX_S, max(WAIT_TIMEOUT_S, 2 * self._heartbeat_interval_s))
             timeout *= random.uniform(1 - HEARTBEAT_JITTER, 1.0)  # waits woken together re-arm spread out
-            resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout))
+            resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout, answer=True))
         except Unauthorized:
             self._wake("heartbeat")  # it registers again
             return 1.0
@@ -453,7 +466,9 @@ class Agent:
             return 60.0
         except ControlPlaneUnavailable:
             return self._heartbeat_interval_s
-        if resp.changed:
+        if resp.changed and resp.assignments is not None:
+            self._reconcile(resp.assignments, resp.unchanged, sent_at=sent_at)
+        elif resp.changed:
             self._heartbeat_done.clear()
             self._wake("heartbeat")
             self._heartbeat_done.wait(self._heartbeat_interval_s)  # the next wait knows its answer
@@ -476,43 +491,43 @@ class Agent:
         ]
         return listed
 
-    def _reconcile(self, assignments: list[LaunchSpec], unchanged: list[AssignmentRef] | None = None) -> None:
+    def _holding(self) -> tuple[float, list[KnownAssignment]]:
+        """When a request leaves and the spec versions it reports (taken together: see _reconcile)."""
+        with self._reconcile_lock:
+            return time.monotonic(), [KnownAssignment(attempt_id=a, version=v)
+                                      for a, v in sorted(self._versions.items())]
+
+    def _reconcile(self, assignments: list[LaunchSpec], unchanged: list[AssignmentRef] | None = None, *,
+                   sent_at: float | None = None) -> None:
         """Full specs are new or changed assignments; `unchanged` names the specs this agent holds
         that are still assigned ('run') or not ('stop'). A spec for an attempt launched before is
-        never launched again: only its version is kept."""
-        refs = unchanged or []
-        assigned = {spec.attempt_id for spec in assignments}
-        assigned |= {ref.attempt_id for ref in refs if ref.desired == "run"}
-        # Forget the versions of what is no longer assigned: if it ever came back, so would its spec.
-        self._versions = {a: v for a, v in self._versions.items() if a in assigned}
-        for spec in assignments:
-            if spec.version:
-                self._versions[spec.attempt_id] = spec.version
-            self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}))
-        for run in self.runs():
-            if run.alive and not run.stopping and run.attempt_id not in assigned:
-                run.request_stop("no longer assigned to this node")
+        never launched again: only its version is kept.
 
-    def _spec_problem(self, spec: LaunchSpec) -> str | None:
-        indices = {gpu.index for gpu in self.gpus}
-        if not set(spec.gpu_indices) <= indices:
-            return f"GPU indices {spec.gpu_indices} are not all on this node (it has {sorted(indices)})"
-        if spec.nproc_per_node < 1 or spec.nnodes < 1 or not 0 <= spec.node_rank < spec.nnodes:
-            return (
-                f"invalid shape: node_rank {spec.node_rank} of {spec.nnodes} nodes, "
-                f"{spec.nproc_per_node} processes per node"
-            )
-        try:
-            free = shutil.disk_usage(self.config.work_dir).free
-        except OSError as exc:
-            return f"the work dir {self.config.work_dir} cannot be read: {exc}"
-        if free < self.config.min_free_mb * 2**20:
-            return (f"no space left on device: the work dir {self.config.work_dir} has {free // 2**20} MiB free, "
-                    f"an attempt needs at least {self.config.min_free_mb} MiB (logs, rank status, state)")
-        return None
+        Answers come from the heartbeat and from the long poll, each read by the control plane at
+        its own moment: an answer to a request sent (``sent_at``) before an attempt was launched
+        may have been read before that attempt was assigned, so its silence about it is no order to
+        stop it (an explicit stop comes with the next answer that knows it)."""
+        with self._reconcile_lock:
+            refs = unchanged or []
+            assigned = {spec.attempt_id for spec in assignments}
+            assigned |= {ref.attempt_id for ref in refs if ref.desired == "run"}
+            newer = {a for a, t in self._launched_at.items() if sent_at is not None and t > sent_at}
+            # Forget the versions of what is no longer assigned: if it ever came back, so would its spec.
+            self._versions = {a: v for a, v in self._versions.items() if a in assigned or a in newer}
+            for spec in assignments:
+                if spec.version:
+                    self._versions[spec.attempt_id] = spec.version
+                self._launched_at.setdefault(spec.attempt_id, time.monotonic())
+                self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}))
+            for run in self.runs():
+                if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
+                    run.request_stop("no longer assigned to this node")
+            # Kept while assigned or too new to judge, with a version or without one (a control plane
+            # that sends none): the guard above holds for both.
+            self._launched_at = {a: t for a, t in self._launched_at.items() if a in assigned or a in newer}
 
     def _launch(self, spec: LaunchSpec) -> None:
-        assert self._node is not None
+        assert self._node is not None and self._launches is not None
         with self._runs_lock:
             if spec.attempt_id in self._known or self._stop_event.is_set():
                 return
@@ -522,36 +537,13 @@ class Agent:
                 # if any, were swept as orphans; starting it again would run it twice.
                 self.log.warning("attempt_started_by_another_instance_not_launching", attempt_id=spec.attempt_id)
                 return
-            paths = attempt_paths(self.config.work_dir, spec.attempt_id)
-            grace = self.config.stop_grace_s
-            # Every launch failure is reported as this part's exit, with the reason: the control
-            # plane then fails the attempt at once instead of waiting for a part that never runs.
-            if not _SAFE_ID.match(spec.attempt_id):
-                self.log.error("attempt_id_rejected", attempt_id=spec.attempt_id)
-                run = AttemptRun.failed(spec, paths, "attempt id not usable as a directory name on this node",
-                                        stop_grace_s=grace, create_dir=False)
-            else:
-                try:
-                    problem = self._spec_problem(spec)
-                    if problem is not None:
-                        self.log.error("attempt_not_runnable", attempt_id=spec.attempt_id, problem=problem)
-                        run = AttemptRun.failed(spec, paths, problem, stop_grace_s=grace)
-                    else:
-                        run = AttemptRun.launch(spec, self._node, paths, stop_grace_s=grace)
-                except FileExistsError:
-                    if paths.root.is_dir():
-                        # Launched here before (adoption missed it): never launched twice.
-                        self.log.warning("attempt_dir_exists_not_relaunching", attempt_id=spec.attempt_id)
-                        return
-                    reason = f"could not create the attempt directory {paths.root}: something else is there"
-                    self.log.error("attempt_dir_failed", attempt_id=spec.attempt_id, error=reason)
-                    run = AttemptRun.failed(spec, paths, reason, stop_grace_s=grace, create_dir=False)
-                except OSError as exc:
-                    reason = f"could not create the attempt directory {paths.root}: {exc}"
-                    self.log.error("attempt_dir_failed", attempt_id=spec.attempt_id, error=reason)
-                    run = AttemptRun.failed(spec, paths, reason, stop_grace_s=grace, create_dir=False)
-            self._runs[spec.attempt_id] = run
+            # Registered first: its workers may report as soon as they run.
             self.reports.register(spec.attempt_id, spec.fencing_token)
+            run = self._launches.start(spec, self._node, self.gpus)
+            if run is None:
+                self.reports.unregister(spec.attempt_id)
+                return
+            self._runs[spec.attempt_id] = run
 
     # --- supervise loop ---
 
@@ -563,22 +555,36 @@ class Agent:
             self._sweep_orphans(table)
             self._next_orphan_scan = time.monotonic() + _ORPHAN_SCAN_S
         for run in runs:
-            before = run.signature()
-            run.poll(table)
-            after = run.signature()
-            if after != before:
-                # A worker started or exited, or the last process went: tell the control plane at
-                # once (a failure is decided, or the GPUs are released, a period sooner).
-                self._wake("report", *(("heartbeat",) if after[0] != before[0] else ()))
-            if not run.alive and (run.done or run.stale):
-                if run.stale:
-                    run.mark_done()  # nothing more to tell about a fenced-off attempt
-                with self._runs_lock:
-                    self._runs.pop(run.attempt_id, None)
-                self.reports.unregister(run.attempt_id)
-                self._refused_reports.pop(run.attempt_id, None)
-                self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
+            try:
+                self._supervise(run, table)
+            except Exception:  # one attempt's trouble must not stop the others being supervised
+                run.log.exception("supervise_failed")
         return self.config.poll_interval_s
+
+    def _supervise(self, run: AttemptRun, table: processes.ProcessTable | None) -> None:
+        before = run.signature()
+        run.poll(table)
+        after = run.signature()
+        if after != before:
+            # A worker started or exited, or the last process went: tell the control plane at
+            # once (a failure is decided, or the GPUs are released, a period sooner). When the
+            # last process went, the final report (processes_alive false) releases the GPUs; the
+            # heartbeat is woken as well only when that report cannot go out now (a fenced-off
+            # run, shards still queued before it) or did not release them (_report_status).
+            gone = before[0] and not after[0]
+            beat = after[0] != before[0] and (
+                not gone or run.stale or self.outbox.pending(run.attempt_id) > 0)
+            self._wake("report", *(("heartbeat",) if beat else ()))
+        if not run.alive and (run.done or run.stale):
+            if run.stale:
+                run.mark_done()  # nothing more to tell about a fenced-off attempt
+            with self._runs_lock:
+                self._runs.pop(run.attempt_id, None)
+            self.reports.unregister(run.attempt_id)
+            self._refused_reports.pop(run.attempt_id, None)
+            self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
+            if self._launches is not None:
+                self._launches.finish(run)
 
     # --- report loop ---
 
@@ -588,9 +594,15 @@ class Agent:
         for run in self.runs():
             if run.stale or run.done:
                 continue
-            self._report_status(run)
-            if not run.stale and not self._need_register.is_set():
-                self._ship_logs(run)
+            try:
+                self._report_status(run)
+                if not run.stale and not self._need_register.is_set():
+                    self._ship_logs(run)
+            except Exception:
+                # One attempt's bad report (a value its worker sent that cannot be encoded, say) must
+                # never stop the reports of the others; it is tried again next round.
+                run.log.exception("report_failed")
+                run.next_try_at = time.monotonic() + self.config.status_interval_s
         return _REPORT_INTERVAL_S
 
     def _fenced_off(self, run: AttemptRun, exc: StaleAttempt) -> None:
@@ -609,6 +621,10 @@ class Agent:
         if finished and run.final_acked:
             return
         report = run.report(*self.reports.snapshot(run.attempt_id))
+        if finished and run.attempt_id not in self.orphans.alive:
+            # The process table has nothing of it left: the control plane releases its GPUs on this
+            # report, a heartbeat sooner than the one that stops listing it.
+            report = report.model_copy(update={"processes_alive": False})
         if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
             return  # the relay delivers the attempt's last shards and events first
         due = report != run.last_report or now - run.last_sent_at >= self.config.status_interval_s
@@ -628,6 +644,7 @@ class Agent:
                 # attempt stops being listed as pending and the control plane decides without it.
                 run.log.error("final_status_rejected", error=str(exc))
                 run.mark_final_acked()
+                self._wake("heartbeat")  # its GPUs are released by the heartbeat that no longer lists it
                 return
             # Refused for what it says (a 4xx other than fencing): the same report would be refused
             # forever. Dropped, said once in the log; the next report that differs goes out.
@@ -642,6 +659,8 @@ class Agent:
         run.last_report, run.last_sent_at = report, now
         if finished:
             run.mark_final_acked()
+            if not ack.released:
+                self._wake("heartbeat")  # an older control plane: the heartbeat confirms the release
         elif ack.stop:
             run.request_stop("the control plane asked")
 

@@ -11,12 +11,17 @@ process of its group, and rank-file workers that left the group.
 
 state.json in the attempt directory lets a restarted agent re-adopt the attempt; because the
 directory exists, the attempt is never launched again on this node.
+
+Which processes are the attempt's: those of its cgroup when it has one, else those of its uid when
+it runs as one of its own (isolation.py), else those carrying its markers (processes.py). Only the
+last can be escaped, and only by a worker running as the agent's own user.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -27,10 +32,10 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from node_agent import processes
+from node_agent import processes, safe_files
+from node_agent.isolation import Confinement, Isolation, make_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
 from node_agent.logs import LogTailer
-from node_agent.rank_shim import write_json_atomic
 from trainyard.protocol.agent import (
     AttemptStatusReport,
     LaunchSpec,
@@ -42,15 +47,20 @@ from trainyard.protocol.agent import (
 
 log = structlog.get_logger(__name__)
 ERROR_TAIL_BYTES = 2000
+RANK_FILE_BYTES = 64 * 1024
+_RANK_FILE = re.compile(r"^rank-\d{1,9}\.json$")
 
 
 class AttemptRun:
-    def __init__(self, spec: LaunchSpec, paths: AttemptPaths, *, stop_grace_s: float) -> None:
+    def __init__(
+        self, spec: LaunchSpec, paths: AttemptPaths, *, stop_grace_s: float, confinement: Confinement | None = None
+    ) -> None:
         self.spec = spec
         self.paths = paths
         self.stop_grace_s = stop_grace_s
+        self.confinement = confinement or Confinement()
         self.log = log.bind(attempt_id=spec.attempt_id, job_id=spec.job_id, node_rank=spec.node_rank)
-        self.tailer = LogTailer(paths.log_dir)
+        self.tailer = LogTailer(paths.log_dir, owner=self.confinement.uid)
         self._lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
@@ -89,14 +99,20 @@ class AttemptRun:
     # --- creation ---
 
     @classmethod
-    def launch(cls, spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, stop_grace_s: float) -> AttemptRun:
-        """Create the attempt directory and start torchrun. Raises FileExistsError if the directory
-        exists: that attempt has been launched here before and must never be launched again."""
-        paths.root.mkdir(parents=True, exist_ok=False)
-        run = cls(spec, paths, stop_grace_s=stop_grace_s)
+    def launch(
+        cls, spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, stop_grace_s: float,
+        confinement: Confinement | None = None,
+    ) -> AttemptRun:
+        """Create the attempt's directories and start torchrun (confined as ``confinement`` says).
+        Raises FileExistsError if the attempt directory exists: that attempt has been launched here
+        before and must never be launched again."""
+        paths.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        paths.root.mkdir(mode=0o700, exist_ok=False)
+        run = cls(spec, paths, stop_grace_s=stop_grace_s, confinement=confinement)
         run._persist()  # before starting: a crash in between must still leave the id taken
         try:
-            proc = start_torchrun(spec, node, paths)
+            make_worker_dir(paths.worker, run.confinement.uid, run.confinement.gid)
+            proc = start_torchrun(spec, node, paths, run.confinement)
         except OSError as exc:
             run.log.error("launch_failed", error=str(exc))
             run.error = f"could not start torchrun: {exc}"
@@ -118,7 +134,7 @@ class AttemptRun:
         `create_dir` (the directory cannot be made, or must not be touched) it lives in memory only:
         it is still reported, once per agent life."""
         if create_dir:
-            paths.root.mkdir(parents=True, exist_ok=True)
+            paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         run = cls(spec, paths, stop_grace_s=stop_grace_s)
         run.in_memory = not create_dir
         run.error, run.torchrun_done, run.alive = error, True, False
@@ -126,7 +142,9 @@ class AttemptRun:
         return run
 
     @classmethod
-    def adopt(cls, paths: AttemptPaths, *, stop_grace_s: float) -> AttemptRun | None:
+    def adopt(
+        cls, paths: AttemptPaths, *, stop_grace_s: float, isolation: Isolation | None = None
+    ) -> AttemptRun | None:
         """The attempt left by a previous agent in this directory, or None when it is done (or its
         state is unreadable: then there is nothing this agent could report or stop)."""
         try:
@@ -137,7 +155,14 @@ class AttemptRun:
             return None
         if state.get("done"):
             return None
-        run = cls(spec, paths, stop_grace_s=stop_grace_s)
+        worker, socket = state.get("worker_dir"), state.get("socket")
+        # No worker_dir: an agent of an earlier version, whose workers wrote status/ and logs/ into
+        # the attempt directory itself.
+        paths = AttemptPaths(paths.root, Path(worker) if isinstance(worker, str) else paths.root,
+                             Path(socket) if isinstance(socket, str) else paths.socket)
+        run = cls(spec, paths, stop_grace_s=stop_grace_s, confinement=Confinement.from_state(state))
+        if isolation is not None:
+            isolation.readopt(run.confinement)  # before the first look at its processes
         run.adopted = True
         run.pid, run.pgid, run.create_time = state.get("pid"), state.get("pgid"), state.get("create_time")
         run.boot_id = state.get("boot_id")
@@ -181,9 +206,13 @@ class AttemptRun:
             "stopped": self.stopped,
             "final_acked": self.final_acked,
             "done": self.done,
+            "worker_dir": str(self.paths.worker),
+            "socket": str(self.paths.socket) if self.paths.socket else None,
+            **self.confinement.to_state(),
         }
         try:
-            write_json_atomic(self.paths.state_file, state)
+            # Private: it holds the fencing token, which is the attempt's credential.
+            safe_files.write_private_json(self.paths.state_file, state)
         except OSError as exc:
             self.log.error("attempt_state_write_failed", error=str(exc))
 
@@ -191,6 +220,15 @@ class AttemptRun:
 
     def _refresh(self, table: processes.ProcessTable) -> bool:
         """Update the set of the attempt's processes from a scan; True if any is left."""
+        confinement = self.confinement
+        if confinement.cgroup is not None:
+            self._members = {pid for pid in confinement.cgroup.pids() if pid in table.started}
+            self._members |= {pid for pid in (self.pid,) if pid and table.same_process(pid, self.create_time)}
+            return bool(self._members)
+        if confinement.owns_uid:
+            assert confinement.uid is not None
+            self._members = set(table.by_uid.get(confinement.uid, ()))
+            return bool(self._members)
         # A group is signalled only while its identity is proven, never by its number alone: after
         # a reboot or a long outage that number may name an unrelated process group.
         members = set(table.by_part.get((self.attempt_id, str(self.spec.node_rank)), ()))
@@ -210,7 +248,13 @@ class AttemptRun:
         return bool(members)
 
     def _signal(self, sig: signal.Signals) -> None:
-        processes.signal_processes(self._members, self._pgids, sig)
+        if self.confinement.cgroup is not None:
+            self.confinement.cgroup.signal(sig)  # SIGKILL: cgroup.kill, every process at once
+            processes.signal_processes(self._members, (), sig)
+        elif self.confinement.owns_uid:
+            processes.signal_processes(self._members, (), sig)  # never a group: only the uid's pids
+        else:
+            processes.signal_processes(self._members, self._pgids, sig)
 
     def request_stop(self, reason: str) -> None:
         """SIGTERM now, SIGKILL after the grace period (see poll). Idempotent."""
@@ -311,16 +355,20 @@ class AttemptRun:
         return self.stop_reason is not None
 
     def _read_rank_files(self) -> list[WorkerStatus]:
+        """The rank shims' files, read as a worker could have left them: no link followed, nothing
+        but a small regular file of the attempt's uid, and a rank this part can have."""
         workers = []
-        try:
-            files = sorted(self.paths.status_dir.glob("rank-*.json"))
-        except OSError:
-            return []
-        for path in files:
+        world, local = self.spec.nnodes * self.spec.nproc_per_node, self.spec.nproc_per_node
+        names = sorted(n for n in safe_files.list_dir(self.paths.worker, "status") if _RANK_FILE.match(n))
+        for name in names[: 2 * local + 8]:  # a worker may add names; reading them all is its cost
             try:
-                workers.append(WorkerStatus.model_validate_json(path.read_bytes()))
+                raw = safe_files.read_file(self.paths.worker, "status", name, limit=RANK_FILE_BYTES,
+                                           owner=self.confinement.uid)
+                status = WorkerStatus.model_validate_json(raw)
             except (OSError, ValidationError):
                 continue  # being replaced right now, or garbage: the next poll sees it
+            if status.rank < world and status.local_rank < local and name == f"rank-{status.rank}.json":
+                workers.append(status)
         return sorted(workers, key=lambda w: w.rank)
 
     # --- reporting ---

@@ -13,6 +13,7 @@ earlier one, say); StaleAttempt.fencing tells them apart by the problem type.
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import random
 import ssl
@@ -218,15 +219,20 @@ class ControlPlaneClient:
         if token is None:
             raise Unauthorized("not registered")
         node_call = token is not self.join_token
-        payload = body.model_dump(mode="json")
-        headers = {"Authorization": f"Bearer {token}"}
+        try:
+            # Encoded here, strictly: a value JSON cannot carry (NaN) is this request's problem,
+            # raised as a rejection the caller drops, never an error that escapes its loop.
+            content = json.dumps(body.model_dump(mode="json"), allow_nan=False).encode()
+        except ValueError as exc:
+            raise RequestRejected(f"cannot encode the request to {path}: {exc}", status=422) from exc
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         last: str = ""
         for attempt in range(self.retry.attempts):
             if attempt and self._stop.wait(self.retry.delay(attempt - 1)):
                 break  # shutting down: give up now rather than after the backoff
             try:
                 with self._http(pooled=pooled) as http:
-                    resp = http.post(path, json=payload, headers=headers, timeout=timeout or self.timeout)
+                    resp = http.post(path, content=content, headers=headers, timeout=timeout or self.timeout)
             except httpx.TransportError as exc:
                 problem = tls_problem(exc, self.base_url)
                 if problem is not None:
@@ -243,7 +249,7 @@ class ControlPlaneClient:
                     # This agent registered again while the request was out: send it again with the
                     # new credential (our own older registration is stale, not us).
                     token = self.node_token
-                    headers = {"Authorization": f"Bearer {token}"}
+                    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
                     last = "sent with this agent's previous credential"
                     continue
                 stale = StaleAgent(_detail(resp), status=409, problem_type=_problem_type(resp))

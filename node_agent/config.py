@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from node_agent import credential
+from node_agent.isolation import UidRange
+
+
+def default_run_dir() -> Path:
+    """Machine-local runtime state shared by every agent of the machine (sockets, uid locks):
+    /run/trainyard for root, else a directory of this user's under the temporary directory."""
+    if os.geteuid() == 0:
+        return Path("/run/trainyard")
+    return Path(tempfile.gettempdir()) / f"trainyard-{os.geteuid()}"
 
 
 def read_join_token(path: Path | None) -> str:
@@ -33,18 +43,33 @@ class AgentConfig:
     name: str
     """Node name, unique in the cluster; re-registering a name keeps its node id."""
     address: str
-    """Address other nodes and this node's workers reach it at: rendezvous host when this node is
-    an attempt's node rank 0, torchrun's --local-addr, and the local API's bind address."""
+    """Address other nodes reach this node at: rendezvous host when this node is an attempt's node
+    rank 0, and torchrun's --local-addr. (The workers' local API is a unix socket per attempt.)"""
     virtual_gpus: int | None = None
     """Offer this many CPU-only virtual slots; None: discover NVIDIA GPUs through NVML."""
     work_dir: Path = field(default_factory=lambda: Path(".trainyard/agent"))
-    """Attempt directories (state, rank status, logs). Reuse it across restarts of the same node:
-    that is how a restarted agent finds the attempts still running and never relaunches one."""
+    """The agent's state: one private directory per attempt (state, torchrun's logs). Reuse it
+    across restarts of the same node: that is how a restarted agent finds the attempts still running
+    and never relaunches one."""
+    worker_uids: UidRange | None = None
+    """Pool of uids (and gids of the same numbers) to run attempts as, one per attempt part
+    (node_agent/isolation.py). Needs root. None: workers run as the agent's own user (logged loudly:
+    they are then not isolated from the agent or from each other)."""
+    worker_root: Path | None = None
+    """Where each attempt part's worker directory (its cwd, HOME, TMPDIR, logs) is made; every
+    directory above it must let other users through (o+x) when worker_uids is set. None:
+    work_dir/workers."""
+    run_dir: Path | None = None
+    """Machine-local runtime directory shared by the machine's agents: the local API's sockets and
+    the worker uid locks. None: default_run_dir()."""
+    cgroups: bool = True
+    """Track each attempt part's processes in a cgroup v2 of its own where the hierarchy is
+    writable (else by uid, or by markers)."""
+    worker_env_passthrough: tuple[str, ...] = ()
+    """Variables of the agent's environment to give workers besides the built-in allow-list
+    (node_agent/launcher.py, PASSTHROUGH_ENV)."""
     labels: dict[str, str] = field(default_factory=dict)
     """Topology labels sent at registration, e.g. {"rack": "r1"}."""
-    local_api_port: int = 0
-    """Port of the local API for workers; 0: the port of the previous run in this work_dir if it is
-    free (so re-adopted workers still reach the agent), else any free port."""
     stop_grace_s: float = 5.0
     """Time between SIGTERM and SIGKILL when stopping an attempt's processes."""
     keep_workers_on_exit: bool = False
@@ -64,7 +89,7 @@ class AgentConfig:
     nobody can read. It fails at once instead, saying the disk is full."""
 
     def __post_init__(self) -> None:
-        self.work_dir = Path(self.work_dir)
+        self.work_dir = Path(self.work_dir).absolute()
         if self.ca_file is not None:
             self.ca_file = Path(self.ca_file)
             if not self.ca_file.is_file():
@@ -80,10 +105,20 @@ class AgentConfig:
             raise ValueError("address is required")
         if self.virtual_gpus is not None and self.virtual_gpus < 0:
             raise ValueError("virtual_gpus must be >= 0 (or None for NVIDIA discovery)")
-        if not 0 <= self.local_api_port <= 65535:
-            raise ValueError("local_api_port must be 0-65535")
+        if any(name.startswith("TRAINYARD_") for name in self.worker_env_passthrough):
+            raise ValueError("the agent's TRAINYARD_* variables are never passed to workers")
         for name in ("stop_grace_s", "status_interval_s", "poll_interval_s", "http_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.rdzv_join_timeout_s <= 0:
             raise ValueError("rdzv_join_timeout_s must be > 0")
+
+    @property
+    def workers_dir(self) -> Path:
+        """worker_root, or its default."""
+        return Path(self.worker_root).absolute() if self.worker_root else self.work_dir / "workers"
+
+    @property
+    def runtime_dir(self) -> Path:
+        """run_dir, or its default."""
+        return Path(self.run_dir).absolute() if self.run_dir else default_run_dir()

@@ -1,12 +1,24 @@
 """Start this node's part of an attempt: one torchrun, whose ranks run under node_agent.rank_shim.
 
-Layout of an attempt's directory, work_dir/attempts/<attempt_id>/ (also the workers' cwd):
+Two directories per attempt part. The agent's own, work_dir/attempts/<attempt_id>/ (0700, the
+agent's user; workers cannot read it):
 
-    state.json            spec, torchrun pid/pgid, final status (see attempt.py); survives restarts
-    torchrun.stdout.log   torchrun's own output (rendezvous, failures), not shipped
-    torchrun.stderr.log
-    status/rank-<R>.json  one per global rank, written by the rank shim
+    state.json            spec, torchrun pid/pgid, uid and cgroup, final status (see attempt.py);
+                          survives restarts; holds the fencing token (0600)
+    torchrun.stdout.log   torchrun's own output (rendezvous, failures), not shipped; written through
+    torchrun.stderr.log   descriptors the agent opened, so a worker cannot redirect them
+
+and the worker directory, worker_root/<attempt_id>.<node_rank>/ (0700, the attempt's uid: see
+isolation.py), the workers' cwd, removed once the attempt is done:
+
+    home/, tmp/           HOME and TMPDIR (torch's compile and cache directories land here)
+    status/rank-<R>.json  one per global rank, written by the rank shim, read back with care
+                          (safe_files.py: a worker may plant links or FIFOs there)
     logs/rank-<R>/stdout.log, logs/rank-<R>/stderr.log   each rank's output, shipped by offset
+
+torchrun's environment is built from an allow-list (worker_env), not from the agent's: nothing of
+the agent's (its join token, its TRAINYARD_* settings) reaches it, and the job's own env is handed
+to the rank shim in TRAINYARD_JOB_ENV, which applies it to the training process alone.
 
 Rendezvous is torchrun's static backend on the attempt's own port at node rank 0's address, with
 ``--node-rank`` set to the control plane's node rank: torchrun's group rank is then that node
@@ -27,11 +39,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import node_agent
 from trainyard.protocol.agent import LaunchSpec
 from trainyard.protocol.env import (
+    ENV_AGENT_SOCKET,
     ENV_AGENT_URL,
     ENV_ATTEMPT_ID,
     ENV_ATTEMPT_NUMBER,
@@ -39,6 +52,7 @@ from trainyard.protocol.env import (
     ENV_CHECKPOINT_PREFIX,
     ENV_DEVICE,
     ENV_FENCING_TOKEN,
+    ENV_JOB_ENV,
     ENV_JOB_ID,
     ENV_JOB_NAME,
     ENV_LAYOUT,
@@ -51,12 +65,25 @@ from trainyard.protocol.env import (
     PREFIX,
 )
 
+if TYPE_CHECKING:
+    from node_agent.isolation import Confinement
+
 # LaunchSpec.storage key -> worker variable. Nothing else of LaunchSpec.storage reaches a worker:
 # whatever a control plane sends, no storage credential does (docs/security.md).
 _STORAGE_ENV = {"access": ENV_STORAGE_ACCESS, "prefix": ENV_CHECKPOINT_PREFIX}
 
 # The package root, so that `-m node_agent.rank_shim` imports from any cwd without an install.
 _PACKAGE_ROOT = str(Path(node_agent.__file__).resolve().parent.parent)
+
+PASSTHROUGH_ENV = frozenset({
+    "PATH", "PYTHONPATH", "LANG", "LANGUAGE", "TZ", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy",
+    "no_proxy",
+})
+"""The agent's variables torchrun and the workers inherit (PATH and PYTHONPATH extended, below);
+everything else of the agent's environment stays with the agent."""
+PASSTHROUGH_PREFIXES = ("LC_", "NCCL_")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +104,10 @@ class NodeContext:
     """How often torchrun checks its workers, hence how soon it notices a failed rank."""
     python: str = field(default=sys.executable)
     base_env: dict[str, str] | None = None
-    """Environment every worker inherits; None means this process's environment."""
+    """The environment the PASSTHROUGH_ENV names are taken from; None means this process's."""
+    env_passthrough: tuple[str, ...] = ()
+    """More of the agent's variables to pass on (an operator's choice, e.g. a site's NCCL or proxy
+    settings); never a TRAINYARD_* one."""
     node_name: str = ""
     """Given to every process as TRAINYARD_NODE_NAME (informational)."""
     node_id: str = ""
@@ -90,11 +120,22 @@ class NodeContext:
     def __post_init__(self) -> None:
         if self.join_timeout_s <= 0 or self.shutdown_timeout_s < 0 or self.monitor_interval_s <= 0:
             raise ValueError("timeouts must be positive")
+        if any(name.startswith(PREFIX) for name in self.env_passthrough):
+            raise ValueError("the agent's TRAINYARD_* variables are never passed to workers")
 
 
 @dataclass(frozen=True)
 class AttemptPaths:
     root: Path
+    """The agent's private directory of the attempt."""
+    worker: Path = None  # type: ignore[assignment]
+    """The worker directory (cwd, HOME, TMPDIR, rank status, logs); default root/worker."""
+    socket: Path | None = None
+    """The local API's socket for this attempt part (TRAINYARD_AGENT_SOCKET), when served."""
+
+    def __post_init__(self) -> None:
+        if self.worker is None:
+            object.__setattr__(self, "worker", self.root / "worker")
 
     @property
     def state_file(self) -> Path:
@@ -102,11 +143,11 @@ class AttemptPaths:
 
     @property
     def status_dir(self) -> Path:
-        return self.root / "status"
+        return self.worker / "status"
 
     @property
     def log_dir(self) -> Path:
-        return self.root / "logs"
+        return self.worker / "logs"
 
     @property
     def torchrun_stdout(self) -> Path:
@@ -177,20 +218,34 @@ def storage_env(storage: Mapping[str, Any]) -> dict[str, str]:
     return {name: str(storage[key]) for key, name in _STORAGE_ENV.items() if storage.get(key) is not None}
 
 
-def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict[str, str]:
+def _passes(name: str, extra: tuple[str, ...]) -> bool:
+    return (name in PASSTHROUGH_ENV or name.startswith(PASSTHROUGH_PREFIXES) or name in extra) \
+        and not name.startswith(PREFIX)
+
+
+def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid: int | None = None) -> dict[str, str]:
+    """torchrun's environment (the shims and the workers inherit it): an allow-list of the agent's
+    variables, the platform's settings, and the job's env in ENV_JOB_ENV for the shim to apply to
+    the training process only (node_agent/rank_shim.py, child_env)."""
     inherited = os.environ if node.base_env is None else node.base_env
-    # The agent's own TRAINYARD_* settings (a join token, say) are none of the job's business.
-    env = {k: v for k, v in inherited.items() if not k.startswith(PREFIX)}
+    env = {k: v for k, v in inherited.items() if _passes(k, node.env_passthrough)}
+    path = [str(Path(node.python).parent), *(env.get("PATH") or DEFAULT_PATH).split(os.pathsep)]
+    env["PATH"] = os.pathsep.join(dict.fromkeys(filter(None, path)))
     pythonpath = [_PACKAGE_ROOT, node.cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pythonpath))
-    # Defaults the job may override.
+    # The attempt's own: torch's compile caches, pip's and HF's caches, temporary files.
+    env["HOME"], env["TMPDIR"] = str(paths.worker / "home"), str(paths.worker / "tmp")
+    if uid is not None:
+        env["USER"] = env["LOGNAME"] = f"trainyard-{uid}"  # getpass works without a passwd entry
+    else:
+        env.update({k: inherited[k] for k in ("USER", "LOGNAME") if k in inherited})
+    # Defaults the job may override (in its training process).
     env["PYTHONUNBUFFERED"] = "1"  # logs reach the files (and the user) as they are written
     if node.virtual:
         env["OMP_NUM_THREADS"] = "1"  # ranks share the CPU cores; oversubscription crawls
     if _is_loopback(node.local_addr):
         # Several nodes may share this machine on 127.0.0.N; gloo must not pick an external NIC.
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    env.update(spec.env)
     # What the agent guarantees, whatever the job asked for.
     env.update(device_env(spec, node))
     env.update(storage_env(spec.storage))
@@ -206,10 +261,13 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict
             ENV_CHECKPOINT: json.dumps(spec.checkpoint),
             ENV_RESTORE_FROM: json.dumps(spec.restore_from.model_dump(mode="json") if spec.restore_from else None),
             ENV_STATUS_DIR: str(paths.status_dir),
+            ENV_JOB_ENV: json.dumps(spec.env),
             # torchrun 2.x can hang at shutdown when workers share the rendezvous TCP store.
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
     )
+    if paths.socket is not None:
+        env[ENV_AGENT_SOCKET] = str(paths.socket)
     if spec.layout is not None:
         env[ENV_LAYOUT] = spec.layout.model_dump_json()
     if node.node_name:
@@ -219,18 +277,23 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> dict
     return env
 
 
-def start_torchrun(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> subprocess.Popen[bytes]:
+def start_torchrun(
+    spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, confinement: Confinement | None = None
+) -> subprocess.Popen[bytes]:
     """Start torchrun in its own session, so that a Ctrl-C or signal aimed at the agent's group
-    spares it (the agent stops workers itself, or leaves them for its successor). torchrun puts
-    each rank in yet another session: processes.py finds them all. The attempt directory must
-    already exist."""
-    paths.status_dir.mkdir(exist_ok=True)
-    paths.log_dir.mkdir(exist_ok=True)
+    spares it (the agent stops workers itself, or leaves them for its successor); confined
+    (isolation.py) when ``confinement`` says so. torchrun puts each rank in yet another session:
+    the attempt's cgroup, uid or markers find them all (processes.py). Both directories must
+    exist."""
+    command = torchrun_command(spec, node, paths)
+    uid = None
+    if confinement is not None:
+        command, uid = confinement.wrap(command, node.python), confinement.uid
     with paths.torchrun_stdout.open("ab") as out, paths.torchrun_stderr.open("ab") as err:
         return subprocess.Popen(
-            torchrun_command(spec, node, paths),
-            cwd=paths.root,
-            env=worker_env(spec, node, paths),
+            command,
+            cwd=paths.worker,
+            env=worker_env(spec, node, paths, uid=uid),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,

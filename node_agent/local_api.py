@@ -1,5 +1,5 @@
 """The agent's HTTP API for its own workers: progress, results, checkpoint shards and events,
-fenced by the attempt's token.
+fenced by the attempt's token, served on one unix socket per attempt.
 
     POST /v1/local/attempts/{attempt_id}/progress   LocalProgress -> 200 {"accepted": true}
     POST /v1/local/attempts/{attempt_id}/result     LocalResult   -> 200 {"accepted": true}
@@ -10,12 +10,23 @@ fenced by the attempt's token.
     POST /v1/local/attempts/{attempt_id}/upload-slot/release  LocalSlotRelease -> 200 SlotReleased
     POST /v1/local/attempts/{attempt_id}/storage          LocalStorageRequest -> 200 StorageGrants of the control plane
 
-An attempt unknown to the agent (never launched here, stale, or finished) or a wrong fencing
-token gets 409 problem+json: a worker of a superseded attempt learns it is fenced off. The agent
-forwards progress and result in the attempt's next status report; shards and events are queued
-for the relay (relay.py) and answered at once. With ?wait=1 a shard is answered once the control
-plane acknowledged the batch holding it (so the worker learns from `committed_steps` whether its
-step is committed): 409 if the control plane says the attempt is stale, 422 if it refused the
+Each attempt part has its own socket (TRAINYARD_AGENT_SOCKET), owned by the attempt's uid with mode
+0600 in a directory only the agent writes: no other attempt, and nothing off the node, can connect
+to it, and it answers for its own attempt only (403 otherwise). An attempt unknown to the agent
+(stale, or finished) or a wrong fencing token gets 409 problem+json: a worker of a superseded
+attempt learns it is fenced off. Tokens are compared in constant time.
+
+Bounded, so that one worker cannot take the API down for the others (LocalApiLimits): a body needs
+a Content-Length of at most ``max_body`` bytes (411 without one, 400 when it is not a number, 413
+above it); the request must arrive whole within ``request_timeout_s`` (the connection is closed
+otherwise); one request per connection; at most ``connections_per_attempt`` connections of an
+attempt and ``connections_total`` in all are served at once (503 beyond). A number that is not
+finite (NaN, Infinity, 1e999) anywhere in a body is refused with 422: JSON cannot carry it onward.
+
+The agent forwards progress and result in the attempt's next status report; shards and events are
+queued for the relay (relay.py) and answered at once. With ?wait=1 a shard is answered once the
+control plane acknowledged the batch holding it (so the worker learns from `committed_steps` whether
+its step is committed): 409 if the control plane says the attempt is stale, 422 if it refused the
 shard, 504 if no answer came within `shard_wait_s` (the shard stays queued), 503 if it was dropped.
 Upload-slot requests are relayed to the control plane as they come (upload_slots.py); an agent
 built without a relay answers them 404 (the worker then uploads without a slot).
@@ -26,15 +37,23 @@ forwarded to the control plane at once and answered with its answer: the grants,
 
 from __future__ import annotations
 
+import contextlib
+import hmac
+import io
 import json
+import math
+import os
 import re
+import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
@@ -61,19 +80,46 @@ log = structlog.get_logger(__name__)
 _ROUTE = re.compile(
     rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events|storage|upload-slot|upload-slot/release)$"
 )
+_DIGITS = re.compile(r"[0-9]{1,20}")
 MAX_BODY = 1024 * 1024
 SHARD_WAIT_S = 30.0
+BASE_URL = "http://trainyard-agent"
+"""TRAINYARD_AGENT_URL: the connection goes to TRAINYARD_AGENT_SOCKET; this only names the host."""
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, NUL included
 
 GrantForwarder = Callable[[str, LocalStorageRequest], tuple[HTTPStatus, dict[str, Any]]]
 """Asks the control plane for a worker's storage grants (the agent's): (status, JSON body)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class LocalApiLimits:
+    max_body: int = MAX_BODY
+    """Largest request body (Content-Length) accepted."""
+    request_timeout_s: float = 10.0
+    """The whole request (line, headers, body) must arrive within this; also the send timeout."""
+    connections_per_attempt: int = 16
+    """Connections of one attempt served at once (a rank waiting on a shard holds one)."""
+    connections_total: int = 128
+    """Connections served at once in all: the handler threads the API may use."""
+
+    def __post_init__(self) -> None:
+        if self.max_body < 1 or self.request_timeout_s <= 0:
+            raise ValueError("max_body and request_timeout_s must be > 0")
+        if not 1 <= self.connections_per_attempt <= self.connections_total:
+            raise ValueError("need 1 <= connections_per_attempt <= connections_total")
+
+
 @dataclass
 class _AttemptReports:
-    fencing_token: str
+    fencing_token: bytes
     progress: Progress | None = None
     result: dict[str, Any] | None = None
     result_rank: int | None = None
+
+
+def _token_bytes(token: str) -> bytes:
+    # A JSON string may hold a lone surrogate: it must compare unequal, not raise.
+    return token.encode("utf-8", "surrogatepass")
 
 
 class LocalReports:
@@ -85,7 +131,7 @@ class LocalReports:
 
     def register(self, attempt_id: str, fencing_token: str) -> None:
         with self._lock:
-            self._attempts.setdefault(attempt_id, _AttemptReports(fencing_token))
+            self._attempts.setdefault(attempt_id, _AttemptReports(_token_bytes(fencing_token)))
 
     def unregister(self, attempt_id: str) -> None:
         with self._lock:
@@ -98,7 +144,9 @@ class LocalReports:
 
     def _get(self, attempt_id: str, fencing_token: str) -> _AttemptReports | None:
         entry = self._attempts.get(attempt_id)
-        return entry if entry is not None and entry.fencing_token == fencing_token else None
+        if entry is None or not hmac.compare_digest(entry.fencing_token, _token_bytes(fencing_token)):
+            return None
+        return entry
 
     def add_progress(self, attempt_id: str, body: LocalProgress) -> bool:
         with self._lock:
@@ -126,18 +174,87 @@ class LocalReports:
             return (None, None) if entry is None else (entry.progress, entry.result)
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is not finite")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON can carry")
+
+
+def parse_body(raw: bytes) -> Any:
+    """JSON with finite numbers only (ValueError otherwise)."""
+    return json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The connection's bytes, up to a deadline for the whole request (a slow sender cannot hold
+    a handler thread longer)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self._sock.settimeout(remaining)
+        return self._sock.recv_into(buffer)
+
+
+class _Writer(io.BufferedIOBase):
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._sock.sendall(data)
+        return len(data)
+
+
+@dataclass
+class _Context:
+    """What a handler needs: the stores, and the one attempt its socket serves."""
+
+    attempt_id: str
+    reports: LocalReports
+    outbox: Outbox
+    shard_wait_s: float
+    limits: LocalApiLimits
+    grants: GrantForwarder | None = None
+    slots: SlotRelay | None = None
+
+
 class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+    server: _Context  # type: ignore[assignment]
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        self.connection = self.request
+        deadline = time.monotonic() + self.server.limits.request_timeout_s
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline))
+        self.wfile = _Writer(self.connection)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass  # requests are routine; errors are logged where they are answered
 
     def _send(self, status: HTTPStatus, payload: dict[str, Any], content_type: str) -> None:
+        self.close_connection = True  # one request per connection: its deadline covers it all
+        self.connection.settimeout(self.server.limits.request_timeout_s)
         body = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 
@@ -155,37 +272,66 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/healthz":
             self._send(HTTPStatus.OK, {"ok": True}, "application/json")
         else:
-            self._problem(HTTPStatus.NOT_FOUND, f"no route {self.path}")
+            self._problem(HTTPStatus.NOT_FOUND, f"no route {self.path[:200]}")
+
+    def _body(self) -> bytes | None:
+        """The request body, or None when it was refused (the answer is sent)."""
+        limit = self.server.limits.max_body
+        if self.headers.get("Transfer-Encoding"):
+            self._problem(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length, not chunked")
+            return None
+        text = self.headers.get("Content-Length")
+        if text is None:
+            self._problem(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
+            return None
+        if not _DIGITS.fullmatch(text.strip()):  # no sign, no exponent: -1 and "1e3" are not lengths
+            self._problem(HTTPStatus.BAD_REQUEST, f"Content-Length {text[:40]!r} is not a byte count")
+            return None
+        length = int(text)
+        if length > limit:
+            self._problem(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {limit} bytes")
+            return None
+        raw = self.rfile.read(length)
+        if len(raw) < length:
+            raise TimeoutError("the body ended early")
+        return raw
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib naming
         path, _, query = self.path.partition("?")
         match = _ROUTE.match(path)
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:
-            self.close_connection = True
-            self._problem(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY} bytes")
+        raw = self._body()
+        if raw is None:
             return
-        raw = self.rfile.read(length)
         if match is None:
-            self._problem(HTTPStatus.NOT_FOUND, f"no route {self.path}")
+            self._problem(HTTPStatus.NOT_FOUND, f"no route {path[:200]}")
             return
         attempt_id, kind = unquote(match["attempt_id"]), match["kind"]
+        if attempt_id != self.server.attempt_id:
+            self._problem(HTTPStatus.FORBIDDEN, "this socket serves its own attempt only")
+            return
+        try:
+            payload = parse_body(raw)
+        except (ValueError, RecursionError) as exc:
+            self._problem(HTTPStatus.UNPROCESSABLE_ENTITY, f"invalid JSON body: {str(exc)[:200]}")
+            return
         try:
             if kind.startswith("upload-slot"):
-                self._upload_slot(attempt_id, kind, raw)
+                self._upload_slot(attempt_id, kind, payload)
                 return
             if kind in ("shards", "events"):
-                self._queue(attempt_id, kind, raw, wait=_truthy(parse_qs(query).get("wait", [""])[-1]))
+                self._queue(attempt_id, kind, payload, wait=_truthy(parse_qs(query).get("wait", [""])[-1]))
                 return
             if kind == "storage":
-                self._storage(attempt_id, LocalStorageRequest.model_validate_json(raw))
+                self._storage(attempt_id, LocalStorageRequest.model_validate(payload))
                 return
+            reports = self.server.reports
             if kind == "progress":
-                accepted = self.server.reports.add_progress(attempt_id, LocalProgress.model_validate_json(raw))
+                accepted = reports.add_progress(attempt_id, LocalProgress.model_validate(payload))
             else:
-                accepted = self.server.reports.set_result(attempt_id, LocalResult.model_validate_json(raw))
+                accepted = reports.set_result(attempt_id, LocalResult.model_validate(payload))
         except ValidationError as exc:
-            self._problem(HTTPStatus.UNPROCESSABLE_ENTITY, "invalid body", json.loads(exc.json()))
+            errors = json.loads(exc.json(include_url=False, include_input=False))
+            self._problem(HTTPStatus.UNPROCESSABLE_ENTITY, "invalid body", errors)
             return
         if not accepted:
             self._fenced_off(attempt_id, kind)
@@ -196,9 +342,9 @@ class _Handler(BaseHTTPRequestHandler):
         log.info("local_report_rejected", attempt_id=attempt_id, kind=kind)
         self._problem(HTTPStatus.CONFLICT, f"attempt {attempt_id} is not running here or is fenced off")
 
-    def _upload_slot(self, attempt_id: str, kind: str, raw: bytes) -> None:
+    def _upload_slot(self, attempt_id: str, kind: str, payload: Any) -> None:
         """Relay a slot request or release (raises ValidationError for a bad body)."""
-        body = (LocalSlotRelease if kind.endswith("/release") else LocalSlotRequest).model_validate_json(raw)
+        body = (LocalSlotRelease if kind.endswith("/release") else LocalSlotRequest).model_validate(payload)
         if not self.server.reports.accepts(attempt_id, body.fencing_token):
             self._fenced_off(attempt_id, kind)
             return
@@ -231,14 +377,14 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._problem(status, str(payload.get("detail", "")), problem_type=payload.get("type"))
 
-    def _queue(self, attempt_id: str, kind: str, raw: bytes, *, wait: bool) -> None:
+    def _queue(self, attempt_id: str, kind: str, payload: Any, *, wait: bool) -> None:
         """Queue a shard or an event for the relay; raises ValidationError for a bad body."""
         item: ShardInfo | WorkerEvent
         if kind == "shards":
-            shard = LocalShard.model_validate_json(raw)
+            shard = LocalShard.model_validate(payload)
             token, item = shard.fencing_token, ShardInfo.model_validate(shard.model_dump(exclude={"fencing_token"}))
         else:
-            event = LocalEvent.model_validate_json(raw)
+            event = LocalEvent.model_validate(payload)
             token = event.fencing_token
             # Stamped now when the worker did not: it may reach the control plane much later.
             item = WorkerEvent.model_validate(event.model_dump(exclude={"fencing_token"}))
@@ -266,63 +412,156 @@ def _truthy(value: str) -> bool:
     return value.lower() in ("1", "true", "yes")
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/problem+json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: 94\r\n\r\n"
+    b'{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"too many connections"}'
+)
 
-    def __init__(self, address: tuple[str, int], reports: LocalReports, outbox: Outbox, shard_wait_s: float,
-                 grants: GrantForwarder | None, slots: SlotRelay | None) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
-        self.reports = reports
-        self.outbox = outbox
-        self.shard_wait_s = shard_wait_s
-        self.slots = slots
-        self.grants = grants
+
+class _Listener:
+    """One attempt's socket and its accept thread."""
+
+    def __init__(self, api: LocalApi, attempt_id: str, path: Path, sock: socket.socket) -> None:
+        self.api = api
+        self.path = path
+        self.sock = sock
+        self.active = threading.BoundedSemaphore(api.limits.connections_per_attempt)
+        self.serving = 0
+        """Connections being served now (for diagnostics and tests)."""
+        self._count = threading.Lock()
+        self.context = _Context(attempt_id, api.reports, api.outbox, api.shard_wait_s, api.limits, api.grants,
+                                api.slots)
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._accept_loop, name=f"local-api-{attempt_id[:12]}", daemon=True)
+
+    def _accept_loop(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            if not self.active.acquire(blocking=False):
+                self._refuse(conn)
+            elif not self.api.active.acquire(blocking=False):
+                self.active.release()
+                self._refuse(conn)
+            else:
+                with self._count:
+                    self.serving += 1
+                threading.Thread(target=self._serve, args=(conn,), name="local-api-conn", daemon=True).start()
+
+    @staticmethod
+    def _refuse(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)
+            conn.send(_BUSY)  # a fresh socket's buffer takes it whole
+            conn.shutdown(socket.SHUT_WR)
+            conn.recv(65536)  # what already came, so that closing does not reset the answer
+        conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            _Handler(conn, ("local", 0), self.context)  # type: ignore[arg-type]
+        except Exception as exc:  # a broken connection must never take the accept loop down
+            log.info("local_api_connection_failed", attempt_id=self.context.attempt_id, error=str(exc)[:200])
+        finally:
+            with contextlib.suppress(OSError):
+                conn.close()
+            with self._count:
+                self.serving -= 1
+            self.api.active.release()
+            self.active.release()
+
+    def close(self) -> None:
+        self.closed.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept at once
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
 
 
 class LocalApi:
-    """The server, on its own thread. `start` binds (port 0: any free port); `stop` is idempotent."""
+    """Unix sockets, one per attempt part (`open` / `close`); `stop` closes them all (idempotent)."""
 
     def __init__(
         self,
-        host: str,
-        port: int,
         reports: LocalReports | None = None,
         outbox: Outbox | None = None,
         *,
         shard_wait_s: float = SHARD_WAIT_S,
+        limits: LocalApiLimits | None = None,
         grants: GrantForwarder | None = None,
         slots: SlotRelay | None = None,
     ) -> None:
         self.reports = reports or LocalReports()
         self.outbox = outbox or Outbox()
-        self._server = _Server((host, port), self.reports, self.outbox, shard_wait_s, grants, slots)
-        self._thread: threading.Thread | None = None
+        self.shard_wait_s = shard_wait_s
+        self.grants = grants
+        self.slots = slots
+        self.limits = limits or LocalApiLimits()
+        self.active = threading.BoundedSemaphore(self.limits.connections_total)
+        self._lock = threading.Lock()
+        self._listeners: dict[str, _Listener] = {}
         self._stopped = False
 
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        host = str(host)
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    def open(self, attempt_id: str, path: Path, *, uid: int | None = None, gid: int | None = None) -> None:
+        """Serve ``attempt_id`` on a socket at ``path`` that only ``uid`` (and the agent) may
+        connect to; a socket a previous agent left there is replaced. Idempotent per attempt."""
+        with self._lock:
+            if self._stopped or attempt_id in self._listeners:
+                return
+            if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+                raise OSError(f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes; use a shorter --run-dir")
+            # Bound under a random name, made private, then renamed: no moment where another user
+            # could connect to it.
+            tmp = path.with_name(f".{secrets.token_hex(8)}.tmp")
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(str(tmp))
+                os.chmod(tmp, 0o600)
+                if uid is not None and gid is not None:
+                    os.lchown(tmp, uid, gid)
+                os.replace(tmp, path)
+                sock.listen(64)
+                sock.settimeout(0.5)
+            except BaseException:
+                sock.close()
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
+            listener = _Listener(self, attempt_id, path, sock)
+            self._listeners[attempt_id] = listener
+        listener.thread.start()
 
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._server.serve_forever,
-                kwargs={"poll_interval": 0.2},
-                name="local-api",
-                daemon=True,
-            )
-            self._thread.start()
+    def close(self, attempt_id: str) -> None:
+        with self._lock:
+            listener = self._listeners.pop(attempt_id, None)
+        if listener is not None:
+            listener.close()
+
+    def serving(self, attempt_id: str) -> int:
+        """Connections of the attempt being served now."""
+        with self._lock:
+            listener = self._listeners.get(attempt_id)
+        return 0 if listener is None else listener.serving
+
+    def socket_of(self, attempt_id: str) -> Path | None:
+        with self._lock:
+            listener = self._listeners.get(attempt_id)
+            return None if listener is None else listener.path
 
     def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join(timeout=5)
-        self._server.server_close()
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            listeners, self._listeners = list(self._listeners.values()), {}
+        for listener in listeners:
+            listener.close()
+        for listener in listeners:
+            listener.thread.join(timeout=2)

@@ -9,7 +9,9 @@ keeps their GPUs leased until then; their attempts are never launched by this in
 table of processes, not the work dir, is what tells: the sweep runs right after each registration,
 before the first heartbeat that follows it, and again with every supervision scan. The marker is the
 node's id, which registration gives (by name, so a wiped work dir gets the same id back): names
-repeat across clusters, and an agent must never stop another cluster's workers.
+repeat across clusters, and an agent must never stop another cluster's workers. Where attempts
+run in cgroups (node_agent/cgroups.py), the node's cgroups not owned are orphans too, with every
+process in them, markers or not; their cgroups are removed once empty.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from typing import Any
 
 from node_agent import processes
+from node_agent.cgroups import AttemptCgroup
 
 
 class OrphanSweeper:
@@ -31,18 +34,29 @@ class OrphanSweeper:
         self.alive: frozenset[str] = frozenset()
         """Attempts with orphaned processes left at the last sweep (reported as alive)."""
 
-    def sweep(self, table: processes.ProcessTable, owned: set[str]) -> set[str]:
+    def sweep(
+        self, table: processes.ProcessTable, owned: set[str], cgroups: dict[str, AttemptCgroup] | None = None
+    ) -> set[str]:
         """Signal this node's processes of attempts not in ``owned``; returns the attempts found for
         the first time. ``owned`` must be read after ``table`` was scanned (a launch in between
-        then counts as owned)."""
+        then counts as owned). ``cgroups``: this node's attempt cgroups, by attempt id."""
         found: dict[str, tuple[set[int], set[int]]] = {}
+        for attempt_id, cgroup in (cgroups or {}).items():
+            if attempt_id in owned:
+                continue
+            pids = {pid for pid in cgroup.pids() if pid in table.started}
+            if pids:
+                found[attempt_id] = (pids, set())
+            else:
+                cgroup.remove()
         for (node, attempt_id), pids in table.by_node.items():
             if self.node_id is None or node != self.node_id or attempt_id in owned or not pids:
                 continue
             # Children that scrubbed their environment share a process group with a marked process.
             pgids = {table.pgid_of[pid] for pid in pids if pid in table.pgid_of}
             members = set(pids).union(*(table.by_pgid.get(pgid, ()) for pgid in pgids))
-            found[attempt_id] = (members, pgids)
+            previous = found.get(attempt_id, (set(), set()))
+            found[attempt_id] = (members | previous[0], pgids | previous[1])
         now = time.monotonic()
         new = set(found) - set(self._term_sent_at)
         for attempt_id, (members, pgids) in sorted(found.items()):

@@ -1,5 +1,9 @@
 """Which processes belong to an attempt, and how to signal all of them.
 
+A confined attempt (node_agent/isolation.py) is found by its cgroup or its uid, which its processes
+cannot leave. What follows is the fallback for an agent that cannot confine (not root, no
+writable cgroup v2), whose workers run as the agent's own user.
+
 An attempt is not one process group: torchrun starts every rank in a session of its own, and a
 worker may start more sessions. What every process of an attempt does share is its environment:
 TRAINYARD_ATTEMPT_ID, inherited from torchrun by the shims, the workers and their children, even
@@ -36,6 +40,8 @@ class ProcessTable:
     by_node: dict[tuple[str, str], set[int]] = field(default_factory=lambda: defaultdict(set))
     by_pgid: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     pgid_of: dict[int, int] = field(default_factory=dict)
+    by_uid: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
+    """Processes by each of their uids (real, effective, saved): a confined attempt's are its uid's."""
     started: dict[int, float] = field(default_factory=dict)
     """Each pid's start time (psutil create_time): with the pid, a process's identity (pids and
     process-group ids are reused)."""
@@ -57,14 +63,16 @@ def scan() -> ProcessTable:
             continue
         if uid != 0 and uids.real != uid:
             continue  # another user's process: not ours to find, nor to kill
+        for each in {uids.real, uids.effective, uids.saved}:
+            table.by_uid[each].add(proc.pid)
+        if info.get("create_time") is not None:
+            table.started[proc.pid] = info["create_time"]
         try:
             pgid = os.getpgid(proc.pid)
             env = proc.environ()
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
         table.pgid_of[proc.pid] = pgid
-        if info.get("create_time") is not None:
-            table.started[proc.pid] = info["create_time"]
         table.by_pgid[pgid].add(proc.pid)
         attempt_id = env.get(ENV_ATTEMPT_ID)
         if attempt_id:
@@ -73,6 +81,16 @@ def scan() -> ProcessTable:
             if env.get(ENV_NODE_ID):
                 table.by_node[(env[ENV_NODE_ID], attempt_id)].add(proc.pid)
     return table
+
+
+def uids_alive() -> set[int]:
+    """The uids (real, effective, saved) of every live process this agent can see."""
+    found: set[int] = set()
+    for proc in psutil.process_iter(["uids", "status"]):
+        uids = proc.info.get("uids")
+        if uids is not None and proc.info.get("status") != psutil.STATUS_ZOMBIE:
+            found |= {uids.real, uids.effective, uids.saved}
+    return found
 
 
 def signal_processes(pids: Iterable[int], pgids: Iterable[int], sig: signal.Signals) -> None:

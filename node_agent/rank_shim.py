@@ -35,7 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from trainyard.protocol.env import ENV_STATUS_DIR  # standard library only: cheap to import
+from trainyard.protocol.env import ENV_JOB_ENV, ENV_STATUS_DIR, job_env_problem  # standard library only
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _PR_SET_PDEATHSIG = 1
@@ -66,6 +66,32 @@ def child_command(kind: str, entrypoint: str, args: list[str]) -> list[str]:
     if kind == "file":
         return [sys.executable, entrypoint, *args]
     raise ValueError(f"unknown entrypoint kind {kind!r} (expected 'module' or 'file')")
+
+
+def child_env(environ: dict[str, str]) -> dict[str, str]:
+    """The training process's environment: the shim's own (the platform's, from the agent) with
+    the job's env (ENV_JOB_ENV) on top. Only the training process sees the job's variables;
+    PYTHONPATH is appended to the platform's, never put in front of it. A name the platform
+    keeps (trainyard.protocol.env, job_env_problem) is left out with a line on stderr: the control
+    plane refuses it at submit, so only a spec from elsewhere carries one."""
+    env = dict(environ)
+    raw = env.pop(ENV_JOB_ENV, None)
+    try:
+        job = json.loads(raw) if raw else {}
+    except ValueError:
+        job = None
+    if not isinstance(job, dict):
+        print(f"rank_shim: {ENV_JOB_ENV} is not a JSON object; the job's env is not applied", file=sys.stderr)
+        return env
+    for name, value in job.items():
+        problem = job_env_problem(name, value) if isinstance(value, str) else f"env value of {name!r} is not a string"
+        if problem is not None:
+            print(f"rank_shim: {problem}; left out", file=sys.stderr)
+        elif name == "PYTHONPATH":
+            env[name] = os.pathsep.join(filter(None, (env.get(name, ""), value)))
+        else:
+            env[name] = value
+    return env
 
 
 def _make_preexec(parent_pid: int) -> Any:
@@ -148,6 +174,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     try:
         child = subprocess.Popen(
             child_command(kind, entrypoint, args),
+            env=child_env(dict(os.environ)),
             stdin=subprocess.DEVNULL,
             stdout=stdout,
             stderr=stderr,

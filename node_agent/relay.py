@@ -6,8 +6,11 @@ attempt's queue in order, in batches of consecutive items of one kind (ShardRepo
 WorkerEventBatch), so order is kept across both kinds. Delivery is at least once: an item leaves
 its queue only when the control plane acknowledged the batch holding it (shards are keyed by
 (attempt, step, rank) there, so a resent one is stored once). While the control plane is
-unreachable, items wait in memory, at most `max_items` per attempt (the oldest is dropped, with a
-log line, past that), and the relay backs off.
+unreachable, items wait in memory, at most `max_items` and `max_bytes` (their JSON) per attempt,
+and the relay backs off. Past either bound the oldest event goes first (events inform; shards
+commit checkpoints), then the oldest shard; an `agent.outbox_dropped` event (the job's events show it
+as worker.agent.outbox_dropped), queued in its place and updated while it waits, tells the control
+plane how many of each kind were dropped.
 
 Answers that resending cannot change: a fencing 409 (stale attempt) drops the attempt's queue and
 the agent stops the attempt; any other 4xx drops the offending items (a rejected batch of several
@@ -25,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any, Literal
 
@@ -43,6 +47,8 @@ log = structlog.get_logger(__name__)
 
 Kind = Literal["shard", "event"]
 MAX_ITEMS_PER_ATTEMPT = 10_000
+MAX_BYTES_PER_ATTEMPT = 8 * 1024 * 1024
+DROPPED_EVENT = "agent.outbox_dropped"
 MAX_BATCH = 100
 _IDLE_S = 1.0
 
@@ -70,6 +76,9 @@ class _Item:
     kind: Kind
     body: ShardInfo | WorkerEvent
     waiter: Waiter | None
+    size: int = 0
+    notice: bool = False
+    """The agent's own DROPPED_EVENT, never dropped itself."""
 
 
 @dataclass
@@ -78,6 +87,10 @@ class _Queue:
     single_until: int = -1
     """Items up to this seq go one per batch (resending a rejected batch)."""
     dropped: int = 0
+    size: int = 0
+    """Bytes of the queued items' JSON."""
+    notice: _Item | None = None
+    """The DROPPED_EVENT still queued and not yet taken into a batch: new drops are added to it."""
 
 
 @dataclass(frozen=True)
@@ -97,11 +110,15 @@ class Batch:
 class Outbox:
     """Thread-safe per-attempt FIFO of shards and events waiting for the control plane."""
 
-    def __init__(self, *, max_items: int = MAX_ITEMS_PER_ATTEMPT, max_batch: int = MAX_BATCH) -> None:
-        if max_items < 1 or max_batch < 1:
-            raise ValueError("max_items and max_batch must be >= 1")
+    def __init__(
+        self, *, max_items: int = MAX_ITEMS_PER_ATTEMPT, max_batch: int = MAX_BATCH,
+        max_bytes: int = MAX_BYTES_PER_ATTEMPT,
+    ) -> None:
+        if max_items < 2 or max_batch < 1 or max_bytes < 1:
+            raise ValueError("max_items must be >= 2, max_batch and max_bytes >= 1")
         self.max_items = max_items
         self.max_batch = max_batch
+        self.max_bytes = max_bytes
         self._cond = threading.Condition()
         self._queues: dict[str, _Queue] = {}
         self._seq = 0
@@ -118,20 +135,45 @@ class Outbox:
                     waiter.resolve(HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "the agent is shutting down"})
                 return waiter
             queue = self._queues.setdefault(attempt_id, _Queue())
-            if len(queue.items) >= self.max_items:
-                oldest = queue.items.popleft()
-                queue.dropped += 1
-                if queue.dropped == 1 or queue.dropped % 1000 == 0:
-                    log.warning("outbox_full_dropped_oldest", attempt_id=attempt_id, kind=oldest.kind,
-                                dropped=queue.dropped, max_items=self.max_items)
-                if oldest.waiter is not None:
-                    detail = "dropped: the agent's outbox is full"
-                    oldest.waiter.resolve(HTTPStatus.SERVICE_UNAVAILABLE, {"detail": detail})
+            size = len(body.model_dump_json())
+            while queue.items and (len(queue.items) >= self.max_items or queue.size + size > self.max_bytes):
+                if not self._drop_oldest(attempt_id, queue):
+                    break
             self._seq += 1
-            queue.items.append(_Item(self._seq, kind, body, waiter))
+            queue.items.append(_Item(self._seq, kind, body, waiter, size))
+            queue.size += size
             self._changes += 1
             self._cond.notify_all()
         return waiter
+
+    def _drop_oldest(self, attempt_id: str, queue: _Queue) -> bool:
+        """Drop the oldest event, else the oldest shard, and count it in the queue's notice;
+        False when nothing but notices is left. Called with the lock held."""
+        victim = next((i for i in queue.items if i.kind == "event" and not i.notice), None)
+        victim = victim or next((i for i in queue.items if i.kind == "shard"), None)
+        if victim is None:
+            return False
+        queue.items.remove(victim)
+        queue.size -= victim.size
+        queue.dropped += 1
+        if queue.dropped == 1 or queue.dropped % 1000 == 0:
+            log.warning("outbox_full_dropped_oldest", attempt_id=attempt_id, kind=victim.kind,
+                        dropped=queue.dropped, max_items=self.max_items, max_bytes=self.max_bytes)
+        if victim.waiter is not None:
+            victim.waiter.resolve(HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "dropped: the agent's outbox is full"})
+        if queue.notice is None:
+            notice = WorkerEvent(rank=victim.body.rank, kind=DROPPED_EVENT, at=datetime.now(UTC),
+                                 message="the agent's outbox for this attempt was full; the oldest items were dropped",
+                                 data={"events": 0, "shards": 0, "bytes": 0})
+            self._seq += 1
+            queue.notice = _Item(self._seq, "event", notice, None, len(notice.model_dump_json()), notice=True)
+            queue.items.append(queue.notice)
+            queue.size += queue.notice.size
+        body = queue.notice.body
+        assert isinstance(body, WorkerEvent)
+        body.data[f"{victim.kind}s"] += 1
+        body.data["bytes"] += victim.size
+        return True
 
     def pending(self, attempt_id: str) -> int:
         """Items of the attempt not yet acknowledged (an in-flight batch included)."""
@@ -156,6 +198,8 @@ class Outbox:
                 if item.kind != head.kind or len(items) >= limit:
                     break
                 items.append(item)
+            if queue.notice is not None and queue.notice in items:
+                queue.notice = None  # on its way: later drops start a new one
             return Batch(attempt_id, head.kind, tuple(items))
 
     def settle(self, batch: Batch, status: HTTPStatus, payload: dict[str, Any]) -> None:
@@ -164,7 +208,7 @@ class Outbox:
             queue = self._queues.get(batch.attempt_id)
             # By seq: the queue may have lost its oldest items (overflow, drop) meanwhile.
             while queue is not None and queue.items and queue.items[0].seq <= batch.last_seq:
-                queue.items.popleft()
+                queue.size -= queue.items.popleft().size
         for item in batch.items:
             if item.waiter is not None:
                 item.waiter.resolve(status, payload)
@@ -242,7 +286,12 @@ class Relay:
         for attempt_id in attempt_ids:
             due_in = self._next_try_at.get(attempt_id, 0.0) - time.monotonic()
             if due_in <= 0:
-                due_in = self._send_attempt(attempt_id)
+                try:
+                    due_in = self._send_attempt(attempt_id)
+                except Exception:  # one attempt's trouble never holds up the others' items
+                    log.exception("outbox_send_crashed", attempt_id=attempt_id)
+                    due_in = self.max_backoff_s
+                    self._next_try_at[attempt_id] = time.monotonic() + due_in
             wait = min(wait, max(0.0, due_in))
         for attempt_id in set(self._next_try_at) - set(attempt_ids):
             self._next_try_at.pop(attempt_id, None)

@@ -135,6 +135,23 @@ def agent(
         typer.Option(help="Agent state directory. Default: ./.trainyard/agent-NAME.", show_default=False),
     ] = None,
     label: Annotated[list[str] | None, typer.Option(help="Topology label k=v (repeatable).")] = None,
+    worker_uids: Annotated[
+        str | None,
+        typer.Option(help="Run each attempt as its own uid from this pool, e.g. 20000-20063 (needs root). "
+                     "Without it workers run as the agent's user, not isolated.", show_default=False),
+    ] = None,
+    worker_root: Annotated[
+        Path | None, typer.Option(help="Worker directories. Default: WORK_DIR/workers.", show_default=False)
+    ] = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(help="Sockets and uid locks, shared by the machine's agents. Default: /run/trainyard.",
+                     show_default=False),
+    ] = None,
+    cgroups: Annotated[bool, typer.Option(help="Track each attempt in a cgroup v2 where writable.")] = True,
+    worker_env: Annotated[
+        list[str] | None, typer.Option(help="A variable of the agent's environment to give workers (repeatable).")
+    ] = None,
     join_token_file: Annotated[Path | None, typer.Option(
         help="File holding a join token (default: the TRAINYARD_JOIN_TOKEN variable). Needed for the first "
         "registration only: the agent keeps its node credential in its work dir.", show_default=False)] = None,
@@ -146,10 +163,12 @@ def agent(
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
-    from node_agent.agent import AgentConfig, run_agent
+    from node_agent.agent import AgentConfig, IsolationError, run_agent
     from node_agent.config import read_join_token
+    from node_agent.isolation import UidRange
 
     try:
+        uids = UidRange.parse(worker_uids) if worker_uids else None
         config = AgentConfig(
             control_plane_url=control_plane,
             ca_file=ca_file,
@@ -159,12 +178,19 @@ def agent(
             virtual_gpus=virtual_gpus,
             work_dir=work_dir if work_dir is not None else Path(".trainyard") / f"agent-{name}",
             labels=labels,
-            local_api_port=0,
             stop_grace_s=5.0,
+            worker_uids=uids,
+            worker_root=worker_root,
+            run_dir=run_dir,
+            cgroups=cgroups,
+            worker_env_passthrough=tuple(worker_env or ()),
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    run_agent(config)
+    try:
+        run_agent(config)
+    except IsolationError as exc:
+        raise CliError(str(exc), code=2) from exc
 
 
 @app.command()

@@ -13,7 +13,8 @@ Layout of the data dir::
     DIR/s3/            SeaweedFS data; DIR/s3-credentials.json its keys (0600)
     DIR/tls/           ca.pem (give it to clients: curl --cacert), ca-key.pem, server.pem, server-key.pem
     DIR/logs/NAME.log  output of each process (control-plane, node-1, ..., s3)
-    DIR/nodes/node-i/  each agent's work dir
+    DIR/nodes/node-i/  each agent's work dir (and its workers' directories, when every directory
+                       above DIR lets other users through; else under the temporary directory)
     DIR/dev-up.lock    held while a ``dev up`` runs on DIR; DIR/dev-up.pids its children
 """
 
@@ -21,13 +22,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import ssl
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -49,6 +54,38 @@ from trainyard.embedded import (
 from trainyard.tls import client_context
 
 READY_MARKER = "TRAINYARD_READY"
+DEV_WORKER_UIDS = "20000-20255"
+"""Shared by every dev cluster of the machine: agents lease uids under locks, never one in use."""
+
+
+NOT_ISOLATED = "WORKERS NOT ISOLATED"
+"""Starts the line ``dev up`` prints when its default uid pool cannot be used here."""
+
+
+class _PoolCheck:
+    """Whether the agents' worker uid pool works on this machine, found in a thread of its own:
+    the agent's own start check (node_agent/isolation.py), run as root, with the agents' cwd. A
+    ``dev up`` where it fails (no mount namespaces for a Python in a private /root, say) runs its
+    workers unisolated and says so, rather than not starting at all."""
+
+    def __init__(self, uids: str) -> None:
+        self._uids = uids
+        self._problem: str | None = None
+        self._thread = threading.Thread(target=self._run, name="dev-pool-check", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from node_agent.config import default_run_dir
+        from node_agent.isolation import Isolation, UidRange
+
+        try:
+            Isolation.configure(UidRange.parse(self._uids), default_run_dir(), use_cgroups=False, cwd=os.getcwd())
+        except Exception as exc:  # any reason at all: said, and the cluster still starts
+            self._problem = f"{type(exc).__name__}: {exc}"
+
+    def problem(self) -> str | None:
+        self._thread.join()
+        return self._problem
 
 
 class DevError(RuntimeError):
@@ -95,6 +132,10 @@ class DevConfig:
     agent_control_plane: dict[str, str] = field(default_factory=dict)
     """node name -> the control-plane URL its agent uses instead of its replica's (fault tests put
     a proxy there)."""
+    worker_uids: str | None = DEV_WORKER_UIDS if os.geteuid() == 0 else None
+    """The agents' worker uid pool (node_agent/isolation.py): by default, as root, every attempt
+    runs as a uid of its own like in production; None: workers run as the agents' user (also what
+    ``start`` falls back to, saying NOT_ISOLATED, where the pool cannot be used on this machine)."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
@@ -181,6 +222,8 @@ class DevCluster:
         for port in range(cfg.port, cfg.port + cfg.replicas):
             if not port_is_free(port, cfg.host):
                 raise DevError(f"port {port} on {cfg.host} is already in use; choose another with --port")
+        # Proven while the databases start (a probe takes about a second), used before the agents.
+        pool_check = _PoolCheck(cfg.worker_uids) if cfg.worker_uids else None
 
         if cfg.database_url is None:
             self._say(f"starting PostgreSQL (data: {cfg.data_dir / 'postgres'})")
@@ -221,6 +264,13 @@ class DevCluster:
             self._say(f"starting the control plane on {cfg.replica_url(i)}")
             self._start_control_plane(i)
 
+        if pool_check is not None and (problem := pool_check.problem()) is not None:
+            self._say(f"{NOT_ISOLATED}: the worker uid pool {cfg.worker_uids} cannot be used on this machine "
+                      f"({problem}); every job runs as this user and can read the agents' secrets and "
+                      "the other jobs' files")
+            cfg.worker_uids = None
+        if cfg.worker_uids:
+            _own_dir(self._workers_tmp)
         for i in range(1, cfg.nodes + 1):
             self._make_join_token(f"node-{i}")
             self.agents.append(self._spawn(f"node-{i}", self._agent_args(i), {}))
@@ -267,7 +317,7 @@ class DevCluster:
     def _agent_args(self, i: int) -> list[str]:
         cfg = self.config
         name = f"node-{i}"
-        return [
+        args = [
             "-m", "trainyard", "agent",
             "--control-plane", cfg.agent_control_plane.get(name) or cfg.replica_url((i - 1) % cfg.replicas),
             "--join-token-file", str(self.join_token_file(name)),
@@ -277,6 +327,28 @@ class DevCluster:
             "--work-dir", str(cfg.data_dir / "nodes" / name),
             *(["--ca-file", str(self.tls.ca_file)] if self.tls else []),
         ]  # fmt: skip
+        if cfg.worker_uids:
+            args += ["--worker-uids", cfg.worker_uids, "--worker-root", str(self._worker_root(name))]
+        return args
+
+    def _worker_root(self, name: str) -> Path:
+        """Where node ``name``'s workers get their directories: under its work dir when worker
+        uids can get there, else in a directory of this data dir's under the temporary directory
+        (a pytest tmp_path is 0700)."""
+        node_dir = self.config.data_dir / "nodes" / name
+        if _reachable(node_dir.parent):
+            return node_dir / "workers"
+        return self._workers_tmp / name
+
+    @property
+    def worker_dirs(self) -> list[Path]:
+        """Where this cluster's workers run (their cwd lies below one of these)."""
+        return [self.config.data_dir, self._workers_tmp]
+
+    @property
+    def _workers_tmp(self) -> Path:
+        digest = hashlib.sha256(str(self.config.data_dir).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"trainyard-dev-workers-{digest}"
 
     def join_token_file(self, name: str) -> Path:
         """Where node ``name``'s join token is (0600): made by ``dev up`` through the API, bound to the
@@ -427,6 +499,8 @@ class DevCluster:
         # Whatever a child started and left behind (say, an agent killed before it could stop its
         # workers, which run in sessions of their own) goes too.
         _kill_all(list(self._descendants.values()))
+        if self.config.worker_uids:
+            shutil.rmtree(self._workers_tmp, ignore_errors=True)
         if self.s3 is not None:
             self._say("stopping S3")
             self.s3.stop()
@@ -577,6 +651,22 @@ def _data_dir_lock(data_dir: Path) -> Iterator[None]:
             yield
         finally:
             fh.truncate(0)
+
+
+def _reachable(path: Path) -> bool:
+    """Every directory from / down to ``path`` lets other users through (o+x)."""
+    path = path.resolve()
+    return all(d.exists() and d.stat().st_mode & stat.S_IXOTH for d in (*path.parents, path))
+
+
+def _own_dir(path: Path) -> None:
+    """``path`` as a directory of this user's that others may only pass through (0711); refuse one
+    someone else made first (it is under the shared temporary directory)."""
+    path.mkdir(mode=0o711, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise DevError(f"{path} exists and is not this user's directory; remove it")
+    path.chmod(0o711)
 
 
 def _s3_credentials(path: Path) -> tuple[str, str]:

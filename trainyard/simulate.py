@@ -133,6 +133,9 @@ class Sample:
     size: int
     full_specs: int
     phase: str
+    kind: str = "heartbeat"
+    """heartbeat, or wait: a long poll's answer that carried the node's desired state (its latency
+    is how long it was held open, not a figure)."""
 
 
 class SimAgent:
@@ -181,6 +184,7 @@ class SimAgent:
                                 "attempts": [{"attempt_id": a} for a, run in self.runs.items() if run.alive]}
         if not self.legacy:
             body["known"] = [{"attempt_id": a, "version": v} for a, v in self.held.items()]
+        sent_at = time.monotonic()
         phase = self.fleet.phase  # the phase it was sent in: legacy-ness is decided at send time
         t0 = time.perf_counter()
         r = await self.http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers())
@@ -193,20 +197,23 @@ class SimAgent:
         self.samples.append(Sample(time.monotonic(), latency, len(r.content), len(resp["assignments"]), phase))
         if self.fleet.follow_interval:
             self.interval_s = float(resp.get("heartbeat_interval_s") or self.interval_s)
-        self._reconcile(resp)
+        self._reconcile(resp, sent_at)
         self.beat.set()
         return resp
 
     async def wait_loop(self, stop: asyncio.Event) -> None:
-        """The real agent's long poll (node_agent/agent.py _wait_step): a 'changed' answer wakes the
-        heartbeat loop, and the next wait starts once that heartbeat brought the new versions."""
+        """The real agent's long poll (node_agent/agent.py _wait_step): a 'changed' answer carries the
+        node's desired state, applied at once (``fleet.wait_answers``; else it wakes the heartbeat
+        loop, and the next wait starts once that heartbeat brought the new versions)."""
         await asyncio.sleep(random.uniform(0, 1.0))
         first = True  # agents registered together: their first waits end spread out, as if started apart
         while not stop.is_set():
             timeout = min(110.0, max(self.fleet.wait_timeout_s, 2 * self.interval_s))  # as the real agent
             timeout *= random.uniform(0.1, 1.0) if first else random.uniform(0.8, 1.0)
             first = False
-            body = {"known": [{"attempt_id": a, "version": v} for a, v in self.held.items()], "timeout_s": timeout}
+            body = {"known": [{"attempt_id": a, "version": v} for a, v in self.held.items()], "timeout_s": timeout,
+                    "answer": self.fleet.wait_answers and not self.legacy}
+            sent_at = time.monotonic()
             try:
                 r = await self.wait_http.post(f"{AGENT}/wait", json=body, headers=self._headers(),
                                               timeout=timeout + 30)
@@ -224,16 +231,25 @@ class SimAgent:
                 self.fleet.errors.append(f"{self.name} wait: HTTP {r.status_code} {r.text[:200]}")
                 await asyncio.sleep(self.interval_s)
                 continue
-            if r.json()["changed"]:
+            answer = r.json()
+            if answer["changed"] and answer.get("assignments") is not None:
+                self.samples.append(Sample(time.monotonic(), 0.0, len(r.content), len(answer["assignments"]),
+                                           self.fleet.phase, kind="wait"))
+                self._reconcile({"assignments": answer["assignments"], "unchanged": answer.get("unchanged") or []},
+                                sent_at)
+            elif answer["changed"]:
                 self.beat.clear()
                 self.woken.set()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.beat.wait(), self.interval_s + 5.0)
 
-    def _reconcile(self, resp: dict[str, Any]) -> None:
+    def _reconcile(self, resp: dict[str, Any], sent_at: float) -> None:
+        """As the real agent's: an answer to a request sent before a spec arrived (from the other
+        loop) does not stop it by its silence."""
         full = resp["assignments"]
         assigned = {s["attempt_id"] for s in full}
         assigned |= {u["attempt_id"] for u in resp.get("unchanged", []) if u["desired"] == "run"}
+        assigned |= {a for a, t in self.arrivals.items() if t > sent_at}
         self.held = {a: v for a, v in self.held.items() if a in assigned}
         for spec in full:
             attempt_id = spec["attempt_id"]
@@ -275,6 +291,8 @@ class SimAgent:
                      workers: list[dict[str, Any]]) -> dict[str, Any] | None:
         body = {"fencing_token": run.spec["fencing_token"], "node_rank": run.spec["node_rank"], "state": state,
                 "exit_code": exit_code, "workers": workers}
+        if state in ("exited", "stopped"):
+            body["processes_alive"] = False  # as the real agent's final report: nothing of it is left
         r = await self._post(f"{AGENT}/attempts/{run.attempt_id}/status", body)
         if r.status_code == 409:  # fenced off: the real agent stops it
             run.alive = False
@@ -290,15 +308,21 @@ class SimAgent:
         if not run.alive:
             return
         run.alive = False
-        await self.status(run, "stopped", workers=run.workers("exited", -15))
-        self.woken.set()  # the real agent heartbeats at once when an attempt's last process is gone
+        ack = await self.status(run, "stopped", workers=run.workers("exited", -15))
+        self._gone(ack)
 
     async def fail(self, run: SimRun, *, local_rank: int = 0, exit_code: int = 1) -> None:
         """One rank exits with ``exit_code``; torchrun stops the others and exits with 1."""
         run.alive = False
-        self.woken.set()
-        await self.status(run, "exited", exit_code=1,
-                          workers=run.workers("exited", failed_local=local_rank, failed_code=exit_code))
+        ack = await self.status(run, "exited", exit_code=1,
+                                workers=run.workers("exited", failed_local=local_rank, failed_code=exit_code))
+        self._gone(ack)
+
+    def _gone(self, ack: dict[str, Any] | None) -> None:
+        """As the real agent once an attempt's last process is gone: its final report released the
+        GPUs, or else (fenced off, an older control plane) a heartbeat at once confirms it."""
+        if ack is None or not ack.get("released"):
+            self.woken.set()
 
     async def report_shards(self, run: SimRun, shards: list[dict[str, Any]]) -> dict[str, Any]:
         body = {"fencing_token": run.spec["fencing_token"], "node_rank": run.spec["node_rank"], "shards": shards}
@@ -344,6 +368,8 @@ class Fleet:
         self.follow_interval = follow_interval
         self.long_poll = long_poll
         self.wait_timeout_s = wait_timeout_s
+        self.wait_answers = True
+        """Long polls ask for the desired state with a change (WaitRequest.answer), as the real agent."""
         self.waits = 0
         """Long polls answered."""
         self.http = httpx.AsyncClient(base_url=cp.url, timeout=60.0,
@@ -409,7 +435,7 @@ class Fleet:
                 raise TimeoutError(f"no heartbeat of every node in phase {phase} within {timeout_s:g}s")
             await asyncio.sleep(0.05)
         self.phase = "between"
-        return [s for a in self.agents for s in a.samples if s.phase == phase]
+        return [s for a in self.agents for s in a.samples if s.phase == phase and s.kind == "heartbeat"]
 
     # -- admin API ---------------------------------------------------------------------------------
 
@@ -523,7 +549,7 @@ def percentile(values: list[float], q: float) -> float:
 class JobFigures:
     ranks: int
     first_bytes: int = 0
-    """Largest heartbeat response of a node that carried the job's new spec."""
+    """Largest answer to a node (a long poll's, or a heartbeat's) that carried the job's new spec."""
     steady_bytes: int = 0
     """Largest heartbeat response of a node of the job once it holds the spec (delta protocol)."""
     legacy_steady_bytes: int = 0
@@ -541,7 +567,7 @@ def _sizes(agents: list[SimAgent], since: float, *, full: bool, phase: str | Non
 
 
 def _latencies(agents: list[SimAgent], phase: str) -> list[float]:
-    return [s.latency_s for a in agents for s in a.samples if s.phase == phase]
+    return [s.latency_s for a in agents for s in a.samples if s.phase == phase and s.kind == "heartbeat"]
 
 
 async def job_scenario(fleet: Fleet, ranks: int, *, window_s: float = 3.0, args_size: int = 0,

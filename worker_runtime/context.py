@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 # Set by the node agent for every worker process (node_agent/launcher.py, worker_env).
 from trainyard.protocol.env import (
+    ENV_AGENT_SOCKET,
     ENV_AGENT_URL,
     ENV_ATTEMPT_ID,
     ENV_ATTEMPT_NUMBER,
@@ -80,6 +81,9 @@ class WorkerContext:
     """``cuda`` (NCCL) on GPU nodes, ``cpu`` (gloo) on nodes with virtual slots."""
     agent_url: str | None = None
     """Base URL of the node agent's local API; None when run outside Trainyard."""
+    agent_socket: str | None = None
+    """The unix socket the agent serves this attempt's local API on (requests go there, whatever
+    host agent_url names); None: connect to agent_url itself."""
     checkpoint: dict[str, Any] = field(default_factory=dict)
     """The job's checkpoint settings, as the control plane sent them (opaque here)."""
     restore_from: dict[str, Any] | None = None
@@ -146,6 +150,7 @@ class WorkerContext:
             local_world_size=_int(env, ENV_LOCAL_WORLD_SIZE, 1),
             device=_device(env.get(ENV_DEVICE)),
             agent_url=agent_url.rstrip("/") if agent_url else None,
+            agent_socket=env.get(ENV_AGENT_SOCKET) or None,
             checkpoint=_json_object(env, ENV_CHECKPOINT) or {},
             restore_from=_json_object(env, ENV_RESTORE_FROM),
             storage={key: env[name] for key, name in STORAGE_ENV.items() if env.get(name)},

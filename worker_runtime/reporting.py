@@ -31,6 +31,7 @@ from urllib.parse import quote
 import httpx
 
 from trainyard.protocol.env import LOCAL_API_PREFIX
+from worker_runtime.agent_http import agent_client
 from worker_runtime.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class Reporter:
             return
         body = {"fencing_token": self._ctx.fencing_token, "rank": self._ctx.rank, "result": payload}
         last = "no try made"
-        with httpx.Client(timeout=self._result_timeout, trust_env=False) as client:
+        with agent_client(self._ctx, self._result_timeout) as client:
             for attempt in range(1, self._result_tries + 1):
                 try:
                     response = client.post(f"{self._base}/result", json=body)
@@ -207,7 +208,7 @@ class Reporter:
         return body
 
     def _send_loop(self) -> None:
-        self._client = httpx.Client(timeout=self._progress_timeout, trust_env=False)
+        self._client = agent_client(self._ctx, self._progress_timeout)
         while True:
             with self._cond:
                 body = self._next_body()

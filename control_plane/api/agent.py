@@ -65,7 +65,7 @@ def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, s
                              unchanged=answer.unchanged, heartbeat_interval_s=answer.heartbeat_interval_s)
 
 
-@router.post("/wait", response_model=WaitResponse, responses=ERRORS)
+@router.post("/wait", response_model=WaitResponse, response_model_exclude_none=True, responses=ERRORS)
 async def wait(body: WaitRequest, token: NodeToken, settings: SettingsDep, runtime: RuntimeDep) -> WaitResponse:
     """Long poll (trainyard/protocol/agent.py): holds no thread and no database connection while it
     waits."""
@@ -74,16 +74,21 @@ async def wait(body: WaitRequest, token: NodeToken, settings: SettingsDep, runti
         raise Unauthorized("missing or malformed node credential: send 'Authorization: Bearer <node token>'")
     timeout = min(body.timeout_s or settings.agent_wait_timeout_s, settings.agent_wait_timeout_s)
     factory = runtime.session_factory
-    changed = await runtime.wakeups.wait(
-        node_id, lambda: nodes.desired_changed(factory, token, node_id, body.known), timeout)
-    return WaitResponse(changed=changed)
+    change = await runtime.wakeups.wait(
+        node_id, lambda: nodes.desired_change(factory, token, node_id, body.known), timeout)
+    if change is None:
+        return WaitResponse(changed=False)
+    if not body.answer:
+        return WaitResponse(changed=True)
+    full, unchanged = change
+    return WaitResponse(changed=True, assignments=full, unchanged=unchanged)
 
 
 @router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)
 def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeIdentity,
-                   session: SessionDep) -> AttemptStatusAck:
-    attempt, part = agent_protocol.report_status(session, node, attempt_id, body)
-    return AttemptStatusAck(attempt_state=attempt.state, stop=part.desired == "stop")
+                   session: SessionDep, runtime: RuntimeDep) -> AttemptStatusAck:
+    answer = agent_protocol.report_status(session, node, attempt_id, body, runtime)
+    return AttemptStatusAck(attempt_state=answer.attempt_state, stop=answer.stop, released=answer.released)
 
 
 @router.post("/attempts/{attempt_id}/logs", response_model=LogAck, responses=ERRORS)

@@ -50,7 +50,7 @@ def submit_job(
     `job.plan_warning` event when fewer GPUs would give more tokens/s, or more per GPU."""
     rate = jobs.SubmitRate(settings.submit_rate_per_window, settings.submit_rate_window_s)
     job, created = jobs.submit(session, body, principal=principal, idempotency_key=idempotency_key, rate=rate,
-                               plan_min_efficiency=settings.plan_min_efficiency)
+                               plan_min_efficiency=settings.plan_min_efficiency, max_env_bytes=settings.max_env_bytes)
     if created:
         runtime.wake_scheduler()
     else:

@@ -32,6 +32,7 @@ from control_plane.scheduler.policy import (
     Mode,
     NodeCapacity,
     Placement,
+    PlacementRule,
     PolicyOptions,
     Running,
     TenantShare,
@@ -59,13 +60,13 @@ class PendingJob(NamedTuple):
     gpus_per_node: int
     priority: int
     tenant: str
-    gpu_kind: str | None
+    gpu_kinds: list[str] | None
     time_limit_s: int | None
     created_at: datetime
 
 
 _PENDING_COLUMNS = (cast(Job.id, Text).label("id"), Job.state, Job.num_nodes, Job.gpus_per_node, Job.priority,
-                    Job.tenant, Job.gpu_kind, Job.time_limit_s, Job.created_at)
+                    Job.tenant, Job.gpu_kinds, Job.time_limit_s, Job.created_at)
 
 
 def _waiting() -> Any:
@@ -242,6 +243,9 @@ def _cached_demand(cache: PendingCache, job: PendingJob) -> JobDemand:
 
 def _demand(job: PendingJob | Job, history: RecoveryHistory | None = None) -> JobDemand:
     history = history or NO_HISTORY
+    kinds = frozenset(job.gpu_kinds) if job.gpu_kinds else None
+    if history.gpu_kind is not None and (kinds is None or history.gpu_kind in kinds):
+        kinds = frozenset({history.gpu_kind})  # a recovery replaces GPUs with GPUs of the kind it ran on
     return JobDemand(
         job_id=str(job.id),
         num_nodes=job.num_nodes,
@@ -249,7 +253,7 @@ def _demand(job: PendingJob | Job, history: RecoveryHistory | None = None) -> Jo
         priority=job.priority,
         submitted_at=job.created_at,
         recovering=job.state == "recovering",
-        gpu_kind=job.gpu_kind or history.gpu_kind,
+        gpu_kinds=kinds,
         avoid_nodes=history.avoid,
         prefer_nodes=history.prefer,
         tenant=job.tenant,
@@ -317,10 +321,11 @@ def _try_lock(session: Session) -> bool:
     return bool(session.scalar(select(func.pg_try_advisory_xact_lock(SCHEDULER_LOCK))))
 
 
-def policy_options(settings: Settings, mode: Mode = "fair") -> PolicyOptions:
+def policy_options(settings: Settings, mode: Mode = "fair", placement: PlacementRule = "scored") -> PolicyOptions:
     reserve = settings.recovery_reserve_nodes
     return PolicyOptions(
         mode=mode,
+        placement=placement,
         max_reservations=settings.max_reservations,
         topology_label=settings.topology_label or None,
         recovery_reserve=reserve if isinstance(reserve, dict) else {},
@@ -329,11 +334,13 @@ def policy_options(settings: Settings, mode: Mode = "fair") -> PolicyOptions:
 
 
 def schedule_pass(
-    session: Session, settings: Settings, *, mode: Mode = "fair", cache: PendingCache | None = None
+    session: Session, settings: Settings, *, mode: Mode = "fair", placement: PlacementRule = "scored",
+    cache: PendingCache | None = None,
 ) -> list[Placement]:
     """Run one pass in the caller's session; commits what it decided and returns the gangs admitted.
 
-    ``mode`` other than "fair" runs a baseline policy (bench/scheduler.py compares against them).
+    ``mode`` other than "fair" and ``placement`` "first-fit" run the baselines bench/scheduler.py
+    compares against.
     ``cache``: the waiting jobs' columns kept between this replica's passes (``PendingCache``).
     """
     if not _try_lock(session):
@@ -341,7 +348,7 @@ def schedule_pass(
         return []
     at = now()
     jobs = pending_jobs(session, cache)
-    options = policy_options(settings, mode)
+    options = policy_options(settings, mode, placement)
     reserve_on = bool(options.recovery_reserve_default or any(options.recovery_reserve.values()))
     if not jobs and not reserve_on and not reservations.has_active(session):
         session.rollback()

@@ -1,19 +1,28 @@
 """The pass behind ``policy.decide``: pure, but written for ~10^4 waiting jobs and ~10^3 nodes.
 
-Nodes of a GPU kind are indexed by how many GPUs an ordinary job may take on them
-(``_Pool.buckets``), so "does a gang of k x g fit" is a sum over at most max-GPUs-per-node
-buckets, a shape that did not fit is not tried again until capacity grows, and placing scans only
-nodes that can hold a share (best fit first). Times are POSIX seconds; INF is "no time limit".
+What it knows of the nodes is in ``capacity.py`` (per-kind pools bucketed by free GPUs, canonical
+ranks, fragmentation costs); a shape that did not fit is not tried again until capacity grows.
+Ties are broken by canonical ranks, never by names or input order. Times are POSIX seconds; INF
+is "no time limit".
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 
+from control_plane.scheduler.capacity import (
+    CLAIM_UNIT,
+    Hold,
+    KindPool,
+    NodeState,
+    hold_need,
+    rank_nodes,
+    rank_pools,
+)
 from control_plane.scheduler.model import (
     DEFAULT_TENANT,
     INF,
@@ -34,149 +43,16 @@ from control_plane.scheduler.model import (
 )
 
 
-class _Res:
-    """A reservation being built or kept during a pass; ``partial``: only a recovering job's healthy
-    nodes, held from the start of the pass until the job's turn completes or drops it.
-
-    It occupies its job's share of each of its nodes from ``start`` to ``end`` (start + the job's
-    time limit): later reservations are planned around that interval, so several can share a node
-    (a 1-GPU reservation does not keep a 2-node gang from reserving the node's other GPUs)."""
-
-    __slots__ = ("job", "start", "nodes", "partial", "share")
-
-    def __init__(self, job: JobDemand, start: float, nodes: list[_Node], partial: bool = False) -> None:
-        self.job = job
-        self.start = start
-        self.nodes = nodes
-        self.partial = partial
-        self.share = job.gpus_per_node
-
-    @property
-    def end(self) -> float:
-        limit = self.job.time_limit_s
-        return self.start + limit if limit and self.start < INF else INF
-
-
-def rank_order(nodes: Sequence[_Node]) -> list[_Node]:
+def rank_order(nodes: Sequence[NodeState]) -> list[NodeState]:
     """The node ranks of a gang: the nodes of one topology domain adjacent (the largest domain
     first, nodes without a label last), by name inside a domain. torchrun numbers ranks node by
     node in this order (node_agent/launcher.py), so a ring all-reduce crosses between domains as
-    few times as possible and a layout's inner mesh dimension never leaves a node."""
+    few times as possible and a layout's inner mesh dimension never leaves a node. (Which nodes a
+    gang gets never depends on names; only the numbering of the chosen ones does.)"""
     sizes: dict[str | None, int] = {}
     for n in nodes:
         sizes[n.label] = sizes.get(n.label, 0) + 1
     return sorted(nodes, key=lambda n: (n.label is None, -sizes[n.label], n.label or "", n.name))
-
-
-def _need(h: _Res, holds: list[_Res]) -> int:
-    """GPUs the reservations ``holds`` of one node occupy at ``h``'s start (``h``'s own share included)."""
-    return h.share + sum(k.share for k in holds if k is not h and k.start <= h.start < k.end)
-
-
-class _Node:
-    __slots__ = ("id", "name", "kind", "label", "total", "free", "rel", "holds", "strict", "guard", "reserve", "key")
-
-    def __init__(self, cap: NodeCapacity, label_key: str | None) -> None:
-        self.id = cap.node_id
-        self.name = cap.name
-        self.kind = cap.gpu_kind
-        self.label = cap.labels.get(label_key) if label_key else None
-        self.total = cap.total
-        self.free = sorted(cap.free)
-        # (release time, GPUs) of what runs here, including what this pass places.
-        self.rel = [(r.ends_at.timestamp() if r.ends_at is not None else INF, r.gpus) for r in cap.running]
-        self.holds: list[_Res] = []  # the reservations on it, in the order they were made
-        self.strict = False  # a recovering job's healthy node: its only reservation is that job's
-        self.guard = 0  # strict: GPUs kept from others (the largest share among its recovering jobs)
-        self.reserve = False
-        self.key = -1  # the bucket it is in (-1: none)
-
-    def general(self) -> int:
-        """GPUs an ordinary job (no reservation of its own, no backfill) may take here."""
-        f = len(self.free)
-        if not self.holds:
-            return f
-        if self.strict:
-            return max(0, f - self.guard)
-        return max(0, min(f, min(self.room(h, self.holds) for h in self.holds)))
-
-    def allowed(self, j: JobDemand, jend: float) -> int:
-        """GPUs ``j`` (ending by ``jend``) may take here now without delaying a reservation: its
-        own is ignored, one starting no earlier than ``jend`` is backfilled."""
-        f = len(self.free)
-        if not self.holds:
-            return f
-        own = [h for h in self.holds if h.job is j]
-        if self.strict:
-            return f if own else self.general()
-        others = [h for h in self.holds if h.job is not j]
-        rooms = [self.room(h, others) for h in others if not (jend < INF and jend <= h.start)]
-        return max(0, min(f, *rooms)) if rooms else f
-
-    def room(self, h: _Res, holds: list[_Res]) -> int:
-        """GPUs free now that a job running past ``h``'s start may take without delaying it."""
-        return self.free_by(h.start) - _need(h, holds)
-
-    def fits(self, g: int, t: float, end: float, holds: list[_Res]) -> bool:
-        """Whether a reservation of ``g`` GPUs from ``t`` to ``end`` fits here beside ``holds``."""
-        if self.free_by(t) < g + sum(k.share for k in holds if k.start <= t < k.end):
-            return False
-        return all(self.free_by(k.start) >= _need(k, holds) + g for k in holds if t <= k.start < end)
-
-    def times(self, now: float, holds: list[_Res]) -> list[float]:
-        """When what is free here can grow: now, releases, the ends of ``holds``."""
-        return sorted({now} | {e for e, _ in self.rel if now < e < INF} | {k.end for k in holds if now < k.end < INF})
-
-    def ready_beside(self, g: int, limit: float, now: float, holds: list[_Res]) -> float:
-        """The earliest start of a reservation of ``g`` GPUs for ``limit`` seconds beside ``holds``."""
-        if not holds:
-            return self.ready_at(g, now)
-        for t in self.times(now, holds):
-            if self.fits(g, t, t + limit, holds):
-                return t
-        return INF
-
-    def ready_at(self, gpus: int, now: float) -> float:
-        """When ``gpus`` GPUs are free here at the latest, if jobs end by their time limits."""
-        missing = gpus - len(self.free)
-        if missing <= 0:
-            return now
-        for end, n in sorted(self.rel):
-            missing -= n
-            if missing <= 0:
-                return max(end, now)
-        return INF
-
-    def free_by(self, t: float) -> int:
-        return len(self.free) + sum(n for end, n in self.rel if end <= t and end < INF)
-
-
-class _Pool:
-    """The nodes of one GPU kind, bucketed by ``general()``."""
-
-    def __init__(self, kind: str, nodes: list[_Node]) -> None:
-        self.kind = kind
-        self.nodes = nodes
-        self.maxcap = max(n.total for n in nodes)
-        self.buckets: list[dict[_Node, None]] = [{} for _ in range(self.maxcap + 1)]
-        self.reserve: list[_Node] = []
-        self.by_id = {n.id: n for n in nodes}
-        # total_ge[g]: nodes with at least g GPUs in all (whether a gang could ever fit).
-        self.total_ge = [sum(1 for n in nodes if n.total >= g) for g in range(self.maxcap + 1)]
-        for n in nodes:
-            self.reindex(n)
-
-    def reindex(self, n: _Node) -> None:
-        k = -1 if n.reserve else n.general()
-        if k != n.key:
-            if n.key >= 0:
-                del self.buckets[n.key][n]
-            if k >= 0:
-                self.buckets[k][n] = None
-            n.key = k
-
-    def count_ge(self, g: int) -> int:
-        return sum(len(b) for b in self.buckets[g:])
 
 
 class Pass:
@@ -198,20 +74,29 @@ class Pass:
         self.tenants = tenants
         self.previous = previous
         self.usage = {t: s.gpus_in_use for t, s in tenants.items()}
-        by_kind: dict[str, list[_Node]] = {}
-        for cap in sorted(nodes, key=lambda c: c.name):
-            by_kind.setdefault(cap.gpu_kind, []).append(_Node(cap, options.topology_label))
-        self.pools = {k: _Pool(k, ns) for k, ns in sorted(by_kind.items())}
-        self.by_id = {n.id: n for pool in self.pools.values() for n in pool.nodes}
-        self.pool_of = {n.id: pool for pool in self.pools.values() for n in pool.nodes}
+        by_kind: dict[str, list[NodeState]] = {}
+        for cap in nodes:
+            by_kind.setdefault(cap.gpu_kind, []).append(NodeState(cap, options.topology_label))
+        self.by_id = {n.id: n for ns in by_kind.values() for n in ns}
+        node_tags, kind_tags = self._tags(jobs)
+        rank_nodes(list(self.by_id.values()), node_tags)
+        pools = [KindPool(k, sorted(ns, key=lambda n: n.rank)) for k, ns in by_kind.items()]
+        self.ranked = rank_pools(pools, kind_tags)
+        """Every pool in canonical order (first-fit tries them so)."""
+        self.pools = {p.kind: p for p in self.ranked}
+        self.pool_of = {n.id: pool for pool in self.ranked for n in pool.nodes}
         self.free_total = sum(len(n.free) for n in self.by_id.values())
-        self.res_of: dict[str, _Res] = {}  # job id -> its reservation, in the order they were made
+        self.preferred: list[KindPool] | None = None  # pools by preference (None: to recompute)
+        self.res_of: dict[str, Hold] = {}  # job id -> its reservation, in the order they were made
         self.failed: set[tuple[object, ...]] = set()  # shapes that did not fit (cleared when capacity grows)
         self.drops = 0  # holds dropped so far: each gives capacity back
-        self.held_for_queue = 0  # reservations of jobs that are not recovering (max_reservations)
+        self.held_for_queue = 0  # reservations of jobs that are not recovering (capped per kind: KindPool.held)
         self.starts: list[float] | None = None  # reservations' starts, sorted (None: to recompute)
         self.res_version = 0  # bumped by every new reservation: part of a failed shape's key
-        self.never: dict[tuple[str | None, int, int], bool] = {}
+        self.never: dict[tuple[frozenset[str] | None, int, int], bool] = {}
+        self.kinds_of: dict[frozenset[str] | None, list[KindPool]] = {}  # pools a kind list names
+        self.room_of: dict[frozenset[str] | None, tuple[int, bool]] = {}  # kind list -> (holds version, room)
+        self.eligible_of: dict[tuple[int, int, frozenset[str] | None], list[KindPool]] = {}
         # Healthy nodes of recovering jobs: held for them, so never in another hold.
         # In service order: recovering jobs go by priority and submit time (they held a place).
         self.recovering = sorted((j for j in jobs if j.recovering),
@@ -225,7 +110,57 @@ class Pass:
             if not self._over_quota(j):
                 for nid in j.prefer_nodes:
                     self.guard_of[nid] = max(self.guard_of.get(nid, 0), j.gpus_per_node)
+        self._weigh(jobs)
         self.decision = Decision()
+
+    def _tags(self, jobs: list[JobDemand]
+              ) -> tuple[dict[str, tuple[object, ...]], Callable[[str], tuple[object, ...]]]:
+        """What besides capacity sets a node or a kind apart, for the canonical ranks: the jobs
+        that prefer, avoid or held (last pass) a node; the jobs that name a kind, and its recovery
+        reserve."""
+        marks: dict[str, list[tuple[int, str]]] = {}
+        named: dict[str, list[str]] = {}
+        for j in jobs:
+            if j.prefer_nodes or j.avoid_nodes:
+                for nid in j.prefer_nodes:
+                    marks.setdefault(nid, []).append((0, j.job_id))
+                for nid in j.avoid_nodes:
+                    marks.setdefault(nid, []).append((1, j.job_id))
+            if j.gpu_kinds:
+                for kind in j.gpu_kinds:
+                    named.setdefault(kind, []).append(j.job_id)
+        for job_id, nids in self.previous.items():
+            for i, nid in enumerate(nids):
+                marks.setdefault(nid, []).append((2 + i, job_id))
+        def kind_tags(kind: str) -> tuple[object, ...]:  # only read for kinds alike in all else
+            return (self.opts.reserve_nodes(kind), tuple(sorted(named.get(kind, ()))))
+
+        return {nid: tuple(sorted(m)) for nid, m in marks.items()}, kind_tags
+
+    def _weigh(self, jobs: list[JobDemand]) -> None:
+        """Each pool's share of the waiting demand (``KindPool.weigh``): every job's GPUs split
+        evenly over the kinds it may use and that could ever hold it; and the claims of the jobs
+        that name their kinds (``KindPool.claims``)."""
+        need: dict[KindPool, list[float]] = {p: [] for p in self.ranked}
+        by_share: dict[KindPool, dict[int, list[float]]] = {p: {} for p in self.ranked}
+        for (g, k, kinds), count in Counter((j.gpus_per_node, j.num_nodes, j.gpu_kinds) for j in jobs).items():
+            eligible = self._eligible(g, k, kinds)
+            for p in eligible:
+                share = count * g * k / len(eligible)
+                need[p].append(share)
+                by_share[p].setdefault(g, []).append(share)
+                if kinds is not None:
+                    p.claims[g] = p.claims.get(g, 0) + count * g * k * CLAIM_UNIT // len(eligible)
+        for p in self.ranked:
+            p.weigh(need[p], by_share[p], self.opts.placement == "scored")
+
+    def _eligible(self, g: int, k: int, kinds: frozenset[str] | None) -> list[KindPool]:
+        """The pools of these kinds that could ever hold a gang of k x g."""
+        key = (g, k, kinds)
+        got = self.eligible_of.get(key)
+        if got is None:
+            got = self.eligible_of[key] = [p for p in self._kind_pools(kinds) if p.fits_ever(g, k)]
+        return got
 
     # -- the pass -----------------------------------------------------------------------------------
 
@@ -257,7 +192,7 @@ class Pass:
             if self.opts.mode == "fifo":
                 for rest in order:
                     waiting[rest.job_id] = WAIT_BEHIND
-            elif self.free_total == 0 and not j.recovering and not self._may_reserve_more():
+            elif self.free_total == 0 and not j.recovering and not self._any_room():
                 # Nothing can be placed and no reservation made (recovering jobs come first); a
                 # job served later may still hold the reservation kept from the last pass.
                 for rest in order:
@@ -295,9 +230,9 @@ class Pass:
         reservations were all taken) get it, in service order, before any job served later."""
         waiting = self.decision.waiting
         for j, _, _ in blocked:
-            if not self._may_reserve_more():
+            if not self._any_room():
                 return
-            if waiting.get(j.job_id) == WAIT_CAPACITY and j.job_id not in self.res_of:
+            if waiting.get(j.job_id) == WAIT_CAPACITY and j.job_id not in self.res_of and self._may_reserve_more(j):
                 waiting[j.job_id] = self._blocked(j)
 
     def _blocked(self, j: JobDemand) -> str:
@@ -323,7 +258,7 @@ class Pass:
                 if better is not None and better[0] < INF:
                     self._replace(held, *better)
             return WAIT_RESERVED
-        if not (j.recovering or (self.opts.mode == "fair" and self._may_reserve_more())):
+        if not (j.recovering or self._may_reserve_more(j)):
             return WAIT_NEVER if self._never_fits(j) else WAIT_CAPACITY
         plan = self._plan(j)
         if plan is None:
@@ -331,8 +266,29 @@ class Pass:
         self._establish(j, *plan)
         return WAIT_RESERVED
 
-    def _may_reserve_more(self) -> bool:
-        return self.opts.mode == "fair" and self.held_for_queue < self.opts.max_reservations
+    def _room(self, pool: KindPool, j: JobDemand) -> bool:
+        """Whether ``j`` may hold a reservation on ``pool``'s kind: reservations are capped per
+        kind (they hold only nodes of their kind, so a job waiting for a scarce kind is not kept
+        from holding one by those waiting for others); recovering jobs always may."""
+        if j.recovering:
+            return True
+        held = self.res_of.get(j.job_id)
+        return pool.held < self.opts.max_reservations or (held is not None and held.pool is pool)
+
+    def _may_reserve_more(self, j: JobDemand) -> bool:
+        if self.opts.mode != "fair":
+            return False
+        if j.recovering or j.job_id in self.res_of:
+            return any(self._room(p, j) for p in self._pools_for(j))
+        # Asked for every blocked job of a deep queue: per kind list, until a reservation comes or goes.
+        got = self.room_of.get(j.gpu_kinds)
+        if got is None or got[0] != self.res_version + self.drops:
+            room = any(p.held < self.opts.max_reservations for p in self._pools_for(j))
+            got = self.room_of[j.gpu_kinds] = (self.res_version + self.drops, room)
+        return got[1]
+
+    def _any_room(self) -> bool:
+        return self.opts.mode == "fair" and any(p.held < self.opts.max_reservations for p in self.ranked)
 
     def _over_quota(self, j: JobDemand) -> bool:
         quota = self.tenants.get(j.tenant, DEFAULT_TENANT).gpu_quota
@@ -368,58 +324,113 @@ class Pass:
 
     # -- placing ------------------------------------------------------------------------------------
 
-    def _pools_for(self, j: JobDemand) -> list[_Pool]:
-        if j.gpu_kind is not None:
-            pool = self.pools.get(j.gpu_kind)
-            return [pool] if pool is not None else []
-        return list(self.pools.values())
+    def _kind_pools(self, kinds: frozenset[str] | None) -> list[KindPool]:
+        """The pools of these kinds (None: all), in canonical order."""
+        got = self.kinds_of.get(kinds)
+        if got is None:
+            got = self.kinds_of[kinds] = list(self.ranked) if kinds is None else [
+                p for p in self.ranked if p.kind in kinds]
+        return got
 
-    def _usable(self, n: _Node, j: JobDemand, jend: float) -> int:
+    def _pools_for(self, j: JobDemand) -> list[KindPool]:
+        return self._kind_pools(j.gpu_kinds)
+
+    def _by_preference(self) -> list[KindPool]:
+        """Pools by ``KindPool.preference`` (most free capacity relative to demand first), then rank."""
+        if self.preferred is None:
+            self.preferred = sorted(self.ranked, key=lambda p: (-p.preference(), p.rank))
+        return self.preferred
+
+    def _usable(self, n: NodeState, j: JobDemand, jend: float) -> int:
         """GPUs ``j`` may take on ``n`` now without delaying any reservation."""
         if n.reserve:
             return len(n.free) if j.recovering else 0
         # Backfill (its GPUs are back before a reservation starts) or beyond what they need then.
         return n.allowed(j, jend)
 
-    def _special(self, j: JobDemand, jend: float, pool: _Pool, g: int) -> tuple[list[_Node], list[_Node]]:
+    def _special(self, j: JobDemand, jend: float, pool: KindPool, g: int) -> tuple[list[NodeState], list[NodeState]]:
         """Nodes where ``j`` may take more than an ordinary job and that hold its share: (its own
         reservation's and reserved nodes it can backfill, to use first; recovery-reserve nodes for
         a recovering job, to use last)."""
-        own: list[_Node] = []
-        holes: list[_Node] = []
+        own: list[NodeState] = []
+        holes: list[NodeState] = []
+        mine = self.res_of.get(j.job_id)
+        # Only a job with a time limit can backfill; otherwise only its own reservation counts.
+        holds = self.res_of.values() if jend < INF else (() if mine is None else (mine,))
         seen: set[str] = set()
-        for r in self.res_of.values():
-            mine = r.job is j
-            if not (mine or (jend < INF and jend <= r.start)):
+        for r in holds:
+            if r.pool is not pool or not (r is mine or jend <= r.start):
                 continue
             for n in r.nodes:
-                if (n.id not in seen and n.key < g <= len(n.free) and self.pool_of[n.id] is pool
-                        and (mine or not n.strict) and n.allowed(j, jend) >= g):
+                if (n.id not in seen and n.key < g <= len(n.free)
+                        and (r is mine or not n.strict) and n.allowed(j, jend) >= g):
                     seen.add(n.id)
-                    (own if mine else holes).append(n)
-        holes.sort(key=lambda n: (len(n.free), n.name))
+                    (own if r is mine else holes).append(n)
+        holes.sort(key=lambda n: (len(n.free), n.rank))
         spare = [n for n in pool.reserve if len(n.free) >= g] if j.recovering else []
         return own + holes, spare
 
     def try_place(self, j: JobDemand, jend: float) -> Placement | None:
-        for pool in self._pools_for(j):
-            chosen = self._fit(j, jend, pool)
-            if chosen is not None:
-                return self._commit(j, jend, pool, chosen)
-        return None
+        plain = self._plain(j)
+        if plain:
+            # One look for a job that fits none of its kinds (most of a deep queue, most passes).
+            shape = (j.gpu_kinds, j.gpus_per_node, j.num_nodes, self._backfills(jend), self.res_version)
+            if shape in self.failed:
+                return None
+        pools = self._pools_for(j)
+        if len(pools) > 1 and self.opts.placement == "scored":
+            found = self._fit_scored(j, jend, pools)
+        else:
+            found = next(((p, c) for p in pools if (c := self._fit(j, jend, p)) is not None), None)
+        if found is None:
+            if plain:
+                self.failed.add(shape)
+            return None
+        return self._commit(j, jend, *found)
 
-    def _fit(self, j: JobDemand, jend: float, pool: _Pool) -> list[_Node] | None:
+    def _fit_scored(self, j: JobDemand, jend: float, pools: list[KindPool]
+                    ) -> tuple[KindPool, list[NodeState]] | None:
+        """A job that may use several kinds goes where it takes the least capacity that jobs naming
+        their kinds wait for (``KindPool.conflict``); then to the kind with the most free capacity
+        relative to its demand (``KindPool.preference``); then to the nodes that take the least
+        capacity from all waiting shapes (``KindPool.score``), then the first kind in rank."""
+        g = j.gpus_per_node
+        allowed = set(pools)
+        best: tuple[tuple[int, float, float, int], KindPool, list[NodeState]] | None = None
+        for pool in self._by_preference():
+            if pool not in allowed:
+                continue
+            level = -pool.preference()
+            if best is not None and best[0][0] == 0 and level > best[0][1]:
+                break  # no conflict already, and every kind left is less preferred
+            chosen = self._fit(j, jend, pool)
+            if chosen is None:
+                continue
+            key = (pool.conflict(chosen, g), level, pool.score(chosen, g), pool.rank)
+            if best is None or key < best[0]:
+                best = (key, pool, chosen)
+        return None if best is None else (best[1], best[2])
+
+    def _plain(self, j: JobDemand) -> bool:
+        """Whether ``j`` is placed like any other job of its shape (no history, no reservation)."""
+        return not (j.recovering or j.avoid_nodes or j.prefer_nodes or j.job_id in self.res_of)
+
+    def _backfills(self, jend: float) -> int:
+        """The reservations a job ending at ``jend`` may backfill are those starting no earlier than
+        it ends: with the set of reservations (its version), their number says which."""
+        if jend == INF:
+            return 0
+        if self.starts is None:
+            self.starts = sorted(r.start for r in self.res_of.values())
+        return len(self.starts) - bisect.bisect_left(self.starts, jend)
+
+    def _fit(self, j: JobDemand, jend: float, pool: KindPool) -> list[NodeState] | None:
         g, k = j.gpus_per_node, j.num_nodes
         if g > pool.maxcap:
             return None
-        plain = not (j.recovering or j.avoid_nodes or j.prefer_nodes or j.job_id in self.res_of)
+        plain = self._plain(j)
         if plain:
-            # The reservations it may backfill are those starting no earlier than it ends: with the
-            # set of reservations (its version), their number says which.
-            if self.starts is None:
-                self.starts = sorted(r.start for r in self.res_of.values())
-            backfills = len(self.starts) - bisect.bisect_left(self.starts, jend) if jend < INF else 0
-            shape = (pool.kind, g, k, backfills, self.res_version)
+            shape = (pool.kind, g, k, self._backfills(jend), self.res_version)
             if shape in self.failed:
                 return None
         first, last = self._special(j, jend, pool, g)
@@ -428,22 +439,21 @@ class Pass:
                 self.failed.add(shape)
             return None
         avoid = j.avoid_nodes
-        pinned: list[_Node] = []
-        for nid in sorted(j.prefer_nodes):
-            n = self.by_id.get(nid)
-            if (n is not None and len(pinned) < k and self.pool_of[n.id] is pool and nid not in avoid
+        pinned: list[NodeState] = []
+        for n in self._nodes(j.prefer_nodes):
+            if (len(pinned) < k and self.pool_of[n.id] is pool and n.id not in avoid
                     and self._usable(n, j, jend) >= g):
                 pinned.append(n)
         skip = {n.id for n in pinned} | avoid
 
-        def candidates() -> Iterator[_Node]:
+        def candidates() -> Iterator[NodeState]:
             seen: set[str] = set()
             for n in first:
                 if n.id not in skip:
                     seen.add(n.id)
                     yield n
-            for bucket in pool.buckets[g:]:
-                for n in bucket:
+            for b in pool.order[g]:
+                for n in pool.buckets[b]:
                     if n.id not in skip and n.id not in seen:
                         yield n
             for n in last:
@@ -455,7 +465,7 @@ class Pass:
             self.failed.add(shape)
         return chosen
 
-    def _choose(self, pinned: list[_Node], stream: Iterator[_Node], k: int) -> list[_Node] | None:
+    def _choose(self, pinned: list[NodeState], stream: Iterator[NodeState], k: int) -> list[NodeState] | None:
         """``k`` nodes: the pinned ones, then from ``stream`` (best first), inside one topology
         domain if possible (the pinned nodes' domain first), else across the fewest domains."""
         need = k - len(pinned)
@@ -465,7 +475,7 @@ class Pass:
             rest = [n for _, n in zip(range(need), stream, strict=False)]
             return pinned + rest if len(rest) == need else None
         target = pinned[0].label if pinned else None
-        groups: dict[str | None, list[_Node]] = {}
+        groups: dict[str | None, list[NodeState]] = {}
         seen = 0
         for n in stream:
             seen += 1
@@ -483,7 +493,7 @@ class Pass:
                 break
         return pinned + rest
 
-    def _commit(self, j: JobDemand, jend: float, pool: _Pool, chosen: list[_Node]) -> Placement:
+    def _commit(self, j: JobDemand, jend: float, pool: KindPool, chosen: list[NodeState]) -> Placement:
         g = j.gpus_per_node
         backfill = from_reserve = False
         parts = []
@@ -496,17 +506,24 @@ class Pass:
             n.rel.append((jend, g))
             pool.reindex(n)
             parts.append((n.id, taken))
+        pool.free -= j.num_gpus
+        if j.gpu_kinds is not None:  # what it claimed on each of its kinds is served
+            eligible = self._eligible(g, j.num_nodes, j.gpu_kinds)
+            for p in eligible:
+                p.claims[g] = p.claims.get(g, 0) - j.num_gpus * CLAIM_UNIT // len(eligible)
+        self.preferred = None
         self.free_total -= j.num_gpus
         self.usage[j.tenant] = self.usage.get(j.tenant, 0) + j.num_gpus
         self._drop(self.res_of.get(j.job_id))  # it starts: its reservation ends
-        return Placement(job_id=j.job_id, nodes=tuple(parts), backfill=backfill, from_reserve=from_reserve)
+        return Placement(job_id=j.job_id, nodes=tuple(parts), gpu_kind=pool.kind, backfill=backfill,
+                         from_reserve=from_reserve)
 
     # -- reservations -------------------------------------------------------------------------------
 
     def _never_fits(self, j: JobDemand) -> bool:
         if j.avoid_nodes:
             return self._never_fits_now(j)
-        key = (j.gpu_kind, j.gpus_per_node, j.num_nodes)
+        key = (j.gpu_kinds, j.gpus_per_node, j.num_nodes)
         if key not in self.never:  # node totals do not change during a pass
             self.never[key] = self._never_fits_now(j)
         return self.never[key]
@@ -515,7 +532,7 @@ class Pass:
         return not any(self._fits_ever(j, pool) for pool in self._pools_for(j))
 
     @staticmethod
-    def _fits_ever(j: JobDemand, pool: _Pool) -> bool:
+    def _fits_ever(j: JobDemand, pool: KindPool) -> bool:
         """Whether the nodes of ``pool`` could hold ``j`` when empty (node totals, avoided nodes)."""
         g = j.gpus_per_node
         if g > pool.maxcap:
@@ -523,27 +540,31 @@ class Pass:
         avoided = sum(1 for nid in j.avoid_nodes if nid in pool.by_id and pool.by_id[nid].total >= g)
         return pool.total_ge[g] - avoided >= j.num_nodes
 
-    def _plan(self, j: JobDemand) -> tuple[float, list[_Node]] | None:
+    def _plan(self, j: JobDemand) -> tuple[float, list[NodeState]] | None:
         """The nodes where ``j`` fits soonest (free now or released by time limits), among nodes
         no other reservation holds; its healthy nodes first if it is recovering."""
-        best: tuple[float, list[_Node]] | None = None
+        best: tuple[float, list[NodeState]] | None = None
         held = self.res_of.get(j.job_id)
         # A recovering job's healthy nodes, held since the start of the pass, fix its GPU kind.
-        pools = [self.pool_of[held.nodes[0].id]] if held is not None and held.partial else self._pools_for(j)
+        if held is not None and held.partial:
+            pools = [held.pool]
+        else:  # the kinds with room for a reservation; on a tie, the kind flexible jobs prefer
+            allowed = set(self._pools_for(j))
+            pools = [p for p in self._by_preference() if p in allowed and self._room(p, j)]
         for pool in pools:
             plan = self._plan_in(j, pool)
             if plan is not None and (best is None or plan[0] < best[0]):
                 best = plan
         return best
 
-    def _plan_in(self, j: JobDemand, pool: _Pool) -> tuple[float, list[_Node]] | None:
+    def _plan_in(self, j: JobDemand, pool: KindPool) -> tuple[float, list[NodeState]] | None:
         g, k = j.gpus_per_node, j.num_nodes
         if g > pool.maxcap:
             return None
         prefer = j.prefer_nodes if j.recovering else frozenset()
         limit = j.time_limit_s or INF
-        forced: list[tuple[float, _Node]] = []
-        others: list[tuple[float, int, str, _Node]] = []
+        forced: list[tuple[float, NodeState]] = []
+        others: list[tuple[float, int, int, NodeState]] = []
         for n in pool.nodes:
             if n.total < g or n.id in j.avoid_nodes or n.reserve:
                 continue
@@ -559,10 +580,10 @@ class Pass:
                 forced.append((t, n))
             else:
                 # Ties: sooner, then the node that frees the most without forever-running jobs.
-                others.append((t, -n.free_by(INF), n.name, n))
+                others.append((t, -n.free_by(INF), n.rank, n))
         if len(forced) + len(others) < k:
             return None
-        forced.sort(key=lambda x: (x[0], x[1].name))
+        forced.sort(key=lambda x: (x[0], x[1].rank))
         forced = forced[:k]
         need = k - len(forced)
         chosen = [n for _, n in forced]
@@ -577,8 +598,8 @@ class Pass:
         start = self._common_start(j, chosen, max(ready[n.id] for n in chosen))
         return None if start is None else (start, chosen)
 
-    def _common_start(self, j: JobDemand, nodes: list[_Node], t: float,
-                      among: set[_Res] | None = None) -> float | None:
+    def _common_start(self, j: JobDemand, nodes: list[NodeState], t: float,
+                      among: set[Hold] | None = None) -> float | None:
         """The earliest time from ``t`` at which ``j``'s reservation fits on all ``nodes`` beside
         their other reservations (those in ``among``, if given; None: never, with a known start,
         where it shares a node)."""
@@ -590,16 +611,17 @@ class Pass:
             t = min((x for n, hs in beside for x in n.times(self.now, hs) if x > t), default=INF)
         return INF if all(not hs for _, hs in beside) else None
 
-    def _establish(self, j: JobDemand, start: float, nodes: list[_Node], partial: bool = False) -> None:
-        res = _Res(j, start, [], partial)
+    def _establish(self, j: JobDemand, start: float, nodes: list[NodeState], partial: bool = False) -> None:
+        res = Hold(j, start, [], self.pool_of[nodes[0].id], partial)
         for n in nodes:
             self._attach(res, n)
         self.res_of[j.job_id] = res
         self.held_for_queue += not j.recovering
+        res.pool.held += not j.recovering
         self.starts = None
         self.res_version += 1
 
-    def _attach(self, res: _Res, n: _Node) -> None:
+    def _attach(self, res: Hold, n: NodeState) -> None:
         j = res.job
         res.nodes.append(n)
         n.holds.append(res)
@@ -608,18 +630,19 @@ class Pass:
             n.guard = max(j.gpus_per_node, self.guard_of.get(n.id, 0))
         self.pool_of[n.id].reindex(n)
 
-    def _replace(self, old: _Res, start: float, nodes: list[_Node]) -> None:
+    def _replace(self, old: Hold, start: float, nodes: list[NodeState]) -> None:
         """Move a job's hold to ``nodes``; only the nodes it leaves are offered to others."""
         self._drop(old, rehold=False)
         self._establish(old.job, start, nodes)
         if old.job.recovering and self.unserved:
             self._rehold([n for n in old.nodes if not n.holds])
 
-    def _drop(self, res: _Res | None, *, rehold: bool = True) -> None:
+    def _drop(self, res: Hold | None, *, rehold: bool = True) -> None:
         if res is None:
             return
         del self.res_of[res.job.job_id]
         self.held_for_queue -= not res.job.recovering
+        res.pool.held -= not res.job.recovering
         self.starts = None
         self.drops += 1
         for n in res.nodes:
@@ -637,22 +660,22 @@ class Pass:
         first all at their last earliest start (later ones were planned around earlier ones, and
         the other way round), then each moved to its earliest start beside all the others (earlier,
         unless what it waits for now ends later than the last pass counted on)."""
-        kept_res: list[_Res] = []
+        kept_res: list[Hold] = []
         for job_id, node_ids in self.previous.items():
             j = jobs.get(job_id)
-            if j is None or not (j.recovering or self._may_reserve_more()):
+            if j is None:
                 continue
             nodes = [self.by_id.get(nid) for nid in node_ids]
             if len(nodes) != j.num_nodes or any(
                 n is None or n.strict or (n.holds and (j.recovering and n.id in j.prefer_nodes))
                 or n.total < j.gpus_per_node or n.id in j.avoid_nodes
                 or (n.id in self.healthy and n.id not in j.prefer_nodes)
-                or (j.gpu_kind is not None and n.kind != j.gpu_kind)
+                or (j.gpu_kinds is not None and n.kind not in j.gpu_kinds)
                 for n in nodes
             ):
                 continue
             kept = [n for n in nodes if n is not None]
-            if len({n.kind for n in kept}) != 1:
+            if len({n.kind for n in kept}) != 1 or not self._room(self.pool_of[kept[0].id], j):
                 continue
             if job_id in self.previous_starts:
                 last = self.previous_starts[job_id]
@@ -680,10 +703,10 @@ class Pass:
                 self.starts = None
 
     @staticmethod
-    def _beside(j: JobDemand, n: _Node, among: set[_Res] | None) -> list[_Res]:
+    def _beside(j: JobDemand, n: NodeState, among: set[Hold] | None) -> list[Hold]:
         return [h for h in n.holds if h.job is not j and (among is None or h in among)]
 
-    def _fits_at(self, res: _Res, among: set[_Res]) -> bool:
+    def _fits_at(self, res: Hold, among: set[Hold]) -> bool:
         """Whether ``res`` can start at its start beside the reservations in ``among``."""
         g = res.share
         if res.start == INF:
@@ -693,7 +716,7 @@ class Pass:
         return all(n.fits(g, res.start, res.end, hs) if (hs := self._beside(res.job, n, among))
                    else n.free_by(res.start) >= g for n in res.nodes)
 
-    def _earliest_beside(self, j: JobDemand, nodes: list[_Node], among: set[_Res] | None = None) -> float | None:
+    def _earliest_beside(self, j: JobDemand, nodes: list[NodeState], among: set[Hold] | None = None) -> float | None:
         g, limit = j.gpus_per_node, j.time_limit_s or INF
         t = 0.0
         for n in nodes:
@@ -717,20 +740,23 @@ class Pass:
         if (not j.prefer_nodes or (held is not None and not held.partial) or self._over_quota(j)
                 or self._never_fits(j)):
             return
-        by_kind: dict[str, list[_Node]] = {}
-        for nid in sorted(j.prefer_nodes):
-            n = self.by_id.get(nid)
-            if (n is not None and not n.holds and not n.reserve and n.total >= j.gpus_per_node
-                    and nid not in j.avoid_nodes and (j.gpu_kind is None or n.kind == j.gpu_kind)):
+        by_kind: dict[str, list[NodeState]] = {}
+        for n in self._nodes(j.prefer_nodes):
+            if (not n.holds and not n.reserve and n.total >= j.gpus_per_node
+                    and n.id not in j.avoid_nodes and (j.gpu_kinds is None or n.kind in j.gpu_kinds)):
                 by_kind.setdefault(n.kind, []).append(n)
         if held is not None:
-            for n in by_kind.get(held.nodes[0].kind, [])[: j.num_nodes - len(held.nodes)]:
+            for n in by_kind.get(held.pool.kind, [])[: j.num_nodes - len(held.nodes)]:
                 self._attach(held, n)
         elif by_kind:  # a gang is of one kind: the kind most of its healthy nodes are
-            nodes = max(sorted(by_kind.items()), key=lambda kv: len(kv[1]))[1]
+            nodes = max(by_kind.items(), key=lambda kv: (len(kv[1]), -self.pools[kv[0]].rank))[1]
             self._establish(j, INF, nodes[: j.num_nodes], partial=True)
 
-    def _rehold(self, freed: list[_Node]) -> None:
+    def _nodes(self, ids: frozenset[str]) -> list[NodeState]:
+        """The nodes of these ids that take part in the pass, in rank order."""
+        return sorted((self.by_id[nid] for nid in ids if nid in self.by_id), key=lambda n: n.rank)
+
+    def _rehold(self, freed: list[NodeState]) -> None:
         """A recovering job's hold was dropped: recovering jobs not served yet that share those
         healthy nodes hold them now, before anyone else is served."""
         ids = {n.id for n in freed}
@@ -741,12 +767,12 @@ class Pass:
     def _pick_recovery_reserve(self) -> None:
         """Per GPU kind, the nodes with the most free GPUs that no reservation holds run
         recovering jobs only; they drain into whole idle nodes as their jobs end."""
-        for pool in self.pools.values():
+        for pool in self.ranked:
             want = self.opts.reserve_nodes(pool.kind)
             if not want:
                 continue
             free_nodes = sorted((n for n in pool.nodes if not n.holds and n.id not in self.healthy),
-                                key=lambda n: (-len(n.free), n.name))
+                                key=lambda n: (-len(n.free), n.rank))
             for n in free_nodes[:want]:
                 n.reserve = True
                 pool.reindex(n)
@@ -758,11 +784,11 @@ class Pass:
                 job_id=res.job.job_id,
                 earliest_start=datetime.fromtimestamp(res.start, UTC) if res.start < INF else None,
                 nodes=tuple(HeldNode(node_id=n.id, gpus=res.share,
-                                     free_at_start=n.free_by(res.start) - _need(res, n.holds) + res.share,
+                                     free_at_start=n.free_by(res.start) - hold_need(res, n.holds) + res.share,
                                      held=len(n.free) - n.general() if n.holds[0] is res else 0,
                                      strict=n.strict) for n in res.nodes),
             ))
-        for pool in self.pools.values():
+        for pool in self.ranked:
             if pool.reserve:
                 self.decision.recovery_reserve.append(ReserveHold(
                     gpu_kind=pool.kind, node_ids=tuple(n.id for n in pool.reserve),

@@ -96,6 +96,10 @@ class Loops:
                     session, timeout_s=self._settings.node_lost_timeout_s, not_before=self._not_before,
                     interval_s=self._settings.heartbeat_interval_s,  # a node told longer waits longer
                 )
+            with session_scope(self._factory) as session:
+                # After the lost nodes committed: a cancel they end, and any gang whose last release
+                # raced a node loss (attempts.finish_released), ends here.
+                ended = attempts.finish_stopped(session)
             unlaunched: list[object] = []
             if now() >= self._not_before:  # agents get the same grace to report a launch
                 with session_scope(self._factory) as session:
@@ -108,7 +112,7 @@ class Loops:
             # the agents the same grace as after a restart before calling anyone lost.
             self._not_before = now() + timedelta(seconds=self._settings.startup_grace_s)
             raise
-        if lost or unlaunched:
+        if lost or unlaunched or ended:
             self.wake_scheduler()
         return len(lost)
 

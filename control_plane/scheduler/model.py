@@ -13,6 +13,8 @@ from typing import Literal
 INF = float("inf")
 Mode = Literal["fair", "fifo", "greedy"]
 MODES: tuple[Mode, ...] = ("fair", "fifo", "greedy")
+PlacementRule = Literal["scored", "first-fit"]
+PLACEMENT_RULES: tuple[PlacementRule, ...] = ("scored", "first-fit")
 
 # Why a job still waits after a pass (Decision.waiting).
 WAIT_QUOTA = "quota"
@@ -62,7 +64,8 @@ class JobDemand:
     priority: int = 0
     submitted_at: datetime
     recovering: bool = False
-    gpu_kind: str | None = None
+    gpu_kinds: frozenset[str] | None = None
+    """The GPU kinds it accepts (None: any); a gang runs on one kind."""
     avoid_nodes: frozenset[str] = frozenset()
     """Nodes this job must not use (each failed it twice)."""
     prefer_nodes: frozenset[str] = frozenset()
@@ -104,17 +107,25 @@ class PolicyOptions:
     compares against: fifo stops at the first job that does not fit (head-of-line blocking),
     greedy skips it (first fit, no reservations: large jobs can starve)."""
     max_reservations: int = 4
-    """Blocked jobs that hold a reservation at once (recovering jobs hold one regardless)."""
+    """Blocked jobs that hold a reservation at once on the nodes of one GPU kind (recovering jobs
+    hold one regardless)."""
     topology_label: str | None = "rack"
     """Node label whose value names a topology domain; a gang is kept inside one if it can be."""
     recovery_reserve: Mapping[str, int] = field(default_factory=dict)
     """GPU kind -> nodes kept for recovering jobs only."""
     recovery_reserve_default: int = 0
     """Nodes kept for recovering jobs for every GPU kind not named in ``recovery_reserve``."""
+    placement: PlacementRule = "scored"
+    """scored: a job that may use several kinds goes to the kind with the most free capacity
+    relative to the demand that may use it, and to the nodes where it destroys the least capacity
+    the waiting shapes need. first-fit: the first kind (most free GPUs at the start of the pass)
+    and the fullest nodes where it fits; the baselines of bench/scheduler.py use it."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
+        if self.placement not in PLACEMENT_RULES:
+            raise ValueError(f"placement must be one of {PLACEMENT_RULES}")
         if self.max_reservations < 0 or self.recovery_reserve_default < 0:
             raise ValueError("max_reservations and recovery_reserve_default must be >= 0")
         if any(v < 0 for v in self.recovery_reserve.values()):
@@ -130,6 +141,8 @@ class Placement:
 
     job_id: str
     nodes: tuple[tuple[str, tuple[int, ...]], ...]
+    gpu_kind: str = ""
+    """The GPU kind of its nodes."""
     backfill: bool = False
     """It uses GPUs a reservation holds, and its time limit ends before the earliest start."""
     from_reserve: bool = False

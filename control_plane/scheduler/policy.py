@@ -7,14 +7,18 @@ the decision in one transaction. docs/architecture.md ("Scheduling policy") is t
 - Order of service: recovering jobs (by priority and submit time), then priority, then the tenant's
   weighted share of GPUs in use (lowest first, updated as the pass admits jobs), then submit time.
 - A job is admitted only as a whole gang that fits now and keeps its tenant within its quota.
-- The first ``max_reservations`` blocked jobs (recovering jobs always) get a reservation: the nodes
-  where they fit soonest given the running jobs' time limits. Reservations share nodes: each holds
-  its share from its earliest start for its job's time limit, and a later one is planned around
-  the earlier ones (a small reservation does not keep a gang from reserving). A reservation is kept
-  from pass to pass on the same nodes (its earliest start only moves earlier, unless what it waits
-  for is released later than counted on) until its job starts. Other jobs
-  use a reserved node's free GPUs only as backfill that ends before the earliest start, or beyond
-  what the reservation needs at that time.
+- Placement is a function of capacities and demand, never of names or input order: a job that may
+  use several GPU kinds goes to the kind with the most free capacity relative to the demand that
+  may use it, then to the nodes where it destroys the least capacity the waiting shapes need (a
+  small job fills a partly used node before it breaks a whole one); ties go by canonical ranks.
+- The first ``max_reservations`` blocked jobs per GPU kind (recovering jobs always) get a
+  reservation: the nodes where they fit soonest given the running jobs' time limits.
+  Reservations share nodes: each holds its share from its earliest start for its job's time
+  limit, and a later one is planned around the earlier ones (a small reservation does not keep a
+  gang from reserving). A reservation is kept from pass to pass on the same nodes (its earliest
+  start only moves earlier, unless what it waits for is released later than counted on) until its
+  job starts. Other jobs use a reserved node's free GPUs only as backfill that ends before the
+  earliest start, or beyond what the reservation needs at that time.
 - A recovering job's healthy nodes (``prefer_nodes``) are held strictly: not even backfill.
 - ``recovery_reserve`` nodes (per GPU kind) run recovering jobs only.
 - Nothing running is ever touched: the policy only places waiting work.
@@ -33,6 +37,7 @@ from control_plane.scheduler.model import (
     DEFAULT_TENANT,
     INF,
     MODES,
+    PLACEMENT_RULES,
     WAIT_BEHIND,
     WAIT_CAPACITY,
     WAIT_NEVER,
@@ -44,6 +49,7 @@ from control_plane.scheduler.model import (
     Mode,
     NodeCapacity,
     Placement,
+    PlacementRule,
     PolicyOptions,
     Reservation,
     ReserveHold,
@@ -52,9 +58,9 @@ from control_plane.scheduler.model import (
 )
 
 __all__ = [
-    "DEFAULT_TENANT", "INF", "MODES", "WAIT_BEHIND", "WAIT_CAPACITY", "WAIT_NEVER", "WAIT_QUOTA", "WAIT_RESERVED",
-    "Decision", "HeldNode", "JobDemand", "Mode", "NodeCapacity", "Placement", "PolicyOptions", "Reservation",
-    "ReserveHold", "Running", "TenantShare", "decide", "place", "queue_order",
+    "DEFAULT_TENANT", "INF", "MODES", "PLACEMENT_RULES", "WAIT_BEHIND", "WAIT_CAPACITY", "WAIT_NEVER", "WAIT_QUOTA",
+    "WAIT_RESERVED", "Decision", "HeldNode", "JobDemand", "Mode", "NodeCapacity", "Placement", "PlacementRule",
+    "PolicyOptions", "Reservation", "ReserveHold", "Running", "TenantShare", "decide", "place", "queue_order",
 ]
 
 def queue_order(jobs: Iterable[JobDemand], tenants: Mapping[str, TenantShare] | None = None) -> list[JobDemand]:

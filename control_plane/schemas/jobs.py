@@ -13,16 +13,13 @@ from control_plane.schemas.plans import JobModelIn, JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.tenants import TENANT_NAME
 from control_plane.schemas.uploads import CheckpointUploadOut
+from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
 from trainyard.protocol.layout import APPLIED_KINDS, Layout
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-MAX_ENV_BYTES = 32 * 1024
+MAX_ENV_BYTES = MAX_JOB_ENV_BYTES
 MAX_ARGS = 1000
 MAX_ARG_CHARS = 32 * 1024
 MAX_ARGS_BYTES = 64 * 1024
-RESERVED_ENV_PREFIXES = ("TRAINYARD_",)
-RESERVED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "CUDA_VISIBLE_DEVICES", "GROUP_RANK", "ROLE_RANK"}
 
 JOB_STATES = ("queued", "starting", "running", "recovering", "succeeded", "failed", "cancelling",
               "cancelled")
@@ -36,6 +33,10 @@ SUBMIT_EXAMPLE: dict[str, Any] = {
     "checkpoint": {"interval_steps": 50},
     "max_failures": 3,
 }
+
+
+GpuKindName = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_LINE)]
+MAX_GPU_KINDS = 16
 
 
 class CheckpointSettings(BaseModel):
@@ -65,7 +66,14 @@ class JobSubmit(BaseModel):
         default_factory=list, max_length=MAX_ARGS,
         description=f"Arguments of the entrypoint: at most {MAX_ARGS}, each at most {MAX_ARG_CHARS} characters, "
         f"{MAX_ARGS_BYTES} bytes in all, no NUL.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the workers.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment of the training processes (not of torchrun). Refused: TRAINYARD_*, "
+        "PET_*, TORCHELASTIC_*, torchrun's rank variables, the GPU selection, HOME, TMPDIR, USER, LOGNAME, "
+        "PATH, LD_PRELOAD, LD_AUDIT, PYTHONHOME. PYTHONPATH is appended to the platform's. At most "
+        f"{MAX_ENV_BYTES} bytes (NAME=value and a NUL each), or the server's max_env_bytes if lower.",
+        json_schema_extra={"maxProperties": MAX_ENV_BYTES // 3},
+    )
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     max_failures: int = Field(
         default=3, ge=0, le=1000, description="Failed attempts tolerated; one more fails the job."
@@ -76,14 +84,31 @@ class JobSubmit(BaseModel):
         default=None, min_length=1, max_length=128, pattern=TENANT_NAME,
         description="Default: the caller's tenant. Only an admin may name another (403 otherwise).")
     time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400)
-    gpu_kind: str | None = Field(default=None, min_length=1, max_length=128, pattern=TEXT_LINE,
-                                 description="Require this GPU model.")
+    gpu_kind: GpuKindName | Annotated[list[GpuKindName], Field(min_length=1, max_length=MAX_GPU_KINDS)] | None = Field(
+        default=None,
+        description="Require this GPU kind, or one of a list of kinds (the whole gang runs on one of them). "
+        "Without it the job may run on any kind.",
+    )
     model: JobModelIn | None = Field(default=None, description=(
         "What the job trains: the job is planned at submit (docs/planner.md), refused (422, with the numbers) "
         "when its layout does not fit in GPU memory, and warned about (an event) when fewer GPUs would do "
         "better. The plan is shown with the job."))
     layout: Layout | None = Field(default=None, description=(
         "The parallel layout the workers apply (TRAINYARD_LAYOUT); default: DDP without accumulation."))
+
+    @field_validator("gpu_kind")
+    @classmethod
+    def _gpu_kind(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list):
+            v = list(dict.fromkeys(v))  # the same kind twice says nothing more
+            return v[0] if len(v) == 1 else v
+        return v
+
+    def gpu_kinds(self) -> list[str] | None:
+        """The accepted kinds as a list (None: any)."""
+        if self.gpu_kind is None:
+            return None
+        return [self.gpu_kind] if isinstance(self.gpu_kind, str) else list(self.gpu_kind)
 
     @field_validator("layout")
     @classmethod
@@ -133,15 +158,11 @@ class JobSubmit(BaseModel):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        size = 0
         for key, value in v.items():
-            if not ENV_NAME.match(key):
-                raise ValueError(f"env name {key!r} is not a valid variable name")
-            if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIXES):
-                raise ValueError(f"env name {key!r} is set by Trainyard and cannot be overridden")
-            if "\0" in value:
-                raise ValueError(f"env value of {key!r} contains a NUL byte")
-            size += len(key.encode()) + len(value.encode()) + 2
+            problem = job_env_problem(key, value)
+            if problem is not None:
+                raise ValueError(problem)
+        size = job_env_bytes(v)
         if size > MAX_ENV_BYTES:
             raise ValueError(f"env is {size} bytes; at most {MAX_ENV_BYTES} are allowed")
         return v
@@ -206,7 +227,11 @@ class JobOut(BaseModel):
     max_failures: int
     failures: int
     time_limit_s: int | None
-    gpu_kind: str | None
+    gpu_kind: str | list[str] | None = Field(description="The GPU kind the job requires, or the list of kinds it "
+                                             "accepts; null: any.")
+    allocated_gpu_kind: str | None = Field(
+        default=None, description="The GPU kind its current (or last) attempt got: a gang runs on one kind."
+    )
     model: dict[str, Any] | None = Field(default=None, description="The model block the job was submitted with.")
     layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
     plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")

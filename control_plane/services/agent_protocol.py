@@ -13,8 +13,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
-from control_plane.models import Attempt, AttemptNode, Node
-from control_plane.services import attempts, checkpoints, nodes
+from control_plane.models import Node
+from control_plane.services import attempts, checkpoints, nodes, specs
 from control_plane.settings import Settings
 from trainyard.protocol.agent import (
     AssignmentRef,
@@ -64,11 +64,13 @@ def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
                            settings: Settings) -> HeartbeatAnswer:
     """Record a heartbeat and answer with the node's desired attempts.
 
-    When the heartbeat released GPUs (perhaps the last ones a recovering job waits for), a
-    scheduling pass runs now, in its own transaction, and the answer carries its result rather
-    than leaving it to the next heartbeat: that is a heartbeat interval off every recovery."""
-    released_before, ended_before = _released(session), _ended(session)
-    specs = nodes.heartbeat(session, node, req, storage)
+    When the heartbeat released the last GPUs of a gang (perhaps the last ones a recovering job
+    waits for), a scheduling pass runs now, in its own transaction, and the answer carries its
+    result rather than leaving it to the next heartbeat: that is a heartbeat interval off every
+    recovery."""
+    released_before, ended_before = _released(session), attempts.ended_count(session)
+    node = nodes.heartbeat(session, node, req)
+    full, unchanged = specs.answer(session, node.id, req.known, storage)
     interval = nodes.tell_interval(session, node, settings)
     state = node.state
     released = _released(session) != released_before
@@ -77,36 +79,59 @@ def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
         # crash loses nothing the next heartbeat does not say again, so don't wait for the WAL flush.
         # At 1 heartbeat/s per node that flush was half of a heartbeat's cost (bench/scale.py).
         session.execute(text("SET LOCAL synchronous_commit = off"))
-    ended = _ended(session) != ended_before
     session.commit()
-    if ended and wakeups.schedule_now():
-        specs = nodes.assignments(session, node, storage)
+    if _after_release(session, wakeups, ended_before):
+        full, unchanged = specs.answer(session, node.id, req.known, storage)
         session.commit()
-    elif released:
-        # One node of a larger gang gave its GPUs back: the scheduler loop places what now fits
-        # (one pass for many such heartbeats). A pass in every releasing heartbeat's thread made
-        # the 128 heartbeats of a 1,024-rank recovery queue behind each other's passes (bench/scale.py).
-        wakeups.wake_scheduler()
-    full, unchanged = nodes.for_agent(specs, req.known)
     return HeartbeatAnswer(node_state=state, assignments=full, unchanged=unchanged, heartbeat_interval_s=interval)
 
 
+def _after_release(session: Session, wakeups: Wakeups, ended_before: int) -> bool:
+    """After the transactions of a message committed: end the gangs its releases completed
+    (attempts.finish_released) and schedule. A gang that ended (here or in the message's own
+    transactions: more than ``ended_before``) frees its GPUs at once, so a pass runs now, in this
+    thread (True: it placed something). One node of a larger gang giving its GPUs back only wakes
+    the scheduler loop (one pass for many such releases): a pass in every releasing thread made the
+    128 releases of a 1,024-rank recovery queue behind each other's passes (bench/scale.py)."""
+    released = attempts.released_attempts(session)
+    if released:
+        attempts.finish_released(session, released)
+        session.commit()
+    if attempts.ended_count(session) > ended_before:
+        return wakeups.schedule_now()
+    if released:
+        wakeups.wake_scheduler()
+    return False
+
+
 def _released(session: Session) -> int:
-    return int(session.info.get("released", 0))  # counted by attempts.release_part
+    return int(session.info.get("released", 0))  # counted by attempts.release_parts
 
 
-def _ended(session: Session) -> int:
-    return int(session.info.get("attempts_ended", 0))  # counted by attempts.finish_if_released
+@dataclass(frozen=True)
+class StatusAnswer:
+    attempt_state: str
+    stop: bool
+    released: bool
 
 
-def report_status(session: Session, node: Node, attempt_id: uuid.UUID,
-                  report: AttemptStatusReport) -> tuple[Attempt, AttemptNode]:
-    """Merge an attempt status report (services/attempts.py apply_status) and commit it."""
+def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport,
+                  wakeups: Wakeups) -> StatusAnswer:
+    """Merge an attempt status report (attempts.apply_status, which shares the job and the attempt
+    with the other nodes' reports) and commit it; then, if it may have decided something, settle
+    the attempt under its exclusive locks (attempts.settle) and commit that. A final report that
+    released the last GPUs of a gang schedules at once, as a heartbeat would."""
     if report.state in (NodeAttemptState.exited, NodeAttemptState.stopped):
         failpoints.hit("agent.final_status")  # a slow final status (fault tests)
-    attempt, part = attempts.apply_status(session, node, attempt_id, report)
+    ended_before = attempts.ended_count(session)
+    merged = attempts.apply_status(session, node, attempt_id, report)
     session.commit()
-    return attempt, part
+    attempt = merged.attempt
+    if merged.settle:
+        attempt = attempts.settle(session, attempt_id, report.result) or attempt
+        session.commit()
+    _after_release(session, wakeups, ended_before)
+    return StatusAnswer(attempt_state=attempt.state, stop=merged.part.desired == "stop", released=merged.released)
 
 
 def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport,
@@ -117,15 +142,22 @@ def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
     report whose own checkpoint is committed (by this request or another replica)."""
     arrived = checkpoints.record_shards(session, node, attempt_id, report)
     session.commit()
-    # Counted after the commit, in its own transaction: of two reports completing a step at once,
-    # the later one sees both (checkpoints.count_arrivals).
-    ready = checkpoints.count_arrivals(factory, arrived)
-    if store is not None:
+    # Counted after the commit, in a transaction of its own: of two reports completing a step at
+    # once, the later one sees both (checkpoints.count_arrivals). The 128 reports of a 1,024-shard
+    # step all increment one row, so the increment comes last and its commit does not wait for the
+    # WAL flush: the row is locked for one round trip. A crash that loses an increment leaves the
+    # counter short, and the maintenance pass, which counts the shard rows, commits the step.
+    steps = {s.step for s in report.shards}
+    committed = checkpoints.committed_steps(session, attempt_id, steps)
+    session.execute(text("SET LOCAL synchronous_commit = off"))
+    ready = checkpoints.count_arrivals(session, arrived)
+    session.commit()
+    if ready and store is not None:
         for checkpoint_id in ready:
             checkpoints.commit_ready(factory, store, checkpoint_id)
-    steps = checkpoints.committed_steps(session, attempt_id, {s.step for s in report.shards})
-    session.commit()
-    return steps
+        committed = checkpoints.committed_steps(session, attempt_id, steps)
+        session.commit()
+    return committed
 
 
 def report_events(session: Session, node: Node, attempt_id: uuid.UUID, batch: WorkerEventBatch) -> int:

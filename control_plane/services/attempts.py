@@ -12,23 +12,25 @@ from __future__ import annotations
 import math
 import secrets
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, Protocol
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import and_, func, insert, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from control_plane import wakeups
 from control_plane.clock import now
-from control_plane.db import reload, rowcount
+from control_plane.db import reload
 from control_plane.errors import Forbidden
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
-from control_plane.services import events
+from control_plane.services import events, progress, specs
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
+from control_plane.services.locks import attempt_order, lock_part, lock_parts
 from control_plane.services.states import (
-    ATTEMPT_LIVE,
     JOB_ACTIVE,
     JOB_TERMINAL,
     NODE_UNREACHABLE,
@@ -88,10 +90,10 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
         )
     }
     node_ids = {node.id for _, placement, _ in allocations for node, _ in placement}
-    gpu_ids = {
-        (node_id, index): gpu_id
-        for gpu_id, node_id, index in session.execute(
-            select(Gpu.id, Gpu.node_id, Gpu.index).where(Gpu.node_id.in_(node_ids))
+    gpus = {
+        (node_id, index): (gpu_id, kind)
+        for gpu_id, node_id, index, kind in session.execute(
+            select(Gpu.id, Gpu.node_id, Gpu.index, Gpu.kind).where(Gpu.node_id.in_(node_ids))
         )
     }
     t = now()
@@ -104,17 +106,20 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
         attempt_rows.append({
             "id": attempt_id, "job_id": job.id, "number": (earlier or 0) + 1,
             "fencing_token": secrets.token_hex(24), "state": "starting", "num_gpus": job.num_gpus,
+            "gpu_kind": gpus[(placement[0][0].id, placement[0][1][0])][1],  # a gang is of one kind
             "rdzv_host": placement[0][0].address, "rdzv_port": port, "created_at": t,
             # Only a job that ran before can have checkpoints to restore from.
             "restore_manifest": restore_plan(session, job) if earlier else None,
         })
         for node_rank, (node, indices) in enumerate(placement):
-            part_rows.append({
-                "id": uuid.uuid4(), "attempt_id": attempt_id, "node_id": node.id, "node_rank": node_rank,
-                "gpu_indices": list(indices), "desired": "run", "state": "assigned",
-            })
+            part = {"id": uuid.uuid4(), "attempt_id": attempt_id, "node_id": node.id, "node_rank": node_rank,
+                    "gpu_indices": list(indices), "desired": "run", "state": "assigned"}
+            # Its spec never changes from now on: versioned once (services/specs.py).
+            part["spec_version"] = specs.launch_spec(job, SimpleNamespace(**attempt_rows[-1]),
+                                                     SimpleNamespace(**part), None).version
+            part_rows.append(part)
             lease_rows += [
-                {"id": uuid.uuid4(), "gpu_id": gpu_ids[(node.id, index)], "node_id": node.id,
+                {"id": uuid.uuid4(), "gpu_id": gpus[(node.id, index)][0], "node_id": node.id,
                  "attempt_id": attempt_id, "job_id": job.id, "created_at": t}
                 for index in indices
             ]
@@ -240,36 +245,99 @@ def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> 
     return failed
 
 
-def release_part(session: Session, part: AttemptNode) -> None:
-    """A node confirmed its processes of this attempt are gone: release its leases."""
-    locked = lock_attempt(session, part.attempt_id)
-    assert locked is not None
-    job, attempt = locked
-    part = reload(session, select(AttemptNode).where(AttemptNode.id == part.id).with_for_update(key_share=True)).one()
-    if part.released_at is not None:
-        return
+def release_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> set[uuid.UUID]:
+    """Nodes confirmed the processes of these parts gone: release their leases. Returns the attempts
+    of the parts released now (a part already released is skipped).
+
+    Locks only the parts (after the caller's node, or job and attempt), not their jobs or attempts:
+    a release changes neither, so the 128 releases of a stopped 1,024-rank gang do not queue on its
+    job row. Whether the release completed the gang is decided after the caller commits, by
+    ``finish_released``: counting held parts here could not see releases other transactions have not
+    committed yet, so two last releases could each conclude the other was still held."""
+    parts = [p for p in lock_parts(session, part_ids) if p.released_at is None]
+    if not parts:
+        return set()
+    attempt_ids = {p.attempt_id for p in parts}
+    job_of = dict(session.execute(select(Attempt.id, Attempt.job_id).where(Attempt.id.in_(attempt_ids))).all())
     t = now()
-    part.released_at = t
-    advance_part(session, part, "gone", job_id=attempt.job_id)
-    session.info["released"] = session.info.get("released", 0) + 1  # lets the caller wake the scheduler
-    released = rowcount(session.execute(
+    released = dict.fromkeys(((p.attempt_id, p.node_id) for p in parts), 0)
+    for attempt_id, node_id in session.execute(
         update(GpuLease)
-        .where(
-            GpuLease.attempt_id == part.attempt_id,
-            GpuLease.node_id == part.node_id,
-            GpuLease.released_at.is_(None),
-        )
+        .where(GpuLease.released_at.is_(None),
+               tuple_(GpuLease.attempt_id, GpuLease.node_id).in_(list(released)))
         .values(released_at=t)
-    ))
-    events.record(
-        session,
-        "leases.released",
-        f"node rank {part.node_rank} stopped; {released} GPU leases released",
-        job_id=attempt.job_id,
-        attempt_id=attempt.id,
-        node_id=part.node_id,
-    )
-    finish_if_released(session, job, attempt)
+        .returning(GpuLease.attempt_id, GpuLease.node_id)
+    ).all():
+        released[(attempt_id, node_id)] += 1
+    for part in parts:
+        part.released_at = t
+        advance_part(session, part, "gone", job_id=job_of[part.attempt_id])
+        events.record(
+            session,
+            "leases.released",
+            f"node rank {part.node_rank} stopped; {released[(part.attempt_id, part.node_id)]} GPU leases released",
+            job_id=job_of[part.attempt_id],
+            attempt_id=part.attempt_id,
+            node_id=part.node_id,
+        )
+    session.info["released"] = session.info.get("released", 0) + len(parts)  # lets the caller wake the scheduler
+    session.info.setdefault(RELEASED_ATTEMPTS, set()).update(attempt_ids)
+    return attempt_ids
+
+
+RELEASED_ATTEMPTS = "released_attempts"
+"""session.info key: the attempts whose parts this transaction released (``finish_released`` after it)."""
+
+
+def ended_count(session: Session) -> int:
+    """How many attempts the session ended so far (finish_if_released counts them)."""
+    return int(session.info.get("attempts_ended", 0))
+
+
+def released_attempts(session: Session) -> set[uuid.UUID]:
+    """The attempts whose parts the session released since this was last called."""
+    ids: set[uuid.UUID] = session.info.pop(RELEASED_ATTEMPTS, set())
+    return ids
+
+
+def finish_released(session: Session, attempt_ids: Iterable[uuid.UUID]) -> int:
+    """After a transaction that released parts (or lost nodes) committed: end each attempt whose
+    every part is released now and finish a cancelling job (finish_if_released), under the job and
+    attempt locks; returns how many attempts ended. Part of the caller's transaction.
+
+    An unlocked count comes first, so that only the release that completed the gang (and the
+    releases of a cancelling job) take the job lock: it reads what committed before it, so of two
+    releases that complete the gang at once, the later one sees both. Should the last one still
+    miss (a node declared lost at the same moment), the monitor loop's sweep (``finish_stopped``)
+    ends the attempt within a period."""
+    ended_before = ended_count(session)
+    for attempt_id in attempt_order(session, attempt_ids):
+        row = session.execute(
+            select(Attempt.outcome, Attempt.state, Job.state.label("job_state"))
+            .join(Job, Job.id == Attempt.job_id).where(Attempt.id == attempt_id)
+        ).one_or_none()
+        if row is None or row.outcome is None or row.state == "ended":
+            continue
+        if row.job_state != "cancelling" and session.scalar(select(func.count()).select_from(AttemptNode).where(
+                AttemptNode.attempt_id == attempt_id, AttemptNode.released_at.is_(None))):
+            continue
+        locked = lock_attempt(session, attempt_id)
+        if locked is not None:
+            finish_if_released(session, *locked)
+    return ended_count(session) - ended_before
+
+
+def finish_stopped(session: Session, *, batch: int = 200) -> int:
+    """The monitor loop's sweep: finish every stopping attempt whose gang is released (or whose job
+    is cancelling) that no release finished: the release completing a gang races a node declared
+    lost, or the process died between its two transactions. Returns how many attempts ended."""
+    holding = select(AttemptNode.id).where(AttemptNode.attempt_id == Attempt.id, AttemptNode.released_at.is_(None))
+    ids = session.scalars(
+        select(Attempt.id).join(Job, Job.id == Attempt.job_id)
+        .where(Attempt.state == "stopping", or_(Job.state == "cancelling", ~holding.exists()))
+        .order_by(Attempt.id).limit(batch)
+    ).all()
+    return finish_released(session, ids)
 
 
 def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
@@ -279,12 +347,14 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
     or on a lost (or removed) node. That node's leases stay held, shown in the node view, until it
     returns and confirms or an operator removes it; only then does the attempt end.
 
-    The caller holds the job and attempt locks (lock_attempt), so a release that committed before
-    is seen here: two nodes releasing at once cannot both conclude that the other has not."""
+    The caller holds the job and attempt locks (lock_attempt). It sees the releases committed
+    before it: finish_released calls it after the releasing transaction committed; a caller that
+    acts on something else (a node lost, a cancel) may miss a release committing at the same time,
+    which the monitor's sweep (finish_stopped) then finishes."""
     if attempt.outcome is None:
         return
     session.flush()
-    # A count, not the parts: each of a 128-node gang's releases runs this under the job lock.
+    # A count, not the parts: most calls find the gang still held.
     holding = session.scalar(select(func.count()).select_from(AttemptNode).where(
         AttemptNode.attempt_id == attempt.id, AttemptNode.released_at.is_(None)))
     if holding and job.state != "cancelling":
@@ -318,11 +388,35 @@ def progress_metrics(metrics: Mapping[str, float]) -> dict[str, float] | None:
     return {name: float(value) for name, value in sorted(metrics.items()) if math.isfinite(value)} or None
 
 
+@dataclass(frozen=True)
+class StatusMerged:
+    """What merging one status report did (phase 1), and whether phase 2 may have to decide."""
+
+    attempt: Attempt
+    part: AttemptNode
+    released: bool
+    """The report said no process is left, and the part's GPUs were released with it."""
+    settle: bool
+    """Phase 2 (``settle``) may have something to decide once this report committed."""
+
+
 def apply_status(
     session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport
-) -> tuple[Attempt, AttemptNode]:
-    """Merge a node's level-triggered status report into the attempt; decide its outcome."""
-    job, attempt, part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank)
+) -> StatusMerged:
+    """Phase 1 of a level-triggered status report: merge it into the node's own part, its workers
+    and its progress, under shared job and attempt locks (fencing holds, as for shard reports) and
+    the part's own lock. It writes no row of the job or the attempt, so the reports of a job's 128
+    nodes do not wait for each other. A final report that says no process is left releases the
+    part's GPUs now (the node confirmed it, as its heartbeat would a period later).
+
+    Whatever the report may change of the attempt or the job (a failure, every worker running,
+    every node exited 0, the result, the release that completes the gang) is decided by ``settle``
+    once this transaction committed, under the exclusive locks: it reads what every report
+    committed before it, so of two reports that complete a condition at once, the later one sees
+    both."""
+    job, attempt, part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank,
+                                          exclusive=False)
+    part = lock_part(session, part.id)
     t = now()
     part.reported_at = t
     if advance_part(session, part, report.state.value, job_id=job.id) and report.exit_code is not None:
@@ -330,28 +424,55 @@ def apply_status(
     if report.error and not part.error:
         part.error = report.error
     _merge_workers(session, attempt, part, report)
-    # Progress only moves forward within an attempt; the job shows its current attempt's, which
-    # after a recovery starts again from the restored step.
-    if report.progress is not None and (attempt.progress_step is None or report.progress.step >= attempt.progress_step):
-        attempt.progress_step = report.progress.step
-        job.progress_step = report.progress.step
-        job.progress_loss = report.progress.loss
-        job.progress_at = report.progress.at
-        attempt.progress_metrics = progress_metrics(report.progress.metrics)
-        if attempt.first_progress_at is None:
-            attempt.first_progress_at = t
+    # Progress only moves forward within a part; the views take the furthest part (services/progress.py).
+    if report.progress is not None and (part.progress_step is None or report.progress.step >= part.progress_step):
+        part.progress_step = report.progress.step
+        part.progress_loss = report.progress.loss
+        part.progress_at = report.progress.at
+        part.progress_metrics = progress_metrics(report.progress.metrics)
+        if part.first_progress_at is None:
+            part.first_progress_at = t
+    released = False
+    if report.processes_alive is False and part.state in PART_DONE and part.released_at is None:
+        released = bool(release_parts(session, [part.id]))
+    elif part.released_at is not None:
+        released = True
     # Global rank 0 reports the result. The agent pins torchrun's node order (node_agent/launcher.py)
     # so it runs on node rank 0, but another launcher may put it elsewhere: the part that holds
-    # worker rank 0 (as reported, checked by _merge_workers) is the one.
-    if report.result is not None and job.result is None:
-        if not _holds_rank_zero(session, part):
-            raise Forbidden(f"node rank {part.node_rank} does not run global rank 0: only that node reports the "
-                            "job's result")
-        job.result = report.result
+    # worker rank 0 (as reported, checked by _merge_workers) is the one. settle publishes it.
+    if report.result is not None and job.result is None and not _holds_rank_zero(session, part):
+        raise Forbidden(f"node rank {part.node_rank} does not run global rank 0: only that node reports the "
+                        "job's result")
     session.flush()
+    settle = (report.result is not None and job.result is None) or (attempt.outcome is None and (
+        report.state.value in PART_DONE or part.error is not None
+        or any(w.exit_code not in (0, None) for w in report.workers)
+        or (attempt.state == "starting" and part.state == "running")))
+    return StatusMerged(attempt=attempt, part=part, released=released, settle=settle)
+
+
+def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | None = None) -> Attempt | None:
+    """Phase 2 of a status report, after phase 1 committed: decide what the attempt's committed
+    reports together say (``_verdict``), publish the job's result, end a released gang. An
+    unlocked read first; the job and attempt locks only when there is something to do, and the
+    verdict is taken again under them. Part of the caller's transaction; returns the attempt."""
+    attempt = session.get(Attempt, attempt_id, populate_existing=True)
+    if attempt is None:
+        return None
+    publish = result is not None and session.scalar(select(Job.result).where(Job.id == attempt.job_id)) is None
+    if not publish and (attempt.outcome is not None or _verdict(session, attempt) is None):
+        return attempt  # a release is finished by finish_released, after the caller commits
+    locked = lock_attempt(session, attempt_id)
+    if locked is None:
+        return attempt
+    job, attempt = locked
+    # Only the part holding global rank 0 got here with a result (apply_status checked it).
+    if result is not None and job.result is None:
+        job.result = result
     if attempt.outcome is None:
         _decide(session, job, attempt)
-    return attempt, part
+    finish_if_released(session, job, attempt)
+    return attempt
 
 
 def _holds_rank_zero(session: Session, part: AttemptNode) -> bool:
@@ -390,56 +511,76 @@ def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report
                 w.ended_at = ws.ended_at or now()
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    """What an undecided attempt's committed reports say together."""
+
+    failure: tuple[str, uuid.UUID] | None
+    """The reason and the node to blame, when a worker or a node failed."""
+    all_running: bool
+    """A starting attempt whose every worker runs (or ran)."""
+    succeeded: bool
+    """Every node exited with code 0."""
+
+
+def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
+    """Aggregates over the attempt's parts and workers (not every row: a 1,024-rank attempt has 1,024
+    workers); None when there is nothing to decide."""
+    first = session.execute(
+        select(Worker.rank, Worker.exit_code, AttemptNode.node_id)
+        .join(AttemptNode, AttemptNode.id == Worker.attempt_node_id)
+        .where(Worker.attempt_id == attempt.id, Worker.state == "exited", Worker.exit_code.is_not(None),
+               Worker.exit_code != 0)
+        .order_by(Worker.ended_at.asc().nulls_last(), Worker.rank).limit(1)
+    ).one_or_none()
+    if first is not None:
+        name = session.scalar(select(Node.name).where(Node.id == first.node_id))
+        return _Verdict((f"rank {first.rank} on {name} exited with code {first.exit_code}", first.node_id),
+                        False, False)
+    bad = session.execute(
+        select(AttemptNode.node_rank, AttemptNode.node_id, AttemptNode.error, AttemptNode.exit_code)
+        .where(AttemptNode.attempt_id == attempt.id,
+               or_(AttemptNode.error.is_not(None),
+                   and_(AttemptNode.state.in_(PART_DONE), AttemptNode.exit_code.is_not(None),
+                        AttemptNode.exit_code != 0)))
+        .order_by(AttemptNode.node_rank).limit(1)
+    ).one_or_none()
+    if bad is not None:
+        name = session.scalar(select(Node.name).where(Node.id == bad.node_id))
+        detail = bad.error or f"torchrun exited with code {bad.exit_code}"
+        return _Verdict((f"node rank {bad.node_rank} on {name}: {detail}", bad.node_id), False, False)
+    all_running = attempt.state == "starting" and (session.scalar(
+        select(func.count()).select_from(Worker)
+        .where(Worker.attempt_id == attempt.id, Worker.state.in_(("running", "exited")))) or 0) >= attempt.num_gpus
+    # A node part may already be "gone" (released) when the last node's exit report arrives.
+    unfinished = session.scalar(
+        select(func.count()).select_from(AttemptNode)
+        .where(AttemptNode.attempt_id == attempt.id,
+               or_(AttemptNode.state.not_in(("exited", "gone")), AttemptNode.exit_code.is_(None),
+                   AttemptNode.exit_code != 0)))
+    if not all_running and unfinished:
+        return None
+    return _Verdict(None, all_running, not unfinished)
+
+
 def _decide(session: Session, job: Job, attempt: Attempt) -> None:
-    parts = session.scalars(
-        select(AttemptNode).where(AttemptNode.attempt_id == attempt.id).order_by(AttemptNode.node_rank)
-    ).all()
-    workers = session.scalars(select(Worker).where(Worker.attempt_id == attempt.id)).all()
-    names = {n.id: n.name for n in session.scalars(select(Node).where(Node.id.in_([p.node_id for p in parts])))}
-    rank_node = {p.id: p for p in parts}
-    failed = [w for w in workers if w.state == "exited" and w.exit_code not in (0, None)]
-    if failed:
-        first = min(failed, key=lambda w: (w.ended_at or now(), w.rank))
-        part = rank_node[first.attempt_node_id]
-        fail_attempt(
-            session,
-            job,
-            attempt,
-            f"rank {first.rank} on {names[part.node_id]} exited with code {first.exit_code}",
-            node_id=part.node_id,
-        )
+    """Apply the verdict; the caller holds the job and attempt locks."""
+    verdict = _verdict(session, attempt)
+    if verdict is None:
         return
-    for p in parts:
-        if p.error or (p.state in PART_DONE and p.exit_code not in (0, None)):
-            detail = p.error or f"torchrun exited with code {p.exit_code}"
-            fail_attempt(session, job, attempt, f"node rank {p.node_rank} on {names[p.node_id]}: {detail}",
-                         node_id=p.node_id)
-            return
+    if verdict.failure is not None:
+        reason, node_id = verdict.failure
+        fail_attempt(session, job, attempt, reason, node_id=node_id)
+        return
     world = attempt.num_gpus
-    running = sum(1 for w in workers if w.state in ("running", "exited"))
-    if attempt.state == "starting" and running >= world:
+    if verdict.all_running:
         set_attempt_state(session, attempt, "running", f"all {world} workers of attempt {attempt.number} running")
         # A worker that reported a step was running: the same report may carry both facts.
-        attempt.started_at = min(now(), attempt.first_progress_at or now())
+        first_step = progress.first_at(session, attempt.id)
+        attempt.started_at = min(now(), first_step or now())
         if job.state == "starting":
             set_job_state(session, job, "running", f"attempt {attempt.number}: all {world} workers running")
-    # A node part may already be "gone" (released) when the last node's exit report arrives.
-    if all(p.state in ("exited", "gone") and p.exit_code == 0 for p in parts):
+    if verdict.succeeded:
         end_attempt(session, attempt, outcome="succeeded", reason="every worker exited with code 0")
         if job.state in JOB_ACTIVE:
             set_job_state(session, job, "succeeded", f"attempt {attempt.number} finished")
-
-
-def desired_for_node(session: Session, node: Node) -> list[tuple[Attempt, AttemptNode, Job]]:
-    """The attempts this node must run now (its desired state)."""
-    rows = session.execute(
-        select(Attempt, AttemptNode, Job)
-        .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
-        .join(Job, Job.id == Attempt.job_id)
-        .where(
-            AttemptNode.node_id == node.id,
-            AttemptNode.desired == "run",
-            Attempt.state.in_(ATTEMPT_LIVE),
-        )
-    ).all()
-    return [(a, p, j) for a, p, j in rows]

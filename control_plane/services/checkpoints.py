@@ -39,7 +39,7 @@ from control_plane.clock import now
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
-from control_plane.services import events
+from control_plane.services import events, progress
 from control_plane.services.fencing import authorize_report, check_own_ranks
 from control_plane.services.states import (
     CHECKPOINT,
@@ -179,27 +179,26 @@ def _pending_checkpoint(session: Session, job: Job, attempt: Attempt, step: int)
     return row.id, row.state
 
 
-def count_arrivals(factory: sessionmaker[Session], arrived: dict[uuid.UUID, int]) -> list[uuid.UUID]:
+def count_arrivals(session: Session, arrived: dict[uuid.UUID, int]) -> list[uuid.UUID]:
     """After the shard report committed: add its new shards to each checkpoint's counter; the
-    checkpoints now complete (ready for :func:`commit_ready`).
+    checkpoints now complete (ready for :func:`commit_ready`). The caller commits.
 
-    Its own short transaction, after the shards' commit, so that of two reports that complete a
+    A transaction of its own, after the shards' commit, so that of two reports that complete a
     step at once the later one counts the other's shards too, and the counter row is locked only
     for the increment. A crash between the two commits leaves the counter short: the maintenance
     pass, which counts the shards themselves, commits that checkpoint."""
     if not arrived:
         return []
     ready: list[uuid.UUID] = []
-    with session_scope(factory) as s:
-        for ckpt_id in sorted(arrived):  # id order (services/locks.py)
-            row = s.execute(
-                update(Checkpoint)
-                .where(Checkpoint.id == ckpt_id, Checkpoint.state == "pending")
-                .values(shards_received=Checkpoint.shards_received + arrived[ckpt_id])
-                .returning(Checkpoint.shards_received, Checkpoint.world_size)
-            ).one_or_none()
-            if row is not None and row.shards_received >= row.world_size:
-                ready.append(ckpt_id)
+    for ckpt_id in sorted(arrived):  # id order (services/locks.py)
+        row = session.execute(
+            update(Checkpoint)
+            .where(Checkpoint.id == ckpt_id, Checkpoint.state == "pending")
+            .values(shards_received=Checkpoint.shards_received + arrived[ckpt_id])
+            .returning(Checkpoint.shards_received, Checkpoint.world_size)
+        ).one_or_none()
+        if row is not None and row.shards_received >= row.world_size:
+            ready.append(ckpt_id)
     return ready
 
 
@@ -393,8 +392,9 @@ def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, ba
                 attempt.restored_from_step = step
                 restored = _job_checkpoint(session, job, ev.data)
                 attempt.restored_from_checkpoint_id = restored.id if restored is not None else None
-                before = session.scalar(select(Attempt.progress_step).where(
+                previous = session.scalar(select(Attempt.id).where(
                     Attempt.job_id == job.id, Attempt.number == attempt.number - 1))
+                before = progress.step_of(session, previous) if previous is not None else None
                 lost = (before or 0) - step
                 events.record(session, "checkpoint.restored", f"attempt {attempt.number} restored step {step}",
                               job_id=job.id, attempt_id=attempt.id, step=step, steps_lost=max(lost, 0))

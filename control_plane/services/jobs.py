@@ -19,6 +19,7 @@ from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
 from control_plane.services import events, pages, plans
 from control_plane.services.states import ATTEMPT_HOLDING, JOB, JOB_TERMINAL, can_transition, set_job_state
+from trainyard.protocol.env import job_env_bytes
 from trainyard.protocol.layout import Layout
 
 # The job state machine and its one mutator live in services/states.py (with those of attempts,
@@ -33,42 +34,56 @@ def _request_hash(body: JobSubmit) -> str:
 
 
 def check_fits_cluster(session: Session, body: JobSubmit) -> None:
-    """Refuse a job that no registered cluster layout could ever hold."""
+    """Refuse a job that no registered cluster layout could ever hold: a gang runs on nodes of one
+    GPU kind, so some kind it accepts must have enough nodes that are large enough."""
+    kinds = body.gpu_kinds()
     stmt = (
-        select(Node.id, func.count(Gpu.id))
+        select(Node.id, func.min(Gpu.kind), func.count(Gpu.id))
         .join(Gpu, Gpu.node_id == Node.id)
         .where(Node.state != "removed")
         .group_by(Node.id)
     )
-    if body.gpu_kind:
-        stmt = stmt.where(Gpu.kind == body.gpu_kind)
-    counts = [n for _, n in session.execute(stmt)]
-    if not counts:
-        kind = f" with GPUs of kind {body.gpu_kind!r}" if body.gpu_kind else ""
-        raise Unprocessable(f"no nodes{kind} are registered, so this job can never be placed")
-    biggest = max(counts)
+    if kinds:
+        stmt = stmt.where(Gpu.kind.in_(kinds))
+    by_kind: dict[str, list[int]] = {}
+    for _, kind, count in session.execute(stmt):
+        by_kind.setdefault(kind, []).append(count)
+    named = f" of kind {' or '.join(repr(k) for k in kinds)}" if kinds else ""
+    if not by_kind:
+        raise Unprocessable(f"no nodes with GPUs{named} are registered, so this job can never be placed"
+                            if kinds else "no nodes are registered, so this job can never be placed")
+    biggest = max(n for counts in by_kind.values() for n in counts)
     if body.gpus_per_node > biggest:
         raise Unprocessable(
-            f"gpus_per_node={body.gpus_per_node} is larger than any node: the largest has {biggest} GPUs",
+            f"gpus_per_node={body.gpus_per_node} is larger than any node{named}: the largest has {biggest} GPUs",
             field="gpus_per_node",
         )
-    fitting = sum(1 for n in counts if n >= body.gpus_per_node)
+    fitting = max(sum(1 for n in counts if n >= body.gpus_per_node) for counts in by_kind.values())
     if fitting < body.num_nodes:
+        of_one = " of one GPU kind" if len(by_kind) > 1 else ""
         raise Unprocessable(
-            f"the job needs {body.num_nodes} nodes with at least {body.gpus_per_node} GPUs each; "
-            f"the cluster has {fitting} such nodes",
+            f"the job needs {body.num_nodes} nodes{of_one} with at least {body.gpus_per_node} GPUs each; "
+            f"the cluster has {fitting} such nodes{named}",
             field="num_nodes",
         )
 
 
+def check_env_size(body: JobSubmit, max_env_bytes: int | None) -> None:
+    """Refuse an env over this server's ``max_env_bytes`` (the schema holds the protocol's cap)."""
+    size = job_env_bytes(body.env)
+    if max_env_bytes is not None and size > max_env_bytes:
+        raise Unprocessable(f"env is {size} bytes; this server allows at most {max_env_bytes}", field="env")
+
+
 def submit(
     session: Session, body: JobSubmit, *, principal: Principal, idempotency_key: str | None,
-    rate: SubmitRate | None = None, plan_min_efficiency: float = 0.7,
+    rate: SubmitRate | None = None, plan_min_efficiency: float = 0.7, max_env_bytes: int | None = None,
 ) -> tuple[Job, bool]:
     """Create a queued job for the principal's tenant (an admin may name another). Returns (job,
     created); a retried submit returns the first job. A job with a model block is planned first
     (services/plans.py): refused when its layout does not fit, queued with a warning event for each
     way fewer GPUs would do better."""
+    check_env_size(body, max_env_bytes)
     digest = _request_hash(body)
     if idempotency_key is not None:
         existing = session.scalar(
@@ -91,7 +106,7 @@ def submit(
     if body.model is not None:
         job_plan = plans.plan_for_job(
             session, model=body.model, layout=body.layout or Layout(),
-            gpu_kind=plans.job_gpu_kind(session, body.gpu_kind, body.gpus_per_node), num_nodes=body.num_nodes,
+            gpu_kind=plans.job_gpu_kind(session, body.gpu_kinds(), body.gpus_per_node), num_nodes=body.num_nodes,
             gpus_per_node=body.gpus_per_node, min_efficiency=plan_min_efficiency)
     job = Job(
         id=uuid.uuid4(),
@@ -102,7 +117,7 @@ def submit(
         state="queued",
         num_nodes=body.num_nodes,
         gpus_per_node=body.gpus_per_node,
-        gpu_kind=body.gpu_kind,
+        gpu_kinds=body.gpu_kinds(),
         entrypoint=body.entrypoint,
         args=body.args,
         env=body.env,

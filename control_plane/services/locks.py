@@ -25,7 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.db import reload
-from control_plane.models import Attempt, Job, Node
+from control_plane.models import Attempt, AttemptNode, Job, Node
 
 
 def lock_node(session: Session, node_id: uuid.UUID) -> Node | None:
@@ -78,6 +78,20 @@ def share_job_attempt(session: Session, attempt_id: uuid.UUID) -> tuple[Job, Att
     if job is None or attempt is None:
         return None
     return job, attempt
+
+
+def lock_part(session: Session, part_id: uuid.UUID) -> AttemptNode:
+    """Lock one attempt part (after its job and attempt, or after its node) and load it afresh."""
+    return reload(session, select(AttemptNode).where(AttemptNode.id == part_id).with_for_update(key_share=True)).one()
+
+
+def lock_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> list[AttemptNode]:
+    """Lock attempt parts in id order and load them afresh (missing ids are skipped)."""
+    ids = sorted(set(part_ids))
+    if not ids:
+        return []
+    return list(reload(session, select(AttemptNode).where(AttemptNode.id.in_(ids)).order_by(AttemptNode.id)
+                       .with_for_update(key_share=True)))
 
 
 def attempt_order(session: Session, attempt_ids: Iterable[uuid.UUID]) -> list[uuid.UUID]:

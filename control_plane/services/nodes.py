@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import uuid
 from datetime import datetime, timedelta
@@ -12,12 +11,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.authz import NODE_TOKEN_PREFIX, hash_token
 from control_plane.clock import now
-from control_plane.db import reload
 from control_plane.errors import InvalidState, NotFound, StaleAgent, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
-from control_plane.services import attempts, events, join_tokens
+from control_plane.services import attempts, events, join_tokens, specs
 from control_plane.services.fencing import lock_attempt
-from control_plane.services.locks import lock_node
+from control_plane.services.locks import lock_node, lock_part
 from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
 from control_plane.settings import Settings
 from trainyard.protocol.agent import (
@@ -27,8 +25,6 @@ from trainyard.protocol.agent import (
     LaunchSpec,
     RegisterRequest,
 )
-from trainyard.protocol.keys import job_checkpoint_prefix
-from trainyard.protocol.layout import Layout
 
 # An attempt part whose processes vanished without an exit report for this long is failed.
 VANISHED_AFTER_S = 10.0
@@ -152,10 +148,9 @@ def _refuse_stale_instance(session: Session, token: str) -> None:
     )
 
 
-def heartbeat(
-    session: Session, node: Node, req: HeartbeatRequest, storage: dict[str, object] | None = None
-) -> list[LaunchSpec]:
-    """Record liveness, confirm stopped attempts, and return the node's desired attempts."""
+def heartbeat(session: Session, node: Node, req: HeartbeatRequest) -> Node:
+    """Record liveness and confirm stopped attempts; returns the node as locked (what to answer is
+    services/specs.py ``answer``)."""
     node = lock_node(session, node.id) or node  # reloaded: the seq checks below read the locked row
     if node.agent_instance == req.agent_instance and req.seq <= node.heartbeat_seq:
         # A delayed or duplicated heartbeat: it carries older truth than what we have. The agent's
@@ -163,7 +158,7 @@ def heartbeat(
         # alive now.
         if req.seq == node.heartbeat_seq and node.state == "ready":
             node.last_heartbeat_at = now()
-        return assignments(session, node, storage)
+        return node
     node.agent_instance = req.agent_instance
     node.heartbeat_seq = req.seq
     node.last_heartbeat_at = now()
@@ -172,119 +167,50 @@ def heartbeat(
     alive = {a.attempt_id for a in req.attempts if a.processes_alive}
     _confirm_stopped(session, node, alive, {a.attempt_id for a in req.attempts})
     session.flush()
-    return assignments(session, node, storage)
+    return node
 
 
 def _confirm_stopped(session: Session, node: Node, alive: set[str], listed: set[str] | None = None) -> None:
     """Release the parts whose processes are gone. `listed`: every attempt the heartbeat names,
     also those whose processes are gone but whose final status is still on its way: the node
     holds them, so their absence of processes is no verdict ("vanished" is only ever decided for
-    an attempt the node no longer lists at all)."""
+    an attempt the node no longer lists at all).
+
+    The releases lock only the parts (attempts.release_parts); whether one completed its gang is
+    decided after the heartbeat commits (attempts.finish_released). Only a vanished part, which
+    fails its attempt, locks the job and the attempt (before any part: services/locks.py)."""
     listed = listed or set()
     candidates = session.execute(
-        select(AttemptNode.id, AttemptNode.attempt_id)
+        select(AttemptNode.id, AttemptNode.attempt_id, AttemptNode.desired, AttemptNode.state,
+               AttemptNode.reported_at)
         .join(Attempt, Attempt.id == AttemptNode.attempt_id)
         .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
         .order_by(Attempt.job_id, AttemptNode.attempt_id)  # the lock order: jobs, then attempts, by id
     ).all()
-    for part_id, attempt_id in candidates:
-        if str(attempt_id) in alive:
+    release: list[uuid.UUID] = []
+    for c in candidates:
+        if str(c.attempt_id) in alive:
             continue
-        locked = lock_attempt(session, attempt_id)  # job, then attempt: see lock_attempt
-        assert locked is not None
-        job, attempt = locked
-        part = reload(session, select(AttemptNode).where(AttemptNode.id == part_id)
-                      .with_for_update(key_share=True)).one()
-        if part.released_at is not None:
-            continue
-        if part.desired == "stop" or part.state in PART_DONE:
-            attempts.release_part(session, part)
-        elif str(attempt_id) in listed:
+        # Read without the part's lock: a part's desired state only goes run -> stop and its state
+        # only forward, so what qualifies it here still does once release_parts has locked it.
+        if c.desired == "stop" or c.state in PART_DONE:
+            release.append(c.id)
+        elif str(c.attempt_id) in listed:
             continue  # its final status is pending: it decides the attempt, not its absence
-        elif part.state in PART_STARTED and part.reported_at is not None:
-            silent = (now() - part.reported_at).total_seconds()
-            if silent > VANISHED_AFTER_S:
+        elif c.state in PART_STARTED and c.reported_at is not None \
+                and (now() - c.reported_at).total_seconds() > VANISHED_AFTER_S:
+            locked = lock_attempt(session, c.attempt_id)  # job, then attempt: see lock_attempt
+            assert locked is not None
+            job, attempt = locked
+            part = lock_part(session, c.id)
+            if part.released_at is None and part.desired == "run" and part.state in PART_STARTED:
                 attempts.fail_attempt(
                     session, job, attempt,
                     f"processes of node rank {part.node_rank} on {node.name} vanished without an exit report",
                     node_id=node.id,
                 )
-                attempts.release_part(session, part)
-
-
-def assignments(session: Session, node: Node, storage: dict[str, object] | None) -> list[LaunchSpec]:
-    specs = []
-    for attempt, part, job in attempts.desired_for_node(session, node):
-        specs.append(
-            LaunchSpec(
-                job_id=str(job.id),
-                job_name=job.name,
-                attempt_id=str(attempt.id),
-                attempt_number=attempt.number,
-                fencing_token=attempt.fencing_token,
-                node_rank=part.node_rank,
-                nnodes=job.num_nodes,
-                nproc_per_node=job.gpus_per_node,
-                gpu_indices=list(part.gpu_indices),
-                rdzv_host=attempt.rdzv_host,
-                rdzv_port=attempt.rdzv_port,
-                entrypoint=job.entrypoint,
-                args=list(job.args),
-                env=dict(job.env),
-                checkpoint=dict(job.checkpoint),
-                layout=Layout.model_validate(job.layout) if job.layout else None,
-                restore_from=attempt.restore_manifest,
-                launched=part.state != "assigned",
-                storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},
-            )
-        )
-    for spec in specs:
-        spec.version = spec_version(spec)
-    return specs
-
-
-# The part of LaunchSpec.storage that is per attempt; the rest (credentials) goes to an agent once,
-# in the RegisterResponse.
-SPEC_STORAGE_KEYS = ("prefix",)
-
-
-def spec_version(spec: LaunchSpec) -> str:
-    """The etag of a launch spec: a digest of its content, credentials excluded, so it changes when
-    and only when what the agent would launch changes. ``launched`` is left out too: it flips when
-    the part is first reported started, and it only tells an agent that does not hold the spec
-    (its work dir was lost) not to start it; resending every node's spec then was a full spec per
-    node in the steady state (tests/e2e/test_scale.py)."""
-    body = spec.model_copy(update={"storage": _spec_storage(spec), "version": "", "launched": False})
-    return hashlib.sha256(body.model_dump_json().encode()).hexdigest()[:16]
-
-
-def _spec_storage(spec: LaunchSpec) -> dict[str, object]:
-    return {k: v for k, v in spec.storage.items() if k in SPEC_STORAGE_KEYS}
-
-
-def for_agent(
-    specs: list[LaunchSpec], known: list[KnownAssignment] | None
-) -> tuple[list[LaunchSpec], list[AssignmentRef]]:
-    """What a heartbeat answers, given the node's desired specs and those its agent holds.
-
-    An old agent (``known`` is None) gets every spec in full, credentials included. Otherwise only
-    new or changed specs go in full, without credentials; every known one comes as a reference:
-    'run' when it is still assigned at that version, 'stop' when it is no longer assigned. So the
-    steady-state answer grows with the node's own attempts, not with the job's size or arguments.
-    """
-    if known is None:
-        return specs, []
-    held = {k.attempt_id: k.version for k in known}
-    full: list[LaunchSpec] = []
-    refs: list[AssignmentRef] = []
-    for spec in specs:
-        version = held.pop(spec.attempt_id, None)
-        if version is not None and version == spec.version:
-            refs.append(AssignmentRef(attempt_id=spec.attempt_id, desired="run", version=version))
-        else:
-            full.append(spec.model_copy(update={"storage": _spec_storage(spec)}))
-    refs.extend(AssignmentRef(attempt_id=a, desired="stop", version=v) for a, v in sorted(held.items()))
-    return full, refs
+            release.append(c.id)
+    attempts.release_parts(session, release)
 
 
 def registered_nodes(session: Session) -> int:
@@ -305,25 +231,28 @@ def tell_interval(session: Session, node: Node, settings: Settings) -> float:
 
 def node_id_of(token: str) -> str | None:
     """The node a credential names (``_node_token``), unverified: a long poll registers its wait under
-    it before ``desired_changed`` authenticates it."""
+    it before ``desired_change`` authenticates it."""
     try:
         return str(uuid.UUID(hex=token.removeprefix(NODE_TOKEN_PREFIX).split(".", 1)[0]))
     except ValueError:
         return None
 
 
-def desired_changed(factory: sessionmaker[Session], token: str, node_id: str,
-                    known: list[KnownAssignment]) -> bool:
+def desired_change(factory: sessionmaker[Session], token: str, node_id: str,
+                   known: list[KnownAssignment]) -> tuple[list[LaunchSpec], list[AssignmentRef]] | None:
     """Authenticate a long poll (``POST /v1/agent/wait``) and say whether the node's desired state
-    differs from the specs its agent holds (``known``): a new or changed assignment, or a stop. In
-    its own short transaction, so the wait that follows holds no connection."""
+    differs from the specs its agent holds (``known``): a new or changed assignment, or a stop. The
+    answer a heartbeat would give when it does (services/specs.py ``answer``), None when not. In
+    its own short transaction, so the wait that follows holds no connection; every check
+    authenticates again, so a wait that outlives its credential (another instance registered)
+    answers nothing of the node."""
     session = factory()
     try:
         node = authenticate(session, token)
         if str(node.id) != node_id:
             raise Unauthorized("unknown node credential; register the agent again")
-        full, refs = for_agent(assignments(session, node, None), known)
-        return bool(full) or any(ref.desired == "stop" for ref in refs)
+        full, refs = specs.answer(session, node.id, known, None)
+        return (full, refs) if full or any(ref.desired == "stop" for ref in refs) else None
     finally:
         session.rollback()
         session.close()
@@ -380,7 +309,8 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
             attempt.end_reason = f"node {node.name} lost ({attempt.end_reason})"
             events.record(session, "attempt.blame", f"attempt {attempt.number}: node {node.name} was lost",
                           job_id=job.id, attempt_id=attempt.id, node_id=node.id)
-        # A cancel does not wait for a lost node (its leases stay held, visibly, on it).
+        # A cancel does not wait for a lost node (its leases stay held, visibly, on it). A release
+        # committing meanwhile, unseen here, is finished by the monitor's sweep (finish_stopped).
         attempts.finish_if_released(session, job, attempt)
     return list(lost)
 
@@ -415,13 +345,15 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
     node.token_hash = hash_token(secrets.token_urlsafe(32))  # its credential stops working
     set_node_state(session, node, "removed", f"node {node.name} removed by an operator", kind="node.removed",
                    released_parts=len(parts))
-    for part, attempt, _ in parts:
+    for _, attempt, _ in parts:
         locked = lock_attempt(session, attempt.id)
         assert locked is not None
         job, attempt = locked
         if attempt.outcome is None:
             attempts.fail_attempt(session, job, attempt, f"node {node.name} removed", node_id=node.id)
-        attempts.release_part(session, part)
+    released = attempts.release_parts(session, [part.id for part, _, _ in parts])
+    session.commit()
+    attempts.finish_released(session, released)  # after the commit: see finish_released
     session.commit()
     return node
 

@@ -179,11 +179,12 @@ def plan_for_job(session: Session, *, model: JobModelIn, layout: Layout, gpu_kin
         min_efficiency=min_efficiency, notes=found.notes)
 
 
-def job_gpu_kind(session: Session, gpu_kind: str | None, gpus_per_node: int) -> str:
-    """The kind a job is planned for: the one it requires, else, among the kinds of the nodes it could
-    run on, the one with the least memory (the plan must hold wherever the job lands)."""
-    if gpu_kind:
-        return gpu_kind
+def job_gpu_kind(session: Session, gpu_kinds: list[str] | None, gpus_per_node: int) -> str:
+    """The kind a job is planned for: the one it requires, else, among the kinds it accepts (any when
+    ``gpu_kinds`` is None) of the nodes it could run on, the one with the least memory (the plan
+    must hold wherever the job lands)."""
+    if gpu_kinds and len(gpu_kinds) == 1:
+        return gpu_kinds[0]
     rows = session.execute(
         select(Gpu.kind, func.min(Gpu.memory_mb), func.count(Gpu.id))
         .join(Node, Node.id == Gpu.node_id)
@@ -192,7 +193,7 @@ def job_gpu_kind(session: Session, gpu_kind: str | None, gpus_per_node: int) -> 
     ).all()
     kinds: dict[str, float] = {}
     for kind, memory_mb, count in rows:
-        if count < gpus_per_node:
+        if count < gpus_per_node or (gpu_kinds and kind not in gpu_kinds):
             continue
         entry = find_gpu_kind(kind)
         memory = memory_mb if memory_mb else (entry.memory_gib * 1024 if entry else 0.0)

@@ -55,7 +55,7 @@ def previous(session: Session) -> dict[str, list[str]]:
     rows = session.execute(
         select(ReservationRow.job_id, ReservationRow.node_ids)
         .where(ReservationRow.ended_at.is_(None), ReservationRow.kind == JOB)
-        .order_by(ReservationRow.created_at, ReservationRow.id)
+        .order_by(ReservationRow.seq)  # a pass makes many at one created_at: in the order it made them
     )
     return {str(job_id): [str(n) for n in node_ids] for job_id, node_ids in rows}
 

@@ -77,8 +77,9 @@ JOB: dict[str, State] = {
         "without its twice-failed nodes; waiting_for says what it waits for",
         settings=("scheduler_interval_s",), message="DELETE /v1/jobs/{id} (cancel)")),
     "cancelling": _s("cancelled", exit=Exit(
-        "each node's heartbeat confirms its workers stopped; a part on a lost node counts as stopped "
-        "for the job (its leases stay held on the node until it returns or is removed)",
+        "each node confirms its workers stopped (final status report or heartbeat); a part on a lost "
+        "node counts as stopped for the job (its leases stay held on the node until it returns or is "
+        "removed); the monitor loop's sweep ends it should the last confirmation race a node loss",
         settings=("node_lost_timeout_s", "monitor_interval_s"), message="heartbeat")),
     "succeeded": _s(),
     "failed": _s(),
@@ -105,8 +106,11 @@ ATTEMPT: dict[str, State] = {
         "its workers exit, its node is lost, or the time limit ends it",
         settings=("node_lost_timeout_s", "limits_interval_s"), message="attempt status report")),
     "stopping": _s("ended", exit=Exit(
-        "each node's heartbeat stops listing it; a lost node's part waits for the node to return",
-        settings=("node_lost_timeout_s",), message="heartbeat", operator="DELETE /v1/nodes/{id}")),
+        "each node confirms its processes gone (its final status report, or the heartbeat that stops "
+        "listing it), and the release that completes the gang ends it, or the monitor loop's sweep "
+        "does; a lost node's part waits for the node to return",
+        settings=("node_lost_timeout_s", "monitor_interval_s"), message="attempt status report, heartbeat",
+        operator="DELETE /v1/nodes/{id}")),
     "ended": _s(),
 }
 
@@ -130,10 +134,12 @@ PART: dict[str, State] = {
     "running": _s("exited", "stopped", "gone", exit=Exit(
         "the agent reports torchrun's exit; a lost node fails it",
         settings=("node_lost_timeout_s",), message="attempt status report")),
-    "exited": _s("gone", exit=Exit("the heartbeat that no longer lists it releases it",
-                                   settings=("heartbeat_interval_s",), message="heartbeat")),
-    "stopped": _s("gone", exit=Exit("the heartbeat that no longer lists it releases it",
-                                    settings=("heartbeat_interval_s",), message="heartbeat")),
+    "exited": _s("gone", exit=Exit(
+        "its final status report saying no process is left releases it, or else the heartbeat that "
+        "no longer lists it", settings=("heartbeat_interval_s",), message="attempt status report, heartbeat")),
+    "stopped": _s("gone", exit=Exit(
+        "its final status report saying no process is left releases it, or else the heartbeat that "
+        "no longer lists it", settings=("heartbeat_interval_s",), message="attempt status report, heartbeat")),
     "gone": _s(),
 }
 

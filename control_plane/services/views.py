@@ -44,7 +44,7 @@ from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.uploads import CheckpointUploadOut
-from control_plane.services import pages, reservations, tenants
+from control_plane.services import pages, progress, reservations, tenants
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
@@ -77,6 +77,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
         .group_by(GpuLease.job_id)
     ).all()) if jobs else {}
     waiting = _waiting_for(session, jobs, attempts, held)
+    done = progress.of_jobs(session, [j.id for j in jobs])
     out = []
     for job in jobs:
         attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
@@ -89,7 +90,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 if p.released_at is None
             ]
         plan = _stored_plan(job)
-        metrics = (attempt.progress_metrics if attempt is not None else None) or {}
+        metrics = (progress.of_parts(attempt.nodes).metrics if attempt is not None else None) or {}
         out.append(
             JobOut(
                 id=str(job.id),
@@ -106,12 +107,13 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 max_failures=job.max_failures,
                 failures=job.failures,
                 time_limit_s=job.time_limit_s,
-                gpu_kind=job.gpu_kind,
+                gpu_kind=_kinds_out(job.gpu_kinds),
+                allocated_gpu_kind=attempt.gpu_kind if attempt is not None else None,
                 model=job.model,
                 layout=Layout.model_validate(job.layout) if job.layout else None,
                 plan=plan,
-                progress=Progress(step=job.progress_step, loss=job.progress_loss, updated_at=job.progress_at,
-                                  metrics=metrics),
+                progress=Progress(step=done.get(job.id, progress.NONE).step, loss=done.get(job.id, progress.NONE).loss,
+                                  updated_at=done.get(job.id, progress.NONE).at, metrics=metrics),
                 split=step_split(plan, metrics),
                 result=job.result,
                 end_reason=job.end_reason,
@@ -225,23 +227,35 @@ def _waiting_for(session: Session, jobs: list[Job], attempts: dict[uuid.UUID, At
     return out
 
 
+def _kinds_out(kinds: list[str] | None) -> str | list[str] | None:
+    """As submitted: one kind as a string, several as a list."""
+    if not kinds:
+        return None
+    return kinds[0] if len(kinds) == 1 else list(kinds)
+
+
 def _queue_reasons(job: Job, caps: list[_NodeCap]) -> list[str]:
-    """Why the cluster cannot place the job now: no node of its kind, too few usable nodes, or too
-    few with enough free GPUs."""
-    k, g = job.num_nodes, job.gpus_per_node
-    kind = f" of kind {job.gpu_kind}" if job.gpu_kind else ""
-    of_kind = [n for n in caps if job.gpu_kind is None or n.kind == job.gpu_kind]
-    if not of_kind:
-        return [f"no node with GPU kind {job.gpu_kind}" if job.gpu_kind else "no node is registered"]
-    big = [n for n in of_kind if n.total >= g]
+    """Why the cluster cannot place the job now: no node of a kind it accepts, too few usable nodes
+    of one kind, or too few of one kind with enough free GPUs (a gang runs on one kind)."""
+    k, g, kinds = job.num_nodes, job.gpus_per_node, job.gpu_kinds
+    named = f" of kind {' or '.join(kinds)}" if kinds else ""
+    by_kind: dict[str, list[_NodeCap]] = {}
+    for n in caps:
+        if kinds is None or n.kind in kinds:
+            by_kind.setdefault(n.kind, []).append(n)
+    if not by_kind:
+        return [f"no node with GPU kind {' or '.join(kinds)}" if kinds else "no node is registered"]
+    one = " of one kind" if len(by_kind) > 1 else ""
+    big = [n for ns in by_kind.values() for n in ns if n.total >= g]
     usable = [n for n in big if n.state == "ready" and n.schedulable]
-    if len(usable) < k:
+    most = max(sum(1 for n in usable if n.kind == kind) for kind in by_kind)
+    if most < k:
         others = [_why_not(n) for n in big if n not in usable]
-        return [f"needs {k} nodes with {g} GPUs{kind}, the cluster has {len(usable)} such nodes that take work"
+        return [f"needs {k} nodes{one} with {g} GPUs{named}, the cluster has {most} such nodes that take work"
                 + (f" (also {', '.join(others)})" if others else "")]
-    free = [n for n in usable if n.free >= g]
-    if len(free) < k:
-        return [f"needs {k} nodes with {g} free GPUs{kind}, the cluster has {len(free)} such nodes now "
+    most = max(sum(1 for n in usable if n.kind == kind and n.free >= g) for kind in by_kind)
+    if most < k:
+        return [f"needs {k} nodes{one} with {g} free GPUs{named}, the cluster has {most} such nodes now "
                 "(the others' GPUs are in use)"]
     return []
 
@@ -285,6 +299,7 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
     ).all()) if any(a.failed_node_id for a in attempts) else {}
     chain = [before, *attempts] if before is not None else attempts
     previous: dict[uuid.UUID, Attempt] = {b.id: a for a, b in zip(chain, chain[1:], strict=False)}
+    done = {a.id: progress.of_parts(a.nodes) for a in chain}
     return [
         AttemptOut(
             id=str(a.id),
@@ -295,12 +310,12 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
             failed_node=names.get(a.failed_node_id) if a.failed_node_id else None,
             rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
             restored_from_step=a.restored_from_step,
-            progress_step=a.progress_step,
-            progress_metrics=a.progress_metrics or {},
-            recovery=_recovery(previous.get(a.id), a),
+            progress_step=done[a.id].step,
+            progress_metrics=done[a.id].metrics or {},
+            recovery=_recovery(previous.get(a.id), a, done),
             created_at=a.created_at,
             started_at=a.started_at,
-            first_progress_at=a.first_progress_at,
+            first_progress_at=done[a.id].first_at,
             failed_at=a.failed_at,
             ended_at=a.ended_at,
             nodes=[
@@ -341,7 +356,7 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     return round((end - start).total_seconds(), 3) if start is not None and end is not None else None
 
 
-def _recovery(prev: Attempt | None, a: Attempt) -> RecoveryOut | None:
+def _recovery(prev: Attempt | None, a: Attempt, done: dict[uuid.UUID, progress.Progress]) -> RecoveryOut | None:
     """The phases of the recovery from ``prev``'s failure to ``a``'s first step."""
     if prev is None or prev.outcome != "failed" or prev.failed_at is None:
         return None
@@ -349,16 +364,17 @@ def _recovery(prev: Attempt | None, a: Attempt) -> RecoveryOut | None:
              if w.ended_at is not None and w.exit_code not in (0, None)]
     failure_at = min([prev.failed_at, *exits])
     lost = None
-    if prev.progress_step is not None:
-        lost = max(prev.progress_step - (a.restored_from_step or 0), 0)
+    reached, first_step_at = done[prev.id].step, done[a.id].first_at
+    if reached is not None:
+        lost = max(reached - (a.restored_from_step or 0), 0)
     return RecoveryOut(
         after_attempt=prev.number,
         failure_at=failure_at,
         detection_s=_seconds(failure_at, prev.failed_at),
         reallocation_s=_seconds(prev.failed_at, a.created_at),
         start_s=_seconds(a.created_at, a.started_at),
-        restore_s=_seconds(a.started_at, a.first_progress_at),
-        to_first_step_s=_seconds(failure_at, a.first_progress_at),
+        restore_s=_seconds(a.started_at, first_step_at),
+        to_first_step_s=_seconds(failure_at, first_step_at),
         steps_lost=lost,
     )
 

@@ -12,7 +12,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0040"
-down_revision = "0031"
+down_revision = "0081"
 branch_labels = None
 depends_on = None
 

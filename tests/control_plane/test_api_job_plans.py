@@ -124,3 +124,16 @@ def test_the_job_view_puts_the_measured_split_next_to_the_plan(client, schedule,
     assert split["measured"] == {"step_s": metrics["step_s"], "compute_s": metrics["compute_s"],
                                  "comm_s": metrics["comm_s"], "comm_share": 0.25}
     assert split["step_ratio"] == pytest.approx(2.0)
+
+
+def test_a_job_accepting_several_kinds_is_planned_for_the_one_with_the_least_memory(client, h100s):
+    """Issue 15: ``gpu_kind`` may list kinds; the plan must hold wherever the gang lands."""
+    FakeAgentSession(client, "l40s-0", 8, kind="NVIDIA L40S")
+    body = job_body(num_nodes=1, gpus_per_node=8, model=MODEL, layout={"kind": "fsdp"},
+                    gpu_kind=[H100, "NVIDIA L40S"])
+    r = client.post("/v1/jobs", json=body, headers=ADMIN)
+    assert r.status_code == 201, r.text
+    assert r.json()["plan"]["hardware"]["gpu_kind"] == "l40s"
+    only = client.post("/v1/jobs", json={**body, "gpu_kind": [H100]}, headers=ADMIN)
+    assert only.status_code == 201, only.text
+    assert only.json()["plan"]["hardware"]["gpu_kind"] == "h100-sxm"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from control_plane.db import session_scope
 from control_plane.services import nodes
-from tests.control_plane.helpers import get_job, submit
-from tests.factories import ADMIN, FakeAgentSession, reregister_node, workers_for
+from tests.control_plane.helpers import get_job, nodes_of, submit
+from tests.factories import ADMIN, FakeAgentSession, job_body, reregister_node, workers_for
 
 
 def _specs(agents, job_id):
@@ -71,6 +71,16 @@ def test_a_waiting_job_says_what_it_waits_for(client, schedule):
     assert capped_view["state"] == "queued", capped_view
     assert "quota: tenant vision uses 2 of its 3 GPUs and the job needs 2" in capped_view["waiting_for"]
     assert get_job(client, first["id"])["waiting_for"].endswith("to launch node rank 0")  # not reported yet
+
+    # A job may accept several GPU kinds (issue 15): it runs on one, and the view says which.
+    FakeAgentSession(client, "gpu-c", 2, kind="h100")
+    r = client.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=2, gpu_kind=["a100", "l4"]), headers=ADMIN)
+    assert r.status_code == 422 and "no nodes with GPUs of kind 'a100' or 'l4'" in r.json()["detail"]
+    either = submit(client, num_nodes=1, gpus_per_node=2, gpu_kind=["h100", "a100", "h100"])
+    assert either["gpu_kind"] == ["h100", "a100"] and either["allocated_gpu_kind"] is None
+    schedule()
+    view = get_job(client, either["id"])
+    assert view["state"] == "starting" and view["allocated_gpu_kind"] == "h100" and nodes_of(view) == {"gpu-c"}
 
 
 def test_cancel_ends_even_when_a_node_of_the_attempt_is_lost(clock, app, client, schedule):

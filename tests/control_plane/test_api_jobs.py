@@ -91,9 +91,25 @@ def test_unknown_job_is_404_problem(cluster):
         ({"entrypoint": "   "}, "entrypoint"),
         ({"env": {"BIG": "x" * 40000}}, "env"),
         ({"env": {"RANK": "3"}}, "env"),
+        # Finding 11: what would change torchrun, the loader or the platform's confinement.
+        ({"env": {"PET_NPROC_PER_NODE": "8"}}, "env"),
+        ({"env": {"TORCHELASTIC_MAX_RESTARTS": "3"}}, "env"),
+        ({"env": {"LD_PRELOAD": "/tmp/x.so"}}, "env"),
+        ({"env": {"LD_AUDIT": "/tmp/x.so"}}, "env"),
+        ({"env": {"PATH": "/tmp/evil:/usr/bin"}}, "env"),
+        ({"env": {"PYTHONHOME": "/tmp"}}, "env"),
+        ({"env": {"HOME": "/root"}}, "env"),
+        ({"env": {"TMPDIR": "/"}}, "env"),
+        ({"env": {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}}, "env"),
+        ({"env": {"TRAINYARD_FENCING_TOKEN": "x"}}, "env"),
+        ({"env": {"A=B": "x"}}, "env"),
+        ({"env": {"OK": "nul\u0000byte"}}, "env"),
         ({"max_failures": -2}, "max_failures"),
         ({"checkpoint": {"interval_steps": 0}}, "checkpoint.interval_steps"),
         ({"name": ""}, "name"),
+        ({"gpu_kind": []}, "gpu_kind"),
+        ({"gpu_kind": [""]}, "gpu_kind"),
+        ({"gpu_kind": ["h100"] * 17}, "gpu_kind"),
     ],
 )
 def test_invalid_fields_are_422_problems(cluster, override, field):
@@ -104,6 +120,24 @@ def test_invalid_fields_are_422_problems(cluster, override, field):
     assert body["status"] == 422
     assert any(e["field"].startswith(field) for e in body["errors"]), body
     assert cluster.get("/v1/jobs", headers=ADMIN).json()["items"] == []  # nothing was created
+
+
+def test_env_names_say_why_they_are_refused_and_pythonpath_is_allowed(cluster):
+    r = cluster.post("/v1/jobs", json=job_body(env={"PET_NNODES": "2"}), headers=ADMIN)
+    assert r.status_code == 422 and "PET_NNODES" in r.text and "cannot be set by a job" in r.text
+    ok = cluster.post("/v1/jobs", json=job_body(env={"PYTHONPATH": "/opt/lib", "NCCL_DEBUG": "INFO",
+                                                     "LD_LIBRARY_PATH": "/opt/cuda"}), headers=ADMIN)
+    assert ok.status_code == 201, ok.text
+
+
+def test_the_servers_max_env_bytes_is_enforced(cluster, app):
+    """Finding 11: settings.max_env_bytes was never read; below the schema's cap it now decides."""
+    app.state.settings.max_env_bytes = 100
+    env = {"A": "x" * 97}  # "A=" + 97 + NUL: 100 bytes
+    assert cluster.post("/v1/jobs", json=job_body(env=env), headers=ADMIN).status_code == 201
+    r = cluster.post("/v1/jobs", json=job_body(name="big", env={"A": "x" * 98}), headers=ADMIN)
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
+    assert "101 bytes" in r.json()["detail"] and "at most 100" in r.json()["detail"]
 
 
 def test_job_larger_than_any_node_is_refused_with_reason(cluster):

@@ -125,7 +125,9 @@ def test_shard_reports_of_one_job_do_not_wait_for_each_other(s3_settings):
                                                          uuid.UUID(w.specs[1]["attempt_id"]),
                                                          w.body(1, w.shard(w.specs[1], 0)))
                         s.commit()
-                    checkpoints.count_arrivals(factory, mine)  # as the route does, after its commit
+                    with factory() as s:  # as the route does, after its commit
+                        checkpoints.count_arrivals(s, mine)
+                        s.commit()
                 except BaseException as exc:
                     errors.append(exc)
                 finally:
@@ -147,7 +149,9 @@ def test_shard_reports_of_one_job_do_not_wait_for_each_other(s3_settings):
             assert not blocked, "a shard report waited for another report's transaction"
             assert done.is_set() and errors == []
             held.commit()
-            checkpoints.count_arrivals(factory, arrived)
+            with factory() as s:
+                checkpoints.count_arrivals(s, arrived)
+                s.commit()
         finally:
             held.rollback()
             held.close()

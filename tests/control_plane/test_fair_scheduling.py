@@ -3,6 +3,7 @@ and topology, reservations with backfill and their idle cost, the recovery hold 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 
@@ -11,6 +12,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from control_plane.app import create_app
+from control_plane.clock import now
+from control_plane.db import session_scope
+from control_plane.services import reservations
 from control_plane.settings import Settings
 from tests.control_plane.helpers import finish, get_job, nodes_of, submit
 from tests.factories import ADMIN, FakeAgentSession, register_node, reregister_node, workers_for
@@ -263,3 +267,17 @@ def test_a_gang_behind_a_stream_of_small_jobs_holds_its_reservation_until_it_sta
         view = one_pass()
     assert view["state"] == "starting", view
     assert clock.t - t0 <= timedelta(seconds=40)
+
+
+def test_reservations_made_in_one_pass_are_kept_in_the_order_made(client, app, clock):
+    """A pass makes many reservations at one ``created_at``; the next pass gets them back in the
+    order made (issue 15: by random ids before, so a pass depended on them)."""
+    node = register_node(client, "node-1", 2)
+    jobs = [uuid.UUID(submit(client, num_nodes=1, gpus_per_node=2)["id"]) for _ in range(6)]
+    made = sorted(jobs, reverse=True)  # ids the other way round: an order by id reads them reversed
+    node_id = uuid.UUID(node["node_id"])
+    with session_scope(app.state.session_factory) as s:
+        reservations.record(s, at=now(), holds=[reservations.JobHold(j, [node_id], None, 2) for j in made],
+                            reserve=[], started=set(), waiting=[str(j) for j in jobs])
+    with session_scope(app.state.session_factory) as s:
+        assert list(reservations.previous(s)) == [str(j) for j in made]

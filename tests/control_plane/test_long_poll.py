@@ -38,16 +38,18 @@ def _heartbeat(c: httpx.Client, auth: dict[str, str], seq: int, known: list[dict
 class _Wait(threading.Thread):
     """One long poll in the background; ``result``: (status, body, seconds it took)."""
 
-    def __init__(self, base: str, auth: dict[str, str], known: list[dict[str, str]], timeout_s: float) -> None:
+    def __init__(self, base: str, auth: dict[str, str], known: list[dict[str, str]], timeout_s: float,
+                 answer: bool = False) -> None:
         super().__init__(daemon=True)
-        self.args_ = (base, auth, known, timeout_s)
+        self.args_ = (base, auth, known, timeout_s, answer)
         self.result: tuple[int, dict[str, Any], float] | None = None
 
     def run(self) -> None:
-        base, auth, known, timeout_s = self.args_
+        base, auth, known, timeout_s, answer = self.args_
         started = time.monotonic()
         with httpx.Client(base_url=base, timeout=timeout_s + 30) as c:
-            r = c.post("/v1/agent/wait", headers=auth, json={"known": known, "timeout_s": timeout_s})
+            r = c.post("/v1/agent/wait", headers=auth, json={"known": known, "timeout_s": timeout_s,
+                                                            "answer": answer})
         self.result = (r.status_code, r.json(), time.monotonic() - started)
 
 
@@ -117,3 +119,37 @@ def test_wait_is_bounded_and_refuses_bad_credentials_without_500(settings: Setti
         assert r.status_code == 422
     first.join(PROMPTLY_S)
     assert first.result is not None and first.result[:2] == (200, {"changed": False})
+
+
+def test_a_wait_that_asks_for_the_answer_carries_the_change_and_ignores_wake_ups_without_one(settings):
+    """WaitRequest.answer: the change itself comes with the wake-up (no heartbeat needed to learn it),
+    read again at the wake-up; a wake-up that changed nothing for this node (the listener
+    reconnecting wakes every wait) does not end the wait."""
+    app = create_app(settings)
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        auth = _register(c, "lp-3")
+        waiter = _Wait(url, auth, [], timeout_s=60.0, answer=True)
+        waiter.start()
+        _waiting(app)
+        app.state.wakeups.wake_local(list(app.state.wakeups._waiters))  # nothing changed for it
+        time.sleep(0.5)
+        assert waiter.result is None and app.state.wakeups.waiting == 1
+        job = c.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=1), headers=ADMIN).json()
+        assert app.state.loops.schedule_once() == 1
+        waiter.join(PROMPTLY_S)
+        assert waiter.result is not None and waiter.result[0] == 200
+        body = waiter.result[1]
+        [spec] = body["assignments"]
+        assert body["changed"] is True and body["unchanged"] == [] and spec["attempt_id"]
+        assert set(spec["storage"]) == {"prefix"}  # credentials come at registration only
+        known = [{"attempt_id": spec["attempt_id"], "version": spec["version"]}]
+        # The heartbeat agrees: the spec the wait carried is the one held.
+        assert _heartbeat(c, auth, 1, known)["unchanged"] == [{**known[0], "desired": "run"}]
+
+        stop = _Wait(url, auth, known, timeout_s=60.0, answer=True)
+        stop.start()
+        _waiting(app)
+        assert c.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).status_code == 200
+        stop.join(PROMPTLY_S)
+        assert stop.result is not None and stop.result[1] == {
+            "changed": True, "assignments": [], "unchanged": [{**known[0], "desired": "stop"}]}

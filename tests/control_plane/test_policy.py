@@ -6,6 +6,8 @@ The properties check the decision against the inputs with an independent model o
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from hypothesis import given, settings
@@ -76,8 +78,9 @@ def test_multi_node_gang_uses_lowest_indices_and_stable_ranks():
 
 def test_gpu_kind_and_avoided_nodes_are_respected():
     nodes = [node("n1", (0, 1), kind="a100"), node("n2", (0, 1), kind="h100"), node("n3", (0, 1), kind="h100")]
-    assert place(job("a", 1, 2, gpu_kind="h100", avoid_nodes=frozenset({"n2"})), nodes).nodes[0][0] == "n3"
-    assert place(job("a", 2, 2, gpu_kind="a100"), nodes) is None
+    p = place(job("a", 1, 2, gpu_kinds=frozenset({"h100"}), avoid_nodes=frozenset({"n2"})), nodes)
+    assert p is not None and p.nodes[0][0] == "n3"
+    assert place(job("a", 2, 2, gpu_kinds=frozenset({"a100"})), nodes) is None
 
 
 def test_a_gang_without_a_kind_uses_one_kind():
@@ -117,6 +120,90 @@ def test_topology_can_be_turned_off():
     nodes = [node("a1", (0, 1), 4, rack="a"), node("b1", (2, 3), 4, rack="b"), node("b2", (0, 1, 2, 3), rack="b")]
     p = place(job("x", 2, 2), nodes, topology_label=None)
     assert p is not None and {n for n, _ in p.nodes} == {"a1", "b1"}
+
+
+# -- mixed clusters: kinds, names, fragmentation ------------------------------------------------
+
+
+def test_issue_15_minimal_case_places_both_jobs_whatever_the_names():
+    """Issue 15: an unconstrained 1-GPU job took a GPU of the only 8-GPU node because its kind's
+    name came first, so the 8-GPU job behind it could not start; renamed, both were placed."""
+    for g2, p100, t4 in (("G2", "P100", "T4"), ("Z-G2", "P100", "T4"), ("T4", "G2", "P100")):
+        for prefix in ("", "z-"):
+            nodes = [node(f"{prefix}g2-a", tuple(range(8)), kind=g2), node("p100-a", (0,), kind=p100),
+                     busy("t4-a", 2, ends=None, free=1, kind=t4)]
+            d = run([job("small", 1, 1), job("big", 1, 8, t=1)], nodes)
+            where = placed(d)
+            assert set(where) == {"small", "big"}, (g2, prefix, d)
+            assert where["big"] == (f"{prefix}g2-a",) and where["small"] != where["big"]
+            assert {p.job_id: p.gpu_kind for p in d.placements}["big"] == g2
+
+
+def test_small_jobs_keep_the_room_that_waiting_shapes_need():
+    """Best fit would put the 1-GPU job on the node with 2 free GPUs and leave room for only one of
+    the 2-GPU jobs; counting what the waiting shapes lose, it goes where nothing they need breaks."""
+    nodes = [busy("n1", 4, ends=None, free=2), busy("n2", 4, ends=None, free=3)]
+    d = run([job("one", 1, 1), job("two-a", 1, 2, t=1), job("two-b", 1, 2, t=2)], nodes)
+    where = placed(d)
+    assert where["one"] == ("n2",) and {where["two-a"], where["two-b"]} == {("n1",), ("n2",)}
+
+
+def test_a_small_job_fills_a_partly_used_node_before_it_breaks_a_whole_one():
+    nodes = [node("whole", tuple(range(8))), busy("part", 8, ends=None, free=5)]
+    d = run([job("one", 1, 1), job("eight", 1, 8, t=1), job("four", 1, 4, t=2)], nodes)
+    assert placed(d) == {"one": ("part",), "eight": ("whole",), "four": ("part",)}
+
+
+def test_flexible_jobs_leave_a_scarce_kind_to_the_jobs_that_need_it():
+    """Issue 15: the first unconstrained jobs took the only GPUs of the scarcest kind (its name came
+    first) and every job constrained to it waited. They go to the kind with the most free capacity
+    relative to the demand that may use it, whatever the names."""
+    for scarce in ("a-scarce", "z-scarce"):
+        nodes = [node(f"h{i}", tuple(range(8)), kind="h100") for i in range(4)]
+        nodes += [node("s1", (0,), kind=scarce), node("s2", (0,), kind=scarce)]
+        flexible = [job(f"u{i}", 1, 1, t=i) for i in range(2)]
+        d = run(flexible, nodes)
+        assert all(p.gpu_kind == "h100" for p in d.placements) and len(d.placements) == 2
+        d = run([*flexible, job("needs-it", 2, 1, t=5, gpu_kinds=frozenset({scarce}))], nodes)
+        assert {p.job_id: p.gpu_kind for p in d.placements} == {"u0": "h100", "u1": "h100", "needs-it": scarce}
+
+
+def test_a_flexible_job_does_not_take_the_gpus_a_job_naming_that_kind_waits_for():
+    """Demand for a common kind (here an 8-GPU job no node can hold now) makes it look less free than
+    a scarce kind; a flexible 2-GPU job still takes the common kind's free GPUs, not the scarce
+    kind's only node that a waiting job names (it took it before the claims were counted)."""
+    nodes = [busy("b1", 8, ends=None, free=3, kind="common"), node("c1", (0, 1), kind="scarce")]
+    jobs = [job("pair", 1, 2), job("four", 1, 4, t=1), job("eight", 1, 8, t=2),
+            job("needs-it", 1, 2, t=3, gpu_kinds=frozenset({"scarce"}))]
+    d = run(jobs, nodes)
+    assert {p.job_id: p.gpu_kind for p in d.placements} == {"pair": "common", "needs-it": "scarce"}
+
+
+def test_a_job_may_accept_several_kinds_and_runs_on_one():
+    nodes = [node("a1", (0, 1), kind="a100"), busy("h1", 2, ends=None, free=1, kind="h100"),
+             node("h2", (0, 1), kind="h100"), node("l1", (0, 1), kind="l4")]
+    either = frozenset({"a100", "h100"})
+    d = run([job("gang", 2, 1, gpu_kinds=either), job("pair", 2, 2, t=1, gpu_kinds=either)], nodes)
+    kinds = {p.job_id: (p.gpu_kind, {n for n, _ in p.nodes}) for p in d.placements}
+    assert kinds["gang"] == ("h100", {"h1", "h2"})  # one kind: a100 has a single node
+    assert "pair" not in kinds and d.waiting["pair"] == WAIT_RESERVED  # a100 + h100 would hold it; no mixing
+
+
+def test_reservations_are_capped_per_kind():
+    """A job waiting for a scarce kind holds a reservation on it even when the reservations of the
+    common kind are all taken by jobs ahead of it; unconstrained jobs then cannot take its GPUs."""
+    nodes = [busy(f"h{i}", 2, ends=100 + i, kind="h100") for i in range(3)] + [busy("s1", 2, ends=None, kind="p100")]
+    jobs = [job(f"h{i}", 1, 2, t=i, gpu_kinds=frozenset({"h100"})) for i in range(2)]
+    jobs += [job("s", 1, 2, t=5, gpu_kinds=frozenset({"p100"}))]
+    d = run(jobs, nodes, options=PolicyOptions(max_reservations=1))
+    assert {r.job_id: r.node_ids for r in d.reservations} == {"h0": ("h0",), "s": ("s1",)}
+    assert d.waiting["h1"] == WAIT_CAPACITY
+    # s1 frees one GPU: an unconstrained job that fits elsewhere never takes it, not even as backfill
+    # (s's start is unknown), and one that fits nowhere else waits.
+    nodes[-1] = busy("s1", 2, ends=None, free=1, kind="p100")
+    d = run([*jobs, job("u", 1, 1, t=9)], nodes, options=PolicyOptions(max_reservations=1),
+            previous={r.job_id: r.node_ids for r in d.reservations})
+    assert placed(d) == {} and d.waiting["u"] == WAIT_CAPACITY
 
 
 # -- order of service ---------------------------------------------------------------------------
@@ -295,7 +382,7 @@ def queues(draw, node_ids: list[str]) -> list[JobDemand]:
         jobs.append(JobDemand(
             job_id=f"j{i}", num_nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.sampled_from((1, 2, 4, 8))),
             priority=draw(st.integers(-1, 1)), submitted_at=at(i), recovering=recovering,
-            gpu_kind=draw(st.one_of(st.none(), st.sampled_from(KINDS))),
+            gpu_kinds=draw(st.one_of(st.none(), st.sets(st.sampled_from(KINDS), min_size=1).map(frozenset))),
             tenant=draw(st.sampled_from(("t1", "t2", "t3"))),
             time_limit_s=draw(st.one_of(st.none(), st.integers(1, 400))),
             avoid_nodes=frozenset(draw(st.lists(st.sampled_from(node_ids), max_size=1))),
@@ -397,6 +484,72 @@ def _usable(j: JobDemand, nid: str, d: Decision, free, rel, now: float, kept: in
     return max(0, usable)
 
 
+def _descriptors(nodes: list[NodeCapacity], jobs: list[JobDemand], opts: PolicyOptions,
+                 previous: dict[str, tuple[str, ...]]) -> tuple[dict[str, object], dict[str, object]]:
+    """What a node and a GPU kind are apart from their names: capacity, what runs, the topology
+    label, the jobs that refer to them. Nodes (kinds) with equal descriptors are interchangeable."""
+    def base(n: NodeCapacity) -> tuple[object, ...]:
+        running = sorted(((r.ends_at - T0).total_seconds() if r.ends_at else float("inf"), r.gpus) for r in n.running)
+        refs = sorted([(0, j.job_id) for j in jobs if n.node_id in j.prefer_nodes]
+                      + [(1, j.job_id) for j in jobs if n.node_id in j.avoid_nodes]
+                      + [(2 + i, jid) for jid, ids in previous.items()
+                         for i, nid in enumerate(ids) if nid == n.node_id])
+        return (n.total, n.free, tuple(running), n.labels.get("rack", ""), tuple(refs))
+
+    kinds = {}
+    for kind in {n.gpu_kind for n in nodes}:
+        kinds[kind] = (tuple(sorted(base(n) for n in nodes if n.gpu_kind == kind)),
+                       tuple(sorted(j.job_id for j in jobs if j.gpu_kinds and kind in j.gpu_kinds)),
+                       opts.reserve_nodes(kind))
+    return {n.node_id: (kinds[n.gpu_kind], base(n)) for n in nodes}, kinds
+
+
+def _signature(d: Decision, nodes, jobs, opts, previous) -> tuple[object, ...]:
+    """The decision with every node and kind replaced by its descriptor (rank order aside)."""
+    desc, kinds = _descriptors(nodes, jobs, opts, previous)
+    return (
+        [(p.job_id, sorted((desc[nid], ix) for nid, ix in p.nodes), kinds[p.gpu_kind], p.backfill, p.from_reserve)
+         for p in d.placements],
+        [(r.job_id, r.earliest_start, sorted((desc[h.node_id], h.gpus, h.free_at_start, h.held, h.strict)
+                                             for h in r.nodes)) for r in d.reservations],
+        sorted((kinds[h.gpu_kind], sorted(desc[nid] for nid in h.node_ids), h.idle_gpus) for h in d.recovery_reserve),
+        d.waiting,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios(), st.data())
+def test_decisions_do_not_depend_on_names_or_input_order(scenario, data):
+    """Issue 15: renaming the GPU kinds and the nodes, and shuffling the nodes and the jobs, gives
+    the same decisions up to the renaming (two passes: the second keeps the first's reservations)."""
+    nodes, jobs, tenants, opts, now = scenario
+    names = data.draw(st.permutations([f"m{i}" for i in range(len(nodes))]))
+    node_map = {n.node_id: f"{names[i]}-{data.draw(st.sampled_from('az'))}" for i, n in enumerate(nodes)}
+    kind_map = dict(zip(KINDS, data.draw(st.permutations(["zz-" + KINDS[0], "aa-" + KINDS[1]])), strict=True))
+
+    def ids(s: frozenset[str]) -> frozenset[str]:
+        return frozenset(node_map[x] for x in s)
+
+    renamed_nodes = data.draw(st.permutations([replace(n, node_id=node_map[n.node_id], name=node_map[n.node_id],
+                                                       gpu_kind=kind_map[n.gpu_kind]) for n in nodes]))
+    renamed_jobs = data.draw(st.permutations([
+        replace(j, gpu_kinds=frozenset(kind_map[k] for k in j.gpu_kinds) if j.gpu_kinds else None,
+                avoid_nodes=ids(j.avoid_nodes), prefer_nodes=ids(j.prefer_nodes)) for j in jobs]))
+    renamed_opts = replace(opts, recovery_reserve={kind_map[k]: v for k, v in opts.recovery_reserve.items()})
+    first = decide(jobs, nodes, now=at(now), tenants=tenants, options=opts)
+    again = decide(renamed_jobs, renamed_nodes, now=at(now), tenants=tenants, options=renamed_opts)
+    assert _signature(first, nodes, jobs, opts, {}) == _signature(again, renamed_nodes, renamed_jobs, renamed_opts, {})
+    previous = {r.job_id: r.node_ids for r in first.reservations}
+    starts = {r.job_id: r.earliest_start for r in first.reservations}
+    renamed_previous = {jid: tuple(node_map[n] for n in nids) for jid, nids in previous.items()}
+    second = decide(jobs, nodes, now=at(now + 1), tenants=tenants, options=opts, previous=previous,
+                    previous_starts=starts)
+    again = decide(renamed_jobs, renamed_nodes, now=at(now + 1), tenants=tenants, options=renamed_opts,
+                   previous=renamed_previous, previous_starts=starts)
+    assert (_signature(second, nodes, jobs, opts, previous)
+            == _signature(again, renamed_nodes, renamed_jobs, renamed_opts, renamed_previous))
+
+
 @settings(max_examples=400, deadline=None)
 @given(scenarios())
 def test_decisions_are_whole_gangs_within_free_capacity_and_quotas(scenario):
@@ -414,7 +567,8 @@ def test_decisions_are_whole_gangs_within_free_capacity_and_quotas(scenario):
         j = by_id[p.job_id]
         assert len(p.nodes) == j.num_nodes == len({nid for nid, _ in p.nodes})  # never a partial gang
         kinds = {caps[nid].gpu_kind for nid, _ in p.nodes}
-        assert len(kinds) == 1 and (j.gpu_kind is None or kinds == {j.gpu_kind})  # one kind, the right one
+        assert len(kinds) == 1 and (j.gpu_kinds is None or kinds <= j.gpu_kinds)  # one kind, an accepted one
+        assert p.gpu_kind == caps[p.nodes[0][0]].gpu_kind
         for nid, ix in p.nodes:
             assert len(ix) == j.gpus_per_node
             assert set(ix) <= free[nid]  # never a GPU that is not free, never one twice
@@ -448,7 +602,7 @@ def test_no_job_waits_that_could_fit_without_delaying_a_reservation(scenario):
             assert quota is not None and used.get(j.tenant, 0) + j.num_gpus > quota
             continue
         for kind in {n.gpu_kind for n in nodes}:
-            if j.gpu_kind not in (None, kind):
+            if j.gpu_kinds is not None and kind not in j.gpu_kinds:
                 continue
             fits = [n.node_id for n in nodes if n.gpu_kind == kind and n.node_id not in j.avoid_nodes
                     and _usable(j, n.node_id, d, free, rel, now, _kept(jobs, tenants, n.node_id), jobs)
@@ -472,7 +626,12 @@ def _assert_holds(nodes: list[NodeCapacity], jobs: list[JobDemand], d: Decision,
     by_id = {j.job_id: j for j in jobs}
     holders = [r.job_id for r in d.reservations]
     assert len(set(holders)) == len(holders)
-    assert sum(1 for jid in holders if not by_id[jid].recovering) <= opts.max_reservations
+    kind = {n.node_id: n.gpu_kind for n in nodes}
+    per_kind = Counter(kind[r.node_ids[0]] for r in d.reservations if not by_id[r.job_id].recovering)
+    assert all(v <= opts.max_reservations for v in per_kind.values())  # capped per GPU kind
+    for r in d.reservations:  # a reservation holds nodes of one kind, one its job accepts
+        kinds = {kind[nid] for nid in r.node_ids}
+        assert len(kinds) == 1 and (by_id[r.job_id].gpu_kinds is None or kinds <= by_id[r.job_id].gpu_kinds)
     holding = [nid for r in d.reservations for nid in r.node_ids]
     for r in d.reservations:
         j = by_id[r.job_id]
@@ -527,13 +686,19 @@ MAX_STOP = 3
 """Seconds an attempt may take to stop (its GPUs held) in the simulations."""
 
 
+STREAM_KINDS = (None, frozenset({"common"}), frozenset({"scarce"}), frozenset({"common", "scarce"}))
+
+
 @st.composite
-def streams(draw, *, limited: bool = False, one_class: bool = False, stopping: bool = True):
+def streams(draw, *, limited: bool = False, one_class: bool = False, stopping: bool = True, kinds: bool = False):
     """A cluster and a stream of arriving jobs, each with a time limit (a few without, unless
     ``limited``), a run time and a stop time (the attempt is stopping, its GPUs still held; none
     unless ``stopping``) that end within it. ``one_class``: one tenant and one priority (service
-    order is submit order)."""
-    nodes = [(f"n{i}", draw(st.sampled_from((2, 4)))) for i in range(draw(st.integers(2, 5)))]
+    order is submit order). ``kinds``: a common GPU kind and one or two nodes of a scarce one; jobs
+    accept any kind, one of them, or both."""
+    nodes = [(f"n{i}", draw(st.sampled_from((2, 4))), "common") for i in range(draw(st.integers(2, 5)))]
+    if kinds:
+        nodes += [(f"s{i}", draw(st.sampled_from((1, 2))), "scarce") for i in range(draw(st.integers(1, 2)))]
     jobs = []
     for i in range(draw(st.integers(1, 14))):
         limit = draw(st.integers(5, 200) if limited else st.one_of(st.none(), st.integers(5, 200)))
@@ -544,6 +709,7 @@ def streams(draw, *, limited: bool = False, one_class: bool = False, stopping: b
             job_id=f"j{i}", num_nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.sampled_from((1, 2, 4))),
             submitted_at=at(arrives + i / 1000), tenant="t1" if one_class else draw(st.sampled_from(("t1", "t2"))),
             time_limit_s=limit, priority=0 if one_class else draw(st.sampled_from((0, 0, 1))),
+            gpu_kinds=draw(st.sampled_from(STREAM_KINDS)) if kinds else None,
         ), runs, stops))
     # A 1-GPU stream: the shape of finding 15 (small jobs keep the queue deep before a gang).
     if draw(st.booleans()):
@@ -553,7 +719,8 @@ def streams(draw, *, limited: bool = False, one_class: bool = False, stopping: b
             arrives = first + k * draw(st.integers(0, 4))
             jobs.append((arrives, JobDemand(
                 job_id=f"j{i}", num_nodes=1, gpus_per_node=1, submitted_at=at(arrives + i / 1000), tenant="t1",
-                time_limit_s=40), 8, draw(st.integers(0, 2)) if stopping else 0))
+                time_limit_s=40, gpu_kinds=draw(st.sampled_from(STREAM_KINDS)) if kinds else None),
+                8, draw(st.integers(0, 2)) if stopping else 0))
     return nodes, jobs, draw(st.integers(1, 4))
 
 
@@ -586,13 +753,13 @@ def _simulate(stream, check=None, *, promise_kept: bool = True) -> None:
         for jid in [jid for jid, (_, released) in stopping.items() if released <= now]:
             del stopping[jid]
         caps = []
-        for name, total in node_specs:
+        for name, total, kind in node_specs:
             held = [(gpus[name], at(e) if e is not None else None) for gpus, _, e in running.values() if name in gpus]
             held += [(gpus[name], at(now)) for gpus, _ in stopping.values() if name in gpus]
             used = {i for g, _ in held for i in g}
             caps.append(NodeCapacity(
                 node_id=name, name=name, total=total, free=tuple(i for i in range(total) if i not in used),
-                running=tuple(Running(gpus=len(g), ends_at=e) for g, e in held)))
+                gpu_kind=kind, running=tuple(Running(gpus=len(g), ends_at=e) for g, e in held)))
         d = decide(waiting, caps, now=at(now), previous=previous, previous_starts=starts, options=opts)
         _assert_holds(caps, waiting, d, opts, now)
         if check is not None:
@@ -624,8 +791,11 @@ def test_a_reserved_job_starts_no_later_than_its_earliest_start(stream):
     _simulate(stream)
 
 
-def _could_ever_fit(j: JobDemand, node_specs) -> bool:
-    return sum(1 for _, total in node_specs if total >= j.gpus_per_node) >= j.num_nodes
+def _could_ever_fit(j: JobDemand, node_specs, kind: str | None = None) -> bool:
+    """Whether nodes of one kind (``kind``, or any the job accepts) could hold ``j`` when empty."""
+    kinds = {k for _, _, k in node_specs} if kind is None else {kind}
+    return any(sum(1 for _, total, k in node_specs if k == each and total >= j.gpus_per_node) >= j.num_nodes
+               for each in kinds if j.gpu_kinds is None or each in j.gpu_kinds)
 
 
 @settings(max_examples=250, deadline=None)
@@ -659,3 +829,29 @@ def test_the_first_blocked_jobs_in_service_order_hold_the_reservations(stream):
         assert {r.job_id for r in d.reservations} == {j.job_id for j in blocked[:depth]}, now
 
     _simulate(stream, check, promise_kept=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(streams(limited=True, one_class=True, stopping=False, kinds=True))
+def test_a_job_waiting_for_a_scarce_kind_is_not_passed_over_by_later_jobs(stream):
+    """Issue 15, across kinds: reservations are capped per GPU kind and hold only nodes of a kind
+    their job accepts. A blocked job holds none only while every kind it accepts (and could fit
+    on) has all its reservations, taken by jobs submitted before it: so jobs that come later,
+    constrained or not, never keep it from its kind; and every reserved job starts by its first
+    earliest start."""
+    node_specs, _, depth = stream
+    kind_of = {name: kind for name, _, kind in node_specs}
+
+    def check(now: float, waiting: list[JobDemand], d: Decision) -> None:
+        holders = {r.job_id: kind_of[r.node_ids[0]] for r in d.reservations}
+        submitted = {j.job_id: j.submitted_at for j in waiting}
+        for j in waiting:
+            if j.job_id not in d.waiting or j.job_id in holders:
+                continue
+            for kind in {"common", "scarce"}:
+                if (j.gpu_kinds is None or kind in j.gpu_kinds) and _could_ever_fit(j, node_specs, kind):
+                    on_kind = [jid for jid, k in holders.items() if k == kind]
+                    assert len(on_kind) >= depth, f"at {now}: {j.job_id} holds nothing; {kind} has {on_kind}"
+                    assert all(submitted[jid] < j.submitted_at for jid in on_kind), (now, j.job_id, on_kind)
+
+    _simulate(stream, check)

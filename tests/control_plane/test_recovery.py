@@ -14,7 +14,7 @@ from control_plane import clock
 from control_plane.db import session_scope
 from control_plane.models import Node
 from control_plane.scheduler.loops import Loops
-from control_plane.services import nodes
+from control_plane.services import attempts, nodes
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 from tests.helpers import in_parallel
 from trainyard.protocol.agent import HeartbeatRequest
@@ -101,10 +101,11 @@ def test_a_node_that_failed_a_job_twice_is_avoided(client, schedule, three_nodes
         [(name, spec)] = _assignments(three_nodes).items()
         used.append(name)
         if len(used) < 3:
-            # Fail it on node-1 twice: the scheduler's best fit picks node-1 again as long as it may.
+            # Fail it twice on the node it gets: the recovery goes back to its last attempt's node
+            # as long as it may (whichever node that is: placement never depends on names).
             _fail(by_name[name], spec)
             by_name[name].heartbeat([])
-    assert used[:2] == ["node-1", "node-1"] and used[2] != "node-1"
+    assert used[0] == used[1] and used[2] != used[0]
 
 
 def test_a_job_that_only_fits_on_a_twice_failed_node_fails(client, schedule):
@@ -173,8 +174,9 @@ def test_recovery_replaces_gpus_with_gpus_of_the_same_kind(client, schedule):
     assert list(_assignments(others)) == ["c-1"]
 
 def test_two_nodes_releasing_at_once_still_end_the_attempt(app, client, schedule):
-    """Each release checks whether every node has released; without the job/attempt locks, two
-    concurrent releases would each see the other's part unreleased and the attempt never end."""
+    """Each release checks whether every node has released, after its own transaction committed
+    (attempts.finish_released): two releases in transactions open at once would each see the
+    other's part unreleased, and the attempt would never end."""
     agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
     job = client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1, max_failures=0), headers=ADMIN).json()
     assert schedule() == 1
@@ -190,9 +192,31 @@ def test_two_nodes_releasing_at_once_still_end_the_attempt(app, client, schedule
             with contextlib.suppress(threading.BrokenBarrierError):
                 both_inside.wait(timeout=1.0)  # both in their transaction, unless one waits for the other
             session.commit()
+            attempts.finish_released(session, attempts.released_attempts(session))  # as the heartbeat does
+            session.commit()
         finally:
             session.close()
 
     in_parallel(release, [(a,) for a in agents], timeout=30)
     [attempt] = _attempts(client, job["id"])
     assert all(n["released_at"] for n in attempt["nodes"]) and attempt["state"] == "ended"
+
+
+def test_a_released_gang_that_no_release_finished_is_ended_by_the_monitor(app, client, schedule):
+    """A control plane that dies between a release's commit and its finish (the second transaction,
+    attempts.finish_released) leaves a stopping attempt whose every part is released: the monitor
+    loop's sweep ends it, and its job's next attempt can be placed."""
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
+    job = client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1, max_failures=1), headers=ADMIN).json()
+    assert schedule() == 1
+    specs = _assignments(agents)
+    _fail(agents[1], specs["node-2"])
+    with session_scope(app.state.session_factory) as session:
+        for agent in agents:  # both confirm their processes gone; nobody finishes the gang
+            nodes.heartbeat(session, session.get(Node, uuid.UUID(agent.node_id)),
+                            HeartbeatRequest(agent_instance="crash", seq=1000, attempts=[]))
+    [attempt] = _attempts(client, job["id"])
+    assert attempt["state"] == "stopping" and all(n["released_at"] for n in attempt["nodes"])
+    app.state.loops.monitor_once()
+    assert _attempts(client, job["id"])[0]["state"] == "ended"
+    assert schedule() == 1 and len(_attempts(client, job["id"])) == 2

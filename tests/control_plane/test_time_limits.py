@@ -55,8 +55,10 @@ def test_an_ending_written_without_autoflush_is_not_lost_to_the_reload_of_the_lo
         attempt = s.get(Attempt, row.current_attempt_id)
         attempts.end_attempt(s, attempt, outcome="succeeded", reason="finished")
         set_job_state(s, row, "succeeded", "attempt 1 finished")
-        for part in s.scalars(select(AttemptNode).where(AttemptNode.attempt_id == attempt.id)).all():
-            attempts.release_part(s, part)
+        parts = s.scalars(select(AttemptNode.id).where(AttemptNode.attempt_id == attempt.id)).all()
+        attempts.release_parts(s, parts)
+        s.commit()
+        attempts.finish_released(s, [attempt.id])  # after the release committed, as its callers do
         s.commit()
     clock.advance(120)
     assert app.state.loops.limits_once() == 0

@@ -7,9 +7,11 @@ requests are refused without a 500; each shard's wait shows in the checkpoint vi
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -270,7 +272,7 @@ def test_a_worker_waits_for_its_slot_through_its_agent(settings: Settings) -> No
     with a wrong token is refused by its agent, and a stale attempt's worker gets no slot while its
     agent is told to stop it."""
     from node_agent.client import ControlPlaneClient, RetryPolicy
-    from node_agent.local_api import LocalApi
+    from node_agent.local_api import BASE_URL, LocalApi
     from node_agent.upload_slots import SlotRelay
     from trainyard.protocol.agent import AttemptStatusReport, HeartbeatRequest, RegisterRequest
     from worker_runtime import WorkerContext
@@ -289,13 +291,15 @@ def test_a_worker_waits_for_its_slot_through_its_agent(settings: Settings) -> No
         stale: list[str] = []
         relay = SlotRelay(client, target=lambda a: (spec.fencing_token, spec.node_rank),
                           on_stale=lambda a, exc: stale.append(a), on_unauthorized=lambda: None)
-        api = LocalApi("127.0.0.1", 0, slots=relay)
-        api.start()
+        api = LocalApi(slots=relay)
         api.reports.register(spec.attempt_id, spec.fencing_token)
+        sockets = tempfile.TemporaryDirectory(prefix="us-", dir="/tmp")  # a socket path holds 107 bytes
+        path = Path(sockets.name) / f"{spec.attempt_id}.0.sock"
+        api.open(spec.attempt_id, path)
         try:
             def worker(rank: int, token: str = spec.fencing_token) -> UploadSlots:
                 ctx = WorkerContext(job_id=spec.job_id, attempt_id=spec.attempt_id, fencing_token=token, rank=rank,
-                                    world_size=2, agent_url=api.url)
+                                    world_size=2, agent_url=BASE_URL, agent_socket=str(path))
                 return UploadSlots(ctx, unreachable_s=5.0)
 
             never = threading.Event()
@@ -323,6 +327,7 @@ def test_a_worker_waits_for_its_slot_through_its_agent(settings: Settings) -> No
         finally:
             api.stop()
             client.close()
+            sockets.cleanup()
 
 
 @pytest.fixture

@@ -61,13 +61,15 @@ class Cluster:
 
 class TcpProxy:
     """Forwards ``127.0.0.1:port`` to ``target``. ``cut()`` resets every open connection and refuses
-    new ones (the server looks down to its clients) until ``restore()``. ``blackhole()`` is a
+    new ones (the server looks down to its clients) until ``restore()``. A ``target`` of
+    ``unix:<path>`` forwards to a unix socket (the embedded PostgreSQL listens on one only). ``blackhole()`` is a
     partition rather than an outage: connections stay open and new ones are accepted, but no byte
     gets through in either direction, so clients wait until their own timeouts; ``heal()`` resets
     what was held (its requests were lost) and forwards again."""
 
     def __init__(self, target: str) -> None:
-        host, port = target.rsplit(":", 1)
+        self.unix = target.removeprefix("unix:") if target.startswith("unix:") else None
+        host, port = ("", "0") if self.unix else target.rsplit(":", 1)
         self.target = (host, int(port))
         self._listener = self._listen(0)
         self.port = self._listener.getsockname()[1]
@@ -107,7 +109,7 @@ class TcpProxy:
                     self._conns.add(client)  # held open, never answered, reset at heal()
                 continue
             try:
-                upstream = socket.create_connection(self.target, timeout=5)
+                upstream = self._connect_upstream()
             except OSError:
                 client.close()
                 continue
@@ -115,6 +117,19 @@ class TcpProxy:
                 self._conns |= {client, upstream}
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _connect_upstream(self) -> socket.socket:
+        if self.unix is None:
+            return socket.create_connection(self.target, timeout=5)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(5)
+            sock.connect(self.unix)
+            sock.settimeout(None)  # an idle pooled database connection is not a dead one
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -250,11 +265,13 @@ def live_cluster(
     finally:
         if http is not None:
             http.close()
-        for p in _processes_under(data_dir):  # frozen ones first get to die, not to wait for a CONT
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(signal.SIGCONT)
+        for directory in dev.worker_dirs:
+            for p in _processes_under(directory):  # frozen ones first get to die, not to wait for a CONT
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(signal.SIGCONT)
         dev.stop()
-        _kill_processes_under(data_dir)  # orphans of a SIGKILLed agent: workers in their own sessions
+        for directory in dev.worker_dirs:
+            _kill_processes_under(directory)  # orphans of a SIGKILLed agent: workers in their own sessions
         for p in [proxy, *agent_proxies.values()]:
             if p is not None:
                 p.close()

@@ -6,8 +6,10 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import pytest
 
 from node_agent import credential, processes
 from node_agent.agent import Agent, AgentConfig
+from tests.node_agent import worker_client
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import free_port, make_spec, wait_for, write_script
 from trainyard.protocol.agent import LaunchSpec, NodeAttemptState, WorkerState
@@ -24,13 +27,12 @@ from trainyard.protocol.agent import LaunchSpec, NodeAttemptState, WorkerState
 NODE = "node-a"
 
 REPORTER = """
-import json, os, sys, urllib.request
+import os, sys
+from tests.node_agent.worker_client import post as _post
 
 def post(kind, body):
-    url = f"{os.environ['TRAINYARD_AGENT_URL']}/v1/local/attempts/{os.environ['TRAINYARD_ATTEMPT_ID']}/{kind}"
-    body["fencing_token"] = os.environ["TRAINYARD_FENCING_TOKEN"]
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=5).read()
+    status, answer = _post(kind, body, timeout=5)
+    assert status == 200, answer
 
 rank = int(os.environ["RANK"])
 for step in (1, 2, 3):
@@ -44,20 +46,13 @@ if rank == 0:
 SLEEPER = "import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n"
 
 CHECKPOINTER = """
-import json, os, sys, time, urllib.error, urllib.request
+import json, os, sys, time
+from tests.node_agent.worker_client import post as _post
 
-base = f"{os.environ['TRAINYARD_AGENT_URL']}/v1/local/attempts/{os.environ['TRAINYARD_ATTEMPT_ID']}"
 mode, out = sys.argv[1], sys.argv[2]
 
 def post(path, body):
-    body["fencing_token"] = os.environ["TRAINYARD_FENCING_TOKEN"]
-    headers = {"Content-Type": "application/json"}
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=40) as resp:
-            return [resp.status, json.loads(resp.read())]
-    except urllib.error.HTTPError as exc:
-        return [exc.code, json.loads(exc.read())]
+    return list(_post(path.lstrip("/"), body))
 
 def shard(step):
     key = f"ckpt/step-{step}/rank-0"
@@ -247,18 +242,31 @@ def test_runs_an_assigned_attempt_and_reports_it(agents: Agents, plane: FakeCont
     wait_for(lambda: plane.last_heartbeat(NODE).seq >= seq + 5, what="more heartbeats")  # type: ignore[union-attr]
     assert json.loads(state_file.read_text()) == state
     assert state["done"] and state["final_acked"]
+    # The agent's state is its own (state.json holds the fencing token); the worker dir is gone.
+    work_dir = agents.tmp_path / "agent"
+    assert stat.S_IMODE(state_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(state_file.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE((work_dir / "attempts").stat().st_mode) == 0o700
+    assert stat.S_IMODE(work_dir.stat().st_mode) == 0o711
+    assert not (work_dir / "workers" / f"{spec.attempt_id}.0").exists()
     assert plane.status_count(spec.attempt_id) == count
     assert not attempt_pids(spec.attempt_id)
 
 
 def test_unassigned_attempt_is_stopped(agents: Agents, plane: FakeControlPlane) -> None:
-    agents.start()
+    agent = agents.start()
     spec = agents.spec("sleep.py", SLEEPER, nproc_per_node=1, gpu_indices=[1])
+    before = time.monotonic()
     plane.assign(NODE, spec)
     wait_state(plane, spec.attempt_id, NodeAttemptState.running)
     wait_for(lambda: plane.heartbeat_attempts(NODE) == {spec.attempt_id}, what="the attempt in heartbeats")
     pids = attempt_pids(spec.attempt_id)
     assert len(pids) == 3  # torchrun, shim, worker
+    # An answer to a request that left before the attempt arrived (the long poll and the heartbeat
+    # are read at different moments) may predate its assignment: its silence stops nothing.
+    agent._reconcile([], [], sent_at=before)
+    run = agent.run(spec.attempt_id)
+    assert run is not None and not run.stopping and run.alive
     plane.assign(NODE)
     final = wait_state(plane, spec.attempt_id, NodeAttemptState.stopped, timeout=10)
     assert gone(pids)
@@ -358,12 +366,16 @@ def test_restarted_agent_adopts_and_outage_keeps_workers(agents: Agents, plane: 
     plane.assign(NODE, spec)
     wait_state(plane, spec.attempt_id, NodeAttemptState.running)
     pids = attempt_pids(spec.attempt_id)
-    url = first.local_api_url
+    socket_path = first.local_api_socket(spec.attempt_id)
+    assert socket_path is not None
     first.stop()
     assert attempt_pids(spec.attempt_id) == pids  # kept running
+    assert not Path(socket_path).exists()
 
     second = agents.start()
-    assert second.local_api_url == url  # the workers' TRAINYARD_AGENT_URL still reaches the agent
+    assert second.local_api_socket(spec.attempt_id) == socket_path  # its workers' TRAINYARD_AGENT_SOCKET
+    status, _ = worker_client.request("GET", "/healthz", socket_path=socket_path, timeout=5)
+    assert status == 200
     run = second.run(spec.attempt_id)
     assert run is not None and run.adopted and run.alive
     instance_hb = lambda: [hb for _, hb in plane.heartbeats if hb.agent_instance == second.instance]  # noqa: E731

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from node_agent import processes
 from node_agent.attempt import AttemptRun
@@ -72,7 +73,7 @@ def test_command_line(tmp_path: Path) -> None:
     assert cmd[cmd.index("node_agent.rank_shim") :] == [
         "node_agent.rank_shim",
         "--log-dir",
-        str(tmp_path / "logs"),
+        str(tmp_path / "worker" / "logs"),
         "file",
         "/src/train.py",
         "--lr",
@@ -84,27 +85,35 @@ def test_command_line(tmp_path: Path) -> None:
 
 
 def test_worker_env(tmp_path: Path) -> None:
-    base = {"PATH": "/bin", "TRAINYARD_JOIN_TOKEN": "secret", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-    spec = make_spec(
-        gpu_indices=[2, 3],
-        env={"FOO": "bar", "OMP_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "7", "TRAINYARD_FENCING_TOKEN": "x"},
-        restore_from=None,
-    )
-    paths = AttemptPaths(tmp_path)
-    virtual = worker_env(
-        spec, NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env=base), paths
-    )
-    assert "TRAINYARD_JOIN_TOKEN" not in virtual  # the agent's own secrets stay with the agent
-    assert virtual["FOO"] == "bar" and virtual["PATH"] == "/bin"
-    assert virtual["OMP_NUM_THREADS"] == "4"  # a default the job may override
+    """Finding 11: torchrun's environment is an allow-list of the agent's plus the platform's; the
+    job's env reaches only the training process (through the rank shim), never torchrun."""
+    base = {"PATH": "/bin", "TRAINYARD_JOIN_TOKEN": "secret", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+            "AWS_SECRET_ACCESS_KEY": "agent-secret", "LD_PRELOAD": "/agent.so", "PYTHONPATH": "/agent-lib",
+            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "NCCL_DEBUG": "INFO", "SITE_SETTING": "x"}
+    job_env = {"FOO": "bar", "OMP_NUM_THREADS": "4", "PYTHONPATH": "/job-lib"}
+    spec = make_spec(gpu_indices=[2, 3], env=job_env, restore_from=None)
+    paths = AttemptPaths(tmp_path, tmp_path / "w", tmp_path / "a.sock")
+    node = NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env=base,
+                       python="/opt/py/bin/python")
+    virtual = worker_env(spec, node, paths, uid=20001)
+    for name in ("TRAINYARD_JOIN_TOKEN", "AWS_SECRET_ACCESS_KEY", "LD_PRELOAD", "SITE_SETTING", "FOO"):
+        assert name not in virtual, name  # neither the agent's own variables nor the job's
+    assert json.loads(virtual["TRAINYARD_JOB_ENV"]) == job_env  # for the shim, for the training process
+    assert virtual["PATH"] == "/opt/py/bin:/bin"
+    assert virtual["PYTHONPATH"].split(":")[-1] == "/agent-lib" and "/job-lib" not in virtual["PYTHONPATH"]
+    assert virtual["LANG"] == virtual["LC_ALL"] == "C.UTF-8" and virtual["NCCL_DEBUG"] == "INFO"
+    assert virtual["HOME"] == str(tmp_path / "w" / "home") and virtual["TMPDIR"] == str(tmp_path / "w" / "tmp")
+    assert virtual["USER"] == virtual["LOGNAME"] == "trainyard-20001"
+    assert virtual["OMP_NUM_THREADS"] == "1"  # the platform's default; the job's 4 comes through the shim
     assert virtual["CUDA_VISIBLE_DEVICES"] == "" and virtual["TRAINYARD_DEVICE"] == "cpu"
-    assert virtual["TRAINYARD_FENCING_TOKEN"] == spec.fencing_token  # not overridable
+    assert virtual["TRAINYARD_FENCING_TOKEN"] == spec.fencing_token
     assert virtual["GLOO_SOCKET_IFNAME"] == "lo"
     assert virtual["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert json.loads(virtual["TRAINYARD_CHECKPOINT"]) == {"every_steps": 10}
     assert json.loads(virtual["TRAINYARD_RESTORE_FROM"]) is None
-    assert virtual["TRAINYARD_STATUS_DIR"] == str(tmp_path / "status")
+    assert virtual["TRAINYARD_STATUS_DIR"] == str(tmp_path / "w" / "status")
     assert virtual["TRAINYARD_AGENT_URL"] == "http://a:1"
+    assert virtual["TRAINYARD_AGENT_SOCKET"] == str(tmp_path / "a.sock")
     assert virtual["TRAINYARD_ATTEMPT_ID"] == spec.attempt_id
     assert virtual["TRAINYARD_NODE_RANK"] == "0" and virtual["TRAINYARD_ATTEMPT_NUMBER"] == "1"
     assert "TRAINYARD_LAYOUT" not in virtual  # no layout: plain DDP
@@ -112,13 +121,16 @@ def test_worker_env(tmp_path: Path) -> None:
     layered = worker_env(make_spec(layout=fsdp), NodeContext(local_addr="127.0.0.2", agent_url="http://a:1",
                                                             virtual=True, base_env=base), paths)
     assert Layout.model_validate_json(layered["TRAINYARD_LAYOUT"]) == fsdp
-    gpu = worker_env(
-        spec, NodeContext(local_addr="10.1.2.3", agent_url="http://a:1", virtual=False, base_env=base), paths
-    )
+    more = NodeContext(local_addr="10.1.2.3", agent_url="http://a:1", virtual=False, base_env=base,
+                       env_passthrough=("SITE_SETTING",))
+    gpu = worker_env(spec, more, paths)
     assert gpu["CUDA_VISIBLE_DEVICES"] == "2,3" and gpu["TRAINYARD_DEVICE"] == "cuda"
     assert gpu["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert "GLOO_SOCKET_IFNAME" not in gpu
+    assert gpu["SITE_SETTING"] == "x"  # an operator's addition to the allow-list
+    assert "GLOO_SOCKET_IFNAME" not in gpu and "USER" not in gpu
     assert not any(k.startswith("TRAINYARD_S3_") for k in gpu)  # no storage in the spec
+    with pytest.raises(ValueError, match="TRAINYARD_"):
+        NodeContext(local_addr="a", agent_url="b", virtual=True, env_passthrough=("TRAINYARD_JOIN_TOKEN",))
 
 
 def test_storage_env_never_passes_a_credential(tmp_path: Path) -> None:

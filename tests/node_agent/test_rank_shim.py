@@ -123,3 +123,20 @@ def test_worker_dies_with_the_shim(tmp_path: Path, spawned: list[subprocess.Pope
             return True
 
     wait_for(gone, timeout=5, what="the orphaned worker to die")
+
+
+def test_the_job_env_reaches_the_training_process_only_and_never_a_reserved_name(capsys) -> None:
+    """Finding 11: the job's env is applied by the shim to its child; PYTHONPATH is appended to the
+    platform's, and names the platform keeps are left out even if a spec carried them."""
+    job = {"FOO": "bar", "PYTHONPATH": "/job", "OMP_NUM_THREADS": "4", "LD_PRELOAD": "/x.so", "PET_NNODES": "9",
+           "TRAINYARD_FENCING_TOKEN": "forged", "HOME": "/root"}
+    platform = {"PYTHONPATH": "/repo:/cwd", "OMP_NUM_THREADS": "1", "HOME": "/w/home",
+                "TRAINYARD_FENCING_TOKEN": "real", "TRAINYARD_JOB_ENV": json.dumps(job)}
+    env = rank_shim.child_env(platform)
+    assert "TRAINYARD_JOB_ENV" not in env
+    assert env["FOO"] == "bar" and env["OMP_NUM_THREADS"] == "4"
+    assert env["PYTHONPATH"] == "/repo:/cwd:/job"
+    assert env["TRAINYARD_FENCING_TOKEN"] == "real" and env["HOME"] == "/w/home"
+    assert "LD_PRELOAD" not in env and "PET_NNODES" not in env
+    assert capsys.readouterr().err.count("left out") == 4
+    assert rank_shim.child_env({"TRAINYARD_JOB_ENV": "[1]", "A": "b"}) == {"A": "b"}

@@ -164,3 +164,29 @@ def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_reports_go_over_the_attempts_unix_socket() -> None:
+    """The agent serves each attempt on a unix socket of its own (TRAINYARD_AGENT_SOCKET)."""
+    import tempfile
+    from pathlib import Path
+
+    from node_agent.local_api import BASE_URL, LocalApi
+
+    with tempfile.TemporaryDirectory(prefix="rs-", dir="/tmp") as directory:
+        api = LocalApi()
+        api.reports.register("att-u", "tok-u")
+        api.open("att-u", Path(directory) / "att-u.0.sock")
+        try:
+            ctx = WorkerContext.from_env({"TRAINYARD_AGENT_URL": BASE_URL, "TRAINYARD_ATTEMPT_ID": "att-u",
+                                          "TRAINYARD_FENCING_TOKEN": "tok-u", "TRAINYARD_DEVICE": "cpu",
+                                          "TRAINYARD_AGENT_SOCKET": str(Path(directory) / "att-u.0.sock")})
+            with Reporter(ctx, echo=False) as reporter:
+                reporter.progress(5, loss=0.5, nan_metric=float("nan"))
+                reporter.flush()
+                reporter.result({"ok": 1, "nan": float("nan")})
+            progress, result = api.reports.snapshot("att-u")
+            assert progress is not None and progress.step == 5 and progress.metrics == {}
+            assert result == {"ok": 1, "nan": None}
+        finally:
+            api.stop()

@@ -40,7 +40,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from trainyard.protocol.layout import Layout
 from trainyard.protocol.limits import (
@@ -279,15 +279,28 @@ class HeartbeatResponse(_Wire):
 class WaitRequest(_Wire):
     """``POST /v1/agent/wait``: a long poll. Answered as soon as the node's desired state differs
     from ``known`` (a new or changed assignment, a stop order), or after ``timeout_s`` (at most the
-    control plane's ``agent_wait_timeout_s``) with ``changed`` false. The agent heartbeats at once
-    when ``changed``; either way it then waits again."""
+    control plane's ``agent_wait_timeout_s``) with ``changed`` false. With ``answer``, a change comes
+    with the node's desired state, as a heartbeat answer would carry it, and the agent applies it
+    at once; without, the agent heartbeats at once when ``changed``. Either way it then waits again."""
 
     known: list[KnownAssignment] = Field(default_factory=list, max_length=1024)
     timeout_s: float | None = Field(default=None, gt=0, le=120)
+    answer: bool = Field(
+        default=False,
+        description="Answer a change with `assignments` and `unchanged` (as HeartbeatResponse, relative "
+        "to `known`), so that no heartbeat is needed to learn it. An agent applies such an answer like a "
+        "heartbeat's, except that it never stops an attempt it launched after sending the request (the "
+        "answer was read before that attempt was known to it).",
+    )
 
 
 class WaitResponse(_Wire):
-    changed: bool = Field(description="The node's desired state changed (or may have): heartbeat now.")
+    changed: bool = Field(description="The node's desired state changed (or may have): heartbeat now, or "
+                          "apply `assignments` and `unchanged` when they are given.")
+    assignments: list[LaunchSpec] | None = Field(
+        default=None, description="With `answer` and `changed`: new or changed specs, as in HeartbeatResponse.")
+    unchanged: list[AssignmentRef] | None = Field(
+        default=None, description="With `answer` and `changed`: the known specs, 'run' or 'stop'.")
 
 
 class WorkerState(StrEnum):
@@ -339,11 +352,29 @@ class AttemptStatusReport(_Wire):
     result: JsonDocument | None = Field(default=None, description="Reported by global rank 0 at the end.")
     error: Annotated[str | None, _clip(MAX_MESSAGE_CHARS)] = Field(
         default=None, description="Why the agent could not launch or run it.")
+    processes_alive: bool | None = Field(
+        default=None,
+        description="False only in a final report (exited or stopped) when the agent found no process of "
+        "the attempt left on the node: the control plane releases the part's GPUs on this report rather "
+        "than at the next heartbeat. None (or true): the heartbeat that no longer lists the attempt "
+        "releases them.",
+    )
+
+    @model_validator(mode="after")
+    def _gone_only_when_final(self) -> AttemptStatusReport:
+        if self.processes_alive is False and self.state not in (NodeAttemptState.exited, NodeAttemptState.stopped):
+            raise ValueError("processes_alive may be false only in a final report (state exited or stopped)")
+        return self
 
 
 class AttemptStatusAck(_Wire):
     attempt_state: str
     stop: bool = Field(description="True when the agent must stop this attempt's processes.")
+    released: bool = Field(
+        default=False,
+        description="The part's GPUs are released (the report said no process is left, or a heartbeat "
+        "confirmed it before): the node's next heartbeat has nothing more to confirm for it.",
+    )
 
 
 class LogChunk(_Wire):
@@ -363,10 +394,11 @@ class LogAck(_Wire):
     accepted: int
 
 
-# --- Worker <-> agent local API (served by the agent on its address, for its workers only) ---
+# --- Worker <-> agent local API (served by the agent on a unix socket per attempt) ---
 #
-# Workers learn the URL from TRAINYARD_AGENT_URL and authenticate with the attempt's fencing
-# token (TRAINYARD_FENCING_TOKEN). An unknown or stale attempt gets 409.
+# Workers learn the socket from TRAINYARD_AGENT_SOCKET (and the base URL from TRAINYARD_AGENT_URL)
+# and authenticate with the attempt's fencing token (TRAINYARD_FENCING_TOKEN). An unknown or stale
+# attempt gets 409; a number that is not finite (NaN, Infinity) anywhere in a body gets 422.
 #
 # - POST /v1/local/attempts/{attempt_id}/progress  LocalProgress
 # - POST /v1/local/attempts/{attempt_id}/result    LocalResult

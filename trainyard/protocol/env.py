@@ -8,6 +8,7 @@ This module imports nothing beyond the standard library, so the rank shim can im
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 PREFIX: Final = "TRAINYARD_"
@@ -22,7 +23,12 @@ ENV_ATTEMPT_NUMBER: Final = "TRAINYARD_ATTEMPT_NUMBER"
 ENV_FENCING_TOKEN: Final = "TRAINYARD_FENCING_TOKEN"
 """Authenticates a worker's reports to the agent's local API (a stale attempt gets 409)."""
 ENV_AGENT_URL: Final = "TRAINYARD_AGENT_URL"
-"""Base URL of the agent's local API (trainyard.protocol.agent, LocalProgress and the rest)."""
+"""Base URL of the agent's local API (trainyard.protocol.agent, LocalProgress and the rest). With
+ENV_AGENT_SOCKET set (the agent's case) it only names the host of the requests; the connection goes
+to that socket."""
+ENV_AGENT_SOCKET: Final = "TRAINYARD_AGENT_SOCKET"
+"""Path of the unix socket the agent serves this attempt's local API on: one per attempt, which
+only the attempt's own uid may connect to (node_agent/local_api.py)."""
 LOCAL_API_PREFIX: Final = "/v1/local"
 """The local API's paths under ENV_AGENT_URL: ``<url>/v1/local/attempts/<attempt id>/<kind>``."""
 ENV_NODE_RANK: Final = "TRAINYARD_NODE_RANK"
@@ -42,6 +48,9 @@ ENV_LAYOUT: Final = "TRAINYARD_LAYOUT"
 """JSON of the job's parallel layout (trainyard.protocol.layout.Layout); absent: plain DDP."""
 ENV_STATUS_DIR: Final = "TRAINYARD_STATUS_DIR"
 """Where the rank shim writes ``rank-<r>.json`` (node_agent/rank_shim.py)."""
+ENV_JOB_ENV: Final = "TRAINYARD_JOB_ENV"
+"""JSON object of the job's own ``env``: the rank shim applies it to the training process only, so
+none of it reaches torchrun or the shim (a job's PET_*, LD_PRELOAD or PATH cannot change them)."""
 
 # Checkpoint storage. Under an agent a worker gets only ENV_STORAGE_ACCESS and the prefix: it reads
 # and writes through presigned URLs (trainyard/protocol/grants.py) and holds no credential. The
@@ -73,7 +82,50 @@ STORAGE_ENV: Final[dict[str, str]] = {
 
 WORKER_ENV: Final = frozenset({
     ENV_JOB_ID, ENV_JOB_NAME, ENV_ATTEMPT_ID, ENV_ATTEMPT_NUMBER, ENV_FENCING_TOKEN, ENV_AGENT_URL,
-    ENV_NODE_RANK, ENV_NODE_NAME, ENV_NODE_ID, ENV_DEVICE, ENV_CHECKPOINT, ENV_RESTORE_FROM, ENV_LAYOUT, ENV_STATUS_DIR,
-    *STORAGE_ENV.values(), ENV_CHECKPOINT_PREFIX,
+    ENV_AGENT_SOCKET, ENV_NODE_RANK, ENV_NODE_NAME, ENV_NODE_ID, ENV_DEVICE, ENV_CHECKPOINT, ENV_RESTORE_FROM,
+    ENV_LAYOUT, ENV_STATUS_DIR, ENV_JOB_ENV, *STORAGE_ENV.values(), ENV_CHECKPOINT_PREFIX,
 })
 """Every variable above: what an agent may give a worker, all of it under PREFIX."""
+
+
+# --- A job's own env (JobSubmit.env, LaunchSpec.env) ---
+
+MAX_JOB_ENV_BYTES: Final = 32 * 1024
+"""The most a job's env may hold (names, values, one '=' and one NUL each), the hard cap behind the
+control plane's ``max_env_bytes`` setting; an agent refuses to launch a larger one."""
+
+JOB_ENV_RESERVED: Final = frozenset({
+    # torchrun's identity of each worker, and the rendezvous.
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    # The GPUs the node leased to this attempt.
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES",
+    # Where the agent confines the worker (its own home and temporary directory, its own user).
+    "HOME", "TMPDIR", "USER", "LOGNAME", "PATH",
+    # Loader and interpreter hijacks: they run code before anything the job could check.
+    "LD_PRELOAD", "LD_AUDIT", "PYTHONHOME",
+})
+"""Names a job may not set: the platform sets them, or they would run code ahead of the job's."""
+
+JOB_ENV_RESERVED_PREFIXES: Final = (PREFIX, "PET_", "TORCHELASTIC_")
+"""Trainyard's own variables and torchrun's configuration (PET_* are torchrun's options)."""
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def job_env_problem(name: str, value: str) -> str | None:
+    """Why a job may not set ``name`` to ``value``, or None when it may. PYTHONPATH is allowed: it
+    is appended to the platform's, never put in front of it."""
+    if not _ENV_NAME.fullmatch(name):
+        return f"env name {name!r} is not a valid variable name"
+    if name in JOB_ENV_RESERVED or name.startswith(JOB_ENV_RESERVED_PREFIXES):
+        return f"env name {name!r} is set by Trainyard or torchrun and cannot be set by a job"
+    if "\0" in value:
+        return f"env value of {name!r} contains a NUL byte"
+    return None
+
+
+def job_env_bytes(env: dict[str, str]) -> int:
+    """The size of ``env`` as an environment block: each ``NAME=value`` and its NUL."""
+    return sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())

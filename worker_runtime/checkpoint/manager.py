@@ -123,7 +123,7 @@ def storage_from_context(ctx: WorkerContext, *, timeout_s: float = 10.0, retries
         from worker_runtime.checkpoint.presigned import AgentGrants, PresignedStorage
 
         source = AgentGrants(agent_url=ctx.agent_url, attempt_id=ctx.attempt_id, fencing_token=ctx.fencing_token,
-                             rank=ctx.rank)
+                             rank=ctx.rank, agent_socket=ctx.agent_socket)
         return PresignedStorage(source, timeout_s=timeout_s, retries=retries)
     if not (ctx.storage.get("endpoint") and ctx.storage.get("bucket")):
         return None

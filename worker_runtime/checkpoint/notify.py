@@ -26,6 +26,7 @@ from urllib.parse import quote
 import httpx
 
 from trainyard.protocol.env import LOCAL_API_PREFIX
+from worker_runtime.agent_http import agent_client
 from worker_runtime.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class CheckpointReporter:
         if self.stale:
             return None
         last = "no try made"
-        with httpx.Client(timeout=timeout, trust_env=False) as client:
+        with agent_client(self._ctx, timeout) as client:
             for attempt in range(1, self._tries + 1):
                 try:
                     response = client.post(f"{self._base}/{kind}", json=body)

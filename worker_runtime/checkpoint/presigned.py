@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.grants import GrantAction, LocalStorageRequest, StorageGrant, StorageGrants
 from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError, Pace
+from worker_runtime.agent_http import socket_client
 from worker_runtime.checkpoint.pacing import paced_chunks
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,10 @@ class AgentGrants:
     def __init__(self, *, agent_url: str, attempt_id: str, fencing_token: str, rank: int,
                  timeout_s: float = 40.0, wait_s: float = 300.0, backoff_s: float = 0.5,
                  max_backoff_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, agent_socket: str | None = None) -> None:
         self._url = f"{agent_url}{LOCAL_API_PREFIX}/attempts/{quote(attempt_id, safe='')}/storage"
+        self._socket = agent_socket
+        """The attempt's unix socket (TRAINYARD_AGENT_SOCKET); None: agent_url's host and port."""
         self._token = fencing_token
         self._rank = rank
         self._timeout = timeout_s
@@ -84,7 +87,7 @@ class AgentGrants:
         last = "no try made"
         deadline = self._clock() + self._wait
         tries = 0
-        with httpx.Client(timeout=self._timeout, trust_env=False) as client:
+        with socket_client(self._socket, self._timeout) as client:
             while True:
                 tries += 1
                 try:

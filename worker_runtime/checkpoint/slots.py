@@ -32,6 +32,7 @@ import httpx
 
 from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.uploads import SLOT_WAIT_MAX_S, SlotUse
+from worker_runtime.agent_http import agent_client
 from worker_runtime.checkpoint.pacing import Pacer
 from worker_runtime.context import WorkerContext
 
@@ -71,7 +72,7 @@ class UploadSlots:
         """(status, JSON body); status 0 when the agent could not be reached."""
         assert self._base is not None
         try:
-            with httpx.Client(timeout=timeout, trust_env=False) as client:
+            with agent_client(self._ctx, timeout) as client:
                 response = client.post(f"{self._base}/{kind}", json=body)
         except httpx.HTTPError as exc:
             return 0, {"detail": f"{type(exc).__name__}: {exc}"}

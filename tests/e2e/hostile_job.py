@@ -1,0 +1,185 @@
+"""A hostile job (issue 11, finding 1): run as a job's `.py` entrypoint beside another job on the same
+node, it tries to take over the node and the other job, and records for each attack whether it was
+blocked. Nothing here harms the other job even when an attack works (signal 0, files opened and
+closed unwritten), and nothing read is printed: an attack's record says only whether it got through.
+
+    hostile_job.py VICTIM_JOB_ID
+
+Its result (rank 0): {"uid": ..., "attacks": [{"name", "blocked", "how"}], "escapee": pid}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from worker_runtime import Reporter, WorkerContext
+
+attacks: list[dict[str, Any]] = []
+
+
+def attempt(name: str, action: Any) -> None:
+    """Run one attack; it is blocked when it raises OSError (or returns a reason it failed)."""
+    try:
+        outcome = action()
+    except OSError as exc:
+        attacks.append({"name": name, "blocked": True, "how": type(exc).__name__})
+        return
+    blocked = isinstance(outcome, str) and outcome.startswith("blocked")
+    attacks.append({"name": name, "blocked": blocked, "how": outcome if isinstance(outcome, str) else "got through"})
+
+
+def cmdline(pid: int) -> list[str]:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    return []
+
+
+def parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args[:-1] else None
+
+
+def my_agent() -> int:
+    """The agent that started this worker: the first ancestor running `trainyard agent`."""
+    pid = os.getpid()
+    while pid > 1:
+        pid = parent(pid)
+        args = cmdline(pid)
+        if "agent" in args and any("trainyard" in a or "node_agent" in a for a in args):
+            return pid
+    raise RuntimeError("no agent among this worker's ancestors")
+
+
+def victim_torchrun(victim_job: str, agent: int) -> tuple[int, list[str]]:
+    """The other job's torchrun on this node (started by the same agent): its pid and command line."""
+    deadline = time.monotonic() + 60
+    mine = os.environ.get("TRAINYARD_ATTEMPT_ID")
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            args = cmdline(int(entry.name))
+            rdzv = flag(args, "--rdzv-id")
+            if "torch.distributed.run" in args and rdzv and rdzv != mine:
+                with contextlib.suppress(OSError, ValueError):
+                    if parent(int(entry.name)) == agent:
+                        return int(entry.name), args
+        time.sleep(0.2)
+    raise RuntimeError(f"the victim job {victim_job}'s torchrun never showed on this node")
+
+
+def read(path: str) -> str:
+    with open(path, "rb") as f:
+        f.read(1)
+    return "got through: read it"
+
+
+def open_for_writing(path: str) -> str:
+    os.close(os.open(path, os.O_WRONLY | os.O_APPEND))  # opened, not written: nothing changes either way
+    return "got through: opened for writing"
+
+
+def create(path: str) -> str:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    os.unlink(path)  # it could be made: gone again, so that nothing changes either way
+    return "got through: created"
+
+
+def post_number(number: bytes) -> str:
+    body = (b'{"fencing_token": "%s", "rank": 0, "step": 1, "loss": %s}'
+            % (os.environ["TRAINYARD_FENCING_TOKEN"].encode(), number))
+    path = f"/v1/local/attempts/{os.environ['TRAINYARD_ATTEMPT_ID']}/progress".encode()
+    request = (b"POST " + path + b" HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
+    if os.environ.get("TRAINYARD_AGENT_SOCKET"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(os.environ["TRAINYARD_AGENT_SOCKET"])
+    else:  # an agent serving TCP
+        host, port = os.environ["TRAINYARD_AGENT_URL"].rsplit("/", 1)[-1].rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+    with sock:
+        sock.settimeout(10)
+        sock.sendall(request)
+        answer = sock.recv(65536)
+    status = int(answer.split(b" ", 2)[1])
+    return f"blocked: HTTP {status}" if status == 422 else f"got through: HTTP {status}"
+
+
+def escape() -> int:
+    """A process in a session of its own with an empty environment: no marker left to find it by."""
+    return subprocess.Popen(["/bin/sleep", "600"], env={}, start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid
+
+
+def main() -> None:
+    victim_job = sys.argv[1]
+    ctx = WorkerContext.from_env()
+    agent = my_agent()
+    agent_args = cmdline(agent)
+    victim_pid, victim_args = victim_torchrun(victim_job, agent)
+    victim_attempt = flag(victim_args, "--rdzv-id") or "?"
+    work_dir = flag(agent_args, "--work-dir") or "."
+    victim_worker_dir = str(Path(flag(victim_args, "--log-dir") or ".").parent)
+
+    attempt("read /proc/1/environ", lambda: read("/proc/1/environ"))
+    attempt("read the agent's environment", lambda: read(f"/proc/{agent}/environ"))
+    attempt("find the join token on the agent's command line",
+            lambda: "got through: on the command line" if "--join-token" in agent_args else "blocked: not there")
+    join_file = flag(agent_args, "--join-token-file")
+    attempt("read the agent's join token file",
+            lambda: read(join_file) if join_file else "blocked: the agent has no join token file")
+    attempt("read the agent's node credential", lambda: read(f"{work_dir}/node-credential"))
+    attempt("find storage credentials in its own environment",
+            lambda: "got through: a secret key" if any(k.endswith("SECRET_KEY") for k in os.environ)
+            else "blocked: none")
+    attempt("read the other attempt's environment (its fencing token)", lambda: read(f"/proc/{victim_pid}/environ"))
+    attempt("list the agent's attempt directories", lambda: str(os.listdir(f"{work_dir}/attempts")[:0]))
+    attempt("read the other attempt's state.json",
+            lambda: read(f"{work_dir}/attempts/{victim_attempt}/state.json"))
+    def write_rank_status() -> str:
+        status = f"{victim_worker_dir}/status"
+        names = [n for n in sorted(os.listdir(status)) if n.startswith("rank-")]
+        return open_for_writing(f"{status}/{names[0]}") if names else "blocked: no rank file to write"
+
+    attempt("write the other attempt's rank status", write_rank_status)
+    attempt("add a rank status file to the other attempt", lambda: create(f"{victim_worker_dir}/status/rank-9.json"))
+    attempt("read the other attempt's logs", lambda: str(os.listdir(f"{victim_worker_dir}/logs")[:0]))
+    import node_agent.rank_shim
+
+    attempt("overwrite the rank shim every later job runs", lambda: open_for_writing(node_agent.rank_shim.__file__))
+    attempt("plant a module where later jobs import from",
+            lambda: create(str(Path(node_agent.rank_shim.__file__).with_name("hostile_plant.py"))))
+    attempt("signal the other attempt's torchrun", lambda: os.kill(victim_pid, 0) or "got through: allowed")
+    if os.environ.get("TRAINYARD_AGENT_SOCKET"):
+        sockets = Path(os.environ["TRAINYARD_AGENT_SOCKET"]).parent
+        victim_socket = str(sockets / f"{victim_attempt}.{flag(victim_args, '--node-rank')}.sock")
+
+        def connect() -> str:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.connect(victim_socket)
+            return "got through: connected"
+
+        attempt("connect to the other attempt's local API", connect)
+    attempt("post a NaN progress report", lambda: post_number(b"NaN"))
+    attempt("post an infinite progress report (1e999)", lambda: post_number(b"1e999"))
+    escapee = escape()
+    print(json.dumps({"uid": os.getuid(), "attacks": attacks, "escapee": escapee}), flush=True)
+    if ctx.is_main:
+        with Reporter(ctx) as reporter:
+            reporter.result({"uid": os.getuid(), "attacks": attacks, "escapee": escapee})
+
+
+if __name__ == "__main__":
+    main()
