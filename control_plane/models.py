@@ -360,6 +360,12 @@ class CheckpointShard(Base):
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
 
 
+UPLOAD_SLOTS_OPEN_SQL = "state IN ('waiting', 'granted')"
+"""The predicate of the open slots' unique index, as SQL text: an ON CONFLICT that names the index
+must repeat it with constants, never bound parameters (a statement psycopg has prepared, from the
+sixth run on a connection, then matches no index)."""
+
+
 class UploadSlot(Base):
     """A checkpoint upload slot: one rank's lease on a share of the shared links for one shard
     (docs/architecture.md, "Checkpoint upload slots"; the pure policy is services/upload_policy.py).
@@ -372,7 +378,7 @@ class UploadSlot(Base):
     __tablename__ = "upload_slots"
     __table_args__ = (
         Index("uq_upload_slots_open", "attempt_id", "rank", "step", unique=True,
-              postgresql_where=text("state IN ('waiting', 'granted')")),
+              postgresql_where=text(UPLOAD_SLOTS_OPEN_SQL)),
         Index("ix_upload_slots_waiting_seq", "seq", postgresql_where=text("state = 'waiting'")),
         Index("ix_upload_slots_granted_node", "node_id", postgresql_where=text("state = 'granted'")),
         Index("ix_upload_slots_job_id_seq", "job_id", "seq"),

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import structlog
-from sqlalchemy import and_, delete, exists, func, not_, or_, select, true
+from sqlalchemy import and_, delete, exists, func, not_, or_, select, text, true
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -28,7 +28,7 @@ from control_plane import wakeups
 from control_plane.clock import now
 from control_plane.db import session_scope
 from control_plane.errors import NotFound, StaleAttempt, Unprocessable
-from control_plane.models import Attempt, Job, Node, UploadSlot
+from control_plane.models import UPLOAD_SLOTS_OPEN_SQL, Attempt, Job, Node, UploadSlot
 from control_plane.schemas.uploads import SlotLimitsOut, UploadSlotOut, UploadSlotsOut
 from control_plane.services import events, nodes
 from control_plane.services.fencing import authorize_report, check_own_ranks
@@ -126,8 +126,10 @@ def _create(s: Session, node: Node, job_id: uuid.UUID, attempt_id: uuid.UUID, re
         state="granted" if direct else "waiting", granted_at=t if direct else None,
         expires_at=t + timedelta(seconds=settings.upload_slot_ttl_s) if direct else _queue_expiry(t, settings))
     # A concurrent request for the same slot (a retry whose first answer was lost) inserts nothing.
+    # The index predicate goes as SQL text (UPLOAD_SLOTS_OPEN_SQL): bound parameters in it match no
+    # index once psycopg prepares the statement.
     s.execute(pg_insert(UploadSlot).values(**values).on_conflict_do_nothing(
-        index_elements=["attempt_id", "rank", "step"], index_where=UploadSlot.state.in_(UPLOAD_SLOT_OPEN)))
+        index_elements=["attempt_id", "rank", "step"], index_where=text(UPLOAD_SLOTS_OPEN_SQL)))
     slot = _open_slot(s, attempt_id, req.rank, req.step)
     assert slot is not None
     return slot

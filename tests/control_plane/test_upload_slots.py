@@ -19,6 +19,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from control_plane.app import create_app
+from control_plane.models import UPLOAD_SLOTS_OPEN_SQL
+from control_plane.services.states import UPLOAD_SLOT_OPEN
 from control_plane.services.upload_policy import Slot, SlotLimits, grantable
 from control_plane.settings import Settings
 from tests.control_plane.helpers import serve
@@ -228,6 +230,25 @@ def test_bad_slot_requests_are_refused_without_a_500(settings: Settings) -> None
         assert c.get("/v1/upload-slots", headers=ADMIN,
                      params={"job_id": "00000000-0000-0000-0000-000000000000"}).status_code == 404
         assert c.get("/v1/upload-slots").status_code == 401
+
+
+def test_many_slot_requests_on_one_database_connection_are_never_a_500(settings: Settings) -> None:
+    """bench/upload.py's 1,024 ranks got 500s: psycopg prepares a statement on a connection after its
+    fifth run, and a prepared INSERT ... ON CONFLICT whose index predicate was a bound parameter no
+    longer matched the partial unique index ("no unique or exclusion constraint matching the ON
+    CONFLICT specification"). Sequential requests share the pool's few connections, so each runs the
+    statement far more than five times."""
+    app = create_app(settings.model_copy(update={"upload_slots_max": 2}))
+    with TestClient(app) as c:
+        job = Job(c, app, ["r1", "r2"], gpus=8)
+        for step in (1, 2):  # a renewal or a poll of an existing slot runs the insert too (it does nothing)
+            answers = [job.ask(c, rank, step=step) for rank in range(16) for _ in range(2)]
+            assert [r.status_code for r in answers] == [200] * 32, [r.text for r in answers if r.status_code != 200]
+        view = _slots(c, job.id)
+        assert len(view["slots"]) == 32 and view["granted"] == 2
+    # The index predicate names exactly the open states.
+    expected = f"state IN ({', '.join(repr(s) for s in UPLOAD_SLOT_OPEN)})"
+    assert expected == UPLOAD_SLOTS_OPEN_SQL
 
 
 def test_a_nodes_budget_is_shared_by_its_holders(settings: Settings) -> None:
