@@ -20,7 +20,9 @@ Bounded, so that one worker cannot take the API down for the others (LocalApiLim
 a Content-Length of at most ``max_body`` bytes (411 without one, 400 when it is not a number, 413
 above it); the request must arrive whole within ``request_timeout_s`` (the connection is closed
 otherwise); one request per connection; at most ``connections_per_attempt`` connections of an
-attempt and ``connections_total`` in all are served at once (503 beyond). A number that is not
+attempt and ``connections_total`` in all are served at once (503 beyond), each raised by
+``connections_per_rank`` per rank of the part: a rank may hold two long waits (an upload-slot poll,
+a shard's ?wait=1), and all ranks of a large part waiting together must not lock the part out. A number that is not
 finite (NaN, Infinity, 1e999) anywhere in a body is refused with 422: JSON cannot carry it onward.
 
 The agent forwards progress and result in the attempt's next status report; shards and events are
@@ -98,15 +100,21 @@ class LocalApiLimits:
     request_timeout_s: float = 10.0
     """The whole request (line, headers, body) must arrive within this; also the send timeout."""
     connections_per_attempt: int = 16
-    """Connections of one attempt served at once (a rank waiting on a shard holds one)."""
+    """Connections of one attempt served at once, before those of its ranks (connections_per_rank)."""
+    connections_per_rank: int = 2
+    """More for each rank of the attempt's part (``open(ranks=...)``): every rank may hold two long
+    waits at once (its upload-slot poll, up to upload_slot_poll_s, and a shard's ?wait=1), so a part
+    of many ranks waiting together never starves its own progress reports."""
     connections_total: int = 128
-    """Connections served at once in all: the handler threads the API may use."""
+    """Connections served at once in all, before the ranks' share (which adds to it too)."""
 
     def __post_init__(self) -> None:
         if self.max_body < 1 or self.request_timeout_s <= 0:
             raise ValueError("max_body and request_timeout_s must be > 0")
         if not 1 <= self.connections_per_attempt <= self.connections_total:
             raise ValueError("need 1 <= connections_per_attempt <= connections_total")
+        if self.connections_per_rank < 0:
+            raise ValueError("connections_per_rank must be >= 0")
 
 
 @dataclass
@@ -419,14 +427,40 @@ _BUSY = (
 )
 
 
+class _Gate:
+    """A count of connections with a limit that may grow and shrink (unlike a semaphore)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self._held >= self.limit:
+                return False
+            self._held += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._held -= 1
+
+    def resize(self, delta: int) -> None:
+        with self._lock:
+            self.limit += delta
+
+
 class _Listener:
     """One attempt's socket and its accept thread."""
 
-    def __init__(self, api: LocalApi, attempt_id: str, path: Path, sock: socket.socket) -> None:
+    def __init__(self, api: LocalApi, attempt_id: str, path: Path, sock: socket.socket, extra: int) -> None:
         self.api = api
         self.path = path
         self.sock = sock
-        self.active = threading.BoundedSemaphore(api.limits.connections_per_attempt)
+        self.extra = extra
+        """Connections this attempt's ranks add to its cap and to the API's."""
+        self.active = _Gate(api.limits.connections_per_attempt + extra)
         self.serving = 0
         """Connections being served now (for diagnostics and tests)."""
         self._count = threading.Lock()
@@ -443,9 +477,9 @@ class _Listener:
                 continue
             except OSError:
                 return  # closed
-            if not self.active.acquire(blocking=False):
+            if not self.active.acquire():
                 self._refuse(conn)
-            elif not self.api.active.acquire(blocking=False):
+            elif not self.api.active.acquire():
                 self.active.release()
                 self._refuse(conn)
             else:
@@ -504,14 +538,17 @@ class LocalApi:
         self.grants = grants
         self.slots = slots
         self.limits = limits or LocalApiLimits()
-        self.active = threading.BoundedSemaphore(self.limits.connections_total)
+        self.active = _Gate(self.limits.connections_total)
         self._lock = threading.Lock()
         self._listeners: dict[str, _Listener] = {}
         self._stopped = False
 
-    def open(self, attempt_id: str, path: Path, *, uid: int | None = None, gid: int | None = None) -> None:
+    def open(self, attempt_id: str, path: Path, *, uid: int | None = None, gid: int | None = None,
+             ranks: int = 0) -> None:
         """Serve ``attempt_id`` on a socket at ``path`` that only ``uid`` (and the agent) may
-        connect to; a socket a previous agent left there is replaced. Idempotent per attempt."""
+        connect to; a socket a previous agent left there is replaced. Idempotent per attempt.
+        ``ranks``: the part's ranks on this node; each adds connections_per_rank to the caps."""
+        extra = self.limits.connections_per_rank * max(0, ranks)
         with self._lock:
             if self._stopped or attempt_id in self._listeners:
                 return
@@ -527,20 +564,23 @@ class LocalApi:
                 if uid is not None and gid is not None:
                     os.lchown(tmp, uid, gid)
                 os.replace(tmp, path)
-                sock.listen(64)
+                sock.listen(max(64, self.limits.connections_per_attempt + extra))
                 sock.settimeout(0.5)
             except BaseException:
                 sock.close()
                 with contextlib.suppress(OSError):
                     tmp.unlink()
                 raise
-            listener = _Listener(self, attempt_id, path, sock)
+            listener = _Listener(self, attempt_id, path, sock, extra)
             self._listeners[attempt_id] = listener
+            self.active.resize(extra)
         listener.thread.start()
 
     def close(self, attempt_id: str) -> None:
         with self._lock:
             listener = self._listeners.pop(attempt_id, None)
+            if listener is not None:
+                self.active.resize(-listener.extra)
         if listener is not None:
             listener.close()
 
