@@ -271,6 +271,9 @@ def test_every_rank_of_a_part_may_wait_for_a_slot_and_the_part_still_reports(soc
         post(api, "att-1", "upload-slot", {**body, "rank": r}).status_code)) for r in range(2 * ranks)]
     held: list[socket.socket] = []
     try:
+        api.reports.register("att-2", "fence-2")  # slots only for the socket's own attempt
+        other = post(api, "att-2", "upload-slot", {**body, "fencing_token": "fence-2", "rank": 0})
+        assert other.status_code == 403 and relay.asked == 0
         for t in waiters:
             t.start()
         wait_for(lambda: relay.asked == 2 * ranks, timeout=10, what="every rank's two polls waiting")
