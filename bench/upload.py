@@ -336,6 +336,16 @@ async def _scale(cp: Any, args: argparse.Namespace, per_node: int, racks: int,
         requests = 0
         start = asyncio.Event()
 
+        async def post(url: str, auth: dict[str, str], body: dict[str, Any]) -> httpx.Response:
+            # A kept-alive connection the server closes as it idles out is lost under the request
+            # (ReadError); slot requests and releases may be repeated, as agents repeat them.
+            for _ in range(4):
+                try:
+                    return await http.post(url, headers=auth, json=body)
+                except httpx.TransportError:
+                    await asyncio.sleep(0.1)
+            return await http.post(url, headers=auth, json=body)
+
         async def rank(spec: dict[str, Any], auth: dict[str, str], local: int) -> None:
             nonlocal requests
             body = {"fencing_token": spec["fencing_token"], "node_rank": spec["node_rank"],
@@ -345,7 +355,7 @@ async def _scale(cp: Any, args: argparse.Namespace, per_node: int, racks: int,
             t0 = time.monotonic()
             while True:
                 t = time.monotonic()
-                r = await http.post(url, headers=auth, json=body)
+                r = await post(url, auth, body)
                 requests += 1
                 if r.status_code == 503:
                     await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
@@ -357,7 +367,7 @@ async def _scale(cp: Any, args: argparse.Namespace, per_node: int, racks: int,
                     break
             waits.append(time.monotonic() - t0)
             await asyncio.sleep(args.scale_hold_s)  # the upload
-            r = await http.post(url + "/release", headers=auth, json={
+            r = await post(url + "/release", auth, {
                 key: body[key] for key in ("fencing_token", "node_rank", "rank", "step")})
             requests += 1
             r.raise_for_status()
