@@ -211,6 +211,9 @@ def _pass(s: Session, limits: SlotLimits, settings: Settings) -> tuple[int, set[
         .where(UploadSlot.state == "granted"))]
     if limits.cluster is not None and len(held) >= limits.cluster:
         return 0, None
+    # Grants are stamped after the holders were read: a release this pass saw committed ended
+    # before it, so the recorded times never show more holders at once than the limits allowed.
+    t = now()
     full = full_labels(limits, held)
     waiting = [Slot(str(r.id), r.seq, r.label, str(r.node_id)) for r in s.execute(
         select(UploadSlot.id, UploadSlot.seq, UploadSlot.label, UploadSlot.node_id)
