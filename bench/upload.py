@@ -421,6 +421,8 @@ def protocol_at_scale(args: argparse.Namespace, ctx: dict[str, Any]) -> ScaleOut
         cp.stop()
     edges = []
     for slot in slots:
+        if slot["granted_at"] is None:  # a wait that expired unanswered (its rank asked again, anew)
+            continue
         edges += [(datetime.fromisoformat(slot["granted_at"]), 1, slot["label"]),
                   (datetime.fromisoformat(slot["ended_at"]), -1, slot["label"])]
     held: Counter[str] = Counter()
