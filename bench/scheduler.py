@@ -31,7 +31,7 @@ clock, with the ``PendingCache`` the control plane's scheduler loop keeps betwee
 pass reads every waiting job in full); the time-limit loop runs before each pass. What is
 simulated: time (``control_plane.clock.use_clock``; a pass every ``--tick`` simulated seconds) and the
 agents: when an attempt's run time is over, the bench ends it through the services an agent's
-reports reach (``end_attempt``, the job to succeeded, ``release_part`` per node), so leases come
+reports reach (``end_attempt``, the job to succeeded, ``release_parts`` of its nodes), so leases come
 back as they would. Jobs are inserted as queued rows when they arrive, the way submit writes them
 (not timed; after the bulk load of the backlog the bench runs ANALYZE, as autovacuum would
 shortly). Like the control plane once started (app.py), the bench freezes its startup heap for the
@@ -258,7 +258,7 @@ def submit(session: Session, specs: list[JobSpec]) -> None:
 def finish(session: Session, attempt_ids: list[uuid.UUID]) -> None:
     """The simulated agents: every worker exited 0, then every node's processes are gone. The rows
     are read (and locked) in three queries; each attempt ends through end_attempt, set_job_state and
-    release_part, as an agent's reports make it end."""
+    release_parts, as an agent's reports make it end."""
     found = {a.id: a for a in session.scalars(
         select(Attempt).where(Attempt.id.in_(attempt_ids)).with_for_update())}
     jobs = {j.id: j for j in session.scalars(
@@ -270,8 +270,7 @@ def finish(session: Session, attempt_ids: list[uuid.UUID]) -> None:
         attempt = found[attempt_id]
         attempts.end_attempt(session, attempt, outcome="succeeded", reason="simulated run finished")
         set_job_state(session, jobs[attempt.job_id], "succeeded", f"attempt {attempt.number} finished")
-        for part in parts[attempt_id]:
-            attempts.release_part(session, part)
+        attempts.release_parts(session, [part.id for part in parts[attempt_id]])
     session.commit()
 
 

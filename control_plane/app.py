@@ -11,20 +11,38 @@ import anyio.to_thread
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from control_plane import clock
-from control_plane.api import agent, health, jobs, join_tokens, nodes, plans, principals, tenants, uploads
+from control_plane import clock, openapi
+from control_plane.api import (
+    agent,
+    code,
+    docs,
+    health,
+    jobs,
+    join_tokens,
+    metrics,
+    nodes,
+    plans,
+    principals,
+    simulations,
+    tenants,
+    ui,
+    uploads,
+)
 from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthorized
 from control_plane.limits_http import BodyLimit
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
+from control_plane.services import goodput
 from control_plane.services.logs import Followers
+from control_plane.services.metrics import Exporter
 from control_plane.settings import Settings
 from control_plane.wakeups import SLOT_CHANNEL, Busy, Wakeups
 
@@ -106,7 +124,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         raise exc
 
     @app.exception_handler(TrainyardError)
-    async def _domain(request: Request, exc: TrainyardError) -> JSONResponse:
+    async def _domain(request: Request, exc: TrainyardError) -> Response:
+        if request.url.path.startswith("/ui") and "text/html" in request.headers.get("accept", ""):
+            return ui.error_page(request, exc.status, exc.detail)  # a browser: a page, or the login
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
         if isinstance(exc, TooMany):
             headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
@@ -114,14 +134,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {
-                "field": ".".join(str(p) for p in e.get("loc", ()) if p not in ("body",)),
-                "message": e.get("msg", ""),
-                "type": e.get("type", ""),
-            }
-            for e in exc.errors()
-        ]
+        errors = [_field_error(e, exc.body) for e in exc.errors()]
         detail = "; ".join(f"{e['field'] or 'body'}: {e['message']}" for e in errors)
         return _problem(422, {
             "type": "https://trainyard.dev/problems/validation",
@@ -154,6 +167,25 @@ def _install_error_handlers(app: FastAPI) -> None:
             "detail": str(exc.detail),
             "instance": request.url.path,
         })
+
+
+def _field_error(error: Any, body: Any) -> dict[str, Any]:
+    """One entry of a 422's ``errors``. A body that is not JSON says where it breaks, as line and
+    column (FastAPI gives a character offset), and never names the offset as a field."""
+    if error.get("type") == "json_invalid":
+        loc = tuple(error.get("loc", ()))
+        pos = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else 0
+        text = body if isinstance(body, str) else ""
+        line = text.count("\n", 0, pos) + 1
+        column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+        why = (error.get("ctx") or {}).get("error") or "invalid JSON"
+        return {"field": "", "message": f"the body is not valid JSON: {why} at line {line} column {column}",
+                "type": "json_invalid", "line": line, "column": column}
+    return {
+        "field": ".".join(str(p) for p in error.get("loc", ()) if p not in ("body",)),
+        "message": error.get("msg", ""),
+        "type": error.get("type", ""),
+    }
 
 
 def object_store(settings: Settings):  # type: ignore[no-untyped-def]
@@ -223,6 +255,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description=API_DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # served by api/docs.py with local assets
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.engine = engine
@@ -233,13 +267,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wake_scheduler = loops.wake_scheduler
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)
+    app.state.metrics = Exporter(factory, settings.metrics_cache_s, goodput.for_cluster)
     app.state.log_followers = Followers(settings.log_followers_per_principal)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, tenants, plans, principals, join_tokens, uploads, agent):
+    for module in (health, jobs, code, nodes, tenants, plans, simulations, principals, join_tokens, uploads, agent,
+                   metrics, docs, ui):
         app.include_router(module.router)
     _document_policies(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    openapi.install(app, API_DESCRIPTION)
+    app.mount(docs.SWAGGER, StaticFiles(directory=swagger_ui_path()), name="swagger-ui")
+    app.mount(docs.VENDOR, StaticFiles(directory=openapi.STATIC_DIR), name="vendor")
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes,
+                       larger={"/v1/code/": settings.max_code_bytes})
     return app
+
+
+def swagger_ui_path() -> str:
+    import swagger_ui_bundle
+
+    return str(swagger_ui_bundle.swagger_ui_path)
 
 
 def _document_policies(app: FastAPI) -> None:

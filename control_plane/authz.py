@@ -107,8 +107,13 @@ POLICIES: dict[str, Policy] = _policies(
     Policy("jobs.submit", "user", frozenset({Role.admin, Role.member}), description="submit a job for one's tenant"),
     Policy("jobs.cancel", "user", frozenset({Role.admin, Role.member}), tenant_scoped=True,
            description="cancel a job (members: their tenant's)"),
+    Policy("code.upload", "user", frozenset({Role.admin, Role.member}), description="upload code for one's "
+           "tenant's jobs (trainyard run's workdir) and ask whether it is there"),
     Policy("plans.create", "user", ALL_ROLES, description="plan a model's layout (stores nothing; reads the "
            "links of the cluster's nodes of a GPU kind)"),
+    Policy("simulations.create", "user", ALL_ROLES, description="run the goodput model (stores and reads nothing)"),
+    Policy("metrics.read", "none", description="Prometheus metrics: no token, or TRAINYARD_METRICS_TOKEN (or the "
+           "admin token) when it is set"),
     Policy("cluster.read", "user", ALL_ROLES, description="capacity and the queue (members and viewers see "
            "their tenant's queued jobs only)"),
     Policy("nodes.read", "user", STAFF, description="list and inspect nodes"),

@@ -16,17 +16,24 @@ from control_plane.errors import PROBLEM_JSON
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    """``larger``: path prefix -> its own limit (code archives are larger than any JSON body)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.larger = dict(larger or {})
+
+    def limit(self, path: str) -> int:
+        return next((n for prefix, n in self.larger.items() if path.startswith(prefix)), self.max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limit(scope.get("path", ""))
         declared = _content_length(scope)
-        if declared is not None and (declared < 0 or declared > self.max_bytes):
-            await self._refuse(scope, send, declared)
+        if declared is not None and (declared < 0 or declared > limit):
+            await self._refuse(scope, send, declared, limit)
             return
         if declared is not None:
             await self.app(scope, receive, send)  # the server delivers no more than it declares
@@ -39,21 +46,22 @@ class BodyLimit:
                 await self.app(scope, _replay([message], receive), send)
                 return
             body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                await self._refuse(scope, send, None)
+            if len(body) > limit:
+                await self._refuse(scope, send, None, limit)
                 return
             if not message.get("more_body", False):
                 break
         whole: Message = {"type": "http.request", "body": bytes(body), "more_body": False}
         await self.app(scope, _replay([whole], receive), send)
 
-    async def _refuse(self, scope: Scope, send: Send, declared: int | None) -> None:
+    async def _refuse(self, scope: Scope, send: Send, declared: int | None, limit: int) -> None:
         size = f"{declared} bytes" if declared is not None and declared >= 0 else "more"
         body: dict[str, Any] = {
             "type": "https://trainyard.dev/problems/too-large",
             "title": "The request body is too large",
             "status": 413,
-            "detail": f"the body is {size}; at most {self.max_bytes} bytes are accepted (max_request_bytes)",
+            "detail": f"the body is {size}; at most {limit} bytes are accepted (max_request_bytes, "
+                      "max_code_bytes for code)",
             "instance": scope.get("path", ""),
         }
         payload = json.dumps(body).encode()

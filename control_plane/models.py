@@ -167,6 +167,14 @@ class Job(Base):
     layout: Mapped[dict[str, Any] | None] = mapped_column(
         JSONB, doc="trainyard.protocol.layout.Layout its workers apply (TRAINYARD_LAYOUT); NULL: plain DDP.")
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSONB, doc="schemas/plans.py JobPlanOut, made at submit.")
+    watchdog: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="schemas/jobs.py WatchdogSettings: the job's hang timeout and straggler overrides; NULL: defaults.")
+    checkpoint_auto: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="The platform's checkpoint interval for interval_steps 'auto' (services/intervals.py), "
+        "with its inputs.")
+    code: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="The shipped code (sha256, size_bytes: services/code.py); NULL: the nodes' own.")
+    python: Mapped[str | None] = mapped_column(Text, doc="Interpreter on the nodes for its workers; NULL: the agent's.")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
@@ -216,6 +224,11 @@ class Attempt(Base):
     restored_from_checkpoint_id: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), doc="The checkpoint this attempt restored (its lineage); None: from scratch."
     )
+    hung_since: Mapped[datetime | None] = _ts(doc="Failed as hung: when its step last advanced.")
+    checkpoint_interval_steps: Mapped[int | None] = mapped_column(
+        Integer, doc="For a job with interval_steps 'auto': the interval its workers start with.")
+    failure_kind: Mapped[str | None] = mapped_column(
+        String(32), doc="Why a failed attempt failed, classified (trainyard.protocol.exits FAILURE_KINDS).")
     failed_node_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("nodes.id", ondelete="SET NULL"), doc="The node blamed for the failure, if one is."
     )
@@ -264,6 +277,22 @@ class AttemptNode(Base):
         JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
     )
     first_progress_at: Mapped[datetime | None] = _ts(doc="When the first step of this node arrived.")
+    # The hang watchdog's clock, per part for the same reason (services/watchdog.py takes the
+    # attempt's latest advance over its parts).
+    step_advanced_at: Mapped[datetime | None] = _ts(
+        doc="When progress_step last grew (the control plane's clock).")
+    step_time_s: Mapped[float | None] = mapped_column(
+        Float, doc="Seconds per step, smoothed over the advances the control plane saw (the hang timeout's base).")
+    ranks: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="The latest RankSummary of its agent: each local rank's step, step time, busy time, silence.")
+    ranks_at: Mapped[datetime | None] = _ts()
+    straggler_rank: Mapped[int | None] = mapped_column(Integer, doc="Its rank slower than the job's peers now.")
+    straggler_since: Mapped[datetime | None] = _ts(doc="Since when straggler_rank has been slower.")
+    straggler_named_at: Mapped[datetime | None] = _ts(doc="When it was named a straggler (an event).")
+    progress_total: Mapped[int | None] = mapped_column(Integer, doc="Total steps, when the script says.")
+    progress_rate: Mapped[float | None] = mapped_column(
+        Float, doc="Steps per second of this node's reports, smoothed over the recent ones.")
+    progress_sampled_at: Mapped[datetime | None] = _ts(doc="Time of this node's last ProgressSample.")
 
     attempt: Mapped[Attempt] = relationship(back_populates="nodes")
     node: Mapped[Node] = relationship()
@@ -286,6 +315,8 @@ class Worker(Base):
     pid: Mapped[int | None] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16), doc="starting | running | exited")
     exit_code: Mapped[int | None] = mapped_column(Integer)
+    exit_cause: Mapped[str | None] = mapped_column(String(32), doc="trainyard.protocol.exits kind of a failed exit.")
+    exit_message: Mapped[str | None] = mapped_column(Text, doc="The worker's own words for it (its stderr).")
     started_at: Mapped[datetime | None] = _ts()
     ended_at: Mapped[datetime | None] = _ts()
 
@@ -340,6 +371,10 @@ class Checkpoint(Base):
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
     committed_at: Mapped[datetime | None] = _ts()
     reason: Mapped[str | None] = mapped_column(Text)
+    blocking_s: Mapped[float | None] = mapped_column(
+        Float, doc="The longest any rank's training loop was blocked by this save (reported with the shards).")
+    background_s: Mapped[float | None] = mapped_column(
+        Float, doc="The longest any rank's hashing, upload and report took, after the loop went on.")
 
 
 class CheckpointShard(Base):
@@ -423,6 +458,23 @@ class Event(Base):
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+
+
+class ProgressSample(Base):
+    """A job's progress over time (the dashboard's loss and throughput chart): one row per
+    ``progress_sample_s`` at most, written with the progress report that crossed it."""
+
+    __tablename__ = "progress_samples"
+    __table_args__ = (Index("ix_progress_samples_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_number: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float)
+    steps_per_s: Mapped[float | None] = mapped_column(Float)
+    metrics: Mapped[dict[str, float]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    at: Mapped[datetime] = _ts(nullable=False)
 
 
 class LogChunk(Base):

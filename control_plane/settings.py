@@ -107,6 +107,35 @@ class Settings(BaseSettings):
         "long after allocation fails the attempt. Longer than node_lost_timeout_s: a silent node is "
         "declared lost first (the clearer reason); this catches a live agent that never picks the part up."
     )
+    watchdog_interval_s: float = Field(
+        5.0, gt=0, description="Period of the watchdog loop: hung attempts, stragglers, the auto checkpoint interval.")
+    hang_timeout_min_s: float = Field(
+        120.0, gt=0, description="The floor of the hang timeout: a running attempt whose step has not advanced for "
+        "max(this, hang_step_multiplier x its step time + its longest checkpoint stall) is failed as hung (a "
+        "job's watchdog.hang_timeout_s overrides it).")
+    hang_step_multiplier: float = Field(
+        10.0, ge=1, description="Step times a step may take before the attempt counts as hung (above the floor).")
+    straggler_factor: float = Field(
+        1.5, gt=1, description="A rank whose busy time per step exceeds this many times its peers' median is slow "
+        "(a job's watchdog.straggler_factor overrides it).")
+    straggler_persist_s: float = Field(
+        60.0, gt=0, description="How long a rank must stay slow before it is named a straggler (an event, the "
+        "job view).")
+    failure_prior_node_mtbf_h: float = Field(
+        5000.0, gt=0, description="Mean time between failures of one node assumed until the cluster has history "
+        "(node-hours per failure; the auto checkpoint interval's MTBF).")
+    failure_prior_weight_node_h: float = Field(
+        2000.0, ge=0, description="How many node-hours of history the prior counts as: the observed rate takes over "
+        "as the cluster's node-hours grow past it.")
+    checkpoint_auto_min_s: float = Field(
+        30.0, gt=0, description="The shortest interval the auto rule sets (seconds of training).")
+    checkpoint_auto_cost_prior_s: float = Field(
+        10.0, gt=0, description="Checkpoint blocking cost assumed until a job's first save is measured.")
+    metrics_token: str = Field(
+        "", description="Bearer token GET /metrics requires; empty: /metrics is open (it carries no job names, "
+        "tenants or ids, only cluster totals).")
+    metrics_cache_s: float = Field(
+        5.0, ge=0, description="How long /metrics reuses the figures it read from the database.")
     rdzv_port_min: int = Field(20000, ge=1024, le=65535, description=(
         "Lowest rendezvous port; an attempt's port is its own on node rank 0's host."))
     rdzv_port_max: int = Field(32767, ge=1024, le=65535, description=(
@@ -123,6 +152,10 @@ class Settings(BaseSettings):
     )
     max_request_bytes: int = Field(
         8 * 1024 * 1024, ge=64 * 1024, description="Largest request body; larger ones are answered 413."
+    )
+    max_code_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024 * 1024, description="Largest code archive (trainyard run's workdir, packed); "
+        "larger ones are answered 413."
     )
     submit_rate_per_window: int = Field(
         60, ge=1, description="Jobs one principal (admins excepted) may submit per submit_rate_window_s; more are "

@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 from http import HTTPStatus
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -42,12 +43,14 @@ from node_agent import credential, processes
 from node_agent.attempt import AttemptRun
 from node_agent.client import (
     ControlPlaneClient,
+    ControlPlaneError,
     ControlPlaneUnavailable,
     RequestRejected,
     StaleAttempt,
     TlsMismatch,
     Unauthorized,
 )
+from node_agent.code import CodeUnavailable, cached_archive
 from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource, gpu_source
 from node_agent.isolation import Isolation, IsolationError, private_dir, reachable_by_others
@@ -507,6 +510,9 @@ class Agent:
         its own moment: an answer to a request sent (``sent_at``) before an attempt was launched
         may have been read before that attempt was assigned, so its silence about it is no order to
         stop it (an explicit stop comes with the next answer that knows it)."""
+        # Shipped code is fetched before the lock (once per content hash; the heartbeat and the long
+        # poll take the lock for every request): a slow download holds back no other loop.
+        fetched = {spec.attempt_id: self._code(spec) for spec in assignments}
         with self._reconcile_lock:
             refs = unchanged or []
             assigned = {spec.attempt_id for spec in assignments}
@@ -518,7 +524,8 @@ class Agent:
                 if spec.version:
                     self._versions[spec.attempt_id] = spec.version
                 self._launched_at.setdefault(spec.attempt_id, time.monotonic())
-                self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}))
+                self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}),
+                             *fetched[spec.attempt_id])
             for run in self.runs():
                 if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
                     run.request_stop("no longer assigned to this node")
@@ -526,7 +533,7 @@ class Agent:
             # that sends none): the guard above holds for both.
             self._launched_at = {a: t for a, t in self._launched_at.items() if a in assigned or a in newer}
 
-    def _launch(self, spec: LaunchSpec) -> None:
+    def _launch(self, spec: LaunchSpec, code_archive: Path | None = None, code_problem: str | None = None) -> None:
         assert self._node is not None and self._launches is not None
         with self._runs_lock:
             if spec.attempt_id in self._known or self._stop_event.is_set():
@@ -539,11 +546,23 @@ class Agent:
                 return
             # Registered first: its workers may report as soon as they run.
             self.reports.register(spec.attempt_id, spec.fencing_token)
-            run = self._launches.start(spec, self._node, self.gpus)
+            run = self._launches.start(spec, self._node, self.gpus, code_archive=code_archive,
+                                       code_problem=code_problem)
             if run is None:
                 self.reports.unregister(spec.attempt_id)
                 return
             self._runs[spec.attempt_id] = run
+
+    def _code(self, spec: LaunchSpec) -> tuple[Path | None, str | None]:
+        """The job's code archive in this node's cache (fetched once per content hash), or why not."""
+        if spec.code is None or spec.launched or spec.attempt_id in self._known:
+            return None, None
+        ref = spec.code
+        try:
+            return cached_archive(self.config.work_dir, ref, lambda: self.client.fetch_code(spec.attempt_id)), None
+        except (CodeUnavailable, ControlPlaneError, OSError) as exc:
+            self.log.error("code_fetch_failed", attempt_id=spec.attempt_id, error=str(exc))
+            return None, f"the job's code {ref.sha256[:12]} could not be fetched: {exc}"
 
     # --- supervise loop ---
 
@@ -620,15 +639,19 @@ class Agent:
         finished = run.finished  # before the report: a final report must describe a finished run
         if finished and run.final_acked:
             return
-        report = run.report(*self.reports.snapshot(run.attempt_id))
+        report = run.report(*self.reports.snapshot(run.attempt_id), self.reports.rank_summary(run.attempt_id))
         if finished and run.attempt_id not in self.orphans.alive:
             # The process table has nothing of it left: the control plane releases its GPUs on this
             # report, a heartbeat sooner than the one that stops listing it.
             report = report.model_copy(update={"processes_alive": False})
         if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
             return  # the relay delivers the attempt's last shards and events first
-        due = report != run.last_report or now - run.last_sent_at >= self.config.status_interval_s
-        if not due or now < run.next_try_at or self._refused_reports.get(run.attempt_id) == report:
+        # The rank summary rides on the periodic report (its silences change at every look): a
+        # 128-node job would otherwise send a report per node per step.
+        due = (_without_ranks(report) != _without_ranks(run.last_report)
+               or now - run.last_sent_at >= self.config.status_interval_s)
+        refused = self._refused_reports.get(run.attempt_id)
+        if not due or now < run.next_try_at or _without_ranks(refused) == _without_ranks(report):
             return
         try:
             ack = self.client.report_status(run.attempt_id, report)
@@ -657,6 +680,7 @@ class Agent:
             run.next_try_at = now + min(self.config.status_interval_s, 2.0)
             return
         run.last_report, run.last_sent_at = report, now
+        self.reports.set_checkpoint_interval(run.attempt_id, ack.checkpoint_interval_steps)
         if finished:
             run.mark_final_acked()
             if not ack.released:
@@ -738,6 +762,10 @@ class Agent:
         except ControlPlaneUnavailable as exc:
             return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": f"the control plane is unreachable: {exc}"}
         return HTTPStatus.OK, grants.model_dump(mode="json")
+
+
+def _without_ranks(report: AttemptStatusReport | None) -> AttemptStatusReport | None:
+    return None if report is None else report.model_copy(update={"ranks": None})
 
 
 def run_agent(config: AgentConfig) -> None:

@@ -19,6 +19,7 @@ last can be escaped, and only by a worker running as the agent's own user.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -33,6 +34,7 @@ import structlog
 from pydantic import ValidationError
 
 from node_agent import processes, safe_files
+from node_agent.code import CodeUnavailable, unpack
 from node_agent.isolation import Confinement, Isolation, make_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
 from node_agent.logs import LogTailer
@@ -41,6 +43,7 @@ from trainyard.protocol.agent import (
     LaunchSpec,
     NodeAttemptState,
     Progress,
+    RankSummary,
     WorkerState,
     WorkerStatus,
 )
@@ -101,18 +104,31 @@ class AttemptRun:
     @classmethod
     def launch(
         cls, spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, stop_grace_s: float,
-        confinement: Confinement | None = None,
+        confinement: Confinement | None = None, code_archive: Path | None = None,
     ) -> AttemptRun:
-        """Create the attempt's directories and start torchrun (confined as ``confinement`` says).
-        Raises FileExistsError if the attempt directory exists: that attempt has been launched here
-        before and must never be launched again."""
+        """Create the attempt's directories, unpack the job's shipped code into the worker directory
+        (``code_archive``: the workers then run there, as the attempt's uid) and start torchrun
+        (confined as ``confinement`` says). Raises FileExistsError if the attempt directory exists:
+        that attempt has been launched here before and must never be launched again."""
         paths.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         paths.root.mkdir(mode=0o700, exist_ok=False)
         run = cls(spec, paths, stop_grace_s=stop_grace_s, confinement=confinement)
         run._persist()  # before starting: a crash in between must still leave the id taken
         try:
             make_worker_dir(paths.worker, run.confinement.uid, run.confinement.gid)
-            proc = start_torchrun(spec, node, paths, run.confinement)
+            cwd = None
+            if code_archive is not None:
+                cwd = unpack(code_archive, paths.worker / "code", uid=run.confinement.uid, gid=run.confinement.gid)
+                node = dataclasses.replace(node, cwd=str(cwd))
+            if spec.python is not None:
+                node = dataclasses.replace(node, python=spec.python)
+            proc = start_torchrun(spec, node, paths, run.confinement, cwd=cwd)
+        except CodeUnavailable as exc:
+            run.log.error("code_unpack_failed", error=str(exc))
+            run.error = str(exc)
+            run.torchrun_done, run.alive = True, False
+            run._persist()
+            return run
         except OSError as exc:
             run.log.error("launch_failed", error=str(exc))
             run.error = f"could not start torchrun: {exc}"
@@ -373,7 +389,8 @@ class AttemptRun:
 
     # --- reporting ---
 
-    def report(self, progress: Progress | None, result: dict[str, Any] | None) -> AttemptStatusReport:
+    def report(self, progress: Progress | None, result: dict[str, Any] | None,
+               ranks: RankSummary | None = None) -> AttemptStatusReport:
         with self._lock:
             workers = list(self._workers)
             if self.finished:
@@ -401,6 +418,7 @@ class AttemptRun:
                 progress=progress,
                 result=result,
                 error=error,
+                ranks=ranks if state == NodeAttemptState.running else None,
             )
 
     def _torchrun_error_tail(self) -> str | None:

@@ -307,6 +307,32 @@ class ControlPlaneClient:
     def report_events(self, attempt_id: str, batch: WorkerEventBatch) -> WorkerEventAck:
         return self._post(f"/attempts/{attempt_id}/events", batch, WorkerEventAck, token=self.node_token)
 
+    def fetch_code(self, attempt_id: str, timeout_s: float = 300.0) -> bytes:
+        """The tar.gz of an attempt's shipped code (node_agent/code.py checks and caches it)."""
+        if self.node_token is None:
+            raise Unauthorized("not registered")
+        last = ""
+        for attempt in range(self.retry.attempts):
+            if attempt and self._stop.wait(self.retry.delay(attempt - 1)):
+                break
+            try:
+                with self._http() as http:
+                    resp = http.get(f"/attempts/{attempt_id}/code", timeout=httpx.Timeout(timeout_s, connect=3.0),
+                                    headers={"Authorization": f"Bearer {self.node_token}"})
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if resp.status_code >= 500:
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                continue
+            if resp.status_code == 409:
+                raise StaleAttempt(_detail(resp), status=409, problem_type=_problem_type(resp))
+            if resp.status_code >= 400:
+                raise RequestRejected(f"HTTP {resp.status_code} fetching code: {_detail(resp)}",
+                                      status=resp.status_code)
+            return resp.content
+        raise ControlPlaneUnavailable(f"fetching code: {last or 'stopped'}")
+
     def storage_grants(self, attempt_id: str, request: StorageRequest) -> StorageGrants:
         """Presigned URLs for a worker's checkpoint objects (trainyard/protocol/grants.py)."""
         return self._post(f"/attempts/{attempt_id}/storage", request, StorageGrants, token=self.node_token,

@@ -278,13 +278,14 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid:
 
 
 def start_torchrun(
-    spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, confinement: Confinement | None = None
+    spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, confinement: Confinement | None = None,
+    cwd: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start torchrun in its own session, so that a Ctrl-C or signal aimed at the agent's group
     spares it (the agent stops workers itself, or leaves them for its successor); confined
     (isolation.py) when ``confinement`` says so. torchrun puts each rank in yet another session:
     the attempt's cgroup, uid or markers find them all (processes.py). Both directories must
-    exist."""
+    exist. ``cwd``: where the workers run (the job's unpacked code), else the worker directory."""
     command = torchrun_command(spec, node, paths)
     uid = None
     if confinement is not None:
@@ -292,7 +293,7 @@ def start_torchrun(
     with paths.torchrun_stdout.open("ab") as out, paths.torchrun_stderr.open("ab") as err:
         return subprocess.Popen(
             command,
-            cwd=paths.worker,
+            cwd=cwd or paths.worker,
             env=worker_env(spec, node, paths, uid=uid),
             stdin=subprocess.DEVNULL,
             stdout=out,

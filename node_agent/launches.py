@@ -45,6 +45,8 @@ class Launches:
         indices = {gpu.index for gpu in gpus}
         if not set(spec.gpu_indices) <= indices:
             return f"GPU indices {spec.gpu_indices} are not all on this node (it has {sorted(indices)})"
+        if spec.python is not None and not (os.path.isabs(spec.python) and os.access(spec.python, os.X_OK)):
+            return f"the job's python {spec.python} is not an executable on this node"
         if spec.nproc_per_node < 1 or spec.nnodes < 1 or not 0 <= spec.node_rank < spec.nnodes:
             return (
                 f"invalid shape: node_rank {spec.node_rank} of {spec.nnodes} nodes, "
@@ -66,8 +68,10 @@ class Launches:
                     f"an attempt needs at least {self.config.min_free_mb} MiB (logs, rank status, state)")
         return None
 
-    def start(self, spec: LaunchSpec, node: NodeContext, gpus: list[GpuInfo]) -> AttemptRun | None:
-        """Launch ``spec`` (or record why it cannot run); None when it was launched here before."""
+    def start(self, spec: LaunchSpec, node: NodeContext, gpus: list[GpuInfo], *, code_archive: Path | None = None,
+              code_problem: str | None = None) -> AttemptRun | None:
+        """Launch ``spec`` (or record why it cannot run); None when it was launched here before.
+        ``code_archive``: the job's shipped code in this node's cache; ``code_problem``: why it is not."""
         paths = self.paths(spec.attempt_id, spec.node_rank)
         grace = self.config.stop_grace_s
         if not SAFE_ID.match(spec.attempt_id):
@@ -75,7 +79,7 @@ class Launches:
             return AttemptRun.failed(spec, paths, "attempt id not usable as a directory name on this node",
                                      stop_grace_s=grace, create_dir=False)
         try:
-            problem = self.problem(spec, gpus)
+            problem = self.problem(spec, gpus) or code_problem
         except OSError as exc:
             problem = f"could not check the node for this attempt: {exc}"
         if problem is not None:
@@ -94,7 +98,8 @@ class Launches:
             reason = f"could not confine the attempt on this node: {exc}"
         else:
             try:
-                return AttemptRun.launch(spec, node, paths, stop_grace_s=grace, confinement=confinement)
+                return AttemptRun.launch(spec, node, paths, stop_grace_s=grace, confinement=confinement,
+                                         code_archive=code_archive)
             except FileExistsError:
                 if paths.root.is_dir():
                     # Launched here before (adoption missed it): never launched twice.

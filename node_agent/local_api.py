@@ -8,6 +8,8 @@ fenced by the attempt's token, served on one unix socket per attempt.
     POST /v1/local/attempts/{attempt_id}/shards?wait=1            -> 200 ShardAck of the control plane
     POST /v1/local/attempts/{attempt_id}/upload-slot          LocalSlotRequest -> 200 SlotAnswer
     POST /v1/local/attempts/{attempt_id}/upload-slot/release  LocalSlotRelease -> 200 SlotReleased
+    POST /v1/local/attempts/{attempt_id}/checkpoint-interval  LocalCheckpointInterval
+                                                      -> 200 {"interval_steps": N | null}
     POST /v1/local/attempts/{attempt_id}/storage          LocalStorageRequest -> 200 StorageGrants of the control plane
 
 Each attempt part has its own socket (TRAINYARD_AGENT_SOCKET), owned by the attempt's uid with mode
@@ -25,8 +27,10 @@ attempt and ``connections_total`` in all are served at once (503 beyond), each r
 a shard's ?wait=1), and all ranks of a large part waiting together must not lock the part out. A number that is not
 finite (NaN, Infinity, 1e999) anywhere in a body is refused with 422: JSON cannot carry it onward.
 
-The agent forwards progress and result in the attempt's next status report; shards and events are
-queued for the relay (relay.py) and answered at once. With ?wait=1 a shard is answered once the
+The agent forwards progress and result in the attempt's next status report (every rank's step and
+timings as the node's RankSummary, global rank 0's loss as the attempt's progress); shards and
+events are queued for the relay (relay.py) and answered at once. The checkpoint interval is the one
+the control plane last set for an 'auto' job (its status answer). With ?wait=1 a shard is answered once the
 control plane acknowledged the batch holding it (so the worker learns from `committed_steps` whether
 its step is committed): 409 if the control plane says the attempt is stale, 422 if it refused the
 shard, 504 if no answer came within `shard_wait_s` (the shard stays queued), 503 if it was dropped.
@@ -51,7 +55,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
@@ -65,11 +69,15 @@ from pydantic import ValidationError
 from node_agent.relay import Outbox
 from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
+    MAX_NODE_RANKS,
+    LocalCheckpointInterval,
     LocalEvent,
     LocalProgress,
     LocalResult,
     LocalShard,
     Progress,
+    RankStat,
+    RankSummary,
     ShardInfo,
     WorkerEvent,
 )
@@ -80,7 +88,8 @@ from trainyard.protocol.uploads import LocalSlotRelease, LocalSlotRequest
 log = structlog.get_logger(__name__)
 
 _ROUTE = re.compile(
-    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/(?P<kind>progress|result|shards|events|storage|upload-slot|upload-slot/release)$"
+    rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/"
+    r"(?P<kind>progress|result|shards|events|storage|checkpoint-interval|upload-slot|upload-slot/release)$"
 )
 _DIGITS = re.compile(r"[0-9]{1,20}")
 MAX_BODY = 1024 * 1024
@@ -118,11 +127,24 @@ class LocalApiLimits:
 
 
 @dataclass
+class _Rank:
+    """What one local rank last told (monotonic instants of this agent)."""
+
+    step: int
+    seen: float
+    advanced: float
+    step_time_s: float | None = None
+    busy_s: float | None = None
+
+
+@dataclass
 class _AttemptReports:
     fencing_token: bytes
     progress: Progress | None = None
     result: dict[str, Any] | None = None
     result_rank: int | None = None
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    checkpoint_interval_steps: int | None = None
 
 
 def _token_bytes(token: str) -> bytes:
@@ -161,10 +183,53 @@ class LocalReports:
             entry = self._get(attempt_id, body.fencing_token)
             if entry is None:
                 return False
+            self._rank_report(entry, body)
+            if body.rank != 0 and body.loss is None and not body.metrics:
+                return True  # another rank's step and timings only: its node's RankSummary
             # Ranks report in any order; the attempt's progress is the furthest step seen.
             if entry.progress is None or body.step >= entry.progress.step:
-                entry.progress = Progress(step=body.step, loss=body.loss, metrics=body.metrics, at=datetime.now(UTC))
+                entry.progress = Progress(step=body.step, loss=body.loss, metrics=body.metrics,
+                                          total_steps=body.total_steps, at=datetime.now(UTC))
             return True
+
+    @staticmethod
+    def _rank_report(entry: _AttemptReports, body: LocalProgress) -> None:
+        t = time.monotonic()
+        rank = entry.ranks.get(body.rank)
+        if rank is None:
+            if len(entry.ranks) >= MAX_NODE_RANKS:
+                return
+            entry.ranks[body.rank] = rank = _Rank(step=body.step, seen=t, advanced=t)
+        rank.seen = t
+        if body.step > rank.step:
+            rank.step, rank.advanced = body.step, t
+        rank.step_time_s = body.step_time_s if body.step_time_s is not None else rank.step_time_s
+        rank.busy_s = body.busy_s if body.busy_s is not None else rank.busy_s
+
+    def rank_summary(self, attempt_id: str) -> RankSummary | None:
+        """This node's ranks of the attempt as they stand now; None before any reported."""
+        t = time.monotonic()
+        with self._lock:
+            entry = self._attempts.get(attempt_id)
+            if entry is None or not entry.ranks:
+                return None
+            return RankSummary(ranks=[
+                RankStat(rank=r, step=s.step, step_time_s=s.step_time_s, busy_s=s.busy_s,
+                         silent_s=round(t - s.seen, 3), stalled_s=round(t - s.advanced, 3))
+                for r, s in sorted(entry.ranks.items())
+            ])
+
+    def set_checkpoint_interval(self, attempt_id: str, steps: int | None) -> None:
+        with self._lock:
+            entry = self._attempts.get(attempt_id)
+            if entry is not None and steps is not None:
+                entry.checkpoint_interval_steps = steps
+
+    def checkpoint_interval(self, attempt_id: str, fencing_token: str) -> tuple[bool, int | None]:
+        """(whether the attempt is here with this token, the interval the control plane set)."""
+        with self._lock:
+            entry = self._get(attempt_id, fencing_token)
+            return (False, None) if entry is None else (True, entry.checkpoint_interval_steps)
 
     def set_result(self, attempt_id: str, body: LocalResult) -> bool:
         with self._lock:
@@ -333,7 +398,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._storage(attempt_id, LocalStorageRequest.model_validate(payload))
                 return
             reports = self.server.reports
-            if kind == "progress":
+            if kind == "checkpoint-interval":
+                body = LocalCheckpointInterval.model_validate(payload)
+                accepted, steps = reports.checkpoint_interval(attempt_id, body.fencing_token)
+                if accepted:
+                    self._send(HTTPStatus.OK, {"interval_steps": steps}, "application/json")
+                    return
+            elif kind == "progress":
                 accepted = reports.add_progress(attempt_id, LocalProgress.model_validate(payload))
             else:
                 accepted = reports.set_result(attempt_id, LocalResult.model_validate(payload))

@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from trainyard.protocol.env import ENV_JOB_ENV, ENV_STATUS_DIR, job_env_problem  # standard library only
+from trainyard.protocol.exits import TAIL_BYTES, classify
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _PR_SET_PDEATHSIG = 1
@@ -66,6 +67,16 @@ def child_command(kind: str, entrypoint: str, args: list[str]) -> list[str]:
     if kind == "file":
         return [sys.executable, entrypoint, *args]
     raise ValueError(f"unknown entrypoint kind {kind!r} (expected 'module' or 'file')")
+
+
+def _tail(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - TAIL_BYTES))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 def child_env(environ: dict[str, str]) -> dict[str, str]:
@@ -197,6 +208,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     code = child.wait()
     record.update(state="exited", exit_code=code, ended_at=_now())
+    if code != 0:
+        # Why, in the worker's own words (the end of its stderr): the control plane shows it, and
+        # fails the job at once when the script could not even start.
+        tail = _tail(rank_log_dir(log_dir, rank) / "stderr.log") if log_dir is not None else ""
+        record["cause"], record["message"] = classify(code, tail)
     write_json_atomic(path, record)
     sys.exit(128 - code if code < 0 else code)
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# System packages some fault tests need besides the Python ones `make venv` installs:
-# libfaketime (tests/e2e/test_clock_skew.py runs a control-plane replica 30 s ahead). Needs root
-# and apt-get; elsewhere it says what is missing, exits 1, and those tests skip.
+# System packages some tests need besides the Python ones `make venv` installs: libfaketime
+# (tests/e2e/test_clock_skew.py runs a control-plane replica 30 s ahead) and chromium (the
+# dashboard test drives Debian's chromium with Playwright, which cannot download its own browser
+# here). Needs root and apt-get; elsewhere it says what is missing, exits 1, and those tests skip.
 set -euo pipefail
 
 missing=()
 [[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ]] && command -v faketime >/dev/null || missing+=(faketime)
+command -v chromium >/dev/null || missing+=(chromium)
 
 if (( ${#missing[@]} == 0 )); then
   echo "system deps: all present"

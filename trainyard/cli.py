@@ -14,21 +14,29 @@ from typing import Annotated, Any
 
 import typer
 
-from trainyard import cli_access
+from trainyard import cli_access, cli_jobs
+from trainyard.api_client import ApiError
 
 app = typer.Typer(
     name="trainyard",
-    help="Self-hosted multi-node GPU training: control plane, node agents, a local dev cluster, the layout planner.",
+    help="Self-hosted multi-node GPU training: jobs, nodes, a local dev cluster, the layout planner, the "
+    "control plane and node agents.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
 dev_app = typer.Typer(help="A complete cluster on this machine, for trying Trainyard out.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
+dev_node_app = typer.Typer(help="Act on a node of the running `trainyard dev up` (to try fault tolerance by hand).",
+                           no_args_is_help=True)
+dev_app.add_typer(dev_node_app, name="node")
 app.add_typer(cli_access.principals_app, name="principals")
 app.add_typer(cli_access.tokens_app, name="tokens")
 app.add_typer(cli_access.join_app, name="join-tokens")
 app.command("whoami")(cli_access.whoami)
+for _command in (cli_jobs.login, cli_jobs.run, cli_jobs.ps, cli_jobs.describe, cli_jobs.logs, cli_jobs.cancel):
+    app.command(rich_help_panel="Jobs")(_command)
+app.add_typer(cli_jobs.nodes_app, name="nodes", rich_help_panel="Cluster")
+app.add_typer(cli_jobs.tenants_app, name="tenants", rich_help_panel="Cluster")
 
 
 class CliError(Exception):
@@ -256,6 +264,53 @@ def plan(
         render(result, Console(width=160))
 
 
+@app.command()
+def simulate(
+    nodes: Annotated[int, typer.Option(help="Nodes the job runs on.")],
+    blocking_s: Annotated[float, typer.Option(help="Seconds one save blocks training.")],
+    node_mtbf_h: Annotated[float | None, typer.Option(help="Hours between failures of one node.")] = None,
+    interruptions: Annotated[int | None, typer.Option(help="Or: failures seen over --days (e.g. 419).")] = None,
+    days: Annotated[float | None, typer.Option(help="With --interruptions.")] = None,
+    work_h: Annotated[float, typer.Option(help="Hours of training the job needs.")] = 720,
+    background_s: Annotated[float, typer.Option(help="Upload after the blocking part (async; 0: sync).")] = 0,
+    sync_blocking_s: Annotated[float | None, typer.Option(help="The same save done synchronously.")] = None,
+    interval_s: Annotated[float | None, typer.Option(help="Compute between saves (default: the best).")] = None,
+    recovery_s: Annotated[float, typer.Option(help="Failure to training again, a node at hand.")] = 600,
+    spares: Annotated[int | None, typer.Option(help="Spare nodes (default: always one at hand).")] = None,
+    repair_h: Annotated[float, typer.Option(help="Hours until a failed node is back.")] = 24,
+    runs: Annotated[int, typer.Option(help="Runs averaged.")] = 5,
+    seed: Annotated[int, typer.Option(help="Seed of the first run.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (POST /v1/simulations's answer).")] = False,
+) -> None:
+    """Simulate one long job's goodput: failures, saves, recoveries and spares (docs/goodput.md).
+    Runs here (the model is pure); POST /v1/simulations answers the same."""
+    import json
+
+    from pydantic import ValidationError
+    from rich.console import Console
+
+    from control_plane.errors import Unprocessable
+    from control_plane.schemas.simulations import SimulationIn
+    from control_plane.services.simulations import simulate as run_simulation
+    from trainyard.simulate_view import render
+
+    fields = {"nodes": nodes, "node_mtbf_h": node_mtbf_h, "interruptions": interruptions, "days": days,
+              "work_h": work_h, "interval_s": interval_s, "blocking_s": blocking_s, "background_s": background_s,
+              "sync_blocking_s": sync_blocking_s, "recovery_s": recovery_s, "spares": spares, "repair_h": repair_h,
+              "runs": runs, "seed": seed}
+    try:
+        result = run_simulation(SimulationIn(**{k: v for k, v in fields.items() if v is not None}))
+    except ValidationError as exc:
+        errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'input'}: {e['msg']}" for e in exc.errors())
+        raise CliError(errors) from exc
+    except Unprocessable as exc:
+        raise CliError(str(exc)) from exc
+    if as_json:
+        typer.echo(json.dumps(result.model_dump(mode="json"), indent=2))
+    else:
+        render(result, Console(width=120))
+
+
 def _api_post(url: str, token: str, path: str, body: dict[str, Any]) -> Any:
     """POST to the control plane; any failure is one line (the problem+json detail when there is one)."""
     import httpx
@@ -338,6 +393,37 @@ def dev_up(
     raise typer.Exit(code)
 
 
+DevDataDir = Annotated[Path, typer.Option(help="The data dir of the running `trainyard dev up`.")]
+
+
+def _dev_node(action: str, node: str, data_dir: Path) -> None:
+    from trainyard.dev_control import ControlError, ask
+
+    try:
+        typer.echo(ask(data_dir.expanduser().resolve(), action, node), err=True)
+    except ControlError as exc:
+        raise CliError(str(exc), code=1) from exc
+
+
+@dev_node_app.command("kill")
+def dev_node_kill(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
+    """SIGKILL a node's agent and every process under it: the node dies (the control plane declares it
+    lost and recovers its jobs on the others)."""
+    _dev_node("kill", node, data_dir)
+
+
+@dev_node_app.command("kill-workers")
+def dev_node_kill_workers(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
+    """SIGKILL a node's workers only: crashed training processes (the job recovers from its checkpoint)."""
+    _dev_node("kill-workers", node, data_dir)
+
+
+@dev_node_app.command("restart")
+def dev_node_restart(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
+    """Start a killed node's agent again, on its work dir."""
+    _dev_node("restart", node, data_dir)
+
+
 def _parse_labels(items: list[str]) -> dict[str, str]:
     labels: dict[str, str] = {}
     for item in items:
@@ -367,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
         if message:  # empty after "no arguments: here is the help"
             print(f"trainyard: error: {message}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except (CliError, cli_access.AccessError) as exc:
+    except (CliError, cli_access.AccessError, ApiError) as exc:
         print(f"trainyard: error: {' '.join(str(exc).split())}", file=sys.stderr)
         sys.exit(exc.code if isinstance(exc, CliError) else 1)
     except KeyboardInterrupt:

@@ -16,15 +16,16 @@ from typing import Annotated, Any
 
 import typer
 
+from trainyard import api_client
+
 principals_app = typer.Typer(help="Principals (people, CI systems) with a tenant and a role.", no_args_is_help=True)
 tokens_app = typer.Typer(help="API tokens: create (shown once), list, revoke.", no_args_is_help=True)
 join_app = typer.Typer(help="Join tokens for node agents (operators).", no_args_is_help=True)
 
-Url = Annotated[str, typer.Option("--url", envvar="TRAINYARD_URL", help="Control-plane URL.")]
+Url = api_client.Url
 TokenFile = Annotated[Path | None, typer.Option(
     "--token-file", envvar="TRAINYARD_TOKEN_FILE", show_default=False,
     help="File holding your API token (default: the TRAINYARD_TOKEN variable).")]
-DEFAULT_URL = "https://127.0.0.1:8000"
 
 
 class AccessError(Exception):
@@ -32,7 +33,13 @@ class AccessError(Exception):
 
 
 def read_secret(path: Path | None, env: str) -> str:
-    """A secret from a file (first line, whitespace stripped) or else the environment variable."""
+    """A secret from a file (first line, whitespace stripped) or else the environment variable (for
+    TRAINYARD_TOKEN: else the token ``trainyard login`` stored)."""
+    if env == "TRAINYARD_TOKEN":
+        try:
+            return api_client.resolve_token(path)
+        except api_client.ApiError as exc:
+            raise AccessError(str(exc)) from exc
     if path is not None:
         try:
             value = path.read_text().strip()
@@ -47,16 +54,17 @@ def read_secret(path: Path | None, env: str) -> str:
     return value
 
 
-def call(url: str, token_file: Path | None, method: str, path: str, body: dict[str, Any] | None = None,
+def call(url: str | None, token_file: Path | None, method: str, path: str, body: dict[str, Any] | None = None,
          params: dict[str, Any] | None = None) -> Any:
     import httpx
 
-    from trainyard.tls import cli_context, untrusted
+    from trainyard.tls import untrusted
 
     token = read_secret(token_file, "TRAINYARD_TOKEN")
+    url = api_client.resolve_url(url)
     try:
-        resp = httpx.request(method, url.rstrip("/") + path, json=body, params=params, timeout=30,
-                             headers={"Authorization": f"Bearer {token}"}, verify=cli_context())
+        resp = httpx.request(method, url + path, json=body, params=params, timeout=30,
+                             headers={"Authorization": f"Bearer {token}"}, verify=api_client.verify_context())
     except httpx.HTTPError as exc:
         raise AccessError(f"cannot reach {url}: {untrusted(exc) or exc}") from exc
     if resp.status_code >= 400:
@@ -93,7 +101,7 @@ def principals_create(
     name: str, tenant: Annotated[str, typer.Option(help="Its team.")],
     role: Annotated[str, typer.Option(help="admin, operator, member or viewer.")] = "member",
     token_ttl_s: Annotated[int | None, typer.Option(help="Lifetime of its first token.")] = None,
-    output: Output = None, url: Url = DEFAULT_URL, token_file: TokenFile = None,
+    output: Output = None, url: Url = None, token_file: TokenFile = None,
 ) -> None:
     """Create a principal; its first token is printed once."""
     doc = call(url, token_file, "POST", "/v1/principals",
@@ -104,12 +112,12 @@ def principals_create(
 
 
 @principals_app.command("list")
-def principals_list(url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+def principals_list(url: Url = None, token_file: TokenFile = None) -> None:
     print(json.dumps(call(url, token_file, "GET", "/v1/principals"), indent=2))
 
 
 @principals_app.command("disable")
-def principals_disable(name: str, url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+def principals_disable(name: str, url: Url = None, token_file: TokenFile = None) -> None:
     """Revoke every token of the principal and refuse it from now on."""
     _show(call(url, token_file, "DELETE", f"/v1/principals/{name}"))
 
@@ -119,7 +127,7 @@ def tokens_create(
     principal: Annotated[str | None, typer.Option(help="Whose (admins); default: yours.")] = None,
     description: Annotated[str, typer.Option(help="What it is for.")] = "",
     ttl_s: Annotated[int | None, typer.Option(help="Lifetime in seconds; default: until revoked.")] = None,
-    output: Output = None, url: Url = DEFAULT_URL, token_file: TokenFile = None,
+    output: Output = None, url: Url = None, token_file: TokenFile = None,
 ) -> None:
     """Create an API token; printed once."""
     doc = call(url, token_file, "POST", "/v1/tokens",
@@ -131,13 +139,13 @@ def tokens_create(
 
 @tokens_app.command("list")
 def tokens_list(principal: Annotated[str | None, typer.Option(help="Whose (admins).")] = None,
-                url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+                url: Url = None, token_file: TokenFile = None) -> None:
     params = {"principal": principal} if principal else None
     print(json.dumps(call(url, token_file, "GET", "/v1/tokens", params=params), indent=2))
 
 
 @tokens_app.command("revoke")
-def tokens_revoke(token_id: str, url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+def tokens_revoke(token_id: str, url: Url = None, token_file: TokenFile = None) -> None:
     _show(call(url, token_file, "DELETE", f"/v1/tokens/{token_id}"))
 
 
@@ -147,7 +155,7 @@ def join_create(
     ttl_s: Annotated[int, typer.Option(help="Lifetime in seconds.")] = 3600,
     uses: Annotated[int, typer.Option(help="Registrations it allows (0: any until it expires).")] = 1,
     description: Annotated[str, typer.Option(help="What it is for.")] = "",
-    output: Output = None, url: Url = DEFAULT_URL, token_file: TokenFile = None,
+    output: Output = None, url: Url = None, token_file: TokenFile = None,
 ) -> None:
     """Create a join token for an agent (give it the file: trainyard agent --join-token-file)."""
     doc = call(url, token_file, "POST", "/v1/join-tokens", {
@@ -158,15 +166,15 @@ def join_create(
 
 
 @join_app.command("list")
-def join_list(url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+def join_list(url: Url = None, token_file: TokenFile = None) -> None:
     print(json.dumps(call(url, token_file, "GET", "/v1/join-tokens"), indent=2))
 
 
 @join_app.command("revoke")
-def join_revoke(token_id: str, url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+def join_revoke(token_id: str, url: Url = None, token_file: TokenFile = None) -> None:
     _show(call(url, token_file, "DELETE", f"/v1/join-tokens/{token_id}"))
 
 
-def whoami(url: Url = DEFAULT_URL, token_file: TokenFile = None) -> None:
+def whoami(url: Url = None, token_file: TokenFile = None) -> None:
     """Your principal: name, tenant, role."""
     print(json.dumps(call(url, token_file, "GET", "/v1/whoami"), indent=2))

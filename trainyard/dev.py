@@ -4,8 +4,11 @@ Order of start: PostgreSQL (embedded unless a URL is given), S3 (embedded ``weed
 endpoint is given), migrations, a local CA and the server certificate (trainyard/certs.py), the
 control plane over HTTPS (``python -m trainyard server --tls-cert ...``; plain HTTP with
 ``--insecure-http``), one agent per node (``python -m trainyard agent --ca-file ...``, node i at
-127.0.0.(i+1) with virtual GPU slots). Stop is the reverse, on Ctrl-C, SIGTERM, or when any part
-dies (then the exit status is 1).
+127.0.0.(i+1) with virtual GPU slots). Stop is the reverse, on Ctrl-C, SIGTERM, or when the
+control plane, PostgreSQL or S3 dies (then the exit status is 1). A node agent that dies is
+reported and the cluster keeps running (the control plane declares the node lost and recovers its
+jobs); ``trainyard dev node kill|kill-workers|restart NODE`` acts on a node of the running cluster
+(trainyard/dev_control.py).
 
 Layout of the data dir::
 
@@ -16,6 +19,8 @@ Layout of the data dir::
     DIR/nodes/node-i/  each agent's work dir (and its workers' directories, when every directory
                        above DIR lets other users through; else under the temporary directory)
     DIR/dev-up.lock    held while a ``dev up`` runs on DIR; DIR/dev-up.pids its children
+    DIR/admin.token    the admin token (0600): trainyard login URL --token-file DIR/admin.token
+    DIR/control/       requests to the running ``dev up`` (trainyard/dev_control.py)
 """
 
 from __future__ import annotations
@@ -40,7 +45,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from trainyard import dev_control
 from trainyard.certs import ServerTls, ensure_server_tls
+from trainyard.dev_processes import (
+    Child,
+    descendants,
+    exit_code,
+    is_training,
+    kill_all,
+    kill_leftovers,
+    record_pid,
+    s3_credentials,
+    stop_children,
+)
 from trainyard.embedded import (
     EmbeddedError,
     EmbeddedPostgres,
@@ -48,8 +65,6 @@ from trainyard.embedded import (
     has_exited,
     port_is_free,
     signal_group,
-    stop_process_group,
-    wait_exited,
 )
 from trainyard.tls import client_context
 
@@ -180,14 +195,6 @@ class DevConfig:
         return f"{self.scheme}://{reach}:{self.port + index}"
 
 
-@dataclass
-class _Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    log: IO[bytes]
-
-
 class DevCluster:
     """The processes of one ``dev up``. ``start()`` blocks until the cluster is ready, ``watch()``
     until a stop is requested or something dies, ``stop()`` (idempotent) ends everything."""
@@ -202,12 +209,13 @@ class DevCluster:
         self.database_url = config.database_url or ""
         self.tls: ServerTls | None = None
         """The CA and server certificate, once ``start`` made them (None over plain HTTP)."""
-        self.control_planes: list[_Child | None] = [None] * config.replicas
-        self.agents: list[_Child] = []
+        self.control_planes: list[Child | None] = [None] * config.replicas
+        self.agents: list[Child] = []
         self._control_plane_env: dict[str, str] = {}
         self._stop_requested = threading.Event()
         self._descendants: dict[tuple[int, float], Any] = {}
         self._stopped = False
+        self._reported_dead: set[str] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -218,7 +226,7 @@ class DevCluster:
         cfg = self.config
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         (cfg.data_dir / "nodes").mkdir(parents=True, exist_ok=True)
-        _kill_leftovers(cfg.data_dir / "dev-up.pids", self._say)
+        kill_leftovers(cfg.data_dir / "dev-up.pids", self._say)
         for port in range(cfg.port, cfg.port + cfg.replicas):
             if not port_is_free(port, cfg.host):
                 raise DevError(f"port {port} on {cfg.host} is already in use; choose another with --port")
@@ -278,7 +286,7 @@ class DevCluster:
         self._wait(f"{cfg.nodes} ready node(s)", self._nodes_ready)
 
     @property
-    def control_plane(self) -> _Child | None:
+    def control_plane(self) -> Child | None:
         """The first replica's process."""
         return self.control_planes[0]
 
@@ -308,7 +316,7 @@ class DevCluster:
                     old.proc.wait(10.0)
                 old.log.close()
             else:
-                _stop_children([old], self.config.stop_grace_s)
+                stop_children([old], self.config.stop_grace_s)
             self.control_planes[replica] = None
         self._stop_requested.wait(down_s)
         self._say("starting the control plane again")
@@ -384,6 +392,37 @@ class DevCluster:
         self.agents[index] = self._spawn(name, self._agent_args(int(name.rsplit("-", 1)[1])), {})
         return self.agents[index].proc
 
+    def node_action(self, action: str, name: str) -> str:
+        """``trainyard dev node ...``: kill a node (its agent and its workers, SIGKILL: a node that
+        died), kill its workers only (a crashed training process), or restart its agent."""
+        if name not in {child.name for child in self.agents}:
+            raise dev_control.ControlError(f"no node {name!r} in this cluster "
+                                           f"({', '.join(c.name for c in self.agents)})")
+        proc = self.agent(name)
+        if action == "restart":
+            if proc.poll() is None:
+                raise dev_control.ControlError(f"{name}'s agent still runs (pid {proc.pid}); kill it first")
+            self._reported_dead.discard(name)
+            self._say(f"starting {name}'s agent again")
+            return f"{name}: agent started again (pid {self.start_agent(name).pid})"
+        workers = [p for p in descendants(proc.pid) if is_training(p)] if proc.poll() is None else []
+        if action == "kill-workers":
+            if not workers:
+                raise dev_control.ControlError(f"{name} runs no training process now")
+            kill_all(workers)
+            self._say(f"killed {len(workers)} training process(es) of {name} as asked")
+            return f"{name}: killed {len(workers)} training process(es) (pids {', '.join(str(p.pid) for p in workers)})"
+        if proc.poll() is not None:
+            raise dev_control.ControlError(f"{name}'s agent is not running")
+        self._reported_dead.add(name)
+        everything = descendants(proc.pid)
+        signal_group(proc, signal.SIGKILL)
+        kill_all(everything)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10.0)
+        self._say(f"killed {name} (its agent and {len(everything)} process(es) under it) as asked")
+        return f"{name}: killed its agent and {len(everything)} process(es) under it"
+
     def agent(self, name: str) -> subprocess.Popen[bytes]:
         """The process of the agent of node ``name`` (node-1, node-2, ...)."""
         for child in self.agents:
@@ -397,7 +436,7 @@ class DevCluster:
             assert cfg.s3_access_key and cfg.s3_secret_key
             self._ensure_bucket(cfg.s3_endpoint, cfg.s3_access_key, cfg.s3_secret_key)
             return cfg.s3_endpoint, cfg.s3_access_key, cfg.s3_secret_key
-        access, secret = _s3_credentials(cfg.data_dir / "s3-credentials.json")
+        access, secret = s3_credentials(cfg.data_dir / "s3-credentials.json")
         self._say(f"starting S3 (SeaweedFS; data: {cfg.data_dir / 's3'})")
         try:
             self.s3 = EmbeddedS3(
@@ -428,6 +467,10 @@ class DevCluster:
 
     def announce(self) -> None:
         url, token = self.config.api_url, self.token
+        token_file = self.config.data_dir / "admin.token"
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token + "\n")
         auth = f'-H "Authorization: Bearer {token}"' + (f" --cacert {self.tls.ca_file}" if self.tls else "")
         body = json.dumps(
             {
@@ -453,6 +496,10 @@ class DevCluster:
             f"  logs:        {self.logs_dir}",
             "",
             "Try:",
+            f"  trainyard login {url} --token-file {token_file}"
+            + (f" --ca-file {self.tls.ca_file}" if self.tls else ""),
+            "  trainyard run examples/minimal.yaml -f      # docs/writing-jobs.md",
+            f"  trainyard dev node kill-workers node-1 --data-dir {self.config.data_dir}",
             f"  curl -s {auth} {url}/v1/nodes",
             f"  curl -s {auth} -H 'Content-Type: application/json' -d '{body}' {url}/v1/jobs",
             f"  curl -s {auth} {url}/v1/jobs/JOB_ID",
@@ -469,12 +516,19 @@ class DevCluster:
             if time.monotonic() - last_scan > 2.0:
                 self._scan_descendants()
                 last_scan = time.monotonic()
+            dev_control.serve_pending(self.config.data_dir, self.node_action)
             for child in self._children():
-                if has_exited(child.proc):
-                    code = _exit_code(child.proc)
+                if has_exited(child.proc) and child.name not in self._reported_dead:
+                    code = exit_code(child.proc)
                     self._say(f"{child.name} exited unexpectedly (code {code}); log: {child.log_path}")
                     self._print_tail(child.log_path)
-                    return 1
+                    if child not in self.agents:
+                        return 1
+                    # A dead node is what fault tolerance is for: the control plane declares it lost
+                    # and recovers its jobs; the rest of the cluster runs on.
+                    self._reported_dead.add(child.name)
+                    self._say(f"the cluster keeps running without {child.name}; start it again with "
+                              f"'trainyard dev node restart {child.name} --data-dir {self.config.data_dir}'")
             if self.pg is not None and not self.pg.is_running():
                 self._say("PostgreSQL stopped unexpectedly; log: " + str(self.pg.data_dir / "log"))
                 return 1
@@ -491,14 +545,14 @@ class DevCluster:
         self._scan_descendants()
         if self.agents:
             self._say("stopping agents")
-            _stop_children(self.agents, self.config.stop_grace_s)
+            stop_children(self.agents, self.config.stop_grace_s)
         running = [cp for cp in self.control_planes if cp is not None]
         if running:
             self._say("stopping the control plane")
-            _stop_children(running, self.config.stop_grace_s)
+            stop_children(running, self.config.stop_grace_s)
         # Whatever a child started and left behind (say, an agent killed before it could stop its
         # workers, which run in sessions of their own) goes too.
-        _kill_all(list(self._descendants.values()))
+        kill_all(list(self._descendants.values()))
         if self.config.worker_uids:
             shutil.rmtree(self._workers_tmp, ignore_errors=True)
         if self.s3 is not None:
@@ -513,14 +567,14 @@ class DevCluster:
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _children(self) -> list[_Child]:
+    def _children(self) -> list[Child]:
         return [*(cp for cp in self.control_planes if cp is not None), *self.agents]
 
     def _scan_descendants(self) -> None:
         """Remember every process our children started, to end any that outlive them."""
         for child in self._children():
             if not has_exited(child.proc):
-                for proc in _descendants(child.proc.pid):
+                for proc in descendants(child.proc.pid):
                     with contextlib.suppress(Exception):
                         self._descendants[(proc.pid, proc.create_time())] = proc
 
@@ -537,7 +591,7 @@ class DevCluster:
         if self._stop_requested.is_set():
             raise _Interrupted
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> _Child:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Child:
         log_path = self.logs_dir / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - closed in _stop_children
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
@@ -551,8 +605,8 @@ class DevCluster:
             # in order; and stop() can signal each child's whole process group.
             start_new_session=True,
         )
-        child = _Child(name, proc, log_path, log)
-        _record_pid(self.config.data_dir / "dev-up.pids", child)
+        child = Child(name, proc, log_path, log)
+        record_pid(self.config.data_dir / "dev-up.pids", child)
         return child
 
     def _wait(self, what: str, ready: Any) -> None:
@@ -563,7 +617,7 @@ class DevCluster:
                 if has_exited(child.proc):
                     self._print_tail(child.log_path)
                     raise DevError(
-                        f"{child.name} exited with code {_exit_code(child.proc)} while waiting for {what}; "
+                        f"{child.name} exited with code {exit_code(child.proc)} while waiting for {what}; "
                         f"log: {child.log_path}"
                     )
             if ready():
@@ -667,98 +721,3 @@ def _own_dir(path: Path) -> None:
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
         raise DevError(f"{path} exists and is not this user's directory; remove it")
     path.chmod(0o711)
-
-
-def _s3_credentials(path: Path) -> tuple[str, str]:
-    """The embedded S3's keys: made once per data dir and kept, so objects stay readable."""
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        saved = json.loads(path.read_text())
-        return str(saved["access_key"]), str(saved["secret_key"])
-    access, secret = f"trainyard-{secrets.token_hex(6)}", secrets.token_urlsafe(24)  # no guessable default
-    path.touch(mode=0o600, exist_ok=True)
-    path.write_text(json.dumps({"access_key": access, "secret_key": secret}))
-    return access, secret
-
-
-def _exit_code(proc: subprocess.Popen[Any]) -> int | None:
-    """Exit code (negative: killed by that signal) of an exited child, without reaping it."""
-    if proc.returncode is not None:
-        return proc.returncode
-    with contextlib.suppress(ChildProcessError):
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
-        if info is not None:
-            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-    return None
-
-
-def _stop_children(children: list[_Child], grace: float) -> None:
-    """TERM every child's process group at once, KILL what is left after ``grace``, and end any
-    descendant that left its group (an agent's torchrun runs in a session of its own)."""
-    descendants = [p for child in children if not has_exited(child.proc) for p in _descendants(child.proc.pid)]
-    for child in children:
-        if not has_exited(child.proc):
-            signal_group(child.proc, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for child in children:
-        wait_exited(child.proc, max(0.0, deadline - time.monotonic()))
-    for child in children:
-        stop_process_group(child.proc, 0)
-        child.log.close()
-    _kill_all(descendants)
-
-
-def _descendants(pid: int) -> list[Any]:
-    try:
-        import psutil
-
-        return list(psutil.Process(pid).children(recursive=True))
-    except Exception:
-        return []
-
-
-def _kill_all(procs: list[Any]) -> None:
-    import psutil
-
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()  # psutil checks the pid still names the same process (create time)
-    psutil.wait_procs(procs, timeout=5)
-
-
-def _record_pid(path: Path, child: _Child) -> None:
-    entries = _read_pids(path)
-    try:
-        import psutil
-
-        created = psutil.Process(child.proc.pid).create_time()
-    except Exception:
-        created = None
-    entries.append({"name": child.name, "pid": child.proc.pid, "create_time": created})
-    path.write_text(json.dumps(entries))
-
-
-def _read_pids(path: Path) -> list[dict[str, Any]]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, list) else []
-    except (OSError, ValueError):
-        return []
-
-
-def _kill_leftovers(path: Path, say: Any) -> None:
-    """Kill what an earlier ``dev up`` on this data dir left running when it was itself killed."""
-    import psutil
-
-    leftovers = []
-    for entry in _read_pids(path):
-        try:
-            proc = psutil.Process(int(entry["pid"]))
-            if entry.get("create_time") is None or abs(proc.create_time() - float(entry["create_time"])) > 0.01:
-                continue
-        except (psutil.Error, KeyError, ValueError, TypeError):
-            continue
-        leftovers.extend([proc, *_descendants(proc.pid)])
-        say(f"stopping {entry.get('name')} (pid {proc.pid}) left over from an earlier run")
-    _kill_all(leftovers)
-    with contextlib.suppress(OSError):
-        path.unlink()

@@ -19,6 +19,7 @@ from worker_runtime.reporting import Reporter, ReportError, StaleAttemptError
 if TYPE_CHECKING:
     from worker_runtime.checkpoint.manager import CheckpointManager
     from worker_runtime.comm_meter import CommMeter
+    from worker_runtime.data import ResumableSampler
     from worker_runtime.distributed import (
         device_of,
         init_distributed,
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
         shutdown_distributed,
     )
     from worker_runtime.layouts import LayoutError, ParallelModel, apply_layout
+    from worker_runtime.loop import TrainLoop
     from worker_runtime.state import (
         DataPosition,
         RngState,
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "CheckpointManager": "worker_runtime.checkpoint.manager",
+    "ResumableSampler": "worker_runtime.data",
+    "TrainLoop": "worker_runtime.loop",
     "CommMeter": "worker_runtime.comm_meter",
     "LayoutError": "worker_runtime.layouts",
     "ParallelModel": "worker_runtime.layouts",
@@ -81,10 +85,12 @@ __all__ = [
     "DataPosition",
     "ReportError",
     "Reporter",
+    "ResumableSampler",
     "RngState",
     "StaleAttemptError",
     "Stateful",
     "StepCounter",
+    "TrainLoop",
     "TrainState",
     "WorkerContext",
     "WorldSizeMismatchError",

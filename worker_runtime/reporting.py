@@ -11,6 +11,12 @@ differently on purpose:
   backoff, and failing to deliver it raises. The agent must treat a repeated identical result as
   one (a retry may follow a response that was lost, not a request).
 
+Every rank reports: global rank 0 its loss and metrics (the attempt's progress), the others their
+step and timings only. Those feed the agent's per-node summary of its ranks (the watchdogs: a rank
+that stops reporting is named when its attempt hangs; one much slower than its peers is named a
+straggler). So that a rank blocked in a collective still counts as alive, the sender thread resends
+the latest report every ``keepalive_s``: only a stopped or frozen process falls silent.
+
 A 409 means the agent no longer considers this attempt current (it was superseded or stopped;
 see fencing in docs/architecture.md): progress stops being sent and ``result`` raises
 :class:`StaleAttemptError`, whose right handling is to exit without writing anything more.
@@ -24,12 +30,14 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 
+from trainyard.protocol.agent import REPORT_KEEPALIVE_S
 from trainyard.protocol.env import LOCAL_API_PREFIX
 from worker_runtime.agent_http import agent_client
 from worker_runtime.context import WorkerContext
@@ -48,8 +56,11 @@ class StaleAttemptError(ReportError):
 class Reporter:
     """Sends this worker's progress and result to its agent; prints them when run standalone.
 
-    Only global rank 0 reports unless ``all_ranks`` is set, so an SPMD loop can call it on every
-    rank. Use it as a context manager, or call :meth:`close`, so the last progress is delivered.
+    Call it on every rank (SPMD). Global rank 0's reports carry loss and metrics, the other ranks'
+    only their step and timings (all of them with ``all_ranks``); only rank 0 sends the result. Use
+    it as a context manager, or call :meth:`close`, so the last progress is delivered. Time the
+    part of a step a rank computes on its own with :meth:`timed` (or :meth:`add_busy`): that is
+    what tells a slow rank from the ranks that wait for it in collectives.
     """
 
     def __init__(
@@ -63,12 +74,21 @@ class Reporter:
         retry_backoff_s: float = 0.5,
         all_ranks: bool = False,
         echo: bool = True,
+        keepalive_s: float = REPORT_KEEPALIVE_S,
+        total_steps: int | None = None,
     ) -> None:
+        """``total_steps``: the steps the script will run, sent with every progress report (the
+        control plane shows step of total and an ETA)."""
         if min_interval_s < 0 or result_tries < 1:
             raise ValueError("min_interval_s must be >= 0 and result_tries >= 1")
         self._ctx = ctx
-        self._enabled = all_ranks or ctx.rank == 0
+        self._enabled = True  # every rank: the agent's RankSummary
+        self._metrics_rank = all_ranks or ctx.rank == 0
+        self._keepalive = keepalive_s
+        self._last_step: tuple[int, float] | None = None
+        self._busy = 0.0
         self._echo = echo
+        self.total_steps = total_steps
         self._interval = min_interval_s
         self._progress_timeout = progress_timeout_s
         self._result_timeout = result_timeout_s
@@ -87,6 +107,7 @@ class Reporter:
         self._failures = 0
         self._stale = False
         self._thread: threading.Thread | None = None
+        self._sent: dict[str, Any] | None = None
         self._client: httpx.Client | None = None  # used by the sender thread only
         self.sent_progress = 0
         """How many progress reports the agent accepted (for tests and diagnostics)."""
@@ -102,17 +123,44 @@ class Reporter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def add_busy(self, seconds: float) -> None:
+        """Count ``seconds`` this rank computed alone (outside collectives) since the last report."""
+        if seconds > 0:
+            self._busy += seconds
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Time a block this rank computes alone (its forward pass, say) as busy time."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_busy(time.perf_counter() - started)
+
     def progress(self, step: int, loss: float | None = None, **metrics: float) -> None:
         """Record progress at ``step``; cheap, never blocks on the network, never raises."""
         if not self._enabled or self._stale or self._closing:
             return
-        body = {
+        step, at = int(step), time.monotonic()
+        step_time = busy = None
+        if self._last_step is not None and step > self._last_step[0]:
+            done = step - self._last_step[0]
+            step_time = (at - self._last_step[1]) / done
+            busy = self._busy / done if self._busy > 0 else None
+        if self._last_step is None or step > self._last_step[0]:
+            self._last_step, self._busy = (step, at), 0.0
+        body: dict[str, Any] = {
             "fencing_token": self._ctx.fencing_token,
             "rank": self._ctx.rank,
-            "step": int(step),
-            "loss": _finite(loss),
-            "metrics": {k: f for k, v in metrics.items() if (f := _finite(v)) is not None},
+            "step": step,
+            "loss": _finite(loss) if self._metrics_rank else None,
+            "metrics": {k: f for k, v in metrics.items() if (f := _finite(v)) is not None}
+            if self._metrics_rank else {},
+            "step_time_s": step_time,
+            "busy_s": busy,
         }
+        if self.total_steps is not None:
+            body["total_steps"] = int(self.total_steps)
         with self._cond:
             self._pending = body
             if self._thread is None:
@@ -139,7 +187,7 @@ class Reporter:
         Raises StaleAttemptError on 409 and ReportError when every try failed or the agent
         rejected the body. Non-finite floats are sent as null (JSON has no NaN).
         """
-        if not self._enabled:
+        if not self._metrics_rank:
             return
         payload = _jsonable(dict(result))
         json.dumps(payload)  # a programming error (unserialisable value) fails here, not on the wire
@@ -192,10 +240,18 @@ class Reporter:
 
     # --- sender thread ---
 
-    def _next_body(self) -> dict[str, Any] | None:
-        """Wait (holding the lock) for a body that may be sent now; None means stop."""
+    def _next_body(self, keepalive: bool = False) -> dict[str, Any] | None:
+        """Wait (holding the lock) for a body that may be sent now; None means stop. With
+        ``keepalive``, the last body sent is sent again after ``keepalive_s`` without a new one."""
         while self._pending is None and not self._closing:
-            self._cond.wait()
+            if keepalive and self._sent is not None and not self._stale:
+                remaining = self._next_send_at + self._keepalive - time.monotonic()
+                if remaining <= 0:
+                    self._pending = self._sent
+                    break
+                self._cond.wait(remaining)
+            else:
+                self._cond.wait()
         if self._pending is None:
             return None
         while not (self._flushing or self._closing):
@@ -211,7 +267,7 @@ class Reporter:
         self._client = agent_client(self._ctx, self._progress_timeout)
         while True:
             with self._cond:
-                body = self._next_body()
+                body = self._next_body(keepalive=True)
             if body is None:
                 return
             ok = False
@@ -221,6 +277,7 @@ class Reporter:
                 log.exception("unexpected error while reporting progress")
             with self._cond:
                 self._in_flight = False
+                self._sent = body
                 self._failures = 0 if ok else self._failures + 1
                 # Back off while the agent is unreachable, so a dead agent costs nothing.
                 delay = self._interval * (2 ** min(self._failures, 6))
@@ -260,10 +317,11 @@ class Reporter:
                 body = self._next_body()
             if body is None:
                 return
-            if self._echo:
+            if self._echo and self._metrics_rank:
                 extra = "".join(f" {k}={v:.6g}" for k, v in sorted(body["metrics"].items()))
                 loss = "" if body["loss"] is None else f" loss={body['loss']:.6g}"
-                print(f"[trainyard] step={body['step']}{loss}{extra}", file=sys.stderr, flush=True)
+                total = f"/{body['total_steps']}" if body.get("total_steps") else ""
+                print(f"[trainyard] step={body['step']}{total}{loss}{extra}", file=sys.stderr, flush=True)
             with self._cond:
                 self._in_flight = False
                 self._next_send_at = time.monotonic() + self._interval

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
 from control_plane.api.deps import (
     NodeIdentity,
@@ -19,7 +19,7 @@ from control_plane.api.deps import (
 )
 from control_plane.api.jobs import ERRORS
 from control_plane.errors import Unauthorized
-from control_plane.services import agent_protocol, logs, nodes, storage_grants, upload_slots
+from control_plane.services import agent_protocol, code, logs, nodes, storage_grants, upload_slots
 from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
@@ -88,7 +88,8 @@ async def wait(body: WaitRequest, token: NodeToken, settings: SettingsDep, runti
 def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeIdentity,
                    session: SessionDep, runtime: RuntimeDep) -> AttemptStatusAck:
     answer = agent_protocol.report_status(session, node, attempt_id, body, runtime)
-    return AttemptStatusAck(attempt_state=answer.attempt_state, stop=answer.stop, released=answer.released)
+    return AttemptStatusAck(attempt_state=answer.attempt_state, stop=answer.stop, released=answer.released,
+                            checkpoint_interval_steps=answer.checkpoint_interval_steps)
 
 
 @router.post("/attempts/{attempt_id}/logs", response_model=LogAck, responses=ERRORS)
@@ -103,6 +104,15 @@ def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity,
     steps = agent_protocol.report_shards(session, node, attempt_id, body, runtime.object_store,
                                          runtime.session_factory)
     return ShardAck(accepted=len(body.shards), committed_steps=steps)
+
+
+@router.get("/attempts/{attempt_id}/code", response_class=Response, summary="The job's shipped code",
+            responses={200: {"content": {"application/gzip": {}}}, **ERRORS})
+def attempt_code(attempt_id: uuid.UUID, node: NodeIdentity, session: SessionDep, runtime: RuntimeDep) -> Response:
+    """The tar.gz of a live attempt's job's code (CodeRef in its LaunchSpec), for a node of that attempt;
+    409 for an attempt that is not live or not the node's."""
+    data, sha256 = code.fetch_for_node(session, node, attempt_id, runtime.object_store)
+    return Response(data, media_type="application/gzip", headers={"X-Content-SHA256": sha256})
 
 
 @router.post("/attempts/{attempt_id}/events", response_model=WorkerEventAck, responses=ERRORS)

@@ -5,6 +5,7 @@ runtime collaborators (``RuntimeDep``). This module is the only one under api/ t
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -47,9 +48,11 @@ class Runtime:
     session_factory: sessionmaker[Session]
     engine: Engine
     wakeups: Any = None
-    """control_plane.wakeups.Wakeups: the agents' long polls (app.wakeups)."""
+    """control_plane.wakeups.NodeWakeups: the agents' long polls (app.wakeups)."""
     slot_wakeups: Any = None
     """control_plane.wakeups.Wakeups: the long polls for checkpoint upload slots (app.slot_wakeups)."""
+    metrics: Any = None
+    """services.metrics.Exporter: what GET /metrics answers (app.metrics)."""
     log_followers: Any = None
     """services.logs.Followers: followed logs per principal on this replica (app.log_followers)."""
 
@@ -67,7 +70,7 @@ def get_runtime(request: Request) -> Runtime:
                    worker_storage=dict(state.worker_storage or {}), session_factory=state.session_factory,
                    engine=state.engine, wakeups=getattr(state, "wakeups", None),
                    slot_wakeups=getattr(state, "slot_wakeups", None),
-                   log_followers=getattr(state, "log_followers", None))
+                   metrics=getattr(state, "metrics", None), log_followers=getattr(state, "log_followers", None))
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -125,7 +128,14 @@ class TransactionRoute(APIRoute):
         super().__init__(path, endpoint, **kwargs)
 
 
+def get_agent_openapi(request: Request) -> dict[str, Any]:
+    """The agents' OpenAPI document (control_plane/openapi.py)."""
+    document: dict[str, Any] = request.app.state.agent_openapi()
+    return document
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+AgentOpenApi = Annotated[dict[str, Any], Depends(get_agent_openapi)]
 SessionDep = Annotated[Session, Depends(get_session)]
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -145,6 +155,19 @@ def _token(creds: HTTPAuthorizationCredentials | None) -> str:
     return creds.credentials
 
 
+def authenticate_token(token: str, settings: Settings, session: Session) -> Principal | None:
+    """The principal of a token: the bootstrap admin token, or a principal's valid API token."""
+    if settings.admin_token and authz.same_secret(token, settings.admin_token):
+        return Principal(name=authz.BOOTSTRAP_ADMIN, tenant=settings.admin_tenant, role=authz.Role.admin)
+    try:
+        principal = principals.authenticate(session, token)
+    except BaseException:
+        end_transaction(session, ok=False)
+        raise
+    session.commit()  # before the endpoint's thread (see end_transaction): last_used_at
+    return principal
+
+
 class Allow:
     """Authenticate a principal's token and require a role the policy allows (403 otherwise)."""
 
@@ -153,22 +176,43 @@ class Allow:
         assert self.policy.credential == "user", name
 
     def __call__(self, creds: Credentials, settings: SettingsDep, session: SessionDep) -> Principal:
-        token = _token(creds)
-        if settings.admin_token and authz.same_secret(token, settings.admin_token):
-            principal: Principal | None = Principal(name=authz.BOOTSTRAP_ADMIN, tenant=settings.admin_tenant,
-                                                    role=authz.Role.admin)
-        else:
-            try:
-                principal = principals.authenticate(session, token)
-            except BaseException:
-                end_transaction(session, ok=False)
-                raise
-            session.commit()  # before the endpoint's thread (see end_transaction): last_used_at
+        principal = authenticate_token(_token(creds), settings, session)
         if principal is None:
             raise Unauthorized("invalid, expired or revoked bearer token")
         if not self.policy.allows(principal.role):
             raise Forbidden(f"a {principal.role} may not do this ({self.policy.name}: "
                             f"{', '.join(sorted(self.policy.roles))})")
+        return principal
+
+
+UI_COOKIE = "trainyard_session"
+"""The dashboard's session cookie: the principal's API token itself (HttpOnly, SameSite=Strict)."""
+CSRF_HEADER = "X-CSRF-Token"
+
+
+def csrf_token(token: str) -> str:
+    """What a page sends back with a state-changing request made with the session cookie: derived
+    from the token, which a page of another site cannot read (HttpOnly), so it cannot forge it."""
+    return hashlib.sha256(b"trainyard-csrf:" + token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class UiAllow(Allow):
+    """``Allow`` for the dashboard (api/ui.py): the token from the session cookie, or the
+    Authorization header. A POST made with the cookie must carry ``csrf_token`` of it (header
+    X-CSRF-Token or form field ``csrf``), so that no other site can make the browser cancel a job;
+    SameSite=Strict already keeps the cookie off cross-site requests."""
+
+    def __call__(self, request: Request, creds: Credentials, settings: SettingsDep,  # type: ignore[override]
+                 session: SessionDep) -> Principal:
+        cookie = request.cookies.get(UI_COOKIE)
+        via_cookie = (creds is None or not creds.credentials) and bool(cookie)
+        if via_cookie:
+            creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=str(cookie))
+        principal = super().__call__(creds, settings, session)
+        if via_cookie and request.method not in ("GET", "HEAD"):
+            sent = request.headers.get(CSRF_HEADER, "")
+            if not authz.same_secret(sent, csrf_token(str(cookie))):
+                raise Forbidden("missing or wrong CSRF token: reload the page and try again")
         return principal
 
 
@@ -207,6 +251,20 @@ class RegisterGuard:
 
     def __call__(self, creds: Credentials) -> str:
         return _token(creds)
+
+
+class MetricsGuard:
+    """GET /metrics: open when no metrics token is set (it shows no job names, ids or tenants), else
+    that token or the admin token (docs/operations.md, "Metrics")."""
+
+    policy = authz.policy("metrics.read")
+
+    def __call__(self, creds: Credentials, settings: SettingsDep) -> None:
+        if not settings.metrics_token:
+            return
+        token = _token(creds)
+        if not any(t and authz.same_secret(token, t) for t in (settings.metrics_token, settings.admin_token)):
+            raise Unauthorized("invalid bearer token for /metrics")
 
 
 class Declared:
@@ -261,18 +319,29 @@ def _allowed(name: str) -> Any:
     return Annotated[Principal, Depends(Allow(name))]
 
 
+def _ui(name: str) -> Any:
+    return Annotated[Principal, Depends(UiAllow(name))]
+
+
 SelfDep = _allowed("self")
 JobsRead = _allowed("jobs.read")
 JobsSubmit = _allowed("jobs.submit")
 JobsCancel = _allowed("jobs.cancel")
 ClusterRead = _allowed("cluster.read")
 PlansCreate = _allowed("plans.create")
+SimulationsCreate = _allowed("simulations.create")
+MetricsAccess = Annotated[None, Depends(MetricsGuard())]
+CodeUpload = _allowed("code.upload")
 NodesRead = _allowed("nodes.read")
 NodesManage = _allowed("nodes.manage")
 JoinTokensManage = _allowed("join_tokens.manage")
 TenantsRead = _allowed("tenants.read")
 TenantsManage = _allowed("tenants.manage")
 PrincipalsManage = _allowed("principals.manage")
+UiJobsRead = _ui("jobs.read")
+UiJobsCancel = _ui("jobs.cancel")
+UiClusterRead = _ui("cluster.read")
+UiNodesRead = _ui("nodes.read")
 NodeIdentity = Annotated[Node, Depends(NodeGuard())]
 NodeToken = Annotated[str, Depends(NodeCredential())]
 RegisterCredential = Annotated[str, Depends(RegisterGuard())]

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
+from pydantic import StringConstraints
 
 from control_plane.api.deps import (
     JobsCancel,
@@ -18,9 +19,18 @@ from control_plane.api.deps import (
     SettingsDep,
     TransactionRoute,
 )
-from control_plane.schemas.jobs import AttemptPage, CheckpointPage, EventPage, JobOut, JobPage, JobSubmit
+from control_plane.schemas.jobs import (
+    AttemptPage,
+    CheckpointPage,
+    EventPage,
+    JobOut,
+    JobPage,
+    JobSubmit,
+    ProgressPage,
+)
 from control_plane.schemas.limits import INT32_MAX, INT64_MAX
-from control_plane.services import events, jobs, logs, views
+from control_plane.schemas.tenants import TENANT_NAME
+from control_plane.services import jobs, logs, views
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=TransactionRoute)
 
@@ -32,8 +42,9 @@ Limit = Annotated[int, Query(ge=1, le=500, description="Items per page.")]
 Cursor = Annotated[str | None, Query(min_length=1, max_length=512, description="`next_cursor` of the page before.")]
 
 
-@router.post("", response_model=JobOut, status_code=status.HTTP_201_CREATED, responses=ERRORS,
-             summary="Submit a job")
+@router.post("", response_model=JobOut, status_code=status.HTTP_201_CREATED, summary="Submit a job", responses={
+    200: {"model": JobOut, "description": "A retry with the same `Idempotency-Key` and body: the job it created."},
+    201: {"description": "The job, queued."}, **ERRORS})
 def submit_job(
     body: JobSubmit,
     runtime: RuntimeDep,
@@ -50,7 +61,8 @@ def submit_job(
     `job.plan_warning` event when fewer GPUs would give more tokens/s, or more per GPU."""
     rate = jobs.SubmitRate(settings.submit_rate_per_window, settings.submit_rate_window_s)
     job, created = jobs.submit(session, body, principal=principal, idempotency_key=idempotency_key, rate=rate,
-                               plan_min_efficiency=settings.plan_min_efficiency, max_env_bytes=settings.max_env_bytes)
+                               store=runtime.object_store, max_env_bytes=settings.max_env_bytes,
+                               plan_min_efficiency=settings.plan_min_efficiency)
     if created:
         runtime.wake_scheduler()
     else:
@@ -64,11 +76,15 @@ def list_jobs(
     session: SessionDep,
     principal: JobsRead,
     state: Annotated[list[str] | None, Query(max_length=16, description="Filter by state (repeatable).")] = None,
+    name: Annotated[str | None, Query(min_length=1, max_length=128, description="Only jobs of this name.")] = None,
+    tenant: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=TENANT_NAME)]] | None,
+                      Query(max_length=64, description="Only these tenants' jobs (repeatable).")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Cursor = None,
 ) -> JobPage:
+    """Newest first."""
     items, next_cursor = jobs.list_jobs(session, states=state, limit=limit, cursor=cursor,
-                                        tenant=principal.tenant_filter)
+                                        tenant=principal.tenant_filter, name=name, tenants=tenant)
     return JobPage(items=views.jobs_out(session, items), next_cursor=next_cursor)
 
 
@@ -104,12 +120,22 @@ def list_events(
     job_id: uuid.UUID,
     session: SessionDep,
     principal: JobsRead,
-    after: Annotated[int, Query(ge=0, le=INT64_MAX, description="Only events with a larger id.")] = 0,
+    after: Annotated[int, Query(ge=0, le=INT64_MAX, description="Only events with a larger id (to follow "
+                                "the log: the last id seen).")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: Cursor = None,
 ) -> EventPage:
+    """Oldest first, `limit` at a time."""
     jobs.get_visible_job(session, job_id, principal)
-    items = events.list_events(session, job_id=job_id, after=after, limit=limit)
-    return EventPage(items=[views.event_out(e) for e in items], next_after=items[-1].id if items else None)
+    return views.events_page(session, job_id, after=after, limit=limit, cursor=cursor)
+
+
+@router.get("/{job_id}/progress", response_model=ProgressPage, responses=ERRORS, summary="A job's progress history")
+def list_progress(job_id: uuid.UUID, session: SessionDep, principal: JobsRead,
+                  limit: Annotated[int, Query(ge=1, le=5000)] = 1000, cursor: Cursor = None) -> ProgressPage:
+    """Oldest first: step, loss, step rate and metrics, sampled every few seconds of each attempt."""
+    jobs.get_visible_job(session, job_id, principal)
+    return views.progress_page(session, job_id, limit=limit, cursor=cursor)
 
 
 @router.get(

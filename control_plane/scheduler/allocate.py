@@ -39,7 +39,7 @@ from control_plane.scheduler.policy import (
     decide,
     place,
 )
-from control_plane.services import attempts, reservations, tenants
+from control_plane.services import attempts, metrics, reservations, tenants
 from control_plane.services.limits import ONE_SECOND
 from control_plane.services.states import ATTEMPT_HOLDING, ATTEMPT_LIVE, JOB_WAITING, set_job_state
 from control_plane.settings import Settings
@@ -204,6 +204,7 @@ def recovery_history(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UU
         .where(Attempt.job_id.in_(job_ids))
         .order_by(Attempt.job_id, Attempt.number)
     ).all()
+    slow = _stragglers_to_avoid(session, job_ids)
     last: dict[uuid.UUID, uuid.UUID] = {}
     blamed: dict[uuid.UUID, Counter[str]] = {}
     for job_id, attempt_id, _number, failed_node in rows:
@@ -224,11 +225,26 @@ def recovery_history(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UU
     out = {}
     for job_id, attempt_id in last.items():
         counts = blamed.get(job_id, Counter())
-        avoid = frozenset(n for n, c in counts.items() if c >= AVOID_AFTER_FAILURES)
+        avoid = frozenset(n for n, c in counts.items() if c >= AVOID_AFTER_FAILURES) | slow.get(attempt_id, set())
         failed = failed_node_of.get(attempt_id)
         prefer = frozenset(last_nodes.get(attempt_id, set()) - avoid - ({str(failed)} if failed else set()))
         out[job_id] = RecoveryHistory(prefer=prefer, avoid=avoid, gpu_kind=kinds.get(attempt_id))
     return out
+
+
+def _stragglers_to_avoid(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, frozenset[str]]:
+    """Per attempt, its nodes named stragglers, for the jobs whose watchdog asks to avoid them
+    (``avoid_stragglers``): the next recovery places the job elsewhere."""
+    rows = session.execute(
+        select(AttemptNode.attempt_id, AttemptNode.node_id)
+        .join(Attempt, Attempt.id == AttemptNode.attempt_id).join(Job, Job.id == Attempt.job_id)
+        .where(Attempt.job_id.in_(job_ids), AttemptNode.straggler_named_at.is_not(None),
+               Job.watchdog["avoid_stragglers"].as_boolean().is_(True))
+    ).all()
+    out: dict[uuid.UUID, set[str]] = {}
+    for attempt_id, node_id in rows:
+        out.setdefault(attempt_id, set()).add(str(node_id))
+    return {a: frozenset(n) for a, n in out.items()}
 
 
 NO_HISTORY = RecoveryHistory()
@@ -417,6 +433,11 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
     # cluster on the same machine) still holds is unlikely to be picked again at once.
     seed = secrets.randbelow(settings.rdzv_port_max - settings.rdzv_port_min + 1)
     admitted = [p for p in placements if p.job_id in locked]
+    t = now()
+    for p in admitted:  # since it entered the queue (submitted, or failed over to recovering)
+        job = locked[p.job_id]
+        metrics.QUEUE_WAIT.labels(kind="recovery" if job.state == "recovering" else "first").observe(
+            max((t - job.updated_at).total_seconds(), 0.0))
     attempts.create_attempts(session, [
         (locked[p.job_id], [(nodes[node_id], ix) for node_id, ix in p.nodes],
          _pick_port(used_ports, nodes[p.nodes[0][0]].address, settings, seed + i))

@@ -1,5 +1,6 @@
 """Background loops of a control-plane replica: scheduling passes, node liveness, time limits,
-checkpoint maintenance, retention of logs and events.
+checkpoint maintenance, retention of logs and events, and the watchdogs (hung attempts, stragglers,
+the auto checkpoint interval).
 
 Each loop runs in its own thread under a ``Loops`` monitor with an idempotent ``stop``. A loop
 iteration is one short transaction; an exception is logged and the loop carries on. Every
@@ -20,7 +21,17 @@ from control_plane import clock
 from control_plane.clock import now
 from control_plane.db import session_scope
 from control_plane.scheduler.allocate import PendingCache, schedule_pass
-from control_plane.services import attempts, checkpoints, limits, nodes, retention, upload_slots
+from control_plane.services import (
+    attempts,
+    checkpoints,
+    intervals,
+    limits,
+    metrics,
+    nodes,
+    retention,
+    upload_slots,
+    watchdog,
+)
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.loops")
@@ -52,6 +63,7 @@ class Loops:
             ("monitor", self.monitor_once, self._settings.monitor_interval_s),
             ("checkpoints", self.checkpoints_once, self._settings.checkpoint_maintenance_interval_s),
             ("limits", self.limits_once, self._settings.limits_interval_s),
+            ("watchdog", self.watchdog_once, self._settings.watchdog_interval_s),
             ("retention", self.retention_once, self._settings.retention_interval_s),
         ):
             t = threading.Thread(target=self._run, args=(name, fn, period), name=f"trainyard-{name}", daemon=True)
@@ -82,7 +94,8 @@ class Loops:
     def schedule_once(self) -> int:
         session = self._factory()
         try:
-            return len(schedule_pass(session, self._settings, cache=self._pending))
+            with metrics.SCHEDULING_PASS.time():
+                return len(schedule_pass(session, self._settings, cache=self._pending))
         finally:
             session.close()
 
@@ -121,6 +134,21 @@ class Loops:
         with session_scope(self._factory) as session:
             failed = limits.enforce_time_limits(session)
         return len(failed)
+
+    def watchdog_once(self) -> int:
+        """Fail hung attempts (recovered like any failure), name stragglers, reset 'auto' checkpoint
+        intervals (services/watchdog.py, services/intervals.py); each in its own transactions."""
+        if now() < self._not_before:
+            return 0  # after a start, progress reports need time to reach us again
+        with session_scope(self._factory) as session:
+            hung = watchdog.fail_hung(session, self._settings)
+        with session_scope(self._factory) as session:
+            watchdog.track_stragglers(session, self._settings)
+        with session_scope(self._factory) as session:
+            intervals.update(session, self._settings)
+        if hung:
+            self.wake_scheduler()
+        return len(hung)
 
     def retention_once(self) -> tuple[int, int]:
         """Delete logs and events past their retention (services/retention.py)."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
+from control_plane.schemas.goodput import GoodputOut, StragglerOut
 from control_plane.schemas.limits import TEXT_LINE
 from control_plane.schemas.plans import JobModelIn, JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
@@ -39,13 +40,53 @@ GpuKindName = Annotated[str, Field(min_length=1, max_length=128, pattern=TEXT_LI
 MAX_GPU_KINDS = 16
 
 
+# Documented as a one-value enum, not a const: generated clients (openapi-python-client) parse a
+# const member of a union without falling back to the union's other members, so 50 failed there.
+AutoInterval = Annotated[Literal["auto"], WithJsonSchema({"type": "string", "enum": ["auto"]})]
+
+
 class CheckpointSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    interval_steps: int | None = Field(
-        default=None, ge=1, le=10_000_000, description="Save a complete checkpoint every N steps."
-    )
+    interval_steps: Annotated[int, Field(ge=1, le=10_000_000)] | AutoInterval | None = Field(
+        default=None, description="Save a complete checkpoint every N steps (1 to 10,000,000), or 'auto': the "
+        "platform sets the interval by the Young/Daly rule from the job's measured save cost and the cluster's "
+        "failure rate, and changes it as measurements arrive (docs/goodput.md).")
+    first_interval_steps: int | None = Field(
+        default=None, ge=1, le=10_000_000, description="With 'auto': the interval until the platform has measured "
+        "a save (default 100 steps).")
     keep_last: int = Field(default=3, ge=1, le=1000, description="Committed checkpoints to keep.")
+    when_busy: Literal["wait", "skip"] = Field(
+        default="wait", description="When a save comes while the previous one is still uploading: wait for it "
+        "(training blocks), or skip this save (a checkpoint.skipped event).")
+
+
+class WatchdogSettings(BaseModel):
+    """The job's own watchdog settings; each null takes the cluster's (TRAINYARD_HANG_*, _STRAGGLER_*)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    hang_timeout_s: float | None = Field(
+        default=None, ge=1, le=7 * 86400, description="Fail a running attempt as hung when its step has not "
+        "advanced for this long (default: derived from its step time and checkpoint stalls, with a floor).")
+    straggler_factor: float | None = Field(
+        default=None, gt=1, le=100, description="A rank this many times slower than its peers' median is named.")
+    avoid_stragglers: bool = Field(
+        default=False, description="The next recovery does not place the job on a node named a straggler.")
+
+
+class CodeIn(BaseModel):
+    """Code uploaded with PUT /v1/code/{sha256} (what `trainyard run` does with a job file's
+    `workdir`): the workers run in it, unpacked on each node, and the entrypoint is resolved inside it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    sha256: str = Field(pattern="^[0-9a-f]{64}$", description="sha256 of the uploaded archive (tar.gz).")
+
+
+class CodeOut(BaseModel):
+    sha256: str
+    size_bytes: int
 
 
 class JobSubmit(BaseModel):
@@ -75,6 +116,7 @@ class JobSubmit(BaseModel):
         json_schema_extra={"maxProperties": MAX_ENV_BYTES // 3},
     )
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    watchdog: WatchdogSettings | None = Field(default=None, description="Hang and straggler detection overrides.")
     max_failures: int = Field(
         default=3, ge=0, le=1000, description="Failed attempts tolerated; one more fails the job."
     )
@@ -95,6 +137,12 @@ class JobSubmit(BaseModel):
         "better. The plan is shown with the job."))
     layout: Layout | None = Field(default=None, description=(
         "The parallel layout the workers apply (TRAINYARD_LAYOUT); default: DDP without accumulation."))
+    code: CodeIn | None = Field(default=None, description=(
+        "Code to run in (uploaded before with PUT /v1/code/{sha256}); default: the code on the nodes."))
+    python: str | None = Field(default=None, min_length=2, max_length=1024, pattern=r"^/[^\x00-\x1f]*$",
+                               description=(
+        "The Python interpreter on the nodes that runs torchrun and the workers (an absolute path, e.g. "
+        "a venv's /opt/envs/llm/bin/python with torch and trainyard[worker]); default: the agent's."))
 
     @field_validator("gpu_kind")
     @classmethod
@@ -168,10 +216,15 @@ class JobSubmit(BaseModel):
         return v
 
 
-class Progress(BaseModel):
+class JobProgress(BaseModel):
+    """The current attempt's progress as its workers report it."""
+
     step: int | None = None
     loss: float | None = None
     updated_at: datetime | None = Field(default=None, description="Time of the last report.")
+    total_steps: int | None = Field(default=None, description="The steps the script will run, when it says.")
+    steps_per_s: float | None = Field(default=None, description="Step rate of the current attempt, smoothed.")
+    eta_s: float | None = Field(default=None, description="(total_steps - step) / steps_per_s, when both are known.")
     metrics: dict[str, float] = Field(default_factory=dict, description=(
         "The current attempt's last reported metrics: the measured split of a step, in seconds per "
         "optimizer step and bytes (step_s, compute_s, comm_s: exposed communication, comm_busy_s, "
@@ -235,7 +288,9 @@ class JobOut(BaseModel):
     model: dict[str, Any] | None = Field(default=None, description="The model block the job was submitted with.")
     layout: Layout | None = Field(default=None, description="The layout its workers apply (null: plain DDP).")
     plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
-    progress: Progress
+    code: CodeOut | None = Field(default=None, description="The shipped code its workers run in, if any.")
+    python: str | None = Field(default=None, description="The interpreter its workers run with, if not the agent's.")
+    progress: JobProgress
     split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None
     end_reason: str | None
@@ -256,6 +311,14 @@ class JobOut(BaseModel):
     releasing: bool = Field(
         default=False, description="The job ended but its GPUs are not free yet (leases_held > 0)."
     )
+    watchdog: dict[str, Any] | None = Field(default=None, description="The job's watchdog overrides.")
+    checkpoint_interval: dict[str, Any] | None = Field(
+        default=None, description="For interval_steps 'auto': the interval the platform chose and its inputs.")
+    stragglers: list[StragglerOut] = Field(
+        default_factory=list,
+        description="Ranks of the current attempt named slower than their peers, with their node.")
+    goodput: GoodputOut | None = Field(
+        default=None, description="Allocated GPU-time and what it bought (docs/goodput.md).")
     created_at: datetime
     started_at: datetime | None
     ended_at: datetime | None
@@ -281,6 +344,8 @@ class WorkerOut(BaseModel):
     started_at: datetime | None
     ended_at: datetime | None
     reason: str | None = Field(default=None, description="Why an exit shows no exit code, if it does not.")
+    cause: str | None = Field(default=None, description="Why a non-zero exit happened (see AttemptOut.failure_kind).")
+    message: str | None = Field(default=None, description="The worker's own words for it (the end of its stderr).")
 
 
 class AttemptNodeOut(BaseModel):
@@ -321,7 +386,13 @@ class AttemptOut(BaseModel):
     rendezvous: str
     restored_from_step: int | None
     progress_step: int | None = Field(description="The last step this attempt reported.")
-    progress_metrics: dict[str, float] = Field(description="The metrics of that report (see Progress.metrics).")
+    hung_since: datetime | None = Field(default=None, description="Failed as hung: when its step last advanced.")
+    progress_metrics: dict[str, float] = Field(description="The metrics of that report (see JobProgress.metrics).")
+    failure_kind: str | None = Field(default=None, description=(
+        "Why a failed attempt failed: start_error (the script could not start: import or syntax error, missing "
+        "file or module), exception (a Python exception, type and message in end_reason), out_of_memory, "
+        "signal (killed), collective_timeout (NCCL or gloo), exit_code (a plain non-zero exit), node_lost, "
+        "launch_error, time_limit, or other."))
     recovery: RecoveryOut | None = Field(description="Set when this attempt replaced a failed one.")
     created_at: datetime
     started_at: datetime | None
@@ -329,6 +400,20 @@ class AttemptOut(BaseModel):
     failed_at: datetime | None
     ended_at: datetime | None
     nodes: list[AttemptNodeOut]
+
+
+class ProgressSampleOut(BaseModel):
+    attempt_number: int
+    step: int
+    loss: float | None
+    steps_per_s: float | None
+    metrics: dict[str, float]
+    at: datetime
+
+
+class ProgressPage(BaseModel):
+    items: list[ProgressSampleOut] = Field(description="Oldest first.")
+    next_cursor: str | None = Field(description="Pass as `cursor` to get the next page.")
 
 
 class EventOut(BaseModel):
@@ -343,8 +428,9 @@ class EventOut(BaseModel):
 
 
 class EventPage(BaseModel):
-    items: list[EventOut]
-    next_after: int | None = Field(description="Pass as `after` to get newer events.")
+    items: list[EventOut] = Field(description="Oldest first.")
+    next_cursor: str | None = Field(description="Pass as `cursor` to get the next page; null at the end (to "
+                                    "follow newer events later, pass the last item's id as `after`).")
 
 
 class CheckpointOut(BaseModel):
@@ -358,6 +444,11 @@ class CheckpointOut(BaseModel):
     shards: int = Field(description="Shards recorded so far.")
     manifest_key: str | None
     reason: str | None
+    blocking_s: float | None = Field(default=None, description="The longest any rank's loop was blocked by this save.")
+    background_s: float | None = Field(
+        default=None, description="The longest any rank's serialise, hash, upload and report took in the background.")
+    upload_bytes_per_s: float | None = Field(
+        default=None, description="size_bytes / background_s: the ranks' uploads together.")
     created_at: datetime
     committed_at: datetime | None
     upload: CheckpointUploadOut | None = Field(

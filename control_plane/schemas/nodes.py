@@ -7,6 +7,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from control_plane.schemas.goodput import ClusterGoodputOut
 from control_plane.schemas.scheduling import SchedulingOut
 
 LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
@@ -87,3 +88,6 @@ class ClusterOut(BaseModel):
     jobs_by_state: dict[str, int]
     queue: list[QueuedJobOut] = Field(description="Waiting jobs in service order (at the start of a pass).")
     scheduling: SchedulingOut = Field(description="Reservations and the recovery reserve, with their idle cost.")
+    goodput: ClusterGoodputOut | None = Field(
+        default=None, description="Every job's allocated GPU-time and what it bought, summed, with the GPU-time "
+        "reservations and the recovery reserve held idle (docs/goodput.md).")

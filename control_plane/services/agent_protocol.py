@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
-from control_plane.models import Node
-from control_plane.services import attempts, checkpoints, nodes, specs
+from control_plane.models import Attempt, Node
+from control_plane.services import attempts, checkpoints, intervals, metrics, nodes, progress, specs, views
 from control_plane.settings import Settings
 from trainyard.protocol.agent import (
     AssignmentRef,
@@ -68,6 +69,13 @@ def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
     waits for), a scheduling pass runs now, in its own transaction, and the answer carries its
     result rather than leaving it to the next heartbeat: that is a heartbeat interval off every
     recovery."""
+    with metrics.HEARTBEAT.time():
+        return _heartbeat_and_schedule(session, node, req, storage, wakeups, settings)
+
+
+def _heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
+                            storage: dict[str, object] | None, wakeups: Wakeups,
+                            settings: Settings) -> HeartbeatAnswer:
     released_before, ended_before = _released(session), attempts.ended_count(session)
     node = nodes.heartbeat(session, node, req)
     full, unchanged = specs.answer(session, node.id, req.known, storage)
@@ -113,6 +121,8 @@ class StatusAnswer:
     attempt_state: str
     stop: bool
     released: bool
+    checkpoint_interval_steps: int | None = None
+    """For a job whose checkpoint interval is 'auto': the interval chosen now (services/intervals.py)."""
 
 
 def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport,
@@ -120,18 +130,35 @@ def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: A
     """Merge an attempt status report (attempts.apply_status, which shares the job and the attempt
     with the other nodes' reports) and commit it; then, if it may have decided something, settle
     the attempt under its exclusive locks (attempts.settle) and commit that. A final report that
-    released the last GPUs of a gang schedules at once, as a heartbeat would."""
+    released the last GPUs of a gang schedules at once, as a heartbeat would. The answer carries
+    the checkpoint interval the platform chose for an 'auto' job (services/intervals.py)."""
     if report.state in (NodeAttemptState.exited, NodeAttemptState.stopped):
         failpoints.hit("agent.final_status")  # a slow final status (fault tests)
     ended_before = attempts.ended_count(session)
+    session.info.pop("first_step_at", None)
     merged = attempts.apply_status(session, node, attempt_id, report)
     session.commit()
     attempt = merged.attempt
     if merged.settle:
         attempt = attempts.settle(session, attempt_id, report.result) or attempt
         session.commit()
+    interval = intervals.current_steps(session, attempt)
+    _observe_recovery(session, attempt, session.info.pop("first_step_at", None))
+    session.commit()
     _after_release(session, wakeups, ended_before)
-    return StatusAnswer(attempt_state=attempt.state, stop=merged.part.desired == "stop", released=merged.released)
+    return StatusAnswer(attempt_state=attempt.state, stop=merged.part.desired == "stop", released=merged.released,
+                        checkpoint_interval_steps=interval)
+
+
+def _observe_recovery(session: Session, attempt: Attempt, first_step_at: datetime | None) -> None:
+    """The first step of an attempt after a failed one ends a recovery: its phases, once. A report
+    that brought its node's first step (``first_step_at``, set by apply_status) brought the attempt's
+    if no other node's first step is earlier (committed reports only: of two at once, the earlier)."""
+    if first_step_at is None or attempt.number <= 1 or progress.first_at(session, attempt.id) != first_step_at:
+        return
+    phases = views.recovery_phases(session, attempt)
+    if phases:
+        metrics.observe_recovery(phases)
 
 
 def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport,
@@ -140,8 +167,10 @@ def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
     """Phase 1 of a checkpoint (its own transaction); when the last shard of a step arrives,
     phase 2 commits it (checkpoints.commit_ready, its own transactions). Returns the steps of the
     report whose own checkpoint is committed (by this request or another replica)."""
-    arrived = checkpoints.record_shards(session, node, attempt_id, report)
+    costs: dict[uuid.UUID, tuple[float, float | None]] = {}
+    arrived = checkpoints.record_shards(session, node, attempt_id, report, costs)
     session.commit()
+    metrics.observe_shards(report)
     # Counted after the commit, in a transaction of its own: of two reports completing a step at
     # once, the later one sees both (checkpoints.count_arrivals). The 128 reports of a 1,024-shard
     # step all increment one row, so the increment comes last and its commit does not wait for the
@@ -150,7 +179,7 @@ def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
     steps = {s.step for s in report.shards}
     committed = checkpoints.committed_steps(session, attempt_id, steps)
     session.execute(text("SET LOCAL synchronous_commit = off"))
-    ready = checkpoints.count_arrivals(session, arrived)
+    ready = checkpoints.count_arrivals(session, arrived, costs)
     session.commit()
     if ready and store is not None:
         for checkpoint_id in ready:

@@ -9,12 +9,12 @@ duplicated or late report never moves a state backwards. See docs/architecture.m
 
 from __future__ import annotations
 
-import math
+import re
 import secrets
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import SimpleNamespace
 from typing import Any, Protocol
 
@@ -26,7 +26,7 @@ from control_plane.clock import now
 from control_plane.db import reload
 from control_plane.errors import Forbidden
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
-from control_plane.services import events, progress, specs
+from control_plane.services import events, intervals, progress, specs
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
 from control_plane.services.locks import attempt_order, lock_part, lock_parts
@@ -36,6 +36,7 @@ from control_plane.services.states import (
     NODE_UNREACHABLE,
     PART_DONE,
     PART_ORDER,
+    PART_STARTED,
     PART_UNLAUNCHED,
     advance_part,
     set_attempt_state,
@@ -110,6 +111,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
             "rdzv_host": placement[0][0].address, "rdzv_port": port, "created_at": t,
             # Only a job that ran before can have checkpoints to restore from.
             "restore_manifest": restore_plan(session, job) if earlier else None,
+            "checkpoint_interval_steps": intervals.launch_steps(job),
         })
         for node_rank, (node, indices) in enumerate(placement):
             part = {"id": uuid.uuid4(), "attempt_id": attempt_id, "node_id": node.id, "node_rank": node_rank,
@@ -169,19 +171,27 @@ def end_attempt(session: Session, attempt: Attempt, *, outcome: str, reason: str
 
 
 def fail_attempt(
-    session: Session, job: Job, attempt: Attempt, reason: str, *, node_id: uuid.UUID | None = None
+    session: Session, job: Job, attempt: Attempt, reason: str, *, node_id: uuid.UUID | None = None,
+    kind: str = "other",
 ) -> None:
     """End a failed attempt, count the failure, and move the job on (recover or fail).
 
     ``node_id`` is the node blamed for the failure (its worker died first, its torchrun failed, or
     it was lost): a node blamed twice by one job is avoided for that job (scheduler/allocate.py).
+    ``kind`` classifies it (trainyard.protocol.exits.FAILURE_KINDS); a script that cannot start
+    (``start_error``) fails the job at once: another attempt would fail the same way.
     """
     if not end_attempt(session, attempt, outcome="failed", reason=reason):
         return
     attempt.failed_node_id = node_id
+    attempt.failure_kind = kind
     if job.state in JOB_TERMINAL or job.state == "cancelling":
         return
     job.failures = (job.failures or 0) + 1
+    if kind == "start_error":
+        set_job_state(session, job, "failed", f"the script cannot start, so it is not retried: {reason}",
+                      failure_kind=kind)
+        return
     if job.failures > job.max_failures:
         chain = [
             f"attempt {a.number}: {a.end_reason}"
@@ -239,7 +249,7 @@ def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> 
             session, job, attempt,
             f"node rank {part.node_rank} on {name} was not confirmed launching within {timeout_s:g}s "
             "(attempt_launch_timeout_s): its agent never picked it up",
-            node_id=part.node_id,
+            node_id=part.node_id, kind="launch_error",
         )
         failed.append(attempt_id)
     return failed
@@ -381,13 +391,6 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
         )
 
 
-def progress_metrics(metrics: Mapping[str, float]) -> dict[str, float] | None:
-    """What is stored of a report's metrics: the wire contract bounds them (at most MAX_METRICS
-    finite values under short names, trainyard/protocol/limits.py); JSONB holds no NaN or
-    infinity, so a non-finite value that got past it is dropped rather than failing the report."""
-    return {name: float(value) for name, value in sorted(metrics.items()) if math.isfinite(value)} or None
-
-
 @dataclass(frozen=True)
 class StatusMerged:
     """What merging one status report did (phase 1), and whether phase 2 may have to decide."""
@@ -426,12 +429,13 @@ def apply_status(
     _merge_workers(session, attempt, part, report)
     # Progress only moves forward within a part; the views take the furthest part (services/progress.py).
     if report.progress is not None and (part.progress_step is None or report.progress.step >= part.progress_step):
-        part.progress_step = report.progress.step
-        part.progress_loss = report.progress.loss
-        part.progress_at = report.progress.at
-        part.progress_metrics = progress_metrics(report.progress.metrics)
-        if part.first_progress_at is None:
-            part.first_progress_at = t
+        _advance(part, report.progress.step, t)  # before merge: it compares with the step before
+        first = part.first_progress_at is None
+        progress.merge(session, job.id, attempt.number, part, report.progress, t)
+        if first:
+            session.info["first_step_at"] = t  # may end a recovery (agent_protocol: its phases)
+    if report.ranks is not None and report.ranks.ranks and _own_ranks(session, part, report):
+        part.ranks, part.ranks_at = report.ranks.model_dump(mode="json"), t
     released = False
     if report.processes_alive is False and part.state in PART_DONE and part.released_at is None:
         released = bool(release_parts(session, [part.id]))
@@ -447,7 +451,8 @@ def apply_status(
     settle = (report.result is not None and job.result is None) or (attempt.outcome is None and (
         report.state.value in PART_DONE or part.error is not None
         or any(w.exit_code not in (0, None) for w in report.workers)
-        or (attempt.state == "starting" and part.state == "running")))
+        or (attempt.state == "starting" and part.state == "running")
+        or (part.state in PART_STARTED and _failure_undecided(session, attempt.id))))
     return StatusMerged(attempt=attempt, part=part, released=released, settle=settle)
 
 
@@ -473,6 +478,42 @@ def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | Non
         _decide(session, job, attempt)
     finish_if_released(session, job, attempt)
     return attempt
+
+
+STEP_TIME_WEIGHT = 0.3
+"""Weight of the newest advance in the smoothed step time (an exponential moving average)."""
+
+
+def _advance(part: AttemptNode, step: int, t: datetime) -> None:
+    """The part's step grew (or was first seen) at ``t``: the hang watchdog's clock and step time,
+    kept on the part so that a report writes only its own node's row. The first advance after the
+    first step is the first measurement (the first step includes the restore)."""
+    before, since = part.progress_step, part.step_advanced_at
+    if before is not None and step <= before:
+        return
+    if before is not None and since is not None and part.first_progress_at is not None:
+        seconds = max((t - since).total_seconds(), 0.0) / (step - before)
+        part.step_time_s = seconds if part.step_time_s is None else (
+            STEP_TIME_WEIGHT * seconds + (1 - STEP_TIME_WEIGHT) * part.step_time_s)
+    part.step_advanced_at = t
+
+
+def _own_ranks(session: Session, part: AttemptNode, report: AttemptStatusReport) -> bool:
+    """Whether the node's rank summary names only its own ranks; one that does not is left out (the
+    rest of the report, its exits above all, still counts)."""
+    assert report.ranks is not None
+    try:
+        check_own_ranks(session, part, {r.rank for r in report.ranks.ranks})
+    except Forbidden:
+        return False
+    return True
+
+
+def _failure_undecided(session: Session, attempt_id: uuid.UUID) -> bool:
+    """A worker of the undecided attempt failed: its verdict may wait for a cause's report
+    (_consequence_pending), so a running part's report asks settle again."""
+    return session.scalar(select(Worker.id).where(
+        Worker.attempt_id == attempt_id, Worker.exit_code.is_not(None), Worker.exit_code != 0).limit(1)) is not None
 
 
 def _holds_rank_zero(session: Session, part: AttemptNode) -> bool:
@@ -509,14 +550,42 @@ def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report
             if ws.state.value == "exited" and w.exit_code is None:
                 w.exit_code = ws.exit_code
                 w.ended_at = ws.ended_at or now()
+                if ws.exit_code not in (0, None):
+                    w.exit_cause = ws.cause or ("signal" if (ws.exit_code or 0) < 0 else "exit_code")
+                    w.exit_message = ws.message
+
+
+_TORCHRUN_SIGNAL = re.compile(r"exitcode: -\d+")
+
+
+def _part_failure(part: AttemptNode) -> str:
+    """The kind of a node part's failure when no worker's exit says it: never launched, or torchrun
+    ended non-zero (a worker or its shim killed by a signal, by torchrun's own account, or not)."""
+    if part.exit_code is None:
+        return "launch_error"
+    if part.exit_code < 0 or _TORCHRUN_SIGNAL.search(part.error or ""):
+        return "signal"
+    return "exit_code"
+
+
+CONSEQUENCE_GRACE_S = 3.0
+"""How long a failure that looks like the consequence of another (a collective error) waits for the
+cause's report before it is decided on its own."""
+
+
+def _recent(ended: Sequence[datetime | None]) -> bool:
+    # ended_at is the node's clock: a clock ahead of ours (negative age) never defers the decision.
+    ages = [(now() - t).total_seconds() for t in ended if t is not None]
+    return bool(ages) and all(0 <= age < CONSEQUENCE_GRACE_S for age in ages)
 
 
 @dataclass(frozen=True)
 class _Verdict:
     """What an undecided attempt's committed reports say together."""
 
-    failure: tuple[str, uuid.UUID] | None
-    """The reason and the node to blame, when a worker or a node failed."""
+    failure: tuple[str, uuid.UUID, str] | None
+    """The reason, the node to blame and the kind (trainyard.protocol.exits), when a worker or a
+    node failed."""
     all_running: bool
     """A starting attempt whose every worker runs (or ran)."""
     succeeded: bool
@@ -526,29 +595,39 @@ class _Verdict:
 def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
     """Aggregates over the attempt's parts and workers (not every row: a 1,024-rank attempt has 1,024
     workers); None when there is nothing to decide."""
+    failed = (Worker.attempt_id == attempt.id, Worker.state == "exited", Worker.exit_code.is_not(None),
+              Worker.exit_code != 0)
+    # A script that cannot start is the cause wherever it shows; then a rank's own failure before a
+    # peer's collective error; then the first to die.
     first = session.execute(
-        select(Worker.rank, Worker.exit_code, AttemptNode.node_id)
+        select(Worker.rank, Worker.exit_code, Worker.exit_cause, Worker.exit_message, AttemptNode.node_id)
         .join(AttemptNode, AttemptNode.id == Worker.attempt_node_id)
-        .where(Worker.attempt_id == attempt.id, Worker.state == "exited", Worker.exit_code.is_not(None),
-               Worker.exit_code != 0)
-        .order_by(Worker.ended_at.asc().nulls_last(), Worker.rank).limit(1)
+        .where(*failed)
+        .order_by(func.coalesce(Worker.exit_cause, "") != "start_error",
+                  func.coalesce(Worker.exit_cause, "") == "collective_timeout",
+                  Worker.ended_at.asc().nulls_last(), Worker.rank).limit(1)
     ).one_or_none()
     if first is not None:
+        if first.exit_cause == "collective_timeout" and _consequence_pending(session, attempt, failed):
+            return None
         name = session.scalar(select(Node.name).where(Node.id == first.node_id))
-        return _Verdict((f"rank {first.rank} on {name} exited with code {first.exit_code}", first.node_id),
-                        False, False)
+        plain = f"exited with code {first.exit_code}"  # a plain exit's message says no more than this
+        said = f": {first.exit_message}" if first.exit_message and first.exit_message != plain else ""
+        return _Verdict((f"rank {first.rank} on {name} {plain}{said}", first.node_id,
+                         first.exit_cause or "exit_code"), False, False)
     bad = session.execute(
-        select(AttemptNode.node_rank, AttemptNode.node_id, AttemptNode.error, AttemptNode.exit_code)
+        select(AttemptNode)
         .where(AttemptNode.attempt_id == attempt.id,
                or_(AttemptNode.error.is_not(None),
                    and_(AttemptNode.state.in_(PART_DONE), AttemptNode.exit_code.is_not(None),
                         AttemptNode.exit_code != 0)))
         .order_by(AttemptNode.node_rank).limit(1)
-    ).one_or_none()
+    ).scalar_one_or_none()
     if bad is not None:
         name = session.scalar(select(Node.name).where(Node.id == bad.node_id))
         detail = bad.error or f"torchrun exited with code {bad.exit_code}"
-        return _Verdict((f"node rank {bad.node_rank} on {name}: {detail}", bad.node_id), False, False)
+        return _Verdict((f"node rank {bad.node_rank} on {name}: {detail}", bad.node_id, _part_failure(bad)),
+                        False, False)
     all_running = attempt.state == "starting" and (session.scalar(
         select(func.count()).select_from(Worker)
         .where(Worker.attempt_id == attempt.id, Worker.state.in_(("running", "exited")))) or 0) >= attempt.num_gpus
@@ -563,14 +642,28 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
     return _Verdict(None, all_running, not unfinished)
 
 
+def _consequence_pending(session: Session, attempt: Attempt, failed: tuple[Any, ...]) -> bool:
+    """Every failed worker lost a peer or timed out in a collective, just now, and a node still runs:
+    usually the consequence of another rank's failure, whose report may be a moment behind. Give it
+    that moment, so that the rank that failed first is blamed, not its peers. A part still running
+    resends its status every interval (apply_status asks settle again while a failure is undecided;
+    a lost node is failed by the monitor), so the decision comes."""
+    still_running = session.scalar(select(func.count()).select_from(AttemptNode).where(
+        AttemptNode.attempt_id == attempt.id, AttemptNode.state.in_(PART_STARTED)))
+    if not still_running:
+        return False
+    ended = session.execute(select(func.min(Worker.ended_at), func.max(Worker.ended_at)).where(*failed)).one()
+    return _recent(list(ended))
+
+
 def _decide(session: Session, job: Job, attempt: Attempt) -> None:
     """Apply the verdict; the caller holds the job and attempt locks."""
     verdict = _verdict(session, attempt)
     if verdict is None:
         return
     if verdict.failure is not None:
-        reason, node_id = verdict.failure
-        fail_attempt(session, job, attempt, reason, node_id=node_id)
+        reason, node_id, kind = verdict.failure
+        fail_attempt(session, job, attempt, reason, node_id=node_id, kind=kind)
         return
     world = attempt.num_gpus
     if verdict.all_running:

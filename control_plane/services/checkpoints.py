@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import structlog
-from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, Float, and_, func, literal, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -91,9 +91,11 @@ def checkpoint_prefix(job_id: uuid.UUID | str, step: int, attempt_number: int) -
     return keys.step_prefix(keys.job_checkpoint_prefix(job_id), step, attempt_number)
 
 
-def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport) -> dict[uuid.UUID, int]:
+def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport,
+                  costs: dict[uuid.UUID, tuple[float, float | None]] | None = None) -> dict[uuid.UUID, int]:
     """Phase 1: record a node's shards. Returns the pending checkpoints that got new shards, with how
-    many; after the caller commits, :func:`count_arrivals` says which are complete.
+    many; after the caller commits, :func:`count_arrivals` says which are complete. ``costs`` (if
+    given) receives, per checkpoint, the longest blocking and background seconds the new shards report.
 
     Costs O(the report's shards), whatever the world size, and does not serialize with the other
     nodes' reports: the job and the attempt are only shared (authorize_report ``exclusive=False``),
@@ -145,6 +147,10 @@ def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
                     raise Conflict(f"rank {have.rank} already reported a different shard for step {step}")
         if inserted:
             arrived[ckpt_id] = len(inserted)
+            blocking = [b for r in inserted if (b := shards[r].blocking_s) is not None]
+            background = [b for r in inserted if (b := shards[r].background_s) is not None]
+            if costs is not None and blocking:
+                costs[ckpt_id] = (max(blocking), max(background) if background else None)
     return arrived
 
 
@@ -179,22 +185,29 @@ def _pending_checkpoint(session: Session, job: Job, attempt: Attempt, step: int)
     return row.id, row.state
 
 
-def count_arrivals(session: Session, arrived: dict[uuid.UUID, int]) -> list[uuid.UUID]:
+def count_arrivals(session: Session, arrived: dict[uuid.UUID, int],
+                   costs: dict[uuid.UUID, tuple[float, float | None]] | None = None) -> list[uuid.UUID]:
     """After the shard report committed: add its new shards to each checkpoint's counter; the
     checkpoints now complete (ready for :func:`commit_ready`). The caller commits.
 
     A transaction of its own, after the shards' commit, so that of two reports that complete a
     step at once the later one counts the other's shards too, and the counter row is locked only
     for the increment. A crash between the two commits leaves the counter short: the maintenance
-    pass, which counts the shards themselves, commits that checkpoint."""
+    pass, which counts the shards themselves, commits that checkpoint. The same update keeps the
+    checkpoint's longest blocking and background times (``costs``: the save's cost, for goodput and
+    the auto interval) without another lock of the row."""
     if not arrived:
         return []
     ready: list[uuid.UUID] = []
     for ckpt_id in sorted(arrived):  # id order (services/locks.py)
+        # GREATEST skips NULLs: a shard that reported no cost (an older worker) changes nothing.
+        blocking, background = (costs or {}).get(ckpt_id, (None, None))
         row = session.execute(
             update(Checkpoint)
             .where(Checkpoint.id == ckpt_id, Checkpoint.state == "pending")
-            .values(shards_received=Checkpoint.shards_received + arrived[ckpt_id])
+            .values(shards_received=Checkpoint.shards_received + arrived[ckpt_id],
+                    blocking_s=func.greatest(Checkpoint.blocking_s, literal(blocking, Float)),
+                    background_s=func.greatest(Checkpoint.background_s, literal(background, Float)))
             .returning(Checkpoint.shards_received, Checkpoint.world_size)
         ).one_or_none()
         if row is not None and row.shards_received >= row.world_size:

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import now
 from control_plane.models import Gpu, GpuLease, Job, Node
 from control_plane.schemas.nodes import CapacityOut, ClusterOut, QueuedJobOut
-from control_plane.services import reservations, tenants
+from control_plane.services import goodput, reservations, tenants
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING
 
 QUEUE_STATES = JOB_WAITING
@@ -61,11 +61,13 @@ def summary(session: Session, *, queue_limit: int = 50, tenant: str | None = Non
         if tenant is None or j.tenant == tenant
     ]
     scheduling = reservations.summary(session)
+    figures = goodput.for_cluster(session, scheduling, tenant=tenant)
     if tenant is not None:
         own = {str(i) for i in session.scalars(select(Job.id).where(
             Job.id.in_([uuid.UUID(r.job_id) for r in scheduling.reservations]), Job.tenant == tenant))}
         scheduling.reservations = [r for r in scheduling.reservations if r.job_id in own]
-    return ClusterOut(capacity=capacity, jobs_by_state=by_state, queue=queue, scheduling=scheduling)
+    return ClusterOut(capacity=capacity, jobs_by_state=by_state, queue=queue, scheduling=scheduling,
+                      goodput=figures)
 
 
 def _service_order(session: Session, limit: int) -> list[Job]:

@@ -46,3 +46,9 @@ def list_events(
     if job_id is not None:
         stmt = stmt.where(Event.job_id == job_id)
     return list(session.scalars(stmt))
+
+
+def recent_events(session: Session, job_id: uuid.UUID, limit: int) -> list[Event]:
+    """The job's newest ``limit`` events, oldest first."""
+    newest = session.scalars(select(Event).where(Event.job_id == job_id).order_by(Event.id.desc()).limit(limit))
+    return list(reversed(list(newest)))

@@ -6,6 +6,7 @@ import hashlib
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import and_, func, or_, select, text
 from sqlalchemy.exc import IntegrityError
@@ -17,7 +18,7 @@ from control_plane.clock import now
 from control_plane.errors import Forbidden, IdempotencyMismatch, InvalidState, NotFound, TooMany, Unprocessable
 from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
-from control_plane.services import events, pages, plans
+from control_plane.services import code, events, pages, plans
 from control_plane.services.states import ATTEMPT_HOLDING, JOB, JOB_TERMINAL, can_transition, set_job_state
 from trainyard.protocol.env import job_env_bytes
 from trainyard.protocol.layout import Layout
@@ -78,12 +79,20 @@ def check_env_size(body: JobSubmit, max_env_bytes: int | None) -> None:
 def submit(
     session: Session, body: JobSubmit, *, principal: Principal, idempotency_key: str | None,
     rate: SubmitRate | None = None, plan_min_efficiency: float = 0.7, max_env_bytes: int | None = None,
+    store: Any = None,
 ) -> tuple[Job, bool]:
     """Create a queued job for the principal's tenant (an admin may name another). Returns (job,
     created); a retried submit returns the first job. A job with a model block is planned first
     (services/plans.py): refused when its layout does not fit, queued with a warning event for each
-    way fewer GPUs would do better."""
+    way fewer GPUs would do better. Shipped code must have been uploaded for the job's tenant: checked
+    in the object ``store`` first, before any transaction."""
     check_env_size(body, max_env_bytes)
+    shipped = None
+    if body.code is not None:
+        try:
+            shipped = code.for_job(store, authz.submit_tenant(principal, body.tenant), body.code.sha256)
+        except ValueError as exc:
+            raise Forbidden(str(exc)) from exc
     digest = _request_hash(body)
     if idempotency_key is not None:
         existing = session.scalar(
@@ -121,13 +130,17 @@ def submit(
         entrypoint=body.entrypoint,
         args=body.args,
         env=body.env,
-        checkpoint=body.checkpoint.model_dump(),
+        # when_busy only when it is not the default: the stored block stays what older versions wrote.
+        checkpoint=_checkpoint_block(body),
+        watchdog=body.watchdog.model_dump(mode="json") if body.watchdog else None,
         max_failures=body.max_failures,
         failures=0,
         time_limit_s=body.time_limit_s,
         model=body.model.model_dump(mode="json", exclude_none=True) if body.model else None,
         layout=body.layout.model_dump(mode="json") if body.layout else None,
         plan=job_plan.model_dump(mode="json") if job_plan else None,
+        code=shipped,
+        python=body.python,
         idempotency_key=idempotency_key,
         request_hash=digest,
         created_at=now(),
@@ -215,8 +228,10 @@ def get_visible_job(session: Session, job_id: uuid.UUID, principal: Principal, *
 
 def list_jobs(
     session: Session, *, states: list[str] | None, limit: int, cursor: str | None, tenant: str | None = None,
+    name: str | None = None, tenants: list[str] | None = None,
 ) -> tuple[list[Job], str | None]:
-    """Newest first, keyset-paginated; ``tenant``: that tenant's only."""
+    """Newest first, keyset-paginated; ``tenant``: that tenant's only (the caller's visibility);
+    ``name``, ``tenants``: the caller's filters."""
     for s in states or []:
         if s not in JOB_STATES:
             raise Unprocessable(f"unknown state {s!r}; expected one of {', '.join(JOB_STATES)}", field="state")
@@ -225,6 +240,10 @@ def list_jobs(
         stmt = stmt.where(Job.state.in_(states))
     if tenant is not None:
         stmt = stmt.where(Job.tenant == tenant)
+    if tenants:
+        stmt = stmt.where(Job.tenant.in_(tenants))
+    if name is not None:
+        stmt = stmt.where(Job.name == name)
     if cursor:
         created, jid = pages.decode(cursor, datetime, uuid.UUID)
         stmt = stmt.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < jid)))
@@ -253,3 +272,14 @@ def cancel(session: Session, job_id: uuid.UUID, principal: Principal) -> Job:
         set_job_state(session, job, "cancelled", f"cancelled by {principal.name}")
     session.commit()
     return job
+
+
+def _checkpoint_block(body: JobSubmit) -> dict[str, Any]:
+    """The checkpoint block as stored: the fields added later only when set, so it stays what older
+    versions wrote for the same request."""
+    block = body.checkpoint.model_dump()
+    if block.get("when_busy") == "wait":
+        del block["when_busy"]
+    if block.get("first_interval_steps") is None:
+        block.pop("first_interval_steps", None)
+    return block

@@ -44,6 +44,7 @@ def enforce_time_limits(session: Session, *, at: datetime | None = None, batch: 
         reason = f"time limit of {job.time_limit_s}s exceeded"
         if not end_attempt(session, attempt, outcome="failed", reason=reason):
             continue
+        attempt.failure_kind = "time_limit"
         if job.state in JOB_ACTIVE:
             set_job_state(session, job, "failed", reason, attempt_id=str(attempt.id))
             failed.append(job.id)

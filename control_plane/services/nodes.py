@@ -207,7 +207,7 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str], listed: set[
                 attempts.fail_attempt(
                     session, job, attempt,
                     f"processes of node rank {part.node_rank} on {node.name} vanished without an exit report",
-                    node_id=node.id,
+                    node_id=node.id, kind="node_lost",
                 )
             release.append(c.id)
     attempts.release_parts(session, release)
@@ -301,7 +301,7 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
         assert locked is not None
         job, attempt = locked
         if attempt.outcome is None:
-            attempts.fail_attempt(session, job, attempt, f"node {node.name} lost", node_id=node.id)
+            attempts.fail_attempt(session, job, attempt, f"node {node.name} lost", node_id=node.id, kind="node_lost")
         elif attempt.outcome == "failed" and attempt.failed_node_id != node.id:
             # The workers of the other nodes saw their peer vanish and exited first, so the
             # attempt failed before this node was declared lost: the lost node is the cause.
@@ -350,7 +350,8 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
         assert locked is not None
         job, attempt = locked
         if attempt.outcome is None:
-            attempts.fail_attempt(session, job, attempt, f"node {node.name} removed", node_id=node.id)
+            attempts.fail_attempt(session, job, attempt, f"node {node.name} removed", node_id=node.id,
+                                  kind="node_lost")
     released = attempts.release_parts(session, [part.id for part, _, _ in parts])
     session.commit()
     attempts.finish_released(session, released)  # after the commit: see finish_released

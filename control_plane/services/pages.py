@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Callable
 from typing import Any
 
 from control_plane.errors import Unprocessable
@@ -15,8 +16,16 @@ def encode(*values: Any) -> str:
     return base64.urlsafe_b64encode(json.dumps(list(values), default=str).encode()).decode()
 
 
-def decode(cursor: str, *types: type) -> list[Any]:
-    """The cursor's values, each converted by its type (int, str, uuid.UUID, datetime.fromisoformat)."""
+def int64(value: Any) -> int:
+    """A converter for ``decode``: a non-negative 64-bit position (an event id)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+        raise ValueError("not a position")
+    return value
+
+
+def decode(cursor: str, *types: type | Callable[[Any], Any]) -> list[Any]:
+    """The cursor's values, each converted by its type (int, str, uuid.UUID, datetime.fromisoformat)
+    or converter (``int64``)."""
     try:
         values = json.loads(base64.urlsafe_b64decode(cursor.encode()))
         if not isinstance(values, list) or len(values) != len(types):
@@ -26,7 +35,7 @@ def decode(cursor: str, *types: type) -> list[Any]:
         raise Unprocessable("cursor is not one this API returned", field="cursor") from exc
 
 
-def _convert(kind: type, value: Any) -> Any:
+def _convert(kind: type | Callable[[Any], Any], value: Any) -> Any:
     if kind is int:
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31:
             raise ValueError("not a position")

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode, Job
 from control_plane.services.states import ATTEMPT_LIVE
-from trainyard.protocol.agent import AssignmentRef, KnownAssignment, LaunchSpec
+from trainyard.protocol.agent import AssignmentRef, CodeRef, KnownAssignment, LaunchSpec
 from trainyard.protocol.keys import job_checkpoint_prefix
 from trainyard.protocol.layout import Layout
 
@@ -49,14 +49,25 @@ def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | 
         entrypoint=job.entrypoint,
         args=list(job.args),
         env=dict(job.env),
-        checkpoint=dict(job.checkpoint),
+        checkpoint=_checkpoint(job, attempt),
         layout=Layout.model_validate(job.layout) if job.layout else None,
+        code=CodeRef.model_validate(job.code) if job.code else None,
+        python=job.python,
         restore_from=attempt.restore_manifest,
         launched=part.state != "assigned",
         storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},
     )
     spec.version = spec_version(spec)
     return spec
+
+
+def _checkpoint(job: Job, attempt: Any) -> dict[str, object]:
+    """The job's checkpoint block; an 'auto' job's with the interval its attempt starts with (fixed per
+    attempt, so the spec's version does not change with each new choice: those come in status answers)."""
+    block = dict(job.checkpoint)
+    if attempt.checkpoint_interval_steps is not None:
+        block["auto_interval_steps"] = attempt.checkpoint_interval_steps
+    return block
 
 
 def spec_version(spec: LaunchSpec) -> str:

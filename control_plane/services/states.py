@@ -70,8 +70,10 @@ JOB: dict[str, State] = {
         settings=("attempt_launch_timeout_s", "node_lost_timeout_s", "limits_interval_s"),
         message="attempt status report")),
     "running": _s("succeeded", "recovering", "failed", "cancelling", exit=Exit(
-        "the workers exit (status reports), a node is lost, or the time limit ends it",
-        settings=("node_lost_timeout_s", "limits_interval_s"), message="attempt status report")),
+        "the workers exit (status reports), a node is lost, the time limit ends it, or the watchdog fails "
+        "its attempt as hung (its step stopped advancing)",
+        settings=("node_lost_timeout_s", "limits_interval_s", "hang_timeout_min_s", "watchdog_interval_s"),
+        message="attempt status report")),
     "recovering": _s("starting", "failed", "cancelling", "cancelled", exit=Exit(
         "the scheduler loop places the next attempt, or fails the job when the cluster cannot hold it "
         "without its twice-failed nodes; waiting_for says what it waits for",
@@ -103,8 +105,11 @@ ATTEMPT: dict[str, State] = {
         settings=("attempt_launch_timeout_s", "node_lost_timeout_s", "limits_interval_s"),
         message="attempt status report")),
     "running": _s("stopping", exit=Exit(
-        "its workers exit, its node is lost, or the time limit ends it",
-        settings=("node_lost_timeout_s", "limits_interval_s"), message="attempt status report")),
+        "its workers exit, its node is lost, the time limit ends it, or its step does not advance within "
+        "its hang timeout (derived from its step time, at least hang_timeout_min_s; the watchdog loop fails "
+        "it as hung, naming the ranks that stopped reporting)",
+        settings=("node_lost_timeout_s", "limits_interval_s", "hang_timeout_min_s", "watchdog_interval_s"),
+        message="attempt status report")),
     "stopping": _s("ended", exit=Exit(
         "each node confirms its processes gone (its final status report, or the heartbeat that stops "
         "listing it), and the release that completes the gang ends it, or the monitor loop's sweep "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,6 +25,7 @@ from control_plane.models import (
     Node,
     Worker,
 )
+from control_plane.schemas.goodput import StragglerOut
 from control_plane.schemas.jobs import (
     AllocationEntry,
     AttemptNodeOut,
@@ -32,9 +34,13 @@ from control_plane.schemas.jobs import (
     AttemptRef,
     CheckpointOut,
     CheckpointPage,
+    CodeOut,
     EventOut,
+    EventPage,
     JobOut,
-    Progress,
+    JobProgress,
+    ProgressPage,
+    ProgressSampleOut,
     RecoveryOut,
     SplitOut,
     StepSplitOut,
@@ -44,9 +50,9 @@ from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.uploads import CheckpointUploadOut
-from control_plane.services import pages, progress, reservations, tenants
+from control_plane.services import events, goodput, pages, progress, reservations, tenants, watchdog
 from control_plane.services.nodes import scheduling_state
-from control_plane.services.states import JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
+from control_plane.services.states import JOB_ACTIVE, JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
 
 log = structlog.get_logger("trainyard.views")
@@ -78,6 +84,8 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
     ).all()) if jobs else {}
     waiting = _waiting_for(session, jobs, attempts, held)
     done = progress.of_jobs(session, [j.id for j in jobs])
+    figures = goodput.for_jobs(session, jobs)
+    slow = _stragglers(session, [a for a in attempts.values() if a.state != "ended"])
     out = []
     for job in jobs:
         attempt = attempts.get(job.current_attempt_id) if job.current_attempt_id else None
@@ -91,6 +99,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
             ]
         plan = _stored_plan(job)
         metrics = (progress.of_parts(attempt.nodes).metrics if attempt is not None else None) or {}
+        now_at = done.get(job.id, progress.NONE)
         out.append(
             JobOut(
                 id=str(job.id),
@@ -112,8 +121,12 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 model=job.model,
                 layout=Layout.model_validate(job.layout) if job.layout else None,
                 plan=plan,
-                progress=Progress(step=done.get(job.id, progress.NONE).step, loss=done.get(job.id, progress.NONE).loss,
-                                  updated_at=done.get(job.id, progress.NONE).at, metrics=metrics),
+                code=CodeOut.model_validate(job.code) if job.code else None,
+                python=job.python,
+                progress=JobProgress(step=now_at.step, loss=now_at.loss, updated_at=now_at.at,
+                                     total_steps=now_at.total, metrics=metrics,
+                                     steps_per_s=round(now_at.rate, 4) if now_at.rate else None,
+                                     eta_s=now_at.eta_s() if job.state in JOB_ACTIVE else None),
                 split=step_split(plan, metrics),
                 result=job.result,
                 end_reason=job.end_reason,
@@ -124,11 +137,35 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 waiting_for=waiting.get(job.id),
                 leases_held=leases.get(job.id, 0),
                 releasing=job.state in JOB_TERMINAL and leases.get(job.id, 0) > 0,
+                watchdog=job.watchdog,
+                checkpoint_interval=job.checkpoint_auto,
+                stragglers=slow.get(attempt.id, []) if attempt is not None else [],
+                goodput=figures.get(job.id),
                 created_at=job.created_at,
                 started_at=job.started_at,
                 ended_at=job.ended_at,
             )
         )
+    return out
+
+
+def _stragglers(session: Session, attempts: list[Attempt]) -> dict[uuid.UUID, list[StragglerOut]]:
+    """The ranks named stragglers in each attempt (still slow), against the median of all its ranks."""
+    named = [p for a in attempts for p in a.nodes if p.straggler_named_at is not None and p.ranks]
+    out: dict[uuid.UUID, list[StragglerOut]] = {}
+    for attempt in {p.attempt_id: a for a in attempts for p in a.nodes if p in named}.values():
+        values = [t.busy_s if t.busy_s is not None else t.step_time_s for t in watchdog.timings(attempt.nodes)]
+        known = [v for v in values if v]
+        peers = statistics.median(known) if known else 0.0
+        for p in attempt.nodes:
+            if p not in named:
+                continue
+            mine = next((r for r in p.ranks["ranks"] if r["rank"] == p.straggler_rank), None)  # type: ignore[index]
+            busy = (mine or {}).get("busy_s") or (mine or {}).get("step_time_s") or 0.0
+            out.setdefault(attempt.id, []).append(StragglerOut(
+                rank=p.straggler_rank or 0, node=p.node.name, node_id=str(p.node_id), busy_s=round(busy, 4),
+                peers_busy_s=round(peers, 4), ratio=round(busy / peers, 3) if peers else 0.0,
+                since=p.straggler_since or p.straggler_named_at))
     return out
 
 
@@ -311,7 +348,9 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
             rendezvous=f"{a.rdzv_host}:{a.rdzv_port}",
             restored_from_step=a.restored_from_step,
             progress_step=done[a.id].step,
+            hung_since=a.hung_since,
             progress_metrics=done[a.id].metrics or {},
+            failure_kind=a.failure_kind,
             recovery=_recovery(previous.get(a.id), a, done),
             created_at=a.created_at,
             started_at=a.started_at,
@@ -349,7 +388,8 @@ def _worker_out(part: AttemptNode, w: Worker) -> WorkerOut:
         else:
             reason = "its node confirmed the part's processes gone; no exit was recorded for this worker"
     return WorkerOut(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=state, exit_code=w.exit_code,
-                     started_at=w.started_at, ended_at=w.ended_at, reason=reason)
+                     started_at=w.started_at, ended_at=w.ended_at, reason=reason, cause=w.exit_cause,
+                     message=w.exit_message)
 
 
 def _seconds(start: datetime | None, end: datetime | None) -> float | None:
@@ -379,6 +419,19 @@ def _recovery(prev: Attempt | None, a: Attempt, done: dict[uuid.UUID, progress.P
     )
 
 
+def recovery_phases(session: Session, attempt: Attempt) -> dict[str, float | None] | None:
+    """The phases of the recovery ``attempt`` ended with its first step (None: it followed no failure)."""
+    prev = session.scalars(select(Attempt).where(Attempt.job_id == attempt.job_id,
+                                                 Attempt.number == attempt.number - 1)
+                           .options(selectinload(Attempt.nodes).selectinload(AttemptNode.workers))).first()
+    done = {a.id: progress.of_parts(a.nodes) for a in (prev, attempt) if a is not None}
+    recovery = _recovery(prev, attempt, done)
+    if recovery is None:
+        return None
+    return {"detection": recovery.detection_s, "reallocation": recovery.reallocation_s, "start": recovery.start_s,
+            "restore": recovery.restore_s, "total": recovery.to_first_step_s}
+
+
 def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:
     ids = [n.id for n in nodes]
     gpus = session.scalars(select(Gpu).where(Gpu.node_id.in_(ids)).order_by(Gpu.index)).all() if ids else []
@@ -404,6 +457,23 @@ def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:
                 registered_at=n.registered_at, gpus=by_node.get(n.id, []))
         for n in nodes
     ]
+
+
+def events_page(session: Session, job_id: uuid.UUID, *, after: int, limit: int, cursor: str | None) -> EventPage:
+    """The job's events after id ``after``, oldest first, ``limit`` at a time (keyset on the id)."""
+    if cursor:
+        after = max(after, pages.decode(cursor, pages.int64)[0])
+    items = events.list_events(session, job_id=job_id, after=after, limit=limit + 1)
+    more = len(items) > limit
+    return EventPage(items=[event_out(e) for e in items[:limit]],
+                     next_cursor=pages.encode(items[limit - 1].id) if more else None)
+
+
+def progress_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None) -> ProgressPage:
+    rows, next_cursor = progress.samples(session, job_id, limit=limit, cursor=cursor)
+    return ProgressPage(items=[ProgressSampleOut(attempt_number=r.attempt_number, step=r.step, loss=r.loss,
+                                                 steps_per_s=r.steps_per_s, metrics=dict(r.metrics or {}), at=r.at)
+                               for r in rows], next_cursor=next_cursor)
 
 
 def event_out(e: Event) -> EventOut:
@@ -451,12 +521,13 @@ def _checkpoints_out(session: Session, where: list[Any], limit: int | None) -> l
         .limit(limit)
     ).all()
     return [
-        CheckpointOut(id=str(r.Checkpoint.id), step=r.Checkpoint.step, attempt_id=str(r.Checkpoint.attempt_id),
-                      attempt_number=r.number, state=r.Checkpoint.state, world_size=r.Checkpoint.world_size,
-                      size_bytes=r.Checkpoint.size_bytes, shards=r.n or 0, manifest_key=r.Checkpoint.manifest_key,
-                      reason=r.Checkpoint.reason, created_at=r.Checkpoint.created_at,
-                      committed_at=r.Checkpoint.committed_at, upload=_upload_out(r))
-        for r in rows
+        CheckpointOut(id=str(c.id), step=c.step, attempt_id=str(c.attempt_id), attempt_number=r.number,
+                      state=c.state, world_size=c.world_size, size_bytes=c.size_bytes, shards=r.n or 0,
+                      manifest_key=c.manifest_key, reason=c.reason, blocking_s=c.blocking_s,
+                      background_s=c.background_s,
+                      upload_bytes_per_s=round(c.size_bytes / c.background_s, 1) if c.background_s else None,
+                      created_at=c.created_at, committed_at=c.committed_at, upload=_upload_out(r))
+        for r in rows for c in (r.Checkpoint,)
     ]
 
 

@@ -18,7 +18,9 @@ from sqlalchemy.engine import make_url
 
 from control_plane import clock
 from control_plane.app import create_app
+from control_plane.openapi import AGENT_DOCUMENT
 from control_plane.schemas.plans import PLAN_EXAMPLE
+from control_plane.schemas.simulations import SIMULATION_EXAMPLE
 from control_plane.settings import Settings
 from tests.control_plane.access import make_principal
 from tests.e2e.harness import TcpProxy
@@ -68,6 +70,15 @@ REQUESTS: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {
     ("GET", "/v1/join-tokens"): ("admin", None),
     ("POST", "/v1/join-tokens"): ("admin", {}),
     ("DELETE", "/v1/join-tokens/{token_id}"): ("admin", None),
+    # The model itself needs no database; a principal allowed to run it is looked up in it.
+    ("POST", "/v1/simulations"): ("principal", SIMULATION_EXAMPLE),
+    ("GET", "/metrics"): ("admin", None),
+    ("GET", "/v1/jobs/{job_id}/progress"): ("admin", None),
+    ("GET", "/v1/agent/attempts/{attempt_id}/code"): ("node", None),
+    ("GET", "/v1/upload-slots"): ("admin", None),
+    ("POST", "/v1/agent/attempts/{attempt_id}/upload-slots"): (
+        "node", {**REPORT, "rank": 0, "step": 10, "size_bytes": 1, "wait_s": 0}),
+    ("POST", "/v1/agent/attempts/{attempt_id}/upload-slots/release"): ("node", {**REPORT, "rank": 0, "step": 10}),
 }
 
 
@@ -84,12 +95,16 @@ def test_every_route_answers_503_while_the_database_is_unreachable(settings: Set
             job = client.post("/v1/jobs", json=job_body(name="before-outage", num_nodes=1, gpus_per_node=1),
                               headers=ADMIN).json()
             params = {"attempt_id": str(uuid.uuid4()), "job_id": job["id"], "node_id": reg["node_id"], "name": "t",
-                      "token_id": str(uuid.uuid4())}
+                      "token_id": str(uuid.uuid4()), "sha256": "0" * 64}
             alice = make_principal(client, "alice", "admin", "t")
             headers = {"admin": ADMIN, "principal": alice.headers, "join": {"Authorization": f"Bearer {JOIN_TOKEN}"},
                        "node": {"Authorization": f"Bearer {reg['node_token']}"}, "none": {}}
-            routes = {(m.upper(), path) for path, ops in app.openapi()["paths"].items() for m in ops}
+            # Both documents: the users' (/openapi.json) and the agents' (/openapi/agent.json).
+            docs = [app.openapi(), client.get(AGENT_DOCUMENT).json()]
+            routes = {(m.upper(), path) for doc in docs for path, ops in doc["paths"].items() for m in ops}
             routes.discard(("GET", "/healthz"))  # liveness: the process is up, whatever the database
+            # Shipped code lives in S3 alone, under the tenant of the caller's token: no database.
+            routes -= {("GET", "/v1/code/{sha256}"), ("PUT", "/v1/code/{sha256}")}
             assert routes == set(REQUESTS), f"routes without an outage check: {routes ^ set(REQUESTS)}"
 
             proxy.cut()

@@ -1,5 +1,5 @@
-"""Retention (issue 11, finding 9): logs and events older than their settings are deleted in
-batches; newer ones and unlimited settings keep everything."""
+"""Retention (issue 11, finding 9): logs, events and progress samples older than their settings are
+deleted in batches; newer ones and unlimited settings keep everything."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ def test_old_logs_and_events_are_deleted_in_batches(app, client, clock):
     r = client.post(f"/v1/agent/attempts/{spec['attempt_id']}/logs", headers=agent.headers,
                     json={"fencing_token": spec["fencing_token"], "node_rank": 0, "chunks": chunks})
     assert r.status_code == 200, r.text
+    for step, age_days in ((1, 40), (2, 0)):  # progress samples: one old, one new
+        agent.status(spec, "running", progress={"step": step, "at": (clock() - _days(age_days)).isoformat()})
+        clock.advance(10)  # past services/progress.SAMPLE_S: each report is sampled
     factory = app.state.session_factory
     with session_scope(factory) as s:
         events = s.scalar(select(func.count()).select_from(Event))
@@ -35,6 +38,8 @@ def test_old_logs_and_events_are_deleted_in_batches(app, client, clock):
     text = client.get(f"/v1/jobs/{job['id']}/logs", params={"prefix": "false"}, headers=ADMIN).text
     assert text == "line 5\nline 6\n"
     left = client.get(f"/v1/jobs/{job['id']}/events", headers=ADMIN).json()["items"]
+    history = client.get(f"/v1/jobs/{job['id']}/progress", headers=ADMIN).json()["items"]
+    assert [p["step"] for p in history] == [2]  # the charts' history goes with the events
     assert "job.cancelling" in [e["kind"] for e in left] and "job.queued" not in [e["kind"] for e in left]
 
 

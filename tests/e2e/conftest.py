@@ -59,6 +59,9 @@ def cluster(
         yield Cluster(url=ready["url"], token=token, http=http, log=log, verify=verify)
     finally:
         http.close()
+        # dev up stops its agents, then the rest, with 10 s of grace each; killed sooner (the
+        # reaper's default is 5 s), it would leave them running, each in its own session.
+        process_reaper.grace_s = 30
         process_reaper.reap()
         out.close()
 
@@ -95,7 +98,8 @@ def make_cluster(tmp_path: Path, fresh_database_url: str, s3_bucket: Any) -> Ite
 
 _reference: dict[tuple[str, ...], dict[str, Any]] = {}
 # tiny_gpt flags that change timing or inject faults, never the weights.
-_NOT_MODEL = {"--step-delay-s", "--ckpt-upload-delay-s", "--ckpt-slow-rank", "--crash-at-step", "--crash-rank"}
+_NOT_MODEL = {"--step-delay-s", "--ckpt-upload-delay-s", "--ckpt-slow-rank", "--crash-at-step", "--crash-rank",
+              "--slow-rank", "--slow-busy-s"}
 _NOT_MODEL_FLAGS = {"--crash-kill", "--crash-once"}
 
 

@@ -43,9 +43,12 @@ def test_big_job_starts_on_its_reserved_nodes_while_small_jobs_run_elsewhere(clu
 
     def observe() -> bool:
         nonlocal seen_overlap, big_started_after_short
-        big_now = cluster.job(big["id"])
+        # The small jobs first, then the big one: a big job that has no attempt yet had none when the
+        # small ones were read. (Read the other way round, big's last node could be released, and
+        # given to a small job, between the two reads, while its view still said "running".)
         jobs = [cluster.job(s["id"]) for s in small]
-        if not big_now["allocation"] and big_now["state"] not in ENDED:
+        big_now = cluster.job(big["id"])
+        if big_now["current_attempt"] is None:
             for j in jobs:  # while big waits, small jobs never take its nodes
                 assert not (_on(j) & {b, c}), f"{j['name']} took a reserved node: {_on(j)}"
         if big_now["allocation"]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from datetime import UTC, datetime
 
 import pytest
@@ -55,6 +56,7 @@ def test_sigkill_mid_run_resumes_exactly(cluster):
     pids = cluster.wait_for("running workers", lambda: _worker_pids(cluster, job["id"]), timeout=30)
     victim = pids[max(pids)]
     os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
 
     resumed = cluster.wait_state(job["id"], ENDED, timeout=240)
     assert resumed["state"] == "succeeded", resumed["end_reason"]
@@ -79,3 +81,24 @@ def test_sigkill_mid_run_resumes_exactly(cluster):
             granted = [s for s in slots if s["step"] == ckpt["step"] and s["attempt_id"] == ckpt["attempt_id"]
                        and s["ok"]]
             assert len(granted) + upload["bypassed"] == 4, (ckpt, granted)
+
+    # Goodput (issue 12): the lost work and the downtime are what happened. The steps lost are those
+    # the killed attempt reported past the checkpoint the new one restored; the downtime runs from
+    # the kill (this process's clock; the control plane's is the same machine's) to the first new step.
+    g = resumed["goodput"]
+    first, second = attempts
+    # Progress is reported every 10 steps: the steps lost are those reported past the restored one;
+    # the time since the last report, up to the kill, is lost work too (lost_work_gpu_s below).
+    assert g["recoveries"] == 1 and g["steps_lost"] == first["progress_step"] - second["restored_from_step"] >= 0
+    assert g["steps_productive"] == 80
+    first_new_step = datetime.fromisoformat(second["first_progress_at"]).timestamp()
+    assert g["recovery_downtime_s"] == pytest.approx(second["recovery"]["to_first_step_s"], abs=0.01)
+    assert g["recovery_downtime_s"] == pytest.approx(first_new_step - killed_at, abs=1.5)
+    assert 0 < g["lost_work_gpu_s"] < g["allocated_gpu_s"] and g["recovery_gpu_s"] > 0
+    assert g["checkpoint_stall_gpu_s"] > 0  # every rank reported what its saves blocked
+    saved = _committed(cluster, job["id"])
+    assert saved and all(c["blocking_s"] > 0 and c["upload_bytes_per_s"] > 0 for c in saved)
+    parts = sum(g[f"{c}_gpu_s"] for c in ("productive", "checkpoint_stall", "lost_work", "recovery", "hung",
+                                         "startup", "other"))
+    assert parts == pytest.approx(g["allocated_gpu_s"], rel=1e-3) and 0 < g["goodput"] < 1
+    assert done["goodput"]["recoveries"] == 0 and done["goodput"]["steps_lost"] == 0

@@ -76,6 +76,14 @@ class Launcher:
         self.runs.append(run)
         return run
 
+    def launch_with_code(self, spec: LaunchSpec, archive: Path, node: NodeContext | None = None) -> AttemptRun:
+        """Launch as the agent does for a job with shipped code (node_agent/code.py)."""
+        node = node or self.node()
+        paths = attempt_paths(self.tmp_path / f"node-{node.local_addr}", spec.attempt_id)
+        run = AttemptRun.launch(spec, node, paths, stop_grace_s=2.0, code_archive=archive)
+        self.runs.append(run)
+        return run
+
     def cleanup(self) -> None:
         for run in self.runs:
             run.kill_now()

@@ -424,6 +424,40 @@ def test_outbox_drops_the_oldest_when_full() -> None:
     assert closed is not None and closed.status == HTTPStatus.SERVICE_UNAVAILABLE
 
 
+def test_every_rank_feeds_the_node_summary_and_rank_zero_the_progress(api: LocalApi) -> None:
+    # Ranks 2 and 3 of this node report steps and timings; only global rank 0 speaks for the attempt.
+    for rank, step, busy in [(2, 10, 0.1), (3, 10, 0.3), (2, 20, 0.1)]:
+        body = {"fencing_token": "fence-1", "rank": rank, "step": step, "step_time_s": 0.5, "busy_s": busy}
+        assert post(api, "att-1", "progress", body).status_code == 200
+    assert api.reports.snapshot("att-1") == (None, None)
+    time.sleep(0.05)
+    summary = api.reports.rank_summary("att-1")
+    assert summary is not None
+    by_rank = {r.rank: r for r in summary.ranks}
+    assert sorted(by_rank) == [2, 3] and by_rank[2].step == 20 and by_rank[3].busy_s == 0.3
+    assert by_rank[3].stalled_s >= by_rank[2].stalled_s > 0 and by_rank[3].silent_s > 0
+    assert post(api, "att-1", "progress", {"fencing_token": "fence-1", "rank": 0, "step": 3}).status_code == 200
+    progress, _ = api.reports.snapshot("att-1")
+    assert progress is not None and progress.step == 3
+    assert api.reports.rank_summary("att-2") is None
+
+
+def test_checkpoint_interval_is_served_to_the_attempts_workers(api: LocalApi, sockets: Path) -> None:
+    ask = {"fencing_token": "fence-1"}
+    assert post(api, "att-1", "checkpoint-interval", ask).json() == {"interval_steps": None}
+    api.reports.set_checkpoint_interval("att-1", 40)
+    api.reports.set_checkpoint_interval("att-1", None)  # an answer without one keeps the last
+    assert post(api, "att-1", "checkpoint-interval", ask).json() == {"interval_steps": 40}
+    assert post(api, "att-1", "checkpoint-interval", {"fencing_token": "old"}).status_code == 409
+    assert post(api, "att-1", "checkpoint-interval", {}).status_code == 422
+    # Another attempt's socket does not answer for this one, even with its token.
+    api.reports.register("att-2", "fence-2")
+    api.open("att-2", sockets / "att-2.0.sock")
+    assert post(api, "att-1", "checkpoint-interval", ask, via="att-2").status_code == 403
+    assert post(api, "att-2", "checkpoint-interval", {"fencing_token": "fence-2"}, via="att-2").json() == {
+        "interval_steps": None}
+
+
 def test_storage_requests_are_fenced_and_forwarded_as_answered(sockets: Path) -> None:
     """A worker's request for presigned URLs (issue 11, finding 3) is forwarded only with its
     attempt's fencing token, and answered with the control plane's answer, refusals included."""

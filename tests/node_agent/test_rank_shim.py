@@ -125,6 +125,30 @@ def test_worker_dies_with_the_shim(tmp_path: Path, spawned: list[subprocess.Pope
     wait_for(gone, timeout=5, what="the orphaned worker to die")
 
 
+@pytest.mark.parametrize(("source", "kind", "said"), [
+    ("import no_such_module_here\n", "start_error", "ModuleNotFoundError: No module named 'no_such_module_here'"),
+    ("def main(:\n", "start_error", "SyntaxError"),
+    ("def main():\n    raise ValueError('lr must be positive')\nmain()\n", "exception",
+     "ValueError: lr must be positive (train.py line 2)"),
+])
+def test_a_failed_worker_is_classified_from_its_own_stderr(spawned, tmp_path: Path, source: str, kind: str,
+                                                           said: str) -> None:
+    (tmp_path / "train.py").write_text(source)
+    proc = start_shim(spawned, tmp_path, "file", str(tmp_path / "train.py"))
+    assert proc.wait(30) == 1
+    record = rank_record(tmp_path)
+    assert (record["state"], record["exit_code"], record["cause"]) == ("exited", 1, kind)
+    assert said in record["message"]
+    assert contract.WorkerStatus.model_validate(record).cause == kind
+
+
+def test_a_missing_module_is_a_start_error(spawned, tmp_path: Path) -> None:
+    proc = start_shim(spawned, tmp_path, "module", "no_such_entrypoint")
+    assert proc.wait(30) == 1
+    record = rank_record(tmp_path)
+    assert (record["cause"], record["message"]) == ("start_error", "No module named no_such_entrypoint")
+
+
 def test_the_job_env_reaches_the_training_process_only_and_never_a_reserved_name(capsys) -> None:
     """Finding 11: the job's env is applied by the shim to its child; PYTHONPATH is appended to the
     platform's, and names the platform keeps are left out even if a spec carried them."""

@@ -6,8 +6,10 @@ import dataclasses
 import hashlib
 import io
 import json
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -226,6 +228,45 @@ def test_uploads_in_the_background_one_at_a_time(trainer_ctx: WorkerContext, fak
     assert [s.step for s in records] == [4, 8] and all(s.ok and s.reported for s in records)
     assert records[1].blocked_s > 0.2 and records[0].snapshot_s < 1.0
     assert [s["step"] for s in fake_agent.shards()] == [4, 8]  # close() drained the last one
+
+
+def test_an_async_save_holds_its_steps_state_while_training_changes_it(
+        trainer_ctx: WorkerContext, fake_agent: FakeAgent, s3_bucket: S3Bucket) -> None:
+    # The background part (serialise, hash, upload) starts only once the loop has changed the live
+    # weights: what is stored must still be the state at the save, the host copy taken while blocked.
+    trainer = Trainer(SMALL, trainer_ctx)
+    at_save = {name: t.clone() for name, t in trainer.model.state_dict().items()}
+    gate = threading.Event()
+    with CheckpointManager(trainer_ctx, trainer.state) as manager:
+        manager._executor = ThreadPoolExecutor(max_workers=1)
+        manager._executor.submit(gate.wait, 10)
+        assert manager.save(4)
+        with torch.no_grad():
+            for param in trainer.model.parameters():
+                param.add_(1.0)
+        gate.set()
+    [shard] = fake_agent.shards()
+    saved = torch.load(io.BytesIO(_raw(s3_bucket).get_bytes(shard["key"])), weights_only=False)
+    assert saved["model"].keys() == at_save.keys()
+    assert all(torch.equal(saved["model"][name], t) for name, t in at_save.items())
+    live = trainer.model.state_dict()
+    assert any(not torch.equal(live[name], t) for name, t in at_save.items())  # the loop did move on
+    assert shard["blocking_s"] > 0 and shard["background_s"] > 0
+
+
+def test_a_save_while_the_previous_uploads_is_skipped_when_asked(s3_bucket: S3Bucket, fake_agent: FakeAgent) -> None:
+    ctx = dataclasses.replace(_ctx(_storage_env(s3_bucket), fake_agent),
+                              checkpoint={"interval_steps": 4, "when_busy": "skip"})
+    with CheckpointManager(ctx, Trainer(SMALL, ctx).state, upload_delay_s=1.0) as manager:
+        assert manager.save(4)
+        assert manager.save(8) is False  # step 4's upload is still running: skipped, not waited for
+        assert manager.saves[-1].error == "skipped"
+    [skipped] = fake_agent.events("checkpoint.skipped")
+    assert skipped["data"] == {"step": 8} and "still uploading" in skipped["message"]
+    assert [s["step"] for s in fake_agent.shards()] == [4]
+    with pytest.raises(ValueError, match="when_busy"):
+        bad = dataclasses.replace(ctx, checkpoint={"interval_steps": 4, "when_busy": "later"})
+        CheckpointManager(bad, Trainer(SMALL, bad).state)
 
 
 def test_shard_report_can_wait_for_the_control_plane(trainer_ctx: WorkerContext, fake_agent: FakeAgent) -> None:

@@ -130,14 +130,35 @@ def test_result_flushes_progress_first_and_sends_non_finite_as_null(fake_agent: 
     assert fake_agent.of("result")[0].body["result"] == {"final_loss": None, "losses": [1.0, None]}
 
 
-def test_only_rank_zero_reports_unless_all_ranks(fake_agent: FakeAgent) -> None:
-    with Reporter(_ctx(fake_agent.url, rank=1)) as reporter:
-        reporter.progress(1, loss=1.0)
+def test_other_ranks_report_step_and_timings_only(fake_agent: FakeAgent) -> None:
+    # Every rank feeds its node's RankSummary (the watchdogs); only rank 0's loss, metrics and
+    # result speak for the attempt, unless all_ranks.
+    with Reporter(_ctx(fake_agent.url, rank=1), min_interval_s=0.0) as reporter:
+        reporter.progress(1, loss=1.0, lr=0.1)
+        with reporter.timed():
+            time.sleep(0.02)
+        reporter.progress(3, loss=0.5)
         reporter.result({"x": 1})
-    assert fake_agent.requests == []
+    bodies = [r.body for r in fake_agent.of("progress")]
+    assert fake_agent.of("result") == [] and bodies[-1]["step"] == 3
+    assert all(b["rank"] == 1 and b["loss"] is None and b["metrics"] == {} for b in bodies)
+    assert bodies[-1]["step_time_s"] > 0 and 0.01 / 2 <= bodies[-1]["busy_s"] < bodies[-1]["step_time_s"]
+    fake_agent.requests.clear()
     with Reporter(_ctx(fake_agent.url, rank=1), all_ranks=True) as reporter:
         reporter.progress(1, loss=1.0)
-    assert fake_agent.of("progress")[0].body["rank"] == 1
+    assert fake_agent.of("progress")[0].body["loss"] == 1.0
+
+
+def test_a_rank_blocked_between_reports_keeps_reporting(fake_agent: FakeAgent) -> None:
+    # A rank waiting in a collective sends its last report again every keepalive_s: only a stopped
+    # process falls silent (which the hang watchdog names).
+    with Reporter(_ctx(fake_agent.url, rank=1), min_interval_s=0.0, keepalive_s=0.05) as reporter:
+        reporter.progress(7)
+        deadline = time.monotonic() + 5
+        while len(fake_agent.of("progress")) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    steps = [r.body["step"] for r in fake_agent.of("progress")]
+    assert len(steps) >= 4 and set(steps) == {7}
 
 
 def test_standalone_prints_instead(capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,5 +209,9 @@ def test_reports_go_over_the_attempts_unix_socket() -> None:
             progress, result = api.reports.snapshot("att-u")
             assert progress is not None and progress.step == 5 and progress.metrics == {}
             assert result == {"ok": 1, "nan": None}
+            # An 'auto' job's checkpoint interval is read over the same socket.
+            from worker_runtime.checkpoint.notify import CheckpointReporter
+            api.reports.set_checkpoint_interval("att-u", 40)
+            assert CheckpointReporter(ctx).checkpoint_interval() == 40
         finally:
             api.stop()

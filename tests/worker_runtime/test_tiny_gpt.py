@@ -73,12 +73,16 @@ def test_torchrun_is_deterministic_and_learns(process_reaper: ProcessReaper) -> 
     assert (first["steps"], first["world_size"]) == (20, 2)
     assert first["weights_sha256"] == second["weights_sha256"]
     assert first["final_loss"] < first["initial_loss"] - 0.3, stdout
-    # Through the agent: progress from rank 0 only, then rank 0's result, the same as printed.
-    assert progress and {p["rank"] for p in progress} == {0} and progress[-1]["step"] == 20
+    # Through the agent: the loss from rank 0 only (every rank reports its step and timings, for the
+    # watchdogs), then rank 0's result, the same as printed.
+    assert progress and {p["rank"] for p in progress if p["loss"] is not None} == {0}
+    assert {p["rank"] for p in progress} == {0, 1} and progress[-1]["step"] == 20
+    assert all(p["busy_s"] > 0 for p in progress if p["step"] > 1 and p["step_time_s"] is not None)
     assert all(p["fencing_token"] == "tok-7" for p in progress)
-    # The measured split of every reported window: compute + exposed communication = the step,
-    # and the gradients' all-reduce passed bytes.
-    for p in progress:
+    # The measured split of every window rank 0 reported: compute + exposed communication = the
+    # step, and the gradients' all-reduce passed bytes (the other ranks send no metrics).
+    assert all(p["metrics"] == {} for p in progress if p["rank"] != 0)
+    for p in (p for p in progress if p["rank"] == 0):
         m = p["metrics"]
         assert {METRIC_STEP_S, METRIC_COMPUTE_S, METRIC_COMM_S, METRIC_COMM_BYTES} <= set(m), m
         assert m[METRIC_STEP_S] > 0 and 0 <= m[METRIC_COMM_S] <= m[METRIC_STEP_S]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tests.conftest import S3Bucket
+from tests.helpers import free_port
 from tests.worker_runtime.fake_agent import GRANTED, FakeAgent
 from tests.worker_runtime.test_checkpoint_manager import SMALL, _ctx, _raw, _storage_env
 from worker_runtime import CheckpointManager, WorkerContext
@@ -50,7 +51,7 @@ def test_a_due_save_ends_the_slot_wait_and_the_upload_goes_without_one(s3_bucket
     records = list(manager.saves)
     assert [(s.step, s.ok, s.slot) for s in records] == [(4, True, "bypassed"), (8, True, "granted")]
     [unslotted] = fake_agent.events("checkpoint.upload_unslotted")
-    assert unslotted["data"]["step"] == 4 and "the next save was due" in unslotted["message"]
+    assert unslotted["data"]["step"] == 4 and "next save due" in unslotted["message"]
     assert "queue position 3" in unslotted["message"]
     shards = {s["step"]: s for s in fake_agent.shards()}
     assert shards[4]["upload"]["slot"] == "bypassed" and shards[4]["upload"]["wait_s"] > 0
@@ -117,6 +118,42 @@ def test_a_granted_rate_paces_the_upload_and_renewals_keep_the_lease(s3_bucket: 
     assert release["ok"] and release["uploaded_bytes"] == record.size_bytes and release["upload_s"] > 0
     stored = _raw(s3_bucket).get_bytes(record.key)
     assert len(stored) == record.size_bytes
+
+
+def test_a_granted_slot_is_released_when_the_upload_fails_and_when_the_worker_leaves(
+        s3_bucket: S3Bucket, fake_agent: FakeAgent) -> None:
+    # A failed upload gives its slot back at once, marked failed.
+    dead = _storage_env(s3_bucket, endpoint=f"127.0.0.1:{free_port()}")  # nothing listens there
+    ctx = _ctx(dead, fake_agent)
+    with CheckpointManager(ctx, Trainer(SMALL, ctx).state, async_upload=False) as manager:
+        assert manager.save(4)
+    [failed] = manager.saves
+    assert not failed.ok and failed.slot == "granted"
+    assert [(r["ok"], r["uploaded_bytes"]) for r in _releases(fake_agent, 4)] == [(False, 0)]
+
+    # A worker that leaves (close with a timeout: an exception or SIGTERM unwinding the loop) while its
+    # upload crawls at its slot's pace: the pace is lifted, the upload ends and the slot is released
+    # on the upload thread, which the interpreter joins at exit (a daemon release could be cut off).
+    ctx = _ctx(_storage_env(s3_bucket), fake_agent)
+    fake_agent.slot_answer = {**GRANTED, "rate_bytes_per_s": 50_000}  # about 30 s for this state
+    manager = CheckpointManager(ctx, _big_state(1_500_000))
+    assert manager.save(8)
+    fake_agent.wait_for("upload-slot", 1)
+    assert manager.close(timeout=0.5) is False  # still uploading
+    assert manager.wait(30)
+    [release] = _releases(fake_agent, 8)
+    [record] = [s for s in manager.saves if s.step == 8]
+    assert record.ok and release["ok"] and release["uploaded_bytes"] == record.size_bytes
+    assert record.put_s < 10  # unpaced once the worker left
+
+    # Leaving while still queued: the wait ends and the queue place is given back.
+    fake_agent.slot_answer = dict(WAITING)
+    manager = CheckpointManager(ctx, Trainer(SMALL, ctx).state)
+    assert manager.save(12)
+    fake_agent.wait_for("upload-slot", 3)
+    manager.close(timeout=0.2)
+    fake_agent.wait_for("release", 3)
+    assert [r["ok"] for r in _releases(fake_agent, 12)] == [False]
 
 
 def test_a_lifted_pacer_sends_at_once_and_a_short_body_fails() -> None:

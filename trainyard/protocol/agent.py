@@ -42,6 +42,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from trainyard.protocol.exits import FAILURE_KINDS
 from trainyard.protocol.layout import Layout
 from trainyard.protocol.limits import (
     INT32_MAX,
@@ -206,6 +207,15 @@ class RestorePlan(_Wire):
     candidates: list[RestoreCandidate] = Field(default_factory=list, max_length=RESTORE_CANDIDATES_MAX)
 
 
+class CodeRef(_Wire):
+    """The job's shipped code: an archive (tar.gz) the agent fetches once per content hash
+    (``GET /v1/agent/attempts/{attempt_id}/code``), checks, and unpacks into the attempt's directory;
+    the workers run there and the entrypoint is resolved inside it."""
+
+    sha256: str = Field(pattern="^[0-9a-f]{64}$")
+    size_bytes: Int64
+
+
 class LaunchSpec(_Wire):
     """Everything an agent needs to start its part of an attempt."""
 
@@ -234,6 +244,9 @@ class LaunchSpec(_Wire):
         description="Restore plan: references to at most RESTORE_CANDIDATES_MAX usable checkpoints "
         "(not their manifests), or None.",
     )
+    code: CodeRef | None = Field(default=None, description="Shipped code to run in, or None (the node's own).")
+    python: str | None = Field(default=None, description="The interpreter for torchrun and the workers (an "
+                               "absolute path on the node), or None (the agent's own).")
     launched: bool = Field(
         default=False,
         description="An agent already reported this part as started (perhaps a previous agent instance "
@@ -318,6 +331,11 @@ class WorkerStatus(_Wire):
                                   description="Negative: killed by that signal.")
     started_at: datetime | None = None
     ended_at: datetime | None = None
+    cause: str | None = Field(
+        default=None, max_length=32, pattern=r"^[a-z_]+$", description="Why a non-zero exit happened: one of "
+        f"{', '.join(FAILURE_KINDS)} (trainyard.protocol.exits), from the worker's own stderr; set by the rank shim.")
+    message: Annotated[str | None, _clip(MAX_MESSAGE_CHARS)] = Field(
+        default=None, description="The worker's own words for it, e.g. the exception's type and text.")
 
 
 class NodeAttemptState(StrEnum):
@@ -336,9 +354,44 @@ class Progress(_Wire):
     loss: Finite | None = None
     at: datetime
     metrics: Metrics = Field(default_factory=dict)
+    total_steps: Int32 | None = Field(default=None, description="The steps the script will run, when it says.")
 
 
 FencingToken = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+RANK_SILENT_AFTER_S = 3.0
+"""A rank that has sent nothing to its agent for this long is listed as silent. Workers report at
+least every REPORT_KEEPALIVE_S, also while blocked in a collective (from a thread): a rank that is
+silent is stopped or frozen, not waiting for a peer."""
+REPORT_KEEPALIVE_S = 1.0
+CHECKPOINT_AUTO_FIRST_STEPS = 100
+"""An 'auto' job's checkpoint interval before the platform chose one (unless the job's
+``first_interval_steps`` says otherwise)."""
+MAX_NODE_RANKS = 256
+"""The most ranks one node's summary lists: a node's own ranks, never the job's world."""
+
+
+Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
+
+
+class RankStat(_Wire):
+    """One local rank as its agent saw it (worker_runtime/reporting.py sends the figures)."""
+
+    rank: Int32
+    step: Int32
+    step_time_s: Seconds | None = Field(default=None, description="Wall seconds per step, lately.")
+    busy_s: Seconds | None = Field(
+        default=None, description="Seconds per step the rank computed on its own (outside collectives), "
+        "lately; what tells a slow rank from one that waits for it.")
+    silent_s: Seconds = Field(description="Seconds since the rank last reported anything.")
+    stalled_s: Seconds = Field(description="Seconds since its step last advanced.")
+
+
+class RankSummary(_Wire):
+    """A node's ranks of an attempt: it grows with the node's own ranks, never with the world size."""
+
+    ranks: list[RankStat] = Field(default_factory=list, max_length=MAX_NODE_RANKS)
 
 
 class AttemptStatusReport(_Wire):
@@ -352,6 +405,9 @@ class AttemptStatusReport(_Wire):
     result: JsonDocument | None = Field(default=None, description="Reported by global rank 0 at the end.")
     error: Annotated[str | None, _clip(MAX_MESSAGE_CHARS)] = Field(
         default=None, description="Why the agent could not launch or run it.")
+    ranks: RankSummary | None = Field(
+        default=None, description="The node's ranks' steps, step and busy times and silences (watchdogs); sent "
+        "with the periodic report, not with every step.")
     processes_alive: bool | None = Field(
         default=None,
         description="False only in a final report (exited or stopped) when the agent found no process of "
@@ -370,6 +426,9 @@ class AttemptStatusReport(_Wire):
 class AttemptStatusAck(_Wire):
     attempt_state: str
     stop: bool = Field(description="True when the agent must stop this attempt's processes.")
+    checkpoint_interval_steps: int | None = Field(
+        default=None, ge=1, description="For a job whose checkpoint interval is 'auto': the interval the platform "
+        "chose now; the agent serves it to its workers (local API), which agree on it at their next save.")
     released: bool = Field(
         default=False,
         description="The part's GPUs are released (the report said no process is left, or a heartbeat "
@@ -405,11 +464,26 @@ class LogAck(_Wire):
 
 
 class LocalProgress(_Wire):
+    """Every rank sends it: global rank 0 with its loss and metrics (the attempt's progress), the
+    others with their step and timings only (the node's RankSummary)."""
+
     fencing_token: FencingToken
     rank: Int32
     step: Int32
     loss: Finite | None = None
     metrics: Metrics = Field(default_factory=dict)
+    total_steps: Int32 | None = None
+    step_time_s: float | None = Field(default=None, ge=0, le=1e7, allow_inf_nan=False,
+                                      description="Wall seconds per step since the last report.")
+    busy_s: float | None = Field(default=None, ge=0, le=1e7, allow_inf_nan=False,
+                                 description="Seconds per step spent computing alone.")
+
+
+class LocalCheckpointInterval(_Wire):
+    """``POST /v1/local/attempts/{id}/checkpoint-interval``: the interval the platform chose for an 'auto'
+    job (answer: ``{"interval_steps": N | null}``)."""
+
+    fencing_token: FencingToken
 
 
 class LocalResult(_Wire):
@@ -444,6 +518,10 @@ class ShardInfo(_Wire):
     sha256: str = Field(pattern="^[0-9a-f]{64}$")
     upload: UploadStats | None = Field(default=None, description="Its upload's slot wait and duration "
                                        "(trainyard/protocol/uploads.py); None from an older worker runtime.")
+    blocking_s: float | None = Field(
+        default=None, ge=0, le=86400, description="How long this save blocked the rank's training loop.")
+    background_s: float | None = Field(
+        default=None, ge=0, le=86400, description="Hashing, upload and report after the loop went on.")
 
 
 class LocalShard(ShardInfo):

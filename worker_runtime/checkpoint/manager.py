@@ -1,15 +1,25 @@
 """The worker's side of two-phase checkpoints: save this rank's shard, restore from a plan.
 
-Saving (phase 1 of docs/architecture.md, "Two-phase checkpoints"): every rank serialises its whole
-:class:`TrainState` with ``torch.save`` into memory (the consistency point: the loop is paused for
-exactly that long), then a single background thread hashes it, uploads it to
+Saving (phase 1 of docs/architecture.md, "Two-phase checkpoints"): every rank copies its whole
+:class:`TrainState` into host memory (the consistency point: the loop is paused for exactly that
+long; checkpoint/snapshot.py), then a single background thread serialises it with ``torch.save``,
+hashes it, uploads it to
 
     <prefix>/step-<step:09d>/attempt-<attempt:04d>/rank-<rank:05d>.pt   (trainyard.protocol.keys)
 
-and reports it to the agent (LocalShard). The control plane commits the checkpoint once every rank
-has reported (phase 2); no collective is needed here. At most one save is in flight: a save that
-finds the previous upload still running waits for it. A failed upload never stops training: it
-is logged and reported as ``checkpoint.save_failed``, and the control plane aborts that step.
+and reports it to the agent (LocalShard), with what the save cost: the seconds the loop was blocked
+and the seconds the background part took (goodput accounting, the auto interval). The control plane
+commits the checkpoint once every rank has reported (phase 2). At most one save is in flight: a
+save that finds the previous upload still running waits for it (``when_busy: "wait"``) or, with
+``"skip"``, is skipped on every rank (a ``checkpoint.skipped`` event). A failed upload never stops
+training: it is logged and reported as ``checkpoint.save_failed``, and the control plane aborts
+that step.
+
+Interval ``"auto"`` (docs/goodput.md): the platform chooses the interval; the attempt starts with
+the one in its launch spec, and at each save rank 0 asks its agent for the current one. Ranks must
+save at the same steps, so they agree at each save, in one small all-reduce (with whether any
+rank's previous upload is still running, for ``"skip"``), on rank 0's interval and the next step
+to save at. A job with a fixed interval and ``"wait"`` needs no collective.
 
 Before uploading, the background thread waits for an upload slot (slots.py; docs/architecture.md,
 "Checkpoint upload slots") and then uploads at the slot's byte rate (pacing.py). Training never
@@ -44,7 +54,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from trainyard.protocol.agent import CHECKPOINT_AUTO_FIRST_STEPS
 from trainyard.protocol.keys import job_checkpoint_prefix, shard_key
 from trainyard.protocol.storage import CheckpointStorage, ObjectInfo, PacedStorage
 from worker_runtime.checkpoint.notify import (
@@ -52,6 +64,7 @@ from worker_runtime.checkpoint.notify import (
     RESTORE_FAILED,
     RESTORED,
     SAVE_FAILED,
+    SKIPPED,
     UPLOAD_UNSLOTTED,
     CheckpointReporter,
     ShardSink,
@@ -67,6 +80,7 @@ from worker_runtime.checkpoint.restore import (
     resolve,
 )
 from worker_runtime.checkpoint.slots import SlotGrant, UploadSlots
+from worker_runtime.checkpoint.snapshot import host_copy
 from worker_runtime.context import WorkerContext
 from worker_runtime.distributed import device_of
 from worker_runtime.state import TrainState
@@ -102,13 +116,21 @@ class SaveRecord:
     snapshot_s: float = 0.0
     """Time the loop was paused serialising the state (the synchronous part)."""
     upload_s: float = 0.0
-    """Hashing and uploading, in the background (the slot wait not included)."""
+    """Serialising (an asynchronous save's copy), hashing and uploading, in the background; the
+    slot wait not included."""
+    put_s: float = 0.0
+    """The storage put alone (upload throughput: size_bytes / put_s)."""
     slot_wait_s: float = 0.0
     """Time the background thread waited for an upload slot."""
     slot: str = "none"
     """How the shard was uploaded: granted (within a slot), bypassed (without one), none (no slot service)."""
     reported: bool = False
     error: str | None = None
+
+    @property
+    def blocking_s(self) -> float:
+        """What this save cost the training loop."""
+        return self.blocked_s + self.snapshot_s
 
 
 def storage_from_context(ctx: WorkerContext, *, timeout_s: float = 10.0, retries: int = 1) -> CheckpointStorage | None:
@@ -155,11 +177,19 @@ class CheckpointManager:
         slots: UploadSlots | None = None,
     ) -> None:
         interval = interval_steps if interval_steps is not None else ctx.checkpoint.get("interval_steps")
+        self.auto = interval == AUTO
+        if self.auto:
+            interval = ctx.checkpoint.get("auto_interval_steps") or CHECKPOINT_AUTO_FIRST_STEPS
         if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool) or interval < 1):
-            raise ValueError(f"interval_steps must be a positive integer or None, got {interval!r}")
+            raise ValueError(f"interval_steps must be a positive integer, 'auto' or None, got {interval!r}")
+        self.when_busy = str(ctx.checkpoint.get("when_busy") or "wait")
+        if self.when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy must be 'wait' or 'skip', got {self.when_busy!r}")
         self.ctx = ctx
         self.state = state
         self.interval_steps: int | None = interval
+        self.next_save: int | None = interval if self.auto else None
+        """With 'auto': the step the ranks agreed to save at next."""
         self.storage = storage if storage is not None else storage_from_context(ctx)
         self.reporter: ShardSink = reporter if reporter is not None else CheckpointReporter(ctx)
         self.prefix = (ctx.checkpoint_prefix or job_checkpoint_prefix(ctx.job_id)).strip("/")
@@ -170,6 +200,7 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[SaveRecord] | None = None
         self._closed = False
+        self._closing = False  # a close gave up waiting: releases go on the (joined) upload thread
         self.saves: deque[SaveRecord] = deque(maxlen=1000)
         """Every save of this process, oldest first."""
         if not self.enabled and ctx.is_main:
@@ -188,7 +219,11 @@ class CheckpointManager:
         self.close()
 
     def should_save(self, step: int) -> bool:
-        return self.enabled and step > 0 and step % (self.interval_steps or 1) == 0
+        if not self.enabled or step <= 0:
+            return False
+        if self.next_save is not None:
+            return step >= self.next_save
+        return step % (self.interval_steps or 1) == 0
 
     def shard_key(self, step: int) -> str:
         return shard_key(self.prefix, step, self.ctx.attempt_number, self.ctx.rank)
@@ -196,26 +231,49 @@ class CheckpointManager:
     # --- saving ---
 
     def save(self, step: int) -> bool:
-        """Snapshot the state now and upload it in the background; False if disabled or stale.
+        """Snapshot the state now and upload it in the background; False if disabled, stale or skipped.
 
         Call it on every rank after the optimizer step of ``step``. It raises only when the state
-        cannot be serialised (a bug); storage and agent failures are reported, never raised.
+        cannot be copied (a bug); serialisation, storage and agent failures are reported
+        (``checkpoint.save_failed``: that checkpoint is aborted, training goes on), never raised.
+        With ``async_upload=False`` the copy is skipped: the state is serialised, uploaded and
+        reported before ``save`` returns.
         """
         if not self.enabled or self._closed or getattr(self.reporter, "stale", False):
             return False
         t0 = time.monotonic()
+        if self.auto or self.when_busy == "skip":
+            busy = self._pending is not None and not self._pending.done()
+            asked = self._ask_interval() if self.auto and self.ctx.is_main else None
+            busy_anywhere, interval = _agree_max([int(busy), asked or 0], world_size=self.ctx.world_size)
+            if self.auto:
+                if interval and interval != self.interval_steps:
+                    log.info("checkpoint interval %s -> %d steps (set by the platform)", self.interval_steps, interval)
+                    self.interval_steps = interval
+                self.next_save = step + (self.interval_steps or 1)
+            if busy_anywhere and self.when_busy == "skip":
+                if self.ctx.is_main:
+                    self.reporter.event(SKIPPED, f"checkpoint of step {step} skipped: the previous one is still "
+                                        "uploading (when_busy: skip)", {"step": step})
+                self.saves.append(SaveRecord(step=step, key=self.shard_key(step), ok=False, error="skipped"))
+                return False
         pending = self._pending
         if pending is not None and not pending.done():
             self._hurry.set()  # the loop never waits for a slot or a pace: the upload in flight goes now
         self.wait()
         self._hurry.clear()
         t1 = time.monotonic()
-        buffer = io.BytesIO()
-        torch.save(self.state.shard_state_dict(self.ctx.rank), buffer)
+        state = self.state.shard_state_dict(self.ctx.rank)
+        payload: io.BytesIO | dict[str, Any]
+        if self._async:
+            payload = host_copy(state)
+        else:
+            payload = io.BytesIO()
+            torch.save(state, payload)
         timing = (t1 - t0, time.monotonic() - t1)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-checkpoint")
-        self._pending = self._executor.submit(self._upload, step, buffer, timing)
+        self._pending = self._executor.submit(self._upload, step, payload, timing)
         if not self._async:
             self.wait()
         return True
@@ -237,59 +295,84 @@ class CheckpointManager:
     def close(self, timeout: float | None = None) -> bool:
         """Drain the save in flight and stop the upload thread; idempotent. False if it timed out."""
         drained = self.wait(timeout)
+        if not drained:
+            self._closing = True
+            # The process is leaving: the upload in flight stops waiting for a slot (giving its queue
+            # place back) and is no longer paced, so its slot, if any, is released before the exit.
+            self._hurry.set()
         if self._executor is not None:
             self._executor.shutdown(wait=drained)
         self._closed = True
         return drained
 
-    def _upload(self, step: int, buffer: io.BytesIO, timing: tuple[float, float]) -> SaveRecord:
+    def _ask_interval(self) -> int | None:
+        ask = getattr(self.reporter, "checkpoint_interval", None)
+        return ask() if callable(ask) else None
+
+    def _upload(self, step: int, payload: io.BytesIO | dict[str, Any], timing: tuple[float, float]) -> SaveRecord:
         key = self.shard_key(step)
         blocked_s, snapshot_s = timing
-        size, digest = 0, ""
-        grant = SlotGrant(use="none", wait_s=0.0)
         started = time.monotonic()
+        size, digest, put_s = 0, "", 0.0
+        grant = SlotGrant(use="none", wait_s=0.0)
+        buffer = payload if isinstance(payload, io.BytesIO) else io.BytesIO()
+        held = False  # a granted slot not given back yet: the finally below gives it back whatever happens
         try:
-            with buffer.getbuffer() as view:
-                size, digest = view.nbytes, hashlib.sha256(view).hexdigest()
-            buffer.seek(0)
-            grant = self.slots.acquire(step, size, hurry=self._hurry)
-            if grant.stale:
-                if hasattr(self.reporter, "stale"):
-                    self.reporter.stale = True  # later saves are skipped, as after a refused report
-                raise StaleSlotError("the attempt is stale: no upload slot, nothing uploaded")
-            if grant.use == "bypassed":
-                self.reporter.event(UPLOAD_UNSLOTTED, f"step {step} uploaded without a slot: {grant.reason}"[:4096],
-                                    {"step": step, "waited_s": round(grant.wait_s, 3)})
-            started = time.monotonic()
-            info = self._put(step, key, buffer, size, grant)
-            upload_s = time.monotonic() - started
-            if info.size != size:
-                raise OSError(f"storage holds {info.size} bytes under {key}, {size} were sent")
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            upload_s = time.monotonic() - started
-            self._release(step, grant, ok=False, size=0, upload_s=upload_s)
-            if not grant.stale:
-                log.error("checkpoint of step %d not saved (upload of %s failed: %s); training continues",
-                          step, key, error)
-                self.reporter.event(SAVE_FAILED, f"upload of {key} failed: {error}"[:4096], {"step": step})
-            record = SaveRecord(step=step, key=key, ok=False, size_bytes=size, sha256=digest,
-                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s,
-                                slot_wait_s=grant.wait_s, slot=grant.use, error=error)
-        else:
-            if self._upload_delay_s > 0:
-                time.sleep(self._upload_delay_s)
-            stats = {"wait_s": round(grant.wait_s, 6), "upload_s": round(upload_s, 6), "slot": grant.use}
-            reported = self.reporter.shard(step=step, key=key, size_bytes=size, sha256=digest, upload=stats)
-            # After the report (queued by the local agent at once): the commit does not wait for it.
-            self._release(step, grant, ok=True, size=size, upload_s=upload_s)
-            record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
-                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s,
-                                slot_wait_s=grant.wait_s, slot=grant.use, reported=reported)
-            log.info("checkpoint shard of step %d saved: %s (%d bytes, paused %.3fs, slot %s after %.3fs, "
-                     "upload %.3fs)", step, key, size, snapshot_s, grant.use, grant.wait_s, upload_s)
+            try:
+                if not isinstance(payload, io.BytesIO):
+                    torch.save(payload, buffer)  # the host copy, while training goes on
+                    del payload
+                with buffer.getbuffer() as view:
+                    size, digest = view.nbytes, hashlib.sha256(view).hexdigest()
+                buffer.seek(0)
+                grant = self.slots.acquire(step, size, hurry=self._hurry)
+                held = grant.use == "granted"
+                if grant.stale:
+                    if hasattr(self.reporter, "stale"):
+                        self.reporter.stale = True  # later saves are skipped, as after a refused report
+                    raise StaleSlotError("the attempt is stale: no upload slot, nothing uploaded")
+                if grant.use == "bypassed":
+                    self.reporter.event(UPLOAD_UNSLOTTED, f"step {step} uploaded without a slot: {grant.reason}"[:4096],
+                                        {"step": step, "waited_s": round(grant.wait_s, 3)})
+                put_started = time.monotonic()
+                info = self._put(step, key, buffer, size, grant)
+                put_s = time.monotonic() - put_started
+                if info.size != size:
+                    raise OSError(f"storage holds {info.size} bytes under {key}, {size} were sent")
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                upload_s = time.monotonic() - started - grant.wait_s
+                held = False
+                self._release(step, grant, ok=False, size=0, upload_s=put_s)
+                if not grant.stale:
+                    log.error("checkpoint of step %d not saved (upload of %s failed: %s); training continues",
+                              step, key, error)
+                    self.reporter.event(SAVE_FAILED, f"upload of {key} failed: {error}"[:4096], {"step": step})
+                record = SaveRecord(step=step, key=key, ok=False, size_bytes=size, sha256=digest,
+                                    blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, put_s=put_s,
+                                    slot_wait_s=grant.wait_s, slot=grant.use, error=error)
+            else:
+                upload_s = time.monotonic() - started - grant.wait_s
+                if self._upload_delay_s > 0:
+                    time.sleep(self._upload_delay_s)
+                stats = {"wait_s": round(grant.wait_s, 6), "upload_s": round(put_s, 6), "slot": grant.use}
+                # A synchronous save blocked the loop for its upload (and its slot wait) too.
+                blocking = blocked_s + snapshot_s + (0.0 if self._async else upload_s + grant.wait_s)
+                # The background part includes the slot wait: the auto interval must leave room for it.
+                reported = self.reporter.shard(step=step, key=key, size_bytes=size, sha256=digest, upload=stats,
+                                               blocking_s=blocking, background_s=time.monotonic() - started)
+                # After the report (queued by the local agent at once): the commit does not wait for it.
+                held = False
+                self._release(step, grant, ok=True, size=size, upload_s=put_s)
+                record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
+                                    blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, put_s=put_s,
+                                    slot_wait_s=grant.wait_s, slot=grant.use, reported=reported)
+                log.info("checkpoint shard of step %d saved: %s (%d bytes, paused %.3fs, slot %s after %.3fs, "
+                         "upload %.3fs)", step, key, size, snapshot_s, grant.use, grant.wait_s, upload_s)
         finally:
             buffer.close()
+            if held:  # a custom reporter raised: the slot goes back all the same
+                self._release(step, grant, ok=False, size=0, upload_s=put_s)
         self.saves.append(record)
         return record
 
@@ -310,7 +393,7 @@ class CheckpointManager:
         this thread then, and must not wait for a round trip to the control plane)."""
         if grant.use != "granted":
             return
-        if self._hurry.is_set():
+        if self._hurry.is_set() and not self._closing:
             threading.Thread(target=self.slots.release, args=(step,), daemon=True, name="trainyard-upload-slot-release",
                              kwargs={"ok": ok, "uploaded_bytes": size, "upload_s": upload_s}).start()
         else:
@@ -348,6 +431,8 @@ class CheckpointManager:
             if not any(codes):
                 assert fetched.state is not None and isinstance(step, int)
                 self._load(fetched.state, step)
+                if self.auto:
+                    self.next_save = step + (self.interval_steps or 1)
                 if main:
                     log.info("restored checkpoint of step %d (%d candidate(s) tried)", step, len(tried))
                     self.reporter.event(RESTORED, f"restored the checkpoint of step {step}",
@@ -382,6 +467,19 @@ class CheckpointManager:
         if any(codes):
             failed = [r for r, c in enumerate(codes) if c]
             raise CheckpointLoadError(f"the checkpoint of step {step} did not load on ranks {failed}") from error
+
+
+AUTO = "auto"
+
+
+def _agree_max(values: list[int], *, world_size: int) -> list[int]:
+    """Each value's maximum over the ranks (one all_reduce when distributed)."""
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    packed = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    return [int(v) for v in packed.tolist()]
 
 
 def _named(candidate: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 RESTORED = "checkpoint.restored"
 FALLBACK = "checkpoint.fallback"
 SAVE_FAILED = "checkpoint.save_failed"
+SKIPPED = "checkpoint.skipped"
 RESTORE_FAILED = "checkpoint.restore_failed"
 UPLOAD_UNSLOTTED = "checkpoint.upload_unslotted"
 """A shard was uploaded without an upload slot (worker_runtime/checkpoint/slots.py says when)."""
@@ -44,7 +45,8 @@ class ShardSink(Protocol):
     """Where the checkpoint manager reports shards and events (a fake in tests)."""
 
     def shard(self, *, step: int, key: str, size_bytes: int, sha256: str,
-              upload: dict[str, Any] | None = None) -> bool: ...
+              upload: dict[str, Any] | None = None,
+              blocking_s: float | None = None, background_s: float | None = None) -> bool: ...
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> bool: ...
 
@@ -78,9 +80,10 @@ class CheckpointReporter:
         """Steps the control plane said are committed (only with ``wait_ack``)."""
 
     def shard(self, *, step: int, key: str, size_bytes: int, sha256: str,
-              upload: dict[str, Any] | None = None) -> bool:
-        """Report an uploaded shard (with ``upload``: its slot wait and upload time, UploadStats);
-        True if the agent took it."""
+              upload: dict[str, Any] | None = None,
+              blocking_s: float | None = None, background_s: float | None = None) -> bool:
+        """Report an uploaded shard, with what the save cost (the loop blocked, then the background
+        part) and with ``upload`` its slot wait and upload time (UploadStats); True if the agent took it."""
         body: dict[str, Any] = {
             "fencing_token": self._ctx.fencing_token,
             "rank": self._ctx.rank,
@@ -89,6 +92,8 @@ class CheckpointReporter:
             "key": key,
             "size_bytes": size_bytes,
             "sha256": sha256,
+            "blocking_s": None if blocking_s is None else round(blocking_s, 6),
+            "background_s": None if background_s is None else round(background_s, 6),
         }
         if upload is not None:
             body["upload"] = upload
@@ -103,6 +108,24 @@ class CheckpointReporter:
             with self._lock:
                 self.committed_steps.update(int(s) for s in answer["committed_steps"])
         return answer is not None
+
+    def checkpoint_interval(self) -> int | None:
+        """The interval the platform chose for an 'auto' job, as the agent has it (None: none yet, or
+        the agent could not be asked). One short try: a save must not wait on it."""
+        if self._base is None or self.stale:
+            return None
+        try:
+            with agent_client(self._ctx, min(self._timeout, 2.0)) as client:
+                response = client.post(f"{self._base}/checkpoint-interval",
+                                       json={"fencing_token": self._ctx.fencing_token})
+        except httpx.HTTPError as exc:
+            log.info("checkpoint interval not read from the agent (%s); keeping the current one", exc)
+            return None
+        if not response.is_success:
+            return None
+        steps = response.json().get("interval_steps") if response.headers.get("content-type", "").startswith(
+            "application/json") else None
+        return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1 else None
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> bool:
         """Report a checkpoint event; True if the agent took it."""

@@ -9,7 +9,7 @@ bounded: a worker uploads without a slot (``bypassed``, with a ``checkpoint.uplo
 event saying why) when
 
 - it has waited ``max_wait_s`` (the control plane's upload_slot_max_wait_s, or this side's bound);
-- the next save is due (``hurry``);
+- the next save is due, or the worker is leaving (``hurry``: CheckpointManager.close gave up waiting);
 - the slot service cannot be reached for ``unreachable_s`` (agent down, control plane down), or it
   refuses the request for a reason other than fencing.
 
@@ -104,8 +104,7 @@ class UploadSlots:
             # The poll runs in a helper thread: a due save ends the wait at once, not when the poll ends.
             while not call.done.wait(0.05):
                 if hurry.is_set():
-                    return self._bypass(step, started, f"the next save was due after {waited:.1f}s of waiting "
-                                        f"(queue position {position})", after=call)
+                    return self._bypass(step, started, _hurried(time.monotonic() - started, position), after=call)
             status, body = call.result
             retry = 0.0
             if status == 200 and body.get("state") in ("granted", "waiting"):
@@ -134,8 +133,7 @@ class UploadSlots:
                 return self._bypass(step, started, f"the slot request was refused (HTTP {status}): "
                                     f"{body.get('detail')}")
             if retry > 0 and hurry.wait(retry):
-                return self._bypass(step, started, f"the next save was due after "
-                                    f"{time.monotonic() - started:.1f}s of waiting (queue position {position})")
+                return self._bypass(step, started, _hurried(time.monotonic() - started, position))
 
     def _bypass(self, step: int, started: float, reason: str, *, after: _Call | None = None) -> SlotGrant:
         log.warning("checkpoint of step %d uploads without a slot: %s", step, reason)
@@ -171,6 +169,11 @@ class UploadSlots:
         """Renew a granted slot every third of its lease until the returned renewal is stopped,
         passing each renewal's rate to ``pacer``."""
         return _Renewal(self, step, size_bytes, grant, pacer)
+
+
+def _hurried(waited: float, position: Any) -> str:
+    return (f"the worker needed the upload now (next save due, or leaving) after {waited:.1f}s of waiting "
+            f"(queue position {position})")
 
 
 class _Call:

@@ -22,6 +22,7 @@ Rank 0 prints the result as one JSON line on stdout and reports it to the agent.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -83,13 +84,16 @@ class Config:
     """Crash by SIGKILL to itself (exit code -9) rather than exit code 3."""
     crash_once: bool = False
     """Crash only in the first run: Trainyard attempt 1, or torchrun's first worker group."""
+    slow_rank: int = -1
+    """Fault injection: this rank computes slow_busy_s longer every step (a slow GPU: a straggler)."""
+    slow_busy_s: float = 0.0
     bf16: bool = False
     """Forward and backward under bf16 autocast (weights, optimizer and reductions stay fp32)."""
 
     def __post_init__(self) -> None:
         if min(self.steps, self.batch_size, self.seq_len, self.d_model, self.layers, self.log_every) < 1:
             raise ValueError("steps, batch size, seq len, d_model, layers and log_every must be >= 1")
-        if min(self.step_delay_s, self.ckpt_upload_delay_s) < 0:
+        if min(self.step_delay_s, self.ckpt_upload_delay_s, self.slow_busy_s) < 0:
             raise ValueError("delays must be >= 0")
         if self.crash_at_step < 0 or self.crash_rank < 0:
             raise ValueError("crash_at_step and crash_rank must be >= 0")
@@ -165,18 +169,24 @@ class Trainer:
         for name, extra in self.parallel.extra_state.items():
             self.state.register(name, extra, per_rank=True)
 
-    def train_step(self) -> torch.Tensor:
-        """One optimizer step over the layout's micro-batches; the mean micro-batch loss."""
+    def train_step(self, reporter: Reporter | None = None) -> torch.Tensor:
+        """One optimizer step over the layout's micro-batches; the mean micro-batch loss.
+
+        What this rank computes alone (the data, the forward pass) is its busy time: the watchdog
+        compares it across ranks; the backward pass waits in the all-reduce for the slowest rank."""
         accum = self.parallel.accum_steps
         total = torch.zeros((), device=self.device)
         with self.parallel.meter.step():
             self.optimizer.zero_grad(set_to_none=True)
             for micro in range(accum):
-                x, y = self.batches.next(self.device)
                 with self.parallel.micro_step(micro):
-                    with torch.autocast(self.device.type, torch.bfloat16, enabled=self.cfg.bf16):
-                        logits = self.ddp(x)
-                        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+                    with reporter.timed() if reporter is not None else contextlib.nullcontext():
+                        x, y = self.batches.next(self.device)
+                        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.cfg.bf16):
+                            logits = self.ddp(x)
+                            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+                        if self.cfg.slow_busy_s and self.ctx.rank == self.cfg.slow_rank:
+                            time.sleep(self.cfg.slow_busy_s / accum)
                     (loss / accum if accum > 1 else loss).backward()
                 total += loss.detach()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -220,7 +230,7 @@ class Trainer:
         final_loss: float | None = None
         first = self.step.value + 1  # 1, or the step after the restored one
         while self.step.value < until:
-            loss = self.train_step()
+            loss = self.train_step(reporter)
             step = self.step.value
             if step == self.cfg.crash_at_step and self.ctx.rank == self.cfg.crash_rank and self._may_crash():
                 print(f"tiny_gpt: crashing at step {step} as asked (--crash-at-step)", file=sys.stderr, flush=True)
@@ -266,7 +276,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     defaults = Config()
     parser = argparse.ArgumentParser(prog="tiny_gpt", description=__doc__.splitlines()[0])
     for name in ("steps", "seed", "batch_size", "seq_len", "d_model", "layers", "heads", "log_every",
-                 "ckpt_slow_rank", "crash_at_step", "crash_rank"):
+                 "ckpt_slow_rank", "crash_at_step", "crash_rank", "slow_rank"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL rather than exit code 3")
@@ -274,6 +284,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast for forward and backward")
     parser.add_argument("--step-delay-s", type=float, default=defaults.step_delay_s)
     parser.add_argument("--ckpt-upload-delay-s", type=float, default=defaults.ckpt_upload_delay_s)
+    parser.add_argument("--slow-busy-s", type=float, default=defaults.slow_busy_s)
     args = parser.parse_args(argv)
     return Config(**vars(args))
 
@@ -314,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.use_deterministic_algorithms(True)
     init_distributed(ctx, timeout=300)
     try:
-        with Reporter(ctx, echo=False) as reporter:
+        with Reporter(ctx, echo=False, total_steps=cfg.steps) as reporter:
             result = train(cfg, ctx, reporter)
             if result is None:
                 print("tiny_gpt: attempt is stale; stopping without a result", file=sys.stderr)

@@ -1,0 +1,194 @@
+"""The watchdogs (docs/goodput.md, "Watchdogs"): a running attempt whose step stops advancing is
+failed as hung, naming the ranks that stopped reporting, and recovered like any failure; a rank
+persistently slower than its peers is named a straggler, with its node.
+
+Both read what the agents already send: each node's step (its part's progress, with when the
+control plane saw it advance and the step time it measured) and each node's RankSummary (its own
+ranks' steps, timings and silences, with the periodic status report). The
+rules are pure (control_plane/goodput/rules.py); here they meet the rows. Every replica runs this
+(the watchdog loop): a verdict locks the job and the attempt and is taken once (fail_attempt is
+idempotent), a straggler is named by a conditional UPDATE that only one replica wins.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from control_plane.clock import now
+from control_plane.db import rowcount
+from control_plane.goodput.rules import RankTiming, Straggler, hang_timeout_s, stragglers
+from control_plane.models import Attempt, AttemptNode, Checkpoint, Job, Node
+from control_plane.services import attempts, events, progress
+from control_plane.services.fencing import lock_attempt
+from control_plane.settings import Settings
+from trainyard.protocol.agent import RANK_SILENT_AFTER_S
+
+
+def _override(job_watchdog: dict[str, Any] | None, key: str) -> Any:
+    return (job_watchdog or {}).get(key)
+
+
+@dataclass(frozen=True)
+class _Silent:
+    rank: int
+    node: str
+    node_id: uuid.UUID
+    silent_s: float
+    step: int
+
+
+def _rank_facts(session: Session, attempt_id: uuid.UUID) -> tuple[list[_Silent], list[_Silent]]:
+    """(ranks silent longer than RANK_SILENT_AFTER_S, every rank) of the attempt as its nodes last
+    told (every status_interval_s; a node whose agent stopped reporting is the lost-node check's)."""
+    rows = session.execute(
+        select(AttemptNode.ranks, AttemptNode.node_id, Node.name)
+        .join(Node, Node.id == AttemptNode.node_id)
+        .where(AttemptNode.attempt_id == attempt_id, AttemptNode.ranks.is_not(None))
+    ).all()
+    every: list[_Silent] = []
+    for summary, node_id, name in rows:
+        for r in (summary or {}).get("ranks", []):
+            every.append(_Silent(rank=int(r["rank"]), node=name, node_id=node_id,
+                                 silent_s=float(r.get("silent_s", 0.0)), step=int(r.get("step", 0))))
+    silent = sorted((r for r in every if r.silent_s >= RANK_SILENT_AFTER_S), key=lambda r: (-r.silent_s, r.rank))
+    return silent, every
+
+
+def _who(silent: list[_Silent], every: list[_Silent]) -> tuple[str, uuid.UUID | None, list[int]]:
+    """Words naming the ranks to blame, the node blamed, and those ranks."""
+    if silent:
+        by_node: dict[str, list[int]] = {}
+        for r in silent:
+            by_node.setdefault(r.node, []).append(r.rank)
+        named = "; ".join(f"rank{'s' if len(v) > 1 else ''} {', '.join(map(str, sorted(v)))} on {n}"
+                          for n, v in by_node.items())
+        return f"{named} stopped reporting", silent[0].node_id, sorted(r.rank for r in silent)
+    if every:
+        low = min(r.step for r in every)
+        behind = [r for r in every if r.step == low]
+        if len(behind) < len(every):
+            ranks = sorted(r.rank for r in behind)
+            return (f"ranks {', '.join(map(str, ranks))} are behind at step {low} (every rank still reports)",
+                    behind[0].node_id, ranks)
+        return "every rank still reports, none advances (a collective or the data pipeline is stuck)", None, []
+    return "no rank summary arrived from its nodes", None, []
+
+
+def fail_hung(session: Session, settings: Settings) -> list[uuid.UUID]:
+    """Fail every running attempt whose step has not advanced within its hang timeout; returns them."""
+    at = now()
+    stall = (select(Checkpoint.job_id, func.max(Checkpoint.blocking_s).label("stall"))
+             .group_by(Checkpoint.job_id).subquery())
+    # Each node's reports advance its own part (status reports never write the attempt row): the
+    # attempt advanced when any of its parts did, and the slowest part's step time sets the timeout.
+    parts = (select(AttemptNode.attempt_id, func.max(AttemptNode.step_advanced_at).label("advanced_at"),
+                    func.max(AttemptNode.step_time_s).label("step_time"))
+             .where(AttemptNode.step_advanced_at.is_not(None))
+             .group_by(AttemptNode.attempt_id).subquery())
+    rows = session.execute(
+        select(Attempt.id, parts.c.advanced_at, parts.c.step_time, Job.watchdog, stall.c.stall)
+        .join(parts, parts.c.attempt_id == Attempt.id)
+        .join(Job, Job.id == Attempt.job_id)
+        .outerjoin(stall, stall.c.job_id == Attempt.job_id)
+        .where(Attempt.state == "running", Attempt.outcome.is_(None))
+    ).all()
+    failed: list[uuid.UUID] = []
+    for attempt_id, advanced_at, step_time, watchdog, longest_stall in rows:
+        timeout = hang_timeout_s(step_time_s=step_time, longest_stall_s=longest_stall,
+                                 floor_s=settings.hang_timeout_min_s, multiplier=settings.hang_step_multiplier,
+                                 override_s=_override(watchdog, "hang_timeout_s"))
+        if (at - advanced_at).total_seconds() <= timeout:
+            continue
+        locked = lock_attempt(session, attempt_id)
+        if locked is None:
+            continue
+        job, attempt = locked
+        if attempt.outcome is not None or _advanced_at(session, attempt.id) != advanced_at:
+            continue  # decided meanwhile, or it moved on
+        step = progress.step_of(session, attempt.id)
+        idle = (at - advanced_at).total_seconds()
+        silent, every = _rank_facts(session, attempt.id)
+        who, node_id, ranks = _who(silent, every)
+        basis = ("the job's watchdog.hang_timeout_s" if _override(watchdog, "hang_timeout_s") is not None else
+                 f"from its step time {step_time or 0:.3g}s and longest checkpoint stall {longest_stall or 0:.3g}s, "
+                 f"floor {settings.hang_timeout_min_s:g}s")
+        reason = (f"hung: step {step} has not advanced for {idle:.1f}s (hang timeout {timeout:.3g}s, "
+                  f"{basis}); {who}")
+        attempt.hung_since = advanced_at
+        events.record(session, "attempt.hung", reason, job_id=job.id, attempt_id=attempt.id, node_id=node_id,
+                      ranks=ranks, step=step, idle_s=round(idle, 3), timeout_s=round(timeout, 3))
+        attempts.fail_attempt(session, job, attempt, reason, node_id=node_id)
+        session.commit()
+        failed.append(attempt.id)
+    return failed
+
+
+def _advanced_at(session: Session, attempt_id: uuid.UUID) -> datetime | None:
+    """When any part of the attempt last advanced its step."""
+    value: datetime | None = session.scalar(
+        select(func.max(AttemptNode.step_advanced_at)).where(AttemptNode.attempt_id == attempt_id))
+    return value
+
+
+def track_stragglers(session: Session, settings: Settings) -> list[Straggler]:
+    """Mark each part's rank that is slower than its peers now (``straggler_since``); name the ones
+    slow for ``straggler_persist_s`` (an event, once). Returns those named now."""
+    at = now()
+    rows = session.execute(
+        select(AttemptNode.id, AttemptNode.attempt_id, AttemptNode.node_id, AttemptNode.ranks,
+               AttemptNode.straggler_rank, AttemptNode.straggler_since, AttemptNode.straggler_named_at,
+               Attempt.job_id, Job.watchdog, Node.name)
+        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+        .join(Job, Job.id == Attempt.job_id)
+        .join(Node, Node.id == AttemptNode.node_id)
+        .where(Attempt.state == "running", Attempt.outcome.is_(None), AttemptNode.ranks.is_not(None))
+        .order_by(AttemptNode.attempt_id, AttemptNode.id)
+    ).all()
+    by_attempt: dict[uuid.UUID, list[Any]] = {}
+    for row in rows:
+        by_attempt.setdefault(row.attempt_id, []).append(row)
+    named: list[Straggler] = []
+    for parts in by_attempt.values():
+        factor = _override(parts[0].watchdog, "straggler_factor") or settings.straggler_factor
+        slow = {s.node: s for s in stragglers(timings(parts), factor)}
+        for part in parts:
+            found = slow.get(str(part.id))
+            if found is None:
+                if part.straggler_rank is not None:
+                    session.execute(update(AttemptNode).where(AttemptNode.id == part.id).values(
+                        straggler_rank=None, straggler_since=None, straggler_named_at=None))
+                continue
+            if part.straggler_rank != found.rank:
+                session.execute(update(AttemptNode).where(AttemptNode.id == part.id).values(
+                    straggler_rank=found.rank, straggler_since=at, straggler_named_at=None))
+                continue
+            since = part.straggler_since or at
+            if part.straggler_named_at is not None or at - since < timedelta(seconds=settings.straggler_persist_s):
+                continue
+            won = rowcount(session.execute(update(AttemptNode).where(
+                AttemptNode.id == part.id, AttemptNode.straggler_named_at.is_(None),
+                AttemptNode.straggler_rank == found.rank).values(straggler_named_at=at)))
+            if won:
+                events.record(
+                    session, "attempt.straggler",
+                    f"rank {found.rank} on {part.name} is {found.ratio:.2f}x slower than its peers' median "
+                    f"({found.busy_s:.3g}s vs {found.peers_busy_s:.3g}s per step) "
+                    f"for {(at - since).total_seconds():.0f}s",
+                    job_id=part.job_id, attempt_id=part.attempt_id, node_id=part.node_id, rank=found.rank,
+                    node=part.name, busy_s=round(found.busy_s, 4), peers_busy_s=round(found.peers_busy_s, 4),
+                    ratio=found.ratio, factor=factor)
+                named.append(found)
+    session.commit()
+    return named
+
+
+def timings(parts: list[Any]) -> list[RankTiming]:
+    """Every rank of the attempt's parts' summaries (``ranks`` JSON), keyed by the part's id."""
+    return [RankTiming(node=str(p.id), rank=int(r["rank"]), busy_s=r.get("busy_s"), step_time_s=r.get("step_time_s"))
+            for p in parts for r in (p.ranks or {}).get("ranks", [])]

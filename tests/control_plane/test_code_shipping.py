@@ -1,0 +1,85 @@
+"""Shipped code through the control plane (issue 13): uploaded once per content hash for the
+caller's tenant, named by a job (refused when it was not uploaded for that tenant), handed to
+the nodes of the job's live attempt only, with its hash in the launch spec; a job's interpreter
+on the nodes (an absolute path) travels with it."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+
+import pytest
+from fastapi.testclient import TestClient
+
+from control_plane.app import create_app
+from control_plane.settings import Settings
+from tests.control_plane.access import make_principal
+from tests.factories import ADMIN, FakeAgentSession, job_body
+
+
+def _archive(text: str) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        data = text.encode()
+        info = tarfile.TarInfo("train.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return raw.getvalue()
+
+
+@pytest.fixture
+def s3_client(settings: Settings, s3_bucket):
+    app = create_app(settings.model_copy(update={
+        "s3_endpoint": s3_bucket.endpoint, "s3_access_key": s3_bucket.access_key,
+        "s3_secret_key": s3_bucket.secret_key, "s3_bucket": s3_bucket.bucket}))
+    with TestClient(app) as client:
+        yield app, client
+
+
+def test_code_is_uploaded_once_named_by_a_job_and_fetched_by_its_nodes_only(s3_client):
+    app, client = s3_client
+    a, b = FakeAgentSession(client, "node-1", 2), FakeAgentSession(client, "node-2", 2)
+    data = _archive("print('shipped')\n")
+    sha = hashlib.sha256(data).hexdigest()
+    gz = {**ADMIN, "Content-Type": "application/octet-stream"}
+    assert client.get(f"/v1/code/{sha}", headers=ADMIN).status_code == 404
+    first = client.put(f"/v1/code/{sha}", content=data, headers=gz)
+    assert first.status_code == 201 and first.json() == {"sha256": sha, "size_bytes": len(data)}
+    assert client.put(f"/v1/code/{sha}", content=data, headers=gz).status_code == 200  # stored once
+    assert client.get(f"/v1/code/{sha}", headers=ADMIN).status_code == 200
+    cut = client.put(f"/v1/code/{sha}", content=data[:-5], headers=gz)
+    assert cut.status_code == 422 and "sha256" in cut.json()["detail"]
+
+    # Another tenant cannot name it, even knowing its hash, nor upload for a tenant not its own.
+    other = make_principal(client, "bob", "member", "nlp")
+    refused = client.post("/v1/jobs", json=job_body(num_nodes=1, code={"sha256": sha}), headers=other.headers)
+    assert refused.status_code == 422 and "not uploaded for tenant nlp" in refused.json()["detail"]
+    assert client.put(f"/v1/code/{sha}", params={"tenant": "default"}, content=data,
+                      headers={**other.headers, "Content-Type": "application/octet-stream"}).status_code == 403
+    # An admin uploads for a team and submits on its behalf.
+    assert client.put(f"/v1/code/{sha}", params={"tenant": "nlp"}, content=data, headers=gz).status_code == 201
+    assert client.get(f"/v1/code/{sha}", headers=other.headers).status_code == 200
+
+    job = client.post("/v1/jobs", json=job_body(num_nodes=1, entrypoint="train.py", code={"sha256": sha},
+                                                python="/opt/envs/llm/bin/python"), headers=ADMIN).json()
+    assert job["code"] == {"sha256": sha, "size_bytes": len(data)} and job["python"] == "/opt/envs/llm/bin/python"
+    relative = client.post("/v1/jobs", json=job_body(num_nodes=1, python="bin/python"), headers=ADMIN)
+    assert relative.status_code == 422 and "python" in relative.json()["detail"]
+    app.state.loops.schedule_once()
+    specs = {agent.name: agent.heartbeat()["assignments"] for agent in (a, b)}
+    holder, idle = (a, b) if specs["node-1"] else (b, a)
+    (spec,) = specs[holder.name]
+    assert spec["code"] == {"sha256": sha, "size_bytes": len(data)} and spec["python"] == "/opt/envs/llm/bin/python"
+    got = client.get(f"/v1/agent/attempts/{spec['attempt_id']}/code", headers=holder.headers)
+    assert got.status_code == 200 and got.content == data and got.headers["X-Content-SHA256"] == sha
+    assert client.get(f"/v1/agent/attempts/{spec['attempt_id']}/code", headers=idle.headers).status_code == 409
+    client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN)
+    holder.status(spec, "stopped", exit_code=-15)
+    holder.heartbeat([])
+    assert client.get(f"/v1/agent/attempts/{spec['attempt_id']}/code", headers=holder.headers).status_code == 409
+
+
+def test_without_s3_code_is_refused_in_one_line(client):
+    r = client.get(f"/v1/code/{'0' * 64}", headers=ADMIN)
+    assert r.status_code == 422 and "needs S3" in r.json()["detail"]

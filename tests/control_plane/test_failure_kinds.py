@@ -1,0 +1,139 @@
+"""Failures that explain themselves (issue 13): a worker whose script cannot start fails its job at
+once (no retries) with the worker's own words in end_reason; other failures are classified on the
+attempt and retried; progress carries total steps, a step rate and an ETA."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from tests.control_plane.helpers import get_job, submit
+from tests.factories import ADMIN, FakeAgentSession, workers_for
+
+
+def _exit(agent: FakeAgentSession, spec: dict, cause: str, message: str) -> None:
+    workers = workers_for(spec, "exited", 1)
+    workers[0].update(cause=cause, message=message)
+    r = agent.status(spec, "exited", exit_code=1, workers=workers)
+    assert r.status_code == 200, r.text
+
+
+def test_a_script_that_cannot_start_fails_its_job_at_once(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1, max_failures=3)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    _exit(agent, spec, "start_error", "ModuleNotFoundError: No module named 'trian' (train.py line 3)")
+    after = get_job(client, job["id"])
+    assert after["state"] == "failed" and after["failures"] == 1
+    assert "cannot start" in after["end_reason"] and "No module named 'trian'" in after["end_reason"]
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "start_error"
+    worker = attempt["nodes"][0]["workers"][0]
+    assert worker["cause"] == "start_error" and "trian" in worker["message"]
+
+
+def test_other_failures_are_classified_and_retried(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1, max_failures=3)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    _exit(agent, spec, "exception", "ValueError: lr must be positive (train.py line 9)")
+    after = get_job(client, job["id"])
+    assert after["state"] == "recovering" and after["failures"] == 1
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "exception"
+    assert attempt["end_reason"] == ("rank 0 on node-1 exited with code 1: "
+                                     "ValueError: lr must be positive (train.py line 9)")
+    # A signal without a classification from the shim (an older agent) is still named.
+    agent.heartbeat([])
+    schedule()
+    spec2 = next(s for s in agent.heartbeat()["assignments"] if s["attempt_id"] != spec["attempt_id"])
+    agent.status(spec2, "exited", exit_code=1, workers=workers_for(spec2, "exited", -9))
+    attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempts[1]["failure_kind"] == "signal"
+
+
+def test_progress_has_total_rate_eta_metrics_and_a_history(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    t = datetime.now(UTC)
+    for i, step in enumerate((10, 20, 40)):
+        agent.status(spec, "running", workers=workers_for(spec, "running"), progress={
+            "step": step, "loss": 3.0 - i, "at": (t + timedelta(seconds=10 * i)).isoformat(), "total_steps": 240,
+            "metrics": {"tokens_per_s": 1000.0 + i}})
+    progress = get_job(client, job["id"])["progress"]
+    # Rates 1/s then 2/s, smoothed with weight 0.3 on the newest: 1.3 steps/s; 200 steps to go.
+    assert progress["total_steps"] == 240 and progress["step"] == 40
+    assert abs(progress["steps_per_s"] - 1.3) < 1e-6 and abs(progress["eta_s"] - 200 / 1.3) < 0.1
+    assert progress["metrics"] == {"tokens_per_s": 1002.0}
+    history = client.get(f"/v1/jobs/{job['id']}/progress", headers=ADMIN).json()
+    # The first report of the attempt is always sampled; the rest at most every SAMPLE_S of control-plane time.
+    assert history["items"][0]["step"] == 10 and history["items"][0]["attempt_number"] == 1
+    assert history["next_cursor"] is None
+
+
+def test_a_peers_collective_error_waits_for_the_rank_that_failed_first(client, schedule):
+    a, b = FakeAgentSession(client, "node-1", 1), FakeAgentSession(client, "node-2", 1)
+    job = submit(client, num_nodes=2, gpus_per_node=1)
+    schedule()
+    specs = {agent.name: agent.heartbeat()["assignments"][0] for agent in (a, b)}
+    for agent in (a, b):
+        spec = specs[agent.name]
+        agent.status(spec, "running", workers=workers_for(spec, "running"))
+    # node-1's rank lost its peer: a consequence. Its report arrives first; node-2 still runs.
+    _exit(a, specs["node-1"], "collective_timeout", "RuntimeError: Connection closed by peer")
+    assert get_job(client, job["id"])["state"] == "running"
+    killed = workers_for(specs["node-2"], "exited", -9)
+    killed[0].update(cause="signal", message="killed by SIGKILL")
+    b.status(specs["node-2"], "exited", exit_code=1, workers=killed)
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "signal" and attempt["failed_node"] == "node-2"
+    assert "killed by SIGKILL" in attempt["end_reason"]
+
+
+def test_collective_errors_everywhere_are_decided_at_once(client, schedule):
+    a, b = FakeAgentSession(client, "node-1", 1), FakeAgentSession(client, "node-2", 1)
+    job = submit(client, num_nodes=2, gpus_per_node=1)
+    schedule()
+    specs = {agent.name: agent.heartbeat()["assignments"][0] for agent in (a, b)}
+    _exit(b, specs["node-2"], "collective_timeout", "RuntimeError: Timed out waiting 300000ms for recv operation")
+    _exit(a, specs["node-1"], "collective_timeout", "RuntimeError: Timed out waiting 300000ms for recv operation")
+    after = get_job(client, job["id"])
+    assert after["state"] == "recovering"  # nothing more will come: decided now, not stuck
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "collective_timeout"
+
+
+def test_a_long_history_is_charted_from_evenly_spread_samples(app, client, schedule):
+    from sqlalchemy import insert
+
+    from control_plane.db import session_scope
+    from control_plane.models import ProgressSample
+    from control_plane.services import progress
+
+    FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1)
+    t = datetime.now(UTC)
+    with session_scope(app.state.session_factory) as s:
+        s.execute(insert(ProgressSample), [{"job_id": job["id"], "attempt_number": 1, "step": i, "loss": 1.0,
+                                            "at": t + timedelta(seconds=i)} for i in range(1, 2501)])
+    with session_scope(app.state.session_factory) as s:
+        steps = [r.step for r in progress.chart_samples(s, job["id"], points=500)]
+    assert steps[0] == 1 and steps[-1] == 2500 and 400 <= len(steps) <= 502
+    gaps = {b - a for a, b in zip(steps, steps[1:-1], strict=False)}
+    assert gaps == {5}  # evenly spread
+
+
+def test_a_part_whose_shim_was_killed_is_a_signal_by_torchruns_account(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 1)
+    job = submit(client, num_nodes=1, gpus_per_node=1)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    agent.status(spec, "running", workers=workers_for(spec, "running"))
+    # The rank's shim died with it: no exit recorded for the worker; torchrun's own words say -9.
+    agent.status(spec, "exited", exit_code=1, workers=workers_for(spec, "exited"),
+                 error="torchrun exited with 1: ...] failed (exitcode: -9) local_rank: 0 (pid: 15824) of binary")
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "signal" and "exitcode: -9" in attempt["end_reason"]

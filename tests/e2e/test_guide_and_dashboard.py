@@ -1,0 +1,210 @@
+"""End to end on one `trainyard dev up` (2 nodes x 1 GPU slot), as a user would (issue 13):
+
+- the guide's example (docs/writing-jobs.md), run as written with the CLI: `trainyard login`,
+  `trainyard run examples/minimal.yaml`, `trainyard dev node kill-workers`, `trainyard logs -f`;
+  it recovers from its checkpoint and ends with exactly the weights of the same script run by a
+  plain `torchrun` (no Trainyard: the unmodified path);
+- the dashboard in real headless Chromium (Debian's package, driven by Playwright): login, a
+  running job's progress, its followed log, the GPU grid, the cluster page, and cancel; the
+  screenshots are kept under the test's tmp dir (the path is printed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.harness import Cluster
+from tests.helpers import ProcessReaper, need, wait_for
+from trainyard.cli import main
+from trainyard.embedded import free_port
+from trainyard.tls import client_context
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+ENDED = {"succeeded", "failed", "cancelled"}
+
+
+@pytest.fixture
+def guide_cluster(tmp_path_factory: pytest.TempPathFactory, embedded_pg: Any, _schema_template: Any,
+                  embedded_s3: Any) -> Iterator[tuple[Cluster, Path]]:
+    """`trainyard dev up --nodes 2 --gpus-per-node 1`, as the guide starts it."""
+    base = tmp_path_factory.mktemp("guide")
+    database = f"trainyard_guide_{secrets.token_hex(4)}"
+    url = embedded_pg.create_database(database, template=_schema_template.get())
+    bucket = f"guide-{secrets.token_hex(4)}"
+    embedded_s3.client().make_bucket(bucket)
+    # dev up stops its agents, then the rest, with 10 s of grace each; killed sooner (the reaper's
+    # default is 5 s), it would leave them running, each in its own session, past the test.
+    reaper = ProcessReaper(grace_s=30)
+    port, data_dir, log = free_port(), base / "cluster", base / "dev-up.log"
+    with log.open("w") as out:
+        proc = reaper.spawn(
+            [sys.executable, "-m", "trainyard", "dev", "up", "--nodes", "2", "--gpus-per-node", "1", "--port",
+             str(port), "--data-dir", str(data_dir), "--database-url", url, "--s3-endpoint", embedded_s3.endpoint,
+             "--s3-access-key", embedded_s3.access_key, "--s3-secret-key", embedded_s3.secret_key,
+             "--s3-bucket", bucket],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "TRAINYARD_NODE_LOST_TIMEOUT_S": "6"})
+        try:
+            deadline = time.monotonic() + 180
+            while "TRAINYARD_READY" not in log.read_text():
+                assert proc.poll() is None, f"dev up exited early:\n{log.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, f"dev up not ready:\n{log.read_text()[-3000:]}"
+                time.sleep(0.2)
+            token = (data_dir / "admin.token").read_text().strip()
+            # dev up serves HTTPS: the ready line names the URL and the CA its certificate is from.
+            line = log.read_text().split("TRAINYARD_READY ", 1)[1].split("\n")[0]
+            ready = dict(field.split("=", 1) for field in line.split())
+            assert ready["url"] == f"https://127.0.0.1:{port}" and ready["token"] == token, ready
+            verify = client_context(ready["ca"])
+            with httpx.Client(base_url=ready["url"], headers={"Authorization": f"Bearer {token}"}, timeout=30,
+                              verify=verify) as http:
+                yield Cluster(url=ready["url"], token=token, http=http, log=log, verify=verify), data_dir
+        finally:
+            reaper.reap()
+            embedded_pg.drop_database(database)
+
+
+def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    out, err = capsys.readouterr()
+    return int(done.value.code or 0), out, err
+
+
+def _plain_torchrun(reaper: ProcessReaper, steps: int) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINYARD_")}
+    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    return reaper.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         "examples/train_minimal.py", "--steps", str(steps)],
+                        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_guides_example_then_the_dashboard(guide_cluster, tmp_path, monkeypatch, capsys, process_reaper):
+    """One test, one cluster: pytest-xdist's worksteal may give two tests of a module to two workers,
+    each of which would start its own cluster."""
+    cluster, data_dir = guide_cluster
+    _guide(cluster, data_dir, tmp_path, monkeypatch, capsys, process_reaper)
+    _dashboard(cluster, tmp_path)
+
+
+def _guide(cluster: Cluster, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+           capsys: pytest.CaptureFixture[str], process_reaper: ProcessReaper) -> None:
+    monkeypatch.setenv("TRAINYARD_CONFIG", str(tmp_path / "config.json"))
+    monkeypatch.delenv("TRAINYARD_TOKEN", raising=False)
+    monkeypatch.delenv("TRAINYARD_URL", raising=False)
+    spec = (ROOT / "examples" / "minimal.yaml").read_text()
+    steps = int(spec.split('"--steps", "')[1].split('"')[0])
+    reference = _plain_torchrun(process_reaper, steps)  # the same script, no Trainyard, meanwhile
+
+    code, _, err = _cli(["login", cluster.url, "--token-file", str(data_dir / "admin.token"), "--ca-file",
+                         str(data_dir / "tls" / "ca.pem")], capsys)
+    assert code == 0, err
+    code, out, err = _cli(["run", str(ROOT / "examples" / "minimal.yaml")], capsys)
+    assert code == 0, err
+    job_id = out.strip()
+    cluster.wait_for("a committed checkpoint", lambda: [
+        c for c in cluster.get(f"/v1/jobs/{job_id}/checkpoints")["items"] if c["state"] == "committed"], 180)
+    code, _, err = _cli(["dev", "node", "kill-workers", "node-2", "--data-dir", str(data_dir)], capsys)
+    assert code == 0 and "killed" in err, err
+
+    code, out, err = _cli(["logs", "minimal", "-f"], capsys)  # follows until the job ends
+    assert code == 0, f"{err}\n{out[-3000:]}"
+    assert "job minimal succeeded" in err and "trainyard: restored step" in out
+    job = cluster.job(job_id)
+    attempts = cluster.get(f"/v1/jobs/{job_id}/attempts")["items"]
+    assert len(attempts) == 2 and attempts[0]["failure_kind"] == "signal", attempts[0]
+    assert attempts[1]["restored_from_step"] >= 25 and attempts[1]["recovery"]["to_first_step_s"] > 0
+    assert job["progress"]["total_steps"] == steps and job["progress"]["step"] == steps
+
+    stdout, stderr = reference.communicate(timeout=300)
+    assert reference.returncode == 0, stderr[-2000:]
+    [line] = [line for line in stdout.splitlines() if line.startswith("{")]
+    plain = json.loads(line)
+    assert plain["restored_from_step"] is None and plain["steps"] == steps
+    assert job["result"]["weights_sha256"] == plain["weights_sha256"]
+    assert job["result"]["restored_from_step"] == attempts[1]["restored_from_step"]
+
+    code, out, err = _cli(["describe", "minimal"], capsys)
+    assert code == 0 and "recovery from #1" in out and "[signal] rank" in out, out
+
+
+def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    need(chromium is not None, "the dashboard test needs Debian's chromium (scripts/system-deps.sh installs it)")
+    from playwright import sync_api
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    r = cluster.http.post("/v1/jobs", json={
+        "name": "watched", "num_nodes": 2, "gpus_per_node": 1, "entrypoint": "examples/train_minimal.py",
+        "args": ["--steps", "3000", "--step-time-s", "0.05"], "checkpoint": {"interval_steps": 100}})
+    assert r.status_code == 201, r.text
+    job = r.json()
+    cluster.wait_for("progress", lambda: (cluster.job(job["id"])["progress"]["step"] or 0) >= 20, 180)
+
+    with sync_api.sync_playwright() as p:
+        # CI runs as root (no sandbox) and maybe in a container whose /dev/shm is 64 MiB.
+        browser = p.chromium.launch(executable_path=chromium,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        # The dev cluster's CA is not the browser's: trust its certificate for this test.
+        page = browser.new_context(ignore_https_errors=True, viewport={"width": 1400, "height": 1000}).new_page()
+        page.goto(f"{cluster.url}/ui")
+        assert "/ui/login" in page.url
+        page.fill("#token", cluster.token)
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{cluster.url}/ui")
+        row = page.locator("tr[data-job]", has_text="watched")
+        row.locator(".progress-step").wait_for()
+        first = row.locator(".progress-step").inner_text()
+        assert first.endswith("/3000"), first
+        # The jobs list refreshes itself: the step moves on without a reload.
+        wait_for(lambda: row.locator(".progress-step").inner_text() != first, 30, what="the list's progress")
+        page.screenshot(path=str(shots / "jobs.png"), full_page=True)
+
+        row.locator("a").first.click()
+        page.wait_for_url(f"{cluster.url}/ui/jobs/{job['id']}")
+        # The example prints its loss every 100 steps (5 s here): the followed log shows them as they come.
+        page.wait_for_function("document.getElementById('log').textContent.includes('[a1 n0 r0] step ')",
+                               timeout=30_000)
+        seen = len(page.locator("#log").inner_text())
+        wait_for(lambda: len(page.locator("#log").inner_text()) > seen, 30, what="the followed log to grow")
+        line = page.locator("svg.chart polyline").first
+        line.wait_for(state="attached")  # a flat line has no height: attached, not "visible"
+        assert len((line.get_attribute("points") or "").split()) >= 2
+        assert page.locator("#job-state").inner_text() == "running"
+        page.screenshot(path=str(shots / "job.png"), full_page=True)
+
+        page.goto(f"{cluster.url}/ui/nodes")
+        assert page.locator(".gpu.held[title*='watched']").count() == 2  # one GPU on each node
+        page.screenshot(path=str(shots / "nodes.png"), full_page=True)
+        page.goto(f"{cluster.url}/ui/cluster")
+        assert page.locator("#utilization").inner_text() == "100%"
+        page.screenshot(path=str(shots / "cluster.png"), full_page=True)
+
+        page.goto(f"{cluster.url}/ui/jobs/{job['id']}")
+        page.on("dialog", lambda dialog: dialog.accept())
+        page.click("#cancel")
+        page.wait_for_function("['cancelling', 'cancelled'].includes(document.getElementById('job-state')"
+                               ".textContent)", timeout=30_000)
+        done = cluster.wait_state(job["id"], ENDED, timeout=60)
+        assert done["state"] == "cancelled", done
+        page.reload()
+        page.wait_for_function("document.getElementById('job-state').textContent === 'cancelled'", timeout=30_000)
+        page.screenshot(path=str(shots / "cancelled.png"), full_page=True)
+        browser.close()
+    print(f"\ndashboard screenshots: {shots}")
+    assert sorted(p.name for p in shots.iterdir()) == ["cancelled.png", "cluster.png", "job.png", "jobs.png",
+                                                        "nodes.png"]

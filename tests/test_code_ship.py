@@ -1,0 +1,56 @@
+"""Packing a job's workdir (trainyard/code_ship.py): .gitignore files apply below their folder,
+.git and caches stay out, and the archive is reproducible (the same files, the same sha256)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from trainyard.api_client import ApiError
+from trainyard.code_ship import files_of, pack
+
+
+def _tree(root: Path) -> None:
+    files = {
+        "train.py": "print('hi')\n", "lib/model.py": "X = 1\n", "lib/data/big.bin": "x" * 100,
+        "lib/.gitignore": "data/\n*.tmp\n", "lib/scratch.tmp": "t", "notes.tmp": "kept: the rule is lib's only",
+        ".gitignore": "*.log\n!keep.log\n", "run.log": "no", "keep.log": "yes", ".git/HEAD": "ref",
+        "__pycache__/x.pyc": "", "lib/y.pyc": "",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    os.chmod(root / "train.py", 0o755)
+
+
+def test_gitignore_rules_apply_below_their_folder(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    assert [p.as_posix() for p in files_of(tmp_path)] == [
+        ".gitignore", "keep.log", "lib/.gitignore", "lib/model.py", "notes.tmp", "train.py"]
+
+
+def test_the_archive_is_reproducible_and_keeps_modes(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        root.mkdir()
+        _tree(root)
+    os.utime(b / "train.py", (1, 1))  # times do not count
+    assert hashlib.sha256(pack(a)).digest() == hashlib.sha256(pack(b)).digest()
+    with tarfile.open(fileobj=io.BytesIO(pack(a)), mode="r:gz") as tar:
+        modes = {m.name: m.mode for m in tar.getmembers()}
+    assert modes["train.py"] == 0o755 and modes["lib/model.py"] == 0o644
+    (b / "lib" / "model.py").write_text("X = 2\n")
+    assert pack(a) != pack(b)
+
+
+def test_a_link_out_of_the_workdir_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "w").mkdir()
+    (tmp_path / "secret").write_text("s")
+    (tmp_path / "w" / "link").symlink_to(tmp_path / "secret")
+    with pytest.raises(ApiError, match="links out of the workdir"):
+        files_of(tmp_path / "w")

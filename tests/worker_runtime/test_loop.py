@@ -1,0 +1,109 @@
+"""TrainLoop and ResumableSampler (issue 13, writing your own job): the loop's bookkeeping makes a
+resumed run exact without the script doing anything for it (real S3, the agent's local API played
+by the fake agent), reports progress with the total and metrics, and the sampler's position
+names the same samples only for the world size and dataset it was saved with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from tests.conftest import S3Bucket
+from tests.worker_runtime.fake_agent import FakeAgent, manifest_from_shards
+from worker_runtime import ResumableSampler, TrainLoop, WorkerContext, WorldSizeMismatchError, weights_sha256
+
+JOB = "job-loop"
+PREFIX = f"jobs/{JOB}/checkpoints"
+STEPS = 14
+
+
+@settings(max_examples=25, deadline=None)
+@given(size=st.integers(8, 200), world=st.integers(1, 4), seed=st.integers(0, 10), epoch=st.integers(0, 3),
+       taken=st.integers(0, 50))
+def test_sampler_order_is_a_function_of_its_state(size, world, seed, epoch, taken):
+    samplers = [ResumableSampler(size, rank=r, world_size=world, seed=seed) for r in range(world)]
+    orders = [s.order(epoch) for s in samplers]
+    # Disjoint shares of one permutation, the same length on every rank.
+    assert len({len(o) for o in orders}) == 1 and len(orders[0]) == size // world
+    assert len(set().union(*orders)) == sum(len(o) for o in orders)
+    # A sampler loaded from another's state reads exactly what the other would read next.
+    first = samplers[-1]
+    first.epoch, first.consumed = epoch, min(taken, first.per_rank)
+    again = ResumableSampler(size, rank=world - 1, world_size=world, seed=seed)
+    again.load_state_dict(first.state_dict())
+    assert list(again) == list(first) == orders[-1][first.consumed:]
+
+
+def test_sampler_refuses_another_world_size_or_dataset():
+    saved = ResumableSampler(100, rank=0, world_size=2).state_dict()
+    with pytest.raises(WorldSizeMismatchError, match="world_size=2"):
+        ResumableSampler(100, rank=0, world_size=4).load_state_dict(saved)
+    with pytest.raises(ValueError, match="dataset of 100 samples"):
+        ResumableSampler(90, rank=0, world_size=2).load_state_dict(saved)
+
+
+def _ctx(bucket: S3Bucket, agent: FakeAgent, attempt: int, restore_from: Any = None) -> WorkerContext:
+    storage = {"endpoint": bucket.endpoint, "access_key": bucket.access_key, "secret_key": bucket.secret_key,
+               "bucket": bucket.bucket, "secure": "0"}
+    return WorkerContext(job_id=JOB, attempt_id=f"att-{attempt}", attempt_number=attempt,
+                         fencing_token=f"tok-{attempt}", agent_url=agent.url, device="cpu",
+                         checkpoint={"interval_steps": 4}, restore_from=restore_from, storage=storage,
+                         checkpoint_prefix=PREFIX)
+
+
+def _train(ctx: WorkerContext, *, die_before: int | None = None) -> dict[str, Any] | None:
+    """The script a user writes; ``die_before``: stop (as if killed) before that step's work."""
+    torch.manual_seed(1000 + ctx.attempt_number)  # a new process starts from other RNG state
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(96, 8, generator=generator)
+    data = TensorDataset(x, x.sum(dim=1, keepdim=True))
+    with TrainLoop(total_steps=STEPS, seed=3, log_every=5, ctx=ctx) as loop:
+        torch.manual_seed(0)
+        model = loop.register("model", nn.Linear(8, 1))
+        optimizer = loop.register("optimizer", torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        for step, (xb, yb) in loop.steps(loop.data_loader(data, batch_size=8)):
+            if step == die_before:
+                return None
+            noise = torch.randn(1).item() * 1e-3  # uses the RNG: the restored RNG must be the saved one
+            loss = F.mse_loss(model(xb), yb) + noise
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            loop.log(loss=loss, lr=0.05)
+        loop.result(weights_sha256=weights_sha256(model))
+        return {"sha": weights_sha256(model), "restored": loop.restored_step, "steps": loop.step}
+
+
+def test_a_loop_killed_and_restored_ends_with_the_weights_of_one_that_never_stopped(s3_bucket, fake_agent):
+    # 96 samples, 8 per step: an epoch is 12 steps, so the 14 steps cross an epoch boundary.
+    reference = _train(WorkerContext(device="cpu"))  # no agent, no storage: checkpoints off
+    assert reference is not None and reference["restored"] is None
+
+    assert _train(_ctx(s3_bucket, fake_agent, 0), die_before=11) is None
+    steps = sorted({s["step"] for s in fake_agent.shards()})
+    assert steps == [4, 8]
+    plan = {"candidates": [manifest_from_shards(fake_agent.shards(), job_id=JOB, attempt_id="att-0",
+                                                attempt_number=0, step=8, world_size=1)]}
+    resumed = _train(_ctx(s3_bucket, fake_agent, 1, plan))
+    assert resumed == {**reference, "restored": 8}
+
+    progress = [r.body for r in fake_agent.of("progress")]
+    assert {p["total_steps"] for p in progress} == {STEPS}
+    assert progress[-1]["step"] == STEPS and progress[-1]["metrics"] == {"lr": 0.05}
+    [result] = [r.body["result"] for r in fake_agent.of("result")]
+    assert result["weights_sha256"] == reference["sha"] and result["steps"] == STEPS
+
+
+def test_an_unmodified_loop_runs_standalone_and_prints_its_result(capsys):
+    out = _train(WorkerContext(device="cpu"))
+    printed = capsys.readouterr()
+    assert out is not None and out["steps"] == STEPS
+    assert f'"weights_sha256": "{out["sha"]}"' in printed.out
+    assert f"[trainyard] step={STEPS}/{STEPS}" in printed.err

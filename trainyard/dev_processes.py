@@ -1,0 +1,132 @@
+"""Process helpers of ``trainyard dev up``: stopping children and what they left behind, the pid
+file that lets the next ``dev up`` end an earlier one's leftovers, the embedded S3's keys."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from trainyard.embedded import has_exited, signal_group, stop_process_group, wait_exited
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    log: IO[bytes]
+
+
+def s3_credentials(path: Path) -> tuple[str, str]:
+    """The embedded S3's keys: made once per data dir and kept, so objects stay readable."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        saved = json.loads(path.read_text())
+        return str(saved["access_key"]), str(saved["secret_key"])
+    access, secret = f"trainyard-{secrets.token_hex(6)}", secrets.token_urlsafe(24)  # no guessable default
+    path.touch(mode=0o600, exist_ok=True)
+    path.write_text(json.dumps({"access_key": access, "secret_key": secret}))
+    return access, secret
+
+
+def exit_code(proc: subprocess.Popen[Any]) -> int | None:
+    """Exit code (negative: killed by that signal) of an exited child, without reaping it."""
+    if proc.returncode is not None:
+        return proc.returncode
+    with contextlib.suppress(ChildProcessError):
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        if info is not None:
+            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    return None
+
+
+def stop_children(children: list[Child], grace: float) -> None:
+    """TERM every child's process group at once, KILL what is left after ``grace``, and end any
+    descendant that left its group (an agent's torchrun runs in a session of its own)."""
+    strays = [p for child in children if not has_exited(child.proc) for p in descendants(child.proc.pid)]
+    for child in children:
+        if not has_exited(child.proc):
+            signal_group(child.proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in children:
+        wait_exited(child.proc, max(0.0, deadline - time.monotonic()))
+    for child in children:
+        stop_process_group(child.proc, 0)
+        child.log.close()
+    kill_all(strays)
+
+
+def descendants(pid: int) -> list[Any]:
+    try:
+        import psutil
+
+        return list(psutil.Process(pid).children(recursive=True))
+    except Exception:
+        return []
+
+
+def is_training(proc: Any) -> bool:
+    """A node's training processes: the workers themselves, each the child of its rank shim. Killing
+    them is a crash the shims record (exit -9), as when a worker dies; torchrun stops the rest."""
+    try:
+        parent = proc.parent().cmdline()
+    except Exception:
+        return False
+    # The shim's own command line starts "python [-u] -m node_agent.rank_shim"; torchrun's names
+    # the shim too, but as its entrypoint, after "-m torch.distributed.run".
+    return "node_agent.rank_shim" in parent[:4] and "torch.distributed.run" not in parent
+
+
+def kill_all(procs: list[Any]) -> None:
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()  # psutil checks the pid still names the same process (create time)
+    psutil.wait_procs(procs, timeout=5)
+
+
+def record_pid(path: Path, child: Child) -> None:
+    entries = read_pids(path)
+    try:
+        import psutil
+
+        created = psutil.Process(child.proc.pid).create_time()
+    except Exception:
+        created = None
+    entries.append({"name": child.name, "pid": child.proc.pid, "create_time": created})
+    path.write_text(json.dumps(entries))
+
+
+def read_pids(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, list) else []
+    except (OSError, ValueError):
+        return []
+
+
+def kill_leftovers(path: Path, say: Any) -> None:
+    """Kill what an earlier ``dev up`` on this data dir left running when it was itself killed."""
+    import psutil
+
+    leftovers = []
+    for entry in read_pids(path):
+        try:
+            proc = psutil.Process(int(entry["pid"]))
+            if entry.get("create_time") is None or abs(proc.create_time() - float(entry["create_time"])) > 0.01:
+                continue
+        except (psutil.Error, KeyError, ValueError, TypeError):
+            continue
+        leftovers.extend([proc, *descendants(proc.pid)])
+        say(f"stopping {entry.get('name')} (pid {proc.pid}) left over from an earlier run")
+    kill_all(leftovers)
+    with contextlib.suppress(OSError):
+        path.unlink()

@@ -1,0 +1,183 @@
+"""How the CLI shows jobs, attempts and nodes (rich tables); pure functions of the API's JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from trainyard.protocol.display import duration
+
+STATE_STYLE = {"queued": "yellow", "starting": "cyan", "running": "green", "recovering": "magenta",
+               "succeeded": "bold green", "failed": "bold red", "cancelling": "yellow", "cancelled": "dim"}
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value) if value else None
+
+
+def age(value: str | None, now: datetime | None = None) -> str:
+    at = parse_time(value)
+    return "-" if at is None else duration(((now or datetime.now(UTC)) - at).total_seconds())
+
+
+def step_of(progress: dict[str, Any]) -> str:
+    step, total = progress.get("step"), progress.get("total_steps")
+    if step is None:
+        return "-"
+    return f"{step}/{total}" if total else str(step)
+
+
+def rate(progress: dict[str, Any]) -> str:
+    value = progress.get("steps_per_s")
+    if not value:
+        return "-"
+    return f"{value:.2f}/s" if value < 10 else f"{value:.0f}/s"
+
+
+def metrics_line(progress: dict[str, Any], most: int = 4) -> str:
+    parts = []
+    if progress.get("loss") is not None:
+        parts.append(f"loss {progress['loss']:.4g}")
+    for key, value in sorted((progress.get("metrics") or {}).items())[:most]:
+        parts.append(f"{key} {value:.4g}")
+    return ", ".join(parts)
+
+
+def state_text(state: str) -> Text:
+    return Text(state, style=STATE_STYLE.get(state, ""))
+
+
+def jobs_table(jobs: Sequence[dict[str, Any]], now: datetime | None = None) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("ID", "NAME", "TENANT", "STATE", "STEP", "RATE", "ETA", "LOSS", "GPUS", "AGE"):
+        table.add_column(column, no_wrap=True, justify="right" if column in ("STEP", "RATE", "ETA", "GPUS") else "left")
+    for job in jobs:
+        p = job["progress"]
+        loss = "-" if p.get("loss") is None else f"{p['loss']:.4g}"
+        gpus = f"{job['num_nodes']}x{job['gpus_per_node']}"
+        table.add_row(job["id"][:8], job["name"], job["tenant"], state_text(job["state"]), step_of(p), rate(p),
+                      duration(p.get("eta_s")) if p.get("eta_s") is not None else "-", loss, gpus,
+                      age(job["created_at"], now))
+    return table
+
+
+def _kv(rows: Iterable[tuple[str, Any]]) -> Table:
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    for key, value in rows:
+        if value not in (None, "", [], {}):
+            table.add_row(key, value if isinstance(value, Text) else str(value))
+    return table
+
+
+def attempt_lines(attempts: Sequence[dict[str, Any]]) -> list[Text]:
+    """The attempts as a timeline: when each ran, how it ended and why, how its recovery went."""
+    lines = []
+    for a in attempts:
+        start, end = parse_time(a.get("created_at")), parse_time(a.get("ended_at") or a.get("failed_at"))
+        ran = duration((end - start).total_seconds()) if start and end else "running"
+        outcome = a.get("outcome") or a["state"]
+        line = Text(f"#{a['number']} ", style="bold")
+        line.append(f"{outcome:<9}", style=STATE_STYLE.get(outcome, ""))
+        line.append(f" {start:%H:%M:%S} " if start else " ")
+        line.append(f"{ran:>8}")
+        steps = a.get("progress_step")
+        if a.get("restored_from_step") is not None:
+            line.append(f"  steps {a['restored_from_step']}->{steps if steps is not None else '?'}")
+        elif steps is not None:
+            line.append(f"  steps 0->{steps}")
+        nodes = ", ".join(f"{p['node_name']}{p['gpu_indices']}" for p in a.get("nodes", []))
+        if nodes:
+            line.append(f"  on {nodes}", style="dim")
+        lines.append(line)
+        recovery = a.get("recovery")
+        if recovery:
+            phases = [f"{name} {recovery[key]:.1f}s" for key, name in (
+                ("detection_s", "detect"), ("reallocation_s", "realloc"), ("start_s", "start"),
+                ("restore_s", "restore")) if recovery.get(key) is not None]
+            lost = recovery.get("steps_lost")
+            total = recovery.get("to_first_step_s")
+            lines.append(Text(f"    recovery from #{recovery['after_attempt']}: " + " -> ".join(phases)
+                              + (f" = {total:.1f}s" if total is not None else "")
+                              + (f", {lost} steps lost" if lost is not None else ""), style="magenta"))
+        if a.get("end_reason") and a.get("outcome") != "succeeded":
+            kind = f"[{a['failure_kind']}] " if a.get("failure_kind") else ""
+            lines.append(Text(f"    {kind}{a['end_reason']}", style="red" if a.get("outcome") == "failed" else ""))
+    return lines
+
+
+def describe(job: dict[str, Any], attempts: Sequence[dict[str, Any]], checkpoints: Sequence[dict[str, Any]],
+             events: Sequence[dict[str, Any]]) -> Group:
+    p = job["progress"]
+    allocation = ", ".join(f"{a['node_name']} (rank {a['node_rank']}) GPUs {a['gpu_indices']}"
+                           for a in job.get("allocation", []))
+    head = _kv([
+        ("Job", f"{job['name']}  {job['id']}"),
+        ("State", state_text(job["state"])),
+        ("Tenant", f"{job['tenant']} (priority {job['priority']})"),
+        ("Entrypoint", " ".join([job["entrypoint"], *job["args"]])),
+        ("GPUs", f"{job['num_nodes']} nodes x {job['gpus_per_node']}"),
+        ("Step", f"{step_of(p)}  {rate(p)}" + (f"  ETA {duration(p['eta_s'])}" if p.get("eta_s") is not None else "")),
+        ("Metrics", metrics_line(p)),
+        ("Failures", f"{job['failures']} of {job['max_failures']} tolerated"),
+        ("Waiting for", job.get("waiting_for")),
+        ("Allocation", allocation),
+        ("Result", job.get("result") and ", ".join(f"{k}={v}" for k, v in sorted(job["result"].items())
+                                                   if not isinstance(v, dict))),
+        ("End reason", job.get("end_reason")),
+        ("Created", f"{job['created_at']} ({age(job['created_at'])} ago)"),
+    ])
+    parts: list[Any] = [head]
+    if attempts:
+        parts += [Text("\nAttempts", style="bold"), *attempt_lines(attempts)]
+    if checkpoints:
+        table = Table(box=None, pad_edge=False, header_style="bold", title_justify="left")
+        for column in ("STEP", "STATE", "ATTEMPT", "SIZE", "COMMITTED"):
+            table.add_column(column)
+        for c in checkpoints[:10]:
+            table.add_row(str(c["step"]), c["state"], f"#{c['attempt_number']}", f"{c['size_bytes'] / 1e6:.2f} MB",
+                          c.get("committed_at") or "-")
+        parts += [Text("\nCheckpoints", style="bold"), table]
+    if events:
+        parts.append(Text("\nEvents", style="bold"))
+        for e in events:
+            at = parse_time(e["created_at"])
+            parts.append(Text(f"{at:%H:%M:%S} " if at else "", style="dim").append(f"{e['kind']:<24} ",
+                                                                                   style="cyan").append(e["message"]))
+    return Group(*parts)
+
+
+def nodes_table(nodes: Sequence[dict[str, Any]], now: datetime | None = None) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("NAME", "STATE", "SCHEDULING", "GPUS", "IN USE", "KIND", "HEARTBEAT", "LABELS"):
+        table.add_column(column, no_wrap=True)
+    for n in nodes:
+        used = sum(1 for g in n["gpus"] if g.get("job_id"))
+        kind = ", ".join(sorted({g["kind"] for g in n["gpus"]})) or "-"
+        labels = ",".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items()))
+        style = "green" if n["state"] == "ready" else "red"
+        table.add_row(n["name"], Text(n["state"], style=style), n["scheduling"], str(len(n["gpus"])), str(used), kind,
+                      age(n.get("last_heartbeat_at"), now) + " ago" if n.get("last_heartbeat_at") else "-", labels)
+    return table
+
+
+def tenants_table(tenants: Sequence[dict[str, Any]]) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    keys = [k for k in ("name", "weight", "gpu_quota", "max_priority", "gpus_in_use", "jobs_waiting", "jobs_running")
+            if any(k in t for t in tenants)] or ["name"]
+    for key in keys:
+        table.add_column(key.upper().replace("_", " "), no_wrap=True)
+    for t in tenants:
+        table.add_row(*("-" if t.get(k) is None else str(t.get(k)) for k in keys))
+    return table
+
+
+def print_to(console: Console, renderable: Any) -> None:
+    console.print(renderable, soft_wrap=False, overflow="fold")
