@@ -25,6 +25,7 @@ recorded for the checkpoint (GET /v1/jobs/{id}/checkpoints: its longest wait and
 from __future__ import annotations
 
 import argparse
+import resource
 import secrets
 import signal
 import statistics
@@ -297,6 +298,8 @@ class ScaleOutcome:
     requests: int
     latencies: list[float]
     transactions: int
+    client_cpu_s: float
+    server_cpu_s: float
 
 
 async def _scale(cp: Any, args: argparse.Namespace, per_node: int, racks: int,
@@ -405,6 +408,7 @@ def protocol_at_scale(args: argparse.Namespace, ctx: dict[str, Any]) -> ScaleOut
                           "TRAINYARD_UPLOAD_SLOTS_MAX": str(args.scale_limit),
                           "TRAINYARD_UPLOAD_SLOTS_PER_LABEL": str(max(1, args.scale_limit // 4))})
     cp.start()
+    cpu = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     dsn = ctx["pg_url"].replace("postgresql+psycopg://", "postgresql://", 1)
     stats = "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()"
     try:
@@ -418,7 +422,9 @@ def protocol_at_scale(args: argparse.Namespace, ctx: dict[str, Any]) -> ScaleOut
         slots = httpx.get(f"{cp.url}/v1/upload-slots", params={"job_id": job_id},
                           headers={"Authorization": "Bearer bench-admin"}, timeout=60).json()["slots"]
     finally:
-        cp.stop()
+        cp.stop()  # waited for: its CPU time is counted in RUSAGE_CHILDREN
+    end = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    client_cpu, server_cpu = ((e.ru_utime + e.ru_stime) - (b.ru_utime + b.ru_stime) for b, e in zip(cpu, end))
     edges = []
     for slot in slots:
         if slot["granted_at"] is None:  # a wait that expired unanswered (its rank asked again, anew)
@@ -434,7 +440,7 @@ def protocol_at_scale(args: argparse.Namespace, ctx: dict[str, Any]) -> ScaleOut
     rounds = -(-args.scale_ranks // min(args.scale_limit, racks * max(1, args.scale_limit // 4)))
     return ScaleOutcome(ranks=args.scale_ranks, total_s=total, ideal_s=rounds * args.scale_hold_s, peak=peak,
                         peak_label=peak_label, waits=waits, requests=requests, latencies=latencies,
-                        transactions=count)
+                        transactions=count, client_cpu_s=client_cpu, server_cpu_s=server_cpu)
 
 
 def foreground_alone(ctx: dict[str, Any], seconds: float = 4.0) -> float:
@@ -462,6 +468,7 @@ def main() -> int:
                         help="ranks of the protocol-at-scale part (8 per node, 8 racks); 0: skip it")
     parser.add_argument("--scale-limit", type=int, default=64, help="its cluster-wide limit (per rack: a quarter)")
     parser.add_argument("--scale-hold-s", type=float, default=0.25, help="how long each of its ranks holds a slot")
+    parser.add_argument("--scale-only", action="store_true", help="only the protocol-at-scale part")
     parser.add_argument("--data-dir", type=Path, default=None)
     args = parser.parse_args()
     if args.ranks % args.nodes or args.nodes < 2:
@@ -495,9 +502,10 @@ def main() -> int:
             run_migrations(pg.url)
             ctx = {"pg_url": pg.url, "s3": S3Target(s3_server.endpoint, "bench", s3_server.secret_key, "trainyard"),
                    "link": link, "data": data}
-            alone = foreground_alone(ctx)
-            say(f"foreground transfer alone: {alone / MB:.1f} MB/s through a {args.link_mb_s:g} MB/s link")
-            for i, (name, env) in enumerate(configs):
+            alone = 0.0 if args.scale_only else foreground_alone(ctx)
+            if not args.scale_only:
+                say(f"foreground transfer alone: {alone / MB:.1f} MB/s through a {args.link_mb_s:g} MB/s link")
+            for i, (name, env) in enumerate([] if args.scale_only else configs):
                 say(f"{name}: {args.ranks} ranks x {args.shard_mb:g} MB on {args.nodes} nodes, 2 racks")
                 outcomes.append(run_config(name, env, args, ctx, i))
                 o = outcomes[-1]
@@ -511,28 +519,29 @@ def main() -> int:
             s3_server.stop()
             pg.stop()
 
-    base = outcomes[0]
-    print()
-    print(f"{args.ranks} ranks x {args.shard_mb:g} MB checkpointing at once, {args.nodes} nodes in 2 racks, "
-          f"through a {args.link_mb_s:g} MB/s shared link; foreground transfer alone: {alone / MB:.1f} MB/s")
-    print()
-    print("| | total | vs no limits | peak uploads r1 / r2 | slot wait p50 / max | upload mean | "
-          "foreground during burst | vs alone | recorded wait max / rate |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for o in outcomes:
-        rec = o.recorded or {}
-        rate = rec.get("bytes_per_s")
-        print(f"| {o.name} | {o.total_s:.2f} s | {o.total_s / base.total_s:.2f} | "
-              f"{o.peak.get('r1', 0)} / {o.peak.get('r2', 0)} | "
-              f"{statistics.median(o.waits):.2f} / {max(o.waits):.2f} s | {statistics.mean(o.uploads):.2f} s | "
-              f"{o.fg_rate / MB:.1f} MB/s | {o.fg_rate / alone:.2f} | "
-              f"{rec.get('wait_s_max', 0):.2f} s / {(rate or 0) / MB:.1f} MB/s |")
-    print()
-    print("peak uploads: the most uploads in flight at once per rack, counted at the storage calls; slot")
-    print("wait: each rank's wait for its upload slot; upload mean: the upload itself; foreground: the rate")
-    print("of a 1 MB-object transfer through the same link while the burst ran; recorded: what")
-    print("GET /v1/jobs/{id}/checkpoints shows for the checkpoint. slots used: "
-          + "; ".join(f"{o.name}: {dict(o.slots)}" for o in outcomes))
+    if outcomes:
+        base = outcomes[0]
+        print()
+        print(f"{args.ranks} ranks x {args.shard_mb:g} MB checkpointing at once, {args.nodes} nodes in 2 racks, "
+              f"through a {args.link_mb_s:g} MB/s shared link; foreground transfer alone: {alone / MB:.1f} MB/s")
+        print()
+        print("| | total | vs no limits | peak uploads r1 / r2 | slot wait p50 / max | upload mean | "
+              "foreground during burst | vs alone | recorded wait max / rate |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for o in outcomes:
+            rec = o.recorded or {}
+            rate = rec.get("bytes_per_s")
+            print(f"| {o.name} | {o.total_s:.2f} s | {o.total_s / base.total_s:.2f} | "
+                  f"{o.peak.get('r1', 0)} / {o.peak.get('r2', 0)} | "
+                  f"{statistics.median(o.waits):.2f} / {max(o.waits):.2f} s | {statistics.mean(o.uploads):.2f} s | "
+                  f"{o.fg_rate / MB:.1f} MB/s | {o.fg_rate / alone:.2f} | "
+                  f"{rec.get('wait_s_max', 0):.2f} s / {(rate or 0) / MB:.1f} MB/s |")
+        print()
+        print("peak uploads: the most uploads in flight at once per rack, counted at the storage calls; slot")
+        print("wait: each rank's wait for its upload slot; upload mean: the upload itself; foreground: the rate")
+        print("of a 1 MB-object transfer through the same link while the burst ran; recorded: what")
+        print("GET /v1/jobs/{id}/checkpoints shows for the checkpoint. slots used: "
+              + "; ".join(f"{o.name}: {dict(o.slots)}" for o in outcomes))
     if scale is not None:
         per_rack = max(1, args.scale_limit // 4)
         print()
@@ -540,18 +549,20 @@ def main() -> int:
               f"{args.scale_limit} in the cluster / {per_rack} per rack, each holds its slot {args.scale_hold_s:g} s")
         print()
         print("| all served | ideal | peak granted (cluster / rack) | wait p50 / p99 / max | requests per rank | "
-              "immediate grant p50 / p99 | database transactions per rank |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+              "immediate grant p50 / p99 | database transactions per rank | CPU per rank: control plane / bench client |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         lat = sorted(scale.latencies) or [0.0]
         waits = sorted(scale.waits)
         print(f"| {scale.total_s:.2f} s | {scale.ideal_s:.2f} s | {scale.peak} / {scale.peak_label} | "
               f"{waits[len(waits) // 2]:.2f} / {waits[int(len(waits) * 0.99)]:.2f} / {waits[-1]:.2f} s | "
               f"{scale.requests / scale.ranks:.2f} | {lat[len(lat) // 2] * 1000:.0f} / "
-              f"{lat[int(len(lat) * 0.99)] * 1000:.0f} ms | {scale.transactions / scale.ranks:.1f} |")
+              f"{lat[int(len(lat) * 0.99)] * 1000:.0f} ms | {scale.transactions / scale.ranks:.1f} | "
+              f"{scale.server_cpu_s / scale.ranks * 1000:.0f} / {scale.client_cpu_s / scale.ranks * 1000:.0f} ms |")
         print()
         print("ideal: rounds of the limit x the hold time; requests per rank: slot requests (long polls,")
         print("re-asked when one ends) and the release; immediate grant: the latency of a first request")
-        print("answered granted; transactions: the database's commits and rollbacks during the run / ranks.")
+        print("answered granted; transactions: the database's commits and rollbacks during the run / ranks;")
+        print("CPU: the control plane's process (start to stop) and this script's (its HTTP client), per rank.")
     return 0
 
 

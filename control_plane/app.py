@@ -40,7 +40,7 @@ from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthor
 from control_plane.limits_http import BodyLimit
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
-from control_plane.services import goodput
+from control_plane.services import goodput, upload_slots
 from control_plane.services.logs import Followers
 from control_plane.services.metrics import Exporter
 from control_plane.settings import Settings
@@ -223,6 +223,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     wakeups.install(factory)
     slot_wakeups = Wakeups(settings.database_url, max_waiters=settings.upload_slot_wait_max, channel=SLOT_CHANNEL)
     slot_wakeups.install(factory)
+    slot_passes = upload_slots.PassRunner(factory, settings, held=slot_wakeups.keys)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -240,6 +241,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("database clock not readable at start; anchoring on the first loop", exc_info=True)
         await wakeups.start()
         await slot_wakeups.start()
+        slot_passes.start()
         if settings.run_loops:
             loops.start()
         try:
@@ -247,6 +249,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await wakeups.stop()
             await slot_wakeups.stop()
+            slot_passes.stop()
             loops.stop()
             engine.dispose()
 
@@ -264,6 +267,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.loops = loops
     app.state.wakeups = wakeups
     app.state.slot_wakeups = slot_wakeups
+    app.state.slot_passes = slot_passes
     app.state.wake_scheduler = loops.wake_scheduler
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)

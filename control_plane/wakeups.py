@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -63,6 +64,7 @@ class Wakeups:
         self.channel = channel
         self.max_waiters = max_waiters
         self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._lock = threading.Lock()  # ``keys`` is read from other threads
         self._count = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -80,7 +82,8 @@ class Wakeups:
         if self._count >= self.max_waiters:
             raise Busy(f"{self._count} long polls ({self.channel}) already wait on this replica")
         ev = asyncio.Event()
-        self._waiters.setdefault(node_id, set()).add(ev)
+        with self._lock:
+            self._waiters.setdefault(node_id, set()).add(ev)
         self._count += 1
         return ev
 
@@ -90,7 +93,13 @@ class Wakeups:
             waiters.discard(ev)
             self._count -= 1
             if not waiters:
-                del self._waiters[node_id]
+                with self._lock:
+                    del self._waiters[node_id]
+
+    def keys(self) -> list[str]:
+        """The keys waited on now (thread-safe)."""
+        with self._lock:
+            return list(self._waiters)
 
     async def wait(self, node_id: str, change: Callable[[], T | None], timeout_s: float) -> T | None:
         """A long poll: what ``change()`` (run in a worker thread) says changed in the node's desired

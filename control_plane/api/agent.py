@@ -135,13 +135,14 @@ async def upload_slot(attempt_id: uuid.UUID, body: SlotRequest, token: NodeToken
     """A checkpoint upload slot, as a long poll (trainyard/protocol/uploads.py): granted, or waiting with
     the queue position after `wait_s`. Asking again for the same (rank, step) polls or renews it. Holds no
     thread and no database connection while it waits."""
-    return await upload_slots.ask_and_wait(runtime.session_factory, runtime.slot_wakeups, token, attempt_id, body,
-                                           settings)
+    return await upload_slots.ask_and_wait(runtime.session_factory, runtime.slot_wakeups, runtime.slot_passes, token,
+                                           attempt_id, body, settings)
 
 
 @router.post("/attempts/{attempt_id}/upload-slots/release", response_model=SlotReleased, responses=ERRORS)
 def release_upload_slot(attempt_id: uuid.UUID, body: SlotRelease, node: NodeIdentity, session: SessionDep,
                         settings: SettingsDep, runtime: RuntimeDep) -> SlotReleased:
     """The upload ended (or failed, or its worker stopped waiting): the slot goes to the next waiter."""
-    released = upload_slots.release_and_grant(session, node, attempt_id, body, runtime.session_factory, settings)
+    released = upload_slots.release_and_grant(session, node, attempt_id, body, runtime.session_factory, settings,
+                                              runtime.slot_passes)
     return SlotReleased(released=released)

@@ -205,9 +205,10 @@ assert set(CHECKPOINT_COLLECTED) == CHECKPOINT_TERMINAL
 
 UPLOAD_SLOT: dict[str, State] = {
     "waiting": _s("granted", "released", "expired", exit=Exit(
-        "a grant pass (run by every slot request and release, on any replica) grants it, oldest first, "
-        "once the limits admit it; its worker withdraws it (release) or stops asking and it expires; "
-        "it expires at once when its attempt ends or stops being the job's current one",
+        "a grant pass (run or asked for by every slot request and release, on any replica) grants it, "
+        "oldest first, once the limits admit it; its worker withdraws it (release) or stops asking and it "
+        "expires a lease later (renewed while its long poll is held); it expires at once when its attempt "
+        "ends or stops being the job's current one",
         settings=("upload_slot_poll_s", "upload_slot_ttl_s", "checkpoint_maintenance_interval_s"),
         message="upload-slot request (long poll) or release")),
     "granted": _s("released", "expired", exit=Exit(
