@@ -424,7 +424,7 @@ def protocol_at_scale(args: argparse.Namespace, ctx: dict[str, Any]) -> ScaleOut
     finally:
         cp.stop()  # waited for: its CPU time is counted in RUSAGE_CHILDREN
     end = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    client_cpu, server_cpu = ((e.ru_utime + e.ru_stime) - (b.ru_utime + b.ru_stime) for b, e in zip(cpu, end))
+    client_cpu, server_cpu = (e.ru_utime + e.ru_stime - b.ru_utime - b.ru_stime for b, e in zip(cpu, end, strict=True))
     edges = []
     for slot in slots:
         if slot["granted_at"] is None:  # a wait that expired unanswered (its rank asked again, anew)
@@ -549,7 +549,7 @@ def main() -> int:
               f"{args.scale_limit} in the cluster / {per_rack} per rack, each holds its slot {args.scale_hold_s:g} s")
         print()
         print("| all served | ideal | peak granted (cluster / rack) | wait p50 / p99 / max | requests per rank | "
-              "immediate grant p50 / p99 | database transactions per rank | CPU per rank: control plane / bench client |")
+              "immediate grant p50 / p99 | database transactions per rank | CPU per rank: control plane / client |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         lat = sorted(scale.latencies) or [0.0]
         waits = sorted(scale.waits)
