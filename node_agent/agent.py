@@ -58,7 +58,8 @@ from node_agent.launcher import NodeContext
 from node_agent.launches import Launches
 from node_agent.local_api import BASE_URL, LocalApi, LocalReports
 from node_agent.orphans import OrphanSweeper
-from node_agent.relay import Outbox, Relay
+from node_agent.outbox import Outbox
+from node_agent.relay import Relay
 from trainyard.protocol.agent import (
     AssignmentRef,
     AttemptStatusReport,
