@@ -15,6 +15,7 @@ from node_agent.agent import AgentConfig, run_agent
 from node_agent.config import read_join_token
 from node_agent.gpus import NoGpusError
 from node_agent.isolation import IsolationError, UidRange
+from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 
 
 def _uids(text: str) -> UidRange:
@@ -53,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser.add_argument(
         "--keep-workers-on-exit", action="store_true", help="leave workers running when the agent exits"
     )
+    parser.add_argument("--outbox-max-items", type=int, default=MAX_ITEMS_PER_NODE,
+                        help="shards and events held for the control plane, over every attempt of the node")
+    parser.add_argument("--outbox-max-mb", type=float, default=MAX_BYTES_PER_NODE / 2**20,
+                        help="the same budget in MiB")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     structlog.configure(
@@ -76,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             worker_env_passthrough=tuple(args.worker_env),
             stop_grace_s=args.stop_grace,
             keep_workers_on_exit=args.keep_workers_on_exit,
+            outbox_max_items=args.outbox_max_items,
+            outbox_max_bytes=int(args.outbox_max_mb * 2**20),
         )
     except ValueError as exc:
         parser.error(str(exc))

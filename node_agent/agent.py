@@ -119,7 +119,7 @@ class Agent:
         self.orphans = OrphanSweeper(grace_s=config.stop_grace_s, log=self.log)
         self._next_orphan_scan = 0.0
         self.reports = LocalReports()
-        self.outbox = Outbox()
+        self.outbox = Outbox(node_max_items=config.outbox_max_items, node_max_bytes=config.outbox_max_bytes)
         self.relay = Relay(
             self.outbox,
             self.client,

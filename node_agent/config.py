@@ -9,6 +9,7 @@ from pathlib import Path
 
 from node_agent import credential
 from node_agent.isolation import UidRange
+from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 
 
 def default_run_dir() -> Path:
@@ -88,6 +89,13 @@ class AgentConfig:
     logs, rank status files and state could not be written, and it would fail later with a reason
     nobody can read. It fails at once instead, saying the disk is full."""
 
+    outbox_max_items: int = MAX_ITEMS_PER_NODE
+    """The most shards and events the agent holds for the control plane, over every attempt of the
+    node (each attempt has a budget of its own as well: node_agent/outbox.py). Past it the attempt
+    holding the most loses its oldest events, then shards, and an event says so."""
+    outbox_max_bytes: int = MAX_BYTES_PER_NODE
+    """The same budget in bytes (of the items' JSON)."""
+
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir).absolute()
         if self.ca_file is not None:
@@ -110,6 +118,8 @@ class AgentConfig:
         for name in ("stop_grace_s", "status_interval_s", "poll_interval_s", "http_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.outbox_max_items < 2 or self.outbox_max_bytes < 1:
+            raise ValueError("outbox_max_items must be >= 2 and outbox_max_bytes >= 1")
         if self.rdzv_join_timeout_s <= 0:
             raise ValueError("rdzv_join_timeout_s must be > 0")
 

@@ -21,6 +21,10 @@ Kind = Literal["shard", "event"]
 MAX_ITEMS_PER_ATTEMPT = 10_000
 MAX_BYTES_PER_ATTEMPT = 8 * 1024 * 1024
 DROPPED_EVENT = "agent.outbox_dropped"
+MAX_ITEMS_PER_NODE = 50_000
+"""The node's budget over every attempt's queue (AgentConfig.outbox_max_items)."""
+MAX_BYTES_PER_NODE = 64 * 1024 * 1024
+"""The node's budget in bytes of the queued items' JSON (AgentConfig.outbox_max_bytes)."""
 MAX_BATCH = 100
 
 
@@ -79,19 +83,33 @@ class Batch:
 
 
 class Outbox:
-    """Thread-safe per-attempt FIFO of shards and events waiting for the control plane."""
+    """Thread-safe per-attempt FIFO of shards and events waiting for the control plane.
+
+    Two budgets bound it: each attempt's (`max_items`, `max_bytes`) and the node's, over every
+    attempt together (`node_max_items`, `node_max_bytes`), so that many attempts, or one node part
+    with many ranks, cannot grow the agent without bound. Past the node's budget the items dropped
+    are those of the attempt holding the most of it (its oldest event first, then its oldest
+    shard): an attempt within its fair share of the node (the budget over the attempts queued)
+    never loses an item to another's flood.
+    """
 
     def __init__(
         self, *, max_items: int = MAX_ITEMS_PER_ATTEMPT, max_batch: int = MAX_BATCH,
-        max_bytes: int = MAX_BYTES_PER_ATTEMPT,
+        max_bytes: int = MAX_BYTES_PER_ATTEMPT, node_max_items: int = MAX_ITEMS_PER_NODE,
+        node_max_bytes: int = MAX_BYTES_PER_NODE,
     ) -> None:
-        if max_items < 2 or max_batch < 1 or max_bytes < 1:
-            raise ValueError("max_items must be >= 2, max_batch and max_bytes >= 1")
+        if min(max_items, node_max_items) < 2 or max_batch < 1 or min(max_bytes, node_max_bytes) < 1:
+            raise ValueError("max_items and node_max_items must be >= 2, max_batch, max_bytes and node_max_bytes >= 1")
         self.max_items = max_items
         self.max_batch = max_batch
         self.max_bytes = max_bytes
+        self.node_max_items = node_max_items
+        self.node_max_bytes = node_max_bytes
         self._cond = threading.Condition()
         self._queues: dict[str, _Queue] = {}
+        self._items = 0
+        self._bytes = 0
+        """Items and bytes queued over every attempt (the node's budget)."""
         self._seq = 0
         self._changes = 0
         self._seen = 0
@@ -108,38 +126,77 @@ class Outbox:
             queue = self._queues.setdefault(attempt_id, _Queue())
             size = len(body.model_dump_json())
             while queue.items and (len(queue.items) >= self.max_items or queue.size + size > self.max_bytes):
-                if not self._drop_oldest(attempt_id, queue):
+                if not self._drop_oldest(attempt_id, queue, node=False):
                     break
+            self._make_room(attempt_id, size)
             self._seq += 1
-            queue.items.append(_Item(self._seq, kind, body, waiter, size))
-            queue.size += size
+            self._add(queue, _Item(self._seq, kind, body, waiter, size))
             self._changes += 1
             self._cond.notify_all()
         return waiter
 
-    def _drop_oldest(self, attempt_id: str, queue: _Queue) -> bool:
+    def usage(self) -> tuple[int, int]:
+        """(items, bytes) queued over every attempt."""
+        with self._cond:
+            return self._items, self._bytes
+
+    def _make_room(self, attempt_id: str, size: int) -> None:
+        """Drop from the attempt holding the most until an item of `size` for `attempt_id` fits the
+        node's budget. Called with the lock held."""
+        spent: set[str] = set()  # attempts with nothing but notices left
+        while self._items >= self.node_max_items or self._bytes + size > self.node_max_bytes:
+            by_bytes = self._bytes + size > self.node_max_bytes
+            # The incoming item counts as its attempt's, and a tie costs that attempt.
+            held = {aid: ((queue.size + size if aid == attempt_id else queue.size) if by_bytes
+                          else len(queue.items) + (aid == attempt_id), aid == attempt_id)
+                    for aid, queue in self._queues.items() if queue.items and aid not in spent}
+            if not held:
+                return
+            victim = max(held, key=held.__getitem__)
+            if not self._drop_oldest(victim, self._queues[victim], node=True):
+                spent.add(victim)
+
+    def _add(self, queue: _Queue, item: _Item) -> None:
+        queue.items.append(item)
+        queue.size += item.size
+        self._items += 1
+        self._bytes += item.size
+
+    def _forget(self, queue: _Queue, item: _Item) -> None:
+        """Account for `item` having left `queue` (the caller took it out)."""
+        queue.size -= item.size
+        self._items -= 1
+        self._bytes -= item.size
+
+    def _drop_oldest(self, attempt_id: str, queue: _Queue, *, node: bool) -> bool:
         """Drop the oldest event, else the oldest shard, and count it in the queue's notice;
-        False when nothing but notices is left. Called with the lock held."""
+        False when nothing but notices is left. `node`: for the node's budget, not the attempt's.
+        Called with the lock held."""
         victim = next((i for i in queue.items if i.kind == "event" and not i.notice), None)
         victim = victim or next((i for i in queue.items if i.kind == "shard"), None)
         if victim is None:
             return False
         queue.items.remove(victim)
-        queue.size -= victim.size
+        self._forget(queue, victim)
         queue.dropped += 1
+        budget = "node" if node else "attempt"
         if queue.dropped == 1 or queue.dropped % 1000 == 0:
-            log.warning("outbox_full_dropped_oldest", attempt_id=attempt_id, kind=victim.kind,
-                        dropped=queue.dropped, max_items=self.max_items, max_bytes=self.max_bytes)
+            limits = (self.node_max_items, self.node_max_bytes) if node else (self.max_items, self.max_bytes)
+            log.warning("outbox_full_dropped_oldest", attempt_id=attempt_id, kind=victim.kind, budget=budget,
+                        dropped=queue.dropped, max_items=limits[0], max_bytes=limits[1])
         if victim.waiter is not None:
-            victim.waiter.resolve(HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "dropped: the agent's outbox is full"})
+            detail = ("dropped: the node's outbox is full and this attempt holds the most of it" if node
+                      else "dropped: the agent's outbox is full")
+            victim.waiter.resolve(HTTPStatus.SERVICE_UNAVAILABLE, {"detail": detail, "budget": budget})
         if queue.notice is None:
+            why = ("the agent's outbox for this node was full and this attempt held the most of it" if node
+                   else "the agent's outbox for this attempt was full")
             notice = WorkerEvent(rank=victim.body.rank, kind=DROPPED_EVENT, at=datetime.now(UTC),
-                                 message="the agent's outbox for this attempt was full; the oldest items were dropped",
+                                 message=f"{why}; the oldest items were dropped",
                                  data={"events": 0, "shards": 0, "bytes": 0})
             self._seq += 1
             queue.notice = _Item(self._seq, "event", notice, None, len(notice.model_dump_json()), notice=True)
-            queue.items.append(queue.notice)
-            queue.size += queue.notice.size
+            self._add(queue, queue.notice)
         body = queue.notice.body
         assert isinstance(body, WorkerEvent)
         body.data[f"{victim.kind}s"] += 1
@@ -179,7 +236,7 @@ class Outbox:
             queue = self._queues.get(batch.attempt_id)
             # By seq: the queue may have lost its oldest items (overflow, drop) meanwhile.
             while queue is not None and queue.items and queue.items[0].seq <= batch.last_seq:
-                queue.size -= queue.items.popleft().size
+                self._forget(queue, queue.items.popleft())
         for item in batch.items:
             if item.waiter is not None:
                 item.waiter.resolve(status, payload)
@@ -194,7 +251,10 @@ class Outbox:
         """Forget the attempt's queue; its waiters get `status`. Returns how many items were queued."""
         with self._cond:
             queue = self._queues.pop(attempt_id, None)
-        items = list(queue.items) if queue is not None else []
+            items = list(queue.items) if queue is not None else []
+            if queue is not None:
+                self._items -= len(queue.items)
+                self._bytes -= queue.size
         for item in items:
             if item.waiter is not None:
                 item.waiter.resolve(status, {"detail": detail})

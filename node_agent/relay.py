@@ -6,9 +6,10 @@ attempt's queue in order, in batches of consecutive items of one kind (ShardRepo
 WorkerEventBatch), so order is kept across both kinds. Delivery is at least once: an item leaves
 its queue only when the control plane acknowledged the batch holding it (shards are keyed by
 (attempt, step, rank) there, so a resent one is stored once). While the control plane is
-unreachable, items wait in memory, at most `max_items` and `max_bytes` (their JSON) per attempt,
-and the relay backs off. Past either bound the oldest event goes first (events inform; shards
-commit checkpoints), then the oldest shard; an `agent.outbox_dropped` event (the job's events show it
+unreachable, items wait in memory, at most `max_items` and `max_bytes` (their JSON) per attempt
+and a budget of both for the whole node (node_agent/outbox.py), and the relay backs off. Past a
+bound the oldest event goes first (events inform; shards commit checkpoints), then the oldest
+shard, of the attempt itself, or for the node's budget of the attempt holding the most of it; an `agent.outbox_dropped` event (the job's events show it
 as worker.agent.outbox_dropped), queued in its place and updated while it waits, tells the control
 plane how many of each kind were dropped.
 
