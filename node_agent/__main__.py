@@ -32,7 +32,7 @@ def _label(text: str) -> tuple[str, str]:
     return key, value
 
 
-def parse_args(argv: list[str] | None = None) -> AgentConfig:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m node_agent", description="Trainyard node agent")
     parser.add_argument("--control-plane", required=True, help="control plane URL, e.g. https://10.0.0.1:8000")
     parser.add_argument("--ca-file", type=Path, default=None,
@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser.add_argument("--outbox-max-mb", type=float, default=MAX_BYTES_PER_NODE / 2**20,
                         help="the same budget in MiB")
     parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> AgentConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(args.log_level.upper())),

@@ -166,11 +166,12 @@ class DevConfig:
             raise ValueError("--database-url must be a postgresql:// or postgresql+psycopg:// URL")
         if self.s3_endpoint is not None:
             if not (self.s3_access_key and self.s3_secret_key):
-                raise ValueError("--s3-endpoint needs --s3-access-key and --s3-secret-key")
+                raise ValueError("--s3-endpoint needs --s3-access-key and --s3-secret-key-file "
+                                 "(or TRAINYARD_S3_SECRET_KEY)")
             if "://" in self.s3_endpoint or ":" not in self.s3_endpoint:
                 raise ValueError("--s3-endpoint must be host:port (no scheme)")
         elif self.s3_access_key or self.s3_secret_key:
-            raise ValueError("--s3-access-key/--s3-secret-key only go with --s3-endpoint")
+            raise ValueError("--s3-access-key/--s3-secret-key-file only go with --s3-endpoint")
         if self.ready_timeout_s <= 0 or self.stop_grace_s <= 0:
             raise ValueError("timeouts must be > 0")
         bad = [k for k in self.control_plane_env if not k.startswith("TRAINYARD_")]
@@ -193,6 +194,12 @@ class DevConfig:
     def replica_url(self, index: int) -> str:
         reach = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"{self.scheme}://{reach}:{self.port + index}"
+
+
+SECRET_ENV = frozenset({"TRAINYARD_TOKEN", "TRAINYARD_ADMIN_TOKEN", "TRAINYARD_S3_ACCESS_KEY",
+                        "TRAINYARD_S3_SECRET_KEY", "TRAINYARD_DATABASE_URL", "TRAINYARD_JOIN_TOKEN"})
+"""Variables of dev up's own environment its children do not inherit (the agents' workers could read
+them where they run as the agents' user)."""
 
 
 class DevCluster:
@@ -594,7 +601,9 @@ class DevCluster:
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Child:
         log_path = self.logs_dir / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - closed in _stop_children
-        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        # The user's secrets stay with dev up: each child gets only those given it in `env`.
+        inherited = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+        full_env = {**inherited, **env, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
             [self.config.python, *args],
             env=full_env,
