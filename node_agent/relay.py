@@ -9,9 +9,9 @@ its queue only when the control plane acknowledged the batch holding it (shards 
 unreachable, items wait in memory, at most `max_items` and `max_bytes` (their JSON) per attempt
 and a budget of both for the whole node (node_agent/outbox.py), and the relay backs off. Past a
 bound the oldest event goes first (events inform; shards commit checkpoints), then the oldest
-shard, of the attempt itself, or for the node's budget of the attempt holding the most of it; an `agent.outbox_dropped` event (the job's events show it
-as worker.agent.outbox_dropped), queued in its place and updated while it waits, tells the control
-plane how many of each kind were dropped.
+shard, of the attempt itself, or for the node's budget of the attempt holding the most of it; an
+`agent.outbox_dropped` event (the job's events show it as worker.agent.outbox_dropped), queued in
+its place and updated while it waits, tells the control plane how many of each kind were dropped.
 
 Answers that resending cannot change: a fencing 409 (stale attempt) drops the attempt's queue and
 the agent stops the attempt; any other 4xx drops the offending items (a rejected batch of several
