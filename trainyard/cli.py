@@ -362,7 +362,8 @@ def dev_up(
     ] = None,
     s3_endpoint: Annotated[
         str | None,
-        typer.Option(help="host:port of an S3 server to use instead of starting one.", show_default=False),
+        typer.Option(help="host:port (or https://host:port) of an S3 server to use instead of starting one.",
+                     show_default=False),
     ] = None,
     s3_access_key: Annotated[str | None, typer.Option(
         help="With --s3-endpoint: the access key id (an identifier, not a secret).", show_default=False)] = None,
@@ -370,6 +371,10 @@ def dev_up(
         help="With --s3-endpoint: file holding the secret key (default: the TRAINYARD_S3_SECRET_KEY variable).",
         show_default=False)] = None,
     s3_bucket: Annotated[str, typer.Option(help="Checkpoint bucket.")] = "trainyard",
+    s3_ca_file: Annotated[Path | None, typer.Option(
+        help="With an https:// --s3-endpoint: PEM file of the CA that signed its certificate (default: the "
+        "system's trust store). The control plane and, through the agents, the workers verify S3 with it.",
+        show_default=False)] = None,
     insecure_http: Annotated[
         bool, typer.Option("--insecure-http", help="Serve the API over plain HTTP instead of HTTPS with a local CA.")
     ] = False,
@@ -397,6 +402,7 @@ def dev_up(
             s3_access_key=s3_access_key,
             s3_secret_key=s3_secret_key,
             s3_bucket=s3_bucket,
+            s3_ca_file=s3_ca_file,
             tls=not insecure_http,
         )
     except ValueError as exc:
