@@ -40,6 +40,7 @@ from typing import Any
 import structlog
 
 from node_agent import credential, processes
+from node_agent.agent_core import AgentCore
 from node_agent.attempt import AttemptRun
 from node_agent.client import (
     ControlPlaneClient,
@@ -86,6 +87,7 @@ _LOG_BATCHES_PER_ROUND = 4
 _FINAL_STATES = (NodeAttemptState.exited, NodeAttemptState.stopped)
 _ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned workers of its node
 EXIT_SUPERSEDED = 3
+"""Exit status of an agent that stopped because another instance registered as its node."""
 HEARTBEAT_JITTER = 0.2
 """A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
 WAIT_TIMEOUT_S = 25.0
@@ -95,11 +97,9 @@ The control plane may cut it shorter (agent_wait_timeout_s)."""
 WAIT_TIMEOUT_MAX_S = 110.0
 RETRY_AFTER_FAILURE_S = 5.0
 """The longest pause before a failed heartbeat is tried again, whatever the interval."""
-"""A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
-"""Exit status of an agent that stopped because another instance registered as its node."""
 
 
-class Agent:
+class Agent(AgentCore):
     def __init__(self, config: AgentConfig, *, gpus: GpuSource | None = None) -> None:
         self.config = config
         self.instance = uuid.uuid4().hex
@@ -340,25 +340,12 @@ class Agent:
             wake.wait(wait)  # stop() sets every wake event too
             wake.clear()
 
-    def _wake(self, *names: str) -> None:
-        """Run these loops now rather than at their next period (a local fact changed)."""
-        for name in names:
-            self._wakes[name].set()
-
     def _monitor(self) -> None:
         while not self._stop_event.wait(1.0):
             for name in self._loops:
                 if not self._threads[name].is_alive() and not self._stop_event.is_set():
                     self.log.error("loop_died_restarting", loop=name)
                     self._start_loop(name)
-
-    def runs(self) -> list[AttemptRun]:
-        with self._runs_lock:
-            return list(self._runs.values())
-
-    def run(self, attempt_id: str) -> AttemptRun | None:
-        with self._runs_lock:
-            return self._runs.get(attempt_id)
 
     # --- heartbeat loop ---
 
@@ -734,9 +721,6 @@ class Agent:
         run = self.run(attempt_id)
         if run is not None and not run.stale:
             self._fenced_off(run, exc)
-
-    def _need_register_set(self) -> None:
-        self._need_register.set()
 
     # --- storage grants (local API thread) ---
 
