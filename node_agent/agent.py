@@ -1,18 +1,25 @@
 """The node agent: registers the node, runs what the control plane assigns, reports what happens.
 
-Four loops run on their own threads under a monitor (which restarts a loop that died):
+Five loops run on their own threads under a monitor (which restarts a loop that died):
 
-- heartbeat: (re-)register when needed, send a heartbeat listing the attempts with live
-  processes or a final status not yet acknowledged, reconcile against the desired state in the
-  answer: launch what is assigned and was never launched here, stop what runs and is no longer
-  assigned.
-- supervise: look at local processes and rank files; escalate stops from SIGTERM to SIGKILL.
-- report: send each attempt's status when it changes (and every status_interval_s), ship new log
-  bytes, and send the final status and last bytes after the end until acknowledged. The final
-  status waits until the attempt's queued shards and events are delivered: a checkpoint reported
-  just before the exit reaches the control plane before the attempt is seen to end.
-- relay: forward the checkpoint shards and events workers post to the local API, in order, as
-  soon as they are queued (relay.py).
+- heartbeat (agent_heartbeat.py): (re-)register when needed, send a heartbeat listing the attempts
+  with live processes or a final status not yet acknowledged, reconcile against the desired state
+  in the answer: launch what is assigned and was never launched here, stop what runs and is no
+  longer assigned.
+- wait (agent_desired.py): a long poll that learns of a changed desired state at once, and the
+  reconciling both loops share.
+- supervise (agent_supervise.py): look at local processes and rank files; escalate stops from
+  SIGTERM to SIGKILL.
+- report (agent_report.py): send each attempt's status when it changes (and every
+  status_interval_s), ship new log bytes, and send the final status and last bytes after the end
+  until acknowledged. The final status waits until the attempt's queued shards and events are
+  delivered: a checkpoint reported just before the exit reaches the control plane before the
+  attempt is seen to end.
+- relay (agent_report.py): forward the checkpoint shards and events workers post to the local API,
+  in order, as soon as they are queued (relay.py).
+
+This module keeps the lifecycle (start, stop, the loops' threads); agent_core.py declares the
+state they share.
 
 The loops touch the network only through the client, and every local fact can be recomputed from
 the processes and files, so a control-plane outage only delays reports: workers keep running,
