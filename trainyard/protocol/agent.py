@@ -139,10 +139,10 @@ class RegisterResponse(_Wire):
     )
     storage: dict[str, Any] = Field(
         default_factory=dict,
-        description="S3 access for checkpoints (endpoint, bucket, access_key, secret_key, secure, region), "
+        description="How workers reach checkpoint storage, never a credential: `access` (`presigned`: URLs "
+        "per object through the agent) and `ca_pem` (the CA(s) of an S3 over HTTPS with a private CA), "
         "sent once per registration: a LaunchSpec given to an agent that reports `known` carries only "
-        "its `prefix`, and the agent merges the two. The plan is per-attempt scoped credentials in the "
-        "LaunchSpec instead (short-lived, limited to the job's prefix).",
+        "its `prefix`, and the agent merges the two.",
     )
 
 
@@ -258,9 +258,9 @@ class LaunchSpec(_Wire):
     )
     storage: dict[str, Any] = Field(
         default_factory=dict,
-        description="S3 access for checkpoints: endpoint, bucket, access_key, secret_key, secure, "
-        "region, prefix. The agent passes it to workers as TRAINYARD_S3_* variables. To an agent "
-        "that reports `known`, only `prefix`: the rest came in the RegisterResponse.",
+        description="How workers reach checkpoint storage: `access`, `ca_pem` and the job's `prefix`, passed "
+        "to workers as TRAINYARD_STORAGE_ACCESS, TRAINYARD_S3_CA_PEM and TRAINYARD_CHECKPOINT_PREFIX. To an "
+        "agent that reports `known`, only `prefix`: the rest came in the RegisterResponse.",
     )
     version: str = Field(
         default="",
