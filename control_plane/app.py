@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio.to_thread
 import structlog
+import urllib3
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -45,6 +46,7 @@ from control_plane.services.logs import Followers
 from control_plane.services.metrics import Exporter
 from control_plane.settings import Settings
 from control_plane.wakeups import SLOT_CHANNEL, Busy, Wakeups
+from trainyard.protocol.s3tls import tls_failure
 
 log = structlog.get_logger("trainyard.app")
 
@@ -123,6 +125,22 @@ def _install_error_handlers(app: FastAPI) -> None:
             return _busy(request, f"the database refused this transaction for now (SQLSTATE {state})")
         raise exc
 
+    @app.exception_handler(urllib3.exceptions.HTTPError)
+    async def _object_store(request: Request, exc: urllib3.exceptions.HTTPError) -> JSONResponse:
+        # S3 unreachable or not trusted (the MinIO SDK lets urllib3's errors through): the store's
+        # trouble, said in one line, never a 500.
+        settings = request.app.state.settings
+        where = f"{'https' if settings.s3_secure else 'http'}://{settings.s3_endpoint}"
+        detail = tls_failure(exc, where) or f"S3 at {where} cannot be reached: {type(exc).__name__}"
+        log.warning("object store unavailable", path=request.url.path, detail=detail)
+        return _problem(503, {
+            "type": "https://trainyard.dev/problems/storage-unavailable",
+            "title": "Checkpoint storage is unavailable",
+            "status": 503,
+            "detail": detail,
+            "instance": request.url.path,
+        }, {"Retry-After": str(RETRY_AFTER_S)})
+
     @app.exception_handler(TrainyardError)
     async def _domain(request: Request, exc: TrainyardError) -> Response:
         if request.url.path.startswith("/ui") and "text/html" in request.headers.get("accept", ""):
@@ -197,7 +215,7 @@ def object_store(settings: Settings):  # type: ignore[no-untyped-def]
 
     config = S3Config(endpoint=settings.s3_endpoint, bucket=settings.s3_bucket, access_key=settings.s3_access_key,
                       secret_key=settings.s3_secret_key, secure=settings.s3_secure, region=settings.s3_region,
-                      public_endpoint=settings.s3_worker_endpoint)
+                      public_endpoint=settings.s3_worker_endpoint, ca_file=settings.s3_ca_file)
     return S3Storage(config, timeout_s=10.0, retries=1)
 
 
@@ -205,7 +223,13 @@ def worker_storage(settings: Settings) -> dict[str, Any]:
     """What agents and workers learn about checkpoint storage: that there is some, reached through
     presigned URLs the control plane grants per object (trainyard/protocol/grants.py). No endpoint,
     no credential."""
-    return {"access": "presigned"} if settings.s3_endpoint else {}
+    if not settings.s3_endpoint:
+        return {}
+    if settings.s3_ca_file:  # public, and small (s3tls.MAX_CA_PEM_BYTES): workers verify S3 with it
+        from trainyard.protocol.s3tls import read_ca_pem
+
+        return {"access": "presigned", "ca_pem": read_ca_pem(settings.s3_ca_file)}
+    return {"access": "presigned"}
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

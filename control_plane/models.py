@@ -175,6 +175,8 @@ class Job(Base):
     code: Mapped[dict[str, Any] | None] = mapped_column(
         JSONB, doc="The shipped code (sha256, size_bytes: services/code.py); NULL: the nodes' own.")
     python: Mapped[str | None] = mapped_column(Text, doc="Interpreter on the nodes for its workers; NULL: the agent's.")
+    requirements: Mapped[str | None] = mapped_column(
+        Text, doc="A pip requirements file each node installs into a cached venv for its workers; NULL: none.")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
@@ -263,6 +265,8 @@ class AttemptNode(Base):
     )
     exit_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
+    error_kind: Mapped[str | None] = mapped_column(
+        String(32), doc="The kind of `error` when its agent said it (start_error, launch_error); NULL: classified.")
     reported_at: Mapped[datetime | None] = _ts()
     released_at: Mapped[datetime | None] = _ts(doc="When its processes were confirmed gone.")
     spec_version: Mapped[str | None] = mapped_column(

@@ -183,7 +183,11 @@ class Settings(BaseSettings):
     s3_access_key: str = Field("", description="The control plane's S3 key; workers and agents never get it.")
     s3_secret_key: str = ""
     s3_bucket: str = "trainyard"
-    s3_secure: bool = False
+    s3_secure: bool = Field(False, description="Speak HTTPS to S3 (also said by an https:// s3_endpoint).")
+    s3_ca_file: str = Field(
+        "", description="PEM file of the CA(s) that sign S3's certificate, when not the system's trust store: the "
+        "control plane verifies S3 with it and agents give it to workers (a CA, no credential)."
+    )
     s3_region: str = "us-east-1"
     s3_worker_endpoint: str = Field(
         "", description="host:port at which workers reach S3, when it is not s3_endpoint (presigned URLs name "
@@ -239,6 +243,22 @@ class Settings(BaseSettings):
         """The pool wait actually used: a request must be answered (503) before its agent gives up."""
         return min(self.db_pool_timeout_s, self.agent_request_timeout_s / 2)
 
+    def _check_s3(self) -> None:
+        """An https:// (or http://) endpoint sets s3_secure; a CA file must load (s3tls.read_ca_pem)."""
+        from trainyard.protocol.s3tls import read_ca_pem, split_endpoint
+
+        for name in ("s3_endpoint", "s3_worker_endpoint"):
+            endpoint, secure = split_endpoint(getattr(self, name))
+            if secure is not None and name == "s3_endpoint":
+                self.s3_secure = secure
+            elif secure is not None and secure != self.s3_secure:
+                raise ValueError("s3_worker_endpoint's scheme must agree with s3_endpoint's")
+            setattr(self, name, endpoint)
+        if self.s3_ca_file:
+            if not self.s3_secure:
+                raise ValueError("s3_ca_file needs S3 over HTTPS (an https:// s3_endpoint or s3_secure=true)")
+            read_ca_pem(self.s3_ca_file)
+
     def _check_timeouts(self) -> None:
         """Each timeout fits inside the next (docs/architecture.md, "Time and timeouts")."""
         from trainyard.protocol.agent import AGENT_BACKOFF_S
@@ -270,6 +290,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         self._check_timeouts()
+        self._check_s3()
         if self.rdzv_port_min > self.rdzv_port_max:
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
         from control_plane import failpoints

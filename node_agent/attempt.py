@@ -35,10 +35,12 @@ from pydantic import ValidationError
 
 from node_agent import processes, safe_files
 from node_agent.code import CodeUnavailable, unpack
-from node_agent.isolation import Confinement, Isolation, make_worker_dir
+from node_agent.envs import EnvBuildFailed, EnvCache
+from node_agent.isolation import Confinement, Isolation, hidden_paths, make_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
 from node_agent.logs import LogTailer
 from trainyard.protocol.agent import (
+    AgentErrorKind,
     AttemptStatusReport,
     LaunchSpec,
     NodeAttemptState,
@@ -78,6 +80,12 @@ class AttemptRun:
         self.torchrun_done = False
         self.alive = True
         self.error: str | None = None
+        self.error_kind: AgentErrorKind | None = None
+        """start_error when the job's own setup cannot work here (its requirements do not install)."""
+        self.preparing = False
+        """Its requirements' venv is being built (in a thread of its own): no torchrun yet."""
+        self.env_key: str | None = None
+        """The cached venv it runs in (held until it is done: node_agent/envs.py)."""
         self.stop_reason: str | None = None
         self.stopped = False
         """torchrun ended after the agent asked it to stop (state 'stopped', not 'exited')."""
@@ -104,12 +112,14 @@ class AttemptRun:
     @classmethod
     def launch(
         cls, spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, stop_grace_s: float,
-        confinement: Confinement | None = None, code_archive: Path | None = None,
+        confinement: Confinement | None = None, code_archive: Path | None = None, envs: EnvCache | None = None,
     ) -> AttemptRun:
         """Create the attempt's directories, unpack the job's shipped code into the worker directory
         (``code_archive``: the workers then run there, as the attempt's uid) and start torchrun
-        (confined as ``confinement`` says). Raises FileExistsError if the attempt directory exists:
-        that attempt has been launched here before and must never be launched again."""
+        (confined as ``confinement`` says). A job with requirements gets its venv from ``envs``
+        first, in a thread: pip may take minutes, and meanwhile the part is launching (reported,
+        stoppable). Raises FileExistsError if the attempt directory exists: that attempt has been
+        launched here before and must never be launched again."""
         paths.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         paths.root.mkdir(mode=0o700, exist_ok=False)
         run = cls(spec, paths, stop_grace_s=stop_grace_s, confinement=confinement)
@@ -122,6 +132,11 @@ class AttemptRun:
                 node = dataclasses.replace(node, cwd=str(cwd))
             if spec.python is not None:
                 node = dataclasses.replace(node, python=spec.python)
+            if spec.requirements is not None and envs is not None:
+                run.preparing = True
+                threading.Thread(target=run._prepare_then_start, args=(envs, node, cwd),
+                                 name=f"env-{spec.attempt_id}", daemon=True).start()
+                return run
             proc = start_torchrun(spec, node, paths, run.confinement, cwd=cwd)
         except CodeUnavailable as exc:
             run.log.error("code_unpack_failed", error=str(exc))
@@ -135,12 +150,62 @@ class AttemptRun:
             run.torchrun_done, run.alive = True, False
             run._persist()
             return run
-        run._proc, run.pid, run.pgid = proc, proc.pid, proc.pid
-        run.create_time = processes.process_create_time(proc.pid)
-        run.boot_id = processes.boot_id()
-        run._persist()
-        run.log.info("attempt_launched", pid=proc.pid, nnodes=spec.nnodes, nproc_per_node=spec.nproc_per_node)
+        run._started(proc)
         return run
+
+    def _started(self, proc: subprocess.Popen[bytes]) -> None:
+        self._proc, self.pid, self.pgid = proc, proc.pid, proc.pid
+        self.create_time = processes.process_create_time(proc.pid)
+        self.boot_id = processes.boot_id()
+        self._persist()
+        self.log.info("attempt_launched", pid=proc.pid, nnodes=self.spec.nnodes,
+                      nproc_per_node=self.spec.nproc_per_node)
+
+    def _prepare_then_start(self, envs: EnvCache, node: NodeContext, cwd: Path | None) -> None:
+        assert self.spec.requirements is not None
+        started = time.monotonic()
+        try:
+            key, python = envs.acquire(self.spec.requirements, node.python)
+        except EnvBuildFailed as exc:
+            self.log.error("requirements_failed", error=str(exc))
+            with self._lock:
+                self.preparing = False
+                if self.stop_reason is None:
+                    self.error, self.error_kind = str(exc), "start_error"
+                    self.torchrun_done, self.alive = True, False
+                self._persist()
+            return
+        except Exception as exc:  # never a part left launching for ever
+            self.log.exception("requirements_env_failed")
+            with self._lock:
+                self.preparing = False
+                if self.stop_reason is None:
+                    self.error = f"could not prepare the job's requirements: {exc}"
+                    self.torchrun_done, self.alive = True, False
+                self._persist()
+            return
+        with self._lock:
+            self.preparing = False
+            if self.stop_reason is not None:  # stopped meanwhile: nothing to start, and done already
+                envs.release(key)
+                return
+            self.env_key = key
+            self.log.info("requirements_ready", env=key[:12], seconds=round(time.monotonic() - started, 2))
+            if self.confinement.uid is not None:
+                # The venv may sit below a directory its uid cannot enter (a private work dir's
+                # parent): exposed read-only in the part's mount namespace, as the interpreter is.
+                hidden = hidden_paths([str(Path(python).parent.parent)])
+                self.confinement.expose = tuple(dict.fromkeys((*self.confinement.expose, *hidden)))
+            try:
+                proc = start_torchrun(self.spec, dataclasses.replace(node, python=python), self.paths,
+                                      self.confinement, cwd=cwd)
+            except OSError as exc:
+                self.log.error("launch_failed", error=str(exc))
+                self.error = f"could not start torchrun: {exc}"
+                self.torchrun_done, self.alive = True, False
+                self._persist()
+                return
+            self._started(proc)
 
     @classmethod
     def failed(
@@ -188,6 +253,9 @@ class AttemptRun:
             if not run.torchrun_done and run.stop_reason is None:
                 run.error = run.error or "the node rebooted while the attempt ran"
         run.error, run.stop_reason = state.get("error"), state.get("stop_reason")
+        kind, env_key = state.get("error_kind"), state.get("env_key")
+        run.error_kind = kind if kind in ("start_error", "launch_error") else None
+        run.env_key = env_key if isinstance(env_key, str) else None
         run.stopped = bool(state.get("stopped"))
         run.exit_code, run.final_acked = state.get("exit_code"), bool(state.get("final_acked"))
         run.torchrun_done = bool(state.get("torchrun_done"))
@@ -218,6 +286,8 @@ class AttemptRun:
             "torchrun_done": self.torchrun_done,
             "exit_code": self.exit_code,
             "error": self.error,
+            "error_kind": self.error_kind,
+            "env_key": self.env_key,
             "stop_reason": self.stop_reason,
             "stopped": self.stopped,
             "final_acked": self.final_acked,
@@ -279,6 +349,11 @@ class AttemptRun:
                 return
             self.stop_reason = reason
             self.log.info("attempt_stopping", reason=reason)
+            if self.preparing:
+                # Nothing runs yet; the venv's build goes on for whoever else wants it.
+                self.stopped, self.torchrun_done, self.alive = True, True, False
+                self._persist()
+                return
             self._refresh(processes.scan())
             self._term_sent_at = time.monotonic()
             self._signal(signal.SIGTERM)
@@ -295,6 +370,8 @@ class AttemptRun:
         """Look at the processes and rank files; escalate a stop that outlived its grace period.
         `table`: a scan shared by all attempts (one is made if not given)."""
         with self._lock:
+            if self.preparing:
+                return
             self._workers = self._read_rank_files()
             changed = False
             if not self.torchrun_done:
@@ -418,6 +495,7 @@ class AttemptRun:
                 progress=progress,
                 result=result,
                 error=error,
+                error_kind=self.error_kind if error is not None else None,
                 ranks=ranks if state == NodeAttemptState.running else None,
             )
 

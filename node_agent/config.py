@@ -9,6 +9,7 @@ from pathlib import Path
 
 from node_agent import credential
 from node_agent.isolation import UidRange
+from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 
 
 def default_run_dir() -> Path:
@@ -87,6 +88,23 @@ class AgentConfig:
     """An attempt is not started when its work dir's file system has less free space than this: its
     logs, rank status files and state could not be written, and it would fail later with a reason
     nobody can read. It fails at once instead, saying the disk is full."""
+    pip_constraints: Path | None = None
+    """A pip constraints file applied to every job's requirements (node_agent/envs.py); the node's
+    own torch is always pinned besides."""
+    env_cache_max_count: int = 8
+    """Venvs of jobs' requirements kept in work_dir/envs; past this (or env_cache_max_gb), the least
+    recently used that no attempt holds are removed."""
+    env_cache_max_gb: float = 20.0
+    """Disk the cached venvs may take, in GiB (see env_cache_max_count)."""
+    env_build_timeout_s: float = 1800.0
+    """A job's requirements that take longer to install fail its attempt (start_error)."""
+
+    outbox_max_items: int = MAX_ITEMS_PER_NODE
+    """The most shards and events the agent holds for the control plane, over every attempt of the
+    node (each attempt has a budget of its own as well: node_agent/outbox.py). Past it the attempt
+    holding the most loses its oldest events, then shards, and an event says so."""
+    outbox_max_bytes: int = MAX_BYTES_PER_NODE
+    """The same budget in bytes (of the items' JSON)."""
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir).absolute()
@@ -110,6 +128,12 @@ class AgentConfig:
         for name in ("stop_grace_s", "status_interval_s", "poll_interval_s", "http_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.env_cache_max_count < 1 or self.env_cache_max_gb <= 0 or self.env_build_timeout_s <= 0:
+            raise ValueError("env_cache_max_count must be >= 1, env_cache_max_gb and env_build_timeout_s > 0")
+        if self.pip_constraints is not None and not Path(self.pip_constraints).is_file():
+            raise ValueError(f"pip_constraints {self.pip_constraints} is not a readable file")
+        if self.outbox_max_items < 2 or self.outbox_max_bytes < 1:
+            raise ValueError("outbox_max_items must be >= 2 and outbox_max_bytes >= 1")
         if self.rdzv_join_timeout_s <= 0:
             raise ValueError("rdzv_join_timeout_s must be > 0")
 

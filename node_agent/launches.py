@@ -16,11 +16,13 @@ from typing import Any
 from node_agent import processes
 from node_agent.attempt import AttemptRun
 from node_agent.config import AgentConfig
+from node_agent.envs import EnvCache
 from node_agent.isolation import Confinement, Isolation, IsolationError, private_dir, remove_tree
 from node_agent.launcher import AttemptPaths, NodeContext
 from node_agent.local_api import LocalApi
 from trainyard.protocol.agent import GpuInfo, LaunchSpec
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
+from trainyard.protocol.requirements import requirements_problem
 
 # Attempt ids name directories: nothing that could climb out of work_dir/attempts.
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -34,6 +36,9 @@ class Launches:
         self.log = log
         self.attempts_dir = private_dir(config.work_dir / "attempts")
         self.sockets_dir = private_dir(config.runtime_dir / "sockets", 0o711)
+        self.envs = EnvCache(config.work_dir / "envs", constraints_file=config.pip_constraints,
+                             max_count=config.env_cache_max_count, max_bytes=int(config.env_cache_max_gb * 2**30),
+                             build_timeout_s=config.env_build_timeout_s)
 
     def paths(self, attempt_id: str, node_rank: int) -> AttemptPaths:
         name = f"{attempt_id}.{node_rank}"
@@ -53,6 +58,8 @@ class Launches:
                 f"{spec.nproc_per_node} processes per node"
             )
         # The control plane refuses these at submit; a spec from elsewhere is refused here too.
+        if spec.requirements is not None and (refused := requirements_problem(spec.requirements)) is not None:
+            return f"the job's requirements are refused: {refused}"
         env_problems = [p for name, value in spec.env.items() if (p := job_env_problem(name, value))]
         if env_problems:
             return f"the job's env is refused: {'; '.join(env_problems[:5])}"
@@ -99,7 +106,7 @@ class Launches:
         else:
             try:
                 return AttemptRun.launch(spec, node, paths, stop_grace_s=grace, confinement=confinement,
-                                         code_archive=code_archive)
+                                         code_archive=code_archive, envs=self.envs)
             except FileExistsError:
                 if paths.root.is_dir():
                     # Launched here before (adoption missed it): never launched twice.
@@ -132,6 +139,8 @@ class Launches:
             if run is None:
                 continue
             runs.append(run)
+            if run.env_key is not None and run.alive:
+                self.envs.hold(run.env_key)  # not evicted under its workers
             if run.paths.socket is not None and run.alive:
                 try:
                     self.api.open(run.attempt_id, run.paths.socket, uid=run.confinement.uid, gid=run.confinement.gid,
@@ -150,6 +159,9 @@ class Launches:
         """The part is done and none of its processes is left: stop serving it, give its uid and
         cgroup back, and remove its worker directory (its logs have been shipped)."""
         self.api.close(run.attempt_id)
+        if run.env_key is not None:
+            self.envs.release(run.env_key)
+            run.env_key = None
         removed = self.isolation.release(run.confinement)
         if removed:
             run.log.info("worker_uid_files_removed", paths=removed[:20], count=len(removed))

@@ -66,7 +66,7 @@ from urllib.parse import parse_qs, unquote
 import structlog
 from pydantic import ValidationError
 
-from node_agent.relay import Outbox
+from node_agent.outbox import Outbox
 from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
     MAX_NODE_RANKS,

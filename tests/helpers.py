@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -116,3 +117,29 @@ def need(condition: bool, reason: str) -> None:
         pytest.fail(f"{reason} ({STRICT_ENV}=1: missing tools fail rather than skip)", pytrace=False)
     pytest.skip(reason)
 
+
+
+def make_wheel(directory: Path, name: str, version: str, source: str) -> Path:
+    """A pure-Python wheel of one module ``name`` (its text ``source``) in ``directory``: a real
+    package pip installs offline (``--no-index --find-links directory``), with nothing to build."""
+    import base64
+    import hashlib
+    import zipfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}.py": source,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: trainyard-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    wheel = directory / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, text in files.items():
+            zf.writestr(path, text)
+    return wheel

@@ -54,3 +54,20 @@ def test_a_link_out_of_the_workdir_is_refused(tmp_path: Path) -> None:
     (tmp_path / "w" / "link").symlink_to(tmp_path / "secret")
     with pytest.raises(ApiError, match="links out of the workdir"):
         files_of(tmp_path / "w")
+
+
+def test_a_job_files_requirements_file_becomes_its_requirements(tmp_path: Path) -> None:
+    from trainyard.cli_jobs import load_spec
+
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "requirements.txt").write_text("tinypkg==1.0\n")
+    job = tmp_path / "job.yaml"
+    job.write_text("name: j\nworkdir: code\nrequirements_file: code/requirements.txt\n")
+    body, workdir = load_spec(job)
+    assert body == {"name": "j", "requirements": "tinypkg==1.0\n"} and workdir == (tmp_path / "code").resolve()
+    job.write_text("name: j\nrequirements_file: missing.txt\n")
+    with pytest.raises(ApiError, match="cannot read requirements_file missing.txt"):
+        load_spec(job)
+    job.write_text("name: j\nrequirements_file: code/requirements.txt\nrequirements: other\n")
+    with pytest.raises(ApiError, match="may not also set requirements"):
+        load_spec(job)

@@ -73,7 +73,8 @@ def login(
 
 
 def load_spec(path: Path) -> tuple[dict[str, Any], Path | None]:
-    """A job file: the submit body as YAML (or JSON), plus ``workdir`` (relative to the file)."""
+    """A job file: the submit body as YAML (or JSON), plus ``workdir`` and ``requirements_file``
+    (relative to the file; the latter's text becomes the body's ``requirements``)."""
     import yaml
 
     try:
@@ -89,11 +90,21 @@ def load_spec(path: Path) -> tuple[dict[str, Any], Path | None]:
     workdir = spec.pop("workdir", None)
     if workdir is not None and not isinstance(workdir, str):
         raise ApiError(f"{path}: workdir must be a path")
+    requirements = spec.pop("requirements_file", None)
+    if requirements is not None:
+        if not isinstance(requirements, str) or "requirements" in spec:
+            raise ApiError(f"{path}: requirements_file must be a path (and the file may not also set requirements)")
+        try:
+            spec["requirements"] = (path.parent / requirements).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ApiError(f"{path}: cannot read requirements_file {requirements}: "
+                           f"{getattr(exc, 'strerror', None) or exc}") from exc
     return spec, (path.parent / workdir).resolve() if workdir else None
 
 
 def run(
-    spec_file: Annotated[Path, typer.Argument(help="Job file: the POST /v1/jobs body as YAML, plus `workdir`.")],
+    spec_file: Annotated[Path, typer.Argument(
+        help="Job file: the POST /v1/jobs body as YAML, plus `workdir` and `requirements_file`.")],
     name: Annotated[str | None, typer.Option(help="Override the file's name.")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow its logs and progress until it ends.")] = False,
     idempotency_key: Annotated[str | None, typer.Option(

@@ -209,24 +209,28 @@ def _replicated(w: Workload, hw: Hardware, layout: Layout, split: Group, replica
 
 
 def _sharded(w: Workload, hw: Hardware, split: Group, replicas: Group, accum: int, compute_s: float) -> Comm:
-    """fsdp and hsdp: each unit's weights gathered before its forward and again before its backward in
-    every micro-step, its gradients reduce-scattered once (and all-reduced across hsdp replicas)."""
+    """fsdp and hsdp: in every micro-step each unit's weights are gathered before its forward, and each
+    block's again before its backward (the root, FSDP2's outermost unit, stays gathered from its
+    forward through its backward); each unit's gradients are reduce-scattered once (and all-reduced
+    across hsdp replicas)."""
     units = float(w.units)
+    blocks = units - 1 if w.root_params else units
     p, b = w.params, w.bytes
-    gather = _with_steps(all_gather(p * b.weights, split), units)
+    forward = _with_steps(all_gather(p * b.weights, split), units)
+    backward = _with_steps(all_gather((p - w.root_params) * b.weights, split), blocks)
     sync = _with_steps(reduce_scatter(p * b.grads, split), units)
     if replicas.size > 1:  # hsdp: replicas all-reduce their shard once the shard group reduced it
         sync = sync + _with_steps(all_reduce(p * b.grads / split.size, replicas), units)
-    gather_s, sync_s = gather.seconds(hw), sync.seconds(hw)
+    forward_s, backward_gather_s, sync_s = forward.seconds(hw), backward.seconds(hw), sync.seconds(hw)
     micro_s = compute_s / accum
     backward_s = micro_s * w.backward_share
-    forward_s = micro_s - backward_s
     # Forward gathers overlap the forward; backward gathers and the sync overlap the backward.
-    exposed = (accum * _exposed(gather_s, forward_s, units)
-               + (accum - 1) * _exposed(gather_s, backward_s, units)
-               + _exposed(gather_s + sync_s, backward_s, units))
-    collectives = units * (2 * accum + (2 if replicas.size > 1 else 1))
-    return gather.times(2 * accum) + sync, collectives, 2 * accum * gather_s + sync_s, exposed
+    exposed = (accum * _exposed(forward_s, micro_s - backward_s, units)
+               + (accum - 1) * _exposed(backward_gather_s, backward_s, blocks)
+               + _exposed(backward_gather_s + sync_s, backward_s, units))
+    collectives = accum * (units + blocks) + units * (2 if replicas.size > 1 else 1)
+    traffic = forward.times(accum) + backward.times(accum) + sync
+    return traffic, collectives, accum * (forward_s + backward_gather_s) + sync_s, exposed
 
 
 def _gradient_wire_bytes(w: Workload, layout: Layout, params: float) -> float | None:

@@ -180,6 +180,12 @@ class Workload:
         return self.shape.layers + 1 if self.shape else DEFAULT_UNITS
 
     @property
+    def root_params(self) -> float:
+        """Parameters of the root unit (the embeddings), which FSDP2 keeps gathered from its forward
+        through its backward. Without a shape the model is taken as blocks only."""
+        return self.shape.embedding_params if self.shape else 0.0
+
+    @property
     def largest_unit_params(self) -> float:
         if self.shape is None:
             return self.params / DEFAULT_UNITS

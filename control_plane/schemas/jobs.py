@@ -16,6 +16,7 @@ from control_plane.schemas.tenants import TENANT_NAME
 from control_plane.schemas.uploads import CheckpointUploadOut
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
 from trainyard.protocol.layout import APPLIED_KINDS, Layout
+from trainyard.protocol.requirements import MAX_REQUIREMENTS_CHARS, requirements_problem
 
 MAX_ENV_BYTES = MAX_JOB_ENV_BYTES
 MAX_ARGS = 1000
@@ -143,6 +144,11 @@ class JobSubmit(BaseModel):
                                description=(
         "The Python interpreter on the nodes that runs torchrun and the workers (an absolute path, e.g. "
         "a venv's /opt/envs/llm/bin/python with torch and trainyard[worker]); default: the agent's."))
+    requirements: str | None = Field(default=None, min_length=1, max_length=MAX_REQUIREMENTS_CHARS, description=(
+        "A pip requirements file (its text): each node installs it, from wheels only, into a virtualenv "
+        "cached per content hash (of the requirements, the interpreter and the node's constraints) that "
+        "sees the interpreter's own packages (torch included); the workers run in it. No -r, -c, -e, "
+        "--no-binary or --only-binary lines. `trainyard run` reads a job file's `requirements_file`."))
 
     @field_validator("gpu_kind")
     @classmethod
@@ -179,6 +185,13 @@ class JobSubmit(BaseModel):
                 raise ValueError(f"hsdp shard_size {size} must divide the job's {gpus} GPUs and be a divisor "
                                  f"or a multiple of gpus_per_node {node}")
         return layout
+
+    @field_validator("requirements")
+    @classmethod
+    def _requirements(cls, v: str | None) -> str | None:
+        if v is not None and (problem := requirements_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
 
     @field_validator("entrypoint")
     @classmethod
@@ -290,6 +303,7 @@ class JobOut(BaseModel):
     plan: JobPlanOut | None = Field(default=None, description="The plan made at submit, when the job has a model.")
     code: CodeOut | None = Field(default=None, description="The shipped code its workers run in, if any.")
     python: str | None = Field(default=None, description="The interpreter its workers run with, if not the agent's.")
+    requirements: str | None = Field(default=None, description="The requirements installed for its workers, if any.")
     progress: JobProgress
     split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None

@@ -426,6 +426,7 @@ def apply_status(
         part.exit_code = report.exit_code
     if report.error and not part.error:
         part.error = report.error
+        part.error_kind = report.error_kind
     _merge_workers(session, attempt, part, report)
     # Progress only moves forward within a part; the views take the furthest part (services/progress.py).
     if report.progress is not None and (part.progress_step is None or report.progress.step >= part.progress_step):
@@ -561,6 +562,8 @@ _TORCHRUN_SIGNAL = re.compile(r"exitcode: -\d+")
 def _part_failure(part: AttemptNode) -> str:
     """The kind of a node part's failure when no worker's exit says it: never launched, or torchrun
     ended non-zero (a worker or its shim killed by a signal, by torchrun's own account, or not)."""
+    if part.error_kind is not None:
+        return part.error_kind
     if part.exit_code is None:
         return "launch_error"
     if part.exit_code < 0 or _TORCHRUN_SIGNAL.search(part.error or ""):

@@ -141,6 +141,7 @@ def submit(
         plan=job_plan.model_dump(mode="json") if job_plan else None,
         code=shipped,
         python=body.python,
+        requirements=body.requirements,
         idempotency_key=idempotency_key,
         request_hash=digest,
         created_at=now(),

@@ -53,6 +53,7 @@ def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | 
         layout=Layout.model_validate(job.layout) if job.layout else None,
         code=CodeRef.model_validate(job.code) if job.code else None,
         python=job.python,
+        requirements=job.requirements,
         restore_from=attempt.restore_manifest,
         launched=part.state != "assigned",
         storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},

@@ -83,3 +83,28 @@ def test_code_is_uploaded_once_named_by_a_job_and_fetched_by_its_nodes_only(s3_c
 def test_without_s3_code_is_refused_in_one_line(client):
     r = client.get(f"/v1/code/{'0' * 64}", headers=ADMIN)
     assert r.status_code == 422 and "needs S3" in r.json()["detail"]
+
+
+def test_requirements_travel_to_the_nodes_and_an_install_that_fails_is_not_retried(client):
+    """A job's requirements (the text of its requirements file) reach its launch spec; lines that
+    would read files or build from source are refused at submit; an agent whose install fails
+    says start_error, and the job fails at once with that reason instead of being retried."""
+    agent = FakeAgentSession(client, "node-1", 1)
+    for bad, said in (("-r other.txt\n", "-r other.txt"), ("--no-bin :all:\nfoo\n", "--no-bin"),
+                      ("# nothing\n", "name no package"), ("foo\0\n", "plain text")):
+        r = client.post("/v1/jobs", json=job_body(num_nodes=1, requirements=bad), headers=ADMIN)
+        assert r.status_code == 422 and said in r.json()["detail"], r.text
+    requirements = "--no-index\n--find-links /srv/wheels\ntinypkg==1.0  # the job's own\n"
+    job = client.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=1, requirements=requirements,
+                                                max_failures=3), headers=ADMIN).json()
+    assert job["requirements"] == requirements
+    client.app.state.loops.schedule_once()
+    (spec,) = agent.heartbeat()["assignments"]
+    assert spec["requirements"] == requirements
+    reason = "could not install the job's requirements (pip exit 1): No matching distribution found for tinypkg==1.0"
+    r = agent.status(spec, "exited", error=reason, error_kind="start_error")
+    assert r.status_code == 200, r.text
+    done = client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()
+    assert done["state"] == "failed" and "cannot start" in done["end_reason"] and reason in done["end_reason"], done
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "start_error"

@@ -131,6 +131,20 @@ def test_fsdp_gathers_twice_and_reduce_scatters_once_each_n_minus_1_over_n():
     assert accumulating.memory.buffers - row.memory.buffers == pytest.approx(p * 2)  # unsharded gradients
 
 
+def test_fsdp_gathers_the_root_once_per_micro_step_and_each_block_twice():
+    # FSDP2 keeps its root (the embeddings) gathered from the forward through the backward.
+    shape = TransformerShape(layers=4, hidden=1024, vocab=32000, heads=16)
+    p, root = shape.params, shape.embedding_params
+    for micro, accum in ((32, 1), (8, 4)):
+        w = Workload(params=p, bytes=MIXED_ADAM, seq_len=512, global_batch=512, micro_batch=micro, shape=shape)
+        row = estimate(w, flat_hardware(), Layout(kind="fsdp"), 16)
+        assert row.layout.grad_accum_steps == accum and row.traffic is not None
+        gathered = accum * (2 * p - root) * 2  # bf16 weights: every unit forward, the blocks backward
+        assert row.traffic.total_bytes == pytest.approx(15 / 16 * (gathered + p * 2))
+        # Collectives: 5 units forward, 4 blocks backward, per micro-step; 5 reduce-scatters per step.
+        assert row.collectives == accum * (5 + 4) + 5
+
+
 def test_hsdp_shards_inside_a_node_and_all_reduces_the_shard_across_nodes():
     p = 1e9
     row = estimate(params_workload(p, micro_batch=32), flat_hardware(), Layout(kind="hsdp"), 16)

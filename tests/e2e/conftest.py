@@ -38,11 +38,12 @@ def cluster(
     proc = process_reaper.spawn(
         [sys.executable, "-m", "trainyard", "dev", "up", "--nodes", str(size["nodes"]),
          "--gpus-per-node", str(size["gpus_per_node"]),
-         "--port", str(port), "--data-dir", str(tmp_path / "cluster"), "--token", token,
+         "--port", str(port), "--data-dir", str(tmp_path / "cluster"),
          "--database-url", fresh_database_url, "--s3-endpoint", s3_bucket.endpoint,
-         "--s3-access-key", s3_bucket.access_key, "--s3-secret-key", s3_bucket.secret_key,
-         "--s3-bucket", s3_bucket.bucket],
-        stdout=out, stderr=subprocess_stdout(), cwd=ROOT, env={**os.environ, **size["env"]},
+         "--s3-access-key", s3_bucket.access_key, "--s3-bucket", s3_bucket.bucket],
+        stdout=out, stderr=subprocess_stdout(), cwd=ROOT,
+        # Secrets through the environment: never on a command line (issue 11).
+        env={**os.environ, **size["env"], "TRAINYARD_TOKEN": token, "TRAINYARD_S3_SECRET_KEY": s3_bucket.secret_key},
     )
     deadline = time.monotonic() + 120
     while "TRAINYARD_READY" not in log.read_text():

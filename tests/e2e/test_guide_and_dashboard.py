@@ -4,6 +4,13 @@
   `trainyard run examples/minimal.yaml`, `trainyard dev node kill-workers`, `trainyard logs -f`;
   it recovers from its checkpoint and ends with exactly the weights of the same script run by a
   plain `torchrun` (no Trainyard: the unmodified path);
+- a job file with a `requirements_file` (a local wheel, no network): each node installs it into a
+  cached venv and the job imports it; requirements that do not install fail the job at once
+  (start_error) with pip's reason in `trainyard describe`;
+- the cluster commands against the real agents: `ps` lists the running job, `tenants` its GPUs,
+  `cancel` stops its real workers (their processes gone, the GPUs free), `nodes cordon` keeps new
+  work off a node, `nodes drain` lets a running job finish and takes nothing new, `nodes uncordon`
+  gives the node back;
 - the dashboard in real headless Chromium (Debian's package, driven by Playwright): login, a
   running job's progress, its followed log, the GPU grid, the cluster page, and cancel; the
   screenshots are kept under the test's tmp dir (the path is printed).
@@ -26,7 +33,7 @@ import httpx
 import pytest
 
 from tests.e2e.harness import Cluster
-from tests.helpers import ProcessReaper, need, wait_for
+from tests.helpers import ProcessReaper, make_wheel, need, pid_gone, wait_for
 from trainyard.cli import main
 from trainyard.embedded import free_port
 from trainyard.tls import client_context
@@ -53,10 +60,9 @@ def guide_cluster(tmp_path_factory: pytest.TempPathFactory, embedded_pg: Any, _s
         proc = reaper.spawn(
             [sys.executable, "-m", "trainyard", "dev", "up", "--nodes", "2", "--gpus-per-node", "1", "--port",
              str(port), "--data-dir", str(data_dir), "--database-url", url, "--s3-endpoint", embedded_s3.endpoint,
-             "--s3-access-key", embedded_s3.access_key, "--s3-secret-key", embedded_s3.secret_key,
-             "--s3-bucket", bucket],
+             "--s3-access-key", embedded_s3.access_key, "--s3-bucket", bucket],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "TRAINYARD_NODE_LOST_TIMEOUT_S": "6"})
+            env={**os.environ, "TRAINYARD_NODE_LOST_TIMEOUT_S": "6", "TRAINYARD_S3_SECRET_KEY": embedded_s3.secret_key})
         try:
             deadline = time.monotonic() + 180
             while "TRAINYARD_READY" not in log.read_text():
@@ -98,6 +104,9 @@ def test_the_guides_example_then_the_dashboard(guide_cluster, tmp_path, monkeypa
     each of which would start its own cluster."""
     cluster, data_dir = guide_cluster
     _guide(cluster, data_dir, tmp_path, monkeypatch, capsys, process_reaper)
+    started = time.monotonic()
+    _requirements_and_cluster_commands(cluster, tmp_path, capsys)
+    print(f"\nrequirements and cluster commands: {time.monotonic() - started:.1f}s")
     _dashboard(cluster, tmp_path)
 
 
@@ -140,6 +149,101 @@ def _guide(cluster: Cluster, data_dir: Path, tmp_path: Path, monkeypatch: pytest
 
     code, out, err = _cli(["describe", "minimal"], capsys)
     assert code == 0 and "recovery from #1" in out and "[signal] rank" in out, out
+
+
+TRAIN_WITH_REQUIREMENT = """\
+import runpy, sys
+import tinypkg  # from the job's requirements, installed by the agent
+
+print(f"tinypkg says {tinypkg.MARK} from {tinypkg.__file__}", flush=True)
+sys.argv = ["train_minimal.py", *sys.argv[1:]]
+runpy.run_path("train_minimal.py", run_name="__main__")
+"""
+
+
+def _requirements_and_cluster_commands(cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_wheel(tmp_path / "wheels", "tinypkg", "1.0", "MARK = 'hello'\n")
+    job_dir = tmp_path / "reqjob"
+    job_dir.mkdir()
+    shutil.copy(ROOT / "examples" / "train_minimal.py", job_dir)
+    (job_dir / "train.py").write_text(TRAIN_WITH_REQUIREMENT)
+    index = f"--no-index\n--find-links {tmp_path / 'wheels'}\n"
+    (job_dir / "requirements.txt").write_text(f"{index}tinypkg==1.0\n")
+    (job_dir / "bad.txt").write_text(f"{index}tinypkg==9.9\n")
+    common = "workdir: .\nentrypoint: train.py\ngpus_per_node: 1\nmax_failures: 3\n"
+    (job_dir / "bad.yaml").write_text(f"name: badreqs\nnum_nodes: 1\nrequirements_file: bad.txt\n{common}")
+    (job_dir / "job.yaml").write_text(f"name: reqs\nnum_nodes: 2\nrequirements_file: requirements.txt\n{common}"
+                                      'args: ["--steps", "3000", "--step-time-s", "0.05"]\n')
+
+    # Requirements that cannot install: failed at once, not retried, pip's reason in one line.
+    code, out, err = _cli(["run", str(job_dir / "bad.yaml")], capsys)
+    assert code == 0, err
+    bad = cluster.wait_state(out.strip(), ENDED, timeout=90)
+    attempts = cluster.get(f"/v1/jobs/{bad['id']}/attempts")["items"]
+    assert bad["state"] == "failed" and len(attempts) == 1 and attempts[0]["failure_kind"] == "start_error", bad
+    assert "\n" not in bad["end_reason"] and "could not install the job's requirements" in bad["end_reason"], bad
+    code, out, err = _cli(["describe", "badreqs"], capsys)
+    said = " ".join(out.split())  # the reason is one line, folded at the console's width
+    assert code == 0 and "[start_error] node rank 0 on node-" in said, out
+    assert "No matching distribution found for tinypkg==9.9" in said, out
+
+    code, out, err = _cli(["run", str(job_dir / "job.yaml")], capsys)
+    assert code == 0, err
+    job_id = out.strip()
+    cluster.wait_for("reqs running", lambda: (cluster.job(job_id)["progress"]["step"] or 0) >= 5, 120)
+    code, out, err = _cli(["logs", "reqs"], capsys)
+    said = [line for line in out.splitlines() if "tinypkg says hello from" in line]
+    assert code == 0 and len(said) == 2 and all("/envs/" in line for line in said), out[-2000:]
+
+    code, out, err = _cli(["ps"], capsys)
+    assert code == 0 and [line for line in out.splitlines()
+                          if line.split()[:4] == [job_id[:8], "reqs", "default", "running"]], out
+    code, out, err = _cli(["tenants"], capsys)
+    (row,) = [line.split() for line in out.splitlines() if line.split()[:1] == ["default"]]
+    usage = next(t for t in cluster.get("/v1/tenants") if t["name"] == "default")
+    assert code == 0 and usage["gpus_in_use"] == 2 and usage["jobs_running"] == 1 and row[-3:] == ["2", "0", "1"], out
+
+    # Cancel: the real workers end, and the GPUs are free.
+    pids = [w["pid"] for n in cluster.get(f"/v1/jobs/{job_id}/attempts")["items"][-1]["nodes"] for w in n["workers"]]
+    assert len(pids) == 2 and all(pids), pids
+    code, out, err = _cli(["nodes", "cordon", "node-1"], capsys)
+    assert code == 0 and "node-1: cordoned" in err, err
+    code, out, err = _cli(["cancel", "reqs"], capsys)
+    assert code == 0 and "reqs" in err, err
+    assert cluster.wait_state(job_id, ENDED, timeout=60)["state"] == "cancelled"
+    wait_for(lambda: all(pid_gone(pid) for pid in pids), 30, what="the cancelled job's workers to exit")
+    wait_for(lambda: not [g for n in cluster.get("/v1/nodes") for g in n["gpus"] if g.get("job_id")], 30,
+             what="the GPUs to be released")
+
+    # Cordoned node-1 takes nothing: a one-GPU job goes to node-2, which then drains under it.
+    def node_of(job: str) -> str | None:
+        attempts = cluster.get(f"/v1/jobs/{job}/attempts")["items"]
+        return attempts[-1]["nodes"][0]["node_name"] if attempts else None
+
+    one_gpu = {"num_nodes": 1, "gpus_per_node": 1, "entrypoint": "examples/train_minimal.py"}
+    probe = cluster.submit({**one_gpu, "name": "probe", "args": ["--steps", "60", "--step-time-s", "0.05"]})
+    cluster.wait_for("probe placed", lambda: node_of(probe["id"]), 60)
+    assert node_of(probe["id"]) == "node-2"
+    code, out, err = _cli(["nodes", "drain", "node-2"], capsys)
+    assert code == 0 and "node-2: draining" in err, err
+    waiter = cluster.submit({**one_gpu, "name": "waiter", "args": ["--steps", "5"]})
+    assert cluster.wait_state(probe["id"], ENDED, timeout=120)["state"] == "succeeded"  # drain let it finish
+    cluster.wait_for("node-2 drained", lambda: [n for n in cluster.get("/v1/nodes")
+                                                if n["name"] == "node-2" and n["scheduling"] == "drained"], 30)
+    code, out, err = _cli(["nodes"], capsys)
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("node-")}
+    assert rows["node-1"][2] == "cordoned" and rows["node-2"][2] == "drained", out
+    assert cluster.job(waiter["id"])["state"] == "queued" and node_of(waiter["id"]) is None
+    code, out, err = _cli(["nodes", "uncordon", "node-1"], capsys)
+    assert code == 0 and "node-1: schedulable" in err, err
+    cluster.wait_for("waiter placed", lambda: node_of(waiter["id"]), 60)
+    assert node_of(waiter["id"]) == "node-1"
+    code, out, err = _cli(["nodes", "uncordon", "node-2"], capsys)
+    assert code == 0 and "node-2: schedulable" in err, err
+    cluster.http.post(f"/v1/jobs/{waiter['id']}/cancel")
+    cluster.wait_state(waiter["id"], ENDED, timeout=60)
+    wait_for(lambda: not [g for n in cluster.get("/v1/nodes") for g in n["gpus"] if g.get("job_id")], 30,
+             what="the GPUs to be released")
 
 
 def _dashboard(cluster: Cluster, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from node_agent.isolation import Confinement, worker_paths
 from node_agent.local_api import LocalApi, LocalApiLimits
-from node_agent.relay import DROPPED_EVENT, Outbox
+from node_agent.outbox import DROPPED_EVENT, Outbox
 from tests.helpers import wait_for
 from trainyard.protocol.agent import ShardInfo, WorkerEvent
 from trainyard.protocol.grants import LocalStorageRequest

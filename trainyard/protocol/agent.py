@@ -56,6 +56,7 @@ from trainyard.protocol.limits import (
     JsonDocument,
     Text,
 )
+from trainyard.protocol.requirements import MAX_REQUIREMENTS_CHARS
 from trainyard.protocol.uploads import UploadStats
 
 AGENT_API_PREFIX = "/v1/agent"
@@ -139,10 +140,10 @@ class RegisterResponse(_Wire):
     )
     storage: dict[str, Any] = Field(
         default_factory=dict,
-        description="S3 access for checkpoints (endpoint, bucket, access_key, secret_key, secure, region), "
+        description="How workers reach checkpoint storage, never a credential: `access` (`presigned`: URLs "
+        "per object through the agent) and `ca_pem` (the CA(s) of an S3 over HTTPS with a private CA), "
         "sent once per registration: a LaunchSpec given to an agent that reports `known` carries only "
-        "its `prefix`, and the agent merges the two. The plan is per-attempt scoped credentials in the "
-        "LaunchSpec instead (short-lived, limited to the job's prefix).",
+        "its `prefix`, and the agent merges the two.",
     )
 
 
@@ -247,6 +248,10 @@ class LaunchSpec(_Wire):
     code: CodeRef | None = Field(default=None, description="Shipped code to run in, or None (the node's own).")
     python: str | None = Field(default=None, description="The interpreter for torchrun and the workers (an "
                                "absolute path on the node), or None (the agent's own).")
+    requirements: str | None = Field(
+        default=None, max_length=MAX_REQUIREMENTS_CHARS,
+        description="A pip requirements file to install (from wheels) into a virtualenv cached by content hash on "
+        "the node, built on `python` (or the agent's) and seeing its packages; the workers run in it. None: none.")
     launched: bool = Field(
         default=False,
         description="An agent already reported this part as started (perhaps a previous agent instance "
@@ -254,9 +259,9 @@ class LaunchSpec(_Wire):
     )
     storage: dict[str, Any] = Field(
         default_factory=dict,
-        description="S3 access for checkpoints: endpoint, bucket, access_key, secret_key, secure, "
-        "region, prefix. The agent passes it to workers as TRAINYARD_S3_* variables. To an agent "
-        "that reports `known`, only `prefix`: the rest came in the RegisterResponse.",
+        description="How workers reach checkpoint storage: `access`, `ca_pem` and the job's `prefix`, passed "
+        "to workers as TRAINYARD_STORAGE_ACCESS, TRAINYARD_S3_CA_PEM and TRAINYARD_CHECKPOINT_PREFIX. To an "
+        "agent that reports `known`, only `prefix`: the rest came in the RegisterResponse.",
     )
     version: str = Field(
         default="",
@@ -394,6 +399,10 @@ class RankSummary(_Wire):
     ranks: list[RankStat] = Field(default_factory=list, max_length=MAX_NODE_RANKS)
 
 
+AgentErrorKind = Literal["start_error", "launch_error"]
+"""The failure kinds an agent may name for its part's error (trainyard.protocol.exits)."""
+
+
 class AttemptStatusReport(_Wire):
     fencing_token: FencingToken
     node_rank: Int32
@@ -405,6 +414,10 @@ class AttemptStatusReport(_Wire):
     result: JsonDocument | None = Field(default=None, description="Reported by global rank 0 at the end.")
     error: Annotated[str | None, _clip(MAX_MESSAGE_CHARS)] = Field(
         default=None, description="Why the agent could not launch or run it.")
+    error_kind: AgentErrorKind | None = Field(
+        default=None, description="What kind of failure `error` is, when the agent knows: start_error (the job's "
+        "own setup cannot work, e.g. its requirements do not install: not retried) or launch_error (this node "
+        "could not launch it). None: the control plane classifies it.")
     ranks: RankSummary | None = Field(
         default=None, description="The node's ranks' steps, step and busy times and silences (watchdogs); sent "
         "with the periodic report, not with every step.")

@@ -146,7 +146,8 @@ def storage_from_context(ctx: WorkerContext, *, timeout_s: float = 10.0, retries
 
         source = AgentGrants(agent_url=ctx.agent_url, attempt_id=ctx.attempt_id, fencing_token=ctx.fencing_token,
                              rank=ctx.rank, agent_socket=ctx.agent_socket)
-        return PresignedStorage(source, timeout_s=timeout_s, retries=retries)
+        return PresignedStorage(source, timeout_s=timeout_s, retries=retries,
+                                ca_file=ctx.storage.get("ca_file"), ca_pem=ctx.storage.get("ca_pem"))
     if not (ctx.storage.get("endpoint") and ctx.storage.get("bucket")):
         return None
     from worker_runtime.checkpoint.s3 import S3Config, S3Storage

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.grants import GrantAction, LocalStorageRequest, StorageGrant, StorageGrants
+from trainyard.protocol.s3tls import tls_context, tls_failure
 from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError, Pace
 from worker_runtime.agent_http import socket_client
 from worker_runtime.checkpoint.pacing import paced_chunks
@@ -47,6 +48,11 @@ class GrantRefused(PermissionError):
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(f"storage grant refused (HTTP {status}): {detail}")
         self.status = status
+
+
+class StorageTlsError(PermissionError):
+    """S3's certificate is not trusted here (or TLS failed): retrying does not help; the message
+    says what to configure."""
 
 
 class GrantSource(Protocol):
@@ -121,12 +127,16 @@ class PresignedStorage:
     """CheckpointStorage over presigned URLs from ``source``; safe to use from several threads."""
 
     def __init__(self, source: GrantSource, *, timeout_s: float = 30.0, retries: int = 2,
-                 clock: Callable[[], datetime] | None = None) -> None:
+                 clock: Callable[[], datetime] | None = None, ca_file: str | None = None,
+                 ca_pem: str | None = None) -> None:
+        """``ca_file`` / ``ca_pem``: the CA(s) an https S3 is verified with (TRAINYARD_S3_CA_FILE,
+        TRAINYARD_S3_CA_PEM); neither: the system's trust store."""
         self._source = source
         self._retries = max(0, retries)
         self._clock = clock or (lambda: datetime.now(UTC))
         self._http = urllib3.PoolManager(
-            timeout=urllib3.Timeout(connect=min(5.0, timeout_s), read=timeout_s), retries=False, maxsize=16)
+            timeout=urllib3.Timeout(connect=min(5.0, timeout_s), read=timeout_s), retries=False, maxsize=16,
+            ssl_context=tls_context(ca_file, ca_pem))
         self._lock = threading.Lock()
         self._readable: dict[str, StorageGrant] = {}
 
@@ -214,6 +224,8 @@ class PresignedStorage:
             data.seek(start)
             try:
                 resp = self._send(grant, body=_body(data, length, pace), headers={"Content-Length": str(length)})
+            except StorageTlsError:
+                raise
             except OSError as exc:  # urllib3's errors are OSErrors: the outcome is unknown, try again
                 if attempt == self._retries:
                     raise
@@ -313,8 +325,16 @@ class PresignedStorage:
               preload: bool = True, idempotent: bool = False) -> Any:
         retries = urllib3.Retry(total=self._retries, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504),
                                 allowed_methods=None) if idempotent else False
-        return self._http.request(grant.method, grant.url, body=body, headers={**grant.headers, **(headers or {})},
-                                  preload_content=preload, retries=retries)
+        try:
+            return self._http.request(grant.method, grant.url, body=body, headers={**grant.headers, **(headers or {})},
+                                      preload_content=preload, retries=retries)
+        except urllib3.exceptions.HTTPError as exc:
+            problem = tls_failure(exc, "/".join(grant.url.split("/", 3)[:3]))
+            if problem is not None:  # retrying cannot fix trust: one line, and no retry
+                raise StorageTlsError(problem) from None
+            raise
+
+
 
 
 def _body(data: BinaryIO, length: int, pace: Pace | None) -> Any:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, BinaryIO
 
+from trainyard.protocol.s3tls import split_endpoint, tls_context
 from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError, Pace
 
 PART_SIZE = 16 * 1024 * 1024
@@ -30,6 +31,11 @@ class S3Config:
     public_endpoint: str = ""
     """host:port at which workers reach the store, when it is not ``endpoint``: presigned URLs
     name it (the signature covers the host). Empty: ``endpoint``."""
+    ca_file: str = ""
+    """PEM file of the CA(s) that sign the store's certificate (with ``secure``); empty: the
+    system's trust store (trainyard/protocol/s3tls.py)."""
+    ca_pem: str = ""
+    """The same as PEM text (what an agent gives a worker)."""
 
     def __post_init__(self) -> None:
         if not self.endpoint or "://" in self.endpoint:
@@ -41,15 +47,24 @@ class S3Config:
 
     @classmethod
     def from_mapping(cls, m: dict[str, Any]) -> S3Config:
+        """From TRAINYARD_S3_* values; an endpoint may carry its scheme (``https://host:port``)."""
+        endpoint, scheme_secure = split_endpoint(str(m["endpoint"]))
+        secure = str(m.get("secure", "")).lower() in ("1", "true", "yes")
         return cls(
-            endpoint=str(m["endpoint"]),
+            endpoint=endpoint,
             bucket=str(m["bucket"]),
             access_key=str(m.get("access_key") or ""),
             secret_key=str(m.get("secret_key") or ""),
-            secure=str(m.get("secure", "")).lower() in ("1", "true", "yes"),
+            secure=secure if scheme_secure is None else scheme_secure,
             region=str(m.get("region") or "us-east-1"),
             public_endpoint=str(m.get("public_endpoint") or ""),
+            ca_file=str(m.get("ca_file") or ""),
+            ca_pem=str(m.get("ca_pem") or ""),
         )
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.secure else 'http'}://{self.endpoint}"
 
 
 class S3Storage:
@@ -64,6 +79,7 @@ class S3Storage:
             timeout=urllib3.Timeout(connect=min(5.0, timeout_s), read=timeout_s),
             retries=urllib3.Retry(total=retries, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504)),
             maxsize=16,
+            ssl_context=tls_context(config.ca_file, config.ca_pem) if config.secure else None,
         )
         self._http = http
         self._client = Minio(
