@@ -1,7 +1,7 @@
 """upload_slots: checkpoint upload slots (leases on the shared links); each shard's upload wait
 
 Revision ID: 0040
-Revises: 0100
+Revises: 0120
 Create Date: 2026-12-05 00:40:00
 """
 
@@ -12,7 +12,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0040"
-down_revision = "0100"
+down_revision = "0120"
 branch_labels = None
 depends_on = None
 
