@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio.to_thread
 import structlog
+import urllib3
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -32,6 +33,7 @@ from control_plane.api import (
     simulations,
     tenants,
     ui,
+    uploads,
 )
 from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
@@ -39,11 +41,12 @@ from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthor
 from control_plane.limits_http import BodyLimit
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
-from control_plane.services import goodput
+from control_plane.services import goodput, upload_slots
 from control_plane.services.logs import Followers
 from control_plane.services.metrics import Exporter
 from control_plane.settings import Settings
-from control_plane.wakeups import Busy, NodeWakeups
+from control_plane.wakeups import SLOT_CHANNEL, Busy, Wakeups
+from trainyard.protocol.s3tls import tls_failure
 
 log = structlog.get_logger("trainyard.app")
 
@@ -109,7 +112,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Busy)
     async def _too_many_waits(request: Request, exc: Busy) -> JSONResponse:
-        return _busy(request, f"{exc}; retry the long poll later (heartbeats carry on meanwhile)")
+        return _busy(request, f"{exc}; retry the long poll later")
 
     @app.exception_handler(DBAPIError)
     async def _database(request: Request, exc: DBAPIError) -> JSONResponse:
@@ -121,6 +124,22 @@ def _install_error_handlers(app: FastAPI) -> None:
                 return _busy(request, "the database cannot be reached for now")
             return _busy(request, f"the database refused this transaction for now (SQLSTATE {state})")
         raise exc
+
+    @app.exception_handler(urllib3.exceptions.HTTPError)
+    async def _object_store(request: Request, exc: urllib3.exceptions.HTTPError) -> JSONResponse:
+        # S3 unreachable or not trusted (the MinIO SDK lets urllib3's errors through): the store's
+        # trouble, said in one line, never a 500.
+        settings = request.app.state.settings
+        where = f"{'https' if settings.s3_secure else 'http'}://{settings.s3_endpoint}"
+        detail = tls_failure(exc, where) or f"S3 at {where} cannot be reached: {type(exc).__name__}"
+        log.warning("object store unavailable", path=request.url.path, detail=detail)
+        return _problem(503, {
+            "type": "https://trainyard.dev/problems/storage-unavailable",
+            "title": "Checkpoint storage is unavailable",
+            "status": 503,
+            "detail": detail,
+            "instance": request.url.path,
+        }, {"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(TrainyardError)
     async def _domain(request: Request, exc: TrainyardError) -> Response:
@@ -196,7 +215,7 @@ def object_store(settings: Settings):  # type: ignore[no-untyped-def]
 
     config = S3Config(endpoint=settings.s3_endpoint, bucket=settings.s3_bucket, access_key=settings.s3_access_key,
                       secret_key=settings.s3_secret_key, secure=settings.s3_secure, region=settings.s3_region,
-                      public_endpoint=settings.s3_worker_endpoint)
+                      public_endpoint=settings.s3_worker_endpoint, ca_file=settings.s3_ca_file)
     return S3Storage(config, timeout_s=10.0, retries=1)
 
 
@@ -204,7 +223,13 @@ def worker_storage(settings: Settings) -> dict[str, Any]:
     """What agents and workers learn about checkpoint storage: that there is some, reached through
     presigned URLs the control plane grants per object (trainyard/protocol/grants.py). No endpoint,
     no credential."""
-    return {"access": "presigned"} if settings.s3_endpoint else {}
+    if not settings.s3_endpoint:
+        return {}
+    if settings.s3_ca_file:  # public, and small (s3tls.MAX_CA_PEM_BYTES): workers verify S3 with it
+        from trainyard.protocol.s3tls import read_ca_pem
+
+        return {"access": "presigned", "ca_pem": read_ca_pem(settings.s3_ca_file)}
+    return {"access": "presigned"}
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -218,8 +243,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     factory = make_session_factory(engine)
     store = object_store(settings)
     loops = Loops(factory, settings, store)
-    wakeups = NodeWakeups(settings.database_url, max_waiters=settings.agent_wait_max)
+    wakeups = Wakeups(settings.database_url, max_waiters=settings.agent_wait_max)
     wakeups.install(factory)
+    slot_wakeups = Wakeups(settings.database_url, max_waiters=settings.upload_slot_wait_max, channel=SLOT_CHANNEL)
+    slot_wakeups.install(factory)
+    slot_passes = upload_slots.PassRunner(factory, settings, held=slot_wakeups.keys)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -236,12 +264,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except Exception:
             log.warning("database clock not readable at start; anchoring on the first loop", exc_info=True)
         await wakeups.start()
+        await slot_wakeups.start()
+        slot_passes.start()
         if settings.run_loops:
             loops.start()
         try:
             yield
         finally:
             await wakeups.stop()
+            await slot_wakeups.stop()
+            slot_passes.stop()
             loops.stop()
             engine.dispose()
 
@@ -258,14 +290,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.session_factory = factory
     app.state.loops = loops
     app.state.wakeups = wakeups
+    app.state.slot_wakeups = slot_wakeups
+    app.state.slot_passes = slot_passes
     app.state.wake_scheduler = loops.wake_scheduler
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)
     app.state.metrics = Exporter(factory, settings.metrics_cache_s, goodput.for_cluster)
     app.state.log_followers = Followers(settings.log_followers_per_principal)
     _install_error_handlers(app)
-    for module in (health, jobs, code, nodes, tenants, plans, simulations, principals, join_tokens, agent, metrics,
-                   docs, ui):
+    for module in (health, jobs, code, nodes, tenants, plans, simulations, principals, join_tokens, uploads, agent,
+                   metrics, docs, ui):
         app.include_router(module.router)
     _document_policies(app)
     openapi.install(app, API_DESCRIPTION)

@@ -391,7 +391,62 @@ class CheckpointShard(Base):
     key: Mapped[str] = mapped_column(Text)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
+    upload_wait_s: Mapped[float | None] = mapped_column(Float, doc="Time its rank waited for an upload slot.")
+    upload_s: Mapped[float | None] = mapped_column(Float, doc="Time its upload took.")
+    upload_slot: Mapped[str | None] = mapped_column(
+        String(16), doc="granted | bypassed | none (trainyard/protocol/uploads.py SlotUse); NULL: not reported."
+    )
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+
+
+UPLOAD_SLOTS_OPEN_SQL = "state IN ('waiting', 'granted')"
+"""The predicate of the open slots' unique index, as SQL text: an ON CONFLICT that names the index
+must repeat it with constants, never bound parameters (a statement psycopg has prepared, from the
+sixth run on a connection, then matches no index)."""
+
+
+class UploadSlot(Base):
+    """A checkpoint upload slot: one rank's lease on a share of the shared links for one shard
+    (docs/architecture.md, "Checkpoint upload slots"; the pure policy is services/upload_policy.py).
+
+    At most one open (waiting or granted) slot per (attempt, rank, step): asking again polls or
+    renews it. ``seq`` orders the waiters (first come, first served). A slot counts against the
+    limits while granted, unexpired and of its job's current attempt; anything else is reclaimed.
+    """
+
+    __tablename__ = "upload_slots"
+    __table_args__ = (
+        Index("uq_upload_slots_open", "attempt_id", "rank", "step", unique=True,
+              postgresql_where=text(UPLOAD_SLOTS_OPEN_SQL)),
+        Index("ix_upload_slots_waiting_seq", "seq", postgresql_where=text("state = 'waiting'")),
+        Index("ix_upload_slots_granted_node", "node_id", postgresql_where=text("state = 'granted'")),
+        Index("ix_upload_slots_job_id_seq", "job_id", "seq"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    seq: Mapped[int] = mapped_column(BigInteger, Identity(), doc="Arrival order: waiters are served oldest first.")
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    label: Mapped[str] = mapped_column(
+        String(255), doc="The node's topology domain when it asked (its TRAINYARD_TOPOLOGY_LABEL value; '' without)."
+    )
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(
+        String(16), doc="waiting | granted | released | expired (services/states.py UPLOAD_SLOT)"
+    )
+    requested_at: Mapped[datetime] = _ts(nullable=False)
+    granted_at: Mapped[datetime | None] = _ts()
+    expires_at: Mapped[datetime] = _ts(
+        nullable=False, doc="Waiting: dropped unless asked again by then; granted: reclaimed unless renewed."
+    )
+    ended_at: Mapped[datetime | None] = _ts()
+    rate_bytes_per_s: Mapped[int | None] = mapped_column(BigInteger, doc="The pace granted; NULL: unpaced.")
+    ok: Mapped[bool | None] = mapped_column(Boolean, doc="Released: whether the upload succeeded.")
+    uploaded_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    upload_s: Mapped[float | None] = mapped_column(Float)
 
 
 class Event(Base):

@@ -75,6 +75,32 @@ class Settings(BaseSettings):
         "runs) below which a job's GPU count is warned about at submit, and the least a plan's recommendation "
         "keeps (docs/planner.md)."
     )
+    upload_slots_max: int = Field(
+        0, ge=0, description="Checkpoint shard uploads in flight at once in the whole cluster; 0: unlimited "
+        "(docs/architecture.md, \"Checkpoint upload slots\")."
+    )
+    upload_slots_per_label: int = Field(
+        0, ge=0, description="Checkpoint shard uploads in flight at once per topology domain (nodes with one "
+        "value of topology_label; nodes without the label form one domain); 0: unlimited."
+    )
+    upload_node_rate_bytes_per_s: int = Field(
+        0, ge=0, description="Bytes per second the checkpoint uploads of one node may use together, shared "
+        "evenly by its uploads in flight; 0: unlimited."
+    )
+    upload_slot_ttl_s: float = Field(
+        30.0, gt=0, le=3600, description="An upload slot's lease: a granted slot not renewed (its worker renews "
+        "every third of it) or a queue place not asked for again within this long is reclaimed."
+    )
+    upload_slot_poll_s: float = Field(
+        20.0, gt=0, le=60, description="The longest one long poll for an upload slot stays open."
+    )
+    upload_slot_max_wait_s: float = Field(
+        900.0, ge=0, description="A worker waits this long for an upload slot at most, then uploads without one "
+        "(with a checkpoint.upload_unslotted event); 0: no bound but the next save."
+    )
+    upload_slot_wait_max: int = Field(
+        4000, ge=0, description="Upload-slot long polls one replica holds open at once; more are answered 503."
+    )
     limits_interval_s: float = Field(1.0, gt=0, description="Period of the time-limit loop.")
     attempt_launch_timeout_s: float = Field(
         60.0, gt=0, description="A node's part of an attempt that its agent has not confirmed launching this "
@@ -157,7 +183,11 @@ class Settings(BaseSettings):
     s3_access_key: str = Field("", description="The control plane's S3 key; workers and agents never get it.")
     s3_secret_key: str = ""
     s3_bucket: str = "trainyard"
-    s3_secure: bool = False
+    s3_secure: bool = Field(False, description="Speak HTTPS to S3 (also said by an https:// s3_endpoint).")
+    s3_ca_file: str = Field(
+        "", description="PEM file of the CA(s) that sign S3's certificate, when not the system's trust store: the "
+        "control plane verifies S3 with it and agents give it to workers (a CA, no credential)."
+    )
     s3_region: str = "us-east-1"
     s3_worker_endpoint: str = Field(
         "", description="host:port at which workers reach S3, when it is not s3_endpoint (presigned URLs name "
@@ -213,6 +243,22 @@ class Settings(BaseSettings):
         """The pool wait actually used: a request must be answered (503) before its agent gives up."""
         return min(self.db_pool_timeout_s, self.agent_request_timeout_s / 2)
 
+    def _check_s3(self) -> None:
+        """An https:// (or http://) endpoint sets s3_secure; a CA file must load (s3tls.read_ca_pem)."""
+        from trainyard.protocol.s3tls import read_ca_pem, split_endpoint
+
+        for name in ("s3_endpoint", "s3_worker_endpoint"):
+            endpoint, secure = split_endpoint(getattr(self, name))
+            if secure is not None and name == "s3_endpoint":
+                self.s3_secure = secure
+            elif secure is not None and secure != self.s3_secure:
+                raise ValueError("s3_worker_endpoint's scheme must agree with s3_endpoint's")
+            setattr(self, name, endpoint)
+        if self.s3_ca_file:
+            if not self.s3_secure:
+                raise ValueError("s3_ca_file needs S3 over HTTPS (an https:// s3_endpoint or s3_secure=true)")
+            read_ca_pem(self.s3_ca_file)
+
     def _check_timeouts(self) -> None:
         """Each timeout fits inside the next (docs/architecture.md, "Time and timeouts")."""
         from trainyard.protocol.agent import AGENT_BACKOFF_S
@@ -244,6 +290,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         self._check_timeouts()
+        self._check_s3()
         if self.rdzv_port_min > self.rdzv_port_max:
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
         from control_plane import failpoints

@@ -1,20 +1,23 @@
-"""Long-poll wake-ups of node agents (``POST /v1/agent/wait``, docs/architecture.md "Heartbeats").
+"""Long-poll wake-ups (docs/architecture.md, "Heartbeat interval and long-poll wake-ups"): of node
+agents (``POST /v1/agent/wait``) and of workers waiting for a checkpoint upload slot.
 
 A change to a node's desired state (a new attempt part, a stop order) sends
 ``NOTIFY trainyard_node, '<node id>'`` in the transaction that makes it (``notify_nodes``), so the
-wake-up is delivered if and only if the change commits. Each replica listens on one PostgreSQL
-connection (``NodeWakeups.run``, an asyncio task; psycopg 3 async) and sets the asyncio events of
-the waits it holds for that node; a change committed by this replica also wakes its own waits at
-once, without the round trip (``install``: an ``after_commit`` hook). A waiting request holds no
-thread and no database connection: only an event.
+wake-up is delivered if and only if the change commits; a grant of upload slots sends
+``NOTIFY trainyard_upload_slot, '<slot key>'`` the same way (``notify``). Each replica listens on
+one PostgreSQL connection per channel (``Wakeups.run``, an asyncio task; psycopg 3 async) and sets
+the asyncio events of the waits it holds for that key; a change committed by this replica also
+wakes its own waits at once, without the round trip (``install``: an ``after_commit`` hook). A
+waiting request holds no thread and no database connection: only an event.
 
-No module of the web framework is imported here: services call ``notify_nodes``.
+No module of the web framework is imported here: services call ``notify_nodes`` and ``notify``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -28,31 +31,40 @@ log = structlog.get_logger("trainyard.wakeups")
 T = TypeVar("T")
 
 CHANNEL = "trainyard_node"
-_PENDING = "wake_nodes"  # session.info key: nodes to wake locally once the transaction commits
+SLOT_CHANNEL = "trainyard_upload_slot"
+_PENDING = "wake:"  # + channel, session.info key: keys to wake locally once the transaction commits
 
 
-def notify_nodes(session: Session, node_ids: Iterable[uuid.UUID | str]) -> None:
-    """Wake the agents of these nodes once the session's transaction commits (on every replica)."""
-    ids = sorted({str(n) for n in node_ids})
+def notify(session: Session, channel: str, keys: Iterable[uuid.UUID | str]) -> None:
+    """Wake the waits for these keys once the session's transaction commits (on every replica)."""
+    ids = sorted({str(n) for n in keys})
     if not ids:
         return
     # One statement for all of them; PostgreSQL delivers each payload once per committed transaction.
     session.execute(text("SELECT pg_notify(:channel, n) FROM unnest(CAST(:ids AS text[])) AS n"),
-                    {"channel": CHANNEL, "ids": ids})
-    session.info.setdefault(_PENDING, set()).update(ids)
+                    {"channel": channel, "ids": ids})
+    session.info.setdefault(_PENDING + channel, set()).update(ids)
+
+
+def notify_nodes(session: Session, node_ids: Iterable[uuid.UUID | str]) -> None:
+    """Wake the agents of these nodes once the session's transaction commits (on every replica)."""
+    notify(session, CHANNEL, node_ids)
 
 
 class Busy(Exception):
     """This replica holds as many waits as it may (``agent_wait_max``)."""
 
 
-class NodeWakeups:
-    """The waits one replica holds, by node, and the listener that wakes them."""
+class Wakeups:
+    """The waits one replica holds on one channel, by key (a node id, an upload slot's key), and the
+    listener that wakes them."""
 
-    def __init__(self, database_url: str, *, max_waiters: int) -> None:
+    def __init__(self, database_url: str, *, max_waiters: int, channel: str = CHANNEL) -> None:
         self._url = database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+        self.channel = channel
         self.max_waiters = max_waiters
         self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._lock = threading.Lock()  # ``keys`` is read from other threads
         self._count = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -68,9 +80,10 @@ class NodeWakeups:
         """Register a wait before reading the node's state, so no change between the read and the
         wait is missed. Raises Busy beyond ``max_waiters``."""
         if self._count >= self.max_waiters:
-            raise Busy(f"{self._count} agents already wait on this replica")
+            raise Busy(f"{self._count} long polls ({self.channel}) already wait on this replica")
         ev = asyncio.Event()
-        self._waiters.setdefault(node_id, set()).add(ev)
+        with self._lock:
+            self._waiters.setdefault(node_id, set()).add(ev)
         self._count += 1
         return ev
 
@@ -80,7 +93,13 @@ class NodeWakeups:
             waiters.discard(ev)
             self._count -= 1
             if not waiters:
-                del self._waiters[node_id]
+                with self._lock:
+                    del self._waiters[node_id]
+
+    def keys(self) -> list[str]:
+        """The keys waited on now (thread-safe)."""
+        with self._lock:
+            return list(self._waiters)
 
     async def wait(self, node_id: str, change: Callable[[], T | None], timeout_s: float) -> T | None:
         """A long poll: what ``change()`` (run in a worker thread) says changed in the node's desired
@@ -108,6 +127,22 @@ class NodeWakeups:
         finally:
             self.remove(node_id, ev)
 
+    async def wait_until(self, key: str, first: Callable[[], T | None], then: Callable[[], T],
+                         timeout_s: float) -> T:
+        """A long poll on ``key``: the answer of ``first()`` (run in a worker thread, after the wait
+        is registered, so no wake-up between the two is missed) if it has one, else that of
+        ``then()`` after a wake-up or after ``timeout_s``."""
+        ev = self.add(key)
+        try:
+            answer = await anyio.to_thread.run_sync(first)
+            if answer is not None:
+                return answer
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), timeout_s)
+            return await anyio.to_thread.run_sync(then)
+        finally:
+            self.remove(key, ev)
+
     def _fire(self, node_ids: Iterable[str]) -> None:
         for node_id in node_ids:
             for ev in self._waiters.get(node_id, ()):
@@ -129,13 +164,15 @@ class NodeWakeups:
     def install(self, factory: sessionmaker[Session]) -> None:
         """Wake local waits after a commit that notified (``notify_nodes``), without the listener."""
 
+        pending = _PENDING + self.channel
+
         def after_commit(session: Session) -> None:
-            ids = session.info.pop(_PENDING, None)
+            ids = session.info.pop(pending, None)
             if ids:
                 self.wake_local(ids)
 
         def after_rollback(session: Session) -> None:
-            session.info.pop(_PENDING, None)
+            session.info.pop(pending, None)
 
         event.listen(factory, "after_commit", after_commit)
         event.listen(factory, "after_rollback", after_rollback)
@@ -144,7 +181,7 @@ class NodeWakeups:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self.run(), name="trainyard-wakeups")
+        self._task = asyncio.create_task(self.run(), name=f"trainyard-wakeups-{self.channel}")
 
     async def stop(self) -> None:
         self._stopping = True
@@ -158,7 +195,7 @@ class NodeWakeups:
     async def run(self) -> None:
         """LISTEN on one connection, for as long as the replica runs; reconnect after a failure.
         After a (re)connect every wait is woken: a NOTIFY sent while not listening is not replayed,
-        and a wait that returns "maybe changed" costs one heartbeat."""
+        and a wait that returns "maybe changed" costs one heartbeat (or one slot poll)."""
         import psycopg
 
         backoff = 0.5
@@ -166,7 +203,7 @@ class NodeWakeups:
             try:
                 conn: Any = await psycopg.AsyncConnection.connect(self._url, autocommit=True, connect_timeout=5)
                 try:
-                    await conn.execute(f"LISTEN {CHANNEL}")
+                    await conn.execute(f"LISTEN {self.channel}")
                     backoff = 0.5
                     self._fire_all()
                     async for note in conn.notifies():
@@ -179,3 +216,7 @@ class NodeWakeups:
                 log.warning("wake-up listener lost its connection; reconnecting", error=str(exc), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(10.0, backoff * 2)
+
+
+NodeWakeups = Wakeups
+"""The agents' long polls (``POST /v1/agent/wait``): a ``Wakeups`` on ``CHANNEL``."""

@@ -15,6 +15,7 @@ from node_agent.agent import AgentConfig, run_agent
 from node_agent.config import read_join_token
 from node_agent.gpus import NoGpusError
 from node_agent.isolation import IsolationError, UidRange
+from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 
 
 def _uids(text: str) -> UidRange:
@@ -31,7 +32,7 @@ def _label(text: str) -> tuple[str, str]:
     return key, value
 
 
-def parse_args(argv: list[str] | None = None) -> AgentConfig:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m node_agent", description="Trainyard node agent")
     parser.add_argument("--control-plane", required=True, help="control plane URL, e.g. https://10.0.0.1:8000")
     parser.add_argument("--ca-file", type=Path, default=None,
@@ -58,7 +59,16 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     parser.add_argument("--env-cache-max-count", type=int, default=8,
                         help="cached venvs of jobs' requirements to keep (least recently used removed first)")
     parser.add_argument("--env-cache-max-gb", type=float, default=20.0, help="disk the cached venvs may take")
+    parser.add_argument("--outbox-max-items", type=int, default=MAX_ITEMS_PER_NODE,
+                        help="shards and events held for the control plane, over every attempt of the node")
+    parser.add_argument("--outbox-max-mb", type=float, default=MAX_BYTES_PER_NODE / 2**20,
+                        help="the same budget in MiB")
     parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> AgentConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(args.log_level.upper())),
@@ -84,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             pip_constraints=args.pip_constraint,
             env_cache_max_count=args.env_cache_max_count,
             env_cache_max_gb=args.env_cache_max_gb,
+            outbox_max_items=args.outbox_max_items,
+            outbox_max_bytes=int(args.outbox_max_mb * 2**20),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -1,18 +1,25 @@
 """The node agent: registers the node, runs what the control plane assigns, reports what happens.
 
-Four loops run on their own threads under a monitor (which restarts a loop that died):
+Five loops run on their own threads under a monitor (which restarts a loop that died):
 
-- heartbeat: (re-)register when needed, send a heartbeat listing the attempts with live
-  processes or a final status not yet acknowledged, reconcile against the desired state in the
-  answer: launch what is assigned and was never launched here, stop what runs and is no longer
-  assigned.
-- supervise: look at local processes and rank files; escalate stops from SIGTERM to SIGKILL.
-- report: send each attempt's status when it changes (and every status_interval_s), ship new log
-  bytes, and send the final status and last bytes after the end until acknowledged. The final
-  status waits until the attempt's queued shards and events are delivered: a checkpoint reported
-  just before the exit reaches the control plane before the attempt is seen to end.
-- relay: forward the checkpoint shards and events workers post to the local API, in order, as
-  soon as they are queued (relay.py).
+- heartbeat (agent_heartbeat.py): (re-)register when needed, send a heartbeat listing the attempts
+  with live processes or a final status not yet acknowledged, reconcile against the desired state
+  in the answer: launch what is assigned and was never launched here, stop what runs and is no
+  longer assigned.
+- wait (agent_desired.py): a long poll that learns of a changed desired state at once, and the
+  reconciling both loops share.
+- supervise (agent_supervise.py): look at local processes and rank files; escalate stops from
+  SIGTERM to SIGKILL.
+- report (agent_report.py): send each attempt's status when it changes (and every
+  status_interval_s), ship new log bytes, and send the final status and last bytes after the end
+  until acknowledged. The final status waits until the attempt's queued shards and events are
+  delivered: a checkpoint reported just before the exit reaches the control plane before the
+  attempt is seen to end.
+- relay (agent_report.py): forward the checkpoint shards and events workers post to the local API,
+  in order, as soon as they are queued (relay.py).
+
+This module keeps the lifecycle (start, stop, the loops' threads); agent_core.py declares the
+state they share.
 
 The loops touch the network only through the client, and every local fact can be recomputed from
 the processes and files, so a control-plane outage only delays reports: workers keep running,
@@ -23,34 +30,21 @@ The protocol (attempts, fencing, leases) is in docs/architecture.md.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-import random
 import signal
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from http import HTTPStatus
-from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import structlog
 
-from node_agent import credential, processes
+from node_agent.agent_heartbeat import HeartbeatLoop
+from node_agent.agent_report import ReportLoop
 from node_agent.attempt import AttemptRun
-from node_agent.client import (
-    ControlPlaneClient,
-    ControlPlaneError,
-    ControlPlaneUnavailable,
-    RequestRejected,
-    StaleAttempt,
-    TlsMismatch,
-    Unauthorized,
-)
-from node_agent.code import CodeUnavailable, cached_archive
+from node_agent.client import ControlPlaneClient
 from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource, gpu_source
 from node_agent.isolation import Isolation, IsolationError, private_dir, reachable_by_others
@@ -58,47 +52,23 @@ from node_agent.launcher import NodeContext
 from node_agent.launches import Launches
 from node_agent.local_api import BASE_URL, LocalApi, LocalReports
 from node_agent.orphans import OrphanSweeper
-from node_agent.relay import Outbox, Relay
+from node_agent.outbox import Outbox
+from node_agent.relay import Relay
+from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
-    AssignmentRef,
     AttemptStatusReport,
     GpuInfo,
-    HeartbeatRequest,
-    KnownAssignment,
-    LaunchSpec,
-    LocalAttempt,
-    LogBatch,
-    NodeAttemptState,
-    RegisterRequest,
-    WaitRequest,
-    agent_request_timeout_s,
 )
-from trainyard.protocol.grants import LocalStorageRequest, StorageRequest
 
 __all__ = ["Agent", "AgentConfig", "IsolationError", "run_agent"]
 
-AGENT_VERSION = "0.1.0"
 log = structlog.get_logger(__name__)
 
-_REPORT_INTERVAL_S = 0.5
-_LOG_BATCHES_PER_ROUND = 4
-_FINAL_STATES = (NodeAttemptState.exited, NodeAttemptState.stopped)
-_ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned workers of its node
 EXIT_SUPERSEDED = 3
-HEARTBEAT_JITTER = 0.2
-"""A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
-WAIT_TIMEOUT_S = 25.0
-"""How long one long poll (POST /v1/agent/wait) stays open at least; twice the heartbeat interval when
-that is longer (each wait costs the control plane a read when it starts), at most WAIT_TIMEOUT_MAX_S.
-The control plane may cut it shorter (agent_wait_timeout_s)."""
-WAIT_TIMEOUT_MAX_S = 110.0
-RETRY_AFTER_FAILURE_S = 5.0
-"""The longest pause before a failed heartbeat is tried again, whatever the interval."""
-"""A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
 """Exit status of an agent that stopped because another instance registered as its node."""
 
 
-class Agent:
+class Agent(HeartbeatLoop, ReportLoop):
     def __init__(self, config: AgentConfig, *, gpus: GpuSource | None = None) -> None:
         self.config = config
         self.instance = uuid.uuid4().hex
@@ -118,7 +88,7 @@ class Agent:
         self.orphans = OrphanSweeper(grace_s=config.stop_grace_s, log=self.log)
         self._next_orphan_scan = 0.0
         self.reports = LocalReports()
-        self.outbox = Outbox()
+        self.outbox = Outbox(node_max_items=config.outbox_max_items, node_max_bytes=config.outbox_max_bytes)
         self.relay = Relay(
             self.outbox,
             self.client,
@@ -126,6 +96,8 @@ class Agent:
             on_stale=self._relay_stale,
             on_unauthorized=self._need_register_set,
         )
+        self.slots = SlotRelay(self.client, target=self._relay_target, on_stale=self._relay_stale,
+                               on_unauthorized=self._need_register_set)
         self._gpu_source = gpus or gpu_source(config.virtual_gpus, config.name)
         self.gpus: list[GpuInfo] = []
         self.node_id: str | None = None
@@ -193,7 +165,7 @@ class Agent:
         # Workers must get through to their own directory and socket, never into the agent's state.
         private_dir(config.work_dir, 0o711)
         private_dir(config.workers_dir, 0o711)
-        self._api = LocalApi(self.reports, self.outbox, grants=self._storage_grants)
+        self._api = LocalApi(self.reports, self.outbox, grants=self._storage_grants, slots=self.slots)
         self._launches = Launches(config, self._api, self.isolation, self.log)
         if self.isolation.isolated:
             for what, directory in (("--worker-root", config.workers_dir), ("--run-dir", self._launches.sockets_dir)):
@@ -260,53 +232,6 @@ class Agent:
         self.client.close()
         self.log.info("agent_stopped")
 
-    def _stop_all_workers(self, deadline: float) -> None:
-        runs = [run for run in self.runs() if run.alive]
-        for run in runs:
-            run.request_stop("agent shutting down")
-        while time.monotonic() < deadline:
-            for run in runs:
-                run.poll()
-            if not any(run.alive for run in runs):
-                return
-            time.sleep(self.config.poll_interval_s)
-        for run in runs:
-            run.kill_now()
-        end = time.monotonic() + 2.0
-        while time.monotonic() < end and any(run.alive for run in runs):
-            time.sleep(0.05)
-            for run in runs:
-                run.poll()
-        left = [run.attempt_id for run in runs if run.alive]
-        if left:
-            self.log.error("workers_left_running", attempts=left)
-
-    def _adopt_existing(self) -> None:
-        assert self._launches is not None
-        seen, runs = self._launches.adopt_all()
-        self._known |= seen  # whatever their state: never launched again
-        for run in runs:
-            self._runs[run.attempt_id] = run
-            if run.spec.version:
-                self._versions[run.attempt_id] = run.spec.version
-            self.reports.register(run.attempt_id, run.spec.fencing_token)
-
-    def _sweep_orphans(self, table: processes.ProcessTable) -> None:
-        """Stop this node's processes that no attempt of this instance owns (node_agent/orphans.py);
-        their attempts are never launched by this instance."""
-        # Listed before the owned attempts are read: a launch makes its cgroup and joins _runs under
-        # the lock, so every cgroup listed here belongs to an attempt that is in _runs by then.
-        tree = self.isolation.cgroups if self.isolation is not None else None
-        cgroups = tree.parts(self.node_id) if tree is not None and self.node_id is not None else None
-        with self._runs_lock:  # after the scan: a launch that the scan saw is in _runs by now
-            owned = set(self._runs)
-        before = self.orphans.alive
-        new = self.orphans.sweep(table, owned, cgroups)
-        with self._runs_lock:
-            self._known |= new
-        if self.orphans.alive != before:
-            self._wake("heartbeat")
-
     def _superseded(self, exc: Exception) -> None:
         """Another agent instance registered as this node: the newer one wins. Stop launching, stop
         the workers and exit; never register again (two agents would take the node in turns)."""
@@ -339,11 +264,6 @@ class Agent:
             wake.wait(wait)  # stop() sets every wake event too
             wake.clear()
 
-    def _wake(self, *names: str) -> None:
-        """Run these loops now rather than at their next period (a local fact changed)."""
-        for name in names:
-            self._wakes[name].set()
-
     def _monitor(self) -> None:
         while not self._stop_event.wait(1.0):
             for name in self._loops:
@@ -351,418 +271,12 @@ class Agent:
                     self.log.error("loop_died_restarting", loop=name)
                     self._start_loop(name)
 
-    def runs(self) -> list[AttemptRun]:
-        with self._runs_lock:
-            return list(self._runs.values())
-
-    def run(self, attempt_id: str) -> AttemptRun | None:
-        with self._runs_lock:
-            return self._runs.get(attempt_id)
-
-    # --- heartbeat loop ---
-
-    def _register(self) -> bool:
-        request = RegisterRequest(
-            name=self.config.name,
-            address=self.config.address,
-            gpus=self.gpus,
-            labels=self.config.labels,
-            agent_version=AGENT_VERSION,
-            agent_instance=self.instance,
-        )
-        if self.superseded is not None:
-            return False
-        try:
-            resp = self.client.register(request, self.client.node_token or credential.load(self.config.work_dir))
-        except TlsMismatch as exc:
-            self.log.error("control_plane_tls_mismatch", error=str(exc))
-            return False
-        except ControlPlaneUnavailable as exc:
-            self.log.info("control_plane_unreachable", error=str(exc))
-            return False
-        except (Unauthorized, RequestRejected, StaleAttempt) as exc:  # StaleAttempt: a 409, the name is taken
-            self.log.error("registration_rejected", error=str(exc))
-            return False
-        try:
-            credential.save(self.config.work_dir, resp.node_token)
-        except OSError as exc:  # a restart then needs a join token again; this run goes on
-            self.log.error("node_credential_not_saved", error=str(exc))
-        self.node_id = resp.node_id
-        self.epoch = resp.agent_epoch
-        self._heartbeat_interval_s = resp.heartbeat_interval_s
-        # Each try of a heartbeat ends early enough that it and its retries are over before the node
-        # is declared lost (docs/architecture.md, "Time and timeouts").
-        self.client.set_heartbeat_timeout(max(0.1, min(self.config.http_timeout_s, agent_request_timeout_s(
-            resp.heartbeat_interval_s, resp.node_lost_timeout_s))))
-        self._storage = dict(resp.storage)
-        self.log = log.bind(node=self.config.name, node_id=resp.node_id)
-        with self._runs_lock:  # what this instance launches from now on carries the node's id
-            if self._node is not None:
-                self._node = dataclasses.replace(self._node, node_id=resp.node_id)
-        self.orphans.node_id = resp.node_id
-        # Before the first heartbeat after a registration: no heartbeat of this instance may omit an
-        # orphan of this node (node_agent/orphans.py).
-        self._sweep_orphans(processes.scan())
-        self._need_register.clear()
-        self.registered.set()
-        self.log.info("registered", heartbeat_interval_s=resp.heartbeat_interval_s, instance=self.instance,
-                      epoch=resp.agent_epoch)
-        return True
-
-    def _heartbeat_step(self) -> float:
-        if self._need_register.is_set() and not self._register():
-            self._register_failures += 1
-            return min(5.0, 0.25 * 2 ** min(self._register_failures, 5))
-        started = time.monotonic()
-        self._seq += 1
-        sent_at, known = self._holding()
-        request = HeartbeatRequest(
-            agent_instance=self.instance,
-            seq=self._seq,
-            attempts=self._listed_attempts(),
-            known=known,
-        )
-        try:
-            resp = self.client.heartbeat(request)
-        except Unauthorized:
-            # The control plane forgot this node (e.g. its database was reset): register again.
-            self.log.warning("heartbeat_unauthorized_reregistering")
-            self._need_register.set()
-            self._register_failures += 1
-            return min(5.0, 0.1 * 2 ** min(self._register_failures, 5))
-        except (ControlPlaneUnavailable, RequestRejected) as exc:
-            self.log.warning("heartbeat_failed", error=str(exc))
-            # Not a whole (scaled, perhaps 30 s) interval: after an outage the control plane's startup
-            # grace (15 s) must see this node again before it calls it lost.
-            return min(self._heartbeat_interval_s, RETRY_AFTER_FAILURE_S * random.uniform(0.5, 1.0))
-        self._register_failures = 0
-        # The control plane stretches the interval as the cluster grows (its node-lost timeout grows
-        # by as much, so the request timeout set at registration still fits).
-        self._heartbeat_interval_s = resp.heartbeat_interval_s
-        self._reconcile(resp.assignments, resp.unchanged, sent_at=sent_at)
-        self._heartbeat_done.set()
-        # Jittered (never longer than told): a thousand agents do not stay in step after an outage
-        # or a wake-up that reached many of them at once.
-        period = self._heartbeat_interval_s * random.uniform(1 - HEARTBEAT_JITTER, 1.0)
-        return max(0.0, period - (time.monotonic() - started))
-
-    def _wait_step(self) -> float:
-        """Keep one long poll open; when the control plane says the node's desired state changed (a
-        new attempt, a stop order), apply the desired state the answer carries (or, from a control
-        plane that sends none, heartbeat now) rather than wait for the next heartbeat, whose interval
-        grows with the cluster. Then wait again, with the versions that brought."""
-        if not self.registered.is_set() or self._need_register.is_set():
-            return 1.0
-        sent_at, known = self._holding()
-        try:
-            timeout = min(WAIT_TIMEOUT_MAX_S, max(WAIT_TIMEOUT_S, 2 * self._heartbeat_interval_s))
-            timeout *= random.uniform(1 - HEARTBEAT_JITTER, 1.0)  # waits woken together re-arm spread out
-            resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout, answer=True))
-        except Unauthorized:
-            self._wake("heartbeat")  # it registers again
-            return 1.0
-        except RequestRejected as exc:  # e.g. a control plane without long polls (404): heartbeats only
-            self.log.info("long_poll_refused", error=str(exc))
-            return 60.0
-        except ControlPlaneUnavailable:
-            return self._heartbeat_interval_s
-        if resp.changed and resp.assignments is not None:
-            self._reconcile(resp.assignments, resp.unchanged, sent_at=sent_at)
-        elif resp.changed:
-            self._heartbeat_done.clear()
-            self._wake("heartbeat")
-            self._heartbeat_done.wait(self._heartbeat_interval_s)  # the next wait knows its answer
-        return 0.0
-
-    def _alive_attempts(self) -> list[str]:
-        """Attempts with processes on this node: ours, and orphans still being stopped."""
-        return sorted({run.attempt_id for run in self.runs() if run.alive} | self.orphans.alive)
-
-    def _listed_attempts(self) -> list[LocalAttempt]:
-        """What the heartbeat lists: every attempt with live processes (orphans included), and every
-        finished one until its final status is acknowledged, not only while its processes live: the
-        control plane must not read "vanished" into a report still on its way."""
-        alive = set(self._alive_attempts())
-        listed = [LocalAttempt(attempt_id=attempt_id) for attempt_id in sorted(alive)]
-        listed += [
-            LocalAttempt(attempt_id=run.attempt_id, processes_alive=False, final_status_pending=True)
-            for run in self.runs()
-            if run.attempt_id not in alive and not (run.final_acked or run.stale)
-        ]
-        return listed
-
-    def _holding(self) -> tuple[float, list[KnownAssignment]]:
-        """When a request leaves and the spec versions it reports (taken together: see _reconcile)."""
-        with self._reconcile_lock:
-            return time.monotonic(), [KnownAssignment(attempt_id=a, version=v)
-                                      for a, v in sorted(self._versions.items())]
-
-    def _reconcile(self, assignments: list[LaunchSpec], unchanged: list[AssignmentRef] | None = None, *,
-                   sent_at: float | None = None) -> None:
-        """Full specs are new or changed assignments; `unchanged` names the specs this agent holds
-        that are still assigned ('run') or not ('stop'). A spec for an attempt launched before is
-        never launched again: only its version is kept.
-
-        Answers come from the heartbeat and from the long poll, each read by the control plane at
-        its own moment: an answer to a request sent (``sent_at``) before an attempt was launched
-        may have been read before that attempt was assigned, so its silence about it is no order to
-        stop it (an explicit stop comes with the next answer that knows it)."""
-        # Shipped code is fetched before the lock (once per content hash; the heartbeat and the long
-        # poll take the lock for every request): a slow download holds back no other loop.
-        fetched = {spec.attempt_id: self._code(spec) for spec in assignments}
-        with self._reconcile_lock:
-            refs = unchanged or []
-            assigned = {spec.attempt_id for spec in assignments}
-            assigned |= {ref.attempt_id for ref in refs if ref.desired == "run"}
-            newer = {a for a, t in self._launched_at.items() if sent_at is not None and t > sent_at}
-            # Forget the versions of what is no longer assigned: if it ever came back, so would its spec.
-            self._versions = {a: v for a, v in self._versions.items() if a in assigned or a in newer}
-            for spec in assignments:
-                if spec.version:
-                    self._versions[spec.attempt_id] = spec.version
-                self._launched_at.setdefault(spec.attempt_id, time.monotonic())
-                self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}),
-                             *fetched[spec.attempt_id])
-            for run in self.runs():
-                if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
-                    run.request_stop("no longer assigned to this node")
-            # Kept while assigned or too new to judge, with a version or without one (a control plane
-            # that sends none): the guard above holds for both.
-            self._launched_at = {a: t for a, t in self._launched_at.items() if a in assigned or a in newer}
-
-    def _launch(self, spec: LaunchSpec, code_archive: Path | None = None, code_problem: str | None = None) -> None:
-        assert self._node is not None and self._launches is not None
-        with self._runs_lock:
-            if spec.attempt_id in self._known or self._stop_event.is_set():
-                return
-            self._known.add(spec.attempt_id)  # at most once in this agent's life, whatever happens
-            if spec.launched:
-                # Started by an earlier instance of this node whose work dir is gone: its processes,
-                # if any, were swept as orphans; starting it again would run it twice.
-                self.log.warning("attempt_started_by_another_instance_not_launching", attempt_id=spec.attempt_id)
-                return
-            # Registered first: its workers may report as soon as they run.
-            self.reports.register(spec.attempt_id, spec.fencing_token)
-            run = self._launches.start(spec, self._node, self.gpus, code_archive=code_archive,
-                                       code_problem=code_problem)
-            if run is None:
-                self.reports.unregister(spec.attempt_id)
-                return
-            self._runs[spec.attempt_id] = run
-
-    def _code(self, spec: LaunchSpec) -> tuple[Path | None, str | None]:
-        """The job's code archive in this node's cache (fetched once per content hash), or why not."""
-        if spec.code is None or spec.launched or spec.attempt_id in self._known:
-            return None, None
-        ref = spec.code
-        try:
-            return cached_archive(self.config.work_dir, ref, lambda: self.client.fetch_code(spec.attempt_id)), None
-        except (CodeUnavailable, ControlPlaneError, OSError) as exc:
-            self.log.error("code_fetch_failed", attempt_id=spec.attempt_id, error=str(exc))
-            return None, f"the job's code {ref.sha256[:12]} could not be fetched: {exc}"
-
     # --- supervise loop ---
-
-    def _supervise_step(self) -> float:
-        runs = self.runs()
-        scan_orphans = bool(self.orphans.alive) or time.monotonic() >= self._next_orphan_scan
-        table = processes.scan() if runs or scan_orphans else None  # one scan of the process table for all
-        if table is not None:
-            self._sweep_orphans(table)
-            self._next_orphan_scan = time.monotonic() + _ORPHAN_SCAN_S
-        for run in runs:
-            try:
-                self._supervise(run, table)
-            except Exception:  # one attempt's trouble must not stop the others being supervised
-                run.log.exception("supervise_failed")
-        return self.config.poll_interval_s
-
-    def _supervise(self, run: AttemptRun, table: processes.ProcessTable | None) -> None:
-        before = run.signature()
-        run.poll(table)
-        after = run.signature()
-        if after != before:
-            # A worker started or exited, or the last process went: tell the control plane at
-            # once (a failure is decided, or the GPUs are released, a period sooner). When the
-            # last process went, the final report (processes_alive false) releases the GPUs; the
-            # heartbeat is woken as well only when that report cannot go out now (a fenced-off
-            # run, shards still queued before it) or did not release them (_report_status).
-            gone = before[0] and not after[0]
-            beat = after[0] != before[0] and (
-                not gone or run.stale or self.outbox.pending(run.attempt_id) > 0)
-            self._wake("report", *(("heartbeat",) if beat else ()))
-        if not run.alive and (run.done or run.stale):
-            if run.stale:
-                run.mark_done()  # nothing more to tell about a fenced-off attempt
-            with self._runs_lock:
-                self._runs.pop(run.attempt_id, None)
-            self.reports.unregister(run.attempt_id)
-            self._refused_reports.pop(run.attempt_id, None)
-            self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
-            if self._launches is not None:
-                self._launches.finish(run)
-
-    # --- report loop ---
-
-    def _report_step(self) -> float:
-        if self._need_register.is_set() or self.client.node_token is None:
-            return _REPORT_INTERVAL_S
-        for run in self.runs():
-            if run.stale or run.done:
-                continue
-            try:
-                self._report_status(run)
-                if not run.stale and not self._need_register.is_set():
-                    self._ship_logs(run)
-            except Exception:
-                # One attempt's bad report (a value its worker sent that cannot be encoded, say) must
-                # never stop the reports of the others; it is tried again next round.
-                run.log.exception("report_failed")
-                run.next_try_at = time.monotonic() + self.config.status_interval_s
-        return _REPORT_INTERVAL_S
-
-    def _fenced_off(self, run: AttemptRun, exc: StaleAttempt) -> None:
-        run.log.warning("attempt_stale", error=str(exc))
-        run.stale = True
-        self.reports.unregister(run.attempt_id)
-        self._refused_reports.pop(run.attempt_id, None)
-        dropped = self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, f"stale attempt: {exc}")
-        if dropped:
-            run.log.warning("outbox_dropped_stale", items=dropped)
-        run.request_stop("stale: the control plane fenced this attempt off")
-
-    def _report_status(self, run: AttemptRun) -> None:
-        now = time.monotonic()
-        finished = run.finished  # before the report: a final report must describe a finished run
-        if finished and run.final_acked:
-            return
-        report = run.report(*self.reports.snapshot(run.attempt_id), self.reports.rank_summary(run.attempt_id))
-        if finished and run.attempt_id not in self.orphans.alive:
-            # The process table has nothing of it left: the control plane releases its GPUs on this
-            # report, a heartbeat sooner than the one that stops listing it.
-            report = report.model_copy(update={"processes_alive": False})
-        if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
-            return  # the relay delivers the attempt's last shards and events first
-        # The rank summary rides on the periodic report (its silences change at every look): a
-        # 128-node job would otherwise send a report per node per step.
-        due = (_without_ranks(report) != _without_ranks(run.last_report)
-               or now - run.last_sent_at >= self.config.status_interval_s)
-        refused = self._refused_reports.get(run.attempt_id)
-        if not due or now < run.next_try_at or _without_ranks(refused) == _without_ranks(report):
-            return
-        try:
-            ack = self.client.report_status(run.attempt_id, report)
-        except StaleAttempt as exc:
-            self._fenced_off(run, exc)
-            return
-        except Unauthorized:
-            self._need_register.set()
-            return
-        except RequestRejected as exc:
-            if finished:
-                # An answer, not a missing message: resending it would be refused forever, so the
-                # attempt stops being listed as pending and the control plane decides without it.
-                run.log.error("final_status_rejected", error=str(exc))
-                run.mark_final_acked()
-                self._wake("heartbeat")  # its GPUs are released by the heartbeat that no longer lists it
-                return
-            # Refused for what it says (a 4xx other than fencing): the same report would be refused
-            # forever. Dropped, said once in the log; the next report that differs goes out.
-            run.log.error("status_report_dropped", error=str(exc))
-            self._refused_reports[run.attempt_id] = report
-            run.last_report, run.last_sent_at = report, now
-            return
-        except ControlPlaneUnavailable as exc:
-            run.log.warning("status_report_failed", error=str(exc))
-            run.next_try_at = now + min(self.config.status_interval_s, 2.0)
-            return
-        run.last_report, run.last_sent_at = report, now
-        self.reports.set_checkpoint_interval(run.attempt_id, ack.checkpoint_interval_steps)
-        if finished:
-            run.mark_final_acked()
-            if not ack.released:
-                self._wake("heartbeat")  # an older control plane: the heartbeat confirms the release
-        elif ack.stop:
-            run.request_stop("the control plane asked")
-
-    def _ship_logs(self, run: AttemptRun) -> None:
-        final = run.finished
-        for _ in range(_LOG_BATCHES_PER_ROUND):  # bounded, so one chatty attempt starves no other
-            batch = run.tailer.next_batch(final=final)
-            if not batch:
-                if final and run.final_acked:
-                    run.mark_done()
-                return
-            body = LogBatch(
-                fencing_token=run.spec.fencing_token,
-                node_rank=run.spec.node_rank,
-                chunks=[pending.chunk for pending in batch],
-            )
-            try:
-                self.client.send_logs(run.attempt_id, body)
-            except StaleAttempt as exc:
-                self._fenced_off(run, exc)
-                return
-            except Unauthorized:
-                self._need_register.set()
-                return
-            except ControlPlaneUnavailable as exc:
-                run.log.warning("log_shipping_failed", error=str(exc))
-                return
-            except RequestRejected as exc:
-                # Resending the same bytes would be rejected forever and wedge this rank's stream.
-                run.log.error("log_batch_dropped", error=str(exc), chunks=len(batch))
-            run.tailer.acknowledge(batch)
 
     # --- relay loop ---
 
-    def _relay_step(self) -> float:
-        if self._need_register.is_set() or self.client.node_token is None:
-            return _REPORT_INTERVAL_S  # items stay queued
-        # Sleeps on the outbox rather than the stop event, so that a new item goes out at once.
-        self.outbox.wait(self.relay.step())
-        return 0.0
-
-    def _relay_target(self, attempt_id: str) -> tuple[str, int] | None:
-        run = self.run(attempt_id)
-        if run is None or run.stale:
-            return None
-        return run.spec.fencing_token, run.spec.node_rank
-
-    def _relay_stale(self, attempt_id: str, exc: StaleAttempt) -> None:
-        run = self.run(attempt_id)
-        if run is not None and not run.stale:
-            self._fenced_off(run, exc)
-
-    def _need_register_set(self) -> None:
-        self._need_register.set()
-
-    # --- storage grants (local API thread) ---
-
-    def _storage_grants(self, attempt_id: str, body: LocalStorageRequest) -> tuple[HTTPStatus, dict[str, Any]]:
-        """Forward a worker's request for presigned checkpoint URLs (trainyard/protocol/grants.py)
-        with this node's credential and the attempt's node rank; the control plane's answer."""
-        run = self.run(attempt_id)
-        if run is None or run.stale:
-            return HTTPStatus.CONFLICT, {"detail": f"attempt {attempt_id} is not running here"}
-        request = StorageRequest(**body.model_dump(), node_rank=run.spec.node_rank)
-        try:
-            grants = self.client.storage_grants(attempt_id, request)
-        except StaleAttempt as exc:
-            return HTTPStatus.CONFLICT, {"detail": str(exc), "type": exc.problem_type}
-        except RequestRejected as exc:  # 403, 404, 422: the worker's to know; a garbled answer: 502
-            status = exc.status if exc.status is not None and 400 <= exc.status < 500 else HTTPStatus.BAD_GATEWAY
-            return HTTPStatus(status), {"detail": str(exc), "type": exc.problem_type}
-        except Unauthorized:
-            self._need_register.set()
-            return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "the agent is registering again; retry"}
-        except ControlPlaneUnavailable as exc:
-            return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": f"the control plane is unreachable: {exc}"}
-        return HTTPStatus.OK, grants.model_dump(mode="json")
 
 
-def _without_ranks(report: AttemptStatusReport | None) -> AttemptStatusReport | None:
-    return None if report is None else report.model_copy(update={"ranks": None})
 
 
 def run_agent(config: AgentConfig) -> None:

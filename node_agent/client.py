@@ -44,6 +44,7 @@ from trainyard.protocol.agent import (
     WorkerEventBatch,
 )
 from trainyard.protocol.grants import StorageGrants, StorageRequest
+from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotReleased, SlotRequest
 
 log = structlog.get_logger(__name__)
 R = TypeVar("R", bound=BaseModel)
@@ -336,6 +337,17 @@ class ControlPlaneClient:
         """Presigned URLs for a worker's checkpoint objects (trainyard/protocol/grants.py)."""
         return self._post(f"/attempts/{attempt_id}/storage", request, StorageGrants, token=self.node_token,
                           pooled=True)  # called from the local API's threads
+
+    def upload_slot(self, attempt_id: str, request: SlotRequest) -> SlotAnswer:
+        """A checkpoint upload slot (a long poll of up to ``request.wait_s``)."""
+        held = request.wait_s + 10.0
+        return self._post(f"/attempts/{attempt_id}/upload-slots", request, SlotAnswer, token=self.node_token,
+                          timeout=httpx.Timeout(held, connect=min(held, 3.0)),
+                          pooled=True)  # called from the local API's threads, as storage_grants
+
+    def release_upload_slot(self, attempt_id: str, request: SlotRelease) -> SlotReleased:
+        return self._post(f"/attempts/{attempt_id}/upload-slots/release", request, SlotReleased,
+                          token=self.node_token, pooled=True)
 
 
 def _detail(resp: httpx.Response) -> str:

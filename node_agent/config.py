@@ -9,6 +9,7 @@ from pathlib import Path
 
 from node_agent import credential
 from node_agent.isolation import UidRange
+from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 
 
 def default_run_dir() -> Path:
@@ -98,6 +99,13 @@ class AgentConfig:
     env_build_timeout_s: float = 1800.0
     """A job's requirements that take longer to install fail its attempt (start_error)."""
 
+    outbox_max_items: int = MAX_ITEMS_PER_NODE
+    """The most shards and events the agent holds for the control plane, over every attempt of the
+    node (each attempt has a budget of its own as well: node_agent/outbox.py). Past it the attempt
+    holding the most loses its oldest events, then shards, and an event says so."""
+    outbox_max_bytes: int = MAX_BYTES_PER_NODE
+    """The same budget in bytes (of the items' JSON)."""
+
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir).absolute()
         if self.ca_file is not None:
@@ -124,6 +132,8 @@ class AgentConfig:
             raise ValueError("env_cache_max_count must be >= 1, env_cache_max_gb and env_build_timeout_s > 0")
         if self.pip_constraints is not None and not Path(self.pip_constraints).is_file():
             raise ValueError(f"pip_constraints {self.pip_constraints} is not a readable file")
+        if self.outbox_max_items < 2 or self.outbox_max_bytes < 1:
+            raise ValueError("outbox_max_items must be >= 2 and outbox_max_bytes >= 1")
         if self.rdzv_join_timeout_s <= 0:
             raise ValueError("rdzv_join_timeout_s must be > 0")
 

@@ -60,6 +60,7 @@ from trainyard.protocol.env import (
     ENV_NODE_NAME,
     ENV_NODE_RANK,
     ENV_RESTORE_FROM,
+    ENV_S3_CA_PEM,
     ENV_STATUS_DIR,
     ENV_STORAGE_ACCESS,
     PREFIX,
@@ -70,7 +71,7 @@ if TYPE_CHECKING:
 
 # LaunchSpec.storage key -> worker variable. Nothing else of LaunchSpec.storage reaches a worker:
 # whatever a control plane sends, no storage credential does (docs/security.md).
-_STORAGE_ENV = {"access": ENV_STORAGE_ACCESS, "prefix": ENV_CHECKPOINT_PREFIX}
+_STORAGE_ENV = {"access": ENV_STORAGE_ACCESS, "prefix": ENV_CHECKPOINT_PREFIX, "ca_pem": ENV_S3_CA_PEM}
 
 # The package root, so that `-m node_agent.rank_shim` imports from any cwd without an install.
 _PACKAGE_ROOT = str(Path(node_agent.__file__).resolve().parent.parent)

@@ -99,7 +99,8 @@ class Launches:
         try:
             confinement = self.isolation.confine(node.node_id or None, spec.attempt_id, spec.node_rank,
                                                  processes.uids_alive)
-            self.api.open(spec.attempt_id, paths.socket or Path(), uid=confinement.uid, gid=confinement.gid)
+            self.api.open(spec.attempt_id, paths.socket or Path(), uid=confinement.uid, gid=confinement.gid,
+                          ranks=spec.nproc_per_node)
         except (IsolationError, OSError) as exc:
             reason = f"could not confine the attempt on this node: {exc}"
         else:
@@ -142,7 +143,8 @@ class Launches:
                 self.envs.hold(run.env_key)  # not evicted under its workers
             if run.paths.socket is not None and run.alive:
                 try:
-                    self.api.open(run.attempt_id, run.paths.socket, uid=run.confinement.uid, gid=run.confinement.gid)
+                    self.api.open(run.attempt_id, run.paths.socket, uid=run.confinement.uid, gid=run.confinement.gid,
+                                  ranks=run.spec.nproc_per_node)
                 except OSError as exc:
                     run.log.error("local_api_socket_failed", error=str(exc))
         kept = {run.paths.worker.name for run in runs}

@@ -6,9 +6,11 @@ fenced by the attempt's token, served on one unix socket per attempt.
     POST /v1/local/attempts/{attempt_id}/events     LocalEvent    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards     LocalShard    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards?wait=1            -> 200 ShardAck of the control plane
+    POST /v1/local/attempts/{attempt_id}/upload-slot          LocalSlotRequest -> 200 SlotAnswer
+    POST /v1/local/attempts/{attempt_id}/upload-slot/release  LocalSlotRelease -> 200 SlotReleased
     POST /v1/local/attempts/{attempt_id}/checkpoint-interval  LocalCheckpointInterval
                                                       -> 200 {"interval_steps": N | null}
-    POST /v1/local/attempts/{attempt_id}/storage    LocalStorageRequest -> 200 StorageGrants of the control plane
+    POST /v1/local/attempts/{attempt_id}/storage          LocalStorageRequest -> 200 StorageGrants of the control plane
 
 Each attempt part has its own socket (TRAINYARD_AGENT_SOCKET), owned by the attempt's uid with mode
 0600 in a directory only the agent writes: no other attempt, and nothing off the node, can connect
@@ -20,7 +22,9 @@ Bounded, so that one worker cannot take the API down for the others (LocalApiLim
 a Content-Length of at most ``max_body`` bytes (411 without one, 400 when it is not a number, 413
 above it); the request must arrive whole within ``request_timeout_s`` (the connection is closed
 otherwise); one request per connection; at most ``connections_per_attempt`` connections of an
-attempt and ``connections_total`` in all are served at once (503 beyond). A number that is not
+attempt and ``connections_total`` in all are served at once (503 beyond), each raised by
+``connections_per_rank`` per rank of the part: a rank may hold two long waits (an upload-slot poll,
+a shard's ?wait=1), and all ranks of a large part waiting together must not lock the part out. A number that is not
 finite (NaN, Infinity, 1e999) anywhere in a body is refused with 422: JSON cannot carry it onward.
 
 The agent forwards progress and result in the attempt's next status report (every rank's step and
@@ -30,6 +34,8 @@ the control plane last set for an 'auto' job (its status answer). With ?wait=1 a
 control plane acknowledged the batch holding it (so the worker learns from `committed_steps` whether
 its step is committed): 409 if the control plane says the attempt is stale, 422 if it refused the
 shard, 504 if no answer came within `shard_wait_s` (the shard stays queued), 503 if it was dropped.
+Upload-slot requests are relayed to the control plane as they come (upload_slots.py); an agent
+built without a relay answers them 404 (the worker then uploads without a slot).
 A storage request (presigned URLs for checkpoint objects, trainyard/protocol/grants.py) is
 forwarded to the control plane at once and answered with its answer: the grants, or its refusal
 (403, 404, 409, 422); 503 when it cannot be reached.
@@ -60,7 +66,8 @@ from urllib.parse import parse_qs, unquote
 import structlog
 from pydantic import ValidationError
 
-from node_agent.relay import Outbox
+from node_agent.outbox import Outbox
+from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
     MAX_NODE_RANKS,
     LocalCheckpointInterval,
@@ -76,12 +83,13 @@ from trainyard.protocol.agent import (
 )
 from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.grants import LocalStorageRequest
+from trainyard.protocol.uploads import LocalSlotRelease, LocalSlotRequest
 
 log = structlog.get_logger(__name__)
 
 _ROUTE = re.compile(
     rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/"
-    r"(?P<kind>progress|result|shards|events|storage|checkpoint-interval)$"
+    r"(?P<kind>progress|result|shards|events|storage|checkpoint-interval|upload-slot|upload-slot/release)$"
 )
 _DIGITS = re.compile(r"[0-9]{1,20}")
 MAX_BODY = 1024 * 1024
@@ -101,15 +109,21 @@ class LocalApiLimits:
     request_timeout_s: float = 10.0
     """The whole request (line, headers, body) must arrive within this; also the send timeout."""
     connections_per_attempt: int = 16
-    """Connections of one attempt served at once (a rank waiting on a shard holds one)."""
+    """Connections of one attempt served at once, before those of its ranks (connections_per_rank)."""
+    connections_per_rank: int = 2
+    """More for each rank of the attempt's part (``open(ranks=...)``): every rank may hold two long
+    waits at once (its upload-slot poll, up to upload_slot_poll_s, and a shard's ?wait=1), so a part
+    of many ranks waiting together never starves its own progress reports."""
     connections_total: int = 128
-    """Connections served at once in all: the handler threads the API may use."""
+    """Connections served at once in all, before the ranks' share (which adds to it too)."""
 
     def __post_init__(self) -> None:
         if self.max_body < 1 or self.request_timeout_s <= 0:
             raise ValueError("max_body and request_timeout_s must be > 0")
         if not 1 <= self.connections_per_attempt <= self.connections_total:
             raise ValueError("need 1 <= connections_per_attempt <= connections_total")
+        if self.connections_per_rank < 0:
+            raise ValueError("connections_per_rank must be >= 0")
 
 
 @dataclass
@@ -290,6 +304,7 @@ class _Context:
     shard_wait_s: float
     limits: LocalApiLimits
     grants: GrantForwarder | None = None
+    slots: SlotRelay | None = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -373,6 +388,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._problem(HTTPStatus.UNPROCESSABLE_ENTITY, f"invalid JSON body: {str(exc)[:200]}")
             return
         try:
+            if kind.startswith("upload-slot"):
+                self._upload_slot(attempt_id, kind, payload)
+                return
             if kind in ("shards", "events"):
                 self._queue(attempt_id, kind, payload, wait=_truthy(parse_qs(query).get("wait", [""])[-1]))
                 return
@@ -402,6 +420,27 @@ class _Handler(BaseHTTPRequestHandler):
     def _fenced_off(self, attempt_id: str, kind: str) -> None:
         log.info("local_report_rejected", attempt_id=attempt_id, kind=kind)
         self._problem(HTTPStatus.CONFLICT, f"attempt {attempt_id} is not running here or is fenced off")
+
+    def _upload_slot(self, attempt_id: str, kind: str, payload: Any) -> None:
+        """Relay a slot request or release (raises ValidationError for a bad body)."""
+        body = (LocalSlotRelease if kind.endswith("/release") else LocalSlotRequest).model_validate(payload)
+        if not self.server.reports.accepts(attempt_id, body.fencing_token):
+            self._fenced_off(attempt_id, kind)
+            return
+        slots = self.server.slots
+        if slots is None:
+            self._problem(HTTPStatus.NOT_FOUND, "this agent relays no upload slots")
+            return
+        if isinstance(body, LocalSlotRelease):
+            status, payload = slots.release(attempt_id, body)
+        else:
+            status, payload = slots.ask(attempt_id, body)
+        if status == HTTPStatus.OK:
+            self._send(status, payload, "application/json")
+            return
+        retry = payload.get("retry_after_s")
+        self._problem(status, str(payload.get("detail", "")), upstream_status=payload.get("upstream_status"),
+                      retry_after_s=retry)
 
     def _storage(self, attempt_id: str, body: LocalStorageRequest) -> None:
         if not self.server.reports.accepts(attempt_id, body.fencing_token):
@@ -459,18 +498,45 @@ _BUSY = (
 )
 
 
+class _Gate:
+    """A count of connections with a limit that may grow and shrink (unlike a semaphore)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self._held >= self.limit:
+                return False
+            self._held += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._held -= 1
+
+    def resize(self, delta: int) -> None:
+        with self._lock:
+            self.limit += delta
+
+
 class _Listener:
     """One attempt's socket and its accept thread."""
 
-    def __init__(self, api: LocalApi, attempt_id: str, path: Path, sock: socket.socket) -> None:
+    def __init__(self, api: LocalApi, attempt_id: str, path: Path, sock: socket.socket, extra: int) -> None:
         self.api = api
         self.path = path
         self.sock = sock
-        self.active = threading.BoundedSemaphore(api.limits.connections_per_attempt)
+        self.extra = extra
+        """Connections this attempt's ranks add to its cap and to the API's."""
+        self.active = _Gate(api.limits.connections_per_attempt + extra)
         self.serving = 0
         """Connections being served now (for diagnostics and tests)."""
         self._count = threading.Lock()
-        self.context = _Context(attempt_id, api.reports, api.outbox, api.shard_wait_s, api.limits, api.grants)
+        self.context = _Context(attempt_id, api.reports, api.outbox, api.shard_wait_s, api.limits, api.grants,
+                                api.slots)
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._accept_loop, name=f"local-api-{attempt_id[:12]}", daemon=True)
 
@@ -482,9 +548,9 @@ class _Listener:
                 continue
             except OSError:
                 return  # closed
-            if not self.active.acquire(blocking=False):
+            if not self.active.acquire():
                 self._refuse(conn)
-            elif not self.api.active.acquire(blocking=False):
+            elif not self.api.active.acquire():
                 self.active.release()
                 self._refuse(conn)
             else:
@@ -535,20 +601,25 @@ class LocalApi:
         shard_wait_s: float = SHARD_WAIT_S,
         limits: LocalApiLimits | None = None,
         grants: GrantForwarder | None = None,
+        slots: SlotRelay | None = None,
     ) -> None:
         self.reports = reports or LocalReports()
         self.outbox = outbox or Outbox()
         self.shard_wait_s = shard_wait_s
         self.grants = grants
+        self.slots = slots
         self.limits = limits or LocalApiLimits()
-        self.active = threading.BoundedSemaphore(self.limits.connections_total)
+        self.active = _Gate(self.limits.connections_total)
         self._lock = threading.Lock()
         self._listeners: dict[str, _Listener] = {}
         self._stopped = False
 
-    def open(self, attempt_id: str, path: Path, *, uid: int | None = None, gid: int | None = None) -> None:
+    def open(self, attempt_id: str, path: Path, *, uid: int | None = None, gid: int | None = None,
+             ranks: int = 0) -> None:
         """Serve ``attempt_id`` on a socket at ``path`` that only ``uid`` (and the agent) may
-        connect to; a socket a previous agent left there is replaced. Idempotent per attempt."""
+        connect to; a socket a previous agent left there is replaced. Idempotent per attempt.
+        ``ranks``: the part's ranks on this node; each adds connections_per_rank to the caps."""
+        extra = self.limits.connections_per_rank * max(0, ranks)
         with self._lock:
             if self._stopped or attempt_id in self._listeners:
                 return
@@ -564,20 +635,23 @@ class LocalApi:
                 if uid is not None and gid is not None:
                     os.lchown(tmp, uid, gid)
                 os.replace(tmp, path)
-                sock.listen(64)
+                sock.listen(max(64, self.limits.connections_per_attempt + extra))
                 sock.settimeout(0.5)
             except BaseException:
                 sock.close()
                 with contextlib.suppress(OSError):
                     tmp.unlink()
                 raise
-            listener = _Listener(self, attempt_id, path, sock)
+            listener = _Listener(self, attempt_id, path, sock, extra)
             self._listeners[attempt_id] = listener
+            self.active.resize(extra)
         listener.thread.start()
 
     def close(self, attempt_id: str) -> None:
         with self._lock:
             listener = self._listeners.pop(attempt_id, None)
+            if listener is not None:
+                self.active.resize(-listener.extra)
         if listener is not None:
             listener.close()
 

@@ -168,6 +168,9 @@ def agent(
         typer.Option(help="PEM file of the CA that signed the control plane's certificate. Default: the system's "
                      "trust store.", envvar="TRAINYARD_CA_FILE", show_default=False),
     ] = None,
+    outbox_max_items: Annotated[int, typer.Option(
+        min=2, help="Shards and events held for the control plane, over every attempt of the node.")] = 50_000,
+    outbox_max_mb: Annotated[float, typer.Option(min=0.001, help="The same budget in MiB.")] = 64.0,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
@@ -192,6 +195,8 @@ def agent(
             run_dir=run_dir,
             cgroups=cgroups,
             worker_env_passthrough=tuple(worker_env or ()),
+            outbox_max_items=outbox_max_items,
+            outbox_max_bytes=int(outbox_max_mb * 2**20),
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
@@ -348,19 +353,28 @@ def dev_up(
     data_dir: Annotated[Path, typer.Option(help="Where databases, objects, logs and node dirs live.")] = Path(
         ".trainyard/dev"
     ),
-    token: Annotated[
-        str | None, typer.Option(help="Admin token. Default: a new random one.", show_default=False)
-    ] = None,
+    token_file: Annotated[Path | None, typer.Option(
+        "--token-file", envvar="TRAINYARD_TOKEN_FILE", show_default=False,
+        help="File holding the admin token to use (default: the TRAINYARD_TOKEN variable, else a new random one).",
+    )] = None,
     database_url: Annotated[
         str | None, typer.Option(help="Use this PostgreSQL instead of starting one.", show_default=False)
     ] = None,
     s3_endpoint: Annotated[
         str | None,
-        typer.Option(help="host:port of an S3 server to use instead of starting one.", show_default=False),
+        typer.Option(help="host:port (or https://host:port) of an S3 server to use instead of starting one.",
+                     show_default=False),
     ] = None,
-    s3_access_key: Annotated[str | None, typer.Option(help="With --s3-endpoint.", show_default=False)] = None,
-    s3_secret_key: Annotated[str | None, typer.Option(help="With --s3-endpoint.", show_default=False)] = None,
+    s3_access_key: Annotated[str | None, typer.Option(
+        help="With --s3-endpoint: the access key id (an identifier, not a secret).", show_default=False)] = None,
+    s3_secret_key_file: Annotated[Path | None, typer.Option(
+        help="With --s3-endpoint: file holding the secret key (default: the TRAINYARD_S3_SECRET_KEY variable).",
+        show_default=False)] = None,
     s3_bucket: Annotated[str, typer.Option(help="Checkpoint bucket.")] = "trainyard",
+    s3_ca_file: Annotated[Path | None, typer.Option(
+        help="With an https:// --s3-endpoint: PEM file of the CA that signed its certificate (default: the "
+        "system's trust store). The control plane and, through the agents, the workers verify S3 with it.",
+        show_default=False)] = None,
     insecure_http: Annotated[
         bool, typer.Option("--insecure-http", help="Serve the API over plain HTTP instead of HTTPS with a local CA.")
     ] = False,
@@ -368,6 +382,12 @@ def dev_up(
     """Start Postgres, S3, the control plane and NODES agents in the foreground; Ctrl-C stops all."""
     from trainyard.dev import DevConfig, DevError, run_dev_up
 
+    # Secrets from files or the environment, never arguments: other users see command lines.
+    token = cli_access.read_secret(token_file, "TRAINYARD_TOKEN") if token_file else (
+        os.environ.get("TRAINYARD_TOKEN", "").strip() or None)
+    s3_secret_key = None
+    if s3_secret_key_file is not None or (s3_endpoint and os.environ.get("TRAINYARD_S3_SECRET_KEY")):
+        s3_secret_key = cli_access.read_secret(s3_secret_key_file, "TRAINYARD_S3_SECRET_KEY")
     try:
         config = DevConfig(
             nodes=nodes,
@@ -382,6 +402,7 @@ def dev_up(
             s3_access_key=s3_access_key,
             s3_secret_key=s3_secret_key,
             s3_bucket=s3_bucket,
+            s3_ca_file=s3_ca_file,
             tls=not insecure_http,
         )
     except ValueError as exc:

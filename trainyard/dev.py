@@ -66,6 +66,7 @@ from trainyard.embedded import (
     port_is_free,
     signal_group,
 )
+from trainyard.protocol.s3tls import read_ca_pem, split_endpoint, tls_context, tls_failure
 from trainyard.tls import client_context
 
 READY_MARKER = "TRAINYARD_READY"
@@ -136,6 +137,8 @@ class DevConfig:
     s3_access_key: str | None = None
     s3_secret_key: str | None = None
     s3_bucket: str = "trainyard"
+    s3_ca_file: Path | None = None
+    """With an https:// s3_endpoint whose certificate a private CA signed: that CA's PEM file."""
     ready_timeout_s: float = 120.0
     """How long each startup wait (control plane ready, nodes registered) may take."""
     stop_grace_s: float = 10.0
@@ -166,11 +169,18 @@ class DevConfig:
             raise ValueError("--database-url must be a postgresql:// or postgresql+psycopg:// URL")
         if self.s3_endpoint is not None:
             if not (self.s3_access_key and self.s3_secret_key):
-                raise ValueError("--s3-endpoint needs --s3-access-key and --s3-secret-key")
-            if "://" in self.s3_endpoint or ":" not in self.s3_endpoint:
-                raise ValueError("--s3-endpoint must be host:port (no scheme)")
-        elif self.s3_access_key or self.s3_secret_key:
-            raise ValueError("--s3-access-key/--s3-secret-key only go with --s3-endpoint")
+                raise ValueError("--s3-endpoint needs --s3-access-key and --s3-secret-key-file "
+                                 "(or TRAINYARD_S3_SECRET_KEY)")
+            host_port, _ = split_endpoint(self.s3_endpoint)
+            if "://" in host_port or ":" not in host_port:
+                raise ValueError("--s3-endpoint must be host:port, http://host:port or https://host:port")
+            if self.s3_ca_file is not None:
+                if not self.s3_endpoint.startswith("https://"):
+                    raise ValueError("--s3-ca-file needs an https:// --s3-endpoint")
+                self.s3_ca_file = Path(self.s3_ca_file).expanduser().resolve()
+                read_ca_pem(self.s3_ca_file)
+        elif self.s3_access_key or self.s3_secret_key or self.s3_ca_file:
+            raise ValueError("--s3-access-key/--s3-secret-key-file/--s3-ca-file only go with --s3-endpoint")
         if self.ready_timeout_s <= 0 or self.stop_grace_s <= 0:
             raise ValueError("timeouts must be > 0")
         bad = [k for k in self.control_plane_env if not k.startswith("TRAINYARD_")]
@@ -193,6 +203,12 @@ class DevConfig:
     def replica_url(self, index: int) -> str:
         reach = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"{self.scheme}://{reach}:{self.port + index}"
+
+
+SECRET_ENV = frozenset({"TRAINYARD_TOKEN", "TRAINYARD_ADMIN_TOKEN", "TRAINYARD_S3_ACCESS_KEY",
+                        "TRAINYARD_S3_SECRET_KEY", "TRAINYARD_DATABASE_URL", "TRAINYARD_JOIN_TOKEN"})
+"""Variables of dev up's own environment its children do not inherit (the agents' workers could read
+them where they run as the agents' user)."""
 
 
 class DevCluster:
@@ -263,6 +279,7 @@ class DevCluster:
             "TRAINYARD_S3_ACCESS_KEY": s3_access,
             "TRAINYARD_S3_SECRET_KEY": s3_secret,
             "TRAINYARD_S3_BUCKET": cfg.s3_bucket,
+            **({"TRAINYARD_S3_CA_FILE": str(cfg.s3_ca_file)} if cfg.s3_ca_file else {}),
             **cfg.control_plane_env,
         }
         self._control_plane_env = env
@@ -451,14 +468,22 @@ class DevCluster:
         return self.s3.endpoint, access, secret
 
     def _ensure_bucket(self, endpoint: str, access: str, secret: str) -> None:
-        from minio import Minio
+        import urllib3
 
-        client = Minio(endpoint, access_key=access, secret_key=secret, secure=False)
+        from trainyard.embedded.s3 import S3Endpoint
+
+        host_port, secure = split_endpoint(endpoint)
+        # Few retries: an untrusted certificate or a wrong address does not get better with them.
+        http = urllib3.PoolManager(retries=urllib3.Retry(total=2, backoff_factor=0.2),
+                                   ssl_context=tls_context(str(self.config.s3_ca_file or "")))
+        client = S3Endpoint(endpoint=host_port, access_key=access, secret_key=secret,
+                            secure=bool(secure)).client(http_client=http)
         try:
             if not client.bucket_exists(self.config.s3_bucket):
                 client.make_bucket(self.config.s3_bucket)
         except Exception as exc:
-            raise DevError(f"S3 at {endpoint} is not usable: {' '.join(str(exc).split())[:200]}") from exc
+            why = tls_failure(exc, endpoint) or ' '.join(str(exc).split())[:200]
+            raise DevError(f"S3 at {endpoint} is not usable: {why}") from exc
 
     @property
     def verify(self) -> ssl.SSLContext | bool:
@@ -594,7 +619,9 @@ class DevCluster:
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Child:
         log_path = self.logs_dir / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - closed in _stop_children
-        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        # The user's secrets stay with dev up: each child gets only those given it in `env`.
+        inherited = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+        full_env = {**inherited, **env, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
             [self.config.python, *args],
             env=full_env,

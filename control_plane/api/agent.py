@@ -19,7 +19,7 @@ from control_plane.api.deps import (
 )
 from control_plane.api.jobs import ERRORS
 from control_plane.errors import Unauthorized
-from control_plane.services import agent_protocol, code, logs, nodes, storage_grants
+from control_plane.services import agent_protocol, code, logs, nodes, storage_grants, upload_slots
 from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,
@@ -38,6 +38,7 @@ from trainyard.protocol.agent import (
     WorkerEventBatch,
 )
 from trainyard.protocol.grants import StorageGrants, StorageRequest
+from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotReleased, SlotRequest
 
 router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=TransactionRoute)
 
@@ -126,3 +127,22 @@ def attempt_storage(attempt_id: uuid.UUID, body: StorageRequest, node: NodeIdent
     """Presigned URLs for the checkpoint objects a worker of the attempt may read or write
     (trainyard/protocol/grants.py); workers hold no storage credential."""
     return storage_grants.grant(session, node, attempt_id, body, runtime.object_store, settings)
+
+
+@router.post("/attempts/{attempt_id}/upload-slots", response_model=SlotAnswer, responses=ERRORS)
+async def upload_slot(attempt_id: uuid.UUID, body: SlotRequest, token: NodeToken, settings: SettingsDep,
+                      runtime: RuntimeDep) -> SlotAnswer:
+    """A checkpoint upload slot, as a long poll (trainyard/protocol/uploads.py): granted, or waiting with
+    the queue position after `wait_s`. Asking again for the same (rank, step) polls or renews it. Holds no
+    thread and no database connection while it waits."""
+    return await upload_slots.ask_and_wait(runtime.session_factory, runtime.slot_wakeups, runtime.slot_passes, token,
+                                           attempt_id, body, settings)
+
+
+@router.post("/attempts/{attempt_id}/upload-slots/release", response_model=SlotReleased, responses=ERRORS)
+def release_upload_slot(attempt_id: uuid.UUID, body: SlotRelease, node: NodeIdentity, session: SessionDep,
+                        settings: SettingsDep, runtime: RuntimeDep) -> SlotReleased:
+    """The upload ended (or failed, or its worker stopped waiting): the slot goes to the next waiter."""
+    released = upload_slots.release_and_grant(session, node, attempt_id, body, runtime.session_factory, settings,
+                                              runtime.slot_passes)
+    return SlotReleased(released=released)

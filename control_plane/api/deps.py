@@ -49,6 +49,10 @@ class Runtime:
     engine: Engine
     wakeups: Any = None
     """control_plane.wakeups.NodeWakeups: the agents' long polls (app.wakeups)."""
+    slot_wakeups: Any = None
+    """control_plane.wakeups.Wakeups: the long polls for checkpoint upload slots (app.slot_wakeups)."""
+    slot_passes: Any = None
+    """services.upload_slots.PassRunner: this replica's upload-slot grant passes (app.slot_passes)."""
     metrics: Any = None
     """services.metrics.Exporter: what GET /metrics answers (app.metrics)."""
     log_followers: Any = None
@@ -67,6 +71,7 @@ def get_runtime(request: Request) -> Runtime:
     return Runtime(loops=state.loops, run_loops=state.settings.run_loops, object_store=state.object_store,
                    worker_storage=dict(state.worker_storage or {}), session_factory=state.session_factory,
                    engine=state.engine, wakeups=getattr(state, "wakeups", None),
+                   slot_wakeups=getattr(state, "slot_wakeups", None), slot_passes=getattr(state, "slot_passes", None),
                    metrics=getattr(state, "metrics", None), log_followers=getattr(state, "log_followers", None))
 
 

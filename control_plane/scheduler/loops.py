@@ -21,7 +21,17 @@ from control_plane import clock
 from control_plane.clock import now
 from control_plane.db import session_scope
 from control_plane.scheduler.allocate import PendingCache, schedule_pass
-from control_plane.services import attempts, checkpoints, intervals, limits, metrics, nodes, retention, watchdog
+from control_plane.services import (
+    attempts,
+    checkpoints,
+    intervals,
+    limits,
+    metrics,
+    nodes,
+    retention,
+    upload_slots,
+    watchdog,
+)
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.loops")
@@ -151,3 +161,5 @@ class Loops:
             self._factory, self._store,  # type: ignore[arg-type]
             pending_timeout_s=self._settings.checkpoint_pending_timeout_s,
         )
+        # Slots of crashed holders are reclaimed and their waiters served even when no request comes.
+        upload_slots.maintenance(self._factory, self._settings)

@@ -13,6 +13,7 @@ from control_plane.schemas.limits import TEXT_LINE
 from control_plane.schemas.plans import JobModelIn, JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.tenants import TENANT_NAME
+from control_plane.schemas.uploads import CheckpointUploadOut
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
 from trainyard.protocol.layout import APPLIED_KINDS, Layout
 from trainyard.protocol.requirements import MAX_REQUIREMENTS_CHARS, requirements_problem
@@ -464,6 +465,8 @@ class CheckpointOut(BaseModel):
         default=None, description="size_bytes / background_s: the ranks' uploads together.")
     created_at: datetime
     committed_at: datetime | None
+    upload: CheckpointUploadOut | None = Field(
+        default=None, description="Its shards' upload slot waits and upload rate; null before any is reported.")
 
 class AttemptPage(BaseModel):
     items: list[AttemptOut] = Field(description="Oldest first.")

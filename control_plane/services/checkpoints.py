@@ -132,7 +132,8 @@ def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
         inserted = set(session.scalars(
             pg_insert(CheckpointShard)
             .values([{"id": uuid.uuid4(), "checkpoint_id": ckpt_id, "rank": sh.rank, "key": sh.key,
-                      "size_bytes": sh.size_bytes, "sha256": sh.sha256} for sh in shards.values()])
+                      "size_bytes": sh.size_bytes, "sha256": sh.sha256, **_upload_facts(sh)}
+                     for sh in shards.values()])
             .on_conflict_do_nothing(index_elements=["checkpoint_id", "rank"])
             .returning(CheckpointShard.rank)
         ))
@@ -151,6 +152,14 @@ def record_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
             if costs is not None and blocking:
                 costs[ckpt_id] = (max(blocking), max(background) if background else None)
     return arrived
+
+
+def _upload_facts(shard: Any) -> dict[str, Any]:
+    """What the shard's upload cost (its slot wait; trainyard/protocol/uploads.py UploadStats)."""
+    up = shard.upload
+    if up is None:
+        return {"upload_wait_s": None, "upload_s": None, "upload_slot": None}
+    return {"upload_wait_s": up.wait_s, "upload_s": up.upload_s, "upload_slot": up.slot}
 
 
 def _shard_facts(shard: Any) -> tuple[str, str, int]:

@@ -27,13 +27,14 @@ def _facts(session: Session, jobs: list[Job]) -> dict[uuid.UUID, JobFacts]:
     # Progress lives on the parts (services/progress.py): an attempt's is its parts' furthest.
     parts = (select(AttemptNode.attempt_id, func.min(AttemptNode.first_progress_at).label("first_progress_at"),
                     func.max(AttemptNode.step_advanced_at).label("step_advanced_at"),
+                    func.max(AttemptNode.progress_at).label("progress_at"),
                     func.max(AttemptNode.progress_step).label("progress_step"))
              .join(Attempt, Attempt.id == AttemptNode.attempt_id)
              .where(Attempt.job_id.in_(ids)).group_by(AttemptNode.attempt_id).subquery())
     attempts = session.execute(
         select(Attempt.id, Attempt.job_id, Attempt.number, Attempt.num_gpus, Attempt.created_at,
                Attempt.restored_from_step, parts.c.first_progress_at, parts.c.step_advanced_at,
-               parts.c.progress_step, Attempt.outcome, Attempt.failed_at, Attempt.hung_since)
+               parts.c.progress_step, parts.c.progress_at, Attempt.outcome, Attempt.failed_at, Attempt.hung_since)
         .outerjoin(parts, parts.c.attempt_id == Attempt.id)
         .where(Attempt.job_id.in_(ids))
     ).all()
@@ -59,14 +60,19 @@ def _facts(session: Session, jobs: list[Job]) -> dict[uuid.UUID, JobFacts]:
         lease = leases.get(a.id)
         failed = a.outcome == "failed"
         failure_at = a.failed_at
+        last_step_at = a.step_advanced_at or a.first_progress_at
         if failed and exits.get(a.id) is not None and a.hung_since is None:
             failure_at = min(failure_at or exits[a.id], exits[a.id])  # the first exit, as the recovery view
+            # An exit is timed by its node's clock, and so is the last step the workers reported: the
+            # step in progress is lost work from one to the other. The time that step's report
+            # arrived could come after the exit (reports are relayed every interval) and would hide it.
+            last_step_at = a.progress_at or last_step_at
         by_job[a.job_id].append(AttemptFacts(
             number=a.number, gpus=a.num_gpus, allocated_at=a.created_at,
             leases_gpu_s=float(lease.gpu_s or 0.0) if lease else 0.0,
             released_at=lease.released if lease is not None and not lease.holding else None,
             start_step=a.restored_from_step or 0, first_step_at=a.first_progress_at,
-            last_step_at=a.step_advanced_at or a.first_progress_at, last_step=a.progress_step,
+            last_step_at=last_step_at, last_step=a.progress_step,
             failed=failed, failure_at=failure_at, hung_since=a.hung_since,
             stall_s=float(stalls.get(a.id) or 0.0),
         ))

@@ -1,6 +1,8 @@
-"""The state machines of jobs, attempts, attempt parts, nodes and checkpoints, written down once.
+"""The state machines of jobs, attempts, attempt parts, nodes, checkpoints and upload slots, written
+down once.
 
-Each entity has a transition table (``JOB``, ``ATTEMPT``, ``PART``, ``NODE``, ``CHECKPOINT``): for every state,
+Each entity has a transition table (``JOB``, ``ATTEMPT``, ``PART``, ``NODE``, ``CHECKPOINT``,
+``UPLOAD_SLOT``): for every state,
 the states it may move to and, for every state that is not terminal, the mechanism that gets an
 entity out of it without anyone having to act (``Exit``): a loop that acts after a timeout setting,
 or a message that always comes. tests/control_plane/test_state_tables.py walks the tables and
@@ -8,7 +10,8 @@ checks that every non-terminal state has such an exit and that each named settin
 state groups (``JOB_WAITING``, ``ATTEMPT_LIVE``, ...) are the only spelling of those sets.
 
 Each entity has one mutator (``set_job_state``, ``set_attempt_state``, ``advance_part``,
-``set_node_state``, ``set_checkpoint_state``): the only writers of its ``state`` column. A mutator
+``set_node_state``, ``set_checkpoint_state``, ``move_upload_slots``): the only writers of its
+``state`` column. A mutator
 refuses a transition the table does not allow and records an event. (A checkpoint's commit point,
 ``pending -> committed``, is one conditional UPDATE in services/checkpoints.py ``commit_ready``,
 checked against ``CHECKPOINT``.) docs/architecture.md, "Job and attempt states", shows the tables
@@ -21,11 +24,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import ColumnElement, Row, update
 from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.errors import InvalidState
-from control_plane.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Checkpoint, Job, Node
+from control_plane.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Checkpoint, Job, Node, UploadSlot
 from control_plane.services import events
 
 
@@ -197,6 +201,29 @@ CHECKPOINT_COLLECTED = ("unusable", "aborted", "deleted")
 assert set(CHECKPOINT_COLLECTED) == CHECKPOINT_TERMINAL
 
 
+# -- Upload slots (leases on the shared links: services/upload_slots.py, docs/architecture.md) ---
+
+UPLOAD_SLOT: dict[str, State] = {
+    "waiting": _s("granted", "released", "expired", exit=Exit(
+        "a grant pass (run or asked for by every slot request and release, on any replica) grants it, "
+        "oldest first, once the limits admit it; its worker withdraws it (release) or stops asking and it "
+        "expires a lease later (renewed while its long poll is held); it expires at once when its attempt "
+        "ends or stops being the job's current one",
+        settings=("upload_slot_poll_s", "upload_slot_ttl_s", "checkpoint_maintenance_interval_s"),
+        message="upload-slot request (long poll) or release")),
+    "granted": _s("released", "expired", exit=Exit(
+        "its worker releases it when the upload ends (or fails); one not renewed within the lease (a crashed "
+        "holder), or of an attempt that ended or is no longer the job's current one, is reclaimed by the next "
+        "grant pass or the maintenance loop",
+        settings=("upload_slot_ttl_s", "checkpoint_maintenance_interval_s"), message="upload-slot release")),
+    "released": _s(),
+    "expired": _s(),
+}
+
+UPLOAD_SLOT_OPEN = ("waiting", "granted")
+"""Upload-slot states that hold a place: in the queue, or in the limits."""
+
+
 # -- Mutators -----------------------------------------------------------------------------------
 
 def _check(table: dict[str, State], what: str, ident: object, src: str, dst: str) -> None:
@@ -312,10 +339,28 @@ def set_checkpoint_state(session: Session, ckpt: Checkpoint, new_state: str, mes
     return True
 
 
+def move_upload_slots(session: Session, where: ColumnElement[bool], new_state: str,
+                      **values: Any) -> list[Row[Any]]:
+    """Move every upload slot matching ``where`` to ``new_state`` in one conditional UPDATE (a
+    checkpoint burst moves hundreds at once), writing ``values`` with it; the only writer of
+    ``UploadSlot.state``. Only slots in a state the table lets reach ``new_state`` move, so a slot
+    another transaction moved first is left alone. Returns (id, job_id, attempt_id, node_id, rank,
+    step) of each slot moved. Records no event: the grant pass records what deserves one."""
+    if new_state not in UPLOAD_SLOT:
+        raise ValueError(f"unknown upload slot state {new_state!r}")
+    sources = sorted(s for s, spec in UPLOAD_SLOT.items() if new_state in spec.to)
+    return list(session.execute(
+        update(UploadSlot).where(where, UploadSlot.state.in_(sources)).values(state=new_state, **values)
+        .returning(UploadSlot.id, UploadSlot.job_id, UploadSlot.attempt_id, UploadSlot.node_id, UploadSlot.rank,
+                   UploadSlot.step)
+        .execution_options(synchronize_session=False)
+    ))
+
+
 # -- The tables as docs/architecture.md shows them ----------------------------------------------
 
 TABLES: dict[str, dict[str, State]] = {"job": JOB, "attempt": ATTEMPT, "part": PART, "node": NODE,
-                                       "checkpoint": CHECKPOINT}
+                                       "checkpoint": CHECKPOINT, "upload_slot": UPLOAD_SLOT}
 DOC_BEGIN = "<!-- state tables: begin (services/states.py render_markdown; checked by test_state_tables.py) -->"
 DOC_END = "<!-- state tables: end -->"
 

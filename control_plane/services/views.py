@@ -49,6 +49,7 @@ from control_plane.schemas.jobs import (
 from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
+from control_plane.schemas.uploads import CheckpointUploadOut
 from control_plane.services import events, goodput, pages, progress, reservations, tenants, watchdog
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_ACTIVE, JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
@@ -499,13 +500,21 @@ def checkpoints_out(session: Session, job_id: uuid.UUID) -> list[CheckpointOut]:
 
 
 def _checkpoints_out(session: Session, where: list[Any], limit: int | None) -> list[CheckpointOut]:
+    shard = CheckpointShard
     shard_counts = (
-        select(CheckpointShard.checkpoint_id, func.count().label("n"))
-        .group_by(CheckpointShard.checkpoint_id)
+        select(shard.checkpoint_id, func.count().label("n"),
+               func.count(shard.upload_s).label("reported"),
+               func.max(shard.upload_wait_s).label("wait_max"), func.avg(shard.upload_wait_s).label("wait_mean"),
+               func.max(shard.upload_s).label("upload_max"),
+               func.sum(shard.size_bytes).filter(shard.upload_s.is_not(None)).label("bytes"),
+               func.sum(shard.upload_s).label("seconds"),
+               func.count().filter(shard.upload_slot == "bypassed").label("bypassed"))
+        .where(shard.checkpoint_id.in_(select(Checkpoint.id).where(*where)))  # this job's shards only
+        .group_by(shard.checkpoint_id)
         .subquery()
     )
     rows = session.execute(
-        select(Checkpoint, Attempt.number, shard_counts.c.n)
+        select(Checkpoint, Attempt.number, shard_counts)
         .join(Attempt, Attempt.id == Checkpoint.attempt_id)
         .outerjoin(shard_counts, shard_counts.c.checkpoint_id == Checkpoint.id)
         .where(*where)
@@ -513,11 +522,21 @@ def _checkpoints_out(session: Session, where: list[Any], limit: int | None) -> l
         .limit(limit)
     ).all()
     return [
-        CheckpointOut(id=str(c.id), step=c.step, attempt_id=str(c.attempt_id), attempt_number=number,
-                      state=c.state, world_size=c.world_size, size_bytes=c.size_bytes, shards=n or 0,
+        CheckpointOut(id=str(c.id), step=c.step, attempt_id=str(c.attempt_id), attempt_number=r.number,
+                      state=c.state, world_size=c.world_size, size_bytes=c.size_bytes, shards=r.n or 0,
                       manifest_key=c.manifest_key, reason=c.reason, blocking_s=c.blocking_s,
                       background_s=c.background_s,
                       upload_bytes_per_s=round(c.size_bytes / c.background_s, 1) if c.background_s else None,
-                      created_at=c.created_at, committed_at=c.committed_at)
-        for c, number, n in rows
+                      created_at=c.created_at, committed_at=c.committed_at, upload=_upload_out(r))
+        for r in rows for c in (r.Checkpoint,)
     ]
+
+
+def _upload_out(r: Any) -> CheckpointUploadOut | None:
+    if not r.reported:
+        return None
+    seconds = float(r.seconds or 0.0)
+    return CheckpointUploadOut(reported=r.reported, wait_s_max=float(r.wait_max or 0.0),
+                               wait_s_mean=float(r.wait_mean or 0.0), upload_s_max=float(r.upload_max or 0.0),
+                               bytes_per_s=float(r.bytes or 0) / seconds if seconds > 0 else None,
+                               bypassed=int(r.bypassed or 0))

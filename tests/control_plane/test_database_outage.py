@@ -75,6 +75,10 @@ REQUESTS: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {
     ("GET", "/metrics"): ("admin", None),
     ("GET", "/v1/jobs/{job_id}/progress"): ("admin", None),
     ("GET", "/v1/agent/attempts/{attempt_id}/code"): ("node", None),
+    ("GET", "/v1/upload-slots"): ("admin", None),
+    ("POST", "/v1/agent/attempts/{attempt_id}/upload-slots"): (
+        "node", {**REPORT, "rank": 0, "step": 10, "size_bytes": 1, "wait_s": 0}),
+    ("POST", "/v1/agent/attempts/{attempt_id}/upload-slots/release"): ("node", {**REPORT, "rank": 0, "step": 10}),
 }
 
 

@@ -149,6 +149,23 @@ def test_job_view_tells_how_each_recovery_went(client, schedule, three_nodes):
     assert rec["to_first_step_s"] >= rec["reallocation_s"]
 
 
+def test_the_step_in_progress_is_lost_work_even_when_its_report_arrives_after_the_exit(client, schedule,
+                                                                                       three_nodes):
+    # A worker reported step 20 at its node's 10:00:00 and was killed at 10:00:02 (its node's clock),
+    # but its agent relayed the step only with the exit, now: the 2 s since the step are lost work.
+    job = client.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=1), headers=ADMIN).json()
+    assert schedule() == 1
+    [(name, spec)] = _assignments(three_nodes).items()
+    agent = next(a for a in three_nodes if a.name == name)
+    workers = [{**w, "ended_at": "2026-12-02T10:00:02Z"} for w in workers_for(spec, "exited", -9)]
+    r = agent.status(spec, "exited", exit_code=-9, workers=workers,
+                     progress={"step": 20, "loss": 1.0, "at": "2026-12-02T10:00:00Z"})
+    assert r.status_code == 200, r.text
+    agent.heartbeat([])
+    g = _job(client, job["id"])["goodput"]
+    assert g["lost_work_gpu_s"] == pytest.approx(2.0, abs=0.01)
+
+
 def test_after_a_database_outage_nobody_is_declared_lost_at_once(settings):
     class Broken:
         def __call__(self):

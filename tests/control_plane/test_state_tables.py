@@ -19,7 +19,7 @@ from control_plane.services import states
 from control_plane.settings import Settings
 
 TABLES = {"job": states.JOB, "attempt": states.ATTEMPT, "part": states.PART, "node": states.NODE,
-          "checkpoint": states.CHECKPOINT}
+          "checkpoint": states.CHECKPOINT, "upload_slot": states.UPLOAD_SLOT}
 ROOT = Path(__file__).resolve().parents[2] / "control_plane"
 DOC = ROOT.parent / "docs" / "architecture.md"
 
@@ -45,7 +45,7 @@ def test_every_non_terminal_state_has_an_automatic_exit(name):
         assert all(Settings.model_fields[s].default > 0 for s in spec.exit.settings)
 
 
-@pytest.mark.parametrize("name", ["job", "attempt", "part", "checkpoint"])
+@pytest.mark.parametrize("name", ["job", "attempt", "part", "checkpoint", "upload_slot"])
 def test_every_state_can_reach_an_end(name):
     table = TABLES[name]
     ends = {s for s, spec in table.items() if not spec.to}
@@ -117,7 +117,7 @@ def test_only_the_mutators_write_state_columns():
 def test_no_module_spells_a_state_group_by_hand():
     groups = {frozenset(g) for g in (states.JOB_WAITING, states.JOB_ACTIVE, states.ATTEMPT_LIVE,
                                      states.ATTEMPT_HOLDING, states.PART_STARTED, states.PART_DONE,
-                                     states.CHECKPOINT_COLLECTED)}
+                                     states.CHECKPOINT_COLLECTED, states.UPLOAD_SLOT_OPEN)}
     offenders = []
     for path in _py_files():
         if path.name == "models.py":  # the partial index is written in SQL there

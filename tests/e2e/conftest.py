@@ -4,6 +4,7 @@ with a real control plane and real agents running real torchrun workers."""
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import sys
 import time
@@ -28,8 +29,8 @@ def cluster(
     process_reaper: ProcessReaper,
 ) -> Iterator[Cluster]:
     """2 nodes x 2 GPU slots; another size with ``@pytest.mark.parametrize("cluster", [{"nodes": 3,
-    "gpus_per_node": 2}], indirect=True)``."""
-    size = {"nodes": 2, "gpus_per_node": 2, **getattr(request, "param", {})}
+    "gpus_per_node": 2}], indirect=True)``, control-plane settings with ``{"env": {"TRAINYARD_...": ...}}``."""
+    size = {"nodes": 2, "gpus_per_node": 2, "env": {}, **getattr(request, "param", {})}
     token = secrets.token_urlsafe(16)
     port = free_port()
     log = tmp_path / "dev-up.log"
@@ -37,11 +38,12 @@ def cluster(
     proc = process_reaper.spawn(
         [sys.executable, "-m", "trainyard", "dev", "up", "--nodes", str(size["nodes"]),
          "--gpus-per-node", str(size["gpus_per_node"]),
-         "--port", str(port), "--data-dir", str(tmp_path / "cluster"), "--token", token,
+         "--port", str(port), "--data-dir", str(tmp_path / "cluster"),
          "--database-url", fresh_database_url, "--s3-endpoint", s3_bucket.endpoint,
-         "--s3-access-key", s3_bucket.access_key, "--s3-secret-key", s3_bucket.secret_key,
-         "--s3-bucket", s3_bucket.bucket],
+         "--s3-access-key", s3_bucket.access_key, "--s3-bucket", s3_bucket.bucket],
         stdout=out, stderr=subprocess_stdout(), cwd=ROOT,
+        # Secrets through the environment: never on a command line (issue 11).
+        env={**os.environ, **size["env"], "TRAINYARD_TOKEN": token, "TRAINYARD_S3_SECRET_KEY": s3_bucket.secret_key},
     )
     deadline = time.monotonic() + 120
     while "TRAINYARD_READY" not in log.read_text():

@@ -60,10 +60,9 @@ def guide_cluster(tmp_path_factory: pytest.TempPathFactory, embedded_pg: Any, _s
         proc = reaper.spawn(
             [sys.executable, "-m", "trainyard", "dev", "up", "--nodes", "2", "--gpus-per-node", "1", "--port",
              str(port), "--data-dir", str(data_dir), "--database-url", url, "--s3-endpoint", embedded_s3.endpoint,
-             "--s3-access-key", embedded_s3.access_key, "--s3-secret-key", embedded_s3.secret_key,
-             "--s3-bucket", bucket],
+             "--s3-access-key", embedded_s3.access_key, "--s3-bucket", bucket],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "TRAINYARD_NODE_LOST_TIMEOUT_S": "6"})
+            env={**os.environ, "TRAINYARD_NODE_LOST_TIMEOUT_S": "6", "TRAINYARD_S3_SECRET_KEY": embedded_s3.secret_key})
         try:
             deadline = time.monotonic() + 180
             while "TRAINYARD_READY" not in log.read_text():

@@ -1,12 +1,14 @@
 """Recovery end to end: a SIGKILLed worker's job resumes from its last committed checkpoint and
-ends with exactly the weights of a run that never failed."""
+ends with exactly the weights of a run that never failed. The cluster allows one checkpoint upload
+at a time (TRAINYARD_UPLOAD_SLOTS_MAX=1): every shard waits for its slot, and no two uploads ever
+hold one at once, also across the kill and the recovery."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 
 import pytest
 
@@ -28,6 +30,21 @@ def _committed(cluster, job_id: str) -> list[dict]:
     return [c for c in cluster.get(f"/v1/jobs/{job_id}/checkpoints")["items"] if c["state"] == "committed"]
 
 
+def _max_concurrent(slots: list[dict]) -> int:
+    """The most slots granted at once, from their recorded grant and end instants."""
+    edges = []
+    for s in slots:
+        if s["granted_at"] is not None:
+            end = datetime.fromisoformat(s["ended_at"]) if s["ended_at"] else datetime.max.replace(tzinfo=UTC)
+            edges += [(datetime.fromisoformat(s["granted_at"]), 1), (end, -1)]
+    held = peak = 0
+    for _, delta in sorted(edges, key=lambda e: (e[0], e[1])):  # an end before a grant at one instant
+        held += delta
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("cluster", [{"env": {"TRAINYARD_UPLOAD_SLOTS_MAX": "1"}}], indirect=True)
 def test_sigkill_mid_run_resumes_exactly(cluster):
     body = job_body(args=ARGS, checkpoint={"interval_steps": 20}, num_nodes=2, gpus_per_node=2)  # 4 ranks
     clean = cluster.submit({**body, "name": "clean"})
@@ -50,6 +67,20 @@ def test_sigkill_mid_run_resumes_exactly(cluster):
     assert resumed["result"]["weights_sha256"] == done["result"]["weights_sha256"]
     kinds = [e["kind"] for e in cluster.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000})["items"]]
     assert "checkpoint.committed" in kinds and "checkpoint.restored" in kinds and "job.recovering" in kinds
+
+    # Upload slots: every shard of a committed checkpoint was uploaded within one (or, after a bounded
+    # wait, without one, which its checkpoint counts), and never two at once in the whole cluster.
+    slots = [s for j in (clean, job) for s in cluster.get("/v1/upload-slots", params={"job_id": j["id"]})["slots"]]
+    assert slots and cluster.get("/v1/upload-slots")["limits"]["max"] == 1
+    assert _max_concurrent(slots) == 1
+    assert all(s["state"] in ("released", "expired") for s in slots)  # none left open
+    for j in (clean, job):
+        for ckpt in _committed(cluster, j["id"]):
+            upload = ckpt["upload"]
+            assert upload is not None and upload["reported"] == ckpt["world_size"] == 4, ckpt
+            granted = [s for s in slots if s["step"] == ckpt["step"] and s["attempt_id"] == ckpt["attempt_id"]
+                       and s["ok"]]
+            assert len(granted) + upload["bypassed"] == 4, (ckpt, granted)
 
     # Goodput (issue 12): the lost work and the downtime are what happened. The steps lost are those
     # the killed attempt reported past the checkpoint the new one restored; the downtime runs from

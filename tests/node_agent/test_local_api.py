@@ -21,7 +21,7 @@ import pytest
 
 from node_agent.isolation import Confinement, worker_paths
 from node_agent.local_api import LocalApi, LocalApiLimits
-from node_agent.relay import DROPPED_EVENT, Outbox
+from node_agent.outbox import DROPPED_EVENT, Outbox
 from tests.helpers import wait_for
 from trainyard.protocol.agent import ShardInfo, WorkerEvent
 from trainyard.protocol.grants import LocalStorageRequest
@@ -236,6 +236,66 @@ def test_connections_are_capped_per_attempt_and_other_attempts_still_get_through
     finally:
         for sock in held:
             sock.close()
+        api.stop()
+
+
+class _HeldSlots:
+    """A slot relay whose control plane keeps every request waiting (a long poll) until released."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.answer = threading.Event()
+
+    def ask(self, attempt_id: str, body: object) -> tuple[HTTPStatus, dict[str, object]]:
+        self.asked += 1
+        self.answer.wait(10)
+        return HTTPStatus.OK, {"slot_id": "s", "state": "waiting", "position": 1, "ttl_s": 0.0}
+
+
+def test_every_rank_of_a_part_may_wait_for_a_slot_and_the_part_still_reports(sockets: Path) -> None:
+    """Each rank of a part holds a connection while it waits for its upload slot (up to
+    upload_slot_poll_s): a part of more ranks than connections_per_attempt must not lock itself out.
+    The cap grows by connections_per_rank per rank of the part, and still holds beyond that."""
+    relay = _HeldSlots()
+    limits = LocalApiLimits(connections_per_attempt=2, connections_per_rank=2, connections_total=2,
+                            request_timeout_s=5)
+    api = LocalApi(limits=limits, slots=relay)  # type: ignore[arg-type]
+    api.reports.register("att-1", "fence-1")
+    ranks = 5
+    api.open("att-1", sockets / "att-1.0.sock", ranks=ranks)
+    path = api.socket_of("att-1")
+    assert path is not None
+    answers: list[int] = []
+    body = {"fencing_token": "fence-1", "step": 3, "size_bytes": 10, "wait_s": 10.0}
+    waiters = [threading.Thread(target=lambda r=r: answers.append(
+        post(api, "att-1", "upload-slot", {**body, "rank": r}).status_code)) for r in range(2 * ranks)]
+    held: list[socket.socket] = []
+    try:
+        api.reports.register("att-2", "fence-2")  # slots only for the socket's own attempt
+        other = post(api, "att-2", "upload-slot", {**body, "fencing_token": "fence-2", "rank": 0})
+        assert other.status_code == 403 and relay.asked == 0
+        for t in waiters:
+            t.start()
+        wait_for(lambda: relay.asked == 2 * ranks, timeout=10, what="every rank's two polls waiting")
+        progress = post(api, "att-1", "progress", {"fencing_token": "fence-1", "rank": 0, "step": 1})
+        assert progress.status_code == 200, progress.text  # more waits than connections_per_attempt
+        for _ in range(limits.connections_per_attempt):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(path))
+            held.append(sock)
+        wait_for(lambda: api.serving("att-1") == 2 * ranks + limits.connections_per_attempt, timeout=10,
+                 what="every connection taken in")
+        assert raw(path, b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n").startswith(b"HTTP/1.1 503 ")
+        relay.answer.set()
+        for t in waiters:
+            t.join(10)
+        assert answers == [200] * 2 * ranks
+    finally:
+        relay.answer.set()
+        for sock in held:
+            sock.close()
+        api.close("att-1")
+        assert api.active.limit == limits.connections_total  # the part's share goes with it
         api.stop()
 
 

@@ -1,8 +1,10 @@
 """A fake node agent: the local API on a real socket, recording what workers send.
 
 Like the real one (node_agent/local_api.py) it answers progress and result with 200, shards and
-events with 202 (queued), and ``shards?wait=1`` with the control plane's ShardAck. A status queued
-in ``statuses`` or set in ``always`` replaces the answer (an error body then).
+events with 202 (queued), ``shards?wait=1`` with the control plane's ShardAck, ``upload-slot``
+with ``slot_answer`` (by default a slot granted at once, unpaced, as with no limit configured) and
+its ``release`` with ``{"released": true}``. A status queued in ``statuses`` or set in ``always``
+replaces the answer (an error body then).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+GRANTED: dict[str, Any] = {"slot_id": "slot-1", "state": "granted", "position": 0, "retry_after_s": 0.0,
+                           "rate_bytes_per_s": None, "ttl_s": 30.0, "max_wait_s": None}
 
 
 @dataclass
@@ -37,6 +42,8 @@ class FakeAgent:
     gate: threading.Event = field(default_factory=threading.Event)
     committed_steps: list[int] = field(default_factory=list)
     """What a ``shards?wait=1`` answer says is committed."""
+    slot_answer: dict[str, Any] = field(default_factory=lambda: dict(GRANTED))
+    """What an ``upload-slot`` request is answered."""
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def answer(self, kind: str) -> int | None:
@@ -91,6 +98,10 @@ def _handler(agent: FakeAgent) -> type[BaseHTTPRequestHandler]:
                 status, payload = 200, {"accepted": 1, "committed_steps": list(agent.committed_steps)}
             elif kind in ("shards", "events"):
                 status, payload = 202, {"accepted": True, "queued": True}
+            elif kind == "upload-slot":
+                status, payload = 200, dict(agent.slot_answer)
+            elif kind == "release":
+                status, payload = 200, {"released": True}
             else:
                 status, payload = 200, {"accepted": True, "status": 200}
             body = json.dumps(payload).encode()

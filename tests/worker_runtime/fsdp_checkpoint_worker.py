@@ -29,7 +29,7 @@ class RecordingSink:
     def __init__(self) -> None:
         self.shards: list[dict[str, Any]] = []
 
-    def shard(self, *, step: int, key: str, size_bytes: int, sha256: str,
+    def shard(self, *, step: int, key: str, size_bytes: int, sha256: str, upload: dict | None = None,
               blocking_s: float | None = None, background_s: float | None = None) -> bool:
         self.shards.append({"step": step, "key": key, "size_bytes": size_bytes, "sha256": sha256,
                             "blocking_s": blocking_s})

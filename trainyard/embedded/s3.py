@@ -42,11 +42,23 @@ class S3Endpoint:
     bucket: str = "trainyard"
     secure: bool = False
     region: str = "us-east-1"
+    ca_file: str = ""
+    """With ``secure``: the CA that signed the server's certificate (empty: the system's)."""
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.secure else 'http'}://{self.endpoint}"
 
     def client(self, *, http_client: Any = None) -> Minio:
         """A minio SDK client for this endpoint (``http_client``: a urllib3 PoolManager to use)."""
         from minio import Minio
 
+        if http_client is None and self.ca_file:
+            import urllib3
+
+            from trainyard.protocol.s3tls import tls_context
+
+            http_client = urllib3.PoolManager(ssl_context=tls_context(self.ca_file))
         return Minio(
             self.endpoint,
             access_key=self.access_key,
@@ -109,7 +121,10 @@ class EmbeddedS3:
         log_path: Path | str | None = None,
         startup_timeout: float = 60.0,
         volume_size_limit_mb: int = 64,
+        tls: tuple[Path, Path, Path] | None = None,
     ) -> None:
+        """``tls``: (CA file, certificate file, key file): the S3 API serves HTTPS with that pair
+        (weed's -s3.cert.file/-s3.key.file), and ``info`` names the CA."""
         self.data_dir = Path(data_dir).expanduser().resolve()
         self.host = host
         # Random unless given: no two servers share a key, and none has a guessable one.
@@ -118,6 +133,7 @@ class EmbeddedS3:
         self.bucket = bucket
         self.log_path = Path(log_path) if log_path is not None else self.data_dir / "weed.log"
         self.volume_size_limit_mb = volume_size_limit_mb
+        self.tls = tls
         self._requested_port = port
         self.port = 0
         self.ports: dict[str, int] = {}
@@ -135,7 +151,8 @@ class EmbeddedS3:
     @property
     def info(self) -> S3Endpoint:
         return S3Endpoint(
-            endpoint=self.endpoint, access_key=self.access_key, secret_key=self.secret_key, bucket=self.bucket
+            endpoint=self.endpoint, access_key=self.access_key, secret_key=self.secret_key, bucket=self.bucket,
+            secure=self.tls is not None, ca_file=str(self.tls[0]) if self.tls else "",
         )
 
     def client(self) -> Minio:
@@ -270,6 +287,8 @@ class EmbeddedS3:
             "master.volumeSizeLimitMB": str(self.volume_size_limit_mb),
             "volume.preStopSeconds": "0",
         }
+        if self.tls is not None:
+            flags |= {"s3.cert.file": str(self.tls[1]), "s3.key.file": str(self.tls[2])}
         # Global flags: log to stderr (our log file) rather than to files in /tmp.
         return [weed, "-logtostderr", "mini", *(f"-{k}={v}" for k, v in flags.items())]
 
@@ -325,7 +344,10 @@ class EmbeddedS3:
 
         deadline = time.monotonic() + timeout
         # No urllib3 retries: a refused connection fails at once and this loop tries again.
-        http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=1.0, read=10.0))
+        from trainyard.protocol.s3tls import tls_context
+
+        http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=1.0, read=10.0),
+                                   ssl_context=tls_context(str(self.tls[0])) if self.tls else None)
         client = self.info.client(http_client=http)
         last: Exception | None = None
         try:

@@ -57,6 +57,7 @@ from trainyard.protocol.limits import (
     Text,
 )
 from trainyard.protocol.requirements import MAX_REQUIREMENTS_CHARS
+from trainyard.protocol.uploads import UploadStats
 
 AGENT_API_PREFIX = "/v1/agent"
 MAX_LOG_CHUNK_CHARS = 1024 * 1024
@@ -139,10 +140,10 @@ class RegisterResponse(_Wire):
     )
     storage: dict[str, Any] = Field(
         default_factory=dict,
-        description="S3 access for checkpoints (endpoint, bucket, access_key, secret_key, secure, region), "
+        description="How workers reach checkpoint storage, never a credential: `access` (`presigned`: URLs "
+        "per object through the agent) and `ca_pem` (the CA(s) of an S3 over HTTPS with a private CA), "
         "sent once per registration: a LaunchSpec given to an agent that reports `known` carries only "
-        "its `prefix`, and the agent merges the two. The plan is per-attempt scoped credentials in the "
-        "LaunchSpec instead (short-lived, limited to the job's prefix).",
+        "its `prefix`, and the agent merges the two.",
     )
 
 
@@ -258,9 +259,9 @@ class LaunchSpec(_Wire):
     )
     storage: dict[str, Any] = Field(
         default_factory=dict,
-        description="S3 access for checkpoints: endpoint, bucket, access_key, secret_key, secure, "
-        "region, prefix. The agent passes it to workers as TRAINYARD_S3_* variables. To an agent "
-        "that reports `known`, only `prefix`: the rest came in the RegisterResponse.",
+        description="How workers reach checkpoint storage: `access`, `ca_pem` and the job's `prefix`, passed "
+        "to workers as TRAINYARD_STORAGE_ACCESS, TRAINYARD_S3_CA_PEM and TRAINYARD_CHECKPOINT_PREFIX. To an "
+        "agent that reports `known`, only `prefix`: the rest came in the RegisterResponse.",
     )
     version: str = Field(
         default="",
@@ -528,6 +529,8 @@ class ShardInfo(_Wire):
                      "attempt and rank.")
     size_bytes: Int64
     sha256: str = Field(pattern="^[0-9a-f]{64}$")
+    upload: UploadStats | None = Field(default=None, description="Its upload's slot wait and duration "
+                                       "(trainyard/protocol/uploads.py); None from an older worker runtime.")
     blocking_s: float | None = Field(
         default=None, ge=0, le=86400, description="How long this save blocked the rank's training loop.")
     background_s: float | None = Field(

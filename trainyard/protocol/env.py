@@ -65,6 +65,11 @@ ENV_S3_BUCKET: Final = "TRAINYARD_S3_BUCKET"
 ENV_S3_SECURE: Final = "TRAINYARD_S3_SECURE"
 """``1`` or ``0``."""
 ENV_S3_REGION: Final = "TRAINYARD_S3_REGION"
+ENV_S3_CA_FILE: Final = "TRAINYARD_S3_CA_FILE"
+"""PEM file of the CA(s) that sign S3's certificate (a script with storage of its own)."""
+ENV_S3_CA_PEM: Final = "TRAINYARD_S3_CA_PEM"
+"""The same CA(s) as PEM text: what an agent gives its workers when the control plane has
+TRAINYARD_S3_CA_FILE (trainyard/protocol/s3tls.py). A CA certificate, never a credential."""
 ENV_CHECKPOINT_PREFIX: Final = "TRAINYARD_CHECKPOINT_PREFIX"
 """The job's checkpoint prefix in the bucket, ``LaunchSpec.storage["prefix"]``
 (trainyard.protocol.keys, ``job_checkpoint_prefix``)."""
@@ -76,6 +81,8 @@ STORAGE_ENV: Final[dict[str, str]] = {
     "bucket": ENV_S3_BUCKET,
     "secure": ENV_S3_SECURE,
     "region": ENV_S3_REGION,
+    "ca_file": ENV_S3_CA_FILE,
+    "ca_pem": ENV_S3_CA_PEM,
     "access": ENV_STORAGE_ACCESS,
 }
 """S3 access key (as in LaunchSpec.storage and S3Config.from_mapping) -> the worker's variable."""

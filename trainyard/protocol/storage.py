@@ -60,4 +60,21 @@ class CheckpointStorage(Protocol):
         ...
 
 
-__all__ = ["CheckpointStorage", "ObjectInfo", "ObjectNotFoundError"]
+class Pace(Protocol):
+    """How fast an upload may send (worker_runtime/checkpoint/pacing.py: the rate of an upload slot)."""
+
+    def take(self, n: int) -> None:
+        """Block until ``n`` more bytes may be sent."""
+        ...
+
+
+@runtime_checkable
+class PacedStorage(Protocol):
+    """A store that can upload at a given pace (checkpoint upload slots, docs/architecture.md)."""
+
+    def put_object_paced(self, key: str, data: BinaryIO, *, length: int, pace: Pace) -> ObjectInfo:
+        """``put_object`` whose bytes leave no faster than ``pace`` lets them, in one request."""
+        ...
+
+
+__all__ = ["CheckpointStorage", "ObjectInfo", "ObjectNotFoundError", "Pace", "PacedStorage"]

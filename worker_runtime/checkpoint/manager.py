@@ -21,6 +21,13 @@ save at the same steps, so they agree at each save, in one small all-reduce (wit
 rank's previous upload is still running, for ``"skip"``), on rank 0's interval and the next step
 to save at. A job with a fixed interval and ``"wait"`` needs no collective.
 
+Before uploading, the background thread waits for an upload slot (slots.py; docs/architecture.md,
+"Checkpoint upload slots") and then uploads at the slot's byte rate (pacing.py). Training never
+waits for a slot: a save that finds the previous one still waiting for its slot (or paced) ends
+that wait, and the previous upload goes at once, unpaced, so the loop waits no longer than it
+waited before slots existed (for the upload itself). The wait and the upload's duration go with the
+shard report and are shown per checkpoint by ``GET /v1/jobs/{id}/checkpoints``.
+
 What a shard holds (``TrainState.shard_state_dict``): rank 0's holds everything registered
 (model, optimizer, scheduler, scaler, data position, RNG, step, ...); another rank's holds only
 what differs between ranks: its per-rank state (data position, RNG) and sharded state. Under DDP
@@ -38,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,16 +58,18 @@ import torch.distributed as dist
 
 from trainyard.protocol.agent import CHECKPOINT_AUTO_FIRST_STEPS
 from trainyard.protocol.keys import job_checkpoint_prefix, shard_key
-from trainyard.protocol.storage import CheckpointStorage
+from trainyard.protocol.storage import CheckpointStorage, ObjectInfo, PacedStorage
 from worker_runtime.checkpoint.notify import (
     FALLBACK,
     RESTORE_FAILED,
     RESTORED,
     SAVE_FAILED,
     SKIPPED,
+    UPLOAD_UNSLOTTED,
     CheckpointReporter,
     ShardSink,
 )
+from worker_runtime.checkpoint.pacing import Pacer
 from worker_runtime.checkpoint.restore import (
     Problem,
     agree,
@@ -69,6 +79,7 @@ from worker_runtime.checkpoint.restore import (
     is_bad,
     resolve,
 )
+from worker_runtime.checkpoint.slots import SlotGrant, UploadSlots
 from worker_runtime.checkpoint.snapshot import host_copy
 from worker_runtime.context import WorkerContext
 from worker_runtime.distributed import device_of
@@ -81,6 +92,10 @@ _STORAGE_VARS = "TRAINYARD_STORAGE_ACCESS or TRAINYARD_S3_*"
 class CheckpointUnavailableError(RuntimeError):
     """There is a restore plan but its storage cannot be reached (starting fresh would waste the
     job's progress; failing the attempt lets the control plane retry later)."""
+
+
+class StaleSlotError(RuntimeError):
+    """The control plane refused this attempt an upload slot: it is stale."""
 
 
 class CheckpointLoadError(RuntimeError):
@@ -101,9 +116,14 @@ class SaveRecord:
     snapshot_s: float = 0.0
     """Time the loop was paused serialising the state (the synchronous part)."""
     upload_s: float = 0.0
-    """Serialising (an asynchronous save's copy), hashing and uploading, in the background."""
+    """Serialising (an asynchronous save's copy), hashing and uploading, in the background; the
+    slot wait not included."""
     put_s: float = 0.0
     """The storage put alone (upload throughput: size_bytes / put_s)."""
+    slot_wait_s: float = 0.0
+    """Time the background thread waited for an upload slot."""
+    slot: str = "none"
+    """How the shard was uploaded: granted (within a slot), bypassed (without one), none (no slot service)."""
     reported: bool = False
     error: str | None = None
 
@@ -126,7 +146,8 @@ def storage_from_context(ctx: WorkerContext, *, timeout_s: float = 10.0, retries
 
         source = AgentGrants(agent_url=ctx.agent_url, attempt_id=ctx.attempt_id, fencing_token=ctx.fencing_token,
                              rank=ctx.rank, agent_socket=ctx.agent_socket)
-        return PresignedStorage(source, timeout_s=timeout_s, retries=retries)
+        return PresignedStorage(source, timeout_s=timeout_s, retries=retries,
+                                ca_file=ctx.storage.get("ca_file"), ca_pem=ctx.storage.get("ca_pem"))
     if not (ctx.storage.get("endpoint") and ctx.storage.get("bucket")):
         return None
     from worker_runtime.checkpoint.s3 import S3Config, S3Storage
@@ -140,7 +161,8 @@ class CheckpointManager:
     ``interval_steps`` and ``storage`` default to the job's settings (``ctx.checkpoint``) and the
     worker's storage (storage_from_context); ``reporter`` to the agent of ``ctx``. ``async_upload=False`` makes
     ``save`` return only after the upload and report. ``upload_delay_s`` sleeps between upload and
-    report (tests use it to kill a worker mid-checkpoint).
+    report (tests use it to kill a worker mid-checkpoint). ``slots`` defaults to the agent of
+    ``ctx`` (slots.py).
     """
 
     def __init__(
@@ -153,6 +175,7 @@ class CheckpointManager:
         reporter: ShardSink | None = None,
         async_upload: bool = True,
         upload_delay_s: float = 0.0,
+        slots: UploadSlots | None = None,
     ) -> None:
         interval = interval_steps if interval_steps is not None else ctx.checkpoint.get("interval_steps")
         self.auto = interval == AUTO
@@ -173,9 +196,12 @@ class CheckpointManager:
         self.prefix = (ctx.checkpoint_prefix or job_checkpoint_prefix(ctx.job_id)).strip("/")
         self._async = async_upload
         self._upload_delay_s = upload_delay_s
+        self.slots = slots if slots is not None else UploadSlots(ctx)
+        self._hurry = threading.Event()  # set by a save that finds the previous upload still waiting
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[SaveRecord] | None = None
         self._closed = False
+        self._closing = False  # a close gave up waiting: releases go on the (joined) upload thread
         self.saves: deque[SaveRecord] = deque(maxlen=1000)
         """Every save of this process, oldest first."""
         if not self.enabled and ctx.is_main:
@@ -232,7 +258,11 @@ class CheckpointManager:
                                         "uploading (when_busy: skip)", {"step": step})
                 self.saves.append(SaveRecord(step=step, key=self.shard_key(step), ok=False, error="skipped"))
                 return False
+        pending = self._pending
+        if pending is not None and not pending.done():
+            self._hurry.set()  # the loop never waits for a slot or a pace: the upload in flight goes now
         self.wait()
+        self._hurry.clear()
         t1 = time.monotonic()
         state = self.state.shard_state_dict(self.ctx.rank)
         payload: io.BytesIO | dict[str, Any]
@@ -266,6 +296,11 @@ class CheckpointManager:
     def close(self, timeout: float | None = None) -> bool:
         """Drain the save in flight and stop the upload thread; idempotent. False if it timed out."""
         drained = self.wait(timeout)
+        if not drained:
+            self._closing = True
+            # The process is leaving: the upload in flight stops waiting for a slot (giving its queue
+            # place back) and is no longer paced, so its slot, if any, is released before the exit.
+            self._hurry.set()
         if self._executor is not None:
             self._executor.shutdown(wait=drained)
         self._closed = True
@@ -279,46 +314,91 @@ class CheckpointManager:
         key = self.shard_key(step)
         blocked_s, snapshot_s = timing
         started = time.monotonic()
-        size, digest = 0, ""
+        size, digest, put_s = 0, "", 0.0
+        grant = SlotGrant(use="none", wait_s=0.0)
         buffer = payload if isinstance(payload, io.BytesIO) else io.BytesIO()
+        held = False  # a granted slot not given back yet: the finally below gives it back whatever happens
         try:
-            if not isinstance(payload, io.BytesIO):
-                torch.save(payload, buffer)  # the host copy, while training goes on
-                del payload
-            with buffer.getbuffer() as view:
-                size, digest = view.nbytes, hashlib.sha256(view).hexdigest()
-            buffer.seek(0)
-            assert self.storage is not None
-            put_started = time.monotonic()
-            info = self.storage.put_object(key, buffer, length=size)
-            put_s = time.monotonic() - put_started
-            if info.size != size:
-                raise OSError(f"storage holds {info.size} bytes under {key}, {size} were sent")
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            log.error("checkpoint of step %d not saved (upload of %s failed: %s); training continues",
-                      step, key, error)
-            self.reporter.event(SAVE_FAILED, f"upload of {key} failed: {error}"[:4096], {"step": step})
-            record = SaveRecord(step=step, key=key, ok=False, size_bytes=size, sha256=digest,
-                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=time.monotonic() - started,
-                                error=error)
-        else:
-            upload_s = time.monotonic() - started
-            if self._upload_delay_s > 0:
-                time.sleep(self._upload_delay_s)
-            # A synchronous save blocked the loop for its upload too.
-            blocking = blocked_s + snapshot_s + (0.0 if self._async else upload_s)
-            reported = self.reporter.shard(step=step, key=key, size_bytes=size, sha256=digest,
-                                           blocking_s=blocking, background_s=time.monotonic() - started)
-            record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
-                                blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, put_s=put_s,
-                                reported=reported)
-            log.info("checkpoint shard of step %d saved: %s (%d bytes, paused %.3fs, upload %.3fs)",
-                     step, key, size, snapshot_s, upload_s)
+            try:
+                if not isinstance(payload, io.BytesIO):
+                    torch.save(payload, buffer)  # the host copy, while training goes on
+                    del payload
+                with buffer.getbuffer() as view:
+                    size, digest = view.nbytes, hashlib.sha256(view).hexdigest()
+                buffer.seek(0)
+                grant = self.slots.acquire(step, size, hurry=self._hurry)
+                held = grant.use == "granted"
+                if grant.stale:
+                    if hasattr(self.reporter, "stale"):
+                        self.reporter.stale = True  # later saves are skipped, as after a refused report
+                    raise StaleSlotError("the attempt is stale: no upload slot, nothing uploaded")
+                if grant.use == "bypassed":
+                    self.reporter.event(UPLOAD_UNSLOTTED, f"step {step} uploaded without a slot: {grant.reason}"[:4096],
+                                        {"step": step, "waited_s": round(grant.wait_s, 3)})
+                put_started = time.monotonic()
+                info = self._put(step, key, buffer, size, grant)
+                put_s = time.monotonic() - put_started
+                if info.size != size:
+                    raise OSError(f"storage holds {info.size} bytes under {key}, {size} were sent")
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                upload_s = time.monotonic() - started - grant.wait_s
+                held = False
+                self._release(step, grant, ok=False, size=0, upload_s=put_s)
+                if not grant.stale:
+                    log.error("checkpoint of step %d not saved (upload of %s failed: %s); training continues",
+                              step, key, error)
+                    self.reporter.event(SAVE_FAILED, f"upload of {key} failed: {error}"[:4096], {"step": step})
+                record = SaveRecord(step=step, key=key, ok=False, size_bytes=size, sha256=digest,
+                                    blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, put_s=put_s,
+                                    slot_wait_s=grant.wait_s, slot=grant.use, error=error)
+            else:
+                upload_s = time.monotonic() - started - grant.wait_s
+                if self._upload_delay_s > 0:
+                    time.sleep(self._upload_delay_s)
+                stats = {"wait_s": round(grant.wait_s, 6), "upload_s": round(put_s, 6), "slot": grant.use}
+                # A synchronous save blocked the loop for its upload (and its slot wait) too.
+                blocking = blocked_s + snapshot_s + (0.0 if self._async else upload_s + grant.wait_s)
+                # The background part includes the slot wait: the auto interval must leave room for it.
+                reported = self.reporter.shard(step=step, key=key, size_bytes=size, sha256=digest, upload=stats,
+                                               blocking_s=blocking, background_s=time.monotonic() - started)
+                # After the report (queued by the local agent at once): the commit does not wait for it.
+                held = False
+                self._release(step, grant, ok=True, size=size, upload_s=put_s)
+                record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
+                                    blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, put_s=put_s,
+                                    slot_wait_s=grant.wait_s, slot=grant.use, reported=reported)
+                log.info("checkpoint shard of step %d saved: %s (%d bytes, paused %.3fs, slot %s after %.3fs, "
+                         "upload %.3fs)", step, key, size, snapshot_s, grant.use, grant.wait_s, upload_s)
         finally:
             buffer.close()
+            if held:  # a custom reporter raised: the slot goes back all the same
+                self._release(step, grant, ok=False, size=0, upload_s=put_s)
         self.saves.append(record)
         return record
+
+    def _put(self, step: int, key: str, buffer: io.BytesIO, size: int, grant: SlotGrant) -> ObjectInfo:
+        """Upload within the slot: paced at its rate (lifted by a due save), renewed while it runs."""
+        assert self.storage is not None
+        pacer = Pacer(grant.rate_bytes_per_s, lifted=self._hurry)
+        renewal = self.slots.keep(step, size, grant, pacer)
+        try:
+            if grant.rate_bytes_per_s is not None and isinstance(self.storage, PacedStorage):
+                return self.storage.put_object_paced(key, buffer, length=size, pace=pacer)
+            return self.storage.put_object(key, buffer, length=size)
+        finally:
+            renewal.stop()
+
+    def _release(self, step: int, grant: SlotGrant, *, ok: bool, size: int, upload_s: float) -> None:
+        """Give a granted slot back; in the background when the next save is due (the loop waits for
+        this thread then, and must not wait for a round trip to the control plane)."""
+        if grant.use != "granted":
+            return
+        if self._hurry.is_set() and not self._closing:
+            threading.Thread(target=self.slots.release, args=(step,), daemon=True, name="trainyard-upload-slot-release",
+                             kwargs={"ok": ok, "uploaded_bytes": size, "upload_s": upload_s}).start()
+        else:
+            self.slots.release(step, ok=ok, uploaded_bytes=size, upload_s=upload_s)
 
     # --- restoring ---
 

@@ -5,7 +5,8 @@ Bodies are the wire contract's LocalShard and LocalEvent (``trainyard/protocol/a
 - ``POST /v1/local/attempts/{id}/shards``  after a shard is in storage (phase 1 of the two-phase
   commit, docs/architecture.md). The agent queues it for the control plane and answers 202; with
   ``wait_ack`` it asks for ``?wait=1`` and gets the control plane's ShardAck.
-- ``POST /v1/local/attempts/{id}/events``  checkpoint.restored / .fallback / .save_failed.
+- ``POST /v1/local/attempts/{id}/events``  checkpoint.restored / .fallback / .save_failed /
+  .upload_unslotted.
 
 Unlike the result, nothing here may stop training: a report that cannot be delivered after a few
 short tries is logged and dropped (an undelivered shard leaves its checkpoint pending, and the
@@ -36,12 +37,15 @@ FALLBACK = "checkpoint.fallback"
 SAVE_FAILED = "checkpoint.save_failed"
 SKIPPED = "checkpoint.skipped"
 RESTORE_FAILED = "checkpoint.restore_failed"
+UPLOAD_UNSLOTTED = "checkpoint.upload_unslotted"
+"""A shard was uploaded without an upload slot (worker_runtime/checkpoint/slots.py says when)."""
 
 
 class ShardSink(Protocol):
     """Where the checkpoint manager reports shards and events (a fake in tests)."""
 
     def shard(self, *, step: int, key: str, size_bytes: int, sha256: str,
+              upload: dict[str, Any] | None = None,
               blocking_s: float | None = None, background_s: float | None = None) -> bool: ...
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> bool: ...
@@ -76,10 +80,11 @@ class CheckpointReporter:
         """Steps the control plane said are committed (only with ``wait_ack``)."""
 
     def shard(self, *, step: int, key: str, size_bytes: int, sha256: str,
+              upload: dict[str, Any] | None = None,
               blocking_s: float | None = None, background_s: float | None = None) -> bool:
         """Report an uploaded shard, with what the save cost (the loop blocked, then the background
-        part); True if the agent took it."""
-        body = {
+        part) and with ``upload`` its slot wait and upload time (UploadStats); True if the agent took it."""
+        body: dict[str, Any] = {
             "fencing_token": self._ctx.fencing_token,
             "rank": self._ctx.rank,
             "step": step,
@@ -90,6 +95,8 @@ class CheckpointReporter:
             "blocking_s": None if blocking_s is None else round(blocking_s, 6),
             "background_s": None if background_s is None else round(background_s, 6),
         }
+        if upload is not None:
+            body["upload"] = upload
         if self._base is None:
             log.info("checkpoint shard step=%d rank=%d %s (%d bytes)", step, self._ctx.rank, key, size_bytes)
             return True

@@ -9,7 +9,8 @@ and would be by S3: no grant allows it.
 
 Objects up to the control plane's part size go up in one PUT (S3 takes at most 5 GiB in one);
 larger ones in parts (create, one PUT per part, complete), each with its own URL. A URL that has
-expired (S3 answers 403) is asked for again once.
+expired (S3 answers 403) is asked for again once. An upload may be paced (``put_object_paced``: the
+rate of its upload slot, docs/architecture.md "Checkpoint upload slots").
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from pydantic import ValidationError
 
 from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.grants import GrantAction, LocalStorageRequest, StorageGrant, StorageGrants
-from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError
+from trainyard.protocol.s3tls import tls_context, tls_failure
+from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError, Pace
 from worker_runtime.agent_http import socket_client
+from worker_runtime.checkpoint.pacing import paced_chunks
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,11 @@ class GrantRefused(PermissionError):
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(f"storage grant refused (HTTP {status}): {detail}")
         self.status = status
+
+
+class StorageTlsError(PermissionError):
+    """S3's certificate is not trusted here (or TLS failed): retrying does not help; the message
+    says what to configure."""
 
 
 class GrantSource(Protocol):
@@ -119,12 +127,16 @@ class PresignedStorage:
     """CheckpointStorage over presigned URLs from ``source``; safe to use from several threads."""
 
     def __init__(self, source: GrantSource, *, timeout_s: float = 30.0, retries: int = 2,
-                 clock: Callable[[], datetime] | None = None) -> None:
+                 clock: Callable[[], datetime] | None = None, ca_file: str | None = None,
+                 ca_pem: str | None = None) -> None:
+        """``ca_file`` / ``ca_pem``: the CA(s) an https S3 is verified with (TRAINYARD_S3_CA_FILE,
+        TRAINYARD_S3_CA_PEM); neither: the system's trust store."""
         self._source = source
         self._retries = max(0, retries)
         self._clock = clock or (lambda: datetime.now(UTC))
         self._http = urllib3.PoolManager(
-            timeout=urllib3.Timeout(connect=min(5.0, timeout_s), read=timeout_s), retries=False, maxsize=16)
+            timeout=urllib3.Timeout(connect=min(5.0, timeout_s), read=timeout_s), retries=False, maxsize=16,
+            ssl_context=tls_context(ca_file, ca_pem))
         self._lock = threading.Lock()
         self._readable: dict[str, StorageGrant] = {}
 
@@ -189,20 +201,31 @@ class PresignedStorage:
         if length is None:
             payload = data.read()
             data, length = io.BytesIO(payload), len(payload)
+        return self._put(key, data, length, None)
+
+    def put_object_paced(self, key: str, data: BinaryIO, *, length: int, pace: Pace) -> ObjectInfo:
+        """``put_object`` whose bytes leave no faster than ``pace`` releases them (an upload slot's
+        rate, worker_runtime/checkpoint/pacing.py): each body is streamed chunk by chunk as it is
+        released, not read at that rate and then sent in one burst."""
+        return self._put(key, data, length, pace)
+
+    def _put(self, key: str, data: BinaryIO, length: int, pace: Pace | None) -> ObjectInfo:
         granted = self._source.grants("PUT", key, size_bytes=length)
         first = granted.grants[0] if granted.grants else None
         if first is not None and first.action == GrantAction.put:
-            return self._put_once(first, data, length)
+            return self._put_once(first, data, length, pace)
         if first is not None and first.action == GrantAction.create_upload and granted.part_size_bytes:
-            return self._put_parts(first, data, length, granted.part_size_bytes)
+            return self._put_parts(first, data, length, granted.part_size_bytes, pace)
         raise OSError(f"the control plane granted no upload of {key}")
 
-    def _put_once(self, grant: StorageGrant, data: BinaryIO, length: int) -> ObjectInfo:
+    def _put_once(self, grant: StorageGrant, data: BinaryIO, length: int, pace: Pace | None) -> ObjectInfo:
         start = data.tell()
         for attempt in range(self._retries + 1):
             data.seek(start)
             try:
-                resp = self._send(grant, body=data, headers={"Content-Length": str(length)})
+                resp = self._send(grant, body=_body(data, length, pace), headers={"Content-Length": str(length)})
+            except StorageTlsError:
+                raise
             except OSError as exc:  # urllib3's errors are OSErrors: the outcome is unknown, try again
                 if attempt == self._retries:
                     raise
@@ -219,7 +242,8 @@ class PresignedStorage:
             raise _failed("PUT", grant.key, resp)
         raise AssertionError("unreachable")
 
-    def _put_parts(self, create: StorageGrant, data: BinaryIO, length: int, part_size: int) -> ObjectInfo:
+    def _put_parts(self, create: StorageGrant, data: BinaryIO, length: int, part_size: int,
+                   pace: Pace | None) -> ObjectInfo:
         key = create.key
         resp = self._send(create)
         if resp.status != 200:
@@ -233,7 +257,7 @@ class PresignedStorage:
             etags = []
             for number in range(1, -(-length // part_size) + 1):
                 chunk = data.read(min(part_size, length - (number - 1) * part_size))
-                grants, etag = self._put_part(grants, key, length, upload_id, number, chunk)
+                grants, etag = self._put_part(grants, key, length, upload_id, number, chunk, pace)
                 etags.append(etag)
             return self._complete(grants, key, length, etags)
         except BaseException:
@@ -241,7 +265,7 @@ class PresignedStorage:
             raise
 
     def _put_part(self, grants: StorageGrants, key: str, length: int, upload_id: str, number: int,
-                  chunk: bytes) -> tuple[StorageGrants, str]:
+                  chunk: bytes, pace: Pace | None) -> tuple[StorageGrants, str]:
         refreshed = False
         for attempt in range(self._retries + 1):
             grant = _one(grants, GrantAction.upload_part, number)
@@ -249,7 +273,9 @@ class PresignedStorage:
                 grants, refreshed = self._source.grants("PUT", key, size_bytes=length, upload_id=upload_id), True
                 grant = _one(grants, GrantAction.upload_part, number)
             try:
-                resp = self._send(grant, body=chunk)  # a part may be sent again: the last one counts
+                # A part may be sent again (the last one counts); a paced one is paced again.
+                body = chunk if pace is None else paced_chunks(io.BytesIO(chunk), len(chunk), pace)
+                resp = self._send(grant, body=body, headers={"Content-Length": str(len(chunk))})
             except OSError:
                 if attempt == self._retries:
                     raise
@@ -299,8 +325,22 @@ class PresignedStorage:
               preload: bool = True, idempotent: bool = False) -> Any:
         retries = urllib3.Retry(total=self._retries, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504),
                                 allowed_methods=None) if idempotent else False
-        return self._http.request(grant.method, grant.url, body=body, headers={**grant.headers, **(headers or {})},
-                                  preload_content=preload, retries=retries)
+        try:
+            return self._http.request(grant.method, grant.url, body=body, headers={**grant.headers, **(headers or {})},
+                                      preload_content=preload, retries=retries)
+        except urllib3.exceptions.HTTPError as exc:
+            problem = tls_failure(exc, "/".join(grant.url.split("/", 3)[:3]))
+            if problem is not None:  # retrying cannot fix trust: one line, and no retry
+                raise StorageTlsError(problem) from None
+            raise
+
+
+
+
+def _body(data: BinaryIO, length: int, pace: Pace | None) -> Any:
+    """What a PUT sends: ``data`` as it is, or its ``length`` bytes as ``pace`` releases them (a
+    generator from ``data``'s current position; sent again from a fresh one on a retry)."""
+    return data if pace is None else paced_chunks(data, length, pace)
 
 
 def _one(grants: StorageGrants, action: GrantAction, part_number: int | None = None) -> StorageGrant:

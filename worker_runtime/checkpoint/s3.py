@@ -9,10 +9,11 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, BinaryIO
 
-from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError
+from trainyard.protocol.s3tls import split_endpoint, tls_context
+from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError, Pace
 
 PART_SIZE = 16 * 1024 * 1024
 
@@ -30,6 +31,11 @@ class S3Config:
     public_endpoint: str = ""
     """host:port at which workers reach the store, when it is not ``endpoint``: presigned URLs
     name it (the signature covers the host). Empty: ``endpoint``."""
+    ca_file: str = ""
+    """PEM file of the CA(s) that sign the store's certificate (with ``secure``); empty: the
+    system's trust store (trainyard/protocol/s3tls.py)."""
+    ca_pem: str = ""
+    """The same as PEM text (what an agent gives a worker)."""
 
     def __post_init__(self) -> None:
         if not self.endpoint or "://" in self.endpoint:
@@ -41,15 +47,24 @@ class S3Config:
 
     @classmethod
     def from_mapping(cls, m: dict[str, Any]) -> S3Config:
+        """From TRAINYARD_S3_* values; an endpoint may carry its scheme (``https://host:port``)."""
+        endpoint, scheme_secure = split_endpoint(str(m["endpoint"]))
+        secure = str(m.get("secure", "")).lower() in ("1", "true", "yes")
         return cls(
-            endpoint=str(m["endpoint"]),
+            endpoint=endpoint,
             bucket=str(m["bucket"]),
             access_key=str(m.get("access_key") or ""),
             secret_key=str(m.get("secret_key") or ""),
-            secure=str(m.get("secure", "")).lower() in ("1", "true", "yes"),
+            secure=secure if scheme_secure is None else scheme_secure,
             region=str(m.get("region") or "us-east-1"),
             public_endpoint=str(m.get("public_endpoint") or ""),
+            ca_file=str(m.get("ca_file") or ""),
+            ca_pem=str(m.get("ca_pem") or ""),
         )
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.secure else 'http'}://{self.endpoint}"
 
 
 class S3Storage:
@@ -64,7 +79,9 @@ class S3Storage:
             timeout=urllib3.Timeout(connect=min(5.0, timeout_s), read=timeout_s),
             retries=urllib3.Retry(total=retries, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504)),
             maxsize=16,
+            ssl_context=tls_context(config.ca_file, config.ca_pem) if config.secure else None,
         )
+        self._http = http
         self._client = Minio(
             config.endpoint,
             access_key=config.access_key or None,
@@ -86,6 +103,23 @@ class S3Storage:
             result = self._client.put_object(self.bucket, key, data, length=length)
         info = self.stat(key)
         return info or ObjectInfo(key=key, size=length or 0, etag=result.etag)
+
+    def put_object_paced(self, key: str, data: BinaryIO, *, length: int, pace: Pace) -> ObjectInfo:
+        """One PUT whose body is sent chunk by chunk as ``pace`` releases it (the rate of an upload
+        slot: worker_runtime/checkpoint/pacing.py), so the bytes leave at that rate rather than being
+        read at it and then sent in one burst (the SDK reads a whole part into memory first). The
+        request is signed in its URL (a presigned PUT, unsigned payload), which lets the body stream."""
+        from worker_runtime.checkpoint.pacing import paced_chunks
+
+        url = self._client.presigned_put_object(self.bucket, key, expires=timedelta(hours=1))
+        # No retry: a streamed body cannot be sent again (the caller fails the save, as for any error).
+        resp = self._http.urlopen("PUT", url, body=paced_chunks(data, length, pace),
+                                  headers={"Content-Length": str(length)}, retries=False, preload_content=True,
+                                  chunked=False)
+        if resp.status >= 300:
+            raise OSError(f"PUT {key}: HTTP {resp.status} {resp.data[:300]!r}")
+        info = self.stat(key)
+        return info or ObjectInfo(key=key, size=length, etag=resp.headers.get("ETag"))
 
     def put_bytes(self, key: str, payload: bytes) -> ObjectInfo:
         return self.put_object(key, io.BytesIO(payload), length=len(payload))

@@ -1,0 +1,85 @@
+"""The state the node agent's loops share, and the few helpers every loop uses."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from node_agent.attempt import AttemptRun
+from node_agent.client import ControlPlaneClient
+from node_agent.config import AgentConfig
+from node_agent.gpus import GpuSource
+from node_agent.isolation import Isolation
+from node_agent.launcher import NodeContext
+from node_agent.launches import Launches
+from node_agent.local_api import LocalApi, LocalReports
+from node_agent.orphans import OrphanSweeper
+from node_agent.outbox import Outbox
+from node_agent.relay import Relay
+from trainyard.protocol.agent import (
+    AttemptStatusReport,
+    GpuInfo,
+)
+
+
+class AgentCore:
+    """What the agent's loops share: set up by Agent.__init__ (node_agent/agent.py), declared here so
+    that each loop's module (agent_*.py) is checked against it."""
+
+    config: AgentConfig
+    instance: str
+    log: Any
+    client: ControlPlaneClient
+    superseded: str | None
+    """Why this agent stopped: another instance registered as this node (409 stale-agent)."""
+    epoch: int
+    orphans: OrphanSweeper
+    reports: LocalReports
+    outbox: Outbox
+    relay: Relay
+    gpus: list[GpuInfo]
+    node_id: str | None
+    registered: threading.Event
+    isolation: Isolation | None
+    _stop_event: threading.Event
+    _next_orphan_scan: float
+    _gpu_source: GpuSource
+    _need_register: threading.Event
+    _register_failures: int
+    _refused_reports: dict[str, AttemptStatusReport]
+    _heartbeat_interval_s: float
+    _seq: int
+    _runs: dict[str, AttemptRun]
+    _known: set[str]
+    _versions: dict[str, str]
+    _storage: dict[str, object]
+    _runs_lock: threading.Lock
+    _reconcile_lock: threading.Lock
+    _launched_at: dict[str, float]
+    _api: LocalApi | None
+    _launches: Launches | None
+    _node: NodeContext | None
+    _threads: dict[str, threading.Thread]
+    _loops: dict[str, Callable[[], float]]
+    _heartbeat_done: threading.Event
+    _wakes: dict[str, threading.Event]
+    _lifecycle: threading.Lock
+    _started: bool
+    _stopped: bool
+
+    def runs(self) -> list[AttemptRun]:
+        with self._runs_lock:
+            return list(self._runs.values())
+
+    def run(self, attempt_id: str) -> AttemptRun | None:
+        with self._runs_lock:
+            return self._runs.get(attempt_id)
+
+    def _wake(self, *names: str) -> None:
+        """Run these loops now rather than at their next period (a local fact changed)."""
+        for name in names:
+            self._wakes[name].set()
+
+    def _need_register_set(self) -> None:
+        self._need_register.set()

@@ -1,0 +1,130 @@
+"""The node's desired state: the long poll that learns of changes at once, and applying an answer
+(launch what is assigned and was never launched here, stop what runs and no longer is)."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from node_agent.agent_supervise import SuperviseLoop
+from node_agent.client import (
+    ControlPlaneError,
+    ControlPlaneUnavailable,
+    RequestRejected,
+    Unauthorized,
+)
+from node_agent.code import CodeUnavailable, cached_archive
+from trainyard.protocol.agent import (
+    AssignmentRef,
+    KnownAssignment,
+    LaunchSpec,
+    WaitRequest,
+)
+
+HEARTBEAT_JITTER = 0.2
+"""A heartbeat leaves between (1 - this) and 1 times the interval after the previous one started."""
+WAIT_TIMEOUT_S = 25.0
+"""How long one long poll (POST /v1/agent/wait) stays open at least; twice the heartbeat interval when
+that is longer (each wait costs the control plane a read when it starts), at most WAIT_TIMEOUT_MAX_S.
+The control plane may cut it shorter (agent_wait_timeout_s)."""
+WAIT_TIMEOUT_MAX_S = 110.0
+
+class DesiredState(SuperviseLoop):
+    def _wait_step(self) -> float:
+        """Keep one long poll open; when the control plane says the node's desired state changed (a
+        new attempt, a stop order), apply the desired state the answer carries (or, from a control
+        plane that sends none, heartbeat now) rather than wait for the next heartbeat, whose interval
+        grows with the cluster. Then wait again, with the versions that brought."""
+        if not self.registered.is_set() or self._need_register.is_set():
+            return 1.0
+        sent_at, known = self._holding()
+        try:
+            timeout = min(WAIT_TIMEOUT_MAX_S, max(WAIT_TIMEOUT_S, 2 * self._heartbeat_interval_s))
+            timeout *= random.uniform(1 - HEARTBEAT_JITTER, 1.0)  # waits woken together re-arm spread out
+            resp = self.client.wait(WaitRequest(known=known, timeout_s=timeout, answer=True))
+        except Unauthorized:
+            self._wake("heartbeat")  # it registers again
+            return 1.0
+        except RequestRejected as exc:  # e.g. a control plane without long polls (404): heartbeats only
+            self.log.info("long_poll_refused", error=str(exc))
+            return 60.0
+        except ControlPlaneUnavailable:
+            return self._heartbeat_interval_s
+        if resp.changed and resp.assignments is not None:
+            self._reconcile(resp.assignments, resp.unchanged, sent_at=sent_at)
+        elif resp.changed:
+            self._heartbeat_done.clear()
+            self._wake("heartbeat")
+            self._heartbeat_done.wait(self._heartbeat_interval_s)  # the next wait knows its answer
+        return 0.0
+
+    def _holding(self) -> tuple[float, list[KnownAssignment]]:
+        """When a request leaves and the spec versions it reports (taken together: see _reconcile)."""
+        with self._reconcile_lock:
+            return time.monotonic(), [KnownAssignment(attempt_id=a, version=v)
+                                      for a, v in sorted(self._versions.items())]
+
+    def _reconcile(self, assignments: list[LaunchSpec], unchanged: list[AssignmentRef] | None = None, *,
+                   sent_at: float | None = None) -> None:
+        """Full specs are new or changed assignments; `unchanged` names the specs this agent holds
+        that are still assigned ('run') or not ('stop'). A spec for an attempt launched before is
+        never launched again: only its version is kept.
+
+        Answers come from the heartbeat and from the long poll, each read by the control plane at
+        its own moment: an answer to a request sent (``sent_at``) before an attempt was launched
+        may have been read before that attempt was assigned, so its silence about it is no order to
+        stop it (an explicit stop comes with the next answer that knows it)."""
+        # Shipped code is fetched before the lock (once per content hash; the heartbeat and the long
+        # poll take the lock for every request): a slow download holds back no other loop.
+        fetched = {spec.attempt_id: self._code(spec) for spec in assignments}
+        with self._reconcile_lock:
+            refs = unchanged or []
+            assigned = {spec.attempt_id for spec in assignments}
+            assigned |= {ref.attempt_id for ref in refs if ref.desired == "run"}
+            newer = {a for a, t in self._launched_at.items() if sent_at is not None and t > sent_at}
+            # Forget the versions of what is no longer assigned: if it ever came back, so would its spec.
+            self._versions = {a: v for a, v in self._versions.items() if a in assigned or a in newer}
+            for spec in assignments:
+                if spec.version:
+                    self._versions[spec.attempt_id] = spec.version
+                self._launched_at.setdefault(spec.attempt_id, time.monotonic())
+                self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}),
+                             *fetched[spec.attempt_id])
+            for run in self.runs():
+                if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
+                    run.request_stop("no longer assigned to this node")
+            # Kept while assigned or too new to judge, with a version or without one (a control plane
+            # that sends none): the guard above holds for both.
+            self._launched_at = {a: t for a, t in self._launched_at.items() if a in assigned or a in newer}
+
+    def _launch(self, spec: LaunchSpec, code_archive: Path | None = None, code_problem: str | None = None) -> None:
+        assert self._node is not None and self._launches is not None
+        with self._runs_lock:
+            if spec.attempt_id in self._known or self._stop_event.is_set():
+                return
+            self._known.add(spec.attempt_id)  # at most once in this agent's life, whatever happens
+            if spec.launched:
+                # Started by an earlier instance of this node whose work dir is gone: its processes,
+                # if any, were swept as orphans; starting it again would run it twice.
+                self.log.warning("attempt_started_by_another_instance_not_launching", attempt_id=spec.attempt_id)
+                return
+            # Registered first: its workers may report as soon as they run.
+            self.reports.register(spec.attempt_id, spec.fencing_token)
+            run = self._launches.start(spec, self._node, self.gpus, code_archive=code_archive,
+                                       code_problem=code_problem)
+            if run is None:
+                self.reports.unregister(spec.attempt_id)
+                return
+            self._runs[spec.attempt_id] = run
+
+    def _code(self, spec: LaunchSpec) -> tuple[Path | None, str | None]:
+        """The job's code archive in this node's cache (fetched once per content hash), or why not."""
+        if spec.code is None or spec.launched or spec.attempt_id in self._known:
+            return None, None
+        ref = spec.code
+        try:
+            return cached_archive(self.config.work_dir, ref, lambda: self.client.fetch_code(spec.attempt_id)), None
+        except (CodeUnavailable, ControlPlaneError, OSError) as exc:
+            self.log.error("code_fetch_failed", attempt_id=spec.attempt_id, error=str(exc))
+            return None, f"the job's code {ref.sha256[:12]} could not be fetched: {exc}"
