@@ -182,8 +182,9 @@ class Workload:
     @property
     def root_params(self) -> float:
         """Parameters of the root unit (the embeddings), which FSDP2 keeps gathered from its forward
-        through its backward. Without a shape the model is taken as blocks only."""
-        return self.shape.embedding_params if self.shape else 0.0
+        through its backward. Without a shape the model is taken as blocks only; a parameter count
+        given beside a shape bounds it."""
+        return min(self.shape.embedding_params, self.params) if self.shape else 0.0
 
     @property
     def largest_unit_params(self) -> float:

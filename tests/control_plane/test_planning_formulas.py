@@ -143,6 +143,10 @@ def test_fsdp_gathers_the_root_once_per_micro_step_and_each_block_twice():
         assert row.traffic.total_bytes == pytest.approx(15 / 16 * (gathered + p * 2))
         # Collectives: 5 units forward, 4 blocks backward, per micro-step; 5 reduce-scatters per step.
         assert row.collectives == accum * (5 + 4) + 5
+    # A parameter count given beside the shape bounds the root (the property test found a negative).
+    small = Workload(params=1e6, bytes=MIXED_ADAM, seq_len=512, global_batch=512, micro_batch=32, shape=shape)
+    tiny = estimate(small, flat_hardware(), Layout(kind="fsdp"), 16)
+    assert tiny.traffic is not None and tiny.traffic.total_bytes == pytest.approx(15 / 16 * (1e6 * 2 + 1e6 * 2))
 
 
 def test_hsdp_shards_inside_a_node_and_all_reduces_the_shard_across_nodes():
