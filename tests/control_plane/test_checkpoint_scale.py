@@ -14,14 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select, text
+from sqlalchemy import event, select, text
 
 from control_plane.app import create_app, object_store
 from control_plane.models import Checkpoint, Node
 from control_plane.services import checkpoints
 from control_plane.services.checkpoints import checkpoint_prefix
 from control_plane.settings import Settings
-from tests.factories import ADMIN, FakeAgentSession, job_body
+from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 from trainyard.protocol.agent import ShardReport
 
 STEP = 100
@@ -38,10 +38,10 @@ def s3_settings(settings: Settings, s3_bucket) -> Settings:
 class World:
     """A job of ``nodes`` x ``gpus`` ranks held by fake agents speaking the real wire protocol."""
 
-    def __init__(self, client: TestClient, nodes: int, gpus: int) -> None:
+    def __init__(self, client: TestClient, nodes: int, gpus: int, *, prefix: str = "node") -> None:
         self.client = client
         self.world = nodes * gpus
-        self.agents = [FakeAgentSession(client, f"node-{i:03d}", gpus) for i in range(nodes)]
+        self.agents = [FakeAgentSession(client, f"{prefix}-{i:03d}", gpus) for i in range(nodes)]
         self.job = client.post("/v1/jobs", json=job_body(num_nodes=nodes, gpus_per_node=gpus, max_failures=2),
                                headers=ADMIN).json()
         client.app.state.loops.schedule_once()
@@ -171,3 +171,41 @@ def test_the_commit_checks_every_shard_size_from_the_listing(s3_settings):
         assert r.json()["committed_steps"] == []
         [ckpt] = w.checkpoints()
         assert ckpt["state"] == "aborted" and "rank 3 is missing or has the wrong size" in ckpt["reason"]
+
+
+def _rows_read(client: TestClient, send) -> int:
+    """Rows the control plane's SELECTs return while ``send()`` runs (one request)."""
+    engine = client.app.state.engine
+    counted: list[int] = []
+
+    def after(conn, cursor, statement, parameters, context, executemany) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and cursor.rowcount > 0:
+            counted.append(cursor.rowcount)
+
+    event.listen(engine, "after_cursor_execute", after)
+    try:
+        r = send()
+    finally:
+        event.remove(engine, "after_cursor_execute", after)
+    assert r.status_code == 200, r.text
+    return sum(counted)
+
+
+def test_the_rows_a_report_reads_do_not_grow_with_the_world(s3_settings):
+    """The cost of one node's shard or status report is O(its own ranks): the rank-ownership check
+    (fencing.check_own_ranks) read every worker of the attempt, so each of a 1,024-rank gang's 128
+    reports read 1,024 rows (most of a report's cost in bench/scale.py). The same report in a world
+    four times larger reads the same rows."""
+    read = {}
+    with TestClient(create_app(s3_settings)) as client:
+        for nodes in (2, 8):
+            w = World(client, nodes=nodes, gpus=4, prefix=f"world{nodes}")
+            for agent, spec in zip(w.agents, w.specs, strict=True):  # every worker of the world is known
+                assert agent.status(spec, "running", workers=workers_for(spec, "running")).status_code == 200
+            agent, spec = w.agents[1], w.specs[1]
+            shards = [w.shard(spec, j) for j in range(4)]
+            shard = _rows_read(client, lambda: w.report(1, *shards))  # noqa: B023 (called at once)
+            status = _rows_read(client, lambda: agent.status(  # noqa: B023
+                spec, "running", workers=workers_for(spec, "running")))
+            read[nodes] = (shard, status)
+    assert read[8] == read[2], read
