@@ -5,6 +5,7 @@ lock is for changes of state), and one S3 listing checks every shard's key and s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import threading
@@ -204,8 +205,8 @@ def test_the_rows_a_report_reads_do_not_grow_with_the_world(s3_settings):
                 assert agent.status(spec, "running", workers=workers_for(spec, "running")).status_code == 200
             agent, spec = w.agents[1], w.specs[1]
             shards = [w.shard(spec, j) for j in range(4)]
-            shard = _rows_read(client, lambda: w.report(1, *shards))  # noqa: B023 (called at once)
-            status = _rows_read(client, lambda: agent.status(  # noqa: B023
-                spec, "running", workers=workers_for(spec, "running")))
+            shard = _rows_read(client, functools.partial(w.report, 1, *shards))
+            status = _rows_read(client, functools.partial(agent.status, spec, "running",
+                                                          workers=workers_for(spec, "running")))
             read[nodes] = (shard, status)
     assert read[8] == read[2], read
