@@ -10,7 +10,7 @@ VENV ?= .venv
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainyard-installed
-PACKAGES := control_plane node_agent worker_runtime trainyard
+PACKAGES := control_plane node_agent worker_runtime trainyard bench
 # pytest-xdist workers for `make test`. The suite waits on real processes about half the time (one
 # session kept 0.9 of 2 cores busy), so two workers, each with its own PostgreSQL and S3, fit it
 # into the 20-minute budget; TEST_WORKERS=0 runs it in one process.

@@ -19,10 +19,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
-LAYOUTS = {
+LAYOUTS: dict[str, dict[str, Any]] = {
     "ddp": {"kind": "ddp"},
     "ddp accum2 bf16-compress": {"kind": "ddp", "grad_accum_steps": 2, "compression": "bf16"},
     "fsdp": {"kind": "fsdp"},
@@ -57,7 +58,7 @@ def run(name: str, layout: dict, device: str, model_args: list[str], steps: int)
     steps_seen = [STEP.match(line) for line in out.splitlines()]
     lines = [m for m in steps_seen if m]
     result = next((json.loads(line) for line in out.splitlines() if line.startswith("{")), None)
-    peak = next((json.loads(line[5:]) for line in out.splitlines() if line.startswith("PEAK ")), {})
+    peak: dict[str, Any] = next((json.loads(line[5:]) for line in out.splitlines() if line.startswith("PEAK ")), {})
     last = lines[-1] if lines else None
     return {
         "layout": name, "rc": proc.returncode, "wall_s": round(wall, 1),

@@ -74,6 +74,7 @@ from control_plane.logging import configure_logging  # noqa: E402
 from control_plane.models import Attempt, AttemptNode, Job, Node  # noqa: E402
 from control_plane.models import Reservation as ReservationRow  # noqa: E402
 from control_plane.scheduler.allocate import PendingCache, schedule_pass  # noqa: E402
+from control_plane.scheduler.model import Mode, PlacementRule  # noqa: E402
 from control_plane.services import attempts, limits, nodes, reservations  # noqa: E402
 from control_plane.services.jobs import set_job_state  # noqa: E402
 from control_plane.settings import Settings  # noqa: E402
@@ -87,8 +88,9 @@ SIZE_CLASSES = (("1", 1, 1), ("2-4", 2, 4), ("8", 8, 8), ("16-32", 16, 32), ("64
 TENANTS = (("research", 1.0), ("vision", 1.0), ("nlp", 2.0), ("prod", 4.0))
 POLICIES = ("fair", "fifo", "greedy", "greedy-scored")
 DEFAULT_POLICIES = ("fair", "fifo", "greedy")
-PLACEMENT = {"fair": ("fair", "scored"), "fifo": ("fifo", "first-fit"), "greedy": ("greedy", "first-fit"),
-             "greedy-scored": ("greedy", "scored")}
+PLACEMENT: dict[str, tuple[Mode, PlacementRule]] = {
+    "fair": ("fair", "scored"), "fifo": ("fifo", "first-fit"), "greedy": ("greedy", "first-fit"),
+    "greedy-scored": ("greedy", "scored")}
 """Policy name -> (mode, placement rule) of the pass."""
 SCENARIOS = ("backlog", "stream", "mixed")
 
@@ -341,7 +343,9 @@ def simulate(policy: str, url: str, sc: Scenario, args: argparse.Namespace) -> R
             for p in placed:
                 spec = by_id[uuid.UUID(p.job_id)]
                 result.starts[spec.index] = t
-                heapq.heappush(ends, (t + spec.runtime_s, current[spec.id], spec.gpus, spec.index))
+                placed_attempt = current[spec.id]
+                assert placed_attempt is not None, "a placed job has a current attempt"
+                heapq.heappush(ends, (t + spec.runtime_s, placed_attempt, spec.gpus, spec.index))
                 busy += spec.gpus
                 del waiting[spec.index]
         if ledger is not None:

@@ -41,9 +41,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from shared_link import ThrottledProxy  # noqa: E402
+from bench.shared_link import ThrottledProxy  # noqa: E402
 
 MB = 1_000_000
 
@@ -146,7 +145,13 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
     from node_agent.local_api import BASE_URL, LocalApi
     from node_agent.relay import Outbox, Relay
     from node_agent.upload_slots import SlotRelay
-    from trainyard.protocol.agent import AttemptStatusReport, HeartbeatRequest, RegisterRequest, WorkerStatus
+    from trainyard.protocol.agent import (
+        AttemptStatusReport,
+        HeartbeatRequest,
+        LaunchSpec,
+        RegisterRequest,
+        WorkerStatus,
+    )
     from trainyard.protocol.grants import StorageRequest
     from trainyard.simulate import ControlPlane
     from worker_runtime import CheckpointManager, WorkerContext
@@ -184,7 +189,7 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
                                          "entrypoint": "bench", "checkpoint": {"interval_steps": 1}})
         r.raise_for_status()
         job_id = r.json()["id"]
-        specs = []
+        specs: list[LaunchSpec] = []
         deadline = time.monotonic() + 60
         while len(specs) < args.nodes:
             assert time.monotonic() < deadline, "the job was not placed"
@@ -197,11 +202,12 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
             client.report_status(spec.attempt_id, AttemptStatusReport(
                 fencing_token=spec.fencing_token, node_rank=spec.node_rank, state="running", workers=workers))
             outbox = Outbox()
-            target = (spec.fencing_token, spec.node_rank)
-            relay = Relay(outbox, client, target=lambda a, t=target: t, on_stale=lambda a, e: None,
-                          on_unauthorized=lambda: None)
-            slots = SlotRelay(client, target=lambda a, t=target: t, on_stale=lambda a, e: None,
-                              on_unauthorized=lambda: None)
+
+            def target(attempt_id: str, t: tuple[str, int] = (spec.fencing_token, spec.node_rank)) -> tuple[str, int]:
+                return t
+
+            relay = Relay(outbox, client, target=target, on_stale=lambda a, e: None, on_unauthorized=lambda: None)
+            slots = SlotRelay(client, target=target, on_stale=lambda a, e: None, on_unauthorized=lambda: None)
             def grants(attempt_id: str, body: Any, client: Any = client, node_rank: int = spec.node_rank) -> Any:
                 granted = client.storage_grants(attempt_id, StorageRequest(**body.model_dump(), node_rank=node_rank))
                 return HTTPStatus.OK, granted.model_dump(mode="json")  # a failure fails the bench, loudly
