@@ -603,7 +603,7 @@ def targets(all_results: dict[str, dict[str, dict[str, float]]]) -> None:
                   f"{greedy:.1%} -> {'met' if fair['util_while_waiting'] >= greedy else 'MISSED'}")
         lost = fair["idle_job_h"] + fair["movable_job_h"]
         print(f"  mixed: no constrained job waits beside idle GPUs of its kind or GPUs held by flexible jobs that "
-              f"could have run elsewhere: {fair['idle_job_h']:.1f} + {fair['movable_job_h']:.1f} job-h -> "
+              f"could have run elsewhere: {fair['idle_job_h']:.2f} + {fair['movable_job_h']:.2f} job-h -> "
               f"{'met' if lost == 0 else 'MISSED'} (not counted, as no pass could have avoided it without "
               f"preempting: {fair['unclaimed_job_h']:.1f} job-h beside flexible jobs that took only GPUs no "
               f"waiting job constrained to that kind could use then)")
