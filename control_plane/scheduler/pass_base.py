@@ -7,6 +7,7 @@ look-ups the placing (``placing.py``) and the reserving (``reserving.py``) halve
 from __future__ import annotations
 
 import bisect
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -30,7 +31,7 @@ from control_plane.scheduler.model import (
 )
 
 
-class PassBase:
+class PassBase(ABC):
     def __init__(
         self,
         jobs: list[JobDemand],
@@ -206,6 +207,7 @@ class PassBase:
                 break
         return pinned + rest
 
+    @abstractmethod
     def _drop(self, res: Hold | None, *, rehold: bool = True) -> None:
-        """End the reservation ``res`` and give its capacity back (``reserving.Reserving``)."""
-        raise NotImplementedError
+        """End the reservation ``res`` and give its capacity back: placing calls it when a reserved
+        job starts, and ``reserving.Reserving`` implements it (a pass is both)."""
