@@ -39,6 +39,9 @@ class Scenario:
     """Healthy nodes that can replace a failed one at once; None: always one at hand."""
     repair_h: float = 24.0
     seed: int = 0
+    max_failures: int | None = None
+    """Stop a run that has failed this many times (TooManyFailures): a job whose saves rarely
+    finish between failures progresses so slowly that the run would go on for good."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.node_mtbf_h <= 0 or self.work_h <= 0 or self.interval_s <= 0:
@@ -68,6 +71,10 @@ class Outcome:
     @property
     def goodput(self) -> float:
         return self.work_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class TooManyFailures(ValueError):
+    """A run reached its scenario's max_failures before the job's work was done."""
 
 
 def run(s: Scenario) -> Outcome:
@@ -105,6 +112,9 @@ def run(s: Scenario) -> Outcome:
         lost += done - kept * tau
         durable += kept * tau
         failures += 1
+        if s.max_failures is not None and failures > s.max_failures:
+            raise TooManyFailures(f"over {s.max_failures} failures before {s.work_h:g}h of work were saved "
+                                  f"({durable / 3600:.3g}h so far)")
         t = fail_at
         if free is not None:
             heapq.heappush(repairs, t + s.repair_h * 3600.0)  # the failed node, back repaired

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from control_plane.errors import Unprocessable
 from control_plane.goodput.rules import young_daly_interval_s
-from control_plane.goodput.simulate import Scenario, closed_form_goodput, mean_outcome, sweep
+from control_plane.goodput.simulate import Scenario, TooManyFailures, closed_form_goodput, mean_outcome, sweep
 from control_plane.schemas.simulations import IntervalPoint, ModePoint, SimulationIn, SimulationOut, SparesPoint
 
 MAX_EVENTS = 2_000_000
@@ -20,12 +20,22 @@ def _best(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def simulate(body: SimulationIn) -> SimulationOut:
+    try:
+        return _simulate(body)
+    except TooManyFailures as exc:
+        # The estimate below assumes saves finish between failures; one whose interval, costs or
+        # spares make it fail again before saving would run for good (and hold a request thread).
+        raise Unprocessable(f"this job barely progresses between failures, too slow to simulate here: {exc}") from exc
+
+
+def _simulate(body: SimulationIn) -> SimulationOut:
     mtbf_h = body.mtbf_h
     base = Scenario(nodes=body.nodes, node_mtbf_h=mtbf_h, work_h=body.work_h, interval_s=body.interval_s or 1.0,
                     blocking_s=body.blocking_s, background_s=body.background_s, recovery_s=body.recovery_s,
                     spares=body.spares, repair_h=body.repair_h, seed=body.seed)
     failures = body.work_h * 3600 / base.job_mtbf_s
     batches = 11 + len(SPARES) + 2 * 11 + 1
+    base = replace(base, max_failures=max(int(MAX_EVENTS / (body.runs * batches)), 1))
     if failures * 1.5 * body.runs * batches > MAX_EVENTS or base.job_mtbf_s < body.recovery_s:
         raise Unprocessable(
             f"about {failures:.0f} failures per run (job MTBF {base.job_mtbf_s:.0f}s over {body.work_h:g}h of work, "
