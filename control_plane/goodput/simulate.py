@@ -152,5 +152,7 @@ def sweep(s: Scenario, runs: int, factors: tuple[float, ...] = (
     """Goodput at intervals around Young's (common random numbers: the same failures for each)."""
     young = young_daly_interval_s(s.blocking_s, s.job_mtbf_s)
     base = young if math.isfinite(young) and young > 0 else s.interval_s
-    return [(round(base * f, 3), mean_outcome(replace(s, interval_s=max(base * f, 1e-3)), runs).goodput)
+    # The interval reported is the one simulated: rounded as shown, never below a millisecond (a
+    # Young interval of a save that costs nothing rounded to 0, which no scenario may have).
+    return [(max(round(base * f, 3), 1e-3), mean_outcome(replace(s, interval_s=max(base * f, 1e-3)), runs).goodput)
             for f in factors]

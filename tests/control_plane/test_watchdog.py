@@ -162,6 +162,10 @@ def test_simulations_answer_and_refuse_clearly(client):
     assert {m["mode"] for m in out["modes"]} == {"async", "sync"} and 0 < out["goodput"] <= 1
     assert [s["spares"] for s in out["spares"]][-1] is None
     assert client.post("/v1/simulations", json=body).status_code == 401
+    # A save that costs next to nothing: Young's interval rounds to 0 (it was a 500).
+    tiny = client.post("/v1/simulations", json={**body, "blocking_s": 1e-300, "background_s": 0, "runs": 1},
+                       headers=ADMIN)
+    assert tiny.status_code in (200, 422) and tiny.headers["content-type"] != "text/plain", tiny.text
     for bad in ({**body, "nodes": 0}, {k: v for k, v in body.items() if k != "node_mtbf_h"},
                 {**body, "node_mtbf_h": 0.001, "work_h": 100_000},
                 # Saves a day apart on a job failing hourly: it would need e^100 tries to finish, and
