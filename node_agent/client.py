@@ -115,8 +115,9 @@ def tls_problem(exc: httpx.TransportError, url: str) -> str | None:
 
 def plain_http_hint(exc: httpx.TransportError, url: str) -> str:
     """What to add to a failure of a plain-HTTP request that may have met an HTTPS server, which
-    closes the connection without an answer (so might a server that is restarting: only a hint)."""
-    if url.startswith("http://") and isinstance(exc, httpx.RemoteProtocolError):
+    hangs up without an answer: a clean close or a reset, depending on when its TLS layer gives up
+    on the bytes (so might a server that is restarting: only a hint)."""
+    if url.startswith("http://") and isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
         return " (if the server serves HTTPS, use an https:// URL)"
     return ""
 

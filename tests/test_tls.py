@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -84,6 +86,31 @@ def test_agents_trust_only_a_server_certificate_signed_by_their_ca(https_server:
         _register(f"http://127.0.0.1:{https_server.port}", None, name="n3")
     nodes = httpx.get(f"{https_server.url}/v1/nodes", headers=ADMIN, verify=client_context(https_server.ca_file))
     assert [n["name"] for n in nodes.json()] == ["n1"]
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_plain_http_to_a_server_that_hangs_up_hints_at_https(how: str) -> None:
+    """An HTTPS server given plain HTTP hangs up: with a clean close or with a reset, depending on
+    when its TLS layer gives up (CI saw the reset). Either way the error says what to try."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            if how == "reset":  # linger 0: close() sends RST instead of FIN
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        with pytest.raises(ControlPlaneUnavailable, match="use an https:// URL"):
+            _register(f"http://127.0.0.1:{listener.getsockname()[1]}", None)
+    finally:
+        listener.close()
 
 
 def test_https_to_a_plain_http_server_says_so() -> None:
