@@ -188,7 +188,9 @@ class TrainLoop:
                 self._after(step, first)
                 if self._stop or step >= self.total_steps:
                     return
-            if not fed:
+            # A position restored at the end of an epoch (a save after its last batch) yields nothing
+            # more of that epoch: go on with the next one, as the uninterrupted run did.
+            if not fed and (resumable is None or resumable.consumed == 0):
                 raise ValueError("the data yields no batch: is the dataset smaller than one batch per rank?")
             if resumable is not None:
                 resumable.next_epoch()
