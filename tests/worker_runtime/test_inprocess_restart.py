@@ -152,8 +152,8 @@ def _spawn(reaper: ProcessReaper, env: dict[str, str]) -> subprocess.Popen[str]:
 def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{stdout}\n{stderr}"
-    [line] = [line for line in stdout.splitlines() if line.startswith("{")]
-    result: dict[str, Any] = json.loads(line)
+    [line] = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
     return result
 
 
@@ -198,4 +198,4 @@ def test_a_healthy_rank_restarts_in_process_and_a_stale_worker_is_refused(
 
     stale_out, stale_err = stale.communicate(timeout=60)
     assert stale.returncode != 0 and "StaleRendezvousError" in stale_err, stale_err
-    assert "refused" in stale_err and not stale_out.strip()
+    assert "refused" in stale_err and "RESULT" not in stale_out
