@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane import clock
 from control_plane.clock import now
 from control_plane.db import session_scope
-from control_plane.scheduler.allocate import PendingCache, schedule_pass
+from control_plane.scheduler.allocate import PASS_LOCK_BUSY, PendingCache, schedule_pass
 from control_plane.services import (
     attempts,
     checkpoints,
@@ -78,24 +78,47 @@ class Loops:
             t.join(max(0.0, deadline - time.monotonic()))
         self._threads.clear()
 
+    BUSY_RETRY_S = 0.05
+    """How soon a pass run for a wake-up tries again when another pass held the pass lock."""
+
     def _run(self, name: str, fn: Callable[[], object], period: float) -> None:
+        if name == "scheduler":
+            self._run_scheduler(period)
+            return
         while not self._stop.is_set():
-            if name == "scheduler":
-                self._wake.clear()  # before the pass: a wake-up during it runs another one at once
             try:
                 fn()
             except Exception:
                 log.exception("loop iteration failed", loop=name)
-            if name == "scheduler":
-                self._wake.wait(period)
-            else:
-                self._stop.wait(period)
+            self._stop.wait(period)
+
+    def _run_scheduler(self, period: float) -> None:
+        woken = False
+        while not self._stop.is_set():
+            self._wake.clear()  # before the pass: a wake-up during it runs another one at once
+            busy = False
+            try:
+                busy = self._schedule()[1]
+            except Exception:
+                log.exception("loop iteration failed", loop="scheduler")
+            # A pass run for a wake-up that found the lock taken: the pass holding it (a request
+            # thread's, or another replica's) may have read the cluster before the change that woke
+            # this loop committed (the last release of a gang), so pass again once it is over, not a
+            # period later. A periodic pass that finds the lock taken does not retry: the pass that
+            # held it served the same period.
+            retry = woken and busy
+            woken = not self._stop.wait(self.BUSY_RETRY_S) if retry else self._wake.wait(period)
 
     def schedule_once(self) -> int:
+        return self._schedule()[0]
+
+    def _schedule(self) -> tuple[int, bool]:
+        """One pass: the gangs it admitted, and whether it found another pass holding the lock."""
         session = self._factory()
         try:
             with metrics.SCHEDULING_PASS.time():
-                return len(schedule_pass(session, self._settings, cache=self._pending))
+                admitted = len(schedule_pass(session, self._settings, cache=self._pending))
+            return admitted, bool(session.info.get(PASS_LOCK_BUSY))
         finally:
             session.close()
 
