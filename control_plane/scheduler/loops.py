@@ -38,7 +38,8 @@ log = structlog.get_logger("trainyard.loops")
 
 
 class Loops:
-    THREADS = 5
+    NAMES = ("scheduler", "monitor", "checkpoints", "limits", "watchdog", "retention")
+    THREADS = len(NAMES)
     """Threads ``start`` runs, each holding at most one connection at a time."""
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, store: object | None = None) -> None:
@@ -58,14 +59,16 @@ class Loops:
     def start(self) -> None:
         if self._threads:
             return
-        for name, fn, period in (
-            ("scheduler", self.schedule_once, self._settings.scheduler_interval_s),
-            ("monitor", self.monitor_once, self._settings.monitor_interval_s),
-            ("checkpoints", self.checkpoints_once, self._settings.checkpoint_maintenance_interval_s),
-            ("limits", self.limits_once, self._settings.limits_interval_s),
-            ("watchdog", self.watchdog_once, self._settings.watchdog_interval_s),
-            ("retention", self.retention_once, self._settings.retention_interval_s),
-        ):
+        loops: dict[str, tuple[Callable[[], object], float]] = {
+            "scheduler": (self.schedule_once, self._settings.scheduler_interval_s),
+            "monitor": (self.monitor_once, self._settings.monitor_interval_s),
+            "checkpoints": (self.checkpoints_once, self._settings.checkpoint_maintenance_interval_s),
+            "limits": (self.limits_once, self._settings.limits_interval_s),
+            "watchdog": (self.watchdog_once, self._settings.watchdog_interval_s),
+            "retention": (self.retention_once, self._settings.retention_interval_s),
+        }
+        assert tuple(loops) == self.NAMES  # THREADS sizes the connection pool (app.py)
+        for name, (fn, period) in loops.items():
             t = threading.Thread(target=self._run, args=(name, fn, period), name=f"trainyard-{name}", daemon=True)
             t.start()
             self._threads.append(t)
