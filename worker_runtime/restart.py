@@ -55,23 +55,25 @@ starts the next attempt's part cold)."""
 class MemoryTier:
     """This rank's latest saved state, kept in host memory beside the upload (one copy per rank).
 
-    Only used for a restore whose planned step, rank and world size are exactly the kept ones:
-    the plan lists committed checkpoints only, so a kept step the plan names is the state that
-    checkpoint holds, and every other rank restores the same step from storage.
+    Only used for a restore whose planned checkpoint (step and the attempt that saved it), rank and
+    world size are exactly the kept ones: the plan lists committed checkpoints only, so a kept save
+    the plan names is the state that checkpoint holds, and every other rank restores the same step
+    from storage.
     """
 
     def __init__(self) -> None:
         self.step: int | None = None
-        self._key: tuple[int, int] | None = None
+        self._key: tuple[int, int, int] | None = None
         self._state: dict[str, Any] | None = None
 
-    def keep(self, step: int, *, rank: int, world_size: int, state: dict[str, Any]) -> None:
-        """``state``: a host copy nobody else mutates (the saved one)."""
-        self.step, self._key, self._state = step, (rank, world_size), state
+    def keep(self, step: int, *, attempt_number: int, rank: int, world_size: int, state: dict[str, Any]) -> None:
+        """``state``: a host copy nobody else mutates (the saved one), saved by ``attempt_number``."""
+        self.step, self._key, self._state = step, (attempt_number, rank, world_size), state
 
-    def get(self, step: int, *, rank: int, world_size: int) -> dict[str, Any] | None:
-        """A fresh host copy of the kept state when it is exactly ``step`` of ``rank`` in ``world_size``."""
-        if self._state is None or self.step != step or self._key != (rank, world_size):
+    def get(self, step: int, *, attempt_number: Any, rank: int, world_size: int) -> dict[str, Any] | None:
+        """A fresh host copy of the kept state when it is exactly ``step`` as saved by ``attempt_number``
+        (the plan's candidate says which attempt saved it), of ``rank`` in ``world_size``."""
+        if self._state is None or self.step != step or self._key != (attempt_number, rank, world_size):
             return None
         from worker_runtime.checkpoint.snapshot import host_copy
 

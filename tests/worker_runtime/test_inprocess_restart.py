@@ -81,17 +81,19 @@ def test_assignment_messages_refuse_what_cannot_be_joined():
     assert ctx.rendezvous == rdzv
 
 
-def test_the_memory_tier_serves_only_its_own_step_rank_and_world_and_never_aliases():
+def test_the_memory_tier_serves_only_its_own_save_rank_and_world_and_never_aliases():
     tier = MemoryTier()
-    assert tier.get(4, rank=0, world_size=2) is None
-    tier.keep(4, rank=1, world_size=2, state={"model": {"w": torch.ones(3)}})
-    assert tier.get(3, rank=1, world_size=2) is None  # another step: the plan restores another state
-    assert tier.get(4, rank=0, world_size=2) is None  # another rank's per-rank state (data, RNG)
-    assert tier.get(4, rank=1, world_size=3) is None
-    got = tier.get(4, rank=1, world_size=2)
+    assert tier.get(4, attempt_number=0, rank=0, world_size=2) is None
+    tier.keep(4, attempt_number=1, rank=1, world_size=2, state={"model": {"w": torch.ones(3)}})
+    assert tier.get(3, attempt_number=1, rank=1, world_size=2) is None  # another step: another state
+    assert tier.get(4, attempt_number=0, rank=1, world_size=2) is None  # step 4 as another attempt saved it
+    assert tier.get(4, attempt_number=None, rank=1, world_size=2) is None  # a plan that does not say
+    assert tier.get(4, attempt_number=1, rank=0, world_size=2) is None  # another rank's per-rank state
+    assert tier.get(4, attempt_number=1, rank=1, world_size=3) is None
+    got = tier.get(4, attempt_number=1, rank=1, world_size=2)
     assert got is not None and torch.equal(got["model"]["w"], torch.ones(3))
     got["model"]["w"].add_(1)  # an optimizer updating what it loaded in place
-    again = tier.get(4, rank=1, world_size=2)
+    again = tier.get(4, attempt_number=1, rank=1, world_size=2)
     assert again is not None and torch.equal(again["model"]["w"], torch.ones(3))
 
 

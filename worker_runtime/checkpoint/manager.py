@@ -283,7 +283,8 @@ class CheckpointManager:
         if self.memory is not None:
             # The whole state (rank 0's shard already is): a restart from memory needs no other rank.
             whole = payload if isinstance(payload, dict) and self.ctx.rank == 0 else host_copy(self.state.state_dict())
-            self.memory.keep(step, rank=self.ctx.rank, world_size=self.ctx.world_size, state=whole)
+            self.memory.keep(step, attempt_number=self.ctx.attempt_number, rank=self.ctx.rank,
+                             world_size=self.ctx.world_size, state=whole)
         timing = (t1 - t0, time.monotonic() - t1)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-checkpoint")
@@ -435,7 +436,10 @@ class CheckpointManager:
         for candidate in candidates:
             step = candidate.get("step")
             tried.append(step)
-            kept = self.memory.get(step, rank=rank, world_size=world) if self.memory and isinstance(step, int) else None
+            kept = None
+            if self.memory is not None and isinstance(step, int):
+                saver = candidate.get("attempt_number")
+                kept = self.memory.get(step, attempt_number=saver, rank=rank, world_size=world)
             if kept is not None:
                 # This rank's own copy of exactly that step; the others agree below as usual.
                 manifest, fetched = None, Fetched(Problem.OK, state=kept)
