@@ -45,7 +45,7 @@ def train(loop: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    out = run_restartable(train, total_steps=STEPS, seed=3, log_every=5, timeout_s=20.0, handover_wait_s=60.0)
+    out = run_restartable(train, total_steps=STEPS, seed=3, log_every=5, timeout_s=90.0, handover_wait_s=90.0)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -252,7 +252,7 @@ def test_a_healthy_rank_restarts_in_process_and_a_stale_worker_is_refused(
                                            DIE_AT_STEP="8"))
     assert crashing.wait(timeout=120) == 3
     # The healthy rank does not exit: it parks and asks its agent, with attempt 0's token.
-    wait_for(lambda: fake_agent.of("next-assignment"), timeout=60, what="the healthy rank to ask for a handover")
+    wait_for(lambda: fake_agent.of("next-assignment"), timeout=90, what="the healthy rank to ask for a handover")
     assert healthy.poll() is None
     asked = fake_agent.of("next-assignment")
     assert {r.path for r in asked} == {"/v1/local/attempts/att-0/next-assignment"}
