@@ -42,6 +42,11 @@ from trainyard.protocol.restart import Assignment, NextAssignmentAnswer, Rendezv
 STEPS = 10_000  # never reached: the bench stops the workers once it measured
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a killed worker's connection reset mid-request: expected here
+
+
 class Agent:
     """The local API of both ranks' agents: records the first progress of each attempt, answers
     ``next-assignment`` with what ``handover`` holds for the token (else ``waiting``)."""
@@ -51,7 +56,7 @@ class Agent:
         self.progress: dict[tuple[str, int], float] = {}  # (attempt, rank) -> first report's arrival
         self.steps: dict[str, int] = {}
         self.handover: dict[str, dict[str, Any]] = {}
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = _QuietServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
