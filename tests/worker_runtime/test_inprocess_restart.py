@@ -52,7 +52,7 @@ tokens = st.text(st.characters(codec="ascii", categories=["L", "N"]), min_size=1
 def test_the_fence_is_a_function_of_attempt_and_token_and_hides_the_keyspace(attempt, token, other):
     verifier, keyspace = rendezvous_verifier(attempt, token), rendezvous_keyspace(attempt, token)
     assert verifier == rendezvous_verifier(attempt, token)
-    assert keyspace.removeprefix("trainyard/pg/").rstrip("/") not in verifier  # the verifier gives no key away
+    assert keyspace.removeprefix("trainyard/pg/") not in verifier  # the verifier gives no key away
     if other != token:
         assert rendezvous_verifier(attempt, other) != verifier
         assert rendezvous_keyspace(attempt, other) != keyspace
@@ -116,6 +116,29 @@ def test_a_restarted_context_is_the_new_attempts_and_keeps_its_device():
     assert (new.rank, new.world_size, new.node_rank, new.group_rank) == (1, 4, 0, 0)
     assert (new.local_rank, new.local_world_size, new.device, new.job_id) == (1, 2, "cpu", JOB)
     assert new.rendezvous == Rendezvous(host="10.0.0.2", port=20001) and new.agent_socket == "/run/a1.sock"
+
+
+def test_the_rendezvous_refuses_a_token_of_another_attempt_before_the_group_exists():
+    from datetime import timedelta
+
+    from worker_runtime.distributed import fenced_store
+
+    [port] = free_ports(1)
+    rdzv = Rendezvous(host="127.0.0.1", port=port)
+    host = WorkerContext(attempt_id="att-1", fencing_token="tok-1", rank=0, world_size=2, device="cpu",
+                         rendezvous=rdzv)
+    store = fenced_store(host, timeout=timedelta(seconds=10))  # rank 0 hosts it and publishes the verifier
+    for attempt, token in (("att-0", "tok-0"), ("att-1", "tok-0"), ("att-0", "tok-1")):
+        stale = WorkerContext(attempt_id=attempt, fencing_token=token, rank=1, world_size=2, device="cpu",
+                              rendezvous=rdzv)
+        with pytest.raises(StaleRendezvousError, match="refused"):
+            fenced_store(stale, timeout=timedelta(seconds=10))
+    member = fenced_store(WorkerContext(attempt_id="att-1", fencing_token="tok-1", rank=1, world_size=2,
+                                        device="cpu", rendezvous=rdzv), timeout=timedelta(seconds=10))
+    member.set("k", "v")  # the group's keys: under the token's keyspace, which the verifier does not name
+    raw = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    assert raw.get(rendezvous_keyspace("att-1", "tok-1") + "/k") == b"v" and store.get("k") == b"v"
+    assert not raw.check([rendezvous_keyspace("att-0", "tok-0") + "/k"])
 
 
 class _Source:

@@ -51,7 +51,7 @@ def rendezvous_verifier(attempt_id: str, fencing_token: str) -> str:
 
 def rendezvous_keyspace(attempt_id: str, fencing_token: str) -> str:
     """The prefix of every key of the attempt's process group in the store."""
-    return "trainyard/pg/" + _digest(_KEYSPACE_TAG, attempt_id, fencing_token)[:32] + "/"
+    return "trainyard/pg/" + _digest(_KEYSPACE_TAG, attempt_id, fencing_token)[:32]  # PrefixStore adds "/"
 
 
 class _Wire(BaseModel):
