@@ -177,6 +177,9 @@ class Job(Base):
     python: Mapped[str | None] = mapped_column(Text, doc="Interpreter on the nodes for its workers; NULL: the agent's.")
     requirements: Mapped[str | None] = mapped_column(
         Text, doc="A pip requirements file each node installs into a cached venv for its workers; NULL: none.")
+    restartable: Mapped[bool] = mapped_column(
+        Boolean, server_default=text("false"),
+        doc="Its workers restart in process: a healthy node's part is parked, then handed over to the next attempt.")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
@@ -241,7 +244,7 @@ class Attempt(Base):
     ended_at: Mapped[datetime | None] = _ts(doc="When every node confirmed its processes gone.")
 
     nodes: Mapped[list[AttemptNode]] = relationship(
-        back_populates="attempt", order_by="AttemptNode.node_rank"
+        back_populates="attempt", order_by="AttemptNode.node_rank", foreign_keys="AttemptNode.attempt_id"
     )
 
 
@@ -261,8 +264,11 @@ class AttemptNode(Base):
     gpu_indices: Mapped[list[int]] = mapped_column(ARRAY(Integer))
     desired: Mapped[str] = mapped_column(String(8), doc="run | stop: what the agent must do.")
     state: Mapped[str] = mapped_column(
-        String(16), doc="assigned | launching | running | exited | stopped | gone"
+        String(16), doc="assigned | launching | running | parked | exited | stopped | gone"
     )
+    adopts_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("attempts.id", ondelete="CASCADE"),
+        doc="The earlier attempt whose parked part on this node (same GPUs) it took over; NULL: a cold start.")
     exit_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     error_kind: Mapped[str | None] = mapped_column(
@@ -298,7 +304,7 @@ class AttemptNode(Base):
         Float, doc="Steps per second of this node's reports, smoothed over the recent ones.")
     progress_sampled_at: Mapped[datetime | None] = _ts(doc="Time of this node's last ProgressSample.")
 
-    attempt: Mapped[Attempt] = relationship(back_populates="nodes")
+    attempt: Mapped[Attempt] = relationship(back_populates="nodes", foreign_keys=[attempt_id])
     node: Mapped[Node] = relationship()
     workers: Mapped[list[Worker]] = relationship(
         back_populates="attempt_node", order_by="Worker.rank"

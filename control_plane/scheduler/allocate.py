@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
+from control_plane.scheduler import handover_policy
 from control_plane.scheduler.policy import (
     Decision,
     JobDemand,
@@ -39,7 +40,7 @@ from control_plane.scheduler.policy import (
     decide,
     place,
 )
-from control_plane.services import attempts, metrics, reservations, tenants
+from control_plane.services import attempts, handover, metrics, reservations, tenants
 from control_plane.services.limits import ONE_SECOND
 from control_plane.services.states import ATTEMPT_HOLDING, ATTEMPT_LIVE, JOB_WAITING, set_job_state
 from control_plane.settings import Settings
@@ -386,6 +387,8 @@ def schedule_pass(
         ids = {str(j.id) for j in kept}
         queue = [d for d in queue if d.job_id in ids]
     state = cluster_state(session, at, label_key=options.topology_label)
+    handovers = _plan_handovers(session, queue, state, options)
+    queue = [d for d in queue if d.job_id not in handovers]
     configured = tenants.all_tenants(session)
     shares = {
         name: TenantShare(weight=row.weight if row else 1.0, gpu_quota=row.gpu_quota if row else None,
@@ -396,18 +399,54 @@ def schedule_pass(
     decision = decide(queue, state.capacity, now=at, tenants=shares,
                       previous=reservations.previous(session), options=options,
                       previous_starts=reservations.previous_starts(session))
-    admitted = _admit(session, settings, decision.placements, state.nodes)
+    admitted = _admit(session, settings, [h.placement for h in handovers.values()] + decision.placements,
+                      state.nodes, handovers)
     _account(session, at, decision, admitted, state)
     session.commit()
+    released = attempts.released_attempts(session)  # parked parts handed over: their attempts may end now
+    if released:
+        attempts.finish_released(session, released)
+        session.commit()
     if admitted:
         log.info("scheduled", admitted=len(admitted), reservations=len(decision.reservations),
                  jobs=[p.job_id for p in admitted[:20]])
     return admitted
 
 
+def _plan_handovers(session: Session, queue: list[JobDemand], state: ClusterState,
+                    options: PolicyOptions) -> dict[str, PlannedHandover]:
+    """The recovering restartable jobs placed onto their own parked parts first (each sees its parked
+    GPUs as free, and only it: scheduler/handover_policy.py), by job id; the pass then places the
+    others on what is left."""
+    recovering = {d.job_id: d for d in queue if d.recovering}
+    if not recovering:
+        return {}
+    parked = handover.parked_parts(session, [uuid.UUID(j) for j in recovering])
+    planned: dict[str, PlannedHandover] = {}
+    for job_id, parts in parked.items():
+        demand = recovering[str(job_id)]
+        plan = handover_policy.plan_handover(demand, state.capacity, {n: p.gpu_indices for n, p in parts.items()},
+                                             topology_label=options.topology_label)
+        if plan is None:
+            continue
+        planned[demand.job_id] = PlannedHandover(plan.placement, {n: parts[n] for n in plan.adopted})
+        state.capacity = handover_policy.without(state.capacity, plan.placement)
+    return planned
+
+
+@dataclass(frozen=True)
+class PlannedHandover:
+    placement: Placement
+    adopted: dict[str, handover.ParkedPart]
+    """Node id -> the parked part the new attempt takes over there."""
+
+
 def _admit(session: Session, settings: Settings, placements: list[Placement],
-           nodes: dict[str, NodeRef]) -> list[Placement]:
-    """Create the attempts of the placements whose jobs are still waiting (locked, re-checked)."""
+           nodes: dict[str, NodeRef], handovers: dict[str, PlannedHandover] | None = None) -> list[Placement]:
+    """Create the attempts of the placements whose jobs are still waiting (locked, re-checked); a
+    handover's job first takes its parked parts over (services/handover.py; nodes, then jobs, then
+    parts: the lock order), or is left for the next pass if one of them is no longer parked."""
+    handovers = handovers or {}
     if not placements:
         return []
     # Lock the placements' nodes first (node -> job, the documented order; FOR NO KEY UPDATE, which
@@ -436,6 +475,13 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
         if job.state in WAITING_STATES
     }
     admitted = [p for p in placements if p.job_id in locked]
+    adopts: dict[uuid.UUID, dict[uuid.UUID, uuid.UUID]] = {}
+    for p in [p for p in admitted if p.job_id in handovers]:
+        adopted = handovers[p.job_id].adopted
+        if not handover.take_over(session, locked[p.job_id], adopted, dict(p.nodes)):
+            admitted.remove(p)
+            continue
+        adopts[locked[p.job_id].id] = {part.node_id: part.attempt_id for part in adopted.values()}
     used_ports = _ports_in_use(session, {nodes[p.nodes[0][0]].address for p in admitted})
     # A random start spreads attempts over the range, so a port a just-ended attempt (or another
     # cluster on the same machine) still holds is unlikely to be picked again at once.
@@ -449,7 +495,7 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
         (locked[p.job_id], [(nodes[node_id], ix) for node_id, ix in p.nodes],
          _pick_port(used_ports, nodes[p.nodes[0][0]].address, settings, seed + i))
         for i, p in enumerate(admitted)
-    ])
+    ], adopts=adopts)
     return admitted
 
 

@@ -149,6 +149,10 @@ class JobSubmit(BaseModel):
         "cached per content hash (of the requirements, the interpreter and the node's constraints) that "
         "sees the interpreter's own packages (torch included); the workers run in it. No -r, -c, -e, "
         "--no-binary or --only-binary lines. `trainyard run` reads a job file's `requirements_file`."))
+    restartable: bool = Field(default=False, description=(
+        "The script runs its loop with worker_runtime.run_restartable: when a peer fails, the workers on healthy "
+        "nodes stay alive and are handed over to the next attempt on the same GPUs (restarting in process), "
+        "and only the failed node's ranks start cold. Default: every worker starts cold after a failure."))
 
     @field_validator("gpu_kind")
     @classmethod
@@ -304,6 +308,7 @@ class JobOut(BaseModel):
     code: CodeOut | None = Field(default=None, description="The shipped code its workers run in, if any.")
     python: str | None = Field(default=None, description="The interpreter its workers run with, if not the agent's.")
     requirements: str | None = Field(default=None, description="The requirements installed for its workers, if any.")
+    restartable: bool = Field(default=False, description="Its healthy workers restart in process after a failure.")
     progress: JobProgress
     split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None

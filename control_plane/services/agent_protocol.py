@@ -144,6 +144,8 @@ def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: A
     session.info.pop("first_step_at", None)
     merged = attempts.apply_status(session, node, attempt_id, report)
     session.commit()
+    if session.info.pop(attempts.PARKED, False):
+        wakeups.wake_scheduler()  # the next attempt may take the parked part over now
     attempt = merged.attempt
     if merged.settle:
         attempt = attempts.settle(session, attempt_id, report.result) or attempt

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import secrets
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import SimpleNamespace
@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from control_plane import wakeups
 from control_plane.clock import now
 from control_plane.db import reload
-from control_plane.errors import Forbidden
+from control_plane.errors import Forbidden, InvalidState
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
 from control_plane.services import events, intervals, progress, specs
 from control_plane.services.checkpoints import restore_plan
@@ -36,6 +36,7 @@ from control_plane.services.states import (
     NODE_UNREACHABLE,
     PART_DONE,
     PART_ORDER,
+    PART_PARKED,
     PART_STARTED,
     PART_UNLAUNCHED,
     advance_part,
@@ -75,11 +76,15 @@ def create_attempt(session: Session, job: Job, placement: NodePlacement, *, rdzv
     return attempt
 
 
-def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlacement, int]]) -> list[uuid.UUID]:
+def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlacement, int]], *,
+                    adopts: Mapping[uuid.UUID, Mapping[uuid.UUID, uuid.UUID]] | None = None) -> list[uuid.UUID]:
     """``create_attempt`` for many (job, placement, rendezvous port) at once: a scheduling pass may
     admit hundreds of gangs, so attempts, parts and leases go in as three bulk INSERTs. The jobs
     must be locked by the caller and waiting; each moves to ``starting``. Returns the attempt ids.
+    ``adopts``: per job, per node, the earlier attempt whose parked part there the new part takes
+    over (services/handover.py released its leases first, in this transaction).
     """
+    adopts = adopts or {}
     if not allocations:
         return []
     job_ids = [job.id for job, _, _ in allocations]
@@ -115,7 +120,8 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
         })
         for node_rank, (node, indices) in enumerate(placement):
             part = {"id": uuid.uuid4(), "attempt_id": attempt_id, "node_id": node.id, "node_rank": node_rank,
-                    "gpu_indices": list(indices), "desired": "run", "state": "assigned"}
+                    "gpu_indices": list(indices), "desired": "run", "state": "assigned",
+                    "adopts_attempt_id": adopts.get(job.id, {}).get(node.id)}
             # Its spec never changes from now on: versioned once (services/specs.py).
             part["spec_version"] = specs.launch_spec(job, SimpleNamespace(**attempt_rows[-1]),
                                                      SimpleNamespace(**part), None).version
@@ -422,10 +428,15 @@ def apply_status(
     job, attempt, part = authorize_report(session, node, attempt_id, report.fencing_token, report.node_rank,
                                           exclusive=False)
     part = lock_part(session, part.id)
+    if report.state.value in PART_PARKED:
+        _check_parkable(job, part)
     t = now()
     part.reported_at = t
-    if advance_part(session, part, report.state.value, job_id=job.id) and report.exit_code is not None:
+    moved = advance_part(session, part, report.state.value, job_id=job.id)
+    if moved and report.exit_code is not None:
         part.exit_code = report.exit_code
+    if moved and part.state in PART_PARKED:
+        session.info[PARKED] = True  # a pass may hand it over now: the caller wakes the scheduler
     if report.error and not part.error:
         part.error = report.error
         part.error_kind = report.error_kind
@@ -457,6 +468,20 @@ def apply_status(
         or (attempt.state == "starting" and part.state == "running")
         or (part.state in PART_STARTED and _failure_undecided(session, attempt.id))))
     return StatusMerged(attempt=attempt, part=part, released=released, settle=settle)
+
+
+PARKED = "parked"
+"""session.info key: a report parked a part (the caller wakes the scheduler after its commit)."""
+
+
+def _check_parkable(job: Job, part: AttemptNode) -> None:
+    """Only a restartable job's part that was told to stop may be parked: a part the control plane
+    still wants running, or one of a job whose workers cannot restart in process, is never held
+    back from stopping (its GPUs would stay leased to workers nobody will hand anything to)."""
+    if not job.restartable:
+        raise InvalidState(f"node rank {part.node_rank} cannot be parked: job {job.id} is not restartable")
+    if part.desired != "stop":
+        raise InvalidState(f"node rank {part.node_rank} cannot be parked: it was not told to stop")
 
 
 def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | None = None) -> Attempt | None:

@@ -142,6 +142,7 @@ def submit(
         code=shipped,
         python=body.python,
         requirements=body.requirements,
+        restartable=body.restartable,
         idempotency_key=idempotency_key,
         request_hash=digest,
         created_at=now(),

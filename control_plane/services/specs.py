@@ -55,6 +55,8 @@ def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | 
         python=job.python,
         requirements=job.requirements,
         restore_from=attempt.restore_manifest,
+        restartable=bool(job.restartable),
+        adopts=str(part.adopts_attempt_id) if getattr(part, "adopts_attempt_id", None) else None,
         launched=part.state != "assigned",
         storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},
     )

@@ -136,9 +136,16 @@ PART: dict[str, State] = {
     "launching": _s("running", "exited", "stopped", "gone", exit=Exit(
         "the agent reports its workers running or exited; a lost node fails it",
         settings=("node_lost_timeout_s",), message="attempt status report")),
-    "running": _s("exited", "stopped", "gone", exit=Exit(
+    "running": _s("parked", "exited", "stopped", "gone", exit=Exit(
         "the agent reports torchrun's exit; a lost node fails it",
         settings=("node_lost_timeout_s",), message="attempt status report")),
+    # A restartable job's healthy part told to stop: its workers stay alive, its leases held, until a
+    # scheduling pass hands them over to the next attempt (``gone`` by the handed_over transition,
+    # services/handover.py) or its agent's handover timeout stops them as usual.
+    "parked": _s("exited", "stopped", "gone", exit=Exit(
+        "a scheduling pass that places the job's next attempt on its exact GPUs hands it over (gone); else its "
+        "agent stops the workers after its handover timeout and reports it stopped; a lost node fails it",
+        settings=("scheduler_interval_s", "node_lost_timeout_s"), message="attempt status report")),
     "exited": _s("gone", exit=Exit(
         "its final status report saying no process is left releases it, or else the heartbeat that "
         "no longer lists it", settings=("heartbeat_interval_s",), message="attempt status report, heartbeat")),
@@ -148,11 +155,13 @@ PART: dict[str, State] = {
     "gone": _s(),
 }
 
-PART_ORDER = {"assigned": 0, "launching": 1, "running": 2, "exited": 3, "stopped": 3, "gone": 4}
+PART_ORDER = {"assigned": 0, "launching": 1, "running": 2, "parked": 3, "exited": 4, "stopped": 4, "gone": 5}
 """Reports merge monotonically: a part's state only moves to a higher rank."""
 PART_UNLAUNCHED = ("assigned",)
 PART_STARTED = ("launching", "running")
 PART_DONE = ("exited", "stopped")
+PART_PARKED = ("parked",)
+"""Workers alive and waiting for the next attempt, leases held (a restartable job's healthy part)."""
 
 
 # -- Nodes --------------------------------------------------------------------------------------
@@ -285,10 +294,12 @@ def set_attempt_state(session: Session, attempt: Attempt, new_state: str, reason
     return True
 
 
-def advance_part(session: Session, part: AttemptNode, new_state: str, *, job_id: uuid.UUID | None = None) -> bool:
+def advance_part(session: Session, part: AttemptNode, new_state: str, *, job_id: uuid.UUID | None = None,
+                 kind: str | None = None, **data: Any) -> bool:
     """Move a node's part of an attempt forward to ``new_state``; the only writer of
     ``AttemptNode.state``. Reports merge monotonically: a state that is not higher than the
-    current one (``PART_ORDER``) changes nothing and returns False."""
+    current one (``PART_ORDER``) changes nothing and returns False. ``kind``: the event (default
+    ``part.<state>``), e.g. ``part.handed_over`` for a parked part's move to ``gone``."""
     if new_state not in PART:
         raise ValueError(f"unknown attempt part state {new_state!r}")
     if PART_ORDER[new_state] <= PART_ORDER[part.state]:
@@ -296,9 +307,9 @@ def advance_part(session: Session, part: AttemptNode, new_state: str, *, job_id:
     _check(PART, "attempt part", part.id, part.state, new_state)
     old = part.state
     part.state = new_state
-    events.record(session, f"part.{new_state}", f"node rank {part.node_rank}: {old} -> {new_state}",
+    events.record(session, kind or f"part.{new_state}", f"node rank {part.node_rank}: {old} -> {new_state}",
                   job_id=job_id, attempt_id=part.attempt_id, node_id=part.node_id,
-                  from_state=old, to_state=new_state)
+                  from_state=old, to_state=new_state, **data)
     return True
 
 

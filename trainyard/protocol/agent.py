@@ -252,6 +252,15 @@ class LaunchSpec(_Wire):
         default=None, max_length=MAX_REQUIREMENTS_CHARS,
         description="A pip requirements file to install (from wheels) into a virtualenv cached by content hash on "
         "the node, built on `python` (or the agent's) and seeing its packages; the workers run in it. None: none.")
+    restartable: bool = Field(
+        default=False,
+        description="The job's workers restart in process (worker_runtime.run_restartable): torchrun runs per node "
+        "as a local supervisor only, the rank shim sets the global RANK/WORLD_SIZE and TRAINYARD_RENDEZVOUS, and "
+        "a stop order for a part whose workers are all alive parks them (state parked) for a handover.")
+    adopts: str | None = Field(
+        default=None, max_length=128,
+        description="The earlier attempt whose parked part on this node (on exactly these GPUs) this part takes "
+        "over: its workers are handed this attempt's assignment instead of being started. None: a cold start.")
     launched: bool = Field(
         default=False,
         description="An agent already reported this part as started (perhaps a previous agent instance "
@@ -348,6 +357,7 @@ class NodeAttemptState(StrEnum):
     running = "running"
     exited = "exited"  # torchrun exited by itself (see exit_code)
     stopped = "stopped"  # stopped by the agent because the control plane asked
+    parked = "parked"  # told to stop, a restartable part's workers alive and waiting for the next attempt
 
 
 Metrics = Annotated[dict[Annotated[str, Field(max_length=128, pattern=TEXT_LINE)], Finite],
