@@ -56,15 +56,18 @@ from trainyard.protocol.env import (
     ENV_JOB_ID,
     ENV_JOB_NAME,
     ENV_LAYOUT,
+    ENV_NNODES,
     ENV_NODE_ID,
     ENV_NODE_NAME,
     ENV_NODE_RANK,
+    ENV_RENDEZVOUS,
     ENV_RESTORE_FROM,
     ENV_S3_CA_PEM,
     ENV_STATUS_DIR,
     ENV_STORAGE_ACCESS,
     PREFIX,
 )
+from trainyard.protocol.restart import Rendezvous
 
 if TYPE_CHECKING:
     from node_agent.isolation import Confinement
@@ -180,17 +183,26 @@ def torchrun_command(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -
     entrypoint = spec.entrypoint
     if kind == "file":
         entrypoint = os.path.join(node.cwd, entrypoint)  # no-op for an absolute path
+    if spec.restartable:
+        # A local supervisor only: its workers join the attempt's fenced rendezvous themselves (the
+        # rank shim sets their global ranks), so no torchrun store spans nodes, and a worker can
+        # outlive this attempt and join the next one (docs/architecture.md, "In-process restart").
+        nodes = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(spec.nproc_per_node)]
+    else:
+        nodes = [
+            "--nnodes", str(spec.nnodes),
+            "--nproc-per-node", str(spec.nproc_per_node),
+            # torchrun's group rank is the control plane's node rank (see the module docstring).
+            "--node-rank", str(spec.node_rank),
+            "--rdzv-backend", "static",
+            "--rdzv-endpoint", _endpoint(spec.rdzv_host, spec.rdzv_port),
+            "--rdzv-id", spec.attempt_id,
+            # How long node rank 0 waits for the others to connect, and they for it.
+            "--rdzv-conf", f"timeout={node.join_timeout_s}",
+        ]
     return [
         node.python, "-m", "torch.distributed.run",
-        "--nnodes", str(spec.nnodes),
-        "--nproc-per-node", str(spec.nproc_per_node),
-        # torchrun's group rank is the control plane's node rank (see the module docstring).
-        "--node-rank", str(spec.node_rank),
-        "--rdzv-backend", "static",
-        "--rdzv-endpoint", _endpoint(spec.rdzv_host, spec.rdzv_port),
-        "--rdzv-id", spec.attempt_id,
-        # How long node rank 0 waits for the others to connect, and they for it.
-        "--rdzv-conf", f"timeout={node.join_timeout_s}",
+        *nodes,
         "--local-addr", node.local_addr,
         # Recovery is the control plane's decision (a new attempt from a checkpoint), not torchrun's.
         "--max-restarts", "0",
@@ -267,6 +279,9 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid:
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
     )
+    if spec.restartable:
+        env[ENV_RENDEZVOUS] = Rendezvous(host=spec.rdzv_host, port=spec.rdzv_port).to_env()
+        env[ENV_NNODES] = str(spec.nnodes)
     if paths.socket is not None:
         env[ENV_AGENT_SOCKET] = str(paths.socket)
     if spec.layout is not None:

@@ -35,7 +35,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from trainyard.protocol.env import ENV_JOB_ENV, ENV_STATUS_DIR, job_env_problem  # standard library only
+from trainyard.protocol.env import (  # standard library only
+    ENV_JOB_ENV,
+    ENV_NNODES,
+    ENV_NODE_RANK,
+    ENV_STATUS_DIR,
+    global_rank,
+    job_env_problem,
+)
 from trainyard.protocol.exits import TAIL_BYTES, classify
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -142,6 +149,15 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     log_dir, kind, entrypoint, args = _parse(sys.argv[1:] if argv is None else argv)
+    restartable = global_rank(os.environ)
+    if restartable is not None:
+        # torchrun supervises this node only (--standalone): its RANK and WORLD_SIZE are local. The
+        # attempt's are derived from the node rank, and its workers join the fenced rendezvous
+        # (TRAINYARD_RENDEZVOUS), which no torchrun hosts, so that they can outlive this attempt.
+        rank, world = restartable
+        node_rank = os.environ.get(ENV_NODE_RANK, "0")
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": node_rank,
+                           "GROUP_WORLD_SIZE": os.environ[ENV_NNODES]})
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     status_dir = Path(os.environ.get(ENV_STATUS_DIR) or ".")

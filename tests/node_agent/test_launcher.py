@@ -205,6 +205,51 @@ def test_two_nodes_on_two_loopback_addresses(launcher: Launcher, tmp_path: Path)
     assert masters == {"127.0.0.3"}  # global rank 0 is on node rank 0
 
 
+FENCED_ALL_REDUCE = """
+import json, os
+import torch
+import torch.distributed as dist
+from worker_runtime.context import WorkerContext
+from worker_runtime.distributed import init_distributed
+ctx = WorkerContext.from_env()
+init_distributed(ctx, timeout=60)
+rank, world = dist.get_rank(), dist.get_world_size()
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+print(json.dumps({"rank": rank, "world": world, "sum": t.item(), "env_rank": int(os.environ["RANK"]),
+                  "node_rank": ctx.node_rank, "local_rank": ctx.local_rank,
+                  "rendezvous": [ctx.rendezvous.host, ctx.rendezvous.port]}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_restartable_attempt_runs_torchrun_per_node_and_joins_the_fenced_rendezvous(
+        launcher: Launcher, tmp_path: Path) -> None:
+    """Issue 14 (launch of restartable parts): each node's torchrun is a local supervisor only
+    (--standalone, no cross-node store), the rank shim numbers the workers globally in the control
+    plane's node order, and they meet at the attempt's fenced rendezvous (its host and port)."""
+    write_script(tmp_path, "train.py", FENCED_ALL_REDUCE)
+    shared = make_spec(nnodes=2, rdzv_host="127.0.0.3", entrypoint="train.py", restartable=True)
+    command = torchrun_command(shared, launcher.node("127.0.0.3"), AttemptPaths(tmp_path))
+    assert "--standalone" in command and "--rdzv-endpoint" not in command
+    second = launcher.launch(shared.model_copy(update={"node_rank": 1}), launcher.node("127.0.0.2"))
+    first = launcher.launch(shared, launcher.node("127.0.0.3"))
+    wait_finished(first, timeout=60)
+    wait_finished(second, timeout=60)
+    seen = {}
+    for run in (first, second):
+        report = run.report(None, None)
+        assert report.exit_code == 0, run.paths.torchrun_stderr.read_text()
+        for worker in report.workers:
+            out = json.loads(read_log(run, worker.rank).strip())
+            assert out["rank"] == out["env_rank"] == worker.rank
+            assert worker.rank == run.spec.node_rank * run.spec.nproc_per_node + out["local_rank"]
+            assert out["world"] == 4 and out["sum"] == 10
+            assert out["rendezvous"] == ["127.0.0.3", shared.rdzv_port]
+            seen[worker.rank] = out
+    assert sorted(seen) == [0, 1, 2, 3]
+
+
 def test_failing_rank_exit_code(launcher: Launcher, tmp_path: Path) -> None:
     write_script(
         tmp_path,

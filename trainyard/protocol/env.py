@@ -9,6 +9,7 @@ This module imports nothing beyond the standard library, so the rank shim can im
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Final
 
 PREFIX: Final = "TRAINYARD_"
@@ -55,6 +56,20 @@ none of it reaches torchrun or the shim (a job's PET_*, LD_PRELOAD or PATH canno
 ENV_RENDEZVOUS: Final = "TRAINYARD_RENDEZVOUS"
 """JSON ``{"host", "port"}``: a fenced rendezvous (trainyard/protocol/restart.py) the worker joins with
 explicit rank and world size instead of torchrun's env://; set only for restartable attempts."""
+ENV_NNODES: Final = "TRAINYARD_NNODES"
+"""The attempt's node count, set with ENV_RENDEZVOUS: torchrun then runs per node as a local supervisor
+only (``--standalone``), and the rank shim sets the global RANK (node rank x local world size + local
+rank) and WORLD_SIZE (``global_rank``)."""
+
+
+def global_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) of a restartable attempt's worker, from its node rank, node count and
+    torchrun's local rank and local world size; None for any other worker (torchrun's are global)."""
+    if not environ.get(ENV_RENDEZVOUS) or not environ.get(ENV_NNODES):
+        return None
+    local_world = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    node_rank = int(environ.get(ENV_NODE_RANK, "0"))
+    return node_rank * local_world + int(environ.get("LOCAL_RANK", "0")), int(environ[ENV_NNODES]) * local_world
 
 # Checkpoint storage. Under an agent a worker gets only ENV_STORAGE_ACCESS and the prefix: it reads
 # and writes through presigned URLs (trainyard/protocol/grants.py) and holds no credential. The
@@ -95,6 +110,7 @@ WORKER_ENV: Final = frozenset({
     ENV_JOB_ID, ENV_JOB_NAME, ENV_ATTEMPT_ID, ENV_ATTEMPT_NUMBER, ENV_FENCING_TOKEN, ENV_AGENT_URL,
     ENV_AGENT_SOCKET, ENV_NODE_RANK, ENV_NODE_NAME, ENV_NODE_ID, ENV_DEVICE, ENV_CHECKPOINT, ENV_RESTORE_FROM,
     ENV_LAYOUT, ENV_STATUS_DIR, ENV_JOB_ENV, *STORAGE_ENV.values(), ENV_CHECKPOINT_PREFIX, ENV_RENDEZVOUS,
+    ENV_NNODES,
 })
 """Every variable above: what an agent may give a worker, all of it under PREFIX."""
 
