@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-cgroups", action="store_true", help="track processes by uid, not by cgroup v2")
     parser.add_argument("--worker-env", action="append", default=[], help="an agent variable to pass to workers")
     parser.add_argument("--stop-grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL")
+    parser.add_argument("--handover-timeout", type=float, default=60.0,
+                        help="seconds a restartable part's parked workers wait to be taken over by the next attempt")
     parser.add_argument(
         "--keep-workers-on-exit", action="store_true", help="leave workers running when the agent exits"
     )
@@ -90,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             cgroups=not args.no_cgroups,
             worker_env_passthrough=tuple(args.worker_env),
             stop_grace_s=args.stop_grace,
+            handover_timeout_s=args.handover_timeout,
             keep_workers_on_exit=args.keep_workers_on_exit,
             pip_constraints=args.pip_constraint,
             env_cache_max_count=args.env_cache_max_count,

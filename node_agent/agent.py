@@ -47,6 +47,7 @@ from node_agent.attempt import AttemptRun
 from node_agent.client import ControlPlaneClient
 from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource, gpu_source
+from node_agent.handover import Handovers
 from node_agent.isolation import Isolation, IsolationError, private_dir, reachable_by_others
 from node_agent.launcher import NodeContext
 from node_agent.launches import Launches
@@ -88,6 +89,7 @@ class Agent(HeartbeatLoop, ReportLoop):
         self.orphans = OrphanSweeper(grace_s=config.stop_grace_s, log=self.log)
         self._next_orphan_scan = 0.0
         self.reports = LocalReports()
+        self.handovers = Handovers()
         self.outbox = Outbox(node_max_items=config.outbox_max_items, node_max_bytes=config.outbox_max_bytes)
         self.relay = Relay(
             self.outbox,
@@ -165,7 +167,8 @@ class Agent(HeartbeatLoop, ReportLoop):
         # Workers must get through to their own directory and socket, never into the agent's state.
         private_dir(config.work_dir, 0o711)
         private_dir(config.workers_dir, 0o711)
-        self._api = LocalApi(self.reports, self.outbox, grants=self._storage_grants, slots=self.slots)
+        self._api = LocalApi(self.reports, self.outbox, grants=self._storage_grants, slots=self.slots,
+                             handovers=self.handovers)
         self._launches = Launches(config, self._api, self.isolation, self.log)
         if self.isolation.isolated:
             for what, directory in (("--worker-root", config.workers_dir), ("--run-dir", self._launches.sockets_dir)):

@@ -10,6 +10,7 @@ from node_agent.attempt import AttemptRun
 from node_agent.client import ControlPlaneClient
 from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource
+from node_agent.handover import Handovers
 from node_agent.isolation import Isolation
 from node_agent.launcher import NodeContext
 from node_agent.launches import Launches
@@ -36,6 +37,7 @@ class AgentCore:
     epoch: int
     orphans: OrphanSweeper
     reports: LocalReports
+    handovers: Handovers
     outbox: Outbox
     relay: Relay
     gpus: list[GpuInfo]
@@ -83,3 +85,16 @@ class AgentCore:
 
     def _need_register_set(self) -> None:
         self._need_register.set()
+
+    def _stop_or_park(self, run: AttemptRun, reason: str) -> None:
+        """Stop ``run`` as the control plane asked, unless it is a restartable part whose workers all
+        run: those are parked (node_agent/handover.py) for the next attempt to take over, and stopped
+        only if none does within handover_timeout_s (the supervise loop)."""
+        if run.parked:
+            return
+        if run.parkable() and self.handovers.park(run.attempt_id, self.config.handover_timeout_s):
+            run.parked = True
+            run.log.info("attempt_parked", reason=reason, timeout_s=self.config.handover_timeout_s)
+            self._wake("report")  # the control plane may hand it over at once
+            return
+        run.request_stop(reason)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from node_agent.agent_supervise import SuperviseLoop
+from node_agent.attempt import AttemptRun
 from node_agent.client import (
     ControlPlaneError,
     ControlPlaneUnavailable,
@@ -93,7 +94,7 @@ class DesiredState(SuperviseLoop):
                              *fetched[spec.attempt_id])
             for run in self.runs():
                 if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
-                    run.request_stop("no longer assigned to this node")
+                    self._stop_or_park(run, "no longer assigned to this node")
             # Kept while assigned or too new to judge, with a version or without one (a control plane
             # that sends none): the guard above holds for both.
             self._launched_at = {a: t for a, t in self._launched_at.items() if a in assigned or a in newer}
@@ -111,12 +112,38 @@ class DesiredState(SuperviseLoop):
                 return
             # Registered first: its workers may report as soon as they run.
             self.reports.register(spec.attempt_id, spec.fencing_token)
-            run = self._launches.start(spec, self._node, self.gpus, code_archive=code_archive,
-                                       code_problem=code_problem)
+            if spec.restartable:
+                self.handovers.register(spec.attempt_id, spec.fencing_token, node_rank=spec.node_rank,
+                                        nproc=spec.nproc_per_node)
+            run = self._take_over(spec) if spec.adopts else None
+            if run is None:
+                run = self._launches.start(spec, self._node, self.gpus, code_archive=code_archive,
+                                           code_problem=code_problem)
             if run is None:
                 self.reports.unregister(spec.attempt_id)
+                self.handovers.forget(spec.attempt_id)
                 return
             self._runs[spec.attempt_id] = run
+
+    def _take_over(self, spec: LaunchSpec) -> AttemptRun | None:
+        """The part ``spec`` adopts, relabelled as ``spec``'s and its parked workers told their new
+        assignment (node_agent/handover.py); None when it is not parked here (the caller starts the
+        part cold; a parked part it did not take is stopped by the usual reconcile). Under _runs_lock."""
+        assert spec.adopts is not None and self._launches is not None
+        old = self._runs.get(spec.adopts)
+        if old is None or not old.parked or not self.handovers.parked(old.attempt_id):
+            self.log.warning("handover_not_possible", attempt_id=spec.attempt_id, adopts=spec.adopts)
+            return None
+        run = self._launches.take_over(spec, old)
+        if run is None:
+            return None
+        # From here the old attempt's token is stale on this node: only its parked workers' polls
+        # (the handover registry) still hear about it, and they are told the new assignment.
+        self._runs.pop(old.attempt_id, None)
+        self.reports.unregister(old.attempt_id)
+        self.handovers.hand_over(old.attempt_id, spec, str(run.paths.socket) if run.paths.socket else None)
+        self.log.info("attempt_handed_over", attempt_id=spec.attempt_id, adopts=old.attempt_id, pid=run.pid)
+        return run
 
     def _code(self, spec: LaunchSpec) -> tuple[Path | None, str | None]:
         """The job's code archive in this node's cache (fetched once per content hash), or why not."""

@@ -113,7 +113,7 @@ class ReportLoop(AgentCore):
             if not ack.released:
                 self._wake("heartbeat")  # an older control plane: the heartbeat confirms the release
         elif ack.stop:
-            run.request_stop("the control plane asked")
+            self._stop_or_park(run, "the control plane asked")
 
     def _ship_logs(self, run: AttemptRun) -> None:
         final = run.finished

@@ -20,6 +20,9 @@ class SuperviseLoop(AgentCore):
         self._known |= seen  # whatever their state: never launched again
         for run in runs:
             self._runs[run.attempt_id] = run
+            if run.spec.restartable:
+                self.handovers.register(run.attempt_id, run.spec.fencing_token, node_rank=run.spec.node_rank,
+                                        nproc=run.spec.nproc_per_node)
             if run.spec.version:
                 self._versions[run.attempt_id] = run.spec.version
             self.reports.register(run.attempt_id, run.spec.fencing_token)
@@ -33,6 +36,8 @@ class SuperviseLoop(AgentCore):
         cgroups = tree.parts(self.node_id) if tree is not None and self.node_id is not None else None
         with self._runs_lock:  # after the scan: a launch that the scan saw is in _runs by now
             owned = set(self._runs)
+            # Processes taken over from a parked part still carry the attempt they started for.
+            owned |= {run.marker[0] for run in self._runs.values() if run.marker is not None}
         before = self.orphans.alive
         new = self.orphans.sweep(table, owned, cgroups)
         with self._runs_lock:
@@ -68,6 +73,12 @@ class SuperviseLoop(AgentCore):
         if table is not None:
             self._sweep_orphans(table)
             self._next_orphan_scan = time.monotonic() + _ORPHAN_SCAN_S
+        for attempt_id in self.handovers.expired():
+            self.handovers.give_up(attempt_id, f"not taken over within {self.config.handover_timeout_s:g}s")
+            parked = self.run(attempt_id)
+            if parked is not None and parked.parked:
+                parked.parked = False
+                parked.request_stop("no handover within handover_timeout_s: the next attempt starts it cold")
         for run in runs:
             try:
                 self._supervise(run, table)
@@ -95,6 +106,9 @@ class SuperviseLoop(AgentCore):
             with self._runs_lock:
                 self._runs.pop(run.attempt_id, None)
             self.reports.unregister(run.attempt_id)
+            self.handovers.forget(run.attempt_id)
+            if run.adopted_from is not None:
+                self.handovers.forget(str(run.adopted_from.get("attempt_id")))
             self._refused_reports.pop(run.attempt_id, None)
             self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
             if self._launches is not None:

@@ -102,10 +102,62 @@ class AttemptRun:
         self.last_report: AttemptStatusReport | None = None
         self.last_sent_at = 0.0
         self.next_try_at = 0.0
+        # In-process restart (node_agent/handover.py): a restartable part told to stop while its
+        # workers are all alive is parked; a part of the next attempt may then take its processes over.
+        self.parked = False
+        """Told to stop, its workers kept alive for a handover (reported ``parked``)."""
+        self.marker: tuple[str, int] | None = None
+        """(attempt id, node rank) its processes carry in their environment, when they were started
+        for an earlier attempt whose part this one took over; None: its own."""
+        self.adopted_from: dict[str, Any] | None = None
+        """The taken-over part: its attempt id, torchrun (pid, start time, boot id) and worker dir."""
 
     @property
     def attempt_id(self) -> str:
         return self.spec.attempt_id
+
+    @property
+    def started_as(self) -> tuple[str, int]:
+        """(attempt id, node rank) its processes were started with (their markers, rank files)."""
+        return self.marker or (self.spec.attempt_id, self.spec.node_rank)
+
+    def parkable(self) -> bool:
+        """A restartable part whose every worker runs: it can wait for a handover instead of stopping."""
+        with self._lock:
+            if not self.spec.restartable or self.torchrun_done or not self.alive or self.preparing:
+                return False
+            if self.stop_reason is not None:
+                return False
+            running = [w for w in self._workers if w.state == WorkerState.running]
+            return len(running) == self.spec.nproc_per_node
+
+    @classmethod
+    def take_over(cls, spec: LaunchSpec, paths: AttemptPaths, old: AttemptRun) -> AttemptRun:
+        """``spec``'s part made of ``old``'s parked processes (docs/architecture.md, "In-process
+        restart"): the same torchrun, uid, cgroup and worker directory (status files, logs), its own
+        attempt directory (``paths.root``, whose state.json records what it adopted) and socket.
+        ``old`` is handed over: never reported, stopped or finished again. Raises FileExistsError
+        like ``launch``."""
+        paths.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        paths.root.mkdir(mode=0o700, exist_ok=False)
+        run = cls(spec, AttemptPaths(paths.root, old.paths.worker, paths.socket), stop_grace_s=old.stop_grace_s,
+                  confinement=old.confinement)
+        with old._lock:
+            run._proc, run.pid, run.pgid = old._proc, old.pid, old.pgid
+            run.create_time, run.boot_id, run.adopted = old.create_time, old.boot_id, old.adopted
+            run._members, run._pgids, run._seen = set(old._members), set(old._pgids), set(old._seen)
+            run._workers = list(old._workers)
+            run.tailer = old.tailer  # its logs go on from where they were shipped, as the new attempt's
+            run.env_key, old.env_key = old.env_key, None
+            run.marker = old.started_as
+            run.adopted_from = {"attempt_id": old.attempt_id, "pid": old.pid, "create_time": old.create_time,
+                                "boot_id": old.boot_id, "worker_dir": str(old.paths.worker)}
+            old.parked = False
+            old.done = True  # its processes are the new part's now; its record says where they went
+            old._persist(handed_over_to=spec.attempt_id)
+        run._persist()
+        run.log.info("attempt_taken_over", from_attempt=old.attempt_id, pid=run.pid)
+        return run
 
     # --- creation ---
 
@@ -259,6 +311,10 @@ class AttemptRun:
         run.stopped = bool(state.get("stopped"))
         run.exit_code, run.final_acked = state.get("exit_code"), bool(state.get("final_acked"))
         run.torchrun_done = bool(state.get("torchrun_done"))
+        marker, adopted_from = state.get("marker"), state.get("adopted_from")
+        if isinstance(marker, list) and len(marker) == 2 and isinstance(marker[0], str) and isinstance(marker[1], int):
+            run.marker = (marker[0], marker[1])
+        run.adopted_from = adopted_from if isinstance(adopted_from, dict) else None
         if run.pid is None:
             run.torchrun_done, run.alive = True, False
             run.error = run.error or "the agent stopped while launching this attempt"
@@ -270,7 +326,7 @@ class AttemptRun:
         run.log.info("attempt_adopted", pid=run.pid, alive=run.alive, torchrun_done=run.torchrun_done)
         return run
 
-    def _persist(self) -> None:
+    def _persist(self, **extra: Any) -> None:
         if self.in_memory:
             return
         spec = self.spec.model_dump(mode="json")
@@ -294,7 +350,10 @@ class AttemptRun:
             "done": self.done,
             "worker_dir": str(self.paths.worker),
             "socket": str(self.paths.socket) if self.paths.socket else None,
+            "marker": list(self.marker) if self.marker else None,
+            "adopted_from": self.adopted_from,
             **self.confinement.to_state(),
+            **extra,
         }
         try:
             # Private: it holds the fencing token, which is the attempt's credential.
@@ -317,7 +376,8 @@ class AttemptRun:
             return bool(self._members)
         # A group is signalled only while its identity is proven, never by its number alone: after
         # a reboot or a long outage that number may name an unrelated process group.
-        members = set(table.by_part.get((self.attempt_id, str(self.spec.node_rank)), ()))
+        attempt_id, node_rank = self.started_as
+        members = set(table.by_part.get((attempt_id, str(node_rank)), ()))
         pgids = {table.pgid_of[pid] for pid in members}  # groups of processes carrying our id
         if self.pgid is not None and self.pgid == self.pid and table.same_process(self.pgid, self.create_time):
             pgids.add(self.pgid)  # torchrun's group, while its leader is the torchrun we started
@@ -476,9 +536,16 @@ class AttemptRun:
                     w if w.state == WorkerState.exited else w.model_copy(update={"state": WorkerState.exited})
                     for w in workers
                 ]
+            if self.marker is not None and self.marker[1] != self.spec.node_rank:
+                # Its shims numbered their files in the node rank they started with; the same local
+                # ranks are this node rank's now.
+                shift = (self.spec.node_rank - self.marker[1]) * self.spec.nproc_per_node
+                workers = [w.model_copy(update={"rank": w.rank + shift}) for w in workers]
             if not self.torchrun_done:
                 up = sum(1 for w in workers if w.state != WorkerState.starting)
                 state = NodeAttemptState.running if up >= self.spec.nproc_per_node else NodeAttemptState.launching
+                if self.parked and self.alive:
+                    state = NodeAttemptState.parked
             elif self.stopped:
                 state = NodeAttemptState.stopped
             else:

@@ -73,6 +73,9 @@ class AgentConfig:
     """Topology labels sent at registration, e.g. {"rack": "r1"}."""
     stop_grace_s: float = 5.0
     """Time between SIGTERM and SIGKILL when stopping an attempt's processes."""
+    handover_timeout_s: float = 60.0
+    """How long a restartable part told to stop keeps its workers parked, waiting for the next
+    attempt to take them over, before it stops them as usual (the next attempt then starts cold)."""
     keep_workers_on_exit: bool = False
     """On shutdown, leave the workers running (a restarted agent re-adopts them) instead of
     stopping them."""
@@ -125,7 +128,7 @@ class AgentConfig:
             raise ValueError("virtual_gpus must be >= 0 (or None for NVIDIA discovery)")
         if any(name.startswith("TRAINYARD_") for name in self.worker_env_passthrough):
             raise ValueError("the agent's TRAINYARD_* variables are never passed to workers")
-        for name in ("stop_grace_s", "status_interval_s", "poll_interval_s", "http_timeout_s"):
+        for name in ("stop_grace_s", "status_interval_s", "poll_interval_s", "http_timeout_s", "handover_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.env_cache_max_count < 1 or self.env_cache_max_gb <= 0 or self.env_build_timeout_s <= 0:

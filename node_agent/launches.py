@@ -120,6 +120,21 @@ class Launches:
         self.log.error("attempt_launch_failed", attempt_id=spec.attempt_id, error=reason)
         return AttemptRun.failed(spec, paths, reason, stop_grace_s=grace, create_dir=False)
 
+    def take_over(self, spec: LaunchSpec, old: AttemptRun) -> AttemptRun | None:
+        """``spec``'s part made of ``old``'s parked processes (AttemptRun.take_over), served on a socket
+        of its own for the same uid; None when that cannot be done (the caller starts it cold)."""
+        paths = self.paths(spec.attempt_id, spec.node_rank)
+        if not SAFE_ID.match(spec.attempt_id) or set(spec.gpu_indices) != set(old.spec.gpu_indices):
+            return None
+        try:
+            self.api.open(spec.attempt_id, paths.socket or Path(), uid=old.confinement.uid, gid=old.confinement.gid,
+                          ranks=spec.nproc_per_node)
+            return AttemptRun.take_over(spec, paths, old)
+        except OSError as exc:
+            self.api.close(spec.attempt_id)
+            self.log.error("attempt_take_over_failed", attempt_id=spec.attempt_id, error=str(exc))
+            return None
+
     def _undo(self, attempt_id: str, confinement: Confinement) -> None:
         self.api.close(attempt_id)
         self.isolation.release(confinement)
@@ -159,6 +174,8 @@ class Launches:
         """The part is done and none of its processes is left: stop serving it, give its uid and
         cgroup back, and remove its worker directory (its logs have been shipped)."""
         self.api.close(run.attempt_id)
+        if run.adopted_from is not None:
+            self.api.close(str(run.adopted_from.get("attempt_id")))  # its workers' first socket
         if run.env_key is not None:
             self.envs.release(run.env_key)
             run.env_key = None

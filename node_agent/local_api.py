@@ -66,6 +66,7 @@ from urllib.parse import parse_qs, unquote
 import structlog
 from pydantic import ValidationError
 
+from node_agent.handover import Handovers
 from node_agent.outbox import Outbox
 from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
@@ -83,13 +84,15 @@ from trainyard.protocol.agent import (
 )
 from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.grants import LocalStorageRequest
+from trainyard.protocol.restart import NEXT_ASSIGNMENT, LocalNextAssignment
 from trainyard.protocol.uploads import LocalSlotRelease, LocalSlotRequest
 
 log = structlog.get_logger(__name__)
 
 _ROUTE = re.compile(
     rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/"
-    r"(?P<kind>progress|result|shards|events|storage|checkpoint-interval|upload-slot|upload-slot/release)$"
+    r"(?P<kind>progress|result|shards|events|storage|checkpoint-interval|upload-slot|upload-slot/release"
+    r"|next-assignment)$"
 )
 _DIGITS = re.compile(r"[0-9]{1,20}")
 MAX_BODY = 1024 * 1024
@@ -305,6 +308,7 @@ class _Context:
     limits: LocalApiLimits
     grants: GrantForwarder | None = None
     slots: SlotRelay | None = None
+    handovers: Handovers | None = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -397,6 +401,9 @@ class _Handler(BaseHTTPRequestHandler):
             if kind == "storage":
                 self._storage(attempt_id, LocalStorageRequest.model_validate(payload))
                 return
+            if kind == NEXT_ASSIGNMENT:
+                self._next_assignment(attempt_id, LocalNextAssignment.model_validate(payload))
+                return
             reports = self.server.reports
             if kind == "checkpoint-interval":
                 body = LocalCheckpointInterval.model_validate(payload)
@@ -441,6 +448,23 @@ class _Handler(BaseHTTPRequestHandler):
         retry = payload.get("retry_after_s")
         self._problem(status, str(payload.get("detail", "")), upstream_status=payload.get("upstream_status"),
                       retry_after_s=retry)
+
+    def _next_assignment(self, attempt_id: str, body: LocalNextAssignment) -> None:
+        """A worker of a restartable part asks for its part of the next attempt (node_agent/handover.py):
+        404 when this part is not restartable here, 409 for another token."""
+        handovers = self.server.handovers
+        if handovers is None:
+            self._problem(HTTPStatus.NOT_FOUND, "this agent hands no attempt over")
+            return
+        try:
+            answer = handovers.answer(attempt_id, body.fencing_token, body.rank, body.wait_s)
+        except ValueError as exc:
+            self._problem(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc))
+            return
+        if answer is None:
+            self._fenced_off(attempt_id, NEXT_ASSIGNMENT)
+            return
+        self._send(HTTPStatus.OK, answer.model_dump(mode="json"), "application/json")
 
     def _storage(self, attempt_id: str, body: LocalStorageRequest) -> None:
         if not self.server.reports.accepts(attempt_id, body.fencing_token):
@@ -536,7 +560,7 @@ class _Listener:
         """Connections being served now (for diagnostics and tests)."""
         self._count = threading.Lock()
         self.context = _Context(attempt_id, api.reports, api.outbox, api.shard_wait_s, api.limits, api.grants,
-                                api.slots)
+                                api.slots, api.handovers)
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._accept_loop, name=f"local-api-{attempt_id[:12]}", daemon=True)
 
@@ -602,8 +626,10 @@ class LocalApi:
         limits: LocalApiLimits | None = None,
         grants: GrantForwarder | None = None,
         slots: SlotRelay | None = None,
+        handovers: Handovers | None = None,
     ) -> None:
         self.reports = reports or LocalReports()
+        self.handovers = handovers
         self.outbox = outbox or Outbox()
         self.shard_wait_s = shard_wait_s
         self.grants = grants

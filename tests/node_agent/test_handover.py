@@ -1,0 +1,92 @@
+"""The agent's side of a handover (issue 14, in-process restart): a parked part's workers poll their own
+socket with their own token and are told ``waiting``, then their part of the next attempt, or
+``stop``; any other token is refused, and an agent that hands nothing over answers 404."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from node_agent.handover import Handovers
+from node_agent.local_api import LocalApi
+from tests.node_agent.helpers import make_spec
+from trainyard.protocol.restart import NextAssignmentAnswer
+
+
+@pytest.fixture
+def sockets() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="ho-", dir="/tmp") as directory:
+        yield Path(directory)
+
+
+def _ask(api: LocalApi, attempt_id: str, token: str, rank: int, wait_s: float = 0.0) -> httpx.Response:
+    path = api.socket_of(attempt_id)
+    assert path is not None
+    with httpx.Client(base_url="http://agent", transport=httpx.HTTPTransport(uds=str(path)), timeout=10) as http:
+        return http.post(f"/v1/local/attempts/{attempt_id}/next-assignment",
+                         json={"fencing_token": token, "rank": rank, "wait_s": wait_s})
+
+
+def test_a_parked_part_is_told_waiting_then_its_new_ranks_and_another_token_is_refused(sockets: Path) -> None:
+    handovers = Handovers()
+    api = LocalApi(handovers=handovers)
+    old = make_spec(attempt_id="att-old", nnodes=2, node_rank=1, restartable=True)
+    new = make_spec(attempt_id="att-new", attempt_number=2, nnodes=2, node_rank=0, restartable=True,
+                    adopts="att-old", rdzv_host="127.0.0.5")
+    try:
+        api.open(old.attempt_id, sockets / "old.sock")
+        handovers.register(old.attempt_id, old.fencing_token, node_rank=1, nproc=2)
+        assert _ask(api, old.attempt_id, "not-the-token", 2).status_code == 409
+        first = _ask(api, old.attempt_id, old.fencing_token, 2)
+        assert first.status_code == 200 and NextAssignmentAnswer.model_validate(first.json()).state == "waiting"
+        assert handovers.hand_over(old.attempt_id, new, "/run/new.sock") is False  # not parked: nothing given
+        assert handovers.park(old.attempt_id, 30.0) and handovers.parked(old.attempt_id)
+        answers: dict[int, httpx.Response] = {}
+        polls = [threading.Thread(target=lambda r=r: answers.__setitem__(r, _ask(api, old.attempt_id,
+                                                                                   old.fencing_token, r, 10.0)))
+                 for r in (2, 3)]
+        for t in polls:
+            t.start()
+        time.sleep(0.2)  # both long polls wait for the handover
+        assert handovers.hand_over(old.attempt_id, new, "/run/new.sock")
+        for t in polls:
+            t.join(10)
+        for rank, response in answers.items():
+            answer = NextAssignmentAnswer.model_validate(response.json())
+            assert answer.state == "assigned" and answer.assignment is not None
+            a = answer.assignment
+            # The same local rank (its GPU), now on node rank 0 of the new attempt.
+            assert (a.attempt_id, a.fencing_token, a.rank, a.world_size) == ("att-new", new.fencing_token, rank - 2, 4)
+            assert (a.rendezvous.host, a.rendezvous.port, a.agent_socket) == ("127.0.0.5", new.rdzv_port,
+                                                                              "/run/new.sock")
+        assert _ask(api, old.attempt_id, old.fencing_token, 7).status_code == 422  # not one of its ranks
+        assert _ask(api, old.attempt_id, new.fencing_token, 2).status_code == 409  # the new token is not its own
+    finally:
+        api.stop()
+
+
+def test_a_part_not_taken_over_is_told_stop_and_an_agent_without_handovers_answers_404(sockets: Path) -> None:
+    handovers = Handovers()
+    api = LocalApi(handovers=handovers)
+    plain = LocalApi()
+    try:
+        api.open("att-1", sockets / "a.sock")
+        plain.open("att-2", sockets / "b.sock")
+        handovers.register("att-1", "tok-1", node_rank=0, nproc=1)
+        assert handovers.park("att-1", 0.0)
+        assert handovers.expired() == ["att-1"]
+        handovers.give_up("att-1", "not taken over within 0s")
+        answer = NextAssignmentAnswer.model_validate(_ask(api, "att-1", "tok-1", 0, 5.0).json())
+        assert answer.state == "stop" and "not taken over" in answer.reason
+        assert handovers.expired() == [] and not handovers.park("att-1", 5.0)  # given up for good
+        assert _ask(plain, "att-2", "tok-2", 0).status_code == 404
+        assert not handovers.park("att-unknown", 5.0)  # a part that is not restartable is never parked
+    finally:
+        api.stop()
+        plain.stop()
