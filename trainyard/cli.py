@@ -171,6 +171,9 @@ def agent(
     outbox_max_items: Annotated[int, typer.Option(
         min=2, help="Shards and events held for the control plane, over every attempt of the node.")] = 50_000,
     outbox_max_mb: Annotated[float, typer.Option(min=0.001, help="The same budget in MiB.")] = 64.0,
+    handover_timeout: Annotated[float, typer.Option(
+        min=0.001, help="Seconds a restartable job's parked workers wait to be taken over by its next attempt "
+        "before they are stopped (and started cold).")] = 60.0,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
@@ -190,6 +193,7 @@ def agent(
             work_dir=work_dir if work_dir is not None else Path(".trainyard") / f"agent-{name}",
             labels=labels,
             stop_grace_s=5.0,
+            handover_timeout_s=handover_timeout,
             worker_uids=uids,
             worker_root=worker_root,
             run_dir=run_dir,

@@ -5,10 +5,14 @@ hold one at once, also across the kill and the recovery."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +106,70 @@ def test_sigkill_mid_run_resumes_exactly(cluster):
                                          "startup", "other"))
     assert parts == pytest.approx(g["allocated_gpu_s"], rel=1e-3) and 0 < g["goodput"] < 1
     assert done["goodput"]["recoveries"] == 0 and done["goodput"]["steps_lost"] == 0
+
+
+STALE_JOIN = """
+import json, sys
+from datetime import timedelta
+from worker_runtime.context import WorkerContext
+from worker_runtime.distributed import StaleRendezvousError, fenced_store
+from trainyard.protocol.restart import Rendezvous
+attempt_id, token, host, port = sys.argv[1:5]
+env = {"TRAINYARD_ATTEMPT_ID": attempt_id, "TRAINYARD_FENCING_TOKEN": token, "RANK": "1", "WORLD_SIZE": "2",
+       "TRAINYARD_RENDEZVOUS": Rendezvous(host=host, port=int(port)).to_env()}
+ctx = WorkerContext.from_env(env)
+try:
+    fenced_store(ctx, timeout=timedelta(seconds=20))
+except StaleRendezvousError as exc:
+    print("REFUSED", exc)
+    sys.exit(7)
+print("JOINED")
+"""
+
+
+@pytest.mark.parametrize("cluster", [{"nodes": 2, "gpus_per_node": 1}], indirect=True)
+def test_a_restartable_job_keeps_its_healthy_rank_in_process_and_refuses_a_stale_one(cluster):
+    """Issue 14, in-process restart under real agents: node B's rank is SIGKILLed; node A's worker is
+    parked, handed over to the next attempt on the same GPU and restarts in process (same pid), B's
+    rank starts fresh, the weights equal an unfailed run's, and a worker holding the failed attempt's
+    token cannot join the new attempt's rendezvous."""
+    body = job_body(entrypoint="tests/e2e/restartable_job.py", args=["150", "0.04"], num_nodes=2, gpus_per_node=1,
+                    checkpoint={"interval_steps": 10}, restartable=True)
+    clean = cluster.submit({**body, "name": "clean", "restartable": False})
+    done = cluster.wait_state(clean["id"], ENDED, timeout=180)
+    assert done["state"] == "succeeded", done["end_reason"]
+
+    job = cluster.submit({**body, "name": "killed"})
+    cluster.wait_for("a committed checkpoint", lambda: _committed(cluster, job["id"]), timeout=120)
+    first = cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"][-1]
+    pids = {n["node_name"]: [w["pid"] for w in n["workers"]] for n in first["nodes"]}
+    (node_a,) = [n["node_name"] for n in first["nodes"] if n["node_rank"] == 0]
+    (node_b,) = [n["node_name"] for n in first["nodes"] if n["node_rank"] == 1]
+    os.kill(pids[node_b][0], signal.SIGKILL)
+
+    def second_attempt() -> dict | None:
+        items = cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]
+        return items[-1] if len(items) == 2 and items[-1]["progress_step"] is not None else None
+
+    second = cluster.wait_for("the next attempt's first step", second_attempt, timeout=120)
+    # A worker of the failed attempt that learned the new rendezvous holds only the old token.
+    state = next(Path(cluster.log.parent, "cluster").glob(f"nodes/{node_a}/attempts/{first['id']}/state.json"))
+    old_token = json.loads(state.read_text())["spec"]["fencing_token"]
+    host, port = second["rendezvous"].rsplit(":", 1)
+    stale = subprocess.run([sys.executable, "-c", STALE_JOIN, first["id"], old_token, host, port],
+                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert stale.returncode == 7 and "REFUSED" in stale.stdout, stale.stdout + stale.stderr[-2000:]
+
+    resumed = cluster.wait_state(job["id"], ENDED, timeout=180)
+    assert resumed["state"] == "succeeded", resumed["end_reason"]
+    assert resumed["result"]["weights_sha256"] == done["result"]["weights_sha256"]
+    attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]
+    assert len(attempts) == 2 and attempts[0]["outcome"] == "failed"
+    later = {n["node_name"]: [w["pid"] for w in n["workers"]] for n in attempts[1]["nodes"]}
+    assert later[node_a] == pids[node_a]  # the same process, restarted in place
+    assert later[node_b] != pids[node_b]  # the replaced rank started fresh
+    by_pid = {r["pid"]: r for r in resumed["result"]["ranks"]}
+    assert by_pid[pids[node_a][0]]["restarts"] == 1
+    assert [r["restarts"] for r in resumed["result"]["ranks"] if r["pid"] != pids[node_a][0]] == [0]
+    kinds = [e["kind"] for e in cluster.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000})["items"]]
+    assert "part.parked" in kinds and "part.handed_over" in kinds and "leases.handed_over" in kinds
