@@ -133,7 +133,7 @@ PART: dict[str, State] = {
         "the agent reports it launching at its next heartbeat; a part still assigned after the launch "
         "timeout fails its attempt (the maintenance step of the monitor loop)",
         settings=("attempt_launch_timeout_s", "monitor_interval_s"), message="attempt status report")),
-    "launching": _s("running", "exited", "stopped", "gone", exit=Exit(
+    "launching": _s("running", "parked", "exited", "stopped", "gone", exit=Exit(
         "the agent reports its workers running or exited; a lost node fails it",
         settings=("node_lost_timeout_s",), message="attempt status report")),
     "running": _s("parked", "exited", "stopped", "gone", exit=Exit(

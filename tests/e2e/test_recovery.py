@@ -133,7 +133,7 @@ def test_a_restartable_job_keeps_its_healthy_rank_in_process_and_refuses_a_stale
     parked, handed over to the next attempt on the same GPU and restarts in process (same pid), B's
     rank starts fresh, the weights equal an unfailed run's, and a worker holding the failed attempt's
     token cannot join the new attempt's rendezvous."""
-    body = job_body(entrypoint="tests/e2e/restartable_job.py", args=["150", "0.04"], num_nodes=2, gpus_per_node=1,
+    body = job_body(entrypoint="tests/e2e/restartable_job.py", args=["250", "0.04"], num_nodes=2, gpus_per_node=1,
                     checkpoint={"interval_steps": 10}, restartable=True)
     clean = cluster.submit({**body, "name": "clean", "restartable": False})
     done = cluster.wait_state(clean["id"], ENDED, timeout=180)
