@@ -66,6 +66,8 @@ from urllib.parse import parse_qs, unquote
 import structlog
 from pydantic import ValidationError
 
+from node_agent.memtier import AttemptMemory, MemoryTier
+from node_agent.memtier_local import MEMORY_ROUTE, serve_memory
 from node_agent.outbox import Outbox
 from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
@@ -305,6 +307,8 @@ class _Context:
     limits: LocalApiLimits
     grants: GrantForwarder | None = None
     slots: SlotRelay | None = None
+    memory: MemoryTier | None = None
+    attempt_memory: AttemptMemory | None = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -314,7 +318,8 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.connection = self.request
         deadline = time.monotonic() + self.server.limits.request_timeout_s
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline))
+        self.reader = _DeadlineReader(self.connection, deadline)
+        self.rfile = io.BufferedReader(self.reader)
         self.wfile = _Writer(self.connection)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
@@ -341,7 +346,21 @@ class _Handler(BaseHTTPRequestHandler):
         payload.update({k: v for k, v in extra.items() if v is not None})
         self._send(status, payload, "application/problem+json")
 
+    def _memory(self) -> bool:
+        """Serve a request of the in-memory checkpoint tier (memtier_local.py); False: not one."""
+        match = MEMORY_ROUTE.match(self.path.partition("?")[0])
+        if match is None:
+            return False
+        serve_memory(self, match)
+        return True
+
+    def do_PUT(self) -> None:  # noqa: N802 - stdlib naming
+        if not self._memory():
+            self._problem(HTTPStatus.NOT_FOUND, f"no route {self.path[:200]}")
+
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        if self._memory():
+            return
         if self.path == "/healthz":
             self._send(HTTPStatus.OK, {"ok": True}, "application/json")
         else:
@@ -525,7 +544,8 @@ class _Gate:
 class _Listener:
     """One attempt's socket and its accept thread."""
 
-    def __init__(self, api: LocalApi, attempt_id: str, path: Path, sock: socket.socket, extra: int) -> None:
+    def __init__(self, api: LocalApi, attempt_id: str, path: Path, sock: socket.socket, extra: int,
+                 memory: AttemptMemory | None = None) -> None:
         self.api = api
         self.path = path
         self.sock = sock
@@ -536,7 +556,7 @@ class _Listener:
         """Connections being served now (for diagnostics and tests)."""
         self._count = threading.Lock()
         self.context = _Context(attempt_id, api.reports, api.outbox, api.shard_wait_s, api.limits, api.grants,
-                                api.slots)
+                                api.slots, api.memory, memory)
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._accept_loop, name=f"local-api-{attempt_id[:12]}", daemon=True)
 
@@ -602,8 +622,10 @@ class LocalApi:
         limits: LocalApiLimits | None = None,
         grants: GrantForwarder | None = None,
         slots: SlotRelay | None = None,
+        memory: MemoryTier | None = None,
     ) -> None:
         self.reports = reports or LocalReports()
+        self.memory = memory
         self.outbox = outbox or Outbox()
         self.shard_wait_s = shard_wait_s
         self.grants = grants
@@ -615,10 +637,11 @@ class LocalApi:
         self._stopped = False
 
     def open(self, attempt_id: str, path: Path, *, uid: int | None = None, gid: int | None = None,
-             ranks: int = 0) -> None:
+             ranks: int = 0, memory: AttemptMemory | None = None) -> None:
         """Serve ``attempt_id`` on a socket at ``path`` that only ``uid`` (and the agent) may
         connect to; a socket a previous agent left there is replaced. Idempotent per attempt.
-        ``ranks``: the part's ranks on this node; each adds connections_per_rank to the caps."""
+        ``ranks``: the part's ranks on this node; each adds connections_per_rank to the caps.
+        ``memory``: the part's in-memory checkpoint tier (its job and peer), None: off for it."""
         extra = self.limits.connections_per_rank * max(0, ranks)
         with self._lock:
             if self._stopped or attempt_id in self._listeners:
@@ -642,7 +665,7 @@ class LocalApi:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
                 raise
-            listener = _Listener(self, attempt_id, path, sock, extra)
+            listener = _Listener(self, attempt_id, path, sock, extra, memory)
             self._listeners[attempt_id] = listener
             self.active.resize(extra)
         listener.thread.start()

@@ -56,6 +56,7 @@ from trainyard.protocol.limits import (
     JsonDocument,
     Text,
 )
+from trainyard.protocol.memtier import MemoryTierSpec
 from trainyard.protocol.requirements import MAX_REQUIREMENTS_CHARS
 from trainyard.protocol.uploads import UploadStats
 
@@ -98,6 +99,11 @@ class RegisterRequest(_Wire):
     agent_instance: str | None = Field(
         default=None, max_length=64, pattern=TEXT_LINE,
         description="Random id of this agent process; the control plane makes one up when absent.",
+    )
+    memory_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="TCP port of the agent's in-memory checkpoint tier at `address` (trainyard/protocol/memtier.py); "
+        "None: the tier is off on this node and it is never chosen as a peer.",
     )
 
     @field_validator("gpus")
@@ -252,6 +258,11 @@ class LaunchSpec(_Wire):
         default=None, max_length=MAX_REQUIREMENTS_CHARS,
         description="A pip requirements file to install (from wheels) into a virtualenv cached by content hash on "
         "the node, built on `python` (or the agent's) and seeing its packages; the workers run in it. None: none.")
+    memory: MemoryTierSpec | None = Field(
+        default=None,
+        description="The in-memory checkpoint tier of this part: the job's memory secret, the peer agent that "
+        "keeps a copy of its shards and where the previous attempt's copies may be; None: off.",
+    )
     launched: bool = Field(
         default=False,
         description="An agent already reported this part as started (perhaps a previous agent instance "

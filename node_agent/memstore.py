@@ -1,0 +1,113 @@
+"""The agent's bounded store of checkpoint shards in host memory (the in-memory tier's local copy;
+trainyard/protocol/memtier.py, docs/architecture.md "In-memory checkpoint tier").
+
+Held by the agent, not the worker, so that it outlives a killed rank. An entry is the bytes of one
+shard, keyed by job, rank, sha256 and the digest of the credential that stored it (its owner): a
+lookup must name all four, so one job's credential never finds another job's bytes. Only the latest
+entry per (owner, job, rank) is kept (a newer save replaces it), and when the budget would be
+exceeded the oldest entries go first. The store is an accelerator: nothing counts on an entry being
+there, and a restore always verifies what it gets against the committed manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+class ShardRefused(ValueError):  # noqa: N818 - reads as the reason ("shard refused")
+    """The shard cannot be stored (its bytes do not match its sha256, or it is over the budget)."""
+
+
+def owner_of(secret: str) -> str:
+    """What the store keeps of a credential: its digest, never the secret itself."""
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Entry:
+    owner: str
+    job_id: str
+    rank: int
+    sha256: str
+    data: bytes
+    stored_at: float
+
+
+_Slot = tuple[str, str, int]  # owner, job, rank: at most one entry each
+
+
+class ShardStore:
+    """Thread-safe; ``budget_bytes`` bounds the sum of the entries' sizes (0: stores nothing)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError("budget_bytes must be >= 0")
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[_Slot, Entry] = OrderedDict()  # oldest first
+        self._used = 0
+        self.evictions = 0
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def put(self, owner: str, job_id: str, rank: int, sha256: str, data: bytes, *, verify: bool = True) -> list[Entry]:
+        """Store ``data`` as the latest shard of (job, rank) for ``owner``; returns the entries
+        evicted to make room. Raises ShardRefused when the bytes do not hash to ``sha256`` or the
+        shard alone is larger than the budget (the previous entry of the slot is kept then)."""
+        if len(data) > self.budget_bytes:
+            raise ShardRefused(f"a shard of {len(data)} bytes is over this agent's memory budget of "
+                               f"{self.budget_bytes} bytes")
+        if verify and hashlib.sha256(data).hexdigest() != sha256:
+            raise ShardRefused("the shard's bytes do not match its sha256")
+        entry = Entry(owner, job_id, rank, sha256, data, time.monotonic())
+        slot = (owner, job_id, rank)
+        evicted: list[Entry] = []
+        with self._lock:
+            old = self._entries.pop(slot, None)
+            if old is not None:
+                self._used -= len(old.data)
+            while self._entries and self._used + len(data) > self.budget_bytes:
+                _, gone = self._entries.popitem(last=False)
+                self._used -= len(gone.data)
+                evicted.append(gone)
+            self._entries[slot] = entry
+            self._used += len(data)
+            self.evictions += len(evicted)
+        return evicted
+
+    def get(self, owner: str, job_id: str, sha256: str, rank: int | None = None) -> Entry | None:
+        """The entry of ``job_id`` with these bytes that ``owner`` stored (of ``rank`` when given)."""
+        with self._lock:
+            if rank is not None:
+                entry = self._entries.get((owner, job_id, rank))
+                return entry if entry is not None and entry.sha256 == sha256 else None
+            for (o, j, _), entry in self._entries.items():
+                if o == owner and j == job_id and entry.sha256 == sha256:
+                    return entry
+        return None
+
+    def drop_job(self, job_id: str) -> int:
+        """Forget every entry of ``job_id`` (whoever stored it); how many went."""
+        with self._lock:
+            slots = [slot for slot in self._entries if slot[1] == job_id]
+            for slot in slots:
+                self._used -= len(self._entries.pop(slot).data)
+        return len(slots)
+
+    def replace_data(self, owner: str, job_id: str, rank: int, data: bytes) -> None:
+        """Overwrite an entry's bytes, keeping its sha256 (tests: memory that went bad)."""
+        with self._lock:
+            old = self._entries[(owner, job_id, rank)]
+            self._used += len(data) - len(old.data)
+            self._entries[(owner, job_id, rank)] = Entry(old.owner, job_id, rank, old.sha256, data, old.stored_at)
