@@ -109,7 +109,7 @@ class AgentConfig:
 
     memory_tier_mb: int = DEFAULT_BUDGET_MB
     """Host memory (MiB) for checkpoint shards of the in-memory tier (node_agent/memtier.py): the
-    latest shard of each local rank and the copies peers push here, oldest evicted first. 0: the
+    latest two shards of each local rank and the copies peers push here, oldest evicted first. 0: the
     tier is off on this node (no memory port is registered; workers hand nothing over)."""
     memory_port: int = 0
     """TCP port of the memory tier at ``address`` for peer agents; 0: any free port (registered)."""

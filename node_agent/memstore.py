@@ -3,10 +3,13 @@ trainyard/protocol/memtier.py, docs/architecture.md "In-memory checkpoint tier")
 
 Held by the agent, not the worker, so that it outlives a killed rank. An entry is the bytes of one
 shard, keyed by job, rank, sha256 and the digest of the credential that stored it (its owner): a
-lookup must name all four, so one job's credential never finds another job's bytes. Only the latest
-entry per (owner, job, rank) is kept (a newer save replaces it), and when the budget would be
-exceeded the oldest entries go first. The store is an accelerator: nothing counts on an entry being
-there, and a restore always verifies what it gets against the committed manifest.
+lookup must name the owner, the job and the sha256, so one job's credential never finds another
+job's bytes. Only the latest ``keep_per_rank`` entries per (owner, job, rank) are kept: two by
+default, the shard just saved (which may never be committed: another rank may die before it
+saves) and the one before it (which then is the committed one a restore asks for). When the budget
+would be exceeded the oldest entries go first, so the older generation goes before the newer. The
+store is an accelerator: nothing counts on an entry being there, and a restore always verifies what
+it gets against the committed manifest.
 """
 
 from __future__ import annotations
@@ -37,18 +40,20 @@ class Entry:
     stored_at: float
 
 
-_Slot = tuple[str, str, int]  # owner, job, rank: at most one entry each
+_Key = tuple[str, str, int, str]  # owner, job, rank, sha256
+KEEP_PER_RANK = 2
 
 
 class ShardStore:
     """Thread-safe; ``budget_bytes`` bounds the sum of the entries' sizes (0: stores nothing)."""
 
-    def __init__(self, budget_bytes: int) -> None:
-        if budget_bytes < 0:
-            raise ValueError("budget_bytes must be >= 0")
+    def __init__(self, budget_bytes: int, *, keep_per_rank: int = KEEP_PER_RANK) -> None:
+        if budget_bytes < 0 or keep_per_rank < 1:
+            raise ValueError("budget_bytes must be >= 0 and keep_per_rank >= 1")
         self.budget_bytes = budget_bytes
+        self.keep_per_rank = keep_per_rank
         self._lock = threading.Lock()
-        self._entries: OrderedDict[_Slot, Entry] = OrderedDict()  # oldest first
+        self._entries: OrderedDict[_Key, Entry] = OrderedDict()  # oldest first
         self._used = 0
         self.evictions = 0
 
@@ -63,51 +68,58 @@ class ShardStore:
 
     def put(self, owner: str, job_id: str, rank: int, sha256: str, data: bytes, *, verify: bool = True) -> list[Entry]:
         """Store ``data`` as the latest shard of (job, rank) for ``owner``; returns the entries
-        evicted to make room. Raises ShardRefused when the bytes do not hash to ``sha256`` or the
-        shard alone is larger than the budget (the previous entry of the slot is kept then)."""
+        evicted (the rank's oldest past keep_per_rank, then the oldest of all to make room). Raises
+        ShardRefused when the bytes do not hash to ``sha256`` or the shard alone is larger than the
+        budget (nothing changes then)."""
         if len(data) > self.budget_bytes:
             raise ShardRefused(f"a shard of {len(data)} bytes is over this agent's memory budget of "
                                f"{self.budget_bytes} bytes")
         if verify and hashlib.sha256(data).hexdigest() != sha256:
             raise ShardRefused("the shard's bytes do not match its sha256")
         entry = Entry(owner, job_id, rank, sha256, data, time.monotonic())
-        slot = (owner, job_id, rank)
+        key = (owner, job_id, rank, sha256)
         evicted: list[Entry] = []
         with self._lock:
-            old = self._entries.pop(slot, None)
+            old = self._entries.pop(key, None)  # the same bytes again: now the newest
             if old is not None:
                 self._used -= len(old.data)
+            mine = [k for k in self._entries if k[:3] == key[:3]]
+            for k in mine[:max(0, len(mine) - self.keep_per_rank + 1)]:
+                evicted.append(self._pop(k))
             while self._entries and self._used + len(data) > self.budget_bytes:
-                _, gone = self._entries.popitem(last=False)
-                self._used -= len(gone.data)
-                evicted.append(gone)
-            self._entries[slot] = entry
+                evicted.append(self._pop(next(iter(self._entries))))
+            self._entries[key] = entry
             self._used += len(data)
             self.evictions += len(evicted)
         return evicted
+
+    def _pop(self, key: _Key) -> Entry:
+        gone = self._entries.pop(key)
+        self._used -= len(gone.data)
+        return gone
 
     def get(self, owner: str, job_id: str, sha256: str, rank: int | None = None) -> Entry | None:
         """The entry of ``job_id`` with these bytes that ``owner`` stored (of ``rank`` when given)."""
         with self._lock:
             if rank is not None:
-                entry = self._entries.get((owner, job_id, rank))
-                return entry if entry is not None and entry.sha256 == sha256 else None
-            for (o, j, _), entry in self._entries.items():
-                if o == owner and j == job_id and entry.sha256 == sha256:
+                return self._entries.get((owner, job_id, rank, sha256))
+            for (o, j, _, s), entry in self._entries.items():
+                if o == owner and j == job_id and s == sha256:
                     return entry
         return None
 
     def drop_job(self, job_id: str) -> int:
         """Forget every entry of ``job_id`` (whoever stored it); how many went."""
         with self._lock:
-            slots = [slot for slot in self._entries if slot[1] == job_id]
-            for slot in slots:
-                self._used -= len(self._entries.pop(slot).data)
-        return len(slots)
+            keys = [key for key in self._entries if key[1] == job_id]
+            for key in keys:
+                self._pop(key)
+        return len(keys)
 
-    def replace_data(self, owner: str, job_id: str, rank: int, data: bytes) -> None:
+    def replace_data(self, owner: str, job_id: str, rank: int, sha256: str, data: bytes) -> None:
         """Overwrite an entry's bytes, keeping its sha256 (tests: memory that went bad)."""
         with self._lock:
-            old = self._entries[(owner, job_id, rank)]
+            key = (owner, job_id, rank, sha256)
+            old = self._entries[key]
             self._used += len(data) - len(old.data)
-            self._entries[(owner, job_id, rank)] = Entry(old.owner, job_id, rank, old.sha256, data, old.stored_at)
+            self._entries[key] = Entry(old.owner, job_id, rank, sha256, data, old.stored_at)

@@ -97,7 +97,9 @@ class MemoryTier:
     def get(self, memory: AttemptMemory, rank: int, sha256: str, tier: str) -> bytes | None:
         """The shard's bytes from this agent's memory (``local``) or a peer's (``peer``), or None."""
         if tier == "local":
-            entry = self.store.get(memory.owner, memory.job_id, sha256, rank)
+            # By content, whatever rank stored it: torchrun may give a rank another node this time,
+            # and this agent may hold the bytes as another node's peer.
+            entry = self.store.get(memory.owner, memory.job_id, sha256)
             return None if entry is None else entry.data
         for url in (memory.peer_url, *memory.sources):
             if url:
@@ -230,7 +232,7 @@ class _PeerHandler(BaseHTTPRequestHandler):
         if target is None:
             return
         job_id, rank, sha, owner = target
-        entry = self.server.tier.store.get(owner, job_id, sha, rank)
+        entry = self.server.tier.store.get(owner, job_id, sha)  # by content, like a local read
         if entry is None:
             self._answer(HTTPStatus.NOT_FOUND, "no such shard here for this credential")
         else:

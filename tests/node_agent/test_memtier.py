@@ -40,37 +40,35 @@ _put = st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["job-1", "job-2"]
 
 
 @settings(max_examples=150, deadline=None)
-@given(budget=st.integers(0, 100), puts=st.lists(_put, max_size=30))
-def test_the_store_keeps_the_latest_per_slot_within_its_budget_evicting_the_oldest(
-        budget: int, puts: list[tuple[str, str, int, bytes]]) -> None:
-    store = ShardStore(budget)
-    order: list[tuple[str, str, int]] = []  # slots, least recently stored first
-    latest: dict[tuple[str, str, int], bytes] = {}
+@given(budget=st.integers(0, 100), keep=st.integers(1, 3), puts=st.lists(_put, max_size=30))
+def test_the_store_keeps_the_latest_per_rank_within_its_budget_evicting_the_oldest(
+        budget: int, keep: int, puts: list[tuple[str, str, int, bytes]]) -> None:
+    store = ShardStore(budget, keep_per_rank=keep)
+    model: list[tuple[tuple[str, str, int, str], bytes]] = []  # what should be there, oldest first
     for owner, job, rank, data in puts:
-        slot = (owner, job, rank)
+        key = (owner, job, rank, sha(data))
         try:
             store.put(owner, job, rank, sha(data), data)
         except ShardRefused:
             assert len(data) > budget
             continue
-        if slot in order:
-            order.remove(slot)
-        order.append(slot)
-        latest[slot] = data
-        # What stays is the newest slots that fit: the oldest were evicted first.
-        kept, used = [], 0
-        for s in reversed(order):
-            if used + len(latest[s]) > budget and kept:
-                break
-            kept.append(s)
-            used += len(latest[s])
-        order = list(reversed(kept))
-        assert store.used_bytes == used <= budget
-        assert len(store) == len(order)
-        for s in order:
-            entry = store.get(s[0], s[1], sha(latest[s]), s[2])
-            assert entry is not None and entry.data == latest[s]
+        model = [(k, d) for k, d in model if k != key]
+        same = [k for k, _ in model if k[:3] == key[:3]]
+        drop = set(same[:max(0, len(same) - keep + 1)])  # the rank's oldest beyond keep_per_rank
+        model = [(k, d) for k, d in model if k not in drop]
+        while model and sum(len(d) for _, d in model) + len(data) > budget:
+            model.pop(0)  # then the oldest of all, until it fits
+        model.append((key, data))
+        assert store.used_bytes == sum(len(d) for _, d in model) <= budget
+        assert len(store) == len(model)
+        for (o, j, r, s), d in model:
+            entry = store.get(o, j, s, r)
+            assert entry is not None and entry.data == d
         assert store.get(owner, job, sha(data)) is not None  # the shard just stored is always there
+        counts: dict[tuple[str, str, int], int] = {}
+        for k, _ in model:
+            counts[k[:3]] = counts.get(k[:3], 0) + 1
+        assert max(counts.values()) <= keep
 
 
 def test_the_store_refuses_bytes_that_are_not_their_sha256_and_shards_over_the_budget() -> None:
@@ -84,6 +82,8 @@ def test_the_store_refuses_bytes_that_are_not_their_sha256_and_shards_over_the_b
     assert store.get("someone-else", "j", sha(b"good"), 0) is None  # another owner finds nothing
     with pytest.raises(ValueError, match=">= 0"):
         ShardStore(-1)
+    with pytest.raises(ValueError, match="keep_per_rank"):
+        ShardStore(10, keep_per_rank=0)
 
 
 # --- agent to agent ---
@@ -220,7 +220,7 @@ def test_a_worker_restores_from_local_memory_then_the_peer_and_corrupt_bytes_fal
             return got.tier
 
         assert restore(me) == "local"
-        tier.store.replace_data(job.owner, "job-1", 0, b"x" * len(data))  # host memory went bad
+        tier.store.replace_data(job.owner, "job-1", 0, digest, b"x" * len(data))  # host memory went bad
         assert restore(me) == "peer"
         peer_tier.store.drop_job("job-1")  # and the peer's copy is gone with its node
         assert restore(me) == "s3"

@@ -1,7 +1,7 @@
 """The in-memory checkpoint tier's wire contract (docs/architecture.md, "In-memory checkpoint tier").
 
 A rank hands the shard it just uploaded to its node agent over the attempt's local API; the agent
-keeps the latest shard per job and rank in a bounded store and pushes a copy to one peer agent on
+keeps the latest two shards per job and rank in a bounded store and pushes a copy to one peer agent on
 another failure domain. A restore asks the agent for the shard by its sha256: from the agent's own
 memory (``local``) or through the agent from the peer (``peer``); the worker verifies the bytes
 against the committed manifest, and falls back to S3 otherwise. Entries are content-addressed by job,
