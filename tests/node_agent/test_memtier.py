@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from node_agent.local_api import LocalApi
 from node_agent.memstore import ShardRefused, ShardStore, owner_of
-from node_agent.memtier import AttemptMemory, MemoryTier, serving
+from node_agent.memtier import AttemptMemory, MemoryTier, PeerServer, serving
 from tests.conftest import S3Bucket
 from tests.helpers import wait_for
 from trainyard.protocol.keys import MANIFEST_FORMAT
@@ -174,8 +174,10 @@ def shard_of(state: dict[str, torch.Tensor]) -> bytes:
 
 
 def test_a_worker_restores_from_local_memory_then_the_peer_and_corrupt_bytes_fall_through(
-        sockets: Path, peer: tuple[MemoryTier, str], s3_bucket: S3Bucket) -> None:
-    peer_tier, url = peer
+        sockets: Path, s3_bucket: S3Bucket) -> None:
+    peer_tier = MemoryTier(1 << 20)
+    peer_server = PeerServer(peer_tier, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{peer_server.port}"
     secret = secrets.token_hex(32)
     job = memory("job-1", peer_url=url, secret=secret)
     tier = MemoryTier(1 << 20, peer_timeout_s=5)
@@ -222,12 +224,13 @@ def test_a_worker_restores_from_local_memory_then_the_peer_and_corrupt_bytes_fal
         assert restore(me) == "local"
         tier.store.replace_data(job.owner, "job-1", 0, digest, b"x" * len(data))  # host memory went bad
         assert restore(me) == "peer"
-        peer_tier.store.drop_job("job-1")  # and the peer's copy is gone with its node
+        peer_server.stop()  # and the peer's copy is gone with its node
         assert restore(me) == "s3"
         assert restore(worker(api, "att-x")) == "s3"  # another job's attempt never gets job-1's bytes
     finally:
         api.stop()
         tier.stop()
+        peer_server.stop()
 
 
 def test_a_replacement_node_reads_the_previous_attempts_copy_from_the_old_peer(
