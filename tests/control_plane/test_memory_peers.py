@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control_plane.services.memtier import PeerNode, choose_peer, peer_url
+from control_plane.services.memtier_facts import restored_tiers
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 
 _node = st.tuples(st.uuids(), st.sampled_from(["", "r1", "r2", "r3"]))
@@ -83,3 +84,22 @@ def test_parts_get_a_peer_on_another_rack_and_the_next_attempt_the_old_copies(cl
         expected = [u for u in (url[str(old_node)], old["memory"]["peer_url"])
                     if u not in (new_spec["memory"]["peer_url"], url[new_name])]
         assert new_spec["memory"]["sources"] == expected
+
+
+def test_restored_tiers_are_recorded_only_when_well_formed() -> None:
+    assert restored_tiers({"tiers": {"local": [1, 0, 0], "s3": [2]}}) == {"local": [0, 1], "s3": [2]}
+    for bad in (None, {}, [], {"disk": [0]}, {"local": [True]}, {"local": [-1]}, {"local": "0"},
+                {"local": [0.5]}, {"peer": [1 << 21]}):
+        assert restored_tiers({"tiers": bad}) is None
+    assert restored_tiers({}) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.dictionaries(st.text(max_size=8), st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=10), max_size=3))
+def test_restored_tiers_never_raise_on_anything_a_worker_sends(data: dict) -> None:
+    got = restored_tiers({"tiers": data})
+    assert got is None or (set(got) <= {"local", "peer", "s3"} and all(isinstance(r, int) for v in got.values()
+                                                                       for r in v))
