@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import secrets
 import tempfile
 from collections.abc import Callable, Iterator
@@ -16,13 +17,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from node_agent.launcher import AttemptPaths, NodeContext, torchrun_command, worker_env
 from node_agent.local_api import LocalApi
 from node_agent.memstore import ShardRefused, ShardStore, owner_of
 from node_agent.memtier import AttemptMemory, MemoryTier, PeerServer, serving
 from tests.conftest import S3Bucket
 from tests.helpers import wait_for
+from tests.node_agent.helpers import make_spec
 from trainyard.protocol.keys import MANIFEST_FORMAT
-from trainyard.protocol.memtier import TIER_HEADER, TOKEN_HEADER
+from trainyard.protocol.memtier import TIER_HEADER, TOKEN_HEADER, MemoryTierSpec
 from worker_runtime.checkpoint.memtier import AgentMemory
 from worker_runtime.checkpoint.restore import fetch_shard
 from worker_runtime.checkpoint.s3 import S3Config, S3Storage
@@ -259,3 +262,13 @@ def test_a_replacement_node_reads_the_previous_attempts_copy_from_the_old_peer(
 def _eventually(check: Callable[[], object], timeout: float = 5.0) -> bool:
     wait_for(lambda: bool(check()), timeout=timeout)
     return True
+
+
+def test_the_jobs_memory_secret_never_reaches_a_worker(tmp_path: Path) -> None:
+    secret = secrets.token_hex(32)
+    spec = make_spec(memory=MemoryTierSpec(secret=secret, peer_url="http://10.0.0.2:7000"))
+    paths = AttemptPaths(tmp_path, tmp_path / "w", tmp_path / "a.sock")
+    node = NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env={"PATH": "/bin"})
+    env = worker_env(spec, node, paths)
+    command = torchrun_command(spec, node, paths)
+    assert spec.memory is not None and secret not in json.dumps(env) and secret not in " ".join(command)
