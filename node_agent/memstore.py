@@ -36,7 +36,8 @@ class Entry:
     job_id: str
     rank: int
     sha256: str
-    data: bytes
+    data: bytes | bytearray
+    """Never written after it is stored."""
     stored_at: float
 
 
@@ -66,7 +67,8 @@ class ShardStore:
         with self._lock:
             return len(self._entries)
 
-    def put(self, owner: str, job_id: str, rank: int, sha256: str, data: bytes, *, verify: bool = True) -> list[Entry]:
+    def put(self, owner: str, job_id: str, rank: int, sha256: str, data: bytes | bytearray, *,
+            verify: bool = True) -> list[Entry]:
         """Store ``data`` as the latest shard of (job, rank) for ``owner``; returns the entries
         evicted (the rank's oldest past keep_per_rank, then the oldest of all to make room). Raises
         ShardRefused when the bytes do not hash to ``sha256`` or the shard alone is larger than the
@@ -116,7 +118,7 @@ class ShardStore:
                 self._pop(key)
         return len(keys)
 
-    def replace_data(self, owner: str, job_id: str, rank: int, sha256: str, data: bytes) -> None:
+    def replace_data(self, owner: str, job_id: str, rank: int, sha256: str, data: bytes | bytearray) -> None:
         """Overwrite an entry's bytes, keeping its sha256 (tests: memory that went bad)."""
         with self._lock:
             key = (owner, job_id, rank, sha256)

@@ -33,7 +33,7 @@ import httpx
 import structlog
 
 from node_agent.memstore import ShardRefused, ShardStore, owner_of
-from trainyard.protocol.memtier import JOB_ID_RE, PEER_PREFIX, MemoryTierSpec, parse_rank, valid_sha256
+from trainyard.protocol.memtier import JOB_ID_RE, PEER_PREFIX, MemoryTierSpec, chunks, fill, parse_rank, valid_sha256
 
 log = structlog.get_logger(__name__)
 
@@ -66,7 +66,8 @@ class AttemptMemory:
 class _Pushes:
     """Pushes waiting for the push thread, newest per (job, rank, peer) only."""
 
-    queue: OrderedDict[tuple[str, int, str], tuple[AttemptMemory, str, bytes]] = field(default_factory=OrderedDict)
+    queue: OrderedDict[tuple[str, int, str], tuple[AttemptMemory, str, bytes | bytearray]] = field(
+        default_factory=OrderedDict)
     cond: threading.Condition = field(default_factory=threading.Condition)
     stopped: bool = False
     busy: bool = False
@@ -88,13 +89,13 @@ class MemoryTier:
 
     # --- workers (through the local API) ---
 
-    def put(self, memory: AttemptMemory, rank: int, sha256: str, data: bytes) -> None:
+    def put(self, memory: AttemptMemory, rank: int, sha256: str, data: bytes | bytearray) -> None:
         """Keep the shard and queue its push to the peer; raises ShardRefused."""
         self.store.put(memory.owner, memory.job_id, rank, sha256, data)
         if memory.peer_url:
             self._queue_push(memory, rank, sha256, data)
 
-    def get(self, memory: AttemptMemory, rank: int, sha256: str, tier: str) -> bytes | None:
+    def get(self, memory: AttemptMemory, rank: int, sha256: str, tier: str) -> bytes | bytearray | None:
         """The shard's bytes from this agent's memory (``local``) or a peer's (``peer``), or None."""
         if tier == "local":
             # By content, whatever rank stored it: torchrun may give a rank another node this time,
@@ -113,21 +114,24 @@ class MemoryTier:
     def _peer_url(self, base: str, memory: AttemptMemory, rank: int, sha256: str) -> str:
         return f"{base.rstrip('/')}{PEER_PREFIX}/{memory.job_id}/shards/{rank}/{sha256}"
 
-    def _fetch(self, base: str, memory: AttemptMemory, rank: int, sha256: str) -> bytes | None:
+    def _fetch(self, base: str, memory: AttemptMemory, rank: int, sha256: str) -> bytearray | None:
         try:
-            with httpx.Client(timeout=self.peer_timeout_s, trust_env=False) as client:
-                answer = client.get(self._peer_url(base, memory, rank, sha256),
-                                    headers={"Authorization": f"Bearer {memory.secret}"})
+            with httpx.Client(timeout=self.peer_timeout_s, trust_env=False) as client, \
+                    client.stream("GET", self._peer_url(base, memory, rank, sha256),
+                                  headers={"Authorization": f"Bearer {memory.secret}"}) as answer:
+                size = answer.headers.get("Content-Length", "")
+                if answer.status_code != HTTPStatus.OK or not size.isdigit() or int(size) > self.store.budget_bytes:
+                    return None
+                data = fill(answer.iter_raw(), int(size))
         except httpx.HTTPError as exc:
             log.info("memory_peer_unreachable", peer=base, error=str(exc)[:200])
             return None
-        if answer.status_code != HTTPStatus.OK:
+        if data is None:
             return None
-        data = answer.content
         # The peer is another machine: what it sends is checked before a worker sees it.
         return data if hashlib.sha256(data).hexdigest() == sha256 else None
 
-    def _queue_push(self, memory: AttemptMemory, rank: int, sha256: str, data: bytes) -> None:
+    def _queue_push(self, memory: AttemptMemory, rank: int, sha256: str, data: bytes | bytearray) -> None:
         assert memory.peer_url is not None
         pushes = self._pushes
         with pushes.cond:
@@ -153,9 +157,10 @@ class MemoryTier:
                 pushes.busy = True
             try:
                 with httpx.Client(timeout=self.peer_timeout_s, trust_env=False) as client:
-                    answer = client.put(self._peer_url(url, memory, rank, sha256), content=data,
+                    answer = client.put(self._peer_url(url, memory, rank, sha256), content=chunks(data),
                                         headers={"Authorization": f"Bearer {memory.secret}",
-                                                 "Content-Type": "application/octet-stream"})
+                                                 "Content-Type": "application/octet-stream",
+                                                 "Content-Length": str(len(data))})
                 ok = answer.status_code == HTTPStatus.CREATED
                 detail = "" if ok else answer.text[:200]
             except httpx.HTTPError as exc:
@@ -194,7 +199,7 @@ class _PeerHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass
 
-    def _answer(self, status: HTTPStatus, detail: str = "", body: bytes | None = None) -> None:
+    def _answer(self, status: HTTPStatus, detail: str = "", body: bytes | bytearray | None = None) -> None:
         self.close_connection = True
         if body is None:
             body = json.dumps({"type": "about:blank", "title": status.phrase, "status": int(status),
@@ -261,7 +266,7 @@ class _PeerHandler(BaseHTTPRequestHandler):
         self._answer(HTTPStatus.CREATED, "stored")
 
 
-def read_exactly(stream: Any, length: int) -> bytes:
+def read_exactly(stream: Any, length: int) -> bytearray:
     """``length`` bytes of ``stream`` in chunks (raises TimeoutError when it ends early)."""
     buffer = bytearray(length)
     view = memoryview(buffer)
@@ -271,7 +276,7 @@ def read_exactly(stream: Any, length: int) -> bytes:
         if not n:
             raise TimeoutError("the body ended early")
         got += n
-    return bytes(buffer)
+    return buffer  # not bytes(buffer): that would hold a shard twice
 
 
 class PeerServer(ThreadingHTTPServer):

@@ -17,6 +17,7 @@ another job's credential. Standard library and pydantic only.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -72,3 +73,24 @@ def parse_rank(text: str) -> int | None:
         return None
     rank = int(text)
     return rank if rank < MAX_RANK else None
+
+
+def fill(chunks: Iterable[bytes], size: int) -> bytearray | None:
+    """A body of exactly ``size`` bytes from its chunks, in one buffer allocated once (a shard may be
+    as large as host memory allows: joining chunks would hold it twice); None when the body is
+    longer or shorter."""
+    buffer = bytearray(size)
+    got = 0
+    for chunk in chunks:
+        if got + len(chunk) > size:
+            return None
+        buffer[got:got + len(chunk)] = chunk
+        got += len(chunk)
+    return buffer if got == size else None
+
+
+def chunks(data: bytes | bytearray, size: int = 8 * 1024 * 1024) -> Iterator[bytes]:
+    """``data`` in pieces to send (with an explicit Content-Length): never copied whole once more."""
+    view = memoryview(data)
+    for start in range(0, len(view), size):
+        yield bytes(view[start:start + size])

@@ -11,13 +11,12 @@ when none is right. Every failure here is a miss: the tier only ever makes a res
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Protocol
 
 import httpx
 
 from trainyard.protocol.env import LOCAL_API_PREFIX
-from trainyard.protocol.memtier import LOCAL_MEMORY_KIND, TOKEN_HEADER, MemoryStatus
+from trainyard.protocol.memtier import LOCAL_MEMORY_KIND, TOKEN_HEADER, MemoryStatus, chunks, fill
 from worker_runtime.agent_http import socket_client
 from worker_runtime.context import WorkerContext
 
@@ -28,7 +27,7 @@ MIN_BYTES_PER_S = 50 * 1024 * 1024
 
 
 class MemorySource(Protocol):
-    def get(self, rank: int, sha256: str, tier: str) -> bytes | None:
+    def get(self, rank: int, sha256: str, tier: str) -> bytes | bytearray | None:
         """The shard with these bytes from ``tier``, or None (a miss: read the next tier)."""
         ...
 
@@ -71,7 +70,7 @@ class AgentMemory:
         try:
             with socket_client(self.ctx.agent_socket, 10.0 + size / MIN_BYTES_PER_S) as client:
                 headers = {**self._headers(), "Content-Type": "application/octet-stream", "Content-Length": str(size)}
-                answer = client.put(f"{self._base}/{rank}/{sha256}", content=_chunks(data), headers=headers)
+                answer = client.put(f"{self._base}/{rank}/{sha256}", content=chunks(data), headers=headers)
         except httpx.HTTPError as exc:
             log.info("shard not handed to the memory tier: %s", exc)
             return False
@@ -80,22 +79,20 @@ class AgentMemory:
             return False
         return True
 
-    def get(self, rank: int, sha256: str, tier: str) -> bytes | None:
+    def get(self, rank: int, sha256: str, tier: str) -> bytearray | None:
         """The shard's bytes as the agent gave them (the caller verifies them), or None."""
-        if not self.status().enabled:
+        status = self.status()
+        if not status.enabled:
             return None
         try:
-            timeout = 10.0 + self.status().budget_bytes / MIN_BYTES_PER_S
-            with socket_client(self.ctx.agent_socket, timeout) as client:
-                answer = client.get(f"{self._base}/{rank}/{sha256}", params={"tier": tier}, headers=self._headers())
+            with socket_client(self.ctx.agent_socket, 10.0 + status.budget_bytes / MIN_BYTES_PER_S) as client, \
+                    client.stream("GET", f"{self._base}/{rank}/{sha256}", params={"tier": tier},
+                                  headers=self._headers()) as answer:
+                size = answer.headers.get("Content-Length", "")
+                if answer.status_code != 200 or not size.isdigit() or int(size) > status.budget_bytes:
+                    return None
+                return fill(answer.iter_raw(), int(size))
         except httpx.HTTPError as exc:
             log.info("memory tier %s unavailable: %s", tier, exc)
             return None
-        return answer.content if answer.status_code == 200 else None
 
-
-def _chunks(data: bytes, size: int = 8 * 1024 * 1024) -> Iterator[bytes]:
-    """The bytes in pieces: a shard as large as host memory allows is never copied whole once more."""
-    view = memoryview(data)
-    for start in range(0, len(view), size):
-        yield bytes(view[start:start + size])

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -173,7 +173,7 @@ def fetch_shard(
     return own
 
 
-def _from_memory(memory: MemorySource, rank: int, size: int, sha: str) -> tuple[bytes, str] | None:
+def _from_memory(memory: MemorySource, rank: int, size: int, sha: str) -> tuple[bytes | bytearray, str] | None:
     """The shard from the first in-memory tier whose bytes match the manifest, with that tier."""
     for tier in TIERS:
         data = memory.get(rank, sha, tier)
@@ -211,15 +211,44 @@ def _fetch_entry(storage: CheckpointStorage, manifest: Mapping[str, Any], rank: 
     return _deserialise(data, key, device, "s3")
 
 
-def _deserialise(data: bytes, key: str, device: torch.device, tier: str) -> Fetched:
+def _deserialise(data: bytes | bytearray, key: str, device: torch.device, tier: str) -> Fetched:
     try:
-        state = torch.load(io.BytesIO(data), map_location=_mapper(device), weights_only=True)
+        # Read in place: io.BytesIO would copy a bytearray, holding the shard twice.
+        state = torch.load(cast(IO[bytes], _ViewReader(data)), map_location=_mapper(device), weights_only=True)
     except Exception as exc:
         return Fetched(Problem.UNREADABLE, f"{key}: {type(exc).__name__}: {exc}")
     del data
     if not isinstance(state, dict):
         return Fetched(Problem.STATE_MISMATCH, f"{key} holds a {type(state).__name__}, not a state dict")
     return Fetched(Problem.OK, state=state, tier=tier)
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable file over bytes already in memory, without copying them."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        buffer[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
 
 
 def agree(problem: int, *, rank: int, world_size: int) -> list[int]:
