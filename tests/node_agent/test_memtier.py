@@ -25,7 +25,7 @@ from tests.conftest import S3Bucket
 from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec
 from trainyard.protocol.keys import MANIFEST_FORMAT
-from trainyard.protocol.memtier import TIER_HEADER, TOKEN_HEADER, MemoryTierSpec
+from trainyard.protocol.memtier import TIER_HEADER, TOKEN_HEADER, MemoryTierSpec, chunks, fill
 from worker_runtime.checkpoint.memtier import AgentMemory
 from worker_runtime.checkpoint.restore import fetch_shard
 from worker_runtime.checkpoint.s3 import S3Config, S3Storage
@@ -272,3 +272,13 @@ def test_the_jobs_memory_secret_never_reaches_a_worker(tmp_path: Path) -> None:
     env = worker_env(spec, node, paths)
     command = torchrun_command(spec, node, paths)
     assert spec.memory is not None and secret not in json.dumps(env) and secret not in " ".join(command)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=64), cuts=st.lists(st.integers(0, 64), max_size=5), extra=st.integers(-3, 3))
+def test_a_body_is_filled_into_one_buffer_only_when_its_size_is_exact(data: bytes, cuts: list[int], extra: int) -> None:
+    edges = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
+    pieces = [data[a:b] for a, b in zip(edges, edges[1:], strict=False)]
+    got = fill(iter(pieces), len(data) + extra) if len(data) + extra >= 0 else None
+    assert (got == bytearray(data)) if extra == 0 else got is None
+    assert b"".join(chunks(data, 7)) == data
