@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.client
 import json
 import threading
 import time
@@ -27,13 +28,21 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 import httpx
 import structlog
 
 from node_agent.memstore import ShardRefused, ShardStore, owner_of
-from trainyard.protocol.memtier import JOB_ID_RE, PEER_PREFIX, MemoryTierSpec, chunks, fill, parse_rank, valid_sha256
+from trainyard.protocol.memtier import (
+    JOB_ID_RE,
+    PEER_PREFIX,
+    MemoryTierSpec,
+    chunks,
+    get_body,
+    parse_rank,
+    valid_sha256,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -115,15 +124,12 @@ class MemoryTier:
         return f"{base.rstrip('/')}{PEER_PREFIX}/{memory.job_id}/shards/{rank}/{sha256}"
 
     def _fetch(self, base: str, memory: AttemptMemory, rank: int, sha256: str) -> bytearray | None:
+        url = urlsplit(self._peer_url(base, memory, rank, sha256))
         try:
-            with httpx.Client(timeout=self.peer_timeout_s, trust_env=False) as client, \
-                    client.stream("GET", self._peer_url(base, memory, rank, sha256),
-                                  headers={"Authorization": f"Bearer {memory.secret}"}) as answer:
-                size = answer.headers.get("Content-Length", "")
-                if answer.status_code != HTTPStatus.OK or not size.isdigit() or int(size) > self.store.budget_bytes:
-                    return None
-                data = fill(answer.iter_raw(), int(size))
-        except httpx.HTTPError as exc:
+            # http.client reads the body straight into one buffer (httpx would copy it chunk by chunk).
+            conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=self.peer_timeout_s)
+            data = get_body(conn, url.path, {"Authorization": f"Bearer {memory.secret}"}, self.store.budget_bytes)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             log.info("memory_peer_unreachable", peer=base, error=str(exc)[:200])
             return None
         if data is None:

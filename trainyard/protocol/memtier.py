@@ -16,7 +16,9 @@ another job's credential. Standard library and pydantic only.
 
 from __future__ import annotations
 
+import http.client
 import re
+import socket
 from collections.abc import Iterable, Iterator
 from typing import Final
 
@@ -94,3 +96,41 @@ def chunks(data: bytes | bytearray, size: int = 8 * 1024 * 1024) -> Iterator[byt
     view = memoryview(data)
     for start in range(0, len(view), size):
         yield bytes(view[start:start + size])
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket (a worker to its agent's local API)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("trainyard-agent", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+def get_body(conn: http.client.HTTPConnection, path: str, headers: dict[str, str], limit: int) -> bytearray | None:
+    """GET ``path`` and read a 200 answer's body straight into one buffer (``readinto``: no chunk
+    copies, no joining: a shard moves at memory speed); None for any other answer, a body without a
+    Content-Length or over ``limit``, or one that ends early. Raises OSError/HTTPException when the
+    connection fails."""
+    try:
+        conn.request("GET", path, headers=headers)
+        answer = conn.getresponse()
+        size = answer.getheader("Content-Length") or ""
+        if answer.status != 200 or not size.isdigit() or int(size) > limit:
+            return None
+        buffer = bytearray(int(size))
+        view = memoryview(buffer)
+        got = 0
+        while got < len(buffer):
+            n = answer.readinto(view[got:])
+            if not n:
+                return None
+            got += n
+        return buffer
+    finally:
+        conn.close()

@@ -10,13 +10,23 @@ when none is right. Every failure here is a miss: the tier only ever makes a res
 
 from __future__ import annotations
 
+import http.client
 import logging
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import httpx
 
 from trainyard.protocol.env import LOCAL_API_PREFIX
-from trainyard.protocol.memtier import LOCAL_MEMORY_KIND, TOKEN_HEADER, MemoryStatus, chunks, fill
+from trainyard.protocol.memtier import (
+    LOCAL_MEMORY_KIND,
+    TOKEN_HEADER,
+    MemoryStatus,
+    UnixHTTPConnection,
+    chunks,
+    fill,
+    get_body,
+)
 from worker_runtime.agent_http import socket_client
 from worker_runtime.context import WorkerContext
 
@@ -84,10 +94,18 @@ class AgentMemory:
         status = self.status()
         if not status.enabled:
             return None
+        timeout = 10.0 + status.budget_bytes / MIN_BYTES_PER_S
+        url = f"{self._base}/{rank}/{sha256}?tier={tier}"
+        if self.ctx.agent_socket:
+            # Straight into one buffer at memory speed (httpx would copy it chunk by chunk).
+            try:
+                conn = UnixHTTPConnection(self.ctx.agent_socket, timeout)
+                return get_body(conn, f"{urlsplit(url).path}?tier={tier}", self._headers(), status.budget_bytes)
+            except (OSError, http.client.HTTPException) as exc:
+                log.info("memory tier %s unavailable: %s", tier, exc)
+                return None
         try:
-            with socket_client(self.ctx.agent_socket, 10.0 + status.budget_bytes / MIN_BYTES_PER_S) as client, \
-                    client.stream("GET", f"{self._base}/{rank}/{sha256}", params={"tier": tier},
-                                  headers=self._headers()) as answer:
+            with socket_client(None, timeout) as client, client.stream("GET", url, headers=self._headers()) as answer:
                 size = answer.headers.get("Content-Length", "")
                 if answer.status_code != 200 or not size.isdigit() or int(size) > status.budget_bytes:
                     return None
