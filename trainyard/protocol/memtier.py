@@ -122,6 +122,7 @@ def get_body(conn: http.client.HTTPConnection, path: str, headers: dict[str, str
         answer = conn.getresponse()
         size = answer.getheader("Content-Length") or ""
         if answer.status != 200 or not size.isdigit() or int(size) > limit:
+            answer.read(64 * 1024)  # a problem's few bytes: closing before them would break the sender's pipe
             return None
         buffer = bytearray(int(size))
         view = memoryview(buffer)
