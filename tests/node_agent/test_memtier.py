@@ -282,3 +282,59 @@ def test_a_body_is_filled_into_one_buffer_only_when_its_size_is_exact(data: byte
     got = fill(iter(pieces), len(data) + extra) if len(data) + extra >= 0 else None
     assert (got == bytearray(data)) if extra == 0 else got is None
     assert b"".join(chunks(data, 7)) == data
+
+
+class _Events:
+    """Takes the manager's shard reports and events (the control plane's side is not under test)."""
+
+    stale = False
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, object]]] = []
+
+    def shard(self, **_: object) -> bool:
+        return True
+
+    def event(self, kind: str, message: str, data: dict[str, object] | None = None) -> bool:
+        self.events.append((kind, data or {}))
+        return True
+
+
+def test_a_saved_shard_is_handed_to_the_agent_and_the_next_attempt_restores_it_from_memory(
+        sockets: Path, s3_bucket: S3Bucket) -> None:
+    from worker_runtime import CheckpointManager, TrainState
+
+    storage = S3Storage(S3Config(endpoint=s3_bucket.endpoint, bucket=s3_bucket.bucket,
+                                 access_key=s3_bucket.access_key, secret_key=s3_bucket.secret_key))
+    tier = MemoryTier(1 << 20)
+    spec = memory("job-1")
+    api = agent_api(sockets, "c", tier, {"att-1": spec, "att-2": spec})
+    try:
+        model = torch.nn.Linear(4, 4)
+        state = TrainState()
+        state.register("model", model)
+
+        def ctx(attempt: str, restore_from: dict[str, object] | None = None) -> WorkerContext:
+            return WorkerContext(job_id="job-1", attempt_id=attempt, fencing_token=f"fence-{attempt}",
+                                 agent_url="http://trainyard-agent", agent_socket=str(api.socket_of(attempt)),
+                                 checkpoint={"interval_steps": 1}, checkpoint_prefix="ck", restore_from=restore_from)
+
+        with CheckpointManager(ctx("att-1"), state, storage=storage, reporter=_Events(), async_upload=False) as saver:
+            assert saver.save(1)
+            record = saver.saves[-1]
+        assert record.ok and tier.store.get(spec.owner, "job-1", record.sha256, 0) is not None
+        manifest = {"format": MANIFEST_FORMAT, "step": 1, "world_size": 1,
+                    "shards": [{"rank": 0, "key": record.key, "size_bytes": record.size_bytes,
+                                "sha256": record.sha256}]}
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            model.weight.zero_()
+        events = _Events()
+        with CheckpointManager(ctx("att-2", manifest), state, storage=storage, reporter=events) as restorer:
+            assert restorer.restore() == 1
+            assert restorer.restored_tiers == {"local": [0]}
+        assert torch.equal(model.weight, saved["weight"])
+        assert events.events == [("checkpoint.restored", {"step": 1, "tiers": {"local": [0]}})]
+    finally:
+        api.stop()
+        tier.stop()
