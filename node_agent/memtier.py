@@ -299,6 +299,10 @@ class PeerServer(ThreadingHTTPServer):
     def port(self) -> int:
         return int(self.server_address[1])
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A peer that hangs up or stalls mid-body costs its own request only: logged, not a traceback.
+        log.info("memory_peer_request_failed", peer=str(client_address)[:100])
+
     def start(self) -> PeerServer:
         self._thread.start()
         return self

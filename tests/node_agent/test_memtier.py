@@ -338,3 +338,21 @@ def test_a_saved_shard_is_handed_to_the_agent_and_the_next_attempt_restores_it_f
     finally:
         api.stop()
         tier.stop()
+
+
+def test_a_peer_that_hangs_up_mid_body_costs_only_its_own_request(peer: tuple[MemoryTier, str]) -> None:
+    import socket
+
+    tier, url = peer
+    port = int(url.rsplit(":", 1)[1])
+    secret = secrets.token_hex(32)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(f"PUT /v1/peer/jobs/job-1/shards/0/{sha(b'x' * 100)} HTTP/1.1\r\nHost: p\r\n"
+                     f"Authorization: Bearer {secret}\r\nContent-Length: 100\r\n\r\n".encode() + b"x" * 10)
+    auth = {"Authorization": f"Bearer {secret}"}
+    base = f"{url}/v1/peer/jobs/job-1/shards/0/{sha(b'x' * 100)}"
+    assert httpx.put(base, headers=auth, content=b"x" * 100).status_code == 201  # the server goes on
+    assert httpx.get(base, headers=auth).content == b"x" * 100
+    assert len(tier.store) == 1
+    chunked = httpx.put(base, headers=auth, content=iter([b"x" * 100]))  # no Content-Length
+    assert chunked.status_code == 411
