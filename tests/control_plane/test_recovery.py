@@ -16,7 +16,8 @@ from control_plane.models import Node
 from control_plane.scheduler.loops import Loops
 from control_plane.services import attempts, metrics, nodes
 from control_plane.services.recovery_budget import PHASES
-from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
+from tests.factories import ADMIN, ADMIN_TOKEN, FakeAgentSession, job_body, workers_for
+from trainyard import job_view
 from tests.helpers import in_parallel
 from trainyard.protocol.agent import HeartbeatRequest
 
@@ -210,6 +211,15 @@ def test_a_recovery_splits_into_its_phases_on_the_control_planes_clock_and_names
     assert _attempts(client, job["id"])[1]["recovery"]["wake_up_s"] == 0.3
     events = client.get(f"/v1/jobs/{job['id']}/events", headers=ADMIN).json()["items"]
     assert sum(e["kind"] == "recovery.over_budget" for e in events) == 1
+
+    # The CLI's describe and the dashboard's timeline show the same phases, the one over budget marked.
+    line = job_view._recovery_line(rec).plain
+    assert line.index("detection 0.40s") < line.index("wake up 0.30s") < line.index("restore 1.20s")
+    assert "rendezvous 1.50s (budget 1s)" in line and "= 5.20s" in line
+    r = client.post("/ui/login", data={"token": ADMIN_TOKEN, "next": "/ui"}, follow_redirects=False)
+    assert r.status_code == 303
+    page = client.get(f"/ui/jobs/{job['id']}/live").text
+    assert "process start 1.2" in page and 'title="over its budget of 1.0s">rendezvous 1.5' in page, page
 
 
 @pytest.mark.parametrize("field, value", [("received_s_ago", -1), ("initialized_s_ago", "soon"),
