@@ -17,8 +17,8 @@ from control_plane.scheduler.loops import Loops
 from control_plane.services import attempts, metrics, nodes
 from control_plane.services.recovery_budget import PHASES
 from tests.factories import ADMIN, ADMIN_TOKEN, FakeAgentSession, job_body, workers_for
-from trainyard import job_view
 from tests.helpers import in_parallel
+from trainyard import job_view
 from trainyard.protocol.agent import HeartbeatRequest
 
 
