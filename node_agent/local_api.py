@@ -161,9 +161,11 @@ def _token_bytes(token: str) -> bytes:
 class LocalReports:
     """Thread-safe store of the latest progress and the result of each registered attempt."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_ready: Callable[[], None] | None = None) -> None:
+        """``on_ready``: called (outside the lock) when a rank of a registered attempt says ready."""
         self._lock = threading.Lock()
         self._attempts: dict[str, _AttemptReports] = {}
+        self._on_ready = on_ready
 
     def register(self, attempt_id: str, fencing_token: str) -> None:
         with self._lock:
@@ -232,7 +234,9 @@ class LocalReports:
                 return False
             if len(entry.ready) < MAX_NODE_RANKS:
                 entry.ready.setdefault(body.rank, time.monotonic())
-            return True
+        if self._on_ready is not None:
+            self._on_ready()
+        return True
 
     def initialized_at(self, attempt_id: str, ranks: int) -> float | None:
         """When the last of the part's ``ranks`` ranks said it is ready (monotonic); None before all did."""

@@ -74,7 +74,8 @@ def test_progress_that_is_not_finite_is_not_a_valid_report() -> None:
 
 def test_a_report_carries_its_parts_ages_and_the_first_that_says_initialised_is_new() -> None:
     spec = make_spec(nproc_per_node=2, gpu_indices=[0, 1])
-    reports = LocalReports()
+    woken: list[bool] = []
+    reports = LocalReports(on_ready=lambda: woken.append(True))  # the agent wakes its report loop
     reports.register(spec.attempt_id, spec.fencing_token)
     run = SimpleNamespace(attempt_id=spec.attempt_id, spec=spec, received_at=100.0)
     loop = SimpleNamespace(reports=reports)
@@ -86,7 +87,7 @@ def test_a_report_carries_its_parts_ages_and_the_first_that_says_initialised_is_
     for rank in (0, 1):
         reports.set_ready(spec.attempt_id, LocalReady(fencing_token=spec.fencing_token, rank=rank))
     ready = reports.initialized_at(spec.attempt_id, 2)
-    assert ready is not None
+    assert ready is not None and woken == [True, True]
     now = ready + 0.25
     after = ReportLoop._with_timings(loop, run, base, now)  # type: ignore[arg-type]
     assert after.initialized_s_ago == 0.25
