@@ -289,6 +289,12 @@ class AttemptNode(Base):
         JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
     )
     first_progress_at: Mapped[datetime | None] = _ts(doc="When the first step of this node arrived.")
+    received_at: Mapped[datetime | None] = _ts(
+        doc="When its agent received the part (its report's age by the agent's monotonic clock, taken from the "
+        "control plane's clock: a node's wall clock plays no part). NULL: not reported (an older agent).")
+    initialized_at: Mapped[datetime | None] = _ts(
+        doc="When every rank of the node had initialised its process group (as received_at: an age). NULL: not "
+        "reported (a script without the runtime's init_distributed, or an older agent).")
     # The hang watchdog's clock, per part for the same reason (services/watchdog.py takes the
     # attempt's latest advance over its parts).
     step_advanced_at: Mapped[datetime | None] = _ts(

@@ -88,7 +88,10 @@ class Agent(HeartbeatLoop, ReportLoop):
         self.epoch = 0
         self.orphans = OrphanSweeper(grace_s=config.stop_grace_s, log=self.log)
         self._next_orphan_scan = 0.0
-        self.reports = LocalReports()
+        # A part whose ranks all initialised reports it at once: the recovery's rendezvous phase ends
+        # there, and the control plane closes the recovery at the first step (which may come from
+        # another node's report within a moment).
+        self.reports = LocalReports(on_ready=lambda: self._wake("report"))
         self.outbox = Outbox(node_max_items=config.outbox_max_items, node_max_bytes=config.outbox_max_bytes)
         self.relay = Relay(
             self.outbox,

@@ -3,6 +3,7 @@ fenced by the attempt's token, served on one unix socket per attempt.
 
     POST /v1/local/attempts/{attempt_id}/progress   LocalProgress -> 200 {"accepted": true}
     POST /v1/local/attempts/{attempt_id}/result     LocalResult   -> 200 {"accepted": true}
+    POST /v1/local/attempts/{attempt_id}/ready      LocalReady    -> 200 {"accepted": true}
     POST /v1/local/attempts/{attempt_id}/events     LocalEvent    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards     LocalShard    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards?wait=1            -> 200 ShardAck of the control plane
@@ -27,7 +28,9 @@ attempt and ``connections_total`` in all are served at once (503 beyond), each r
 a shard's ?wait=1), and all ranks of a large part waiting together must not lock the part out. A number that is not
 finite (NaN, Infinity, 1e999) anywhere in a body is refused with 422: JSON cannot carry it onward.
 
-The agent forwards progress and result in the attempt's next status report (every rank's step and
+A rank says ``ready`` once its process group is initialised; when every rank of the part did, the
+status report carries how long ago the last one did (``initialized_s_ago``: a recovery's rendezvous
+phase ends there). The agent forwards progress and result in the attempt's next status report (every rank's step and
 timings as the node's RankSummary, global rank 0's loss as the attempt's progress); shards and
 events are queued for the relay (relay.py) and answered at once. The checkpoint interval is the one
 the control plane last set for an 'auto' job (its status answer). With ?wait=1 a shard is answered once the
@@ -75,6 +78,7 @@ from trainyard.protocol.agent import (
     LocalCheckpointInterval,
     LocalEvent,
     LocalProgress,
+    LocalReady,
     LocalResult,
     LocalShard,
     Progress,
@@ -91,7 +95,7 @@ log = structlog.get_logger(__name__)
 
 _ROUTE = re.compile(
     rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/"
-    r"(?P<kind>progress|result|shards|events|storage|checkpoint-interval|upload-slot|upload-slot/release)$"
+    r"(?P<kind>progress|result|ready|shards|events|storage|checkpoint-interval|upload-slot|upload-slot/release)$"
 )
 _DIGITS = re.compile(r"[0-9]{1,20}")
 MAX_BODY = 1024 * 1024
@@ -147,6 +151,8 @@ class _AttemptReports:
     result_rank: int | None = None
     ranks: dict[int, _Rank] = field(default_factory=dict)
     checkpoint_interval_steps: int | None = None
+    ready: dict[int, float] = field(default_factory=dict)
+    """Rank -> when it said its process group is initialised (this agent's monotonic clock)."""
 
 
 def _token_bytes(token: str) -> bytes:
@@ -157,9 +163,11 @@ def _token_bytes(token: str) -> bytes:
 class LocalReports:
     """Thread-safe store of the latest progress and the result of each registered attempt."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_ready: Callable[[], None] | None = None) -> None:
+        """``on_ready``: called (outside the lock) when a rank of a registered attempt says ready."""
         self._lock = threading.Lock()
         self._attempts: dict[str, _AttemptReports] = {}
+        self._on_ready = on_ready
 
     def register(self, attempt_id: str, fencing_token: str) -> None:
         with self._lock:
@@ -220,6 +228,25 @@ class LocalReports:
                          silent_s=round(t - s.seen, 3), stalled_s=round(t - s.advanced, 3))
                 for r, s in sorted(entry.ranks.items())
             ])
+
+    def set_ready(self, attempt_id: str, body: LocalReady) -> bool:
+        with self._lock:
+            entry = self._get(attempt_id, body.fencing_token)
+            if entry is None:
+                return False
+            if len(entry.ready) < MAX_NODE_RANKS:
+                entry.ready.setdefault(body.rank, time.monotonic())
+        if self._on_ready is not None:
+            self._on_ready()
+        return True
+
+    def initialized_at(self, attempt_id: str, ranks: int) -> float | None:
+        """When the last of the part's ``ranks`` ranks said it is ready (monotonic); None before all did."""
+        with self._lock:
+            entry = self._attempts.get(attempt_id)
+            if entry is None or ranks < 1 or len(entry.ready) < ranks:
+                return None
+            return max(entry.ready.values())
 
     def set_checkpoint_interval(self, attempt_id: str, steps: int | None) -> None:
         with self._lock:
@@ -425,6 +452,8 @@ class _Handler(BaseHTTPRequestHandler):
                     return
             elif kind == "progress":
                 accepted = reports.add_progress(attempt_id, LocalProgress.model_validate(payload))
+            elif kind == "ready":
+                accepted = reports.set_ready(attempt_id, LocalReady.model_validate(payload))
             else:
                 accepted = reports.set_result(attempt_id, LocalResult.model_validate(payload))
         except ValidationError as exc:

@@ -428,6 +428,7 @@ def apply_status(
     part = lock_part(session, part.id)
     t = now()
     part.reported_at = t
+    _mark_timings(part, attempt, report, t)
     if advance_part(session, part, report.state.value, job_id=job.id) and report.exit_code is not None:
         part.exit_code = report.exit_code
     if report.error and not part.error:
@@ -461,6 +462,16 @@ def apply_status(
         or (attempt.state == "starting" and part.state == "running")
         or (part.state in PART_STARTED and _failure_undecided(session, attempt.id))))
     return StatusMerged(attempt=attempt, part=part, released=released, settle=settle)
+
+
+def _mark_timings(part: AttemptNode, attempt: Attempt, report: AttemptStatusReport, t: datetime) -> None:
+    """The instants the agent reports as ages (its monotonic clock), on our clock: once each. Never
+    before the attempt existed: a report's own latency is the only error, and it can only make an
+    instant later."""
+    if report.received_s_ago is not None and part.received_at is None:
+        part.received_at = max(attempt.created_at, t - timedelta(seconds=report.received_s_ago))
+    if report.initialized_s_ago is not None and part.initialized_at is None:
+        part.initialized_at = max(attempt.created_at, t - timedelta(seconds=report.initialized_s_ago))
 
 
 def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | None = None) -> Attempt | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-TIERS = ("local", "peer", "s3")
+TIERS = ("process", "local", "peer", "s3")
 MAX_RANKS = 1 << 20
 
 

@@ -101,5 +101,5 @@ def test_restored_tiers_are_recorded_only_when_well_formed() -> None:
     max_leaves=10), max_size=3))
 def test_restored_tiers_never_raise_on_anything_a_worker_sends(data: dict) -> None:
     got = restored_tiers({"tiers": data})
-    assert got is None or (set(got) <= {"local", "peer", "s3"} and all(isinstance(r, int) for v in got.values()
-                                                                       for r in v))
+    tiers = {"process", "local", "peer", "s3"}
+    assert got is None or (set(got) <= tiers and all(isinstance(r, int) for v in got.values() for r in v))

@@ -109,3 +109,13 @@ def test_sigkill_mid_run_resumes_exactly(cluster):
                                          "startup", "other"))
     assert parts == pytest.approx(g["allocated_gpu_s"], rel=1e-3) and 0 < g["goodput"] < 1
     assert done["goodput"]["recoveries"] == 0 and done["goodput"]["steps_lost"] == 0
+
+    # Recovery as a budget: real agents report when they received the part and when their ranks'
+    # process groups came up, so every phase is measured; the phases come in order (none negative)
+    # and add up to the whole, which started at the kill.
+    rec = second["recovery"]
+    phases = [rec[f"{p}_s"] for p in ("detection", "decision", "wake_up", "process_start", "rendezvous", "restore")]
+    assert all(s is not None and s >= 0 for s in phases), rec
+    assert sum(phases) == pytest.approx(rec["to_first_step_s"], abs=0.002)
+    assert datetime.fromisoformat(rec["failure_at"]).timestamp() == pytest.approx(killed_at, abs=1.5)
+    assert rec["budget_s"]["wake_up"] > 0 and isinstance(rec["over_budget"], list)

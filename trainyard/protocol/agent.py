@@ -432,6 +432,14 @@ class AttemptStatusReport(_Wire):
     ranks: RankSummary | None = Field(
         default=None, description="The node's ranks' steps, step and busy times and silences (watchdogs); sent "
         "with the periodic report, not with every step.")
+    received_s_ago: Seconds | None = Field(
+        default=None, description="Seconds since the agent received this part, by its own monotonic clock, when it "
+        "sent the report: the control plane subtracts it from its own clock (a node's wall clock may be off). "
+        "The wake-up phase of a recovery ends at the last node's.")
+    initialized_s_ago: Seconds | None = Field(
+        default=None, description="Seconds since the last of the node's ranks said its process group is "
+        "initialised (POST .../ready of the local API), once all of them did; measured as received_s_ago. The "
+        "rendezvous phase of a recovery ends at the last node's.")
     processes_alive: bool | None = Field(
         default=None,
         description="False only in a final report (exited or stopped) when the agent found no process of "
@@ -501,6 +509,14 @@ class LocalProgress(_Wire):
                                       description="Wall seconds per step since the last report.")
     busy_s: float | None = Field(default=None, ge=0, le=1e7, allow_inf_nan=False,
                                  description="Seconds per step spent computing alone.")
+
+
+class LocalReady(_Wire):
+    """``POST /v1/local/attempts/{id}/ready``: this rank's process group is initialised (the end of
+    a recovery's rendezvous phase; worker_runtime/distributed.py sends it)."""
+
+    fencing_token: FencingToken
+    rank: Int32
 
 
 class LocalCheckpointInterval(_Wire):

@@ -51,7 +51,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,7 @@ from worker_runtime.checkpoint.notify import (
 from worker_runtime.checkpoint.pacing import Pacer
 from worker_runtime.checkpoint.restore import (
     TIER_CODES,
+    Fetched,
     Problem,
     agree,
     candidates_of,
@@ -86,6 +87,9 @@ from worker_runtime.checkpoint.snapshot import host_copy
 from worker_runtime.context import WorkerContext
 from worker_runtime.distributed import device_of
 from worker_runtime.state import TrainState
+
+if TYPE_CHECKING:
+    from worker_runtime.restart import MemoryTier
 
 log = logging.getLogger(__name__)
 _STORAGE_VARS = "TRAINYARD_STORAGE_ACCESS or TRAINYARD_S3_*"
@@ -164,8 +168,8 @@ class CheckpointManager:
     worker's storage (storage_from_context); ``reporter`` to the agent of ``ctx``. ``async_upload=False`` makes
     ``save`` return only after the upload and report. ``upload_delay_s`` sleeps between upload and
     report (tests use it to kill a worker mid-checkpoint). ``slots`` defaults to the agent of
-    ``ctx`` (slots.py). ``memory``: the in-memory tier (True: through the agent of ``ctx`` when it
-    keeps one; False or None: S3 only).
+    ``ctx`` (slots.py). ``agent_memory``: the in-memory tier (True: through the agent of ``ctx``
+    when it keeps one; False or None: S3 only).
     """
 
     def __init__(
@@ -179,7 +183,8 @@ class CheckpointManager:
         async_upload: bool = True,
         upload_delay_s: float = 0.0,
         slots: UploadSlots | None = None,
-        memory: AgentMemory | None | bool = True,
+        memory: MemoryTier | None = None,
+        agent_memory: AgentMemory | None | bool = True,
     ) -> None:
         interval = interval_steps if interval_steps is not None else ctx.checkpoint.get("interval_steps")
         self.auto = interval == AUTO
@@ -201,7 +206,7 @@ class CheckpointManager:
         self._async = async_upload
         self._upload_delay_s = upload_delay_s
         self.slots = slots if slots is not None else UploadSlots(ctx)
-        self.memory: AgentMemory | None = (AgentMemory.of(ctx) if memory is True else memory or None)
+        self.agent_memory: AgentMemory | None = (AgentMemory.of(ctx) if agent_memory is True else agent_memory or None)
         """The in-memory checkpoint tier through the agent (checkpoint/memtier.py); None: off."""
         self.restored_tiers: dict[str, list[int]] = {}
         """After a restore: which ranks each tier (local, peer, s3) served."""
@@ -210,6 +215,10 @@ class CheckpointManager:
         self._pending: Future[SaveRecord] | None = None
         self._closed = False
         self._closing = False  # a close gave up waiting: releases go on the (joined) upload thread
+        self.memory = memory
+        """Keeps a host copy of each save for an in-process restart (worker_runtime/restart.py)."""
+        self.restored_from: str | None = None
+        """``memory`` or ``storage`` once restore found a checkpoint."""
         self.saves: deque[SaveRecord] = deque(maxlen=1000)
         """Every save of this process, oldest first."""
         if not self.enabled and ctx.is_main:
@@ -279,6 +288,11 @@ class CheckpointManager:
         else:
             payload = io.BytesIO()
             torch.save(state, payload)
+        if self.memory is not None:
+            # The whole state (rank 0's shard already is): a restart from memory needs no other rank.
+            whole = payload if isinstance(payload, dict) and self.ctx.rank == 0 else host_copy(self.state.state_dict())
+            self.memory.keep(step, attempt_number=self.ctx.attempt_number, rank=self.ctx.rank,
+                             world_size=self.ctx.world_size, state=whole)
         timing = (t1 - t0, time.monotonic() - t1)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-checkpoint")
@@ -373,9 +387,9 @@ class CheckpointManager:
                 # After the report (queued by the local agent at once): the commit does not wait for it.
                 held = False
                 self._release(step, grant, ok=True, size=size, upload_s=put_s)
-                if self.memory is not None:
+                if self.agent_memory is not None:
                     # getvalue() shares the buffer's bytes (no copy) while nothing else holds a view of it.
-                    self.memory.put(self.ctx.rank, digest, buffer.getvalue())
+                    self.agent_memory.put(self.ctx.rank, digest, buffer.getvalue())
                 record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
                                     blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, put_s=put_s,
                                     slot_wait_s=grant.wait_s, slot=grant.use, reported=reported)
@@ -433,16 +447,26 @@ class CheckpointManager:
         for candidate in candidates:
             step = candidate.get("step")
             tried.append(step)
-            manifest, fetched = resolve(self.storage, candidate)  # a reference: read the manifest
+            kept = None
+            if self.memory is not None and isinstance(step, int):
+                saver = candidate.get("attempt_number")
+                kept = self.memory.get(step, attempt_number=saver, rank=rank, world_size=world)
+            if kept is not None:
+                # This rank's own copy of exactly that step; the others agree below as usual.
+                manifest, fetched = None, Fetched(Problem.OK, state=kept, tier="process")
+            else:
+                manifest, fetched = resolve(self.storage, candidate)  # a reference: read the manifest
             if manifest is not None:
                 fetched = fetch_shard(self.storage, manifest, rank=rank, world_size=world, names=self.state.names(),
-                                      device=device, per_rank=self.state.names(per_rank=True), memory=self.memory)
+                                      device=device, per_rank=self.state.names(per_rank=True),
+                                      memory=self.agent_memory)
             if fetched.problem:
                 log.warning("rank %d cannot restore step %s: %s", rank, step, fetched.detail)
             codes = agree(fetched.problem, rank=rank, world_size=world)
             if not any(codes):
                 assert fetched.state is not None and isinstance(step, int)
                 self._load(fetched.state, step)
+                self.restored_from = "memory" if kept is not None else "storage"
                 if self.auto:
                     self.next_save = step + (self.interval_steps or 1)
                 self.restored_tiers = _tiers(agree(TIER_CODES[fetched.tier], rank=rank, world_size=world))

@@ -77,10 +77,12 @@ class Fetched:
     detail: str = ""
     state: dict[str, Any] | None = None
     tier: str = "s3"
-    """What served the rank's own shard: ``local`` or ``peer`` (the in-memory tier) or ``s3``."""
+    """What served the rank's own shard: ``local`` or ``peer`` (the in-memory tier), ``s3``, or
+    ``process`` (its own in-process copy)."""
 
 
-TIER_CODES = {"local": 1, "peer": 2, "s3": 3}
+TIER_CODES = {"local": 1, "peer": 2, "s3": 3, "process": 4}
+"""``process``: the rank's own copy kept for an in-process restart (worker_runtime/restart.py)."""
 
 
 def candidates_of(plan: Mapping[str, Any] | None) -> list[dict[str, Any]]:
