@@ -1,7 +1,7 @@
 """memory tier: each node's memory port, each job's memory secret, each part's peer and sources
 
 Revision ID: 0150
-Revises: 0040
+Revises: 0170
 Create Date: 2026-12-07 01:50:00
 """
 
@@ -12,7 +12,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0150"
-down_revision = "0040"
+down_revision = "0170"
 branch_labels = None
 depends_on = None
 
