@@ -60,6 +60,7 @@ class AgentCore:
     _reconcile_lock: threading.Lock
     _launched_at: dict[str, float]
     _api: LocalApi | None
+    memory_port: int | None
     _launches: Launches | None
     _node: NodeContext | None
     _threads: dict[str, threading.Thread]

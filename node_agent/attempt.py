@@ -111,6 +111,8 @@ class AttemptRun:
         for an earlier attempt whose part this one took over; None: its own."""
         self.adopted_from: dict[str, Any] | None = None
         """The taken-over part: its attempt id, torchrun (pid, start time, boot id) and worker dir."""
+        self.received_at: float | None = None
+        """When this agent received the part (its monotonic clock; None: adopted after a restart)."""
 
     @property
     def attempt_id(self) -> str:

@@ -2,7 +2,7 @@
 part of an earlier attempt on its node (docs/architecture.md, "In-process restart of healthy ranks")
 
 Revision ID: 0160
-Revises: 0040
+Revises: 0150
 Create Date: 2026-12-08 00:00:00
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0160"
-down_revision = "0040"
+down_revision = "0150"
 branch_labels = None
 depends_on = None
 

@@ -64,7 +64,7 @@ class NodeAgents(ClusterBase):
         ]  # fmt: skip
         if cfg.worker_uids:
             args += ["--worker-uids", cfg.worker_uids, "--worker-root", str(self._worker_root(name))]
-        return args
+        return args + list(cfg.agent_args)
 
     def _worker_root(self, name: str) -> Path:
         """Where node ``name``'s workers get their directories: under its work dir when worker
