@@ -33,6 +33,11 @@ _REPORT_INTERVAL_S = 0.5
 _LOG_BATCHES_PER_ROUND = 4
 _FINAL_STATES = (NodeAttemptState.exited, NodeAttemptState.stopped)
 
+STALE_PARKED_GRACE_S = 5.0
+"""How long a parked part whose attempt turned stale waits for the spec that takes it over (with two
+heartbeat intervals more: the long poll brings it within milliseconds, a heartbeat within one)."""
+
+
 class ReportLoop(AgentCore):
     def _report_step(self) -> float:
         if self._need_register.is_set() or self.client.node_token is None:
@@ -59,6 +64,13 @@ class ReportLoop(AgentCore):
         dropped = self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, f"stale attempt: {exc}")
         if dropped:
             run.log.warning("outbox_dropped_stale", items=dropped)
+        if run.parked and self.handovers.parked(run.attempt_id):
+            # The job's next attempt exists. It took this part over (its spec may reach this agent a
+            # moment after this answer: stopping now would kill the workers just handed over), or it
+            # runs elsewhere: then the handover timeout, cut short here, stops the part.
+            self.handovers.shorten(run.attempt_id, STALE_PARKED_GRACE_S + 2 * self._heartbeat_interval_s)
+            self._wake("heartbeat")
+            return
         run.request_stop("stale: the control plane fenced this attempt off")
 
     def _report_status(self, run: AttemptRun) -> None:

@@ -79,6 +79,14 @@ class Handovers:
                     if p.parked_until is not None and p.successor is None and p.stopped is None
                     and now >= p.parked_until]
 
+    def shorten(self, attempt_id: str, within_s: float) -> None:
+        """Let a parked part wait at most ``within_s`` more (its attempt is stale: the next attempt
+        exists, and the spec that takes it over, if any, is on its way)."""
+        with self._cond:
+            part = self._parts.get(attempt_id)
+            if part is not None and part.parked_until is not None:
+                part.parked_until = min(part.parked_until, time.monotonic() + within_s)
+
     def give_up(self, attempt_id: str, reason: str) -> None:
         with self._cond:
             part = self._parts.get(attempt_id)

@@ -86,6 +86,11 @@ def test_a_part_not_taken_over_is_told_stop_and_an_agent_without_handovers_answe
         assert answer.state == "stop" and "not taken over" in answer.reason
         assert handovers.expired() == [] and not handovers.park("att-1", 5.0)  # given up for good
         assert _ask(plain, "att-2", "tok-2", 0).status_code == 404
+        # A parked part whose attempt turned stale waits only a little longer for its successor.
+        handovers.register("att-3", "tok-3", node_rank=0, nproc=1)
+        assert handovers.park("att-3", 600.0) and handovers.expired() == []
+        handovers.shorten("att-3", 0.0)
+        assert handovers.expired() == ["att-3"]
         assert not handovers.park("att-unknown", 5.0)  # a part that is not restartable is never parked
     finally:
         api.stop()
