@@ -127,3 +127,23 @@ def test_a_parked_part_stopped_meanwhile_is_not_taken_over(app, client, schedule
     assert _active_leases(app, alive.node_id) == [uuid.UUID(old["attempt_id"])]
     with session_scope(app.state.session_factory) as s:
         assert handover.parked_parts(s, [uuid.UUID(job["id"])]) == {}
+
+
+def test_a_next_attempt_placed_elsewhere_takes_nothing_over_and_the_parked_part_turns_stale(app, client, schedule):
+    """The parked node is cordoned: the pass places the job on other nodes, adopts nothing, leaves the
+    parked part's lease to it, and the parked part's next report is refused as stale (its agent then
+    stops it and the heartbeat that no longer lists it releases the GPU)."""
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2, 3)]
+    _, specs = _start(client, schedule, agents, restartable=True)
+    dead, alive = _fail_one(agents, specs)
+    old = specs[alive.name]
+    assert alive.status(old, "parked", workers=workers_for(old, "running")).status_code == 200
+    assert client.post(f"/v1/nodes/{alive.node_id}/cordon", headers=ADMIN).status_code == 200
+    assert schedule() == 1
+    new = _specs([a for a in agents if a is not alive])
+    assert len(new) == 2 and all(s["adopts"] is None for s in new.values())
+    assert _active_leases(app, alive.node_id) == [uuid.UUID(old["attempt_id"])]
+    assert alive.status(old, "parked", workers=workers_for(old, "running")).status_code == 409
+    alive.heartbeat([])
+    assert _active_leases(app, alive.node_id) == []
+    assert dead.name in new
