@@ -11,6 +11,7 @@ from node_agent.client import ControlPlaneClient
 from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource
 from node_agent.isolation import Isolation
+from node_agent.standby_pool import StandbyPool
 from node_agent.launcher import NodeContext
 from node_agent.launches import Launches
 from node_agent.local_api import LocalApi, LocalReports
@@ -60,6 +61,7 @@ class AgentCore:
     _api: LocalApi | None
     _launches: Launches | None
     _node: NodeContext | None
+    _standbys: StandbyPool | None
     _threads: dict[str, threading.Thread]
     _loops: dict[str, Callable[[], float]]
     _heartbeat_done: threading.Event

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,21 @@ from node_agent.isolation import UidRange
 FAILED_STARTS_LIMIT = 3
 """Standbys in a row that die before anyone claims them: the feature turns itself off, loudly
 (a broken interpreter or a preload that starts threads would otherwise be restarted for ever)."""
+
+
+def directory_name(node_name: str, pid: int) -> str:
+    """The directory of one agent's standbys, ``<node name>-<agent pid>``: the agents of a machine
+    share a run dir, and those of two dev clusters share node names."""
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '_', node_name)[:100].lstrip('.') or 'node'}-{pid}"
+
+
+def remove_stale(parent: Path) -> None:
+    """Remove the standby directories of agents that are gone (their standbys died with them)."""
+    with contextlib.suppress(OSError):
+        for entry in parent.iterdir():
+            pid = entry.name.rpartition("-")[2]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 @dataclass
@@ -126,3 +143,9 @@ class StandbyPool:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 standby.proc.wait(5)
         self._standbys.clear()
+        # Claimed sockets stay (a worker's parent may still hold one); the directory goes once empty.
+        for path in self.directory.glob(f"*{wire.SOCKET_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        with contextlib.suppress(OSError):
+            self.directory.rmdir()
