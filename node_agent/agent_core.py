@@ -11,13 +11,13 @@ from node_agent.client import ControlPlaneClient
 from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource
 from node_agent.isolation import Isolation
-from node_agent.standby_pool import StandbyPool
 from node_agent.launcher import NodeContext
 from node_agent.launches import Launches
 from node_agent.local_api import LocalApi, LocalReports
 from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
+from node_agent.standby_pool import StandbyPool
 from trainyard.protocol.agent import (
     AttemptStatusReport,
     GpuInfo,

@@ -11,7 +11,6 @@ from node_agent import credential
 from node_agent.isolation import UidRange
 from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 
-
 MAX_STANDBYS = 64
 
 

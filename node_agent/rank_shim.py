@@ -40,8 +40,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from trainyard.protocol.env import ENV_JOB_ENV, ENV_STANDBY_DIR, ENV_STATUS_DIR, job_env_problem  # standard library only
 from node_agent.standby_claim import StandbyWorker, claim
+from trainyard.protocol.env import (  # standard library only
+    ENV_JOB_ENV,
+    ENV_STANDBY_DIR,
+    ENV_STATUS_DIR,
+    job_env_problem,
+)
 from trainyard.protocol.exits import TAIL_BYTES, classify
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)

@@ -48,6 +48,9 @@ from node_agent.cgroups import cgroup2_dir
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 _CLONE_NEWNS = 0x00020000
 EXIT_BAD_USAGE, EXIT_THREADED = 2, 3
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""What the rank shim forwards to its worker (rank_shim.FORWARDED_SIGNALS); a claimed standby
+ignores them, its worker decides."""
 HANDOVER_TIMEOUT_S = 10.0
 """How long a shim may take to send its request once connected."""
 
@@ -221,7 +224,8 @@ class Standby:
                 with open(os.path.join(cgroup_dir, "cgroup.procs"), "w") as procs:
                     procs.write(str(os.getpid()))
             libc = _libc()
-            if os.readlink(f"/proc/{os.getpid()}/ns/mnt") != os.readlink(f"/proc/self/fd/{mnt}") and libc.setns(mnt, _CLONE_NEWNS) != 0:
+            theirs = os.readlink(f"/proc/self/fd/{mnt}")
+            if os.readlink("/proc/self/ns/mnt") != theirs and libc.setns(mnt, _CLONE_NEWNS) != 0:
                 raise OSError(ctypes.get_errno(), "setns(mount namespace)")
             os.close(mnt)
             if (os.getuid(), os.getgid()) != (uid, gid):
@@ -275,10 +279,10 @@ def _wait_and_report(conn: socket.socket, child: int) -> NoReturn:
     pidfd = os.pidfd_open(child)
     conn.settimeout(None)
     while True:
-        ready, _, _ = select.select([pidfd, conn], [], [])
+        ready, _, _ = select.select([pidfd, conn.fileno()], [], [])
         if pidfd in ready:
             break
-        if conn in ready and not conn.recv(1):
+        if conn.fileno() in ready and not conn.recv(1):
             os.kill(child, signal.SIGKILL)  # the shim is gone: nobody would record this worker
             break
     _, status = os.waitpid(child, 0)
@@ -334,10 +338,18 @@ def main(argv: list[str] | None = None) -> None:
     conn, rank = standby.serve()
     sys.stdout.flush()
     sys.stderr.flush()
+    me = os.getpid()
+    # A stop reaches every process of the attempt at once (the agent signals its cgroup or uid): the
+    # standby must outlive its worker's handling of it, or the worker's death signal would cut it
+    # short. Ignored from before the fork, so no stop can land in between; the worker gets back
+    # what a cold interpreter has.
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
     child = os.fork()
     if child == 0:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         conn.close()
-        _become_worker(rank, standby.stdio, os.getppid())
+        _become_worker(rank, standby.stdio, me)
         del standby, conn
         _run(rank)
         return

@@ -15,7 +15,9 @@ This module must stay import-light, like the shim that imports it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import struct
 from typing import Any, Final
@@ -96,9 +98,5 @@ def receive(sock: socket.socket, *, with_fds: bool = False) -> tuple[dict[str, A
 
 
 def _close(fd: int) -> None:
-    import os
-
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass

@@ -7,7 +7,8 @@ import os
 import runpy
 import sys
 
-parent = open(f"/proc/{os.getppid()}/cmdline").read().split("\0")
+with open(f"/proc/{os.getppid()}/cmdline") as cmdline:
+    parent = cmdline.read().split("\0")
 print(f"standby_check rank={os.environ['RANK']} attempt={os.environ['TRAINYARD_ATTEMPT_NUMBER']} "
       f"in_standby={'node_agent.standby' in parent} torch_loaded={'torch' in sys.modules}", flush=True)
 sys.argv = ["tiny_gpt", *sys.argv[1:]]

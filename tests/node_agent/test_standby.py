@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from node_agent import standby_wire
@@ -152,6 +153,29 @@ def test_signals_to_the_shim_reach_the_standby_worker_and_atexit_runs(
     assert shim.wait(30) == 17
     assert record(tmp_path)["exit_code"] == 17
     assert "atexit ran" in (tmp_path / "logs" / "rank-0" / "stdout.log").read_text()
+
+
+def test_a_stop_sent_to_every_process_of_the_rank_is_the_workers_to_handle(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """The agent stops an attempt by signalling its cgroup (or uid): the standby that runs the
+    worker gets the SIGTERM too, and must not die of it (its worker would be SIGKILLed with it)."""
+    standbys = tmp_path / "standbys"
+    start_standby(spawned, standbys)
+    script = write_script(tmp_path, "graceful.py", (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.3), sys.exit(17)))\n"
+        "pathlib.Path('ready').write_text('1')\n"
+        "time.sleep(60)\n"))
+    shim = run_shim(spawned, tmp_path, "file", str(script), standbys=standbys)
+    wait_for((tmp_path / "ready").exists, timeout=30, what="the worker runs")
+    worker = record(tmp_path)["pid"]
+    standby = psutil.Process(worker).ppid()
+    assert standby == spawned[0].pid
+    for pid in (shim.pid, standby, worker):
+        os.kill(pid, signal.SIGTERM)
+    assert shim.wait(30) == 17
+    assert record(tmp_path)["exit_code"] == 17
 
 
 def test_a_standby_declines_other_startup_variables_and_stays_warm(
