@@ -195,7 +195,7 @@ class Standby:
             self._decline(conn, fds, "the agent is stopping this standby")
             os._exit(0)
         self.listener.close()
-        self._confine(cgroup_dir, mnt, uid, gid)
+        self._confine(conn, cgroup_dir, mnt, uid, gid)
         self.stdio = fds
         return rank
 
@@ -211,9 +211,9 @@ class Standby:
         found = os.path.normpath(os.path.join(str(mount), relative.lstrip("/")))
         return found if found.startswith(os.path.normpath(self.policy.cgroup_base) + "/") else None
 
-    def _confine(self, cgroup_dir: str | None, mnt: int, uid: int, gid: int) -> None:
+    def _confine(self, conn: socket.socket, cgroup_dir: str | None, mnt: int, uid: int, gid: int) -> None:
         """Take on the claimant's confinement, in confine_exec.py's order; any failure ends the
-        standby (the shim, seeing no pid, starts its rank cold)."""
+        standby (the shim, told why, starts its rank cold)."""
         try:
             # No descriptor of the agent's (its log, its terminal) may stay with a worker's process.
             null = os.open(os.devnull, os.O_RDWR)
@@ -241,7 +241,9 @@ class Standby:
             libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
             libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
             os.umask(0o077)
-        except OSError:
+        except OSError as exc:
+            # Said to the shim (it logs it and starts cold rather than trying the next standby).
+            self._decline(conn, [], f"cannot take on the rank's confinement: {exc}")
             os._exit(1)
 
 
