@@ -235,10 +235,11 @@ def worker_storage(settings: Settings) -> dict[str, Any]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     configure_logging(json=settings.log_json, level=settings.log_level)
-    # Every request thread and every loop thread may hold one connection at once (never two, and
-    # none while waiting for a thread: api/deps.py), so the pool covers them all and a request never
-    # waits for a connection held by a request that waits for a thread.
-    engine = make_engine(settings.database_url, pool_size=settings.api_threads + Loops.THREADS,
+    # Every request thread, every loop thread and the upload-slot pass runner may hold one
+    # connection at once (never two, and none while waiting for a thread: api/deps.py), so the pool
+    # covers them all and a request never waits for a connection held by a request that waits for a
+    # thread.
+    engine = make_engine(settings.database_url, pool_size=settings.api_threads + Loops.THREADS + 1,
                          max_overflow=10, pool_timeout_s=settings.pool_timeout_s)
     factory = make_session_factory(engine)
     store = object_store(settings)

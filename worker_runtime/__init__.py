@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     )
     from worker_runtime.layouts import LayoutError, ParallelModel, apply_layout
     from worker_runtime.loop import TrainLoop
+    from worker_runtime.restart import run_restartable
     from worker_runtime.state import (
         DataPosition,
         RngState,
@@ -45,6 +46,7 @@ _LAZY = {
     "CheckpointManager": "worker_runtime.checkpoint.manager",
     "ResumableSampler": "worker_runtime.data",
     "TrainLoop": "worker_runtime.loop",
+    "run_restartable": "worker_runtime.restart",
     "CommMeter": "worker_runtime.comm_meter",
     "LayoutError": "worker_runtime.layouts",
     "ParallelModel": "worker_runtime.layouts",
@@ -100,6 +102,7 @@ __all__ = [
     "init_distributed",
     "is_distributed",
     "restore_rng_state",
+    "run_restartable",
     "settle_ddp_buckets",
     "shutdown_distributed",
     "weights_sha256",

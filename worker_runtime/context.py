@@ -32,10 +32,12 @@ from trainyard.protocol.env import (
     ENV_JOB_NAME,
     ENV_LAYOUT,
     ENV_NODE_RANK,
+    ENV_RENDEZVOUS,
     ENV_RESTORE_FROM,
     STORAGE_ENV,
 )
 from trainyard.protocol.layout import Layout
+from trainyard.protocol.restart import Rendezvous, rendezvous_from_env
 
 # Set by torchrun (torch.distributed.run) for every worker it starts.
 ENV_RANK = "RANK"
@@ -98,6 +100,9 @@ class WorkerContext:
     layout: Layout = field(default_factory=Layout)
     """The parallel layout the job asks for (TRAINYARD_LAYOUT; plain DDP when absent), applied by
     ``worker_runtime.layouts.apply_layout``."""
+    rendezvous: Rendezvous | None = None
+    """A fenced rendezvous (TRAINYARD_RENDEZVOUS, trainyard/protocol/restart.py) joined with explicit
+    rank and world size; None: torchrun's env:// (the default)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -156,6 +161,7 @@ class WorkerContext:
             storage={key: env[name] for key, name in STORAGE_ENV.items() if env.get(name)},
             checkpoint_prefix=(env.get(ENV_CHECKPOINT_PREFIX) or "").strip("/") or None,
             layout=_layout(env),
+            rendezvous=rendezvous_from_env(env.get(ENV_RENDEZVOUS)),
         )
 
 

@@ -2,7 +2,10 @@
 
 The backend follows the device the agent gave the attempt: NCCL on GPUs, gloo on CPU-only nodes
 (virtual slots). Rendezvous is ``env://``: torchrun has already set MASTER_ADDR/MASTER_PORT to the
-port the control plane reserved for this attempt, so nothing here picks addresses.
+port the control plane reserved for this attempt, so nothing here picks addresses. A restartable
+attempt's ranks join a fenced rendezvous instead (``ctx.rendezvous``: explicit rank, world size and
+store; trainyard/protocol/restart.py), so that a process can leave one attempt's group and join
+the next one's without torchrun's environment.
 """
 
 from __future__ import annotations
@@ -15,9 +18,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainyard.protocol.restart import VERIFIER_KEY, rendezvous_keyspace, rendezvous_verifier
 from worker_runtime.context import WorkerContext
 
 log = logging.getLogger(__name__)
+
+_STORE: dist.TCPStore | None = None
+"""The fenced rendezvous's store; global rank 0 hosts it, so it lives as long as the group."""
+
+
+class StaleRendezvousError(RuntimeError):
+    """The rendezvous belongs to another attempt than the token this process holds: never joined."""
 
 ENV_MASTER_ADDR = "MASTER_ADDR"
 ENV_OMP_NUM_THREADS = "OMP_NUM_THREADS"
@@ -36,21 +47,21 @@ def init_distributed(ctx: WorkerContext, *, timeout: timedelta | float | None = 
         torch.cuda.set_device(ctx.local_rank)
     if dist.is_initialized():
         return True
-    if ctx.world_size == 1 and not os.environ.get(ENV_MASTER_ADDR):
+    if ctx.world_size == 1 and not os.environ.get(ENV_MASTER_ADDR) and ctx.rendezvous is None:
         return False
     if ctx.device == "cpu":
         _limit_cpu_threads()
     if isinstance(timeout, int | float):
         timeout = timedelta(seconds=timeout)
     backend = "nccl" if ctx.device == "cuda" else "gloo"
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        timeout=timeout,
-        device_id=torch.device("cuda", ctx.local_rank) if ctx.device == "cuda" else None,
-    )
+    device_id = torch.device("cuda", ctx.local_rank) if ctx.device == "cuda" else None
+    if ctx.rendezvous is not None:
+        store = fenced_store(ctx, timeout=timeout or timedelta(minutes=5))
+        dist.init_process_group(backend=backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
+                                timeout=timeout, device_id=device_id)
+    else:
+        dist.init_process_group(backend=backend, init_method="env://", rank=ctx.rank, world_size=ctx.world_size,
+                                timeout=timeout, device_id=device_id)
     log.info(
         "process group ready: backend=%s rank=%d/%d local_rank=%d node_rank=%d",
         backend,
@@ -60,6 +71,51 @@ def init_distributed(ctx: WorkerContext, *, timeout: timedelta | float | None = 
         ctx.node_rank,
     )
     return True
+
+
+def fenced_store(ctx: WorkerContext, *, timeout: timedelta) -> dist.Store:
+    """The attempt's store, joined only with its token (docs/architecture.md, "In-process restart").
+
+    Global rank 0 hosts a TCPStore on the attempt's rendezvous port and publishes the verifier of
+    (attempt id, token); every other rank reads it before anything else and refuses a mismatch
+    (StaleRendezvousError) instead of joining. The group's keys live under a prefix derived from the
+    token, which the verifier does not reveal.
+    """
+    global _STORE
+    assert ctx.rendezvous is not None
+    host, port, main = ctx.rendezvous.host, ctx.rendezvous.port, ctx.rank == 0
+    store = dist.TCPStore(host, port, world_size=None, is_master=main, timeout=timeout, wait_for_workers=False)
+    mine = rendezvous_verifier(ctx.attempt_id, ctx.fencing_token)
+    if main:
+        store.set(VERIFIER_KEY, mine)
+    else:
+        theirs = store.get(VERIFIER_KEY).decode(errors="replace")
+        if theirs != mine:
+            raise StaleRendezvousError(
+                f"the rendezvous at {host}:{port} is not attempt {ctx.attempt_id}'s with this process's token: "
+                "refused (a worker of an earlier attempt never joins a later one)")
+    _STORE = store
+    return dist.PrefixStore(rendezvous_keyspace(ctx.attempt_id, ctx.fencing_token), store)
+
+
+def abort_distributed() -> None:
+    """Leave a process group whose peer failed, so that the process can join another one.
+
+    NCCL communicators are aborted (a collective in flight would otherwise block their destruction);
+    gloo's are destroyed. Errors are logged, not raised: the group is unusable either way.
+    """
+    global _STORE
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        try:
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if dist.get_backend() == "nccl" and abort is not None:
+                abort()
+            else:
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the group is broken; what matters is that it is gone
+            log.exception("aborting the process group failed")
+    _STORE = None
 
 
 def shutdown_distributed() -> None:

@@ -51,6 +51,7 @@ from worker_runtime.distributed import (
     shutdown_distributed,
 )
 from worker_runtime.reporting import Reporter, StaleAttemptError
+from worker_runtime.restart import MemoryTier
 from worker_runtime.state import RngState, Stateful, StepCounter, TrainState
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class TrainLoop:
     (and the loss synchronised). ``ctx`` defaults to the environment."""
 
     def __init__(self, *, total_steps: int, seed: int = 0, log_every: int = 10, timeout_s: float = 300.0,
-                 ctx: WorkerContext | None = None) -> None:
+                 ctx: WorkerContext | None = None, memory: MemoryTier | None = None) -> None:
         if total_steps < 1 or log_every < 1:
             raise ValueError("total_steps and log_every must be >= 1")
         self.total_steps = total_steps
@@ -80,6 +81,10 @@ class TrainLoop:
         self.reporter = Reporter(self.ctx, echo=not self.ctx.managed, total_steps=total_steps)
         self.checkpoints: CheckpointManager | None = None
         self.restored_step: int | None = None
+        self.memory = memory
+        """This rank's in-memory copy of its last save (set by worker_runtime.restart.run_restartable)."""
+        self.restarts = 0
+        """How many times this process restarted in place before this loop (run_restartable)."""
         self._started = False
         self._logged: dict[str, Any] = {}
         self.loss: float | None = None
@@ -101,6 +106,11 @@ class TrainLoop:
     def step(self) -> int:
         """Steps done so far (the restored step after a restore)."""
         return self._counter.value
+
+    @property
+    def restored_from(self) -> str | None:
+        """``memory`` or ``storage``: where the restored step came from (None: a fresh start)."""
+        return self.checkpoints.restored_from if self.checkpoints is not None else None
 
     @property
     def distributed(self) -> bool:
@@ -144,7 +154,7 @@ class TrainLoop:
         if self._started:
             return self.restored_step
         self._started = True
-        self.checkpoints = CheckpointManager(self.ctx, self.state)
+        self.checkpoints = CheckpointManager(self.ctx, self.state, memory=self.memory)
         self.restored_step = self.checkpoints.restore()
         if self.restored_step is not None and self.ctx.is_main:
             print(f"trainyard: restored step {self.restored_step}; resuming at step {self.restored_step + 1}",
@@ -178,7 +188,9 @@ class TrainLoop:
                 self._after(step, first)
                 if self._stop or step >= self.total_steps:
                     return
-            if not fed:
+            # A position restored at the end of an epoch (a save after its last batch) yields nothing
+            # more of that epoch: go on with the next one, as the uninterrupted run did.
+            if not fed and (resumable is None or resumable.consumed == 0):
                 raise ValueError("the data yields no batch: is the dataset smaller than one batch per rank?")
             if resumable is not None:
                 resumable.next_epoch()

@@ -334,6 +334,10 @@ def _pick_port(used: set[tuple[str, int]], host: str, settings: Settings, seed: 
     raise RuntimeError(f"no free rendezvous port on {host} in the configured range")
 
 
+PASS_LOCK_BUSY = "scheduler.pass_lock_busy"
+"""session.info key set by a pass that found another pass holding the lock (and did nothing)."""
+
+
 def _try_lock(session: Session) -> bool:
     """The pass lock, held until the transaction ends: one replica schedules at a time."""
     return bool(session.scalar(select(func.pg_try_advisory_xact_lock(SCHEDULER_LOCK))))
@@ -362,6 +366,7 @@ def schedule_pass(
     ``cache``: the waiting jobs' columns kept between this replica's passes (``PendingCache``).
     """
     if not _try_lock(session):
+        session.info[PASS_LOCK_BUSY] = True  # the caller may pass again once the holder is done
         session.rollback()
         return []
     at = now()

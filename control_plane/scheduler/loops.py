@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane import clock
 from control_plane.clock import now
 from control_plane.db import session_scope
-from control_plane.scheduler.allocate import PendingCache, schedule_pass
+from control_plane.scheduler.allocate import PASS_LOCK_BUSY, PendingCache, schedule_pass
 from control_plane.services import (
     attempts,
     checkpoints,
@@ -38,7 +38,8 @@ log = structlog.get_logger("trainyard.loops")
 
 
 class Loops:
-    THREADS = 5
+    NAMES = ("scheduler", "monitor", "checkpoints", "limits", "watchdog", "retention")
+    THREADS = len(NAMES)
     """Threads ``start`` runs, each holding at most one connection at a time."""
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, store: object | None = None) -> None:
@@ -58,14 +59,16 @@ class Loops:
     def start(self) -> None:
         if self._threads:
             return
-        for name, fn, period in (
-            ("scheduler", self.schedule_once, self._settings.scheduler_interval_s),
-            ("monitor", self.monitor_once, self._settings.monitor_interval_s),
-            ("checkpoints", self.checkpoints_once, self._settings.checkpoint_maintenance_interval_s),
-            ("limits", self.limits_once, self._settings.limits_interval_s),
-            ("watchdog", self.watchdog_once, self._settings.watchdog_interval_s),
-            ("retention", self.retention_once, self._settings.retention_interval_s),
-        ):
+        loops: dict[str, tuple[Callable[[], object], float]] = {
+            "scheduler": (self.schedule_once, self._settings.scheduler_interval_s),
+            "monitor": (self.monitor_once, self._settings.monitor_interval_s),
+            "checkpoints": (self.checkpoints_once, self._settings.checkpoint_maintenance_interval_s),
+            "limits": (self.limits_once, self._settings.limits_interval_s),
+            "watchdog": (self.watchdog_once, self._settings.watchdog_interval_s),
+            "retention": (self.retention_once, self._settings.retention_interval_s),
+        }
+        assert tuple(loops) == self.NAMES  # THREADS sizes the connection pool (app.py)
+        for name, (fn, period) in loops.items():
             t = threading.Thread(target=self._run, args=(name, fn, period), name=f"trainyard-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -78,24 +81,47 @@ class Loops:
             t.join(max(0.0, deadline - time.monotonic()))
         self._threads.clear()
 
+    BUSY_RETRY_S = 0.05
+    """How soon a pass run for a wake-up tries again when another pass held the pass lock."""
+
     def _run(self, name: str, fn: Callable[[], object], period: float) -> None:
+        if name == "scheduler":
+            self._run_scheduler(period)
+            return
         while not self._stop.is_set():
-            if name == "scheduler":
-                self._wake.clear()  # before the pass: a wake-up during it runs another one at once
             try:
                 fn()
             except Exception:
                 log.exception("loop iteration failed", loop=name)
-            if name == "scheduler":
-                self._wake.wait(period)
-            else:
-                self._stop.wait(period)
+            self._stop.wait(period)
+
+    def _run_scheduler(self, period: float) -> None:
+        woken = False
+        while not self._stop.is_set():
+            self._wake.clear()  # before the pass: a wake-up during it runs another one at once
+            busy = False
+            try:
+                busy = self._schedule()[1]
+            except Exception:
+                log.exception("loop iteration failed", loop="scheduler")
+            # A pass run for a wake-up that found the lock taken: the pass holding it (a request
+            # thread's, or another replica's) may have read the cluster before the change that woke
+            # this loop committed (the last release of a gang), so pass again once it is over, not a
+            # period later. A periodic pass that finds the lock taken does not retry: the pass that
+            # held it served the same period.
+            retry = woken and busy
+            woken = not self._stop.wait(self.BUSY_RETRY_S) if retry else self._wake.wait(period)
 
     def schedule_once(self) -> int:
+        return self._schedule()[0]
+
+    def _schedule(self) -> tuple[int, bool]:
+        """One pass: the gangs it admitted, and whether it found another pass holding the lock."""
         session = self._factory()
         try:
             with metrics.SCHEDULING_PASS.time():
-                return len(schedule_pass(session, self._settings, cache=self._pending))
+                admitted = len(schedule_pass(session, self._settings, cache=self._pending))
+            return admitted, bool(session.info.get(PASS_LOCK_BUSY))
         finally:
             session.close()
 

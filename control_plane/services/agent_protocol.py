@@ -106,7 +106,13 @@ def _after_release(session: Session, wakeups: Wakeups, ended_before: int) -> boo
         attempts.finish_released(session, released)
         session.commit()
     if attempts.ended_count(session) > ended_before:
-        return wakeups.schedule_now()
+        if wakeups.schedule_now():
+            return True
+        # This pass placed nothing, or found another pass holding the lock, which may have read the
+        # cluster before this release committed: the loop passes again (and retries while the lock
+        # is taken), so the freed gang never waits for the loop's next period.
+        wakeups.wake_scheduler()
+        return False
     if released:
         wakeups.wake_scheduler()
     return False

@@ -4,16 +4,20 @@ never apply the same decision twice."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import IntegrityError
 
+from control_plane.app import create_app
 from control_plane.db import make_engine, make_session_factory
 from control_plane.scheduler import allocate
 from control_plane.scheduler.allocate import schedule_pass
-from tests.factories import ADMIN, job_body, register_node
+from tests.factories import ADMIN, FakeAgentSession, job_body, register_node, workers_for
+from tests.helpers import wait_for
 
 
 def _invariants(url: str) -> dict[str, object]:
@@ -162,3 +166,32 @@ def test_a_rendezvous_port_is_unique_per_host_not_per_cluster(fresh_database_url
                 "VALUES (:a, :j, 99, 't', 'starting', 1, :h, 30000)"), {"a": uuid.uuid4(), "j": job.job_id,
                                                                        "h": job.rdzv_host})
     engine.dispose()
+
+
+def test_a_gang_freed_while_another_pass_holds_the_lock_is_placed_without_waiting_a_period(settings):
+    """The last release of a gang runs a pass in its own thread; if another pass (another replica's,
+    or the loop's) holds the lock, that pass may have read the cluster before the release
+    committed. The waiting job must then be placed as soon as the lock is free, not a scheduler
+    period later (here 10 minutes: before the fix it waited all of it)."""
+    app = create_app(settings.model_copy(update={"run_loops": True, "scheduler_interval_s": 600.0,
+                                                 "monitor_interval_s": 600.0}))
+    with TestClient(app) as c:
+        agent = FakeAgentSession(c, "n1", gpus=2)
+        first = c.post("/v1/jobs", json=job_body(name="first", num_nodes=1), headers=ADMIN).json()
+        wait_for(lambda: agent.heartbeat()["assignments"], 15, what="the first job's part")
+        [spec] = agent.heartbeat()["assignments"]
+        second = c.post("/v1/jobs", json=job_body(name="second", num_nodes=1), headers=ADMIN).json()
+        assert agent.status(spec, "running", workers=workers_for(spec, "running")).status_code == 200
+        holder = create_engine(settings.database_url)
+        with holder.connect() as conn:  # another replica's pass, holding the lock
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": allocate.SCHEDULER_LOCK})
+            done = agent.status(spec, "exited", exit_code=0, workers=workers_for(spec, "exited", 0),
+                                processes_alive=False)  # a final report: it releases the GPUs
+            assert done.status_code == 200 and done.json()["released"], done.text
+            time.sleep(0.5)  # the release's own pass and the loop's first retry found the lock taken
+            assert c.get(f"/v1/jobs/{second['id']}", headers=ADMIN).json()["current_attempt"] is None
+            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": allocate.SCHEDULER_LOCK})
+        holder.dispose()
+        assert c.get(f"/v1/jobs/{first['id']}", headers=ADMIN).json()["state"] == "succeeded"
+        wait_for(lambda: c.get(f"/v1/jobs/{second['id']}", headers=ADMIN).json()["current_attempt"] is not None,
+                 15, what="the second job placed once the lock was free")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ class FakeAgent:
     """What a ``shards?wait=1`` answer says is committed."""
     slot_answer: dict[str, Any] = field(default_factory=lambda: dict(GRANTED))
     """What an ``upload-slot`` request is answered."""
+    handover: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """What a ``next-assignment`` request with a given fencing token is answered (its agent's
+    handover of that attempt part); a token not listed is told to wait."""
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def answer(self, kind: str) -> int | None:
@@ -102,6 +106,12 @@ def _handler(agent: FakeAgent) -> type[BaseHTTPRequestHandler]:
                 status, payload = 200, dict(agent.slot_answer)
             elif kind == "release":
                 status, payload = 200, {"released": True}
+            elif kind == "next-assignment":
+                with agent._cond:
+                    answer = agent.handover.get(json.loads(raw).get("fencing_token", ""))
+                if answer is None:
+                    time.sleep(0.1)  # a long poll that found nothing yet
+                status, payload = 200, answer or {"state": "waiting"}
             else:
                 status, payload = 200, {"accepted": True, "status": 200}
             body = json.dumps(payload).encode()

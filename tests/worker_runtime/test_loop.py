@@ -107,3 +107,25 @@ def test_an_unmodified_loop_runs_standalone_and_prints_its_result(capsys):
     assert out is not None and out["steps"] == STEPS
     assert f'"weights_sha256": "{out["sha"]}"' in printed.out
     assert f"[trainyard] step={STEPS}/{STEPS}" in printed.err
+
+
+def test_a_loop_resumed_at_the_end_of_an_epoch_goes_on_with_the_next_one():
+    # A save right after an epoch's last batch restores a position with nothing left of that epoch:
+    # the loop raised "the data yields no batch" instead of starting the next epoch.
+    data = TensorDataset(torch.arange(32.0).unsqueeze(1))  # 4 steps of 8 per epoch
+
+    def run(saved: dict[str, Any] | None) -> list[tuple[int, list[float]]]:
+        seen = []
+        with TrainLoop(total_steps=7, seed=5, ctx=WorkerContext(device="cpu")) as loop:
+            loader = loop.data_loader(data, batch_size=8)
+            if saved is not None:
+                loop.state.load_state_dict(saved, strict=False)
+            for step, (xb,) in loop.steps(loader):
+                seen.append((step, xb.flatten().tolist()))
+        return seen
+
+    uninterrupted = run(None)
+    end_of_epoch = {"step": {"step": 4}, "data": {"version": 1, "size": 32, "world_size": 1, "seed": 5,
+                                                   "shuffle": True, "epoch": 0, "consumed": 32}}
+    assert [step for step, _ in uninterrupted] == list(range(1, 8))
+    assert run(end_of_epoch) == uninterrupted[4:]

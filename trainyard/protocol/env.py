@@ -55,6 +55,10 @@ ENV_STANDBY_DIR: Final = "TRAINYARD_STANDBY_DIR"
 """Where the agent's warm standby processes listen (node_agent/standby.py), when it keeps any: the
 rank shim hands its rank to one of them instead of a cold start. Never seen by the training process."""
 
+ENV_RENDEZVOUS: Final = "TRAINYARD_RENDEZVOUS"
+"""JSON ``{"host", "port"}``: a fenced rendezvous (trainyard/protocol/restart.py) the worker joins with
+explicit rank and world size instead of torchrun's env://; set only for restartable attempts."""
+
 # Checkpoint storage. Under an agent a worker gets only ENV_STORAGE_ACCESS and the prefix: it reads
 # and writes through presigned URLs (trainyard/protocol/grants.py) and holds no credential. The
 # TRAINYARD_S3_* variables are for a script run outside Trainyard with storage of its own; an agent
@@ -93,7 +97,7 @@ STORAGE_ENV: Final[dict[str, str]] = {
 WORKER_ENV: Final = frozenset({
     ENV_JOB_ID, ENV_JOB_NAME, ENV_ATTEMPT_ID, ENV_ATTEMPT_NUMBER, ENV_FENCING_TOKEN, ENV_AGENT_URL,
     ENV_AGENT_SOCKET, ENV_NODE_RANK, ENV_NODE_NAME, ENV_NODE_ID, ENV_DEVICE, ENV_CHECKPOINT, ENV_RESTORE_FROM,
-    ENV_LAYOUT, ENV_STATUS_DIR, ENV_JOB_ENV, *STORAGE_ENV.values(), ENV_CHECKPOINT_PREFIX,
+    ENV_LAYOUT, ENV_STATUS_DIR, ENV_JOB_ENV, *STORAGE_ENV.values(), ENV_CHECKPOINT_PREFIX, ENV_RENDEZVOUS,
 })
 """Every variable above: what an agent may give a worker, all of it under PREFIX."""
 

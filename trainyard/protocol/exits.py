@@ -41,6 +41,11 @@ _COLLECTIVE = re.compile(r"Watchdog caught collective operation timeout|Timed ou
 MAX_MESSAGE = 400
 
 
+def is_collective_failure(message: str) -> bool:
+    """Whether an error's text says a collective failed or a peer went away (not the rank's own bug)."""
+    return bool(_COLLECTIVE.search(message))
+
+
 def classify(exit_code: int, stderr_tail: str) -> tuple[str, str]:
     """(kind, message) of a worker's non-zero exit; the message quotes the worker's own words."""
     if exit_code < 0:

@@ -51,7 +51,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,7 @@ from worker_runtime.checkpoint.notify import (
 )
 from worker_runtime.checkpoint.pacing import Pacer
 from worker_runtime.checkpoint.restore import (
+    Fetched,
     Problem,
     agree,
     candidates_of,
@@ -84,6 +85,9 @@ from worker_runtime.checkpoint.snapshot import host_copy
 from worker_runtime.context import WorkerContext
 from worker_runtime.distributed import device_of
 from worker_runtime.state import TrainState
+
+if TYPE_CHECKING:
+    from worker_runtime.restart import MemoryTier
 
 log = logging.getLogger(__name__)
 _STORAGE_VARS = "TRAINYARD_STORAGE_ACCESS or TRAINYARD_S3_*"
@@ -176,6 +180,7 @@ class CheckpointManager:
         async_upload: bool = True,
         upload_delay_s: float = 0.0,
         slots: UploadSlots | None = None,
+        memory: MemoryTier | None = None,
     ) -> None:
         interval = interval_steps if interval_steps is not None else ctx.checkpoint.get("interval_steps")
         self.auto = interval == AUTO
@@ -202,6 +207,10 @@ class CheckpointManager:
         self._pending: Future[SaveRecord] | None = None
         self._closed = False
         self._closing = False  # a close gave up waiting: releases go on the (joined) upload thread
+        self.memory = memory
+        """Keeps a host copy of each save for an in-process restart (worker_runtime/restart.py)."""
+        self.restored_from: str | None = None
+        """``memory`` or ``storage`` once restore found a checkpoint."""
         self.saves: deque[SaveRecord] = deque(maxlen=1000)
         """Every save of this process, oldest first."""
         if not self.enabled and ctx.is_main:
@@ -271,6 +280,11 @@ class CheckpointManager:
         else:
             payload = io.BytesIO()
             torch.save(state, payload)
+        if self.memory is not None:
+            # The whole state (rank 0's shard already is): a restart from memory needs no other rank.
+            whole = payload if isinstance(payload, dict) and self.ctx.rank == 0 else host_copy(self.state.state_dict())
+            self.memory.keep(step, attempt_number=self.ctx.attempt_number, rank=self.ctx.rank,
+                             world_size=self.ctx.world_size, state=whole)
         timing = (t1 - t0, time.monotonic() - t1)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-checkpoint")
@@ -422,7 +436,15 @@ class CheckpointManager:
         for candidate in candidates:
             step = candidate.get("step")
             tried.append(step)
-            manifest, fetched = resolve(self.storage, candidate)  # a reference: read the manifest
+            kept = None
+            if self.memory is not None and isinstance(step, int):
+                saver = candidate.get("attempt_number")
+                kept = self.memory.get(step, attempt_number=saver, rank=rank, world_size=world)
+            if kept is not None:
+                # This rank's own copy of exactly that step; the others agree below as usual.
+                manifest, fetched = None, Fetched(Problem.OK, state=kept)
+            else:
+                manifest, fetched = resolve(self.storage, candidate)  # a reference: read the manifest
             if manifest is not None:
                 fetched = fetch_shard(self.storage, manifest, rank=rank, world_size=world, names=self.state.names(),
                                       device=device, per_rank=self.state.names(per_rank=True))
@@ -432,6 +454,7 @@ class CheckpointManager:
             if not any(codes):
                 assert fetched.state is not None and isinstance(step, int)
                 self._load(fetched.state, step)
+                self.restored_from = "memory" if kept is not None else "storage"
                 if self.auto:
                     self.next_save = step + (self.interval_steps or 1)
                 if main:
