@@ -30,6 +30,7 @@ one does (atexit, threads joined, the exit status of SystemExit or 1 for an unca
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import importlib
@@ -39,7 +40,9 @@ import signal
 import socket
 import struct
 import sys
+import types
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, NoReturn
 
 from node_agent import standby_wire as wire
@@ -51,6 +54,8 @@ EXIT_BAD_USAGE, EXIT_THREADED = 2, 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 """What the rank shim forwards to its worker (rank_shim.FORWARDED_SIGNALS); a claimed standby
 ignores them, its worker decides."""
+_HERE = __file__
+"""This file, whose frames a worker's traceback leaves out (``_cold_frames``)."""
 HANDOVER_TIMEOUT_S = 10.0
 """How long a shim may take to send its request once connected."""
 
@@ -376,10 +381,34 @@ def _run(rank: Rank) -> None:
     if os.environ.get("PYTHONUNBUFFERED"):
         sys.stdout.reconfigure(write_through=True)
         sys.stderr.reconfigure(write_through=True)
-    if rank.kind == "module":
-        runpy._run_module_as_main(rank.entrypoint, alter_argv=True)  # type: ignore[attr-defined]  # what `python -m` runs
-    else:
-        runpy.run_path(rank.entrypoint, run_name="__main__")
+    # A cold interpreter's __main__ is empty; `python -m` runs the module in it. (This one is the
+    # standby's own module, whose names the worker must not see.)
+    fresh = types.ModuleType("__main__")
+    fresh.__dict__.update(__builtins__=builtins, __annotations__={})
+    sys.modules["__main__"] = fresh
+    try:
+        if rank.kind == "module":
+            runpy._run_module_as_main(rank.entrypoint, alter_argv=True)  # type: ignore[attr-defined]  # `python -m`'s
+        else:
+            runpy.run_path(rank.entrypoint, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise  # the interpreter ends as a cold one would (a KeyboardInterrupt by SIGINT)
+    except BaseException as exc:
+        # The traceback a cold start prints: the worker's own frames, not the standby's (the rank
+        # shim classifies the failure from it: a start error fails the job at once).
+        tb = _cold_frames(exc.__traceback__, rank)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # it prints the exception's own traceback
+        sys.exit(1)
+
+
+def _cold_frames(tb: TracebackType | None, rank: Rank) -> TracebackType | None:
+    """``tb`` without the frames a cold ``python -m MOD`` or ``python FILE`` would not have."""
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if name != _HERE and (rank.kind == "module" or name == rank.entrypoint):
+            break
+        tb = tb.tb_next
+    return tb
 
 
 if __name__ == "__main__":

@@ -281,3 +281,52 @@ def test_a_pool_whose_standbys_die_turns_itself_off(tmp_path: Path) -> None:
         assert pool.disabled is not None and "died" in pool.disabled
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(("kind", "source"), [
+    ("file", "import no_such_module_here\n"),
+    ("file", "def main(:\n"),
+    ("file", "def main():\n    raise ValueError('lr must be positive')\nmain()\n"),
+    ("module", None),
+])
+def test_a_failure_in_a_standby_is_classified_as_a_cold_one(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]], kind: str, source: str | None
+) -> None:
+    """The control plane fails a job at once on a start error and shows the worker's own words:
+    a standby's extra frames (runpy, the standby) must change neither."""
+    standbys = tmp_path / "standbys"
+    start_standby(spawned, standbys)
+    entrypoint = str(write_script(tmp_path, "train.py", source)) if source is not None else "no_such_entrypoint"
+    seen = []
+    for name, directory in (("cold", None), ("warm", standbys)):
+        run = fresh(tmp_path, name)
+        assert run_shim(spawned, run, kind, entrypoint, standbys=directory).wait(30) == 1
+        seen.append(record(run))
+    cold, warm = seen
+    assert "standby" not in cold and warm["standby"] is True
+    assert (warm["exit_code"], warm["cause"], warm["message"]) == (cold["exit_code"], cold["cause"], cold["message"])
+
+
+def test_a_module_runs_in_a_fresh_main_and_fails_with_a_cold_traceback(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """`python -m` runs the module in __main__: the standby's own module, unless replaced."""
+    standbys = tmp_path / "standbys"
+    start_standby(spawned, standbys)
+    seen = []
+    for name, directory in (("cold", None), ("warm", standbys)):
+        run = fresh(tmp_path, name)
+        (run / "pkg").mkdir()  # found from the cwd, as `python -m` finds it
+        write_script(run / "pkg", "__init__.py", "")
+        write_script(run / "pkg", "boom.py", (
+            "import sys\n"
+            "print(sorted(k for k in globals() if k != '__loader__'), file=sys.stderr)\n"
+            "def main():\n    raise RuntimeError('boom')\n"
+            "main()\n"))
+        assert run_shim(spawned, run, "module", "pkg.boom", standbys=directory).wait(30) == 1
+        seen.append(((run / "logs" / "rank-0" / "stderr.log").read_text(), record(run)))
+    (cold, cold_record), (warm, warm_record) = seen
+    assert warm_record["standby"] is True and warm.replace("/warm", "/cold") == cold
+    assert "RuntimeError: boom" in warm and "node_agent" not in warm
+    assert (warm_record["cause"], warm_record["message"]) == (
+        cold_record["cause"], cold_record["message"])
