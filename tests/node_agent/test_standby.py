@@ -62,9 +62,10 @@ def start_standby(spawned: list[subprocess.Popen[bytes]], directory: Path, name:
 
 
 def run_shim(spawned: list[subprocess.Popen[bytes]], tmp_path: Path, *args: str, standbys: Path | None,
-             job_env: dict[str, str] | None = None, wrap: list[str] | None = None) -> subprocess.Popen[bytes]:
-    env = {**BASE_ENV, "RANK": "0", "LOCAL_RANK": "0", "TRAINYARD_STATUS_DIR": str(tmp_path / "status"),
-           "TRAINYARD_JOB_ENV": json.dumps(job_env or {"FROM_THE_JOB": "yes"})}
+             job_env: dict[str, str] | None = None, wrap: list[str] | None = None,
+             extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    env = {**BASE_ENV, **(extra_env or {}), "RANK": "0", "LOCAL_RANK": "0",
+           "TRAINYARD_STATUS_DIR": str(tmp_path / "status"), "TRAINYARD_JOB_ENV": json.dumps(job_env or {"FROM_THE_JOB": "yes"})}
     if standbys is not None:
         env["TRAINYARD_STANDBY_DIR"] = str(standbys)
     command = [sys.executable, "-m", "node_agent.rank_shim", "--log-dir", str(tmp_path / "logs"), *args]
@@ -330,3 +331,29 @@ def test_a_module_runs_in_a_fresh_main_and_fails_with_a_cold_traceback(
     assert "RuntimeError: boom" in warm and "node_agent" not in warm
     assert (warm_record["cause"], warm_record["message"]) == (
         cold_record["cause"], cold_record["message"])
+
+
+def test_what_the_preloaded_modules_cached_of_the_standbys_environment_is_not_the_workers(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """A preload that asked for the temporary directory while importing cached the standby's:
+    the worker's files must go to its own TMPDIR (the attempt's private one under an agent)."""
+    (tmp_path / "mods").mkdir()
+    write_script(tmp_path / "mods", "asks_tmp.py", "import tempfile\nCACHED = tempfile.gettempdir()\n")
+    (tmp_path / "standby-tmp").mkdir()
+    standbys = tmp_path / "standbys"
+    socket = standbys / f"t{standby_wire.SOCKET_SUFFIX}"
+    standbys.mkdir()
+    spawned.append(subprocess.Popen(
+        [sys.executable, "-m", "node_agent.standby", "--socket", str(socket), "--parent", str(os.getpid()),
+         "--preload", "asks_tmp"],
+        env={**BASE_ENV, "PYTHONPATH": f"{REPO_ROOT}:{tmp_path / 'mods'}", "TMPDIR": str(tmp_path / "standby-tmp")},
+        start_new_session=True))
+    wait_for(socket.exists, timeout=30, what="the standby listens")
+    script = write_script(tmp_path, "tmp.py", "import tempfile\nprint(tempfile.gettempdir())\n")
+    run = fresh(tmp_path, "run")
+    (run / "own-tmp").mkdir()
+    assert run_shim(spawned, run, "file", str(script), standbys=standbys,
+                    extra_env={"TMPDIR": str(run / "own-tmp")}).wait(30) == 0  # as the agent sets it
+    assert record(run)["standby"] is True
+    assert (run / "logs" / "rank-0" / "stdout.log").read_text().strip() == str(run / "own-tmp")
