@@ -65,7 +65,8 @@ def run_shim(spawned: list[subprocess.Popen[bytes]], tmp_path: Path, *args: str,
              job_env: dict[str, str] | None = None, wrap: list[str] | None = None,
              extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     env = {**BASE_ENV, **(extra_env or {}), "RANK": "0", "LOCAL_RANK": "0",
-           "TRAINYARD_STATUS_DIR": str(tmp_path / "status"), "TRAINYARD_JOB_ENV": json.dumps(job_env or {"FROM_THE_JOB": "yes"})}
+           "TRAINYARD_STATUS_DIR": str(tmp_path / "status"),
+           "TRAINYARD_JOB_ENV": json.dumps(job_env or {"FROM_THE_JOB": "yes"})}
     if standbys is not None:
         env["TRAINYARD_STANDBY_DIR"] = str(standbys)
     command = [sys.executable, "-m", "node_agent.rank_shim", "--log-dir", str(tmp_path / "logs"), *args]
