@@ -78,6 +78,7 @@ def main() -> int:
     timeline = Timeline(args.timeline, ctx.rank)
     timeline.write("start", process_started=PROCESS_STARTED)
     init_distributed(ctx, timeout=300)
+    timeline.write("initialised")
     try:
         trainer = Trainer(cfg, ctx)
         latest = _latest(args.ckpt_dir)

@@ -87,6 +87,8 @@ class Node(Base):
         BigInteger, server_default=text("0"), doc="Registrations so far; the credential of an older one is stale."
     )
     heartbeat_seq: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    memory_port: Mapped[int | None] = mapped_column(
+        Integer, doc="TCP port of its agent's in-memory checkpoint tier at `address`; NULL: the tier is off there.")
     last_heartbeat_at: Mapped[datetime | None] = _ts()
     heartbeat_interval_s: Mapped[float | None] = mapped_column(
         Float, doc="The heartbeat interval its agent was last told (it scales with the cluster); the monitor "
@@ -178,6 +180,9 @@ class Job(Base):
     requirements: Mapped[str | None] = mapped_column(
         Text, doc="A pip requirements file each node installs into a cached venv for its workers; NULL: none.")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    memory_secret: Mapped[str | None] = mapped_column(
+        String(64), doc="Authenticates its agents to each other for the in-memory checkpoint tier "
+        "(services/memtier.py); set at its first allocation, never shown, never given to workers.")
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), ForeignKey("attempts.id", use_alter=True, ondelete="SET NULL")
@@ -271,6 +276,9 @@ class AttemptNode(Base):
     released_at: Mapped[datetime | None] = _ts(doc="When its processes were confirmed gone.")
     spec_version: Mapped[str | None] = mapped_column(
         String(64), doc="Its launch spec's version, fixed at allocation (services/specs.py); NULL before 0014.")
+    memory: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONB, doc="Its in-memory checkpoint tier, fixed at allocation (services/memtier.py): peer_url (the agent "
+        "keeping a copy of its shards) and sources (where the previous attempt's copies may be); NULL: off.")
     # Progress is kept per part, written by the node's own status reports (which never write the job
     # or the attempt row, so a job's nodes report at once); the views derive the attempt's and the
     # job's progress from it (services/progress.py).
@@ -281,6 +289,12 @@ class AttemptNode(Base):
         JSONB, doc="The metrics of that report (the measured compute/communication split, ...), finite values only."
     )
     first_progress_at: Mapped[datetime | None] = _ts(doc="When the first step of this node arrived.")
+    received_at: Mapped[datetime | None] = _ts(
+        doc="When its agent received the part (its report's age by the agent's monotonic clock, taken from the "
+        "control plane's clock: a node's wall clock plays no part). NULL: not reported (an older agent).")
+    initialized_at: Mapped[datetime | None] = _ts(
+        doc="When every rank of the node had initialised its process group (as received_at: an age). NULL: not "
+        "reported (a script without the runtime's init_distributed, or an older agent).")
     # The hang watchdog's clock, per part for the same reason (services/watchdog.py takes the
     # attempt's latest advance over its parts).
     step_advanced_at: Mapped[datetime | None] = _ts(

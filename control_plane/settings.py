@@ -121,6 +121,24 @@ class Settings(BaseSettings):
     straggler_persist_s: float = Field(
         60.0, gt=0, description="How long a rank must stay slow before it is named a straggler (an event, the "
         "job view).")
+    recovery_budget_detection_s: float | None = Field(
+        15.0, gt=0, description="Recovery budget: failure -> the attempt failed (a worker's exit is seen within "
+        "a report; a lost node within node_lost_timeout_s). A recovery over any of its phases' budgets writes a "
+        "recovery.over_budget event (docs/operations.md). Empty: no budget.")
+    recovery_budget_decision_s: float | None = Field(
+        5.0, gt=0, description="Recovery budget: failed -> the new attempt created (the peers stop, the gang is "
+        "placed again).")
+    recovery_budget_wake_up_s: float | None = Field(
+        1.0, gt=0, description="Recovery budget: created -> every node's agent has its part (long poll).")
+    recovery_budget_process_start_s: float | None = Field(
+        30.0, gt=0, description="Recovery budget: received -> every worker process running (torchrun's start, a "
+        "job's requirements).")
+    recovery_budget_rendezvous_s: float | None = Field(
+        60.0, gt=0, description="Recovery budget: running -> every rank's process group initialised (the "
+        "script's imports and torch.distributed's rendezvous).")
+    recovery_budget_restore_s: float | None = Field(
+        120.0, gt=0, description="Recovery budget: initialised -> the first step (the checkpoint read back, one "
+        "step).")
     failure_prior_node_mtbf_h: float = Field(
         5000.0, gt=0, description="Mean time between failures of one node assumed until the cluster has history "
         "(node-hours per failure; the auto checkpoint interval's MTBF).")
@@ -218,6 +236,13 @@ class Settings(BaseSettings):
         from trainyard.protocol.agent import agent_request_timeout_s
 
         return agent_request_timeout_s(self.heartbeat_interval_s, self.node_lost_timeout_s)
+
+    @property
+    def recovery_budgets(self) -> dict[str, float | None]:
+        """Phase -> the cluster's budget in seconds (services/recovery_budget.py PHASES)."""
+        prefix = "recovery_budget_"
+        return {name[len(prefix):-2]: getattr(self, name) for name in type(self).model_fields
+                if name.startswith(prefix)}
 
     def interval_for(self, nodes: int) -> float:
         """The heartbeat interval agents are told in a cluster of ``nodes`` registered nodes: their

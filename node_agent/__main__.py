@@ -16,6 +16,7 @@ from node_agent.config import read_join_token
 from node_agent.gpus import NoGpusError
 from node_agent.isolation import IsolationError, UidRange
 from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
+from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
 
 
 def _uids(text: str) -> UidRange:
@@ -66,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="shards and events held for the control plane, over every attempt of the node")
     parser.add_argument("--outbox-max-mb", type=float, default=MAX_BYTES_PER_NODE / 2**20,
                         help="the same budget in MiB")
+    parser.add_argument("--memory-tier-mb", type=int, default=DEFAULT_BUDGET_MB,
+                        help="host memory for checkpoint shards (the in-memory tier: this node's ranks' latest "
+                        "shards and its peers' copies); 0 turns the tier off")
+    parser.add_argument("--memory-port", type=int, default=0,
+                        help="TCP port peer agents reach the memory tier on (at --address); 0: any free port")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -100,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             env_cache_max_gb=args.env_cache_max_gb,
             outbox_max_items=args.outbox_max_items,
             outbox_max_bytes=int(args.outbox_max_mb * 2**20),
+            memory_tier_mb=args.memory_tier_mb,
+            memory_port=args.memory_port,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -52,6 +52,7 @@ from node_agent.isolation import Isolation, IsolationError, private_dir, reachab
 from node_agent.launcher import NodeContext, standby_env
 from node_agent.launches import Launches
 from node_agent.local_api import BASE_URL, LocalApi, LocalReports
+from node_agent.memtier import MemoryTier, PeerServer
 from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
@@ -89,7 +90,10 @@ class Agent(HeartbeatLoop, ReportLoop):
         self.epoch = 0
         self.orphans = OrphanSweeper(grace_s=config.stop_grace_s, log=self.log)
         self._next_orphan_scan = 0.0
-        self.reports = LocalReports()
+        # A part whose ranks all initialised reports it at once: the recovery's rendezvous phase ends
+        # there, and the control plane closes the recovery at the first step (which may come from
+        # another node's report within a moment).
+        self.reports = LocalReports(on_ready=lambda: self._wake("report"))
         self.outbox = Outbox(node_max_items=config.outbox_max_items, node_max_bytes=config.outbox_max_bytes)
         self.relay = Relay(
             self.outbox,
@@ -124,6 +128,11 @@ class Agent(HeartbeatLoop, ReportLoop):
         self._reconcile_lock = threading.Lock()
         self._launched_at: dict[str, float] = {}
         self._api: LocalApi | None = None
+        self.memory: MemoryTier | None = None
+        """The in-memory checkpoint tier (memtier.py); None when off (memory_tier_mb 0) or its port
+        could not be bound."""
+        self.memory_port: int | None = None
+        self._peer_server: PeerServer | None = None
         self._launches: Launches | None = None
         self.isolation: Isolation | None = None
         self._node: NodeContext | None = None
@@ -168,7 +177,9 @@ class Agent(HeartbeatLoop, ReportLoop):
         # Workers must get through to their own directory and socket, never into the agent's state.
         private_dir(config.work_dir, 0o711)
         private_dir(config.workers_dir, 0o711)
-        self._api = LocalApi(self.reports, self.outbox, grants=self._storage_grants, slots=self.slots)
+        self._start_memory_tier()
+        self._api = LocalApi(self.reports, self.outbox, grants=self._storage_grants, slots=self.slots,
+                             memory=self.memory)
         self._launches = Launches(config, self._api, self.isolation, self.log)
         if self.isolation.isolated:
             for what, directory in (("--worker-root", config.workers_dir), ("--run-dir", self._launches.sockets_dir)):
@@ -257,11 +268,31 @@ class Agent(HeartbeatLoop, ReportLoop):
             self._api.stop()
         if self._standbys is not None:
             self._standbys.close()  # the idle ones; those ranks took are their attempts' processes
+        if self._peer_server is not None:
+            self._peer_server.stop()
+        if self.memory is not None:
+            self.memory.stop()
         for run in self.runs():
             if run.confinement.lease is not None:
                 run.confinement.lease.close()  # as at exit: the next instance claims the uids of what it adopts
         self.client.close()
         self.log.info("agent_stopped")
+
+    def _start_memory_tier(self) -> None:
+        """Serve the in-memory checkpoint tier to peers at address:memory_port. A port that cannot be
+        bound leaves the tier off (logged): it only ever makes restores faster."""
+        config = self.config
+        if config.memory_tier_mb <= 0:
+            return
+        tier = MemoryTier(config.memory_tier_mb * 2**20)
+        try:
+            self._peer_server = PeerServer(tier, config.address, config.memory_port).start()
+        except OSError as exc:
+            self.log.error("memory_tier_off", reason=f"cannot serve peers at {config.address}:{config.memory_port}: "
+                           f"{exc}")
+            return
+        self.memory, self.memory_port = tier, self._peer_server.port
+        self.log.info("memory_tier_on", budget_mb=config.memory_tier_mb, port=self.memory_port)
 
     def _superseded(self, exc: Exception) -> None:
         """Another agent instance registered as this node: the newer one wins. Stop launching, stop

@@ -59,6 +59,7 @@ class AgentCore:
     _reconcile_lock: threading.Lock
     _launched_at: dict[str, float]
     _api: LocalApi | None
+    memory_port: int | None
     _launches: Launches | None
     _node: NodeContext | None
     _standbys: StandbyPool | None

@@ -77,6 +77,7 @@ class DesiredState(SuperviseLoop):
         stop it (an explicit stop comes with the next answer that knows it)."""
         # Shipped code is fetched before the lock (once per content hash; the heartbeat and the long
         # poll take the lock for every request): a slow download holds back no other loop.
+        arrived = time.monotonic()  # a part's wake-up ends here (received_s_ago), its code fetch is process start
         fetched = {spec.attempt_id: self._code(spec) for spec in assignments}
         with self._reconcile_lock:
             refs = unchanged or []
@@ -90,7 +91,7 @@ class DesiredState(SuperviseLoop):
                     self._versions[spec.attempt_id] = spec.version
                 self._launched_at.setdefault(spec.attempt_id, time.monotonic())
                 self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}),
-                             *fetched[spec.attempt_id])
+                             *fetched[spec.attempt_id], received=arrived)
             for run in self.runs():
                 if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
                     run.request_stop("no longer assigned to this node")
@@ -98,7 +99,8 @@ class DesiredState(SuperviseLoop):
             # that sends none): the guard above holds for both.
             self._launched_at = {a: t for a, t in self._launched_at.items() if a in assigned or a in newer}
 
-    def _launch(self, spec: LaunchSpec, code_archive: Path | None = None, code_problem: str | None = None) -> None:
+    def _launch(self, spec: LaunchSpec, code_archive: Path | None = None, code_problem: str | None = None, *,
+                received: float | None = None) -> None:
         assert self._node is not None and self._launches is not None
         with self._runs_lock:
             if spec.attempt_id in self._known or self._stop_event.is_set():
@@ -116,6 +118,7 @@ class DesiredState(SuperviseLoop):
             if run is None:
                 self.reports.unregister(spec.attempt_id)
                 return
+            run.received_at = received if received is not None else time.monotonic()
             self._runs[spec.attempt_id] = run
 
     def _code(self, spec: LaunchSpec) -> tuple[Path | None, str | None]:

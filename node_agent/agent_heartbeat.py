@@ -41,6 +41,7 @@ class HeartbeatLoop(DesiredState):
             labels=self.config.labels,
             agent_version=AGENT_VERSION,
             agent_instance=self.instance,
+            memory_port=self.memory_port,
         )
         if self.superseded is not None:
             return False

@@ -67,6 +67,7 @@ class ReportLoop(AgentCore):
         if finished and run.final_acked:
             return
         report = run.report(*self.reports.snapshot(run.attempt_id), self.reports.rank_summary(run.attempt_id))
+        report = self._with_timings(run, report, now)
         if finished and run.attempt_id not in self.orphans.alive:
             # The process table has nothing of it left: the control plane releases its GPUs on this
             # report, a heartbeat sooner than the one that stops listing it.
@@ -114,6 +115,15 @@ class ReportLoop(AgentCore):
                 self._wake("heartbeat")  # an older control plane: the heartbeat confirms the release
         elif ack.stop:
             run.request_stop("the control plane asked")
+
+    def _with_timings(self, run: AttemptRun, report: AttemptStatusReport, now: float) -> AttemptStatusReport:
+        """The part's received and initialised instants, as ages at ``now`` by this agent's monotonic
+        clock (the control plane puts them on its own clock: this node's wall clock may be off)."""
+        initialized = self.reports.initialized_at(run.attempt_id, run.spec.nproc_per_node)
+        return report.model_copy(update={
+            "received_s_ago": None if run.received_at is None else round(max(0.0, now - run.received_at), 4),
+            "initialized_s_ago": None if initialized is None else round(max(0.0, now - initialized), 4),
+        })
 
     def _ship_logs(self, run: AttemptRun) -> None:
         final = run.finished
@@ -184,4 +194,12 @@ class ReportLoop(AgentCore):
         return HTTPStatus.OK, grants.model_dump(mode="json")
 
 def _without_ranks(report: AttemptStatusReport | None) -> AttemptStatusReport | None:
-    return None if report is None else report.model_copy(update={"ranks": None})
+    """What makes a report new: not its rank summary, nor its ages (which grow at every look), only
+    whether it has them (the report that first says the ranks are initialised goes out at once)."""
+    if report is None:
+        return None
+    return report.model_copy(update={
+        "ranks": None,
+        "received_s_ago": None if report.received_s_ago is None else 0.0,
+        "initialized_s_ago": None if report.initialized_s_ago is None else 0.0,
+    })

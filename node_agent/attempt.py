@@ -102,6 +102,8 @@ class AttemptRun:
         self.last_report: AttemptStatusReport | None = None
         self.last_sent_at = 0.0
         self.next_try_at = 0.0
+        self.received_at: float | None = None
+        """When this agent received the part (its monotonic clock; None: adopted after a restart)."""
 
     @property
     def attempt_id(self) -> str:

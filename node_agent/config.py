@@ -10,6 +10,7 @@ from pathlib import Path
 from node_agent import credential
 from node_agent.isolation import UidRange
 from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
+from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
 
 MAX_STANDBYS = 64
 
@@ -112,6 +113,13 @@ class AgentConfig:
     outbox_max_bytes: int = MAX_BYTES_PER_NODE
     """The same budget in bytes (of the items' JSON)."""
 
+    memory_tier_mb: int = DEFAULT_BUDGET_MB
+    """Host memory (MiB) for checkpoint shards of the in-memory tier (node_agent/memtier.py): the
+    latest two shards of each local rank and the copies peers push here, oldest evicted first. 0: the
+    tier is off on this node (no memory port is registered; workers hand nothing over)."""
+    memory_port: int = 0
+    """TCP port of the memory tier at ``address`` for peer agents; 0: any free port (registered)."""
+
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir).absolute()
         if self.ca_file is not None:
@@ -142,6 +150,8 @@ class AgentConfig:
             raise ValueError("outbox_max_items must be >= 2 and outbox_max_bytes >= 1")
         if not 0 <= self.standbys <= MAX_STANDBYS:
             raise ValueError(f"standbys must be 0..{MAX_STANDBYS}")
+        if self.memory_tier_mb < 0 or not 0 <= self.memory_port <= 65535:
+            raise ValueError("memory_tier_mb must be >= 0 and memory_port a port number (0: any)")
         if self.rdzv_join_timeout_s <= 0:
             raise ValueError("rdzv_join_timeout_s must be > 0")
 

@@ -20,6 +20,7 @@ from node_agent.envs import EnvCache
 from node_agent.isolation import Confinement, Isolation, IsolationError, private_dir, remove_tree
 from node_agent.launcher import AttemptPaths, NodeContext
 from node_agent.local_api import LocalApi
+from node_agent.memtier import AttemptMemory
 from trainyard.protocol.agent import GpuInfo, LaunchSpec
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
 from trainyard.protocol.requirements import requirements_problem
@@ -100,7 +101,7 @@ class Launches:
             confinement = self.isolation.confine(node.node_id or None, spec.attempt_id, spec.node_rank,
                                                  processes.uids_alive)
             self.api.open(spec.attempt_id, paths.socket or Path(), uid=confinement.uid, gid=confinement.gid,
-                          ranks=spec.nproc_per_node)
+                          ranks=spec.nproc_per_node, memory=AttemptMemory.of(spec.job_id, spec.memory))
         except (IsolationError, OSError) as exc:
             reason = f"could not confine the attempt on this node: {exc}"
         else:
@@ -144,7 +145,8 @@ class Launches:
             if run.paths.socket is not None and run.alive:
                 try:
                     self.api.open(run.attempt_id, run.paths.socket, uid=run.confinement.uid, gid=run.confinement.gid,
-                                  ranks=run.spec.nproc_per_node)
+                                  ranks=run.spec.nproc_per_node,
+                                  memory=AttemptMemory.of(run.spec.job_id, run.spec.memory))
                 except OSError as exc:
                     run.log.error("local_api_socket_failed", error=str(exc))
         kept = {run.paths.worker.name for run in runs}

@@ -3,6 +3,7 @@ fenced by the attempt's token, served on one unix socket per attempt.
 
     POST /v1/local/attempts/{attempt_id}/progress   LocalProgress -> 200 {"accepted": true}
     POST /v1/local/attempts/{attempt_id}/result     LocalResult   -> 200 {"accepted": true}
+    POST /v1/local/attempts/{attempt_id}/ready      LocalReady    -> 200 {"accepted": true}
     POST /v1/local/attempts/{attempt_id}/events     LocalEvent    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards     LocalShard    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards?wait=1            -> 200 ShardAck of the control plane
@@ -27,7 +28,9 @@ attempt and ``connections_total`` in all are served at once (503 beyond), each r
 a shard's ?wait=1), and all ranks of a large part waiting together must not lock the part out. A number that is not
 finite (NaN, Infinity, 1e999) anywhere in a body is refused with 422: JSON cannot carry it onward.
 
-The agent forwards progress and result in the attempt's next status report (every rank's step and
+A rank says ``ready`` once its process group is initialised; when every rank of the part did, the
+status report carries how long ago the last one did (``initialized_s_ago``: a recovery's rendezvous
+phase ends there). The agent forwards progress and result in the attempt's next status report (every rank's step and
 timings as the node's RankSummary, global rank 0's loss as the attempt's progress); shards and
 events are queued for the relay (relay.py) and answered at once. The checkpoint interval is the one
 the control plane last set for an 'auto' job (its status answer). With ?wait=1 a shard is answered once the
@@ -66,6 +69,8 @@ from urllib.parse import parse_qs, unquote
 import structlog
 from pydantic import ValidationError
 
+from node_agent.memtier import AttemptMemory, MemoryTier
+from node_agent.memtier_local import MEMORY_ROUTE, serve_memory
 from node_agent.outbox import Outbox
 from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
@@ -73,6 +78,7 @@ from trainyard.protocol.agent import (
     LocalCheckpointInterval,
     LocalEvent,
     LocalProgress,
+    LocalReady,
     LocalResult,
     LocalShard,
     Progress,
@@ -89,7 +95,7 @@ log = structlog.get_logger(__name__)
 
 _ROUTE = re.compile(
     rf"^{re.escape(LOCAL_API_PREFIX)}/attempts/(?P<attempt_id>[^/]+)/"
-    r"(?P<kind>progress|result|shards|events|storage|checkpoint-interval|upload-slot|upload-slot/release)$"
+    r"(?P<kind>progress|result|ready|shards|events|storage|checkpoint-interval|upload-slot|upload-slot/release)$"
 )
 _DIGITS = re.compile(r"[0-9]{1,20}")
 MAX_BODY = 1024 * 1024
@@ -145,6 +151,8 @@ class _AttemptReports:
     result_rank: int | None = None
     ranks: dict[int, _Rank] = field(default_factory=dict)
     checkpoint_interval_steps: int | None = None
+    ready: dict[int, float] = field(default_factory=dict)
+    """Rank -> when it said its process group is initialised (this agent's monotonic clock)."""
 
 
 def _token_bytes(token: str) -> bytes:
@@ -155,9 +163,11 @@ def _token_bytes(token: str) -> bytes:
 class LocalReports:
     """Thread-safe store of the latest progress and the result of each registered attempt."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_ready: Callable[[], None] | None = None) -> None:
+        """``on_ready``: called (outside the lock) when a rank of a registered attempt says ready."""
         self._lock = threading.Lock()
         self._attempts: dict[str, _AttemptReports] = {}
+        self._on_ready = on_ready
 
     def register(self, attempt_id: str, fencing_token: str) -> None:
         with self._lock:
@@ -218,6 +228,25 @@ class LocalReports:
                          silent_s=round(t - s.seen, 3), stalled_s=round(t - s.advanced, 3))
                 for r, s in sorted(entry.ranks.items())
             ])
+
+    def set_ready(self, attempt_id: str, body: LocalReady) -> bool:
+        with self._lock:
+            entry = self._get(attempt_id, body.fencing_token)
+            if entry is None:
+                return False
+            if len(entry.ready) < MAX_NODE_RANKS:
+                entry.ready.setdefault(body.rank, time.monotonic())
+        if self._on_ready is not None:
+            self._on_ready()
+        return True
+
+    def initialized_at(self, attempt_id: str, ranks: int) -> float | None:
+        """When the last of the part's ``ranks`` ranks said it is ready (monotonic); None before all did."""
+        with self._lock:
+            entry = self._attempts.get(attempt_id)
+            if entry is None or ranks < 1 or len(entry.ready) < ranks:
+                return None
+            return max(entry.ready.values())
 
     def set_checkpoint_interval(self, attempt_id: str, steps: int | None) -> None:
         with self._lock:
@@ -305,6 +334,8 @@ class _Context:
     limits: LocalApiLimits
     grants: GrantForwarder | None = None
     slots: SlotRelay | None = None
+    memory: MemoryTier | None = None
+    attempt_memory: AttemptMemory | None = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -314,7 +345,8 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.connection = self.request
         deadline = time.monotonic() + self.server.limits.request_timeout_s
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline))
+        self.reader = _DeadlineReader(self.connection, deadline)
+        self.rfile = io.BufferedReader(self.reader)
         self.wfile = _Writer(self.connection)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
@@ -341,7 +373,21 @@ class _Handler(BaseHTTPRequestHandler):
         payload.update({k: v for k, v in extra.items() if v is not None})
         self._send(status, payload, "application/problem+json")
 
+    def _memory(self) -> bool:
+        """Serve a request of the in-memory checkpoint tier (memtier_local.py); False: not one."""
+        match = MEMORY_ROUTE.match(self.path.partition("?")[0])
+        if match is None:
+            return False
+        serve_memory(self, match)
+        return True
+
+    def do_PUT(self) -> None:  # noqa: N802 - stdlib naming
+        if not self._memory():
+            self._problem(HTTPStatus.NOT_FOUND, f"no route {self.path[:200]}")
+
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        if self._memory():
+            return
         if self.path == "/healthz":
             self._send(HTTPStatus.OK, {"ok": True}, "application/json")
         else:
@@ -406,6 +452,8 @@ class _Handler(BaseHTTPRequestHandler):
                     return
             elif kind == "progress":
                 accepted = reports.add_progress(attempt_id, LocalProgress.model_validate(payload))
+            elif kind == "ready":
+                accepted = reports.set_ready(attempt_id, LocalReady.model_validate(payload))
             else:
                 accepted = reports.set_result(attempt_id, LocalResult.model_validate(payload))
         except ValidationError as exc:
@@ -525,7 +573,8 @@ class _Gate:
 class _Listener:
     """One attempt's socket and its accept thread."""
 
-    def __init__(self, api: LocalApi, attempt_id: str, path: Path, sock: socket.socket, extra: int) -> None:
+    def __init__(self, api: LocalApi, attempt_id: str, path: Path, sock: socket.socket, extra: int,
+                 memory: AttemptMemory | None = None) -> None:
         self.api = api
         self.path = path
         self.sock = sock
@@ -536,7 +585,7 @@ class _Listener:
         """Connections being served now (for diagnostics and tests)."""
         self._count = threading.Lock()
         self.context = _Context(attempt_id, api.reports, api.outbox, api.shard_wait_s, api.limits, api.grants,
-                                api.slots)
+                                api.slots, api.memory, memory)
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._accept_loop, name=f"local-api-{attempt_id[:12]}", daemon=True)
 
@@ -602,8 +651,10 @@ class LocalApi:
         limits: LocalApiLimits | None = None,
         grants: GrantForwarder | None = None,
         slots: SlotRelay | None = None,
+        memory: MemoryTier | None = None,
     ) -> None:
         self.reports = reports or LocalReports()
+        self.memory = memory
         self.outbox = outbox or Outbox()
         self.shard_wait_s = shard_wait_s
         self.grants = grants
@@ -615,10 +666,11 @@ class LocalApi:
         self._stopped = False
 
     def open(self, attempt_id: str, path: Path, *, uid: int | None = None, gid: int | None = None,
-             ranks: int = 0) -> None:
+             ranks: int = 0, memory: AttemptMemory | None = None) -> None:
         """Serve ``attempt_id`` on a socket at ``path`` that only ``uid`` (and the agent) may
         connect to; a socket a previous agent left there is replaced. Idempotent per attempt.
-        ``ranks``: the part's ranks on this node; each adds connections_per_rank to the caps."""
+        ``ranks``: the part's ranks on this node; each adds connections_per_rank to the caps.
+        ``memory``: the part's in-memory checkpoint tier (its job and peer), None: off for it."""
         extra = self.limits.connections_per_rank * max(0, ranks)
         with self._lock:
             if self._stopped or attempt_id in self._listeners:
@@ -642,7 +694,7 @@ class LocalApi:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
                 raise
-            listener = _Listener(self, attempt_id, path, sock, extra)
+            listener = _Listener(self, attempt_id, path, sock, extra, memory)
             self._listeners[attempt_id] = listener
             self.active.resize(extra)
         listener.thread.start()

@@ -174,6 +174,12 @@ def agent(
     outbox_max_items: Annotated[int, typer.Option(
         min=2, help="Shards and events held for the control plane, over every attempt of the node.")] = 50_000,
     outbox_max_mb: Annotated[float, typer.Option(min=0.001, help="The same budget in MiB.")] = 64.0,
+    memory_tier_mb: Annotated[int, typer.Option(
+        min=0, envvar="TRAINYARD_AGENT_MEMORY_TIER_MB",
+        help="Host memory for checkpoint shards (the in-memory tier: this node's ranks' latest shards and "
+        "its peers' copies); 0 turns the tier off.")] = 4096,
+    memory_port: Annotated[int, typer.Option(
+        min=0, max=65535, help="TCP port peer agents reach the memory tier on, at --address; 0: any free port.")] = 0,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
@@ -201,6 +207,8 @@ def agent(
             worker_env_passthrough=tuple(worker_env or ()),
             outbox_max_items=outbox_max_items,
             outbox_max_bytes=int(outbox_max_mb * 2**20),
+            memory_tier_mb=memory_tier_mb,
+            memory_port=memory_port,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

@@ -99,18 +99,33 @@ def attempt_lines(attempts: Sequence[dict[str, Any]]) -> list[Text]:
         lines.append(line)
         recovery = a.get("recovery")
         if recovery:
-            phases = [f"{name} {recovery[key]:.1f}s" for key, name in (
-                ("detection_s", "detect"), ("reallocation_s", "realloc"), ("start_s", "start"),
-                ("restore_s", "restore")) if recovery.get(key) is not None]
-            lost = recovery.get("steps_lost")
-            total = recovery.get("to_first_step_s")
-            lines.append(Text(f"    recovery from #{recovery['after_attempt']}: " + " -> ".join(phases)
-                              + (f" = {total:.1f}s" if total is not None else "")
-                              + (f", {lost} steps lost" if lost is not None else ""), style="magenta"))
+            lines.append(_recovery_line(recovery))
         if a.get("end_reason") and a.get("outcome") != "succeeded":
             kind = f"[{a['failure_kind']}] " if a.get("failure_kind") else ""
             lines.append(Text(f"    {kind}{a['end_reason']}", style="red" if a.get("outcome") == "failed" else ""))
     return lines
+
+
+RECOVERY_PHASES = ("detection", "decision", "wake_up", "process_start", "rendezvous", "restore")
+
+
+def _recovery_line(recovery: dict[str, Any]) -> Text:
+    """Each phase of a recovery in order; a phase over its budget in red, with the budget."""
+    over = {o["phase"]: o for o in recovery.get("over_budget") or []}
+    line = Text(f"    recovery from #{recovery['after_attempt']}: ", style="magenta")
+    shown = [p for p in RECOVERY_PHASES if recovery.get(f"{p}_s") is not None]
+    for i, phase in enumerate(shown):
+        seconds = recovery[f"{phase}_s"]
+        if phase in over:
+            line.append(f"{phase.replace('_', ' ')} {seconds:.2f}s (budget {over[phase]['budget_s']:g}s)", style="red")
+        else:
+            line.append(f"{phase.replace('_', ' ')} {seconds:.2f}s", style="magenta")
+        if i < len(shown) - 1:
+            line.append(" -> ", style="magenta")
+    total, lost = recovery.get("to_first_step_s"), recovery.get("steps_lost")
+    line.append((f" = {total:.2f}s" if total is not None else "")
+                + (f", {lost} steps lost" if lost is not None else ""), style="magenta")
+    return line
 
 
 def describe(job: dict[str, Any], attempts: Sequence[dict[str, Any]], checkpoints: Sequence[dict[str, Any]],

@@ -14,11 +14,15 @@ import gc
 import logging
 import os
 from datetime import timedelta
+from urllib.parse import quote
 
+import httpx
 import torch
 import torch.distributed as dist
 
+from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.restart import VERIFIER_KEY, rendezvous_keyspace, rendezvous_verifier
+from worker_runtime.agent_http import agent_client
 from worker_runtime.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -70,7 +74,26 @@ def init_distributed(ctx: WorkerContext, *, timeout: timedelta | float | None = 
         ctx.local_rank,
         ctx.node_rank,
     )
+    tell_ready(ctx)
     return True
+
+
+def tell_ready(ctx: WorkerContext, timeout_s: float = 2.0) -> bool:
+    """Tell the agent this rank's process group is initialised: a recovery's rendezvous phase ends
+    when every rank did (docs/architecture.md, "Recovery phases"). Best effort: a timing must never
+    stop training, so any failure is logged and forgotten. True if the agent accepted it."""
+    if not ctx.managed:
+        return False
+    url = f"{ctx.agent_url}{LOCAL_API_PREFIX}/attempts/{quote(ctx.attempt_id, safe='')}/ready"
+    try:
+        with agent_client(ctx, timeout_s) as client:
+            response = client.post(url, json={"fencing_token": ctx.fencing_token, "rank": ctx.rank})
+    except httpx.HTTPError as exc:
+        log.warning("could not tell the agent the process group is ready: %s", exc)
+        return False
+    if not response.is_success:
+        log.warning("the agent refused the ready report: HTTP %d", response.status_code)
+    return response.is_success
 
 
 def fenced_store(ctx: WorkerContext, *, timeout: timedelta) -> dist.Store:

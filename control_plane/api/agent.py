@@ -86,8 +86,9 @@ async def wait(body: WaitRequest, token: NodeToken, settings: SettingsDep, runti
 
 @router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)
 def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeIdentity,
-                   session: SessionDep, runtime: RuntimeDep) -> AttemptStatusAck:
-    answer = agent_protocol.report_status(session, node, attempt_id, body, runtime)
+                   session: SessionDep, runtime: RuntimeDep, settings: SettingsDep) -> AttemptStatusAck:
+    answer = agent_protocol.report_status(session, node, attempt_id, body, runtime,
+                                          budgets=settings.recovery_budgets)
     return AttemptStatusAck(attempt_state=answer.attempt_state, stop=answer.stop, released=answer.released,
                             checkpoint_interval_steps=answer.checkpoint_interval_steps)
 

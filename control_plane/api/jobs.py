@@ -100,11 +100,11 @@ def cancel_job(job_id: uuid.UUID, session: SessionDep, principal: JobsCancel) ->
 
 
 @router.get("/{job_id}/attempts", response_model=AttemptPage, responses=ERRORS, summary="A job's attempts")
-def list_attempts(job_id: uuid.UUID, session: SessionDep, principal: JobsRead, limit: Limit = 100,
-                  cursor: Cursor = None) -> AttemptPage:
-    """Oldest first, `limit` at a time."""
+def list_attempts(job_id: uuid.UUID, session: SessionDep, principal: JobsRead, settings: SettingsDep,
+                  limit: Limit = 100, cursor: Cursor = None) -> AttemptPage:
+    """Oldest first, `limit` at a time; each recovery phase by phase, against its budget."""
     jobs.get_visible_job(session, job_id, principal)
-    return views.attempts_page(session, job_id, limit=limit, cursor=cursor)
+    return views.attempts_page(session, job_id, limit=limit, cursor=cursor, budgets=settings.recovery_budgets)
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointPage, responses=ERRORS, summary="A job's checkpoints")

@@ -107,14 +107,16 @@ def jobs_fragment(request: Request, session: SessionDep, principal: UiJobsRead,
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-def job_page(request: Request, job_id: uuid.UUID, session: SessionDep, principal: UiJobsRead) -> HTMLResponse:
-    page = dashboard.job_page(session, principal, job_id)
+def job_page(request: Request, job_id: uuid.UUID, session: SessionDep, principal: UiJobsRead,
+             settings: SettingsDep) -> HTMLResponse:
+    page = dashboard.job_page(session, principal, job_id, settings.recovery_budgets)
     return _page(request, "job.html", principal, page=page, chart=Markup(page.chart))  # noqa: S704 - our own SVG
 
 
 @router.get("/jobs/{job_id}/live", response_class=HTMLResponse)
-def job_live(request: Request, job_id: uuid.UUID, session: SessionDep, principal: UiJobsRead) -> HTMLResponse:
-    page = dashboard.job_page(session, principal, job_id)
+def job_live(request: Request, job_id: uuid.UUID, session: SessionDep, principal: UiJobsRead,
+             settings: SettingsDep) -> HTMLResponse:
+    page = dashboard.job_page(session, principal, job_id, settings.recovery_budgets)
     return _page(request, "_job_live.html", principal, page=page, chart=Markup(page.chart))  # noqa: S704
 
 

@@ -449,7 +449,7 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
         (locked[p.job_id], [(nodes[node_id], ix) for node_id, ix in p.nodes],
          _pick_port(used_ports, nodes[p.nodes[0][0]].address, settings, seed + i))
         for i, p in enumerate(admitted)
-    ])
+    ], topology_label=settings.topology_label)
     return admitted
 
 

@@ -62,6 +62,19 @@ class CheckpointSettings(BaseModel):
         "(training blocks), or skip this save (a checkpoint.skipped event).")
 
 
+class RecoveryBudgets(BaseModel):
+    """A job's budget for each phase of a recovery, in seconds (null: the cluster's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    detection: float | None = Field(default=None, gt=0, le=86400)
+    decision: float | None = Field(default=None, gt=0, le=86400)
+    wake_up: float | None = Field(default=None, gt=0, le=86400)
+    process_start: float | None = Field(default=None, gt=0, le=86400)
+    rendezvous: float | None = Field(default=None, gt=0, le=86400)
+    restore: float | None = Field(default=None, gt=0, le=86400)
+
+
 class WatchdogSettings(BaseModel):
     """The job's own watchdog settings; each null takes the cluster's (TRAINYARD_HANG_*, _STRAGGLER_*)."""
 
@@ -74,6 +87,9 @@ class WatchdogSettings(BaseModel):
         default=None, gt=1, le=100, description="A rank this many times slower than its peers' median is named.")
     avoid_stragglers: bool = Field(
         default=False, description="The next recovery does not place the job on a node named a straggler.")
+    recovery_budget_s: RecoveryBudgets | None = Field(
+        default=None, description="This job's own recovery budgets, phase by phase (seconds); a phase left out "
+        "takes the cluster's. A recovery over budget writes a recovery.over_budget event.")
 
 
 class CodeIn(BaseModel):
@@ -375,19 +391,36 @@ class AttemptNodeOut(BaseModel):
     workers: list[WorkerOut]
 
 
+class RecoveryOverrunOut(BaseModel):
+    phase: str = Field(description="detection, decision, wake_up, process_start, rendezvous or restore.")
+    seconds: float
+    budget_s: float
+
+
 class RecoveryOut(BaseModel):
-    """How this attempt took over from the failed one before it. Durations in seconds; a phase that
-    has not happened yet is null."""
+    """How this attempt took over from the failed one before it, phase by phase (docs/architecture.md,
+    "Recovery phases"). Durations in seconds. A phase not reached yet is null; so is one whose end
+    was not reported (an older agent, a script without the runtime's init_distributed): its time
+    then counts in the next phase. The phases that are not null add up to to_first_step_s."""
 
     after_attempt: int = Field(description="Number of the failed attempt this one replaced.")
     failure_at: datetime = Field(description="First evidence of the failure (a worker's exit, or the decision).")
     detection_s: float | None = Field(description="Failure -> the control plane failed the attempt.")
-    reallocation_s: float | None = Field(description="Failed -> this attempt's gang was allocated.")
-    start_s: float | None = Field(description="Allocated -> every worker running.")
+    decision_s: float | None = Field(description="Failed -> this attempt created (its gang placed).")
+    wake_up_s: float | None = Field(description="Created -> every node's agent had its part (the agents' own "
+                                    "monotonic clocks, as ages: a skewed node clock does not move it).")
+    process_start_s: float | None = Field(description="Received -> every worker process running.")
+    rendezvous_s: float | None = Field(
+        description="Running -> every rank's process group initialised (the script's imports, then the rendezvous).")
     restore_s: float | None = Field(
-        description="Every worker running -> the first step reported: loading the checkpoint, then one step.")
+        description="Initialised -> the first step reported: loading the checkpoint, then one step.")
     to_first_step_s: float | None = Field(description="Failure -> this attempt's first step reported.")
     steps_lost: int | None = Field(description="Steps the failed attempt had reported beyond the restored step.")
+    budget_s: dict[str, float] = Field(
+        default_factory=dict, description="Each phase's budget (the job's watchdog.recovery_budget_s over the "
+        "cluster's TRAINYARD_RECOVERY_BUDGET_*_S); a phase without one is absent.")
+    over_budget: list[RecoveryOverrunOut] = Field(
+        default_factory=list, description="The phases that took longer than their budget (in order).")
 
 
 class AttemptOut(BaseModel):

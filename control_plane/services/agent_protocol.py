@@ -6,6 +6,7 @@ the routes' one runtime dependency (api/deps.py ``RuntimeDep``)."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
@@ -15,7 +16,18 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
 from control_plane.models import Attempt, Node
-from control_plane.services import attempts, checkpoints, intervals, metrics, nodes, progress, specs, views
+from control_plane.services import (
+    attempts,
+    checkpoints,
+    events,
+    intervals,
+    metrics,
+    nodes,
+    progress,
+    recovery_budget,
+    specs,
+    views,
+)
 from control_plane.settings import Settings
 from trainyard.protocol.agent import (
     AssignmentRef,
@@ -132,12 +144,14 @@ class StatusAnswer:
 
 
 def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport,
-                  wakeups: Wakeups) -> StatusAnswer:
+                  wakeups: Wakeups, *, budgets: Mapping[str, float | None] | None = None) -> StatusAnswer:
     """Merge an attempt status report (attempts.apply_status, which shares the job and the attempt
     with the other nodes' reports) and commit it; then, if it may have decided something, settle
     the attempt under its exclusive locks (attempts.settle) and commit that. A final report that
     released the last GPUs of a gang schedules at once, as a heartbeat would. The answer carries
-    the checkpoint interval the platform chose for an 'auto' job (services/intervals.py)."""
+    the checkpoint interval the platform chose for an 'auto' job (services/intervals.py). The report
+    that brings a recovering attempt's first step closes the recovery: its phases are observed and
+    checked against ``budgets`` (the cluster's recovery budgets, under the job's own)."""
     if report.state in (NodeAttemptState.exited, NodeAttemptState.stopped):
         failpoints.hit("agent.final_status")  # a slow final status (fault tests)
     ended_before = attempts.ended_count(session)
@@ -149,22 +163,32 @@ def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: A
         attempt = attempts.settle(session, attempt_id, report.result) or attempt
         session.commit()
     interval = intervals.current_steps(session, attempt)
-    _observe_recovery(session, attempt, session.info.pop("first_step_at", None))
+    _observe_recovery(session, attempt, session.info.pop("first_step_at", None), budgets)
     session.commit()
     _after_release(session, wakeups, ended_before)
     return StatusAnswer(attempt_state=attempt.state, stop=merged.part.desired == "stop", released=merged.released,
                         checkpoint_interval_steps=interval)
 
 
-def _observe_recovery(session: Session, attempt: Attempt, first_step_at: datetime | None) -> None:
-    """The first step of an attempt after a failed one ends a recovery: its phases, once. A report
-    that brought its node's first step (``first_step_at``, set by apply_status) brought the attempt's
-    if no other node's first step is earlier (committed reports only: of two at once, the earlier)."""
+def _observe_recovery(session: Session, attempt: Attempt, first_step_at: datetime | None,
+                      budgets: Mapping[str, float | None] | None) -> None:
+    """The first step of an attempt after a failed one ends a recovery: its phases, once, and an
+    event naming each phase over its budget. A report that brought its node's first step
+    (``first_step_at``, set by apply_status) brought the attempt's if no other node's first step is
+    earlier (committed reports only: of two at once, the earlier)."""
     if first_step_at is None or attempt.number <= 1 or progress.first_at(session, attempt.id) != first_step_at:
         return
-    phases = views.recovery_phases(session, attempt)
-    if phases:
-        metrics.observe_recovery(phases)
+    recovery = views.recovery_of(session, attempt, views.job_budgets(session, attempt.job_id, budgets))
+    if recovery is None:
+        return
+    phases = {phase: getattr(recovery, f"{phase}_s") for phase in recovery_budget.PHASES}
+    metrics.observe_recovery({**phases, "total": recovery.to_first_step_s})
+    if recovery.over_budget:
+        overruns = [recovery_budget.Overrun(o.phase, o.seconds, o.budget_s) for o in recovery.over_budget]
+        events.record(session, "recovery.over_budget", recovery_budget.describe(overruns, recovery.to_first_step_s),
+                      job_id=attempt.job_id, attempt_id=attempt.id,
+                      phases=[o.phase for o in overruns], seconds=phases, budget_s=recovery.budget_s,
+                      total_s=recovery.to_first_step_s)
 
 
 def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: ShardReport,

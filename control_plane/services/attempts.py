@@ -26,7 +26,7 @@ from control_plane.clock import now
 from control_plane.db import reload
 from control_plane.errors import Forbidden
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
-from control_plane.services import events, intervals, progress, specs
+from control_plane.services import events, intervals, memtier, progress, specs
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
 from control_plane.services.locks import attempt_order, lock_part, lock_parts
@@ -63,19 +63,21 @@ NodePlacement = Sequence[tuple[NodeLike, Sequence[int]]]
 """Node rank i is ``placement[i]``: the node and its GPU indices."""
 
 
-def create_attempt(session: Session, job: Job, placement: NodePlacement, *, rdzv_port: int) -> Attempt:
+def create_attempt(session: Session, job: Job, placement: NodePlacement, *, rdzv_port: int,
+                   topology_label: str = "rack") -> Attempt:
     """Create the attempt, its per-node parts and every GPU lease, in the caller's transaction.
 
     The database refuses a lease on a GPU that is already leased, and refuses at commit an
     attempt whose leases do not cover its whole gang.
     """
-    (attempt_id,) = create_attempts(session, [(job, placement, rdzv_port)])
+    (attempt_id,) = create_attempts(session, [(job, placement, rdzv_port)], topology_label=topology_label)
     attempt = session.get(Attempt, attempt_id)
     assert attempt is not None
     return attempt
 
 
-def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlacement, int]]) -> list[uuid.UUID]:
+def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlacement, int]], *,
+                    topology_label: str = "rack") -> list[uuid.UUID]:
     """``create_attempt`` for many (job, placement, rendezvous port) at once: a scheduling pass may
     admit hundreds of gangs, so attempts, parts and leases go in as three bulk INSERTs. The jobs
     must be locked by the caller and waiting; each moves to ``starting``. Returns the attempt ids.
@@ -101,6 +103,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
     attempt_rows: list[dict[str, Any]] = []
     part_rows: list[dict[str, Any]] = []
     lease_rows: list[dict[str, Any]] = []
+    peers = memtier.Peers(session, topology_label)
     for job, placement, port in allocations:
         attempt_id = uuid.uuid4()
         earlier = last.get(job.id)
@@ -113,9 +116,10 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
             "restore_manifest": restore_plan(session, job) if earlier else None,
             "checkpoint_interval_steps": intervals.launch_steps(job),
         })
+        memory = peers.blocks(job, [node.id for node, _ in placement], earlier)
         for node_rank, (node, indices) in enumerate(placement):
             part = {"id": uuid.uuid4(), "attempt_id": attempt_id, "node_id": node.id, "node_rank": node_rank,
-                    "gpu_indices": list(indices), "desired": "run", "state": "assigned"}
+                    "gpu_indices": list(indices), "desired": "run", "state": "assigned", "memory": memory[node_rank]}
             # Its spec never changes from now on: versioned once (services/specs.py).
             part["spec_version"] = specs.launch_spec(job, SimpleNamespace(**attempt_rows[-1]),
                                                      SimpleNamespace(**part), None).version
@@ -424,6 +428,7 @@ def apply_status(
     part = lock_part(session, part.id)
     t = now()
     part.reported_at = t
+    _mark_timings(part, attempt, report, t)
     if advance_part(session, part, report.state.value, job_id=job.id) and report.exit_code is not None:
         part.exit_code = report.exit_code
     if report.error and not part.error:
@@ -457,6 +462,16 @@ def apply_status(
         or (attempt.state == "starting" and part.state == "running")
         or (part.state in PART_STARTED and _failure_undecided(session, attempt.id))))
     return StatusMerged(attempt=attempt, part=part, released=released, settle=settle)
+
+
+def _mark_timings(part: AttemptNode, attempt: Attempt, report: AttemptStatusReport, t: datetime) -> None:
+    """The instants the agent reports as ages (its monotonic clock), on our clock: once each. Never
+    before the attempt existed: a report's own latency is the only error, and it can only make an
+    instant later."""
+    if report.received_s_ago is not None and part.received_at is None:
+        part.received_at = max(attempt.created_at, t - timedelta(seconds=report.received_s_ago))
+    if report.initialized_s_ago is not None and part.initialized_at is None:
+        part.initialized_at = max(attempt.created_at, t - timedelta(seconds=report.initialized_s_ago))
 
 
 def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | None = None) -> Attempt | None:

@@ -41,6 +41,7 @@ from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
 from control_plane.services import events, progress
 from control_plane.services.fencing import authorize_report, check_own_ranks
+from control_plane.services.memtier_facts import restored_tiers
 from control_plane.services.states import (
     CHECKPOINT,
     CHECKPOINT_COLLECTED,
@@ -409,8 +410,12 @@ def record_worker_events(session: Session, node: Node, attempt_id: uuid.UUID, ba
                     Attempt.job_id == job.id, Attempt.number == attempt.number - 1))
                 before = progress.step_of(session, previous) if previous is not None else None
                 lost = (before or 0) - step
+                facts: dict[str, Any] = {"step": step, "steps_lost": max(lost, 0)}
+                tiers = restored_tiers(ev.data)  # which tier (memory, peer, S3) served each rank
+                if tiers is not None:
+                    facts["tiers"] = tiers
                 events.record(session, "checkpoint.restored", f"attempt {attempt.number} restored step {step}",
-                              job_id=job.id, attempt_id=attempt.id, step=step, steps_lost=max(lost, 0))
+                              job_id=job.id, attempt_id=attempt.id, **facts)
             continue
         if ev.kind == "checkpoint.fallback":
             bad = _job_checkpoint(session, job, ev.data)

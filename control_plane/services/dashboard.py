@@ -4,6 +4,7 @@ API's own visibility rules (a member or viewer sees its tenant's jobs only)."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
@@ -40,10 +41,11 @@ class JobPage:
     ended: bool
 
 
-def job_page(session: Session, principal: Principal, job_id: uuid.UUID) -> JobPage:
+def job_page(session: Session, principal: Principal, job_id: uuid.UUID,
+             budgets: Mapping[str, float | None] | None = None) -> JobPage:
     job = jobs.get_visible_job(session, job_id, principal)
     out = views.job_out(session, job)
-    attempts = views.attempts_out(session, job.id)[-50:]
+    attempts = views.attempts_out(session, job.id, budgets)[-50:]
     checkpoints = views.checkpoints_page(session, job.id, limit=10, cursor=None).items
     rows = progress.chart_samples(session, job.id)
     samples = [ProgressSampleOut(attempt_number=r.attempt_number, step=r.step, loss=r.loss,

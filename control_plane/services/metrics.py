@@ -49,7 +49,8 @@ CKPT_BYTES = Counter("trainyard_checkpoint_shard_bytes", "Bytes of checkpoint sh
 CKPT_THROUGHPUT = Histogram("trainyard_checkpoint_upload_bytes_per_second", "One shard's upload throughput.",
                             buckets=(1e6, 1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9), registry=PROCESS)
 RECOVERY_PHASE = Histogram("trainyard_recovery_phase_seconds",
-                           "Phases of a recovery, observed at the new attempt's first step.", ["phase"],
+                           "Phases of a recovery (detection, decision, wake_up, process_start, rendezvous, "
+                           "restore, total), observed at the new attempt's first step.", ["phase"],
                            buckets=_LONG, registry=PROCESS)
 
 

@@ -69,6 +69,7 @@ def register(session: Session, req: RegisterRequest, credential: str, *,
             state="ready",
             schedulable=True,
             labels=req.labels,
+            memory_port=req.memory_port,
             token_hash=hash_token(token),
             agent_version=req.agent_version,
             agent_instance=instance,
@@ -83,6 +84,7 @@ def register(session: Session, req: RegisterRequest, credential: str, *,
     else:
         node.address = req.address
         node.labels = req.labels or node.labels
+        node.memory_port = req.memory_port
         node.agent_epoch = (node.agent_epoch or 0) + 1
         token = _node_token(node.id, node.agent_epoch)
         node.token_hash = hash_token(token)

@@ -25,6 +25,7 @@ from control_plane.services.states import ATTEMPT_LIVE
 from trainyard.protocol.agent import AssignmentRef, CodeRef, KnownAssignment, LaunchSpec
 from trainyard.protocol.keys import job_checkpoint_prefix
 from trainyard.protocol.layout import Layout
+from trainyard.protocol.memtier import MemoryTierSpec
 
 SPEC_STORAGE_KEYS = ("prefix",)
 """The part of LaunchSpec.storage that is per attempt; the rest (credentials) goes to an agent once,
@@ -55,11 +56,20 @@ def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | 
         python=job.python,
         requirements=job.requirements,
         restore_from=attempt.restore_manifest,
+        memory=_memory(job, part),
         launched=part.state != "assigned",
         storage={**(storage or {}), "prefix": job_checkpoint_prefix(job.id)},
     )
     spec.version = spec_version(spec)
     return spec
+
+
+def _memory(job: Job, part: Any) -> MemoryTierSpec | None:
+    """The part's in-memory checkpoint tier (services/memtier.py), or None where it is off."""
+    block = getattr(part, "memory", None)
+    if not block or not job.memory_secret:
+        return None
+    return MemoryTierSpec(secret=job.memory_secret, peer_url=block.get("peer_url"), sources=block.get("sources") or [])
 
 
 def _checkpoint(job: Job, attempt: Any) -> dict[str, object]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -42,6 +43,7 @@ from control_plane.schemas.jobs import (
     ProgressPage,
     ProgressSampleOut,
     RecoveryOut,
+    RecoveryOverrunOut,
     SplitOut,
     StepSplitOut,
     WorkerOut,
@@ -50,7 +52,7 @@ from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.uploads import CheckpointUploadOut
-from control_plane.services import events, goodput, pages, progress, reservations, tenants, watchdog
+from control_plane.services import events, goodput, pages, progress, recovery_budget, reservations, tenants, watchdog
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_ACTIVE, JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
@@ -298,7 +300,8 @@ def _queue_reasons(job: Job, caps: list[_NodeCap]) -> list[str]:
     return []
 
 
-def attempts_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None) -> AttemptPage:
+def attempts_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: str | None,
+                  budgets: Mapping[str, float | None] | None = None) -> AttemptPage:
     """The job's attempts, oldest first, ``limit`` at a time (keyset on the attempt number)."""
     after = pages.decode(cursor, int)[0] if cursor else 0
     # The attempt before the page too: the first one's recovery is measured from it.
@@ -313,12 +316,13 @@ def attempts_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: st
     before = rows[0] if rows and rows[0].number == after else None
     page = rows[1:] if before is not None else rows
     more = len(page) > limit
-    items = _attempts_out(session, page[:limit], before)
+    items = _attempts_out(session, page[:limit], before, budgets)
     return AttemptPage(items=items, next_cursor=pages.encode(page[limit - 1].number) if more else None)
 
 
-def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
-    """Every attempt of the job, oldest first."""
+def attempts_out(session: Session, job_id: uuid.UUID,
+                 budgets: Mapping[str, float | None] | None = None) -> list[AttemptOut]:
+    """Every attempt of the job, oldest first; ``budgets``: the cluster's recovery budgets."""
     attempts = list(session.scalars(
         select(Attempt)
         .where(Attempt.job_id == job_id)
@@ -328,10 +332,19 @@ def attempts_out(session: Session, job_id: uuid.UUID) -> list[AttemptOut]:
             selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
         )
     ))
-    return _attempts_out(session, attempts, None)
+    return _attempts_out(session, attempts, None, budgets)
 
 
-def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | None) -> list[AttemptOut]:
+def job_budgets(session: Session, job_id: uuid.UUID,
+                cluster: Mapping[str, float | None] | None) -> dict[str, float | None]:
+    """The job's recovery budgets: its watchdog.recovery_budget_s over the cluster's."""
+    own = (session.scalar(select(Job.watchdog).where(Job.id == job_id)) or {}).get("recovery_budget_s")
+    return recovery_budget.budgets_for(cluster or {}, own)
+
+
+def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | None,
+                  cluster_budgets: Mapping[str, float | None] | None = None) -> list[AttemptOut]:
+    budgets = job_budgets(session, attempts[0].job_id, cluster_budgets) if attempts else {}
     names = dict(session.execute(
         select(Node.id, Node.name).where(Node.id.in_({a.failed_node_id for a in attempts if a.failed_node_id}))
     ).all()) if any(a.failed_node_id for a in attempts) else {}
@@ -352,7 +365,7 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
             hung_since=a.hung_since,
             progress_metrics=done[a.id].metrics or {},
             failure_kind=a.failure_kind,
-            recovery=_recovery(previous.get(a.id), a, done),
+            recovery=_recovery(previous.get(a.id), a, done, budgets),
             created_at=a.created_at,
             started_at=a.started_at,
             first_progress_at=done[a.id].first_at,
@@ -397,40 +410,53 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     return round((end - start).total_seconds(), 3) if start is not None and end is not None else None
 
 
-def _recovery(prev: Attempt | None, a: Attempt, done: dict[uuid.UUID, progress.Progress]) -> RecoveryOut | None:
-    """The phases of the recovery from ``prev``'s failure to ``a``'s first step."""
+def _last(values: list[datetime | None]) -> datetime | None:
+    """The latest of every part's instant; None unless every part reported one."""
+    return None if not values or any(v is None for v in values) else max(v for v in values if v is not None)
+
+
+def _recovery(prev: Attempt | None, a: Attempt, done: dict[uuid.UUID, progress.Progress],
+              budgets: Mapping[str, float | None] | None = None) -> RecoveryOut | None:
+    """The phases of the recovery from ``prev``'s failure to ``a``'s first step (recovery_budget.split),
+    and those over ``budgets`` (the cluster's, under the job's own)."""
     if prev is None or prev.outcome != "failed" or prev.failed_at is None:
         return None
     exits = [w.ended_at for p in prev.nodes for w in p.workers
              if w.ended_at is not None and w.exit_code not in (0, None)]
     failure_at = min([prev.failed_at, *exits])
     lost = None
-    reached, first_step_at = done[prev.id].step, done[a.id].first_at
+    reached = done[prev.id].step
     if reached is not None:
         lost = max(reached - (a.restored_from_step or 0), 0)
+    marks = recovery_budget.Marks(
+        failure=failure_at, failed=prev.failed_at, created=a.created_at,
+        received=_last([p.received_at for p in a.nodes]), running=a.started_at,
+        initialised=_last([p.initialized_at for p in a.nodes]), first_step=done[a.id].first_at)
+    cut = recovery_budget.split(marks)
+    over = recovery_budget.over_budget(cut.phases, budgets or {})
     return RecoveryOut(
         after_attempt=prev.number,
         failure_at=failure_at,
-        detection_s=_seconds(failure_at, prev.failed_at),
-        reallocation_s=_seconds(prev.failed_at, a.created_at),
-        start_s=_seconds(a.created_at, a.started_at),
-        restore_s=_seconds(a.started_at, first_step_at),
-        to_first_step_s=_seconds(failure_at, first_step_at),
+        **{f"{phase}_s": seconds for phase, seconds in cut.phases.items()},
+        to_first_step_s=cut.total_s,
         steps_lost=lost,
+        budget_s={k: v for k, v in (budgets or {}).items() if v is not None},
+        over_budget=[RecoveryOverrunOut(phase=o.phase, seconds=o.seconds, budget_s=o.budget_s) for o in over],
     )
 
 
-def recovery_phases(session: Session, attempt: Attempt) -> dict[str, float | None] | None:
-    """The phases of the recovery ``attempt`` ended with its first step (None: it followed no failure)."""
-    prev = session.scalars(select(Attempt).where(Attempt.job_id == attempt.job_id,
-                                                 Attempt.number == attempt.number - 1)
-                           .options(selectinload(Attempt.nodes).selectinload(AttemptNode.workers))).first()
+def recovery_of(session: Session, attempt: Attempt,
+                budgets: Mapping[str, float | None] | None = None) -> RecoveryOut | None:
+    """The recovery ``attempt`` ended with its first step (None: it followed no failure)."""
+    # Read again (populate_existing): the other nodes' reports committed what this session has not seen.
+    both = {a.number: a for a in session.scalars(
+        select(Attempt).where(Attempt.job_id == attempt.job_id, Attempt.number.in_([attempt.number - 1,
+                                                                                    attempt.number]))
+        .options(selectinload(Attempt.nodes).selectinload(AttemptNode.workers))
+        .execution_options(populate_existing=True))}
+    prev, attempt = both.get(attempt.number - 1), both.get(attempt.number, attempt)
     done = {a.id: progress.of_parts(a.nodes) for a in (prev, attempt) if a is not None}
-    recovery = _recovery(prev, attempt, done)
-    if recovery is None:
-        return None
-    return {"detection": recovery.detection_s, "reallocation": recovery.reallocation_s, "start": recovery.start_s,
-            "restore": recovery.restore_s, "total": recovery.to_first_step_s}
+    return _recovery(prev, attempt, done, budgets)
 
 
 def node_out(session: Session, nodes: list[Node]) -> list[NodeOut]:

@@ -14,9 +14,11 @@ from control_plane import clock
 from control_plane.db import session_scope
 from control_plane.models import Node
 from control_plane.scheduler.loops import Loops
-from control_plane.services import attempts, nodes
-from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
+from control_plane.services import attempts, metrics, nodes
+from control_plane.services.recovery_budget import PHASES
+from tests.factories import ADMIN, ADMIN_TOKEN, FakeAgentSession, job_body, workers_for
 from tests.helpers import in_parallel
+from trainyard import job_view
 from trainyard.protocol.agent import HeartbeatRequest
 
 
@@ -144,9 +146,98 @@ def test_job_view_tells_how_each_recovery_went(client, schedule, three_nodes):
     assert first["recovery"] is None and first["progress_step"] == 57 and first["failed_node"] == name
     rec = second["recovery"]
     assert rec["after_attempt"] == 1 and rec["steps_lost"] == 17 and second["restored_from_step"] == 40
-    for phase in ("detection_s", "reallocation_s", "start_s", "restore_s", "to_first_step_s"):
+    for phase in ("detection_s", "decision_s", "process_start_s", "restore_s", "to_first_step_s"):
         assert rec[phase] is not None and rec[phase] >= 0, phase
-    assert rec["to_first_step_s"] >= rec["reallocation_s"]
+    # This agent reported neither when it received the part nor the ranks' rendezvous: those phases
+    # are null and their time is in the next ones, which still add up to the whole.
+    assert rec["wake_up_s"] is None and rec["rendezvous_s"] is None
+    assert sum(rec[f"{p}_s"] or 0 for p in PHASES) == pytest.approx(rec["to_first_step_s"], abs=1e-6)
+
+
+def _at(t) -> str:
+    return t.isoformat().replace("+00:00", "Z")
+
+
+def test_a_recovery_splits_into_its_phases_on_the_control_planes_clock_and_names_the_one_over_budget(
+        client, schedule, three_nodes, clock):
+    budget = {"rendezvous": 1.0}
+    job = client.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=1,
+                                                 watchdog={"recovery_budget_s": budget}), headers=ADMIN).json()
+    assert schedule() == 1
+    [(name, spec)] = _assignments(three_nodes).items()
+    agent = next(a for a in three_nodes if a.name == name)
+    agent.status(spec, "running", workers=workers_for(spec, "running"),
+                 progress={"step": 30, "loss": 1.0, "at": _at(clock.t)})
+    failure = clock.t
+    clock.advance(0.4)  # the exit reaches the control plane 0.4 s after it happened
+    workers = [{**w, "ended_at": _at(failure)} for w in workers_for(spec, "exited", -9)]
+    assert agent.status(spec, "exited", exit_code=-9, workers=workers).status_code == 200
+    clock.advance(0.6)
+    agent.heartbeat([])
+    assert schedule() == 1  # decision: 0.6 s
+    [(name2, spec2)] = _assignments(three_nodes).items()
+    agent2 = next(a for a in three_nodes if a.name == name2)
+    before = metrics.PROCESS.get_sample_value("trainyard_recovery_phase_seconds_count", {"phase": "wake_up"}) or 0
+    # The agent's wall clock is four years ahead: the worker times it sends are nonsense to us, and
+    # nothing of the split may depend on them. Its ages are by its monotonic clock.
+    skewed = [{**w, "started_at": "2030-12-05T03:00:00Z"} for w in workers_for(spec2, "running")]
+    clock.advance(0.5)
+    assert agent2.status(spec2, "launching", received_s_ago=0.2).status_code == 200  # received at +1.3
+    clock.advance(1.0)
+    assert agent2.status(spec2, "running", workers=skewed, received_s_ago=1.2).status_code == 200  # running +2.5
+    clock.advance(2.0)
+    r = agent2.status(spec2, "running", workers=skewed, received_s_ago=3.2, initialized_s_ago=0.5)  # init at +4.0
+    assert r.status_code == 200, r.text
+    clock.advance(0.7)
+    r = agent2.status(spec2, "running", workers=skewed, received_s_ago=3.9, initialized_s_ago=1.2,
+                      progress={"step": 21, "loss": 1.0, "at": "2030-12-05T03:00:05Z"})  # first step at +5.2
+    assert r.status_code == 200, r.text
+
+    rec = _attempts(client, job["id"])[1]["recovery"]
+    assert {p: rec[f"{p}_s"] for p in PHASES} == {
+        "detection": 0.4, "decision": 0.6, "wake_up": 0.3, "process_start": 1.2, "rendezvous": 1.5, "restore": 1.2}
+    assert rec["to_first_step_s"] == 5.2
+    assert rec["budget_s"]["rendezvous"] == 1.0 and rec["budget_s"]["detection"] == 15.0  # the job's, the cluster's
+    assert rec["over_budget"] == [{"phase": "rendezvous", "seconds": 1.5, "budget_s": 1.0}]
+    over = [e for e in client.get(f"/v1/jobs/{job['id']}/events", headers=ADMIN).json()["items"]
+            if e["kind"] == "recovery.over_budget"]
+    assert len(over) == 1 and "rendezvous took 1.500s (budget 1s)" in over[0]["message"], over
+    assert over[0]["data"]["phases"] == ["rendezvous"] and over[0]["data"]["total_s"] == 5.2
+    after = metrics.PROCESS.get_sample_value("trainyard_recovery_phase_seconds_count", {"phase": "wake_up"})
+    assert after == before + 1
+    # A later report changes nothing: each instant is taken once, the event written once.
+    agent2.status(spec2, "running", workers=skewed, received_s_ago=9.9, initialized_s_ago=9.9,
+                  progress={"step": 22, "loss": 1.0, "at": "2030-12-05T03:00:06Z"})
+    assert _attempts(client, job["id"])[1]["recovery"]["wake_up_s"] == 0.3
+    events = client.get(f"/v1/jobs/{job['id']}/events", headers=ADMIN).json()["items"]
+    assert sum(e["kind"] == "recovery.over_budget" for e in events) == 1
+
+    # The CLI's describe and the dashboard's timeline show the same phases, the one over budget marked.
+    line = job_view._recovery_line(rec).plain
+    assert line.index("detection 0.40s") < line.index("wake up 0.30s") < line.index("restore 1.20s")
+    assert "rendezvous 1.50s (budget 1s)" in line and "= 5.20s" in line
+    r = client.post("/ui/login", data={"token": ADMIN_TOKEN, "next": "/ui"}, follow_redirects=False)
+    assert r.status_code == 303
+    page = client.get(f"/ui/jobs/{job['id']}/live").text
+    assert "process start 1.2" in page and 'title="over its budget of 1.0s">rendezvous 1.5' in page, page
+
+
+@pytest.mark.parametrize("field, value", [("received_s_ago", -1), ("initialized_s_ago", "soon"),
+                                          ("received_s_ago", 1e12)])
+def test_a_bad_age_in_a_status_report_is_a_422(client, schedule, three_nodes, field, value):
+    client.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=1), headers=ADMIN)
+    assert schedule() == 1
+    [(name, spec)] = _assignments(three_nodes).items()
+    agent = next(a for a in three_nodes if a.name == name)
+    r = agent.status(spec, "launching", **{field: value})
+    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json", r.text
+
+
+@pytest.mark.parametrize("budget", [{"wake_up": 0}, {"restore": -1}, {"nope": 1.0}, {"detection": "1"}])
+def test_a_bad_recovery_budget_is_a_422(client, budget):
+    r = client.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=1, watchdog={"recovery_budget_s": budget}),
+                    headers=ADMIN)
+    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json", r.text
 
 
 def test_the_step_in_progress_is_lost_work_even_when_its_report_arrives_after_the_exit(client, schedule,

@@ -54,6 +54,11 @@ def test_node_killed_with_its_workers_job_recovers_on_other_nodes(make_cluster, 
     recovery = attempts[1]["recovery"]
     assert attempts[1]["restored_from_step"] >= 20 and recovery["steps_lost"] is not None
     assert 0 < recovery["to_first_step_s"] < 120
+    # The in-memory tier: the dead node's memory went with it, but its shards have a copy on a peer
+    # (another live agent), so the replacement restores every rank from memory, none from S3.
+    restored = [e for e in cluster.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000})["items"]
+                if e["kind"] == "checkpoint.restored"]
+    assert len(restored) == 1 and "s3" not in restored[0]["data"]["tiers"], restored
 
     # The lost node's GPU stays leased to the dead attempt: nobody gets it until an operator
     # vouches that its processes are gone by removing the node.

@@ -65,8 +65,15 @@ def test_sigkill_mid_run_resumes_exactly(cluster):
     assert "exited with code -9" in attempts[0]["end_reason"]
     assert attempts[1]["restored_from_step"] is not None and attempts[1]["restored_from_step"] >= 20
     assert resumed["result"]["weights_sha256"] == done["result"]["weights_sha256"]
-    kinds = [e["kind"] for e in cluster.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000})["items"]]
+    events = cluster.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000})["items"]
+    kinds = [e["kind"] for e in events]
     assert "checkpoint.committed" in kinds and "checkpoint.restored" in kinds and "job.recovering" in kinds
+    # The in-memory tier served the restore: every agent lived, so every shard came from an agent's
+    # memory (its own, or its peer's where torchrun put a rank on the other node), none from S3.
+    restored = next(e for e in events if e["kind"] == "checkpoint.restored")
+    tiers = restored["data"]["tiers"]
+    assert sorted(r for ranks in tiers.values() for r in ranks) == [0, 1, 2, 3], restored
+    assert "s3" not in tiers and tiers.get("local"), restored
 
     # Upload slots: every shard of a committed checkpoint was uploaded within one (or, after a bounded
     # wait, without one, which its checkpoint counts), and never two at once in the whole cluster.
@@ -102,3 +109,13 @@ def test_sigkill_mid_run_resumes_exactly(cluster):
                                          "startup", "other"))
     assert parts == pytest.approx(g["allocated_gpu_s"], rel=1e-3) and 0 < g["goodput"] < 1
     assert done["goodput"]["recoveries"] == 0 and done["goodput"]["steps_lost"] == 0
+
+    # Recovery as a budget: real agents report when they received the part and when their ranks'
+    # process groups came up, so every phase is measured; the phases come in order (none negative)
+    # and add up to the whole, which started at the kill.
+    rec = second["recovery"]
+    phases = [rec[f"{p}_s"] for p in ("detection", "decision", "wake_up", "process_start", "rendezvous", "restore")]
+    assert all(s is not None and s >= 0 for s in phases), rec
+    assert sum(phases) == pytest.approx(rec["to_first_step_s"], abs=0.002)
+    assert datetime.fromisoformat(rec["failure_at"]).timestamp() == pytest.approx(killed_at, abs=1.5)
+    assert rec["budget_s"]["wake_up"] > 0 and isinstance(rec["over_budget"], list)

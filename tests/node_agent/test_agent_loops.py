@@ -6,16 +6,19 @@ real HTTP; the attempts here never start processes."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from node_agent.agent_report import ReportLoop, _without_ranks
 from node_agent.attempt import AttemptRun
 from node_agent.client import ControlPlaneClient, RequestRejected
+from node_agent.local_api import LocalReports
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import make_spec
 from tests.node_agent.test_agent import Agents, agents, plane, wait_state  # noqa: F401
-from trainyard.protocol.agent import AttemptStatusReport, NodeAttemptState, Progress
+from trainyard.protocol.agent import AttemptStatusReport, LocalReady, NodeAttemptState, Progress
 
 __all__ = ["agents", "plane"]
 
@@ -67,3 +70,27 @@ def test_progress_that_is_not_finite_is_not_a_valid_report() -> None:
             LocalProgress(fencing_token="f", rank=0, step=1, loss=value)
         with pytest.raises(ValidationError):
             LocalProgress(fencing_token="f", rank=0, step=1, metrics={"m": value})
+
+
+def test_a_report_carries_its_parts_ages_and_the_first_that_says_initialised_is_new() -> None:
+    spec = make_spec(nproc_per_node=2, gpu_indices=[0, 1])
+    woken: list[bool] = []
+    reports = LocalReports(on_ready=lambda: woken.append(True))  # the agent wakes its report loop
+    reports.register(spec.attempt_id, spec.fencing_token)
+    run = SimpleNamespace(attempt_id=spec.attempt_id, spec=spec, received_at=100.0)
+    loop = SimpleNamespace(reports=reports)
+    base = AttemptStatusReport(fencing_token=spec.fencing_token, node_rank=0, state=NodeAttemptState.running)
+    before = ReportLoop._with_timings(loop, run, base, 102.5)  # type: ignore[arg-type]
+    assert before.received_s_ago == 2.5 and before.initialized_s_ago is None
+    later = ReportLoop._with_timings(loop, run, base, 103.5)  # type: ignore[arg-type]
+    assert _without_ranks(later) == _without_ranks(before)  # an age that grew is no news
+    for rank in (0, 1):
+        reports.set_ready(spec.attempt_id, LocalReady(fencing_token=spec.fencing_token, rank=rank))
+    ready = reports.initialized_at(spec.attempt_id, 2)
+    assert ready is not None and woken == [True, True]
+    now = ready + 0.25
+    after = ReportLoop._with_timings(loop, run, base, now)  # type: ignore[arg-type]
+    assert after.initialized_s_ago == 0.25
+    assert _without_ranks(after) != _without_ranks(before)  # sent at once, not at the next periodic report
+    adopted = SimpleNamespace(attempt_id=spec.attempt_id, spec=spec, received_at=None)  # after an agent restart
+    assert ReportLoop._with_timings(loop, adopted, base, now).received_s_ago is None  # type: ignore[arg-type]

@@ -567,3 +567,20 @@ def test_a_worker_waits_out_a_control_plane_outage_for_its_storage_grant(sockets
             impatient.grants("GET", "jobs/j/checkpoints/x")
     finally:
         api.stop()
+
+
+def test_the_part_is_initialised_when_its_last_rank_says_ready(api: LocalApi) -> None:
+    assert api.reports.initialized_at("att-1", 2) is None
+    assert post(api, "att-1", "ready", {"fencing_token": "fence-1", "rank": 4}).status_code == 200
+    assert api.reports.initialized_at("att-1", 2) is None  # one of two ranks
+    first = api.reports.initialized_at("att-1", 1)
+    time.sleep(0.01)
+    assert post(api, "att-1", "ready", {"fencing_token": "fence-1", "rank": 5}).status_code == 200
+    last = api.reports.initialized_at("att-1", 2)
+    assert first is not None and last is not None and last > first
+    # Said again (a re-initialised group): the first instant stands.
+    assert post(api, "att-1", "ready", {"fencing_token": "fence-1", "rank": 5}).status_code == 200
+    assert api.reports.initialized_at("att-1", 2) == last
+    stale = post(api, "att-1", "ready", {"fencing_token": "old", "rank": 6})
+    assert stale.status_code == 409 and api.reports.initialized_at("att-1", 3) is None
+    assert post(api, "att-1", "ready", {"fencing_token": "fence-1", "rank": -1}).status_code == 422

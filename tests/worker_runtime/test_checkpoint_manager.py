@@ -97,7 +97,7 @@ def test_save_then_restore_through_s3_is_bit_identical(s3_bucket: S3Bucket, fake
     assert restored == 8
     assert result["weights_sha256"] == reference and result["steps"] == SMALL.steps
     [event] = fake_agent.events("checkpoint.restored")
-    assert (event["data"], event["rank"], event["fencing_token"]) == ({"step": 8}, 0, "tok-1")
+    assert (event["data"], event["rank"], event["fencing_token"]) == ({"step": 8, "tiers": {"s3": [0]}}, 0, "tok-1")
     assert fake_agent.events("checkpoint.fallback") == []
     # The resumed attempt checkpoints under its own attempt number.
     assert [s["key"] for s in fake_agent.shards(12)] == [f"{PREFIX}/step-000000012/attempt-0001/rank-00000.pt"]
@@ -155,7 +155,7 @@ def test_a_bad_checkpoint_falls_back_to_the_previous_one(
     assert result["weights_sha256"] == reference
     [fallback] = fake_agent.events("checkpoint.fallback")
     assert fallback["data"]["step"] == 8 and reason in fallback["data"]["reason"], fallback
-    assert [e["data"] for e in fake_agent.events("checkpoint.restored")] == [{"step": 4}]
+    assert [e["data"] for e in fake_agent.events("checkpoint.restored")] == [{"step": 4, "tiers": {"s3": [0]}}]
 
 
 def test_when_every_candidate_is_bad_it_starts_fresh(s3_bucket: S3Bucket, fake_agent: FakeAgent,
@@ -375,7 +375,8 @@ def test_restores_from_a_reference_by_reading_the_manifest_from_s3(s3_bucket: S3
     plan = {"format": "trainyard.restore/2", "candidates": [refs[8], refs[4]]}
     result, restored = _run(_ctx(_storage_env(s3_bucket), fake_agent, attempt=1, restore_from=plan))
     assert restored == 8 and result["weights_sha256"] == reference
-    assert [e["data"] for e in fake_agent.events("checkpoint.restored")] == [{"step": 8, "checkpoint_id": "id-8"}]
+    assert [e["data"] for e in fake_agent.events("checkpoint.restored")] == [
+        {"step": 8, "tiers": {"s3": [0]}, "checkpoint_id": "id-8"}]
     assert fake_agent.events("checkpoint.fallback") == []
 
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.worker_runtime.fake_agent import FakeAgent
 from worker_runtime import WorkerContext, device_of, init_distributed, is_distributed, shutdown_distributed
+from worker_runtime.distributed import tell_ready
 
 
 @pytest.fixture
@@ -45,6 +47,25 @@ def test_single_rank_gloo_group(monkeypatch: pytest.MonkeyPatch, restore_threads
     shutdown_distributed()
     shutdown_distributed()
     assert not is_distributed()
+
+
+def test_a_managed_rank_tells_its_agent_once_its_group_is_initialised(
+        monkeypatch: pytest.MonkeyPatch, restore_threads: None, fake_agent: FakeAgent) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    ctx = WorkerContext(device="cpu", attempt_id="att-1", fencing_token="tok-1", agent_url=fake_agent.url)
+    assert init_distributed(ctx, timeout=30) is True
+    [ready] = fake_agent.of("ready")
+    assert ready.path == "/v1/local/attempts/att-1/ready" and ready.body == {"fencing_token": "tok-1", "rank": 0}
+    # Best effort: an agent that refuses it or is gone never stops training.
+    fake_agent.always["ready"] = 409
+    assert tell_ready(ctx) is False
+    gone = WorkerContext(device="cpu", attempt_id="att-1", fencing_token="tok-1", agent_url="http://127.0.0.1:9")
+    assert tell_ready(gone, timeout_s=0.5) is False
+    assert tell_ready(WorkerContext(device="cpu")) is False  # standalone: no agent to tell
 
 
 def test_device_of() -> None:

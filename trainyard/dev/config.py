@@ -62,6 +62,8 @@ class DevConfig:
     """Interpreter that runs the control plane and the agents."""
     control_plane_env: dict[str, str] = field(default_factory=dict)
     """Extra control-plane settings (TRAINYARD_* variables), e.g. a short node-lost timeout."""
+    agent_args: list[str] = field(default_factory=list)
+    """Extra arguments for every agent (bench/recovery.py: a recovery mechanism's switch)."""
     agent_control_plane: dict[str, str] = field(default_factory=dict)
     """node name -> the control-plane URL its agent uses instead of its replica's (fault tests put
     a proxy there)."""

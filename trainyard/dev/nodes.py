@@ -66,7 +66,7 @@ class NodeAgents(ClusterBase):
             args += ["--worker-uids", cfg.worker_uids, "--worker-root", str(self._worker_root(name))]
         if cfg.standbys:
             args += ["--standbys", str(cfg.standbys)]
-        return args
+        return args + list(cfg.agent_args)
 
     def _worker_root(self, name: str) -> Path:
         """Where node ``name``'s workers get their directories: under its work dir when worker

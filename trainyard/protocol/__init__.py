@@ -6,6 +6,7 @@ other, in one package all three import (docs/architecture.md, "Parts and who tal
 - ``env``: the TRAINYARD_* variables an agent gives its workers; standard library only.
 - ``keys``: the object-key layout of checkpoints in S3; standard library only.
 - ``layout``: the parallel layout a job asks for and the metric names of its measured split.
+- ``memtier``: the in-memory checkpoint tier (worker -> agent -> peer agent).
 - ``limits``: the bounds of every value that crosses into the control plane.
 - ``storage``: the Protocol a checkpoint object store implements; standard library only.
 - ``uploads``: checkpoint upload slots (worker -> agent -> control plane) and a shard's upload figures.

@@ -56,6 +56,7 @@ from trainyard.protocol.limits import (
     JsonDocument,
     Text,
 )
+from trainyard.protocol.memtier import MemoryTierSpec
 from trainyard.protocol.requirements import MAX_REQUIREMENTS_CHARS
 from trainyard.protocol.uploads import UploadStats
 
@@ -98,6 +99,11 @@ class RegisterRequest(_Wire):
     agent_instance: str | None = Field(
         default=None, max_length=64, pattern=TEXT_LINE,
         description="Random id of this agent process; the control plane makes one up when absent.",
+    )
+    memory_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="TCP port of the agent's in-memory checkpoint tier at `address` (trainyard/protocol/memtier.py); "
+        "None: the tier is off on this node and it is never chosen as a peer.",
     )
 
     @field_validator("gpus")
@@ -252,6 +258,11 @@ class LaunchSpec(_Wire):
         default=None, max_length=MAX_REQUIREMENTS_CHARS,
         description="A pip requirements file to install (from wheels) into a virtualenv cached by content hash on "
         "the node, built on `python` (or the agent's) and seeing its packages; the workers run in it. None: none.")
+    memory: MemoryTierSpec | None = Field(
+        default=None,
+        description="The in-memory checkpoint tier of this part: the job's memory secret, the peer agent that "
+        "keeps a copy of its shards and where the previous attempt's copies may be; None: off.",
+    )
     launched: bool = Field(
         default=False,
         description="An agent already reported this part as started (perhaps a previous agent instance "
@@ -421,6 +432,14 @@ class AttemptStatusReport(_Wire):
     ranks: RankSummary | None = Field(
         default=None, description="The node's ranks' steps, step and busy times and silences (watchdogs); sent "
         "with the periodic report, not with every step.")
+    received_s_ago: Seconds | None = Field(
+        default=None, description="Seconds since the agent received this part, by its own monotonic clock, when it "
+        "sent the report: the control plane subtracts it from its own clock (a node's wall clock may be off). "
+        "The wake-up phase of a recovery ends at the last node's.")
+    initialized_s_ago: Seconds | None = Field(
+        default=None, description="Seconds since the last of the node's ranks said its process group is "
+        "initialised (POST .../ready of the local API), once all of them did; measured as received_s_ago. The "
+        "rendezvous phase of a recovery ends at the last node's.")
     processes_alive: bool | None = Field(
         default=None,
         description="False only in a final report (exited or stopped) when the agent found no process of "
@@ -490,6 +509,14 @@ class LocalProgress(_Wire):
                                       description="Wall seconds per step since the last report.")
     busy_s: float | None = Field(default=None, ge=0, le=1e7, allow_inf_nan=False,
                                  description="Seconds per step spent computing alone.")
+
+
+class LocalReady(_Wire):
+    """``POST /v1/local/attempts/{id}/ready``: this rank's process group is initialised (the end of
+    a recovery's rendezvous phase; worker_runtime/distributed.py sends it)."""
+
+    fencing_token: FencingToken
+    rank: Int32
 
 
 class LocalCheckpointInterval(_Wire):

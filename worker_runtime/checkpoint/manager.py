@@ -59,6 +59,7 @@ import torch.distributed as dist
 from trainyard.protocol.agent import CHECKPOINT_AUTO_FIRST_STEPS
 from trainyard.protocol.keys import job_checkpoint_prefix, shard_key
 from trainyard.protocol.storage import CheckpointStorage, ObjectInfo, PacedStorage
+from worker_runtime.checkpoint.memtier import AgentMemory
 from worker_runtime.checkpoint.notify import (
     FALLBACK,
     RESTORE_FAILED,
@@ -71,6 +72,7 @@ from worker_runtime.checkpoint.notify import (
 )
 from worker_runtime.checkpoint.pacing import Pacer
 from worker_runtime.checkpoint.restore import (
+    TIER_CODES,
     Fetched,
     Problem,
     agree,
@@ -166,7 +168,8 @@ class CheckpointManager:
     worker's storage (storage_from_context); ``reporter`` to the agent of ``ctx``. ``async_upload=False`` makes
     ``save`` return only after the upload and report. ``upload_delay_s`` sleeps between upload and
     report (tests use it to kill a worker mid-checkpoint). ``slots`` defaults to the agent of
-    ``ctx`` (slots.py).
+    ``ctx`` (slots.py). ``agent_memory``: the in-memory tier (True: through the agent of ``ctx``
+    when it keeps one; False or None: S3 only).
     """
 
     def __init__(
@@ -181,6 +184,7 @@ class CheckpointManager:
         upload_delay_s: float = 0.0,
         slots: UploadSlots | None = None,
         memory: MemoryTier | None = None,
+        agent_memory: AgentMemory | None | bool = True,
     ) -> None:
         interval = interval_steps if interval_steps is not None else ctx.checkpoint.get("interval_steps")
         self.auto = interval == AUTO
@@ -202,6 +206,10 @@ class CheckpointManager:
         self._async = async_upload
         self._upload_delay_s = upload_delay_s
         self.slots = slots if slots is not None else UploadSlots(ctx)
+        self.agent_memory: AgentMemory | None = (AgentMemory.of(ctx) if agent_memory is True else agent_memory or None)
+        """The in-memory checkpoint tier through the agent (checkpoint/memtier.py); None: off."""
+        self.restored_tiers: dict[str, list[int]] = {}
+        """After a restore: which ranks each tier (local, peer, s3) served."""
         self._hurry = threading.Event()  # set by a save that finds the previous upload still waiting
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[SaveRecord] | None = None
@@ -379,6 +387,9 @@ class CheckpointManager:
                 # After the report (queued by the local agent at once): the commit does not wait for it.
                 held = False
                 self._release(step, grant, ok=True, size=size, upload_s=put_s)
+                if self.agent_memory is not None:
+                    # getvalue() shares the buffer's bytes (no copy) while nothing else holds a view of it.
+                    self.agent_memory.put(self.ctx.rank, digest, buffer.getvalue())
                 record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
                                     blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, put_s=put_s,
                                     slot_wait_s=grant.wait_s, slot=grant.use, reported=reported)
@@ -442,12 +453,13 @@ class CheckpointManager:
                 kept = self.memory.get(step, attempt_number=saver, rank=rank, world_size=world)
             if kept is not None:
                 # This rank's own copy of exactly that step; the others agree below as usual.
-                manifest, fetched = None, Fetched(Problem.OK, state=kept)
+                manifest, fetched = None, Fetched(Problem.OK, state=kept, tier="process")
             else:
                 manifest, fetched = resolve(self.storage, candidate)  # a reference: read the manifest
             if manifest is not None:
                 fetched = fetch_shard(self.storage, manifest, rank=rank, world_size=world, names=self.state.names(),
-                                      device=device, per_rank=self.state.names(per_rank=True))
+                                      device=device, per_rank=self.state.names(per_rank=True),
+                                      memory=self.agent_memory)
             if fetched.problem:
                 log.warning("rank %d cannot restore step %s: %s", rank, step, fetched.detail)
             codes = agree(fetched.problem, rank=rank, world_size=world)
@@ -457,10 +469,13 @@ class CheckpointManager:
                 self.restored_from = "memory" if kept is not None else "storage"
                 if self.auto:
                     self.next_save = step + (self.interval_steps or 1)
+                self.restored_tiers = _tiers(agree(TIER_CODES[fetched.tier], rank=rank, world_size=world))
                 if main:
-                    log.info("restored checkpoint of step %d (%d candidate(s) tried)", step, len(tried))
-                    self.reporter.event(RESTORED, f"restored the checkpoint of step {step}",
-                                        {"step": step, **_named(candidate)})
+                    tiers = ", ".join(f"{t}: {len(r)}" for t, r in self.restored_tiers.items())
+                    log.info("restored checkpoint of step %d (%d candidate(s) tried; ranks served by %s)",
+                             step, len(tried), tiers)
+                    self.reporter.event(RESTORED, f"restored the checkpoint of step {step} (ranks served by {tiers})",
+                                        {"step": step, "tiers": self.restored_tiers, **_named(candidate)})
                 return step
             fetched.state = None
             reason = describe(codes)
@@ -504,6 +519,15 @@ def _agree_max(values: list[int], *, world_size: int) -> list[int]:
     packed = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     return [int(v) for v in packed.tolist()]
+
+
+def _tiers(codes: list[int]) -> dict[str, list[int]]:
+    """Every rank's tier code (TIER_CODES) as the ranks each tier served, e.g. {"local": [0, 1]}."""
+    names = {code: name for name, code in TIER_CODES.items()}
+    out: dict[str, list[int]] = {}
+    for rank, code in enumerate(codes):
+        out.setdefault(names.get(code, "s3"), []).append(rank)
+    return out
 
 
 def _named(candidate: dict[str, Any]) -> dict[str, Any]:

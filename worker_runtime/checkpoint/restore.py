@@ -17,13 +17,15 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from trainyard.protocol.keys import MANIFEST_FORMAT
+from trainyard.protocol.memtier import TIERS
 from trainyard.protocol.storage import CheckpointStorage, ObjectNotFoundError
+from worker_runtime.checkpoint.memtier import MemorySource
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,13 @@ class Fetched:
     problem: Problem
     detail: str = ""
     state: dict[str, Any] | None = None
+    tier: str = "s3"
+    """What served the rank's own shard: ``local`` or ``peer`` (the in-memory tier), ``s3``, or
+    ``process`` (its own in-process copy)."""
+
+
+TIER_CODES = {"local": 1, "peer": 2, "s3": 3, "process": 4}
+"""``process``: the rank's own copy kept for an in-process restart (worker_runtime/restart.py)."""
 
 
 def candidates_of(plan: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -131,11 +140,14 @@ def fetch_shard(
     names: Iterable[str],
     device: torch.device,
     per_rank: Iterable[str] = (),
+    memory: MemorySource | None = None,
 ) -> Fetched:
     """Download and verify ``rank``'s shard; the loaded state dict if it is good.
 
     Replicated state is in rank 0's shard only (``CheckpointManager.save``): the names another
-    rank's shard lacks come from rank 0's, verified the same way; per-rank names never do."""
+    rank's shard lacks come from rank 0's, verified the same way; per-rank names never do.
+    With ``memory`` each shard is asked of the in-memory tier first (local, then peer), verified the
+    same way; S3 serves what it cannot."""
     if manifest.get("format") != MANIFEST_FORMAT:
         return Fetched(Problem.FORMAT, f"format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
     if not isinstance(manifest.get("step"), int):
@@ -143,13 +155,13 @@ def fetch_shard(
     if manifest.get("world_size") != world_size:
         return Fetched(Problem.WORLD_SIZE, f"saved with world_size={manifest.get('world_size')}, "
                                            f"this attempt has {world_size}; resharding is not supported")
-    own = _fetch_entry(storage, manifest, rank, device)
+    own = _fetch_entry(storage, manifest, rank, device, memory)
     if own.problem or own.state is None:
         return own
     state, expected = own.state, set(names)
     missing = expected - set(state)
     if missing and rank != 0 and not missing & set(per_rank):
-        zero = _fetch_entry(storage, manifest, 0, device)
+        zero = _fetch_entry(storage, manifest, 0, device, memory)
         if zero.problem or zero.state is None:
             # Rank 0 reports what is wrong with its shard; the others say whose shard failed them.
             # Storage trouble stays storage trouble: it must not read as a bad checkpoint.
@@ -163,12 +175,29 @@ def fetch_shard(
     return own
 
 
-def _fetch_entry(storage: CheckpointStorage, manifest: Mapping[str, Any], rank: int, device: torch.device) -> Fetched:
+def _from_memory(memory: MemorySource, rank: int, size: int, sha: str) -> tuple[bytes | bytearray, str] | None:
+    """The shard from the first in-memory tier whose bytes match the manifest, with that tier."""
+    for tier in TIERS:
+        data = memory.get(rank, sha, tier)
+        if data is None:
+            continue
+        if len(data) == size and hashlib.sha256(data).hexdigest() == sha:
+            return data, tier
+        log.warning("the %s memory tier gave rank %d's shard with other bytes than the manifest's; "
+                    "trying the next tier", tier, rank)
+    return None
+
+
+def _fetch_entry(storage: CheckpointStorage, manifest: Mapping[str, Any], rank: int, device: torch.device,
+                 memory: MemorySource | None = None) -> Fetched:
     """``rank``'s shard of ``manifest``, verified against its size and sha256, deserialised."""
     entry = next((s for s in manifest.get("shards") or [] if s.get("rank") == rank), None)
     if entry is None:
         return Fetched(Problem.NO_SHARD, f"no shard for rank {rank}")
     key, size, sha = str(entry["key"]), int(entry["size_bytes"]), str(entry["sha256"])
+    found = _from_memory(memory, rank, size, sha) if memory is not None else None
+    if found is not None:
+        return _deserialise(found[0], key, device, found[1])
     try:
         data = _download(storage, key, limit=size + 1)
     except ObjectNotFoundError:
@@ -181,14 +210,47 @@ def _fetch_entry(storage: CheckpointStorage, manifest: Mapping[str, Any], rank: 
     got = hashlib.sha256(data).hexdigest()
     if got != sha:
         return Fetched(Problem.SHA256, f"{key} has sha256 {got}, manifest says {sha}")
+    return _deserialise(data, key, device, "s3")
+
+
+def _deserialise(data: bytes | bytearray, key: str, device: torch.device, tier: str) -> Fetched:
     try:
-        state = torch.load(io.BytesIO(data), map_location=_mapper(device), weights_only=True)
+        # Read in place: io.BytesIO would copy a bytearray, holding the shard twice.
+        state = torch.load(cast(IO[bytes], _ViewReader(data)), map_location=_mapper(device), weights_only=True)
     except Exception as exc:
         return Fetched(Problem.UNREADABLE, f"{key}: {type(exc).__name__}: {exc}")
     del data
     if not isinstance(state, dict):
         return Fetched(Problem.STATE_MISMATCH, f"{key} holds a {type(state).__name__}, not a state dict")
-    return Fetched(Problem.OK, state=state)
+    return Fetched(Problem.OK, state=state, tier=tier)
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable file over bytes already in memory, without copying them."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        buffer[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
 
 
 def agree(problem: int, *, rank: int, world_size: int) -> list[int]:

@@ -1,0 +1,358 @@
+"""The in-memory checkpoint tier: the agent's bounded store, agent-to-agent transfer and isolation,
+and the worker's restore through it, over real HTTP (unix sockets and TCP)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import secrets
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node_agent.launcher import AttemptPaths, NodeContext, torchrun_command, worker_env
+from node_agent.local_api import LocalApi
+from node_agent.memstore import ShardRefused, ShardStore, owner_of
+from node_agent.memtier import AttemptMemory, MemoryTier, PeerServer, serving
+from tests.conftest import S3Bucket
+from tests.helpers import wait_for
+from tests.node_agent.helpers import make_spec
+from trainyard.protocol.keys import MANIFEST_FORMAT
+from trainyard.protocol.memtier import TIER_HEADER, TOKEN_HEADER, MemoryTierSpec, chunks, fill
+from worker_runtime.checkpoint.memtier import AgentMemory
+from worker_runtime.checkpoint.restore import fetch_shard
+from worker_runtime.checkpoint.s3 import S3Config, S3Storage
+from worker_runtime.context import WorkerContext
+
+# --- the store ---
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+_put = st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["job-1", "job-2"]), st.integers(0, 2),
+                 st.binary(max_size=40))
+
+
+@settings(max_examples=150, deadline=None)
+@given(budget=st.integers(0, 100), keep=st.integers(1, 3), puts=st.lists(_put, max_size=30))
+def test_the_store_keeps_the_latest_per_rank_within_its_budget_evicting_the_oldest(
+        budget: int, keep: int, puts: list[tuple[str, str, int, bytes]]) -> None:
+    store = ShardStore(budget, keep_per_rank=keep)
+    model: list[tuple[tuple[str, str, int, str], bytes]] = []  # what should be there, oldest first
+    for owner, job, rank, data in puts:
+        key = (owner, job, rank, sha(data))
+        try:
+            store.put(owner, job, rank, sha(data), data)
+        except ShardRefused:
+            assert len(data) > budget
+            continue
+        model = [(k, d) for k, d in model if k != key]
+        same = [k for k, _ in model if k[:3] == key[:3]]
+        drop = set(same[:max(0, len(same) - keep + 1)])  # the rank's oldest beyond keep_per_rank
+        model = [(k, d) for k, d in model if k not in drop]
+        while model and sum(len(d) for _, d in model) + len(data) > budget:
+            model.pop(0)  # then the oldest of all, until it fits
+        model.append((key, data))
+        assert store.used_bytes == sum(len(d) for _, d in model) <= budget
+        assert len(store) == len(model)
+        for (o, j, r, s), d in model:
+            entry = store.get(o, j, s, r)
+            assert entry is not None and entry.data == d
+        assert store.get(owner, job, sha(data)) is not None  # the shard just stored is always there
+        counts: dict[tuple[str, str, int], int] = {}
+        for k, _ in model:
+            counts[k[:3]] = counts.get(k[:3], 0) + 1
+        assert max(counts.values()) <= keep
+
+
+def test_the_store_refuses_bytes_that_are_not_their_sha256_and_shards_over_the_budget() -> None:
+    store = ShardStore(10)
+    store.put("o", "j", 0, sha(b"good"), b"good")
+    with pytest.raises(ShardRefused, match="do not match"):
+        store.put("o", "j", 0, sha(b"other"), b"bad!")
+    with pytest.raises(ShardRefused, match="over this agent's memory budget"):
+        store.put("o", "j", 0, sha(b"x" * 11), b"x" * 11)
+    assert store.get("o", "j", sha(b"good"), 0) is not None  # the slot's entry survives a refusal
+    assert store.get("someone-else", "j", sha(b"good"), 0) is None  # another owner finds nothing
+    with pytest.raises(ValueError, match=">= 0"):
+        ShardStore(-1)
+    with pytest.raises(ValueError, match="keep_per_rank"):
+        ShardStore(10, keep_per_rank=0)
+
+
+# --- agent to agent ---
+
+
+@pytest.fixture
+def peer() -> Iterator[tuple[MemoryTier, str]]:
+    tier = MemoryTier(1 << 20, peer_timeout_s=5)
+    with serving(tier) as server:
+        yield tier, f"http://127.0.0.1:{server.port}"
+
+
+def memory(job: str = "job-1", peer_url: str | None = None, secret: str | None = None,
+           sources: tuple[str, ...] = ()) -> AttemptMemory:
+    return AttemptMemory(job, secret or secrets.token_hex(32), peer_url, sources)
+
+
+def test_a_shard_pushed_to_the_peer_is_read_back_only_with_its_jobs_secret(peer: tuple[MemoryTier, str]) -> None:
+    peer_tier, url = peer
+    mine = memory(peer_url=url)
+    local = MemoryTier(1 << 20, peer_timeout_s=5)
+    data = b"shard-bytes" * 100
+    local.put(mine, 3, sha(data), data)
+    assert local.wait_pushed(5) and _eventually(lambda: peer_tier.store.get(mine.owner, "job-1", sha(data), 3))
+    assert local.pushed == 1 and local.push_failures == 0
+
+    assert local.get(mine, 3, sha(data), "peer") == data
+    # Another job (its own secret), the same job id with a wrong secret, and a wrong job id: nothing.
+    other_job = memory("job-2", peer_url=url)
+    assert local.get(other_job, 3, sha(data), "peer") is None
+    assert local.get(memory("job-1", peer_url=url), 3, sha(data), "peer") is None
+    assert local.get(memory("job-2", peer_url=url, secret=mine.secret), 3, sha(data), "peer") is None
+    base = f"{url}/v1/peer/jobs/job-1/shards/3/{sha(data)}"
+    assert httpx.get(base).status_code == 401  # no credential at all
+    assert httpx.get(base, headers={"Authorization": "Bearer short"}).status_code == 401
+    auth = {"Authorization": f"Bearer {mine.secret}"}
+    assert httpx.get(base, headers=auth).content == data
+    # Bad input is refused with a clear status, never a crash.
+    assert httpx.get(f"{url}/v1/peer/jobs/job-1/shards/x/{sha(data)}", headers=auth).status_code == 422
+    assert httpx.get(f"{url}/v1/peer/jobs/job-1/shards/3/nothex", headers=auth).status_code == 422
+    assert httpx.get(f"{url}/v1/elsewhere", headers=auth).status_code == 404
+    assert httpx.put(base, headers=auth, content=b"not those bytes").status_code == 422
+    too_big = httpx.put(base, headers=auth, content=b"x" * ((1 << 20) + 1))
+    assert too_big.status_code == 413 and "budget" in too_big.json()["detail"]
+    local.stop()
+
+
+def test_a_push_to_a_dead_peer_is_a_miss_not_an_error() -> None:
+    tier = MemoryTier(1 << 20, peer_timeout_s=1)
+    with serving(MemoryTier(1 << 20)) as server:
+        gone = f"http://127.0.0.1:{server.port}"
+    mine = memory(peer_url=gone)
+    tier.put(mine, 0, sha(b"abc"), b"abc")
+    assert tier.wait_pushed(5) and _eventually(lambda: tier.push_failures == 1)
+    assert tier.get(mine, 0, sha(b"abc"), "local") == b"abc"
+    assert tier.get(mine, 0, sha(b"abc"), "peer") is None
+    tier.stop()
+
+
+# --- a worker and its agent ---
+
+
+@pytest.fixture
+def sockets() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="mt-", dir="/tmp") as directory:
+        yield Path(directory)
+
+
+def agent_api(sockets: Path, name: str, tier: MemoryTier, parts: dict[str, AttemptMemory | None]) -> LocalApi:
+    api = LocalApi(memory=tier)
+    for attempt_id, mem in parts.items():
+        api.reports.register(attempt_id, f"fence-{attempt_id}")
+        api.open(attempt_id, sockets / f"{name}-{attempt_id}.sock", memory=mem)
+    return api
+
+
+def worker(api: LocalApi, attempt_id: str, rank: int = 0, token: str | None = None) -> AgentMemory:
+    ctx = WorkerContext(job_id="j", attempt_id=attempt_id, fencing_token=token or f"fence-{attempt_id}", rank=rank,
+                        world_size=rank + 1,
+                        agent_url="http://trainyard-agent", agent_socket=str(api.socket_of(attempt_id)))
+    return AgentMemory(ctx)
+
+
+def shard_of(state: dict[str, torch.Tensor]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def test_a_worker_restores_from_local_memory_then_the_peer_and_corrupt_bytes_fall_through(
+        sockets: Path, s3_bucket: S3Bucket) -> None:
+    peer_tier = MemoryTier(1 << 20)
+    peer_server = PeerServer(peer_tier, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{peer_server.port}"
+    secret = secrets.token_hex(32)
+    job = memory("job-1", peer_url=url, secret=secret)
+    tier = MemoryTier(1 << 20, peer_timeout_s=5)
+    api = agent_api(sockets, "a", tier, {"att-1": job, "att-x": memory("job-2"), "att-off": None})
+    try:
+        state = {"w": torch.arange(10.0)}
+        data = shard_of(state)
+        digest = sha(data)
+        me = worker(api, "att-1")
+        assert me.status().enabled and me.status().peer
+        assert me.put(0, digest, data)
+        assert tier.wait_pushed(5) and _eventually(lambda: peer_tier.store.get(job.owner, "job-1", digest, 0))
+        assert me.get(0, digest, "local") == data
+
+        # Fenced: a wrong token is refused (409); another job's attempt and a part without the tier
+        # find nothing, through their own sockets.
+        intruder = worker(api, "att-1", token="fence-wrong")
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(api.socket_of("att-1")))) as http:
+            path = f"http://agent/v1/local/attempts/att-1/memory/0/{digest}"
+            assert http.get(path, headers={TOKEN_HEADER: "fence-wrong"}).status_code == 409
+            answer = http.get(path, headers={TOKEN_HEADER: "fence-att-1"}, params={"tier": "disk"})
+            assert answer.status_code == 422
+            assert http.get(path, headers={TOKEN_HEADER: "fence-att-1"}).headers[TIER_HEADER] == "local"
+            bad = http.get("http://agent/v1/local/attempts/att-1/memory/-1/abc", headers={TOKEN_HEADER: "fence-att-1"})
+            assert bad.status_code == 422
+        assert intruder.status().enabled is False and intruder.get(0, digest, "local") is None
+        assert worker(api, "att-x").get(0, digest, "local") is None
+        assert worker(api, "att-x").get(0, digest, "peer") is None
+        off = worker(api, "att-off")
+        assert not off.status().enabled and not off.put(0, digest, data)
+
+        manifest = {"format": MANIFEST_FORMAT, "step": 5, "world_size": 1,
+                    "shards": [{"rank": 0, "key": "ck/rank-0.pt", "size_bytes": len(data), "sha256": digest}]}
+        storage = S3Storage(S3Config(endpoint=s3_bucket.endpoint, bucket=s3_bucket.bucket,
+                                     access_key=s3_bucket.access_key, secret_key=s3_bucket.secret_key))
+        storage.put_object("ck/rank-0.pt", io.BytesIO(data), length=len(data))
+
+        def restore(mem: AgentMemory | None) -> str:
+            got = fetch_shard(storage, manifest, rank=0, world_size=1, names=["w"],
+                              device=torch.device("cpu"), memory=mem)
+            assert got.problem == 0 and got.state is not None and torch.equal(got.state["w"], state["w"])
+            return got.tier
+
+        assert restore(me) == "local"
+        tier.store.replace_data(job.owner, "job-1", 0, digest, b"x" * len(data))  # host memory went bad
+        assert restore(me) == "peer"
+        peer_server.stop()  # and the peer's copy is gone with its node
+        assert restore(me) == "s3"
+        assert restore(worker(api, "att-x")) == "s3"  # another job's attempt never gets job-1's bytes
+    finally:
+        api.stop()
+        tier.stop()
+        peer_server.stop()
+
+
+def test_a_replacement_node_reads_the_previous_attempts_copy_from_the_old_peer(
+        sockets: Path, peer: tuple[MemoryTier, str]) -> None:
+    _, url = peer
+    secret = secrets.token_hex(32)
+    old = MemoryTier(1 << 20, peer_timeout_s=5)
+    old.put(memory("job-1", peer_url=url, secret=secret), 1, sha(b"rank1"), b"rank1")
+    assert old.wait_pushed(5) and _eventually(lambda: old.pushed == 1)
+    old.stop()  # the old node is gone with its memory
+    # The new attempt's part on another node: its own peer knows nothing, the old peer is a source.
+    with serving(MemoryTier(1 << 20)) as fresh_peer:
+        spec = memory("job-1", peer_url=f"http://127.0.0.1:{fresh_peer.port}", secret=secret, sources=(url,))
+        new = MemoryTier(1 << 20, peer_timeout_s=5)
+        api = agent_api(sockets, "b", new, {"att-2": spec})
+        try:
+            me = worker(api, "att-2", rank=1)
+            assert me.get(1, sha(b"rank1"), "local") is None
+            assert me.get(1, sha(b"rank1"), "peer") == b"rank1"
+        finally:
+            api.stop()
+            new.stop()
+    assert owner_of(secret) != owner_of(secrets.token_hex(32))
+
+
+def _eventually(check: Callable[[], object], timeout: float = 5.0) -> bool:
+    wait_for(lambda: bool(check()), timeout=timeout)
+    return True
+
+
+def test_the_jobs_memory_secret_never_reaches_a_worker(tmp_path: Path) -> None:
+    secret = secrets.token_hex(32)
+    spec = make_spec(memory=MemoryTierSpec(secret=secret, peer_url="http://10.0.0.2:7000"))
+    paths = AttemptPaths(tmp_path, tmp_path / "w", tmp_path / "a.sock")
+    node = NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env={"PATH": "/bin"})
+    env = worker_env(spec, node, paths)
+    command = torchrun_command(spec, node, paths)
+    assert spec.memory is not None and secret not in json.dumps(env) and secret not in " ".join(command)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=64), cuts=st.lists(st.integers(0, 64), max_size=5), extra=st.integers(-3, 3))
+def test_a_body_is_filled_into_one_buffer_only_when_its_size_is_exact(data: bytes, cuts: list[int], extra: int) -> None:
+    edges = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
+    pieces = [data[a:b] for a, b in zip(edges, edges[1:], strict=False)]
+    got = fill(iter(pieces), len(data) + extra) if len(data) + extra >= 0 else None
+    assert (got == bytearray(data)) if extra == 0 else got is None
+    assert b"".join(chunks(data, 7)) == data
+
+
+class _Events:
+    """Takes the manager's shard reports and events (the control plane's side is not under test)."""
+
+    stale = False
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, object]]] = []
+
+    def shard(self, **_: object) -> bool:
+        return True
+
+    def event(self, kind: str, message: str, data: dict[str, object] | None = None) -> bool:
+        self.events.append((kind, data or {}))
+        return True
+
+
+def test_a_saved_shard_is_handed_to_the_agent_and_the_next_attempt_restores_it_from_memory(
+        sockets: Path, s3_bucket: S3Bucket) -> None:
+    from worker_runtime import CheckpointManager, TrainState
+
+    storage = S3Storage(S3Config(endpoint=s3_bucket.endpoint, bucket=s3_bucket.bucket,
+                                 access_key=s3_bucket.access_key, secret_key=s3_bucket.secret_key))
+    tier = MemoryTier(1 << 20)
+    spec = memory("job-1")
+    api = agent_api(sockets, "c", tier, {"att-1": spec, "att-2": spec})
+    try:
+        model = torch.nn.Linear(4, 4)
+        state = TrainState()
+        state.register("model", model)
+
+        def ctx(attempt: str, restore_from: dict[str, object] | None = None) -> WorkerContext:
+            return WorkerContext(job_id="job-1", attempt_id=attempt, fencing_token=f"fence-{attempt}",
+                                 agent_url="http://trainyard-agent", agent_socket=str(api.socket_of(attempt)),
+                                 checkpoint={"interval_steps": 1}, checkpoint_prefix="ck", restore_from=restore_from)
+
+        with CheckpointManager(ctx("att-1"), state, storage=storage, reporter=_Events(), async_upload=False) as saver:
+            assert saver.save(1)
+            record = saver.saves[-1]
+        assert record.ok and tier.store.get(spec.owner, "job-1", record.sha256, 0) is not None
+        manifest = {"format": MANIFEST_FORMAT, "step": 1, "world_size": 1,
+                    "shards": [{"rank": 0, "key": record.key, "size_bytes": record.size_bytes,
+                                "sha256": record.sha256}]}
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            model.weight.zero_()
+        events = _Events()
+        with CheckpointManager(ctx("att-2", manifest), state, storage=storage, reporter=events) as restorer:
+            assert restorer.restore() == 1
+            assert restorer.restored_tiers == {"local": [0]}
+        assert torch.equal(model.weight, saved["weight"])
+        assert events.events == [("checkpoint.restored", {"step": 1, "tiers": {"local": [0]}})]
+    finally:
+        api.stop()
+        tier.stop()
+
+
+def test_a_peer_that_hangs_up_mid_body_costs_only_its_own_request(peer: tuple[MemoryTier, str]) -> None:
+    import socket
+
+    tier, url = peer
+    port = int(url.rsplit(":", 1)[1])
+    secret = secrets.token_hex(32)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(f"PUT /v1/peer/jobs/job-1/shards/0/{sha(b'x' * 100)} HTTP/1.1\r\nHost: p\r\n"
+                     f"Authorization: Bearer {secret}\r\nContent-Length: 100\r\n\r\n".encode() + b"x" * 10)
+    auth = {"Authorization": f"Bearer {secret}"}
+    base = f"{url}/v1/peer/jobs/job-1/shards/0/{sha(b'x' * 100)}"
+    assert httpx.put(base, headers=auth, content=b"x" * 100).status_code == 201  # the server goes on
+    assert httpx.get(base, headers=auth).content == b"x" * 100
+    assert len(tier.store) == 1
+    chunked = httpx.put(base, headers=auth, content=iter([b"x" * 100]))  # no Content-Length
+    assert chunked.status_code == 411
