@@ -277,8 +277,9 @@ def _become_worker(rank: Rank, stdio: list[int], standby_pid: int) -> None:
     sys.argv[:] = [rank.entrypoint, *rank.args]
     importlib.invalidate_caches()
     # Caches of the environment made while importing: the rank's TMPDIR, not the standby's.
-    if "tempfile" in sys.modules:
-        sys.modules["tempfile"].tempdir = None
+    cached = sys.modules.get("tempfile")
+    if cached is not None:
+        cached.__dict__["tempdir"] = None
 
 
 _STANDBY_PYTHONPATH: list[str] = []
