@@ -72,13 +72,21 @@ class Variant:
     """Compared with the 0.5x target (in-place recovery) rather than the 1.5x one (node replaced)."""
 
 
+_NO_MEMORY_TIER = ("--memory-tier-mb", "0")
+
 VARIANTS: tuple[Variant, ...] = (
     # Push wake-ups off: no long poll is admitted (each is answered 503), so agents learn of the new
-    # attempt from their next heartbeat, as before issue 14.
-    Variant("push wake-ups off", control_plane_env={"TRAINYARD_AGENT_WAIT_MAX": "0"}),
-    Variant("push wake-ups on (default)"),
+    # attempt from their next heartbeat; with the memory tier off too, this is recovery before issue 14.
+    Variant("push wake-ups off, memory tier off", control_plane_env={"TRAINYARD_AGENT_WAIT_MAX": "0"},
+            agent_args=_NO_MEMORY_TIER),
+    Variant("push wake-ups on, memory tier off", agent_args=_NO_MEMORY_TIER),
+    Variant("push wake-ups + memory tier (default)"),
+    Variant("default + warm standbys", agent_args=("--standbys", "1")),
     Variant("node replaced (3 nodes; rank 1's node gone)", nodes=3, replace_node=True, in_place=False),
 )
+"""In-process restart of healthy ranks has no row yet: its agent and control-plane half is not built
+(docs/architecture.md, "In-process restart of healthy ranks"); bench/inproc_restart.py measures
+the worker side alone."""
 
 
 def _ts(value: str | None) -> float | None:

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-root", type=Path, default=None, help="worker directories (default WORK_DIR/workers)")
     parser.add_argument("--run-dir", type=Path, default=None, help="sockets and uid locks (default /run/trainyard)")
     parser.add_argument("--no-cgroups", action="store_true", help="track processes by uid, not by cgroup v2")
+    parser.add_argument("--standbys", type=int, default=0,
+                        help="warm standby processes (torch imported) that ranks start in instead of cold; "
+                        "one per GPU is natural (default 0: off)")
     parser.add_argument("--worker-env", action="append", default=[], help="an agent variable to pass to workers")
     parser.add_argument("--stop-grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL")
     parser.add_argument("--handover-timeout", type=float, default=60.0,
@@ -96,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             worker_root=args.worker_root,
             run_dir=args.run_dir,
             cgroups=not args.no_cgroups,
+            standbys=args.standbys,
             worker_env_passthrough=tuple(args.worker_env),
             stop_grace_s=args.stop_grace,
             handover_timeout_s=args.handover_timeout,

@@ -30,6 +30,7 @@ The protocol (attempts, fencing, leases) is in docs/architecture.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -49,13 +50,14 @@ from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource, gpu_source
 from node_agent.handover import Handovers
 from node_agent.isolation import Isolation, IsolationError, private_dir, reachable_by_others
-from node_agent.launcher import NodeContext
+from node_agent.launcher import NodeContext, standby_env
 from node_agent.launches import Launches
 from node_agent.local_api import BASE_URL, LocalApi, LocalReports
 from node_agent.memtier import MemoryTier, PeerServer
 from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
+from node_agent.standby_pool import StandbyPool, directory_name, remove_stale
 from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
     AttemptStatusReport,
@@ -136,6 +138,7 @@ class Agent(HeartbeatLoop, ReportLoop):
         self._launches: Launches | None = None
         self.isolation: Isolation | None = None
         self._node: NodeContext | None = None
+        self._standbys: StandbyPool | None = None
         self._threads: dict[str, threading.Thread] = {}
         self._loops: dict[str, Callable[[], float]] = {
             "heartbeat": self._heartbeat_step,
@@ -205,6 +208,9 @@ class Agent(HeartbeatLoop, ReportLoop):
             node_name=config.name,
             env_passthrough=config.worker_env_passthrough,
         )
+        if config.standbys:
+            self._standbys = self._standby_pool(self._node)
+            self._node = dataclasses.replace(self._node, standby_dir=str(self._standbys.directory))
         self._adopt_existing()
         if self.config.control_plane_url.startswith("http://"):
             self.log.warning("control_plane_not_https", url=self.config.control_plane_url,
@@ -214,6 +220,29 @@ class Agent(HeartbeatLoop, ReportLoop):
             self._start_loop(name)
         self._threads["monitor"] = threading.Thread(target=self._monitor, name="agent-monitor", daemon=True)
         self._threads["monitor"].start()
+
+    def _standby_pool(self, node: NodeContext) -> StandbyPool:
+        """The warm standbys of ``--standbys`` (node_agent/standby.py). Without cgroups or a uid pool
+        the agent finds an attempt's processes by the variables they started with, which a standby
+        (started before the attempt) does not have: refused, rather than workers it cannot see."""
+        assert self.isolation is not None
+        if self.isolation.cgroups is None and self.isolation.pool is None:
+            raise IsolationError(
+                "--standbys needs workers tracked by cgroup v2 or by uid (--worker-uids): without either the "
+                "agent could not find the processes of an attempt whose ranks run in standbys"
+            )
+        parent = private_dir(self.config.runtime_dir / "standby", 0o711)
+        remove_stale(parent)
+        directory = parent / directory_name(self.config.name, os.getpid())
+        if self.isolation.isolated and reachable_by_others(directory.parent) is not None:
+            raise IsolationError(f"worker uids cannot reach {directory}: choose a --run-dir every worker uid can reach")
+        pool = StandbyPool(
+            size=self.config.standbys, directory=directory, python=node.python, env=standby_env(node), cwd="/",
+            uids=self.config.worker_uids, cgroup_base=self.isolation.cgroups.base if self.isolation.cgroups else None,
+            log=self.log,
+        )
+        self.log.info("standbys", count=pool.size, directory=str(directory))
+        return pool
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop the loops, then (unless keep_workers_on_exit) the workers: SIGTERM, SIGKILL after
@@ -239,6 +268,8 @@ class Agent(HeartbeatLoop, ReportLoop):
             self.log.warning("outbox_items_lost_at_shutdown", items=lost)
         if self._api is not None:
             self._api.stop()
+        if self._standbys is not None:
+            self._standbys.close()  # the idle ones; those ranks took are their attempts' processes
         if self._peer_server is not None:
             self._peer_server.stop()
         if self.memory is not None:

@@ -18,6 +18,7 @@ from node_agent.local_api import LocalApi, LocalReports
 from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
+from node_agent.standby_pool import StandbyPool
 from trainyard.protocol.agent import (
     AttemptStatusReport,
     GpuInfo,
@@ -63,6 +64,7 @@ class AgentCore:
     memory_port: int | None
     _launches: Launches | None
     _node: NodeContext | None
+    _standbys: StandbyPool | None
     _threads: dict[str, threading.Thread]
     _loops: dict[str, Callable[[], float]]
     _heartbeat_done: threading.Event

@@ -84,6 +84,8 @@ class SuperviseLoop(AgentCore):
                 self._supervise(run, table)
             except Exception:  # one attempt's trouble must not stop the others being supervised
                 run.log.exception("supervise_failed")
+        if self._standbys is not None and not self._stop_event.is_set():
+            self._standbys.refill()  # a fresh standby for each that a rank took
         return self.config.poll_interval_s
 
     def _supervise(self, run: AttemptRun, table: processes.ProcessTable | None) -> None:

@@ -12,6 +12,8 @@ from node_agent.isolation import UidRange
 from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
 
+MAX_STANDBYS = 64
+
 
 def default_run_dir() -> Path:
     """Machine-local runtime state shared by every agent of the machine (sockets, uid locks):
@@ -67,6 +69,10 @@ class AgentConfig:
     cgroups: bool = True
     """Track each attempt part's processes in a cgroup v2 of its own where the hierarchy is
     writable (else by uid, or by markers)."""
+    standbys: int = 0
+    """Warm standby processes to keep (node_agent/standby.py): interpreters with torch imported, no
+    job state, no CUDA context, each of which a new attempt's rank may become instead of starting
+    cold. One per GPU is the natural number. 0: off. Needs workers tracked by cgroup or uid."""
     worker_env_passthrough: tuple[str, ...] = ()
     """Variables of the agent's environment to give workers besides the built-in allow-list
     (node_agent/launcher.py, PASSTHROUGH_ENV)."""
@@ -145,6 +151,8 @@ class AgentConfig:
             raise ValueError(f"pip_constraints {self.pip_constraints} is not a readable file")
         if self.outbox_max_items < 2 or self.outbox_max_bytes < 1:
             raise ValueError("outbox_max_items must be >= 2 and outbox_max_bytes >= 1")
+        if not 0 <= self.standbys <= MAX_STANDBYS:
+            raise ValueError(f"standbys must be 0..{MAX_STANDBYS}")
         if self.memory_tier_mb < 0 or not 0 <= self.memory_port <= 65535:
             raise ValueError("memory_tier_mb must be >= 0 and memory_port a port number (0: any)")
         if self.rdzv_join_timeout_s <= 0:

@@ -63,6 +63,7 @@ from trainyard.protocol.env import (
     ENV_RENDEZVOUS,
     ENV_RESTORE_FROM,
     ENV_S3_CA_PEM,
+    ENV_STANDBY_DIR,
     ENV_STATUS_DIR,
     ENV_STORAGE_ACCESS,
     PREFIX,
@@ -117,6 +118,9 @@ class NodeContext:
     node_id: str = ""
     """Given to every process as TRAINYARD_NODE_ID: the marker a later agent instance of this node
     finds its orphaned workers by (node_agent/orphans.py). Known once the agent registered."""
+    standby_dir: str | None = None
+    """Where this agent's warm standbys listen (TRAINYARD_STANDBY_DIR for the rank shims), when it
+    keeps any (``--standbys``)."""
     cwd: str = field(default_factory=os.getcwd)
     """Relative entrypoint paths and top-level modules resolve against this directory, as if the
     job had been started by hand where the agent was started."""
@@ -236,22 +240,16 @@ def _passes(name: str, extra: tuple[str, ...]) -> bool:
         and not name.startswith(PREFIX)
 
 
-def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid: int | None = None) -> dict[str, str]:
-    """torchrun's environment (the shims and the workers inherit it): an allow-list of the agent's
-    variables, the platform's settings, and the job's env in ENV_JOB_ENV for the shim to apply to
-    the training process only (node_agent/rank_shim.py, child_env)."""
+def node_env(node: NodeContext) -> dict[str, str]:
+    """What every process the agent starts for this node gets before anything of an attempt: an
+    allow-list of the agent's variables and the platform's defaults. A warm standby starts with it
+    alone (standby_env), so what it read while importing is what a cold worker reads."""
     inherited = os.environ if node.base_env is None else node.base_env
     env = {k: v for k, v in inherited.items() if _passes(k, node.env_passthrough)}
     path = [str(Path(node.python).parent), *(env.get("PATH") or DEFAULT_PATH).split(os.pathsep)]
     env["PATH"] = os.pathsep.join(dict.fromkeys(filter(None, path)))
     pythonpath = [_PACKAGE_ROOT, node.cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pythonpath))
-    # The attempt's own: torch's compile caches, pip's and HF's caches, temporary files.
-    env["HOME"], env["TMPDIR"] = str(paths.worker / "home"), str(paths.worker / "tmp")
-    if uid is not None:
-        env["USER"] = env["LOGNAME"] = f"trainyard-{uid}"  # getpass works without a passwd entry
-    else:
-        env.update({k: inherited[k] for k in ("USER", "LOGNAME") if k in inherited})
     # Defaults the job may override (in its training process).
     env["PYTHONUNBUFFERED"] = "1"  # logs reach the files (and the user) as they are written
     if node.virtual:
@@ -259,9 +257,42 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid:
     if _is_loopback(node.local_addr):
         # Several nodes may share this machine on 127.0.0.N; gloo must not pick an external NIC.
         env["GLOO_SOCKET_IFNAME"] = "lo"
+    # torchrun 2.x can hang at shutdown when workers share the rendezvous TCP store.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def standby_env(node: NodeContext) -> dict[str, str]:
+    """A warm standby's environment (node_agent/standby_pool.py): node_env, no GPU (it must never
+    create a CUDA context: no GPU memory while idle), a HOME and TMPDIR that do not exist."""
+    env = node_env(node)
+    # What torchrun adds to every worker's environment by default (torch.distributed.elastic's
+    # local agent; OMP_NUM_THREADS when a node runs more than one rank): a standby must have
+    # imported with them, or it declines the rank (node_agent/standby_wire.py, STARTUP_PREFIXES).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["HOME"] = env["TMPDIR"] = "/nonexistent"
+    return env
+
+
+def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid: int | None = None) -> dict[str, str]:
+    """torchrun's environment (the shims and the workers inherit it): an allow-list of the agent's
+    variables, the platform's settings, and the job's env in ENV_JOB_ENV for the shim to apply to
+    the training process only (node_agent/rank_shim.py, child_env)."""
+    inherited = os.environ if node.base_env is None else node.base_env
+    env = node_env(node)
+    # The attempt's own: torch's compile caches, pip's and HF's caches, temporary files.
+    env["HOME"], env["TMPDIR"] = str(paths.worker / "home"), str(paths.worker / "tmp")
+    if uid is not None:
+        env["USER"] = env["LOGNAME"] = f"trainyard-{uid}"  # getpass works without a passwd entry
+    else:
+        env.update({k: inherited[k] for k in ("USER", "LOGNAME") if k in inherited})
     # What the agent guarantees, whatever the job asked for.
     env.update(device_env(spec, node))
     env.update(storage_env(spec.storage))
+    if node.standby_dir is not None:
+        env[ENV_STANDBY_DIR] = node.standby_dir
     env.update(
         {
             ENV_JOB_ID: spec.job_id,
@@ -275,8 +306,6 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid:
             ENV_RESTORE_FROM: json.dumps(spec.restore_from.model_dump(mode="json") if spec.restore_from else None),
             ENV_STATUS_DIR: str(paths.status_dir),
             ENV_JOB_ENV: json.dumps(spec.env),
-            # torchrun 2.x can hang at shutdown when workers share the rendezvous TCP store.
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
     )
     if spec.restartable:

@@ -74,7 +74,7 @@ class AttemptMemory:
 class _Pushes:
     """Pushes waiting for the push thread, newest per (job, rank, peer) only."""
 
-    queue: OrderedDict[tuple[str, int, str], tuple[AttemptMemory, str, bytes | bytearray]] = field(
+    queue: OrderedDict[tuple[str, int, str], tuple[AttemptMemory, str, bytes | bytearray, threading.Event]] = field(
         default_factory=OrderedDict)
     cond: threading.Condition = field(default_factory=threading.Condition)
     stopped: bool = False
@@ -97,11 +97,15 @@ class MemoryTier:
 
     # --- workers (through the local API) ---
 
-    def put(self, memory: AttemptMemory, rank: int, sha256: str, data: bytes | bytearray) -> None:
-        """Keep the shard and queue its push to the peer; raises ShardRefused."""
+    def put(self, memory: AttemptMemory, rank: int, sha256: str, data: bytes | bytearray,
+            *, wait_peer_s: float = 0.0) -> None:
+        """Keep the shard and queue its push to the peer, waiting up to ``wait_peer_s`` for the push
+        to be over (done, failed or superseded); raises ShardRefused."""
         self.store.put(memory.owner, memory.job_id, rank, sha256, data)
         if memory.peer_url:
-            self._queue_push(memory, rank, sha256, data)
+            done = self._queue_push(memory, rank, sha256, data)
+            if wait_peer_s > 0:
+                done.wait(wait_peer_s)
 
     def get(self, memory: AttemptMemory, rank: int, sha256: str, tier: str) -> bytes | bytearray | None:
         """The shard's bytes from this agent's memory (``local``) or a peer's (``peer``), or None."""
@@ -135,19 +139,25 @@ class MemoryTier:
         # second pass over a 2 GB shard costs a second.
         return data
 
-    def _queue_push(self, memory: AttemptMemory, rank: int, sha256: str, data: bytes | bytearray) -> None:
+    def _queue_push(self, memory: AttemptMemory, rank: int, sha256: str, data: bytes | bytearray) -> threading.Event:
+        """Queue the push; the event is set once it is over (done, failed, or replaced by a newer one)."""
         assert memory.peer_url is not None
         pushes = self._pushes
+        done = threading.Event()
         with pushes.cond:
             if pushes.stopped:
-                return
+                done.set()
+                return done
             key = (memory.job_id, rank, memory.peer_url)
-            pushes.queue.pop(key, None)
-            pushes.queue[key] = (memory, sha256, data)
+            older = pushes.queue.pop(key, None)
+            if older is not None:
+                older[3].set()  # superseded: its shard is no longer the newest of that rank
+            pushes.queue[key] = (memory, sha256, data, done)
             if self._pusher is None:
                 self._pusher = threading.Thread(target=self._push_loop, name="memory-tier-push", daemon=True)
                 self._pusher.start()
             pushes.cond.notify()
+        return done
 
     def _push_loop(self) -> None:
         pushes = self._pushes
@@ -157,7 +167,7 @@ class MemoryTier:
                     pushes.cond.wait()
                 if pushes.stopped:
                     return
-                (job_id, rank, url), (memory, sha256, data) = pushes.queue.popitem(last=False)
+                (job_id, rank, url), (memory, sha256, data, done) = pushes.queue.popitem(last=False)
                 pushes.busy = True
             try:
                 with httpx.Client(timeout=self.peer_timeout_s, trust_env=False) as client:
@@ -175,6 +185,7 @@ class MemoryTier:
                 else:
                     self.push_failures += 1
                 pushes.busy = False
+            done.set()
             if not ok:
                 log.info("memory_peer_push_failed", peer=url, job_id=job_id, rank=rank, error=detail)
 
@@ -191,6 +202,8 @@ class MemoryTier:
     def stop(self) -> None:
         with self._pushes.cond:
             self._pushes.stopped = True
+            for *_, done in self._pushes.queue.values():
+                done.set()
             self._pushes.queue.clear()
             self._pushes.cond.notify_all()
 

@@ -102,7 +102,9 @@ def _put(handler: Any, tier: Any, memory: Any, rank: int, sha: str) -> None:
     handler.reader._deadline = time.monotonic() + handler.server.limits.request_timeout_s + length / MIN_BYTES_PER_S
     data = read_exactly(handler.rfile, length)
     try:
-        tier.put(memory, rank, sha, data)
+        # The worker reports its shard after this answer: waiting for the peer's copy (bounded)
+        # means a committed checkpoint is in two memories unless the peer is slow or gone.
+        tier.put(memory, rank, sha, data, wait_peer_s=min(tier.peer_timeout_s, 5.0 + length / MIN_BYTES_PER_S))
     except ShardRefused as exc:
         handler._problem(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc))
         return

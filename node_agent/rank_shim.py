@@ -14,6 +14,11 @@ state. exit_code is negative when the worker died by a signal; the shim itself t
 128 + signal, like a shell, because torchrun reads a negative exit of its child as "the shim was
 killed".
 
+With TRAINYARD_STANDBY_DIR set (the agent keeps warm standbys: node_agent/standby.py), the shim
+first offers the rank to a standby, which becomes the worker without a cold interpreter start; the
+record then says ``"standby": true`` and everything else (pid, signals, exit code) is as above. No
+standby warm, or one that declines (another interpreter, other startup variables): a cold start.
+
 With --log-dir, the worker's stdout and stderr go to DIR/rank-<RANK>/{stdout,stderr}.log, one
 pair per global rank, which the agent tails and ships.
 
@@ -35,10 +40,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
+from node_agent.standby_claim import StandbyWorker, claim
 from trainyard.protocol.env import (  # standard library only
     ENV_JOB_ENV,
     ENV_NNODES,
     ENV_NODE_RANK,
+    ENV_STANDBY_DIR,
     ENV_STATUS_DIR,
     global_rank,
     job_env_problem,
@@ -93,6 +100,7 @@ def child_env(environ: dict[str, str]) -> dict[str, str]:
     keeps (trainyard.protocol.env, job_env_problem) is left out with a line on stderr: the control
     plane refuses it at submit, so only a spec from elsewhere carries one."""
     env = dict(environ)
+    env.pop(ENV_STANDBY_DIR, None)  # the shim's business, whichever way the rank starts
     raw = env.pop(ENV_JOB_ENV, None)
     try:
         job = json.loads(raw) if raw else {}
@@ -125,6 +133,29 @@ def _make_preexec(parent_pid: int) -> Any:
             os._exit(1)
 
     return preexec
+
+
+def _start(
+    kind: str, entrypoint: str, args: list[str], stdout: Any, stderr: Any, rank: int
+) -> subprocess.Popen[bytes] | StandbyWorker:
+    """The worker: a warm standby's when one takes the rank, else a new interpreter."""
+    env = child_env(dict(os.environ))
+    standby_dir = os.environ.get(ENV_STANDBY_DIR)
+    if standby_dir:
+        # Without --log-dir a cold worker inherits the shim's stdout and stderr; so does this one.
+        stdio = [f.fileno() if f is not None else fd for f, fd in ((stdout, 1), (stderr, 2))]
+        worker, why = claim(Path(standby_dir), kind, entrypoint, args, env, cwd=os.getcwd(), stdio=stdio)
+        if worker is not None:
+            return worker
+        print(f"rank_shim: rank {rank} starts cold: {why}", file=sys.stderr)
+    return subprocess.Popen(
+        child_command(kind, entrypoint, args),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        preexec_fn=_make_preexec(os.getpid()),
+    )
 
 
 def _parse(argv: list[str]) -> tuple[Path | None, str, str, list[str]]:
@@ -174,7 +205,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     }
     write_json_atomic(path, record)
 
-    child: subprocess.Popen[bytes] | None = None
+    child: subprocess.Popen[bytes] | StandbyWorker | None = None
     pending: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
@@ -199,14 +230,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         stderr = open(rank_dir / "stderr.log", "ab")  # noqa: SIM115
 
     try:
-        child = subprocess.Popen(
-            child_command(kind, entrypoint, args),
-            env=child_env(dict(os.environ)),
-            stdin=subprocess.DEVNULL,
-            stdout=stdout,
-            stderr=stderr,
-            preexec_fn=_make_preexec(os.getpid()),
-        )
+        child = _start(kind, entrypoint, args, stdout, stderr, rank)
     except (OSError, ValueError) as exc:
         print(f"rank_shim: cannot start worker: {exc}", file=sys.stderr)
         record.update(state="exited", exit_code=127, ended_at=_now())
@@ -217,6 +241,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
             if f is not None:
                 f.close()
 
+    if isinstance(child, StandbyWorker):
+        record["standby"] = True
     record.update(state="running", pid=child.pid)
     write_json_atomic(path, record)
     for signum in pending:

@@ -157,6 +157,9 @@ def agent(
                      show_default=False),
     ] = None,
     cgroups: Annotated[bool, typer.Option(help="Track each attempt in a cgroup v2 where writable.")] = True,
+    standbys: Annotated[int, typer.Option(
+        min=0, max=64, help="Warm standby processes (torch imported, no CUDA) that ranks start in instead of "
+        "cold; one per GPU is natural. Needs cgroup v2 or --worker-uids. Default 0: off.")] = 0,
     worker_env: Annotated[
         list[str] | None, typer.Option(help="A variable of the agent's environment to give workers (repeatable).")
     ] = None,
@@ -204,6 +207,7 @@ def agent(
             worker_root=worker_root,
             run_dir=run_dir,
             cgroups=cgroups,
+            standbys=standbys,
             worker_env_passthrough=tuple(worker_env or ()),
             outbox_max_items=outbox_max_items,
             outbox_max_bytes=int(outbox_max_mb * 2**20),
@@ -390,6 +394,9 @@ def dev_up(
     insecure_http: Annotated[
         bool, typer.Option("--insecure-http", help="Serve the API over plain HTTP instead of HTTPS with a local CA.")
     ] = False,
+    standbys: Annotated[int, typer.Option(
+        min=0, max=64, help="Warm standby processes per agent (torch imported) that ranks start in instead of cold.",
+    )] = 0,
 ) -> None:
     """Start Postgres, S3, the control plane and NODES agents in the foreground; Ctrl-C stops all."""
     from trainyard.dev import DevConfig, DevError, run_dev_up
@@ -404,6 +411,7 @@ def dev_up(
         config = DevConfig(
             nodes=nodes,
             gpus_per_node=gpus_per_node,
+            standbys=standbys,
             port=port,
             replicas=replicas,
             host=host,

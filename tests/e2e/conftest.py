@@ -29,7 +29,8 @@ def cluster(
     process_reaper: ProcessReaper,
 ) -> Iterator[Cluster]:
     """2 nodes x 2 GPU slots; another size with ``@pytest.mark.parametrize("cluster", [{"nodes": 3,
-    "gpus_per_node": 2}], indirect=True)``, control-plane settings with ``{"env": {"TRAINYARD_...": ...}}``."""
+    "gpus_per_node": 2}], indirect=True)``, control-plane settings with ``{"env": {"TRAINYARD_...": ...}}``,
+    warm standbys per agent with ``{"standbys": 2}``."""
     size = {"nodes": 2, "gpus_per_node": 2, "env": {}, **getattr(request, "param", {})}
     token = secrets.token_urlsafe(16)
     port = free_port()
@@ -40,7 +41,8 @@ def cluster(
          "--gpus-per-node", str(size["gpus_per_node"]),
          "--port", str(port), "--data-dir", str(tmp_path / "cluster"),
          "--database-url", fresh_database_url, "--s3-endpoint", s3_bucket.endpoint,
-         "--s3-access-key", s3_bucket.access_key, "--s3-bucket", s3_bucket.bucket],
+         "--s3-access-key", s3_bucket.access_key, "--s3-bucket", s3_bucket.bucket,
+         *(["--standbys", str(size["standbys"])] if size.get("standbys") else [])],
         stdout=out, stderr=subprocess_stdout(), cwd=ROOT,
         # Secrets through the environment: never on a command line (issue 11).
         env={**os.environ, **size["env"], "TRAINYARD_TOKEN": token, "TRAINYARD_S3_SECRET_KEY": s3_bucket.secret_key},

@@ -439,3 +439,24 @@ def test_request_timeout_is_derived_from_the_registered_heartbeat_settings(agent
     expected = agent_request_timeout_s(plane.heartbeat_interval_s, 10.0)
     assert agent.client.heartbeat_timeout.read == pytest.approx(expected)
     assert expected * agent.client.retry.attempts < 10.0
+
+
+def test_standbys_need_tracked_workers_and_the_idle_ones_go_with_the_agent(
+    agents: Agents, plane: FakeControlPlane, tmp_path: Path
+) -> None:
+    """--standbys (node_agent/standby_pool.py): refused where the agent could find an attempt's
+    processes only by the variables they started with; else kept warm, and killed at stop."""
+    from node_agent.isolation import IsolationError
+
+    with pytest.raises(IsolationError, match="--standbys needs workers tracked by cgroup v2 or by uid"):
+        agents.start(standbys=2, cgroups=False, run_dir=tmp_path / "run", work_dir=tmp_path / "refused")
+    agent = agents.start(standbys=2, run_dir=tmp_path / "run")
+    assert agent.isolation is not None and agent.isolation.cgroups is not None  # this machine (and CI) have one
+    assert agent._standbys is not None and agent._node is not None
+    directory = agent._standbys.directory
+    assert agent._node.standby_dir == str(directory) and directory.parent == tmp_path / "run" / "standby"
+    wait_for(lambda: len(list(directory.glob("*.sock"))) == 2, timeout=60, what="two warm standbys")
+    pids = {p.pid for p in psutil.process_iter(["cmdline"]) if str(directory) in " ".join(p.info["cmdline"] or [])}
+    assert len(pids) == 2
+    agent.stop(timeout=5)
+    assert gone(pids) and not directory.exists()

@@ -301,13 +301,28 @@ class _Events:
 
 
 def test_a_saved_shard_is_handed_to_the_agent_and_the_next_attempt_restores_it_from_memory(
-        sockets: Path, s3_bucket: S3Bucket) -> None:
+        sockets: Path, s3_bucket: S3Bucket, peer: tuple[MemoryTier, str]) -> None:
     from worker_runtime import CheckpointManager, TrainState
 
     storage = S3Storage(S3Config(endpoint=s3_bucket.endpoint, bucket=s3_bucket.bucket,
                                  access_key=s3_bucket.access_key, secret_key=s3_bucket.secret_key))
-    tier = MemoryTier(1 << 20)
-    spec = memory("job-1")
+    tier = MemoryTier(1 << 20, peer_timeout_s=5)
+    peer_tier, url = peer
+    spec = memory("job-1", peer_url=url)
+
+    class Reports(_Events):
+        """Where the shard was when it was reported: a report may commit the checkpoint at once, and
+        a rank killed right after must find its shard in memory (CI saw one restore from S3)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.held_at_report: list[tuple[bool, bool]] = []
+
+        def shard(self, **report: object) -> bool:
+            digest = str(report["sha256"])
+            self.held_at_report.append((tier.store.get(spec.owner, "job-1", digest, 0) is not None,
+                                        peer_tier.store.get(spec.owner, "job-1", digest, 0) is not None))
+            return True
     api = agent_api(sockets, "c", tier, {"att-1": spec, "att-2": spec})
     try:
         model = torch.nn.Linear(4, 4)
@@ -319,10 +334,11 @@ def test_a_saved_shard_is_handed_to_the_agent_and_the_next_attempt_restores_it_f
                                  agent_url="http://trainyard-agent", agent_socket=str(api.socket_of(attempt)),
                                  checkpoint={"interval_steps": 1}, checkpoint_prefix="ck", restore_from=restore_from)
 
-        with CheckpointManager(ctx("att-1"), state, storage=storage, reporter=_Events(), async_upload=False) as saver:
+        reports = Reports()
+        with CheckpointManager(ctx("att-1"), state, storage=storage, reporter=reports, async_upload=False) as saver:
             assert saver.save(1)
             record = saver.saves[-1]
-        assert record.ok and tier.store.get(spec.owner, "job-1", record.sha256, 0) is not None
+        assert record.ok and reports.held_at_report == [(True, True)]  # in both memories before the report
         manifest = {"format": MANIFEST_FORMAT, "step": 1, "world_size": 1,
                     "shards": [{"rank": 0, "key": record.key, "size_bytes": record.size_bytes,
                                 "sha256": record.sha256}]}

@@ -64,6 +64,8 @@ class NodeAgents(ClusterBase):
         ]  # fmt: skip
         if cfg.worker_uids:
             args += ["--worker-uids", cfg.worker_uids, "--worker-root", str(self._worker_root(name))]
+        if cfg.standbys:
+            args += ["--standbys", str(cfg.standbys)]
         return args + list(cfg.agent_args)
 
     def _worker_root(self, name: str) -> Path:

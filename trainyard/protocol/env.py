@@ -52,6 +52,9 @@ ENV_STATUS_DIR: Final = "TRAINYARD_STATUS_DIR"
 ENV_JOB_ENV: Final = "TRAINYARD_JOB_ENV"
 """JSON object of the job's own ``env``: the rank shim applies it to the training process only, so
 none of it reaches torchrun or the shim (a job's PET_*, LD_PRELOAD or PATH cannot change them)."""
+ENV_STANDBY_DIR: Final = "TRAINYARD_STANDBY_DIR"
+"""Where the agent's warm standby processes listen (node_agent/standby.py), when it keeps any: the
+rank shim hands its rank to one of them instead of a cold start. Never seen by the training process."""
 
 ENV_RENDEZVOUS: Final = "TRAINYARD_RENDEZVOUS"
 """JSON ``{"host", "port"}``: a fenced rendezvous (trainyard/protocol/restart.py) the worker joins with

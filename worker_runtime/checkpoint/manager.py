@@ -381,15 +381,17 @@ class CheckpointManager:
                 stats = {"wait_s": round(grant.wait_s, 6), "upload_s": round(put_s, 6), "slot": grant.use}
                 # A synchronous save blocked the loop for its upload (and its slot wait) too.
                 blocking = blocked_s + snapshot_s + (0.0 if self._async else upload_s + grant.wait_s)
+                if self.agent_memory is not None:
+                    # Before the report, so that a committed checkpoint's shards are in their agents'
+                    # memory (and their peers', which the agent waits for, bounded) when it commits.
+                    # getvalue() shares the buffer's bytes (no copy) while nothing else holds a view of it.
+                    self.agent_memory.put(self.ctx.rank, digest, buffer.getvalue())
                 # The background part includes the slot wait: the auto interval must leave room for it.
                 reported = self.reporter.shard(step=step, key=key, size_bytes=size, sha256=digest, upload=stats,
                                                blocking_s=blocking, background_s=time.monotonic() - started)
                 # After the report (queued by the local agent at once): the commit does not wait for it.
                 held = False
                 self._release(step, grant, ok=True, size=size, upload_s=put_s)
-                if self.agent_memory is not None:
-                    # getvalue() shares the buffer's bytes (no copy) while nothing else holds a view of it.
-                    self.agent_memory.put(self.ctx.rank, digest, buffer.getvalue())
                 record = SaveRecord(step=step, key=key, ok=True, size_bytes=size, sha256=digest,
                                     blocked_s=blocked_s, snapshot_s=snapshot_s, upload_s=upload_s, put_s=put_s,
                                     slot_wait_s=grant.wait_s, slot=grant.use, reported=reported)

@@ -78,7 +78,8 @@ class AgentMemory:
         if not self.status().enabled or size > self.status().budget_bytes:
             return False
         try:
-            with socket_client(self.ctx.agent_socket, 10.0 + size / MIN_BYTES_PER_S) as client:
+            # The agent answers once it kept the bytes and its peer has its copy (or 5 s + transfer).
+            with socket_client(self.ctx.agent_socket, 15.0 + 2 * size / MIN_BYTES_PER_S) as client:
                 headers = {**self._headers(), "Content-Type": "application/octet-stream", "Content-Length": str(size)}
                 answer = client.put(f"{self._base}/{rank}/{sha256}", content=chunks(data), headers=headers)
         except httpx.HTTPError as exc:
