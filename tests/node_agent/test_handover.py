@@ -4,6 +4,7 @@ socket with their own token and are told ``waiting``, then their part of the nex
 
 from __future__ import annotations
 
+import json
 import tempfile
 import threading
 import time
@@ -13,9 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from node_agent.attempt import AttemptRun
 from node_agent.handover import Handovers
+from node_agent.launcher import AttemptPaths
 from node_agent.local_api import LocalApi
 from tests.node_agent.helpers import make_spec
+from trainyard.protocol.agent import NodeAttemptState
+from trainyard.protocol.env import global_rank
 from trainyard.protocol.restart import NextAssignmentAnswer
 
 
@@ -95,3 +100,58 @@ def test_a_part_not_taken_over_is_told_stop_and_an_agent_without_handovers_answe
     finally:
         api.stop()
         plain.stop()
+
+
+def _rank_file(worker: Path, rank: int, local_rank: int, pid: int) -> None:
+    (worker / "status").mkdir(parents=True, exist_ok=True)
+    (worker / "status" / f"rank-{rank}.json").write_text(json.dumps(
+        {"rank": rank, "local_rank": local_rank, "pid": pid, "state": "running", "exit_code": None}))
+
+
+def test_a_parked_part_is_taken_over_with_its_processes_and_recorded_for_an_agent_restart(tmp_path: Path,
+                                                                                         process_reaper) -> None:
+    """Relabel (AttemptRun.take_over): the new part is made of the parked part's torchrun and worker
+    directory, reports their ranks in its own node rank, and its state.json says what it adopted (an
+    agent restarted afterwards adopts it with the processes' original markers); the old part's
+    state.json says where its processes went, and is never adopted again."""
+    old_spec = make_spec(attempt_id="att-old", nnodes=2, node_rank=1, restartable=True)
+    new_spec = make_spec(attempt_id="att-new", attempt_number=2, nnodes=2, node_rank=0, restartable=True,
+                         adopts="att-old")
+    old_paths = AttemptPaths(tmp_path / "attempts" / "att-old", tmp_path / "workers" / "att-old.1")
+    old_paths.root.mkdir(parents=True)
+    torchrun = process_reaper.spawn(["sleep", "60"], start_new_session=True)  # stands in for torchrun
+    for local in (0, 1):
+        _rank_file(old_paths.worker, 2 + local, local, torchrun.pid)
+    old = AttemptRun(old_spec, old_paths, stop_grace_s=1.0)
+    old._started(torchrun)
+    old.poll()
+    assert old.parkable() and not AttemptRun(make_spec(), old_paths, stop_grace_s=1.0).parkable()  # not restartable
+    old.parked = True
+    assert old.report(None, None).state == NodeAttemptState.parked
+
+    new = AttemptRun.take_over(new_spec, AttemptPaths(tmp_path / "attempts" / "att-new", tmp_path / "unused"), old)
+    assert (new.pid, new.paths.worker, new.marker) == (torchrun.pid, old_paths.worker, ("att-old", 1))
+    new.poll()
+    report = new.report(None, None)
+    assert report.state == NodeAttemptState.running and report.fencing_token == new_spec.fencing_token
+    assert [(w.rank, w.local_rank) for w in report.workers] == [(0, 0), (1, 1)]  # node rank 0's ranks now
+    state = json.loads(new.paths.state_file.read_text())
+    assert state["adopted_from"]["attempt_id"] == "att-old" and state["adopted_from"]["pid"] == torchrun.pid
+    assert state["adopted_from"]["worker_dir"] == str(old_paths.worker) and state["marker"] == ["att-old", 1]
+    before = json.loads(old_paths.state_file.read_text())
+    assert before["handed_over_to"] == "att-new" and before["done"]
+    # An agent restarted now adopts the new part (with its processes' markers), never the old one.
+    assert AttemptRun.adopt(old_paths, stop_grace_s=1.0) is None
+    again = AttemptRun.adopt(AttemptPaths(new.paths.root), stop_grace_s=1.0)
+    assert again is not None and again.alive and again.marker == ("att-old", 1)
+    assert [w.rank for w in again.report(None, None).workers] == [0, 1]
+
+
+def test_only_a_restartable_worker_is_numbered_by_the_shim() -> None:
+    """torchrun numbers a plain part's workers itself; a restartable part's shim derives the global
+    rank from the node rank, since each node's torchrun sees its own node only."""
+    base = {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TRAINYARD_NODE_RANK": "3", "RANK": "1", "WORLD_SIZE": "2"}
+    assert global_rank(base) is None
+    assert global_rank({**base, "TRAINYARD_NNODES": "4"}) is None  # no fenced rendezvous: not restartable
+    restartable = {**base, "TRAINYARD_NNODES": "4", "TRAINYARD_RENDEZVOUS": '{"host": "h", "port": 1}'}
+    assert global_rank(restartable) == (7, 8)
