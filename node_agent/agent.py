@@ -52,12 +52,12 @@ from node_agent.handover import Handovers
 from node_agent.isolation import Isolation, IsolationError, private_dir, reachable_by_others
 from node_agent.launcher import NodeContext, standby_env
 from node_agent.launches import Launches
-from node_agent.local_api import BASE_URL, LocalApi, LocalReports
+from node_agent.local_api import BASE_URL, MAX_SOCKET_PATH, LocalApi, LocalReports
 from node_agent.memtier import MemoryTier, PeerServer
 from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
-from node_agent.standby_pool import StandbyPool, directory_name, remove_stale
+from node_agent.standby_pool import STANDBY_SOCKET_NAME_MAX, StandbyPool, directory_name, remove_stale
 from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
     AttemptStatusReport,
@@ -234,6 +234,11 @@ class Agent(HeartbeatLoop, ReportLoop):
         parent = private_dir(self.config.runtime_dir / "standby", 0o711)
         remove_stale(parent)
         directory = parent / directory_name(self.config.name, os.getpid())
+        longest = len(os.fsencode(str(directory))) + STANDBY_SOCKET_NAME_MAX
+        if longest > MAX_SOCKET_PATH:
+            # A standby could not bind its socket: it would die at once and the pool turn itself off.
+            raise IsolationError(f"standby sockets under {directory} would be up to {longest} bytes, over the "
+                                 f"{MAX_SOCKET_PATH} a unix socket path may have: use a shorter --run-dir")
         if self.isolation.isolated and reachable_by_others(directory.parent) is not None:
             raise IsolationError(f"worker uids cannot reach {directory}: choose a --run-dir every worker uid can reach")
         pool = StandbyPool(

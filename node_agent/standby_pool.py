@@ -28,6 +28,11 @@ FAILED_STARTS_LIMIT = 3
 (a broken interpreter or a preload that starts threads would otherwise be restarted for ever)."""
 
 
+STANDBY_SOCKET_NAME_MAX = len("/4194304-9999999999.sock.4194304.tmp")
+"""The longest name a standby binds under its directory: ``<agent pid>-<serial>.sock`` (bound
+first as ``.<standby pid>.tmp``), pids up to Linux's pid_max."""
+
+
 def directory_name(node_name: str, pid: int) -> str:
     """The directory of one agent's standbys, ``<node name>-<agent pid>``: the agents of a machine
     share a run dir, and those of two dev clusters share node names."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -14,9 +15,23 @@ from typing import Any
 
 import pytest
 
-from trainyard.embedded import free_port, free_ports, has_exited, signal_group, wait_exited
+from trainyard.embedded import free_port, free_ports, has_exited, port_is_free, signal_group, wait_exited
 
-__all__ = ["ProcessReaper", "free_port", "free_ports", "in_parallel", "wait_for", "pid_gone"]
+__all__ = ["ProcessReaper", "free_port", "free_ports", "in_parallel", "rendezvous_port", "wait_for", "pid_gone"]
+
+RENDEZVOUS_PORTS = range(15000, 20000)
+"""Below the control plane's rendezvous ports (20000-32767, its dev clusters') and the kernel's
+ephemeral range (32768-60999): a port free_port returns can be taken by any outgoing connection
+or port-0 bind before torchrun listens on it (CI saw EADDRINUSE)."""
+
+
+def rendezvous_port(host: str = "127.0.0.1") -> int:
+    """A free port for a torchrun rendezvous a test starts itself, outside the ephemeral range."""
+    for _ in range(200):
+        port = random.choice(RENDEZVOUS_PORTS)
+        if port_is_free(port, host):
+            return port
+    raise RuntimeError(f"no free rendezvous port on {host} in {RENDEZVOUS_PORTS}")
 
 
 def in_parallel(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], timeout: float = 60.0) -> list[Any]:

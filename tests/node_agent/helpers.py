@@ -12,7 +12,7 @@ from typing import Any
 
 from node_agent.attempt import AttemptRun, attempt_paths
 from node_agent.launcher import NodeContext
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, rendezvous_port, wait_for
 from trainyard.protocol.agent import LaunchSpec
 
 __all__ = ["REPO_ROOT", "free_port", "wait_for", "make_spec", "write_script", "Launcher", "read_log", "wait_finished"]
@@ -33,7 +33,7 @@ def make_spec(**overrides: Any) -> LaunchSpec:
         "nproc_per_node": 2,
         "gpu_indices": [0, 1],
         "rdzv_host": "127.0.0.2",
-        "rdzv_port": free_port("127.0.0.2"),
+        "rdzv_port": rendezvous_port("127.0.0.2"),
         "entrypoint": "train.py",
         "checkpoint": {"every_steps": 10},
     }

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -448,15 +450,22 @@ def test_standbys_need_tracked_workers_and_the_idle_ones_go_with_the_agent(
     processes only by the variables they started with; else kept warm, and killed at stop."""
     from node_agent.isolation import IsolationError
 
+    run = Path(tempfile.mkdtemp(prefix="sb-", dir="/tmp"))  # short: unix socket paths hold 107 bytes
     with pytest.raises(IsolationError, match="--standbys needs workers tracked by cgroup v2 or by uid"):
-        agents.start(standbys=2, cgroups=False, run_dir=tmp_path / "run", work_dir=tmp_path / "refused")
-    agent = agents.start(standbys=2, run_dir=tmp_path / "run")
+        agents.start(standbys=2, cgroups=False, run_dir=run, work_dir=tmp_path / "refused")
+    # A run dir too deep for a standby's socket is refused at start, not left with standbys that die
+    # at once (CI's pytest temp dirs are that deep: the pool turned itself off and nothing said why).
+    deep = tmp_path / ("d" * 60)
+    with pytest.raises(IsolationError, match="use a shorter --run-dir"):
+        agents.start(standbys=2, run_dir=deep, work_dir=tmp_path / "deep")
+    agent = agents.start(standbys=2, run_dir=run)
     assert agent.isolation is not None and agent.isolation.cgroups is not None  # this machine (and CI) have one
     assert agent._standbys is not None and agent._node is not None
     directory = agent._standbys.directory
-    assert agent._node.standby_dir == str(directory) and directory.parent == tmp_path / "run" / "standby"
+    assert agent._node.standby_dir == str(directory) and directory.parent == run / "standby"
     wait_for(lambda: len(list(directory.glob("*.sock"))) == 2, timeout=60, what="two warm standbys")
     pids = {p.pid for p in psutil.process_iter(["cmdline"]) if str(directory) in " ".join(p.info["cmdline"] or [])}
     assert len(pids) == 2
     agent.stop(timeout=5)
     assert gone(pids) and not directory.exists()
+    shutil.rmtree(run, ignore_errors=True)
