@@ -53,7 +53,8 @@ from node_agent.isolation import Isolation, IsolationError, private_dir, reachab
 from node_agent.launcher import NodeContext, standby_env
 from node_agent.launches import Launches
 from node_agent.local_api import BASE_URL, MAX_SOCKET_PATH, LocalApi, LocalReports
-from node_agent.memtier import MemoryTier, PeerServer
+from node_agent.memtier import MemoryTier
+from node_agent.memtier_peer import PeerServer
 from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay

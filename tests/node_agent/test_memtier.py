@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from node_agent.launcher import AttemptPaths, NodeContext, torchrun_command, worker_env
 from node_agent.local_api import LocalApi
 from node_agent.memstore import ShardRefused, ShardStore, owner_of
-from node_agent.memtier import AttemptMemory, MemoryTier, PeerServer, serving
+from node_agent.memtier import AttemptMemory, MemoryTier
+from node_agent.memtier_peer import PeerServer, serving
 from tests.conftest import S3Bucket
 from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec

@@ -1,0 +1,126 @@
+"""The memory port against hosts that are not well-behaved peers: connection floods, slow senders,
+huge announced bodies (node_agent/memtier_peer.py), over real TCP on loopback addresses (each
+127.0.0.N stands for another host)."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from node_agent.memtier import MemoryTier
+from node_agent.memtier_peer import PeerLimits, PeerServer, serving
+
+LIMITS = PeerLimits(request_timeout_s=1.0, connections_total=6, connections_per_peer=3, inflight_bytes=1 << 20)
+
+
+@pytest.fixture
+def port() -> Iterator[tuple[PeerServer, MemoryTier]]:
+    tier = MemoryTier(1 << 20, peer_timeout_s=5)
+    with serving(tier, limits=LIMITS) as server:
+        yield server, tier
+
+
+def connect(server: PeerServer, source: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5, source_address=(source, 0))
+    return sock
+
+
+def answer_of(sock: socket.socket) -> bytes:
+    """What the server says before it closes (b"" when it closes without a word)."""
+    got = b""
+    with sock:
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+    return got
+
+
+def legitimate_peer_works(server: PeerServer, source: str = "127.0.0.2") -> bool:
+    data = secrets.token_bytes(1000)
+    url = f"http://127.0.0.1:{server.port}/v1/peer/jobs/job-1/shards/0/{hashlib.sha256(data).hexdigest()}"
+    auth = {"Authorization": f"Bearer {'s' * 40}"}
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=5, trust_env=False) as client:
+        return (client.put(url, headers=auth, content=data).status_code == 201
+                and client.get(url, headers=auth).content == data)
+
+
+def test_a_flood_of_idle_connections_is_capped_per_host_and_times_out_while_another_peer_is_served(
+        port: tuple[PeerServer, MemoryTier]) -> None:
+    server, _ = port
+    before = threading.active_count()
+    flood = [connect(server, "127.0.0.1") for _ in range(20)]  # connect and send nothing
+    deadline = time.monotonic() + 5
+    while server.serving < LIMITS.connections_per_peer and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # One host holds at most its share of threads; the rest are answered 503 without a thread.
+    assert server.serving == LIMITS.connections_per_peer
+    assert threading.active_count() - before <= LIMITS.connections_per_peer
+    assert legitimate_peer_works(server)  # another host is served while the flood holds its share
+    answers = [answer_of(sock) for sock in flood]
+    busy = [a for a in answers if a.startswith(b"HTTP/1.1 503")]
+    timed_out = [a for a in answers if a.startswith(b"HTTP/1.1 408")]
+    assert len(busy) == 20 - LIMITS.connections_per_peer and b"too many connections" in busy[0]
+    assert len(timed_out) == LIMITS.connections_per_peer  # held ones are told 408 at their deadline, then closed
+    assert server.serving == 0 or _settles(lambda: server.serving == 0)
+    assert legitimate_peer_works(server, "127.0.0.1")  # the flooding host's share is free again
+
+
+def test_a_slow_sender_is_cut_off_at_the_request_deadline(port: tuple[PeerServer, MemoryTier]) -> None:
+    server, tier = port
+    sock = connect(server, "127.0.0.3")
+    request = (f"PUT /v1/peer/jobs/job-1/shards/0/{'0' * 64} HTTP/1.1\r\nHost: p\r\n"
+               f"Authorization: Bearer {'s' * 40}\r\nX-Padding: {'p' * 200}\r\n").encode()
+    started, cut = time.monotonic(), False
+    for byte in request:  # one byte every 20 ms: each arrives well within any per-read timeout
+        try:
+            sock.sendall(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            cut = True
+            break
+        time.sleep(0.02)
+        if time.monotonic() - started > 4 * LIMITS.request_timeout_s:
+            break
+    answer = answer_of(sock)
+    assert cut or answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert time.monotonic() - started < 4 * LIMITS.request_timeout_s
+    assert len(tier.store) == 0
+
+
+def test_bodies_announced_beyond_what_may_be_in_flight_are_refused(port: tuple[PeerServer, MemoryTier]) -> None:
+    server, tier = port
+    size = LIMITS.inflight_bytes // 2 + 1  # type: ignore[operator]
+    head = (f"PUT /v1/peer/jobs/job-1/shards/0/{'0' * 64} HTTP/1.1\r\nHost: p\r\n"
+            f"Authorization: Bearer {'s' * 40}\r\nContent-Length: {size}\r\n\r\n").encode()
+    first = connect(server, "127.0.0.4")
+    first.sendall(head)  # and no body: it holds its bytes until its deadline
+    deadline = time.monotonic() + 5
+    while server.inflight.held < size and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second = connect(server, "127.0.0.5")
+    second.sendall(head)
+    refused = answer_of(second)
+    assert refused.startswith(b"HTTP/1.1 503") and b"bytes are being received" in refused
+    too_big = connect(server, "127.0.0.5")
+    too_big.sendall(head.replace(str(size).encode(), str((1 << 20) + 1).encode()))
+    assert answer_of(too_big).startswith(b"HTTP/1.1 413")
+    assert answer_of(first).startswith(b"HTTP/1.1 408")
+    assert _settles(lambda: server.inflight.held == 0) and len(tier.store) == 0
+    assert legitimate_peer_works(server)
+
+
+def _settles(check: object, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
