@@ -103,3 +103,28 @@ def test_restored_tiers_never_raise_on_anything_a_worker_sends(data: dict) -> No
     got = restored_tiers({"tiers": data})
     tiers = {"process", "local", "peer", "s3"}
     assert got is None or (set(got) <= tiers and all(isinstance(r, int) for v in got.values() for r in v))
+
+
+def test_a_job_that_turns_the_memory_tier_off_gets_no_tier_on_any_part(client, schedule) -> None:
+    agents = [FakeAgentSession(client, f"m{i}", 1, address=f"127.0.0.{i + 1}", labels={"rack": f"r{i}"},
+                               memory_port=7100 + i) for i in range(2)]
+    small = {"num_nodes": 2, "gpus_per_node": 1}
+    for bad in ("false", 0, None, [], {"on": False}):
+        r = client.post("/v1/jobs", json=job_body(**small, checkpoint={"interval_steps": 5, "memory_tier": bad}),
+                        headers=ADMIN)
+        assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json", r.text
+        assert "memory_tier" in r.text
+    on = client.post("/v1/jobs", json=job_body(name="on", **small), headers=ADMIN).json()
+    assert on["checkpoint"]["memory_tier"] is True  # shown, on by default
+    client.post(f"/v1/jobs/{on['id']}/cancel", headers=ADMIN)
+    off = client.post("/v1/jobs", json=job_body(name="off", **small,
+                                                checkpoint={"interval_steps": 5, "memory_tier": False}), headers=ADMIN)
+    assert off.status_code == 201, off.text
+    job = off.json()
+    assert job["checkpoint"] == {"interval_steps": 5, "keep_last": 3, "memory_tier": False}
+    assert schedule() == 1
+    specs = [spec for a in agents for spec in a.heartbeat()["assignments"]]
+    assert len(specs) == 2 and all(spec["job_id"] == job["id"] for spec in specs)
+    # Both nodes serve a tier, yet neither part has one; the workers are told too (their checkpoint block).
+    assert all(spec["memory"] is None and spec["checkpoint"]["memory_tier"] is False for spec in specs)
+    assert client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()["checkpoint"]["memory_tier"] is False
