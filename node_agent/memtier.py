@@ -74,12 +74,15 @@ class _Pushes:
 
 class MemoryTier:
     def __init__(self, budget_bytes: int, *, peer_timeout_s: float = PEER_TIMEOUT_S,
-                 peer_tls: ssl.SSLContext | None = None) -> None:
+                 peer_tls: ssl.SSLContext | None = None, require_tls: bool = False) -> None:
         self.store = ShardStore(budget_bytes)
         self.peer_timeout_s = peer_timeout_s
         self.peer_tls = peer_tls
         """What an https:// peer's certificate is verified against (the cluster's CA: the agent's
         --ca-file); None: the system's trust store. Plain http:// peers are reached without TLS."""
+        self.require_tls = require_tls
+        """An agent whose own port speaks TLS neither sends nor asks for shards (nor the job's secret)
+        over plain HTTP: an http:// peer is a miss."""
         self._pushes = _Pushes()
         self._pusher: threading.Thread | None = None
         self.pushed = 0
@@ -96,7 +99,7 @@ class MemoryTier:
         """Keep the shard and queue its push to the peer, waiting up to ``wait_peer_s`` for the push
         to be over (done, failed or superseded); raises ShardRefused."""
         self.store.put(memory.owner, memory.job_id, rank, sha256, data)
-        if memory.peer_url:
+        if memory.peer_url and self._allowed(memory.peer_url):
             done = self._queue_push(memory, rank, sha256, data)
             if wait_peer_s > 0:
                 done.wait(wait_peer_s)
@@ -109,13 +112,19 @@ class MemoryTier:
             entry = self.store.get(memory.owner, memory.job_id, sha256)
             return None if entry is None else entry.data
         for url in (memory.peer_url, *memory.sources):
-            if url:
+            if url and self._allowed(url):
                 data = self._fetch(url, memory, rank, sha256)
                 if data is not None:
                     return data
         return None
 
     # --- peers ---
+
+    def _allowed(self, url: str) -> bool:
+        if self.require_tls and not url.startswith("https://"):
+            log.warning("memory_peer_not_tls", peer=url[:200], detail="this agent talks to peers over TLS only")
+            return False
+        return True
 
     def _tls(self) -> ssl.SSLContext:
         return self.peer_tls if self.peer_tls is not None else ssl.create_default_context()

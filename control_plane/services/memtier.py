@@ -37,9 +37,9 @@ class PeerNode:
     url: str
 
 
-def peer_url(address: str, port: int) -> str:
+def peer_url(address: str, port: int, tls: bool = False) -> str:
     host = f"[{address}]" if ":" in address and not address.startswith("[") else address
-    return f"http://{host}:{port}"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
 
 
 def choose_peer(node_id: uuid.UUID, domain: str, candidates: Sequence[PeerNode], seed: str) -> PeerNode | None:
@@ -66,7 +66,8 @@ class Peers:
         self.session = session
         self.topology_label = topology_label
         rows = session.scalars(select(Node).where(Node.state == "ready", Node.memory_port.is_not(None))).all()
-        self.nodes = {n.id: PeerNode(n.id, domain_of(n, topology_label), peer_url(n.address, n.memory_port or 0))
+        self.nodes = {n.id: PeerNode(n.id, domain_of(n, topology_label),
+                                     peer_url(n.address, n.memory_port or 0, bool(n.memory_tls)))
                       for n in rows}
 
     def blocks(self, job: Job, node_ids: Sequence[uuid.UUID], previous: int | None) -> list[dict[str, Any] | None]:

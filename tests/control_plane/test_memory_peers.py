@@ -34,6 +34,18 @@ def test_a_peer_is_another_node_on_another_domain_whenever_one_exists(
 def test_peer_urls_bracket_ipv6_addresses() -> None:
     assert peer_url("10.0.0.1", 7000) == "http://10.0.0.1:7000"
     assert peer_url("::1", 7000) == "http://[::1]:7000"
+    assert peer_url("::1", 7000, tls=True) == "https://[::1]:7000"
+
+
+def test_a_peer_whose_memory_port_speaks_tls_is_reached_at_https(client, schedule) -> None:
+    agents = [FakeAgentSession(client, name, 1, address=address, labels={"rack": rack}, memory_port=port,
+                               memory_tls=tls)
+              for name, address, rack, port, tls in (("t1", "127.0.0.1", "r1", 7200, True),
+                                                     ("t2", "127.0.0.2", "r2", 7201, False))]
+    client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1), headers=ADMIN)
+    assert schedule() == 1
+    peers = {a.name: spec["memory"]["peer_url"] for a in agents for spec in a.heartbeat()["assignments"]}
+    assert peers == {"t1": "http://127.0.0.2:7201", "t2": "https://127.0.0.1:7200"}
 
 
 def test_parts_get_a_peer_on_another_rack_and_the_next_attempt_the_old_copies(client, schedule) -> None:

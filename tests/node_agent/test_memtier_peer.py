@@ -1,21 +1,24 @@
 """The memory port against hosts that are not well-behaved peers: connection floods, slow senders,
 huge announced bodies (node_agent/memtier_peer.py), over real TCP on loopback addresses (each
-127.0.0.N stands for another host)."""
+127.0.0.N stands for another host); and over real TLS with a node certificate from the cluster's CA."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from node_agent.memtier import MemoryTier
+from node_agent.memtier import AttemptMemory, MemoryTier
 from node_agent.memtier_peer import PeerLimits, PeerServer, serving
+from trainyard.certs import ensure_server_tls
 
 LIMITS = PeerLimits(request_timeout_s=1.0, connections_total=6, connections_per_peer=3, inflight_bytes=1 << 20)
 
@@ -124,3 +127,45 @@ def _settles(check: object, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_the_memory_port_speaks_tls_and_peers_verify_it_against_the_clusters_ca(tmp_path: Path) -> None:
+    node = ensure_server_tls(tmp_path / "tls", ["127.0.0.1"], common_name="trainyard node-2", stem="node-2")
+    stranger_ca = ensure_server_tls(tmp_path / "elsewhere", ["127.0.0.1"]).ca_file
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(node.cert_file, node.key_file)
+    data = secrets.token_bytes(5000)
+    digest = hashlib.sha256(data).hexdigest()
+    peer_tier = MemoryTier(1 << 20)
+    with serving(peer_tier, tls=server_tls, limits=LIMITS) as server:
+        assert server.scheme == "https"
+        job = AttemptMemory("job-1", secrets.token_hex(32), f"https://127.0.0.1:{server.port}")
+        trusted = MemoryTier(1 << 20, peer_timeout_s=5, peer_tls=ssl.create_default_context(cafile=node.ca_file),
+                             require_tls=True)
+        trusted.put(job, 0, digest, data)
+        assert trusted.wait_pushed(5) and trusted.pushed == 1 and trusted.push_failures == 0
+        assert peer_tier.store.get(job.owner, "job-1", digest) is not None
+        assert trusted.get(job, 0, digest, "peer") == data  # read back over TLS
+
+        # A peer that does not trust the cluster's CA neither sends nor gets anything.
+        stranger = MemoryTier(1 << 20, peer_timeout_s=5, peer_tls=ssl.create_default_context(cafile=stranger_ca))
+        assert stranger.get(job, 0, digest, "peer") is None
+        stranger.put(job, 1, digest, data)
+        assert stranger.wait_pushed(5) and stranger.push_failures == 1 and stranger.pushed == 0
+        # Plain HTTP to the TLS port gets no answer at all: no shard, no problem text in the clear.
+        url = f"http://127.0.0.1:{server.port}/v1/peer/jobs/job-1/shards/0/{digest}"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url, headers={"Authorization": f"Bearer {job.secret}"}, timeout=5)
+        assert trusted.get(job, 0, digest, "peer") == data  # failed handshakes cost the port nothing
+        assert _settles(lambda: server.serving == 0)
+
+    # An agent whose own port speaks TLS never talks to a plain-HTTP peer (the job's secret would go
+    # over the network in the clear): a miss, nothing sent.
+    plain_tier = MemoryTier(1 << 20)
+    with serving(plain_tier) as plain:
+        clear = AttemptMemory("job-1", job.secret, f"http://127.0.0.1:{plain.port}")
+        trusted.put(clear, 0, digest, data)
+        assert trusted.wait_pushed(5) and trusted.pushed == 1 and len(plain_tier.store) == 0
+        assert trusted.get(clear, 0, digest, "peer") is None
+    trusted.stop()
+    stranger.stop()
