@@ -127,7 +127,9 @@ class MemoryTier:
         return True
 
     def _tls(self) -> ssl.SSLContext:
-        return self.peer_tls if self.peer_tls is not None else ssl.create_default_context()
+        if self.peer_tls is None:
+            self.peer_tls = ssl.create_default_context()  # once: it reads the system's trust store
+        return self.peer_tls
 
     def _peer_url(self, base: str, memory: AttemptMemory, rank: int, sha256: str) -> str:
         return f"{base.rstrip('/')}{PEER_PREFIX}/{memory.job_id}/shards/{rank}/{sha256}"
