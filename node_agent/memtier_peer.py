@@ -54,10 +54,12 @@ class PeerLimits:
     request_timeout_s: float = 10.0
     """The TLS handshake, request line and headers must arrive within this; a body gets this plus its
     size at MIN_BYTES_PER_S, and so does an answer to be taken."""
-    connections_total: int = 32
+    connections_total: int = 64
     """Connections served at once (each holds a thread)."""
-    connections_per_peer: int = 8
-    """Of those, from one address: a host flooding the port leaves room for the others."""
+    connections_per_peer: int = 16
+    """Of those, from one address: a host flooding the port leaves room for the others. A node's ranks
+    restoring at once each fetch through their agent: 16 covers a node of 8 GPUs twice over (beyond
+    it a fetch is a miss and reads S3)."""
     inflight_bytes: int | None = None
     """Shard bytes being received at once, over all connections; None: the store's budget."""
 
