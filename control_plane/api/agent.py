@@ -90,7 +90,8 @@ def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeI
     answer = agent_protocol.report_status(session, node, attempt_id, body, runtime,
                                           budgets=settings.recovery_budgets)
     return AttemptStatusAck(attempt_state=answer.attempt_state, stop=answer.stop, released=answer.released,
-                            checkpoint_interval_steps=answer.checkpoint_interval_steps)
+                            checkpoint_interval_steps=answer.checkpoint_interval_steps,
+                            handover_ok=answer.handover_ok)
 
 
 @router.post("/attempts/{attempt_id}/logs", response_model=LogAck, responses=ERRORS)

@@ -23,6 +23,7 @@ from control_plane.services import (
     intervals,
     metrics,
     nodes,
+    parking,
     progress,
     recovery_budget,
     specs,
@@ -141,6 +142,8 @@ class StatusAnswer:
     released: bool
     checkpoint_interval_steps: int | None = None
     """For a job whose checkpoint interval is 'auto': the interval chosen now (services/intervals.py)."""
+    handover_ok: bool = False
+    """The part told to stop may be parked for a handover (services/parking.py)."""
 
 
 def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport,
@@ -168,8 +171,10 @@ def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: A
     _observe_recovery(session, attempt, session.info.pop("first_step_at", None), budgets)
     session.commit()
     _after_release(session, wakeups, ended_before)
-    return StatusAnswer(attempt_state=attempt.state, stop=merged.part.desired == "stop", released=merged.released,
-                        checkpoint_interval_steps=interval)
+    stop = merged.part.desired == "stop"
+    ok = stop and str(attempt.id) in parking.handover_ok(session, node.id, [attempt.id])
+    return StatusAnswer(attempt_state=attempt.state, stop=stop, released=merged.released,
+                        checkpoint_interval_steps=interval, handover_ok=ok)
 
 
 def _observe_recovery(session: Session, attempt: Attempt, first_step_at: datetime | None,

@@ -26,7 +26,7 @@ from control_plane.clock import now
 from control_plane.db import reload
 from control_plane.errors import Forbidden, InvalidState
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
-from control_plane.services import events, intervals, memtier, progress, specs
+from control_plane.services import events, intervals, memtier, parking, progress, specs
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
 from control_plane.services.locks import attempt_order, lock_part, lock_parts
@@ -433,7 +433,7 @@ def apply_status(
                                           exclusive=False)
     part = lock_part(session, part.id)
     if report.state.value in PART_PARKED:
-        _check_parkable(job, part)
+        _check_parkable(job, attempt, part)
     t = now()
     part.reported_at = t
     _mark_timings(part, attempt, report, t)
@@ -479,14 +479,13 @@ PARKED = "parked"
 """session.info key: a report parked a part (the caller wakes the scheduler after its commit)."""
 
 
-def _check_parkable(job: Job, part: AttemptNode) -> None:
-    """Only a restartable job's part that was told to stop may be parked: a part the control plane
-    still wants running, or one of a job whose workers cannot restart in process, is never held
-    back from stopping (its GPUs would stay leased to workers nobody will hand anything to)."""
-    if not job.restartable:
-        raise InvalidState(f"node rank {part.node_rank} cannot be parked: job {job.id} is not restartable")
-    if part.desired != "stop":
-        raise InvalidState(f"node rank {part.node_rank} cannot be parked: it was not told to stop")
+def _check_parkable(job: Job, attempt: Attempt, part: AttemptNode) -> None:
+    """Only a part its agent was allowed to park (services/parking.py) may be parked: any other is
+    never held back from stopping (its GPUs would stay leased to workers nobody should hand
+    anything to)."""
+    why = parking.refusal(job, attempt, part)
+    if why is not None:
+        raise InvalidState(f"node rank {part.node_rank} cannot be parked: {why}")
 
 
 def _mark_timings(part: AttemptNode, attempt: Attempt, report: AttemptStatusReport, t: datetime) -> None:

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.models import Attempt, AttemptNode, GpuLease, Job
-from control_plane.services import events
+from control_plane.services import events, parking
 from control_plane.services.attempts import RELEASED_ATTEMPTS
 from control_plane.services.locks import lock_parts
 from control_plane.services.states import PART_PARKED, advance_part
@@ -39,7 +39,8 @@ class ParkedPart:
 
 def parked_parts(session: Session, job_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, dict[str, ParkedPart]]:
     """Per job, its parked parts by node id (text, as the policy names nodes): only parts of the job's
-    current attempt, once that attempt failed (a job whose next attempt exists adopts nothing more)."""
+    current attempt, once that attempt failed, that may still be handed over (services/parking.py:
+    never the blamed node's, nor after a hang, a cancel or a time limit)."""
     ids = sorted(set(job_ids))
     if not ids:
         return {}
@@ -48,8 +49,8 @@ def parked_parts(session: Session, job_ids: Iterable[uuid.UUID]) -> dict[uuid.UU
         select(Job.id, AttemptNode.id, AttemptNode.attempt_id, AttemptNode.node_id, AttemptNode.gpu_indices)
         .join(Attempt, Attempt.id == Job.current_attempt_id)
         .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
-        .where(Job.id.in_(ids), Job.restartable.is_(True), Attempt.outcome.is_not(None),
-               AttemptNode.state.in_(PART_PARKED), AttemptNode.released_at.is_(None))
+        .where(Job.id.in_(ids), AttemptNode.state.in_(PART_PARKED), AttemptNode.released_at.is_(None),
+               *parking.clauses())
     ):
         out.setdefault(job_id, {})[str(node_id)] = ParkedPart(part_id, attempt_id, node_id, tuple(sorted(indices)))
     return out
@@ -61,13 +62,17 @@ def take_over(session: Session, job: Job, adopted: Mapping[str, ParkedPart],
     new attempt's GPU indices on that node in ``gpus``), in the caller's transaction, right before
     the new attempt's leases are inserted. The caller holds the nodes and the job (services/locks.py);
     the parts are locked here. False (nothing changed) if any of them is no longer parked on exactly
-    those GPUs (its agent's handover timeout stopped it meanwhile): the job is not admitted this
-    pass, and the next one places it afresh."""
+    those GPUs (its agent's handover timeout stopped it meanwhile) or may no longer be handed over
+    (services/parking.py, under the locks now): the job is not admitted this pass, and the next
+    one places it afresh."""
     parts = {p.id: p for p in lock_parts(session, [a.part_id for a in adopted.values()])}
     for node, parked in adopted.items():
         part = parts.get(parked.part_id)
         if (part is None or part.state not in PART_PARKED or part.released_at is not None
                 or tuple(sorted(part.gpu_indices)) != tuple(sorted(gpus.get(node, ())))):
+            return False
+        attempt = session.get(Attempt, part.attempt_id)
+        if attempt is None or parking.refusal(job, attempt, part) is not None:
             return False
     t = now()
     for part in sorted(parts.values(), key=lambda p: p.id):

@@ -21,6 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode, Job
+from control_plane.services import parking
 from control_plane.services.states import ATTEMPT_LIVE
 from trainyard.protocol.agent import AssignmentRef, CodeRef, KnownAssignment, LaunchSpec
 from trainyard.protocol.keys import job_checkpoint_prefix
@@ -153,6 +154,10 @@ def answer(session: Session, node_id: uuid.UUID, known: list[KnownAssignment] | 
             refs.append(AssignmentRef(attempt_id=attempt_id, desired="run", version=mine))
         elif spec is not None:
             full.append(spec.model_copy(update={"storage": _spec_storage(spec)}))
-    refs.extend(AssignmentRef(attempt_id=a, desired="stop", version=v) for a, v in sorted(held.items()))
+    # A stop says whether the part may be parked for a handover (services/parking.py): the agent
+    # parks only then, and stops anything else at once.
+    ok = parking.handover_ok(session, node_id, held) if held else set()
+    refs.extend(AssignmentRef(attempt_id=a, desired="stop", version=v, handover_ok=a in ok)
+                for a, v in sorted(held.items()))
     return full, refs
 

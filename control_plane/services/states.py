@@ -129,7 +129,8 @@ assert set(ATTEMPT_HOLDING) == set(ATTEMPT) - {"ended"}
 # -- Attempt parts (one node's share of an attempt) ---------------------------------------------
 
 PART: dict[str, State] = {
-    "assigned": _s("launching", "running", "exited", "stopped", "gone", exit=Exit(
+    # parked: told to stop before the agent's first report reached us (it parks what runs).
+    "assigned": _s("launching", "running", "parked", "exited", "stopped", "gone", exit=Exit(
         "the agent reports it launching at its next heartbeat; a part still assigned after the launch "
         "timeout fails its attempt (the maintenance step of the monitor loop)",
         settings=("attempt_launch_timeout_s", "monitor_interval_s"), message="attempt status report")),

@@ -21,7 +21,7 @@ def _specs(agents) -> dict[str, dict]:
 
 
 def _start(client, schedule, agents, **body):
-    job = client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1, max_failures=3, **body),
+    job = client.post("/v1/jobs", json=job_body(**{"num_nodes": 2, "gpus_per_node": 1, "max_failures": 3, **body}),
                       headers=ADMIN).json()
     assert schedule() == 1
     specs = _specs(agents)
@@ -147,3 +147,126 @@ def test_a_next_attempt_placed_elsewhere_takes_nothing_over_and_the_parked_part_
     alive.heartbeat([])
     assert _active_leases(app, alive.node_id) == []
     assert dead.name in new
+
+
+def _stop_ref(agent, spec) -> dict:
+    """The stop order the agent's desired state gives for ``spec`` (an agent that holds it at its version)."""
+    r = agent.client.post("/v1/agent/heartbeat", headers=agent.headers, json={
+        "agent_instance": agent.instance, "seq": 1000, "attempts": [{"attempt_id": spec["attempt_id"]}],
+        "known": [{"attempt_id": spec["attempt_id"], "version": spec["version"]}]})
+    assert r.status_code == 200, r.text
+    (ref,) = [u for u in r.json()["unchanged"] if u["attempt_id"] == spec["attempt_id"]]
+    return ref
+
+
+def _fail_with(app, job_id: str, node_id: str, *, hung: bool = False, kind: str = "exit_code") -> None:
+    """The job's current attempt fails as the watchdog (hung) or a worker's exit would fail it."""
+    from control_plane.clock import now
+    from control_plane.models import Job
+    from control_plane.services import attempts
+    from control_plane.services.fencing import lock_attempt
+    with session_scope(app.state.session_factory) as s:
+        current = s.get(Job, uuid.UUID(job_id)).current_attempt_id
+        locked = lock_attempt(s, current)
+        assert locked is not None
+        job, attempt = locked
+        if hung:
+            attempt.hung_since = now()
+            attempts.fail_attempt(s, job, attempt, "hung: step 3 has not advanced", node_id=uuid.UUID(node_id))
+        else:
+            attempts.fail_attempt(s, job, attempt, "rank 1 exited", node_id=uuid.UUID(node_id), kind=kind)
+        s.commit()
+
+
+def test_the_blamed_node_and_a_hung_attempt_are_never_parked_nor_taken_over(app, client, schedule):
+    """Finding 1: a hang fails an attempt whose workers all run (they are the hung processes), and the
+    blamed node's own part is the cause: neither may be parked, offered, or adopted."""
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2, 3)]
+    job, specs = _start(client, schedule, agents, restartable=True)
+    blamed, healthy = [a for a in agents if a.name in specs]
+    _fail_with(app, job["id"], blamed.node_id, hung=True)
+    for agent in (blamed, healthy):
+        spec = specs[agent.name]
+        assert _stop_ref(agent, spec)["handover_ok"] is False
+        r = agent.status(spec, "parked", workers=workers_for(spec, "running"))
+        assert r.status_code == 409 and "hung" in r.json()["detail"], r.text
+    with session_scope(app.state.session_factory) as s:
+        assert handover.parked_parts(s, [uuid.UUID(job["id"])]) == {}
+
+
+def test_only_a_healthy_node_is_parked_and_taken_over_after_a_peer_exits(app, client, schedule):
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2, 3)]
+    job2, specs2 = _start(client, schedule, agents, restartable=True)
+    blamed, healthy = [a for a in agents if a.name in specs2]
+    _fail_with(app, job2["id"], blamed.node_id)
+    assert _stop_ref(blamed, specs2[blamed.name])["handover_ok"] is False
+    assert _stop_ref(healthy, specs2[healthy.name])["handover_ok"] is True
+    r = blamed.status(specs2[blamed.name], "parked", workers=workers_for(specs2[blamed.name], "running"))
+    assert r.status_code == 409 and "blamed" in r.json()["detail"], r.text
+    r = healthy.status(specs2[healthy.name], "parked", workers=workers_for(specs2[healthy.name], "running"))
+    assert r.status_code == 200 and r.json()["stop"] and r.json()["handover_ok"], r.text
+    with session_scope(app.state.session_factory) as s:
+        parked = handover.parked_parts(s, [uuid.UUID(job2["id"])])[uuid.UUID(job2["id"])]
+    assert set(parked) == {healthy.node_id}
+    # Re-checked under the locks: a part whose node became the blamed one is not taken over.
+    from control_plane.models import Attempt
+    with session_scope(app.state.session_factory) as s:
+        s.get(Attempt, uuid.UUID(specs2[healthy.name]["attempt_id"])).failed_node_id = uuid.UUID(healthy.node_id)
+        s.commit()
+        locked = lock_job(s, uuid.UUID(job2["id"]))
+        assert locked is not None
+        assert handover.take_over(s, locked, parked, {healthy.node_id: tuple(specs2[healthy.name]["gpu_indices"])}) \
+            is False
+        assert handover.parked_parts(s, [uuid.UUID(job2["id"])]) == {}
+
+
+def test_a_cancelled_job_parks_nothing(app, client, schedule):
+    """Finding 2: every end of an attempt tells its parts to stop, but only a failure the job recovers
+    from may park them; the stop says so, a parked report otherwise is refused, and a part parked
+    before the job was cancelled is no longer offered."""
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2, 3)]
+    job, specs = _start(client, schedule, agents, restartable=True)
+    spec = specs[agents[0].name] if agents[0].name in specs else next(iter(specs.values()))
+    owner = next(a for a in agents if a.name in specs and specs[a.name] is spec)
+    assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).status_code in (200, 202)
+    r = owner.status(spec, "running", workers=workers_for(spec, "running"))
+    assert r.status_code == 200 and r.json()["stop"] is True and r.json()["handover_ok"] is False
+    assert _stop_ref(owner, spec)["handover_ok"] is False
+    r = owner.status(spec, "parked", workers=workers_for(spec, "running"))
+    assert r.status_code == 409 and "not recovering" in r.json()["detail"], r.text
+
+
+def test_a_job_out_of_failures_or_cancelled_while_parked_parks_nothing(app, client, schedule):
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2, 3, 4, 5)]
+    job, specs = _start(client, schedule, agents, restartable=True, max_failures=0)
+    dead, alive = _fail_one(agents, specs)
+    assert client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()["state"] == "failed"
+    r = alive.status(specs[alive.name], "parked", workers=workers_for(specs[alive.name], "running"))
+    assert r.status_code == 409 and "not recovering" in r.json()["detail"], r.text
+
+    job, specs = _start(client, schedule, agents, restartable=True)
+    _, alive = _fail_one(agents, specs)
+    assert alive.status(specs[alive.name], "parked", workers=workers_for(specs[alive.name], "running")).status_code == 200
+    assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).status_code in (200, 202)
+    r = alive.status(specs[alive.name], "parked", workers=workers_for(specs[alive.name], "running"))
+    assert r.status_code == 409 and "not recovering" in r.json()["detail"], r.text
+    assert _stop_ref(alive, specs[alive.name])["handover_ok"] is False
+    with session_scope(app.state.session_factory) as s:
+        assert handover.parked_parts(s, [uuid.UUID(job["id"])]) == {}
+
+
+def test_a_part_told_to_stop_before_its_first_report_may_be_parked(app, client, schedule):
+    """Finding 8: the agent's first report of a part may already say parked (the stop came before its
+    running report went out): assigned -> parked is a transition, not a 409."""
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2, 3)]
+    client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1, max_failures=3, restartable=True),
+                headers=ADMIN).raise_for_status()
+    assert schedule() == 1
+    specs = _specs(agents)
+    dead, alive = _fail_one(agents, specs)
+    r = alive.status(specs[alive.name], "parked", workers=workers_for(specs[alive.name], "running"))
+    assert r.status_code == 200, r.text
+    with session_scope(app.state.session_factory) as s:
+        part = s.scalar(select(AttemptNode).where(AttemptNode.node_id == uuid.UUID(alive.node_id)))
+        assert part is not None and part.state == "parked"
+    assert dead.name != alive.name

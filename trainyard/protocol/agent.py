@@ -300,6 +300,9 @@ class AssignmentRef(_Wire):
     attempt_id: str
     desired: Literal["run", "stop"]
     version: str
+    handover_ok: bool = Field(
+        default=False, description="With desired 'stop': the part may be parked for the job's next attempt to take "
+        "over (a restartable job recovering from another node's failure); otherwise it is stopped at once.")
 
 
 class HeartbeatResponse(_Wire):
@@ -472,6 +475,9 @@ class AttemptStatusReport(_Wire):
 class AttemptStatusAck(_Wire):
     attempt_state: str
     stop: bool = Field(description="True when the agent must stop this attempt's processes.")
+    handover_ok: bool = Field(
+        default=False, description="With stop: the part may be parked for the job's next attempt to take over (a "
+        "restartable job recovering from another node's failure); otherwise it is stopped at once.")
     checkpoint_interval_steps: int | None = Field(
         default=None, ge=1, description="For a job whose checkpoint interval is 'auto': the interval the platform "
         "chose now; the agent serves it to its workers (local API), which agree on it at their next save.")

@@ -1,0 +1,73 @@
+"""When a stopped part may be parked for a handover (docs/architecture.md, "In-process restart of
+healthy ranks"): one rule, used where the agent is told to stop (its desired state and the status
+answer say ``handover_ok``), where a parked report is accepted (409 otherwise), and where a pass
+reads and takes over parked parts.
+
+A handover keeps the part's processes alive as the next attempt's. That is right only for a part
+whose node was healthy when its peer's process failed: never for a job that is not coming back
+(cancelled, out of time, out of failures, succeeded), never for a hang (the watchdog fails an
+attempt whose workers are all alive: they are the hung processes), and never for the node blamed
+for the failure.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane.models import Attempt, AttemptNode, Job
+
+HANDOVER_KINDS = ("out_of_memory", "exception", "signal", "exit_code", "node_lost", "launch_error")
+"""Failure kinds (trainyard.protocol.exits) that name a process or node that ended: the other nodes'
+workers are healthy. Not ``collective_timeout`` (every failed rank timed out in a collective: a hang
+somewhere, perhaps in the processes that are still alive), nor what the control plane decides
+without an exit (``time_limit``, ``other``: the hang watchdog), nor ``start_error``."""
+
+
+def refusal(job: Job, attempt: Attempt, part: AttemptNode) -> str | None:
+    """Why ``part`` (of ``attempt`` of ``job``) may not be parked, or None when it may."""
+    if not job.restartable:
+        return f"job {job.id} is not restartable"
+    if part.desired != "stop":
+        return "it was not told to stop"
+    if attempt.outcome != "failed" or job.state != "recovering" or job.current_attempt_id != attempt.id:
+        return f"its job is not recovering from this attempt's failure (job {job.state}, attempt {attempt.outcome})"
+    if attempt.hung_since is not None:
+        return "its attempt hung: its live workers may be the hung processes"
+    if attempt.failure_kind not in HANDOVER_KINDS:
+        return f"its attempt failed as {attempt.failure_kind}: its live workers may be the cause"
+    if attempt.failed_node_id is None or attempt.failed_node_id == part.node_id:
+        return "its node is the one blamed for the failure"
+    return None
+
+
+def clauses() -> list[Any]:
+    """``refusal`` as SQL conditions over Job, Attempt and AttemptNode (joined by the caller)."""
+    return [Job.restartable.is_(True), AttemptNode.desired == "stop", Attempt.outcome == "failed",
+            Job.state == "recovering", Job.current_attempt_id == Attempt.id, Attempt.hung_since.is_(None),
+            Attempt.failure_kind.in_(HANDOVER_KINDS), Attempt.failed_node_id.is_not(None),
+            AttemptNode.node_id != Attempt.failed_node_id]
+
+
+def handover_ok(session: Session, node_id: uuid.UUID, attempt_ids: Iterable[str | uuid.UUID]) -> set[str]:
+    """Of these attempts, those whose part on ``node_id`` its agent may park now (one query)."""
+    ids = sorted({i for i in (_uuid(a) for a in attempt_ids) if i is not None})
+    if not ids:
+        return set()
+    return {str(a) for a in session.scalars(
+        select(AttemptNode.attempt_id)
+        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+        .join(Job, Job.id == Attempt.job_id)
+        .where(AttemptNode.node_id == node_id, AttemptNode.attempt_id.in_(ids),
+               AttemptNode.released_at.is_(None), *clauses()))}
+
+
+def _uuid(value: str | uuid.UUID) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None  # an id the agent holds that is no attempt of ours: nothing to park
