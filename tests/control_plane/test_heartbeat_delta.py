@@ -67,7 +67,7 @@ def test_unchanged_assignment_is_a_small_reference_whatever_the_job_size(client,
             assert SECRET not in str(resp1) and set(spec["storage"]) == {"prefix"}
             assert resp2["assignments"] == []
             assert resp2["unchanged"] == [{"attempt_id": spec["attempt_id"], "desired": "run",
-                                           "version": spec["version"]}]
+                                           "version": spec["version"], "handover_ok": False}]
             assert size2 < 400
     first_small = max(size for _, size in small["first"])
     first_big = max(size for _, size in big["first"])
@@ -113,7 +113,8 @@ def test_changed_version_resends_the_spec_and_unassigned_known_specs_are_told_to
     assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).status_code in (200, 202)
     resp, size = a.beat([attempt])
     assert resp["assignments"] == []
-    assert resp["unchanged"] == [{"attempt_id": attempt, "desired": "stop", "version": spec["version"]}]
+    assert resp["unchanged"] == [{"attempt_id": attempt, "desired": "stop", "version": spec["version"],
+                                   "handover_ok": False}]
     assert a.held == {}
     resp, _ = a.beat([])  # forgotten: nothing more about it
     assert resp["assignments"] == [] and resp["unchanged"] == []
@@ -127,4 +128,4 @@ def test_bad_known_entries_are_refused_with_a_problem(client):
     r = client.post("/v1/agent/heartbeat", headers=a.headers, json={
         "agent_instance": "i1", "seq": 1, "known": [{"attempt_id": "unknown", "version": "v"}]})
     assert r.status_code == 200 and r.json()["unchanged"] == [
-        {"attempt_id": "unknown", "desired": "stop", "version": "v"}]
+        {"attempt_id": "unknown", "desired": "stop", "version": "v", "handover_ok": False}]

@@ -135,7 +135,8 @@ def test_a_final_report_that_says_no_process_is_left_releases_the_gpus(client):
     r = agents[1].status(specs[1], "exited", exit_code=1, workers=workers_for(specs[1], "exited", 1),
                          processes_alive=False)
     assert r.status_code == 200 and r.json() == {"attempt_state": "stopping", "stop": True, "released": True,
-                                                  "checkpoint_interval_steps": None}  # not an 'auto' job
+                                                  "checkpoint_interval_steps": None,  # not an 'auto' job
+                                                  "handover_ok": False}
     nodes = {n["name"]: n for n in client.get("/v1/nodes", headers=ADMIN).json()}
     assert [g["attempt_id"] for g in nodes["node-1"]["gpus"]] == [None]  # free without a heartbeat
     assert [g["attempt_id"] for g in nodes["node-0"]["gpus"]] == [specs[0]["attempt_id"]]
