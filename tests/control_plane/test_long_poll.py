@@ -144,7 +144,7 @@ def test_a_wait_that_asks_for_the_answer_carries_the_change_and_ignores_wake_ups
         assert set(spec["storage"]) == {"prefix"}  # credentials come at registration only
         known = [{"attempt_id": spec["attempt_id"], "version": spec["version"]}]
         # The heartbeat agrees: the spec the wait carried is the one held.
-        assert _heartbeat(c, auth, 1, known)["unchanged"] == [{**known[0], "desired": "run"}]
+        assert _heartbeat(c, auth, 1, known)["unchanged"] == [{**known[0], "desired": "run", "handover_ok": False}]
 
         stop = _Wait(url, auth, known, timeout_s=60.0, answer=True)
         stop.start()
