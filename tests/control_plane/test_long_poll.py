@@ -152,4 +152,4 @@ def test_a_wait_that_asks_for_the_answer_carries_the_change_and_ignores_wake_ups
         assert c.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).status_code == 200
         stop.join(PROMPTLY_S)
         assert stop.result is not None and stop.result[1] == {
-            "changed": True, "assignments": [], "unchanged": [{**known[0], "desired": "stop"}]}
+            "changed": True, "assignments": [], "unchanged": [{**known[0], "desired": "stop", "handover_ok": False}]}
