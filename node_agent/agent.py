@@ -42,6 +42,7 @@ from types import FrameType
 
 import structlog
 
+from node_agent.agent_core import PendingLaunch
 from node_agent.agent_heartbeat import HeartbeatLoop
 from node_agent.agent_report import ReportLoop
 from node_agent.attempt import AttemptRun
@@ -120,6 +121,8 @@ class Agent(HeartbeatLoop, ReportLoop):
         self._seq = 0
         self._runs: dict[str, AttemptRun] = {}
         self._known: set[str] = set()
+        self._pending: dict[str, PendingLaunch] = {}
+        """Specs whose GPUs a live part of this node still holds: started once it is gone."""
         # Spec versions this agent holds (reported in each heartbeat, so unchanged specs are not
         # resent) and the storage access of the registration (LaunchSpec.storage has the prefix);
         # never a credential: workers get presigned URLs through _storage_grants.

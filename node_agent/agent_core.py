@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from node_agent.attempt import AttemptRun
@@ -22,7 +24,19 @@ from node_agent.standby_pool import StandbyPool
 from trainyard.protocol.agent import (
     AttemptStatusReport,
     GpuInfo,
+    LaunchSpec,
 )
+
+
+@dataclass(frozen=True)
+class PendingLaunch:
+    """A part to start, with what its launch needs (held while its GPUs are busy)."""
+
+    spec: LaunchSpec
+    code_archive: Path | None
+    code_problem: str | None
+    received: float
+    """When its spec arrived (monotonic): its wake-up ends there."""
 
 
 class AgentCore:
@@ -55,6 +69,7 @@ class AgentCore:
     _seq: int
     _runs: dict[str, AttemptRun]
     _known: set[str]
+    _pending: dict[str, PendingLaunch]
     _versions: dict[str, str]
     _storage: dict[str, object]
     _runs_lock: threading.Lock
@@ -89,15 +104,25 @@ class AgentCore:
     def _need_register_set(self) -> None:
         self._need_register.set()
 
-    def _stop_or_park(self, run: AttemptRun, reason: str) -> None:
-        """Stop ``run`` as the control plane asked, unless it is a restartable part whose workers all
-        run: those are parked (node_agent/handover.py) for the next attempt to take over, and stopped
-        only if none does within handover_timeout_s (the supervise loop)."""
+    def _stop_or_park(self, run: AttemptRun, reason: str, *, handover_ok: bool | None) -> None:
+        """Stop ``run`` as the control plane asked, unless the stop allows a handover (``handover_ok``:
+        a restartable job recovering from another node's failure, services/parking.py) and every
+        worker of the part runs: then it is parked (node_agent/handover.py) for the next attempt to
+        take over, and stopped only if none does within handover_timeout_s (the supervise loop).
+        ``handover_ok`` None: the answer did not say (a parked part stays parked; any other stops)."""
         if run.parked:
+            if handover_ok is False:
+                self._unpark(run, f"{reason}; no handover any more")
             return
-        if run.parkable() and self.handovers.park(run.attempt_id, self.config.handover_timeout_s):
+        if handover_ok and run.parkable() and self.handovers.park(run.attempt_id, self.config.handover_timeout_s):
             run.parked = True
             run.log.info("attempt_parked", reason=reason, timeout_s=self.config.handover_timeout_s)
             self._wake("report")  # the control plane may hand it over at once
             return
         run.request_stop(reason)
+
+    def _unpark(self, run: AttemptRun, reason: str) -> None:
+        """Stop a parked part now, unless a takeover already claimed it (node_agent/handover.py)."""
+        if self.handovers.give_up(run.attempt_id, reason):
+            run.parked = False
+            run.request_stop(reason)

@@ -7,6 +7,7 @@ import random
 import time
 from pathlib import Path
 
+from node_agent.agent_core import PendingLaunch
 from node_agent.agent_supervise import SuperviseLoop
 from node_agent.attempt import AttemptRun
 from node_agent.client import (
@@ -93,9 +94,10 @@ class DesiredState(SuperviseLoop):
                 self._launched_at.setdefault(spec.attempt_id, time.monotonic())
                 self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}),
                              *fetched[spec.attempt_id], received=arrived)
+            said = {ref.attempt_id: ref.handover_ok for ref in refs if ref.desired == "stop"}
             for run in self.runs():
                 if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
-                    self._stop_or_park(run, "no longer assigned to this node")
+                    self._stop_or_park(run, "no longer assigned to this node", handover_ok=said.get(run.attempt_id))
             # Kept while assigned or too new to judge, with a version or without one (a control plane
             # that sends none): the guard above holds for both.
             self._launched_at = {a: t for a, t in self._launched_at.items() if a in assigned or a in newer}
@@ -117,34 +119,74 @@ class DesiredState(SuperviseLoop):
             if spec.restartable:
                 self.handovers.register(spec.attempt_id, spec.fencing_token, node_rank=spec.node_rank,
                                         nproc=spec.nproc_per_node)
-            run = self._take_over(spec) if spec.adopts else None
-            if run is None:
-                run = self._launches.start(spec, self._node, self.gpus, code_archive=code_archive,
-                                           code_problem=code_problem)
-            if run is None:
-                self.reports.unregister(spec.attempt_id)
-                self.handovers.forget(spec.attempt_id)
+            self._start_or_hold(PendingLaunch(spec, code_archive, code_problem,
+                                              received if received is not None else time.monotonic()))
+
+    def _start_or_hold(self, pending: PendingLaunch) -> None:
+        """Start the part (taking over the parked part it adopts, if it can), or hold it pending while
+        a live part of this node still has any of its GPUs: two owners of a GPU never run at once,
+        whatever the control plane believed when it assigned them (a parked part being stopped, a
+        takeover that could not relabel). A parked part in the way is stopped. Under _runs_lock."""
+        assert self._node is not None and self._launches is not None
+        spec = pending.spec
+        run = self._take_over(spec) if spec.adopts else None
+        if run is None:
+            busy = [r for r in self._runs.values() if r.alive and set(r.spec.gpu_indices) & set(spec.gpu_indices)]
+            if busy:
+                for old in busy:
+                    if old.parked:
+                        self._unpark(old, f"its GPUs are assigned to attempt {spec.attempt_id}")
+                if spec.attempt_id not in self._pending:
+                    self.log.warning("attempt_pending_gpus_busy", attempt_id=spec.attempt_id,
+                                     held_by=sorted(r.attempt_id for r in busy))
+                self._pending[spec.attempt_id] = pending
                 return
-            run.received_at = received if received is not None else time.monotonic()
-            self._runs[spec.attempt_id] = run
+            run = self._launches.start(spec, self._node, self.gpus, code_archive=pending.code_archive,
+                                       code_problem=pending.code_problem)
+        self._pending.pop(spec.attempt_id, None)
+        if run is None:
+            self.reports.unregister(spec.attempt_id)
+            self.handovers.forget(spec.attempt_id)
+            return
+        run.received_at = pending.received
+        self._runs[spec.attempt_id] = run
+
+    def _launch_pending(self) -> None:
+        """Start the pending parts whose GPUs are free now; forget those no longer assigned."""
+        with self._runs_lock:
+            for attempt_id, pending in list(self._pending.items()):
+                if self._stop_event.is_set() or attempt_id not in self._launched_at:
+                    self._pending.pop(attempt_id, None)
+                    self.reports.unregister(attempt_id)
+                    self.handovers.forget(attempt_id)
+                    continue
+                self._start_or_hold(pending)
 
     def _take_over(self, spec: LaunchSpec) -> AttemptRun | None:
         """The part ``spec`` adopts, relabelled as ``spec``'s and its parked workers told their new
         assignment (node_agent/handover.py); None when it is not parked here (the caller starts the
-        part cold; a parked part it did not take is stopped by the usual reconcile). Under _runs_lock."""
+        part cold once the GPUs are free; a parked part it did not take is stopped). The part is
+        claimed first, so its handover deadline or a stop order cannot tell its workers to stop
+        while it is being relabelled. Under _runs_lock."""
         assert spec.adopts is not None and self._launches is not None
         old = self._runs.get(spec.adopts)
-        if old is None or not old.parked or not self.handovers.parked(old.attempt_id):
-            self.log.warning("handover_not_possible", attempt_id=spec.attempt_id, adopts=spec.adopts)
+        if old is None or not old.parked or not self.handovers.claim(old.attempt_id):
+            if spec.attempt_id not in self._pending:
+                self.log.warning("handover_not_possible", attempt_id=spec.attempt_id, adopts=spec.adopts)
             return None
         run = self._launches.take_over(spec, old)
         if run is None:
+            self.handovers.release(old.attempt_id)
             return None
         # From here the old attempt's token is stale on this node: only its parked workers' polls
         # (the handover registry) still hear about it, and they are told the new assignment.
         self._runs.pop(old.attempt_id, None)
+        old.parked = False
         self.reports.unregister(old.attempt_id)
-        self.handovers.hand_over(old.attempt_id, spec, str(run.paths.socket) if run.paths.socket else None)
+        if not self.handovers.hand_over(old.attempt_id, spec, str(run.paths.socket) if run.paths.socket else None):
+            # Its processes ended meanwhile: the new part reports their exit (a failed attempt, as
+            # any lost rank), rather than starting a second set of workers on the same GPUs.
+            self.log.error("handover_lost", attempt_id=spec.attempt_id, adopts=old.attempt_id)
         self.log.info("attempt_handed_over", attempt_id=spec.attempt_id, adopts=old.attempt_id, pid=run.pid)
         return run
 

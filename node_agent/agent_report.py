@@ -112,6 +112,8 @@ class ReportLoop(AgentCore):
             # Refused for what it says (a 4xx other than fencing): the same report would be refused
             # forever. Dropped, said once in the log; the next report that differs goes out.
             run.log.error("status_report_dropped", error=str(exc))
+            if report.state == NodeAttemptState.parked and run.parked:
+                self._unpark(run, f"the control plane refused the park: {exc}")  # nobody will take it over
             self._refused_reports[run.attempt_id] = report
             run.last_report, run.last_sent_at = report, now
             return
@@ -126,7 +128,7 @@ class ReportLoop(AgentCore):
             if not ack.released:
                 self._wake("heartbeat")  # an older control plane: the heartbeat confirms the release
         elif ack.stop:
-            self._stop_or_park(run, "the control plane asked")
+            self._stop_or_park(run, "the control plane asked", handover_ok=ack.handover_ok)
 
     def _with_timings(self, run: AttemptRun, report: AttemptStatusReport, now: float) -> AttemptStatusReport:
         """The part's received and initialised instants, as ages at ``now`` by this agent's monotonic

@@ -14,6 +14,8 @@ from node_agent.attempt import AttemptRun
 _ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned workers of its node
 
 class SuperviseLoop(AgentCore):
+    def _launch_pending(self) -> None:
+        raise NotImplementedError  # agent_desired.DesiredState
     def _adopt_existing(self) -> None:
         assert self._launches is not None
         seen, runs = self._launches.adopt_all()
@@ -74,16 +76,19 @@ class SuperviseLoop(AgentCore):
             self._sweep_orphans(table)
             self._next_orphan_scan = time.monotonic() + _ORPHAN_SCAN_S
         for attempt_id in self.handovers.expired():
-            self.handovers.give_up(attempt_id, f"not taken over within {self.config.handover_timeout_s:g}s")
             parked = self.run(attempt_id)
             if parked is not None and parked.parked:
-                parked.parked = False
-                parked.request_stop("no handover within handover_timeout_s: the next attempt starts it cold")
+                self._unpark(parked, f"not taken over within {self.config.handover_timeout_s:g}s: "
+                             "the next attempt starts it cold")
+            else:
+                self.handovers.give_up(attempt_id, f"not taken over within {self.config.handover_timeout_s:g}s")
         for run in runs:
             try:
                 self._supervise(run, table)
             except Exception:  # one attempt's trouble must not stop the others being supervised
                 run.log.exception("supervise_failed")
+        if self._pending:
+            self._launch_pending()  # a part whose GPUs a run held that is gone now
         if self._standbys is not None and not self._stop_event.is_set():
             self._standbys.refill()  # a fresh standby for each that a rank took
         return self.config.poll_interval_s

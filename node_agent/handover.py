@@ -37,6 +37,9 @@ class _Part:
     socket: str | None = None
     stopped: str | None = None
     """Why there is no handover (the worker is told to stop)."""
+    claimed: bool = False
+    """A takeover is relabelling the part: its deadline and give_up leave it alone until it is
+    handed over or released."""
 
 
 class Handovers:
@@ -77,7 +80,7 @@ class Handovers:
         with self._cond:
             return [a for a, p in self._parts.items()
                     if p.parked_until is not None and p.successor is None and p.stopped is None
-                    and now >= p.parked_until]
+                    and not p.claimed and now >= p.parked_until]
 
     def shorten(self, attempt_id: str, within_s: float) -> None:
         """Let a parked part wait at most ``within_s`` more (its attempt is stale: the next attempt
@@ -87,12 +90,35 @@ class Handovers:
             if part is not None and part.parked_until is not None:
                 part.parked_until = min(part.parked_until, time.monotonic() + within_s)
 
-    def give_up(self, attempt_id: str, reason: str) -> None:
+    def give_up(self, attempt_id: str, reason: str) -> bool:
+        """No handover for the part: its workers are told to stop. False (nothing changed) when a
+        takeover claimed it or it was handed over: its workers are the next attempt's now."""
         with self._cond:
             part = self._parts.get(attempt_id)
-            if part is not None and part.successor is None and part.stopped is None:
+            if part is None or part.claimed or part.successor is not None:
+                return False
+            if part.stopped is None:
                 part.stopped = reason
                 self._cond.notify_all()
+            return True
+
+    def claim(self, attempt_id: str) -> bool:
+        """Reserve a parked part for the takeover about to relabel it (atomically against give_up and
+        the deadline); False when it is not parked, given up, or claimed already."""
+        with self._cond:
+            part = self._parts.get(attempt_id)
+            if part is None or part.parked_until is None or part.stopped is not None or part.successor is not None \
+                    or part.claimed:
+                return False
+            part.claimed = True
+            return True
+
+    def release(self, attempt_id: str) -> None:
+        """The claimed takeover did not happen: the part is parked as before (its deadline counts again)."""
+        with self._cond:
+            part = self._parts.get(attempt_id)
+            if part is not None:
+                part.claimed = False
 
     def hand_over(self, attempt_id: str, successor: LaunchSpec, socket: str | None) -> bool:
         """The part's workers are now ``successor``'s; False (nothing changed) unless it is parked."""
@@ -100,7 +126,7 @@ class Handovers:
             part = self._parts.get(attempt_id)
             if part is None or part.parked_until is None or part.stopped is not None or part.successor is not None:
                 return False
-            part.successor, part.socket = successor, socket
+            part.successor, part.socket, part.claimed = successor, socket, False
             self._cond.notify_all()
             return True
 

@@ -128,8 +128,9 @@ class Launches:
         if not SAFE_ID.match(spec.attempt_id) or set(spec.gpu_indices) != set(old.spec.gpu_indices):
             return None
         try:
+            # The same memory tier as a cold start of the part (its saves kept here and pushed to its peer).
             self.api.open(spec.attempt_id, paths.socket or Path(), uid=old.confinement.uid, gid=old.confinement.gid,
-                          ranks=spec.nproc_per_node)
+                          ranks=spec.nproc_per_node, memory=AttemptMemory.of(spec.job_id, spec.memory))
             return AttemptRun.take_over(spec, paths, old)
         except OSError as exc:
             self.api.close(spec.attempt_id)

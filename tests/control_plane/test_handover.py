@@ -246,7 +246,8 @@ def test_a_job_out_of_failures_or_cancelled_while_parked_parks_nothing(app, clie
 
     job, specs = _start(client, schedule, agents, restartable=True)
     _, alive = _fail_one(agents, specs)
-    assert alive.status(specs[alive.name], "parked", workers=workers_for(specs[alive.name], "running")).status_code == 200
+    spec = specs[alive.name]
+    assert alive.status(spec, "parked", workers=workers_for(spec, "running")).status_code == 200
     assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).status_code in (200, 202)
     r = alive.status(specs[alive.name], "parked", workers=workers_for(specs[alive.name], "running"))
     assert r.status_code == 409 and "not recovering" in r.json()["detail"], r.text

@@ -5,6 +5,7 @@ socket with their own token and are told ``waiting``, then their part of the nex
 from __future__ import annotations
 
 import json
+import secrets
 import tempfile
 import threading
 import time
@@ -13,14 +14,21 @@ from pathlib import Path
 
 import httpx
 import pytest
+import structlog
 
+from node_agent.agent import Agent
 from node_agent.attempt import AttemptRun
+from node_agent.config import AgentConfig
 from node_agent.handover import Handovers
-from node_agent.launcher import AttemptPaths
+from node_agent.isolation import Isolation
+from node_agent.launcher import AttemptPaths, NodeContext
+from node_agent.launches import Launches
 from node_agent.local_api import LocalApi
+from node_agent.memtier import MemoryTier
 from tests.node_agent.helpers import make_spec
-from trainyard.protocol.agent import NodeAttemptState
+from trainyard.protocol.agent import AssignmentRef, NodeAttemptState
 from trainyard.protocol.env import global_rank
+from trainyard.protocol.memtier import LOCAL_MEMORY_KIND, TOKEN_HEADER, MemoryTierSpec
 from trainyard.protocol.restart import NextAssignmentAnswer
 
 
@@ -155,3 +163,139 @@ def test_only_a_restartable_worker_is_numbered_by_the_shim() -> None:
     assert global_rank({**base, "TRAINYARD_NNODES": "4"}) is None  # no fenced rendezvous: not restartable
     restartable = {**base, "TRAINYARD_NNODES": "4", "TRAINYARD_RENDEZVOUS": '{"host": "h", "port": 1}'}
     assert global_rank(restartable) == (7, 8)
+
+
+# --- The agent's decisions (findings of the handover review) -------------------------------------
+
+
+def _parked_run(tmp_path: Path, process_reaper, spec) -> AttemptRun:
+    """A restartable part whose workers all run (a sleep stands in for its torchrun)."""
+    paths = AttemptPaths(tmp_path / "attempts" / spec.attempt_id, tmp_path / "workers" / spec.attempt_id)
+    paths.root.mkdir(parents=True)
+    torchrun = process_reaper.spawn(["sleep", "60"], start_new_session=True)
+    for local in range(spec.nproc_per_node):
+        _rank_file(paths.worker, spec.node_rank * spec.nproc_per_node + local, local, torchrun.pid)
+    run = AttemptRun(spec, paths, stop_grace_s=0.5)
+    run._started(torchrun)
+    run.poll()
+    assert run.parkable()
+    return run
+
+
+def _agent(tmp_path: Path, api: LocalApi | None = None) -> Agent:
+    """An agent that is not started: its loops' decisions are called directly."""
+    agent = Agent(AgentConfig(control_plane_url="http://127.0.0.1:9", join_token="j", name="n1",
+                              address="127.0.0.2", virtual_gpus=2, work_dir=tmp_path / "agent",
+                              stop_grace_s=0.5, handover_timeout_s=30.0))
+    agent._launches = Launches(agent.config, api or LocalApi(handovers=agent.handovers), agent.isolation, agent.log)
+    agent._node = NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env={"PATH": "/bin"})
+    return agent
+
+
+def _hold(agent: Agent, run: AttemptRun) -> None:
+    agent._runs[run.attempt_id] = run
+    agent.handovers.register(run.attempt_id, run.spec.fencing_token, node_rank=run.spec.node_rank,
+                             nproc=run.spec.nproc_per_node)
+
+
+def _stop(attempt_id: str, handover_ok: bool) -> list[AssignmentRef]:
+    return [AssignmentRef(attempt_id=attempt_id, desired="stop", version="v", handover_ok=handover_ok)]
+
+
+def test_the_agent_parks_only_a_stop_that_allows_a_handover_and_stops_a_parked_part_that_no_longer_may(
+        tmp_path: Path, process_reaper) -> None:
+    """Findings 1 and 2: a cancel, a time limit, a hang or the blamed node's stop says handover_ok
+    false, and the part stops at once; a parked part told so later (the job was cancelled while it
+    waited) or whose park the control plane refused stops too."""
+    agent = _agent(tmp_path)
+    cancelled = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-a", restartable=True))
+    _hold(agent, cancelled)
+    agent._reconcile([], _stop(cancelled.attempt_id, False))
+    assert not cancelled.parked and cancelled.stopping
+    assert not agent.handovers.parked(cancelled.attempt_id)
+
+    healthy = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-b", restartable=True,
+                                                              gpu_indices=[0, 1]))
+    _hold(agent, healthy)
+    agent._reconcile([], _stop(healthy.attempt_id, True))
+    assert healthy.parked and not healthy.stopping and agent.handovers.parked(healthy.attempt_id)
+    agent._reconcile([], [])  # an answer that names it no more says nothing new: still parked
+    assert healthy.parked and not healthy.stopping
+    agent._stop_or_park(healthy, "the control plane asked", handover_ok=False)  # e.g. cancelled meanwhile
+    assert not healthy.parked and healthy.stopping
+    answer = agent.handovers.answer(healthy.attempt_id, healthy.spec.fencing_token, 0, 0.0)
+    assert answer is not None and answer.state == "stop"
+
+
+def test_a_spec_never_starts_on_gpus_a_live_part_holds_and_a_claimed_part_is_not_given_up(
+        tmp_path: Path, process_reaper) -> None:
+    """Findings 3 and 4: a spec adopting a part that is no longer parked (given up, being stopped)
+    waits until the old processes are gone instead of starting next to them; a takeover claims the
+    parked part first, so its deadline or a stop order cannot stop the workers being handed over."""
+    agent = _agent(tmp_path)
+    old = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-old", restartable=True))
+    _hold(agent, old)
+    agent._stop_or_park(old, "the control plane asked", handover_ok=True)
+    assert old.parked
+    assert agent.handovers.claim(old.attempt_id) and not agent.handovers.claim(old.attempt_id)
+    assert agent.handovers.give_up(old.attempt_id, "deadline") is False and agent.handovers.expired() == []
+    agent._unpark(old, "stop order")
+    assert old.parked and not old.stopping  # the claim holds: nothing told its workers to stop
+    agent.handovers.release(old.attempt_id)
+    agent._unpark(old, "not taken over")
+    assert not old.parked and old.stopping
+
+    new = make_spec(attempt_id="att-new", attempt_number=2, restartable=True, adopts=old.attempt_id)
+    agent._launched_at[new.attempt_id] = time.monotonic()
+    agent._launch(new, None, "no code here: the part fails at once, but only once its GPUs are free")
+    assert new.attempt_id not in agent._runs and new.attempt_id in agent._pending  # old still holds GPUs 0, 1
+    agent._launch_pending()
+    assert new.attempt_id not in agent._runs
+    old.kill_now()
+    deadline = time.monotonic() + 10
+    while old.alive and time.monotonic() < deadline:
+        old.poll()
+        time.sleep(0.05)
+    assert not old.alive
+    agent._launch_pending()
+    assert new.attempt_id in agent._runs and not agent._pending
+
+
+def test_a_pending_part_no_longer_assigned_is_forgotten(tmp_path: Path, process_reaper) -> None:
+    agent = _agent(tmp_path)
+    old = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-busy", restartable=True))
+    _hold(agent, old)
+    new = make_spec(attempt_id="att-waiting", attempt_number=2, restartable=True)
+    agent._launched_at[new.attempt_id] = time.monotonic()
+    agent._launch(new, None, "no code")
+    assert new.attempt_id in agent._pending
+    agent._launched_at.pop(new.attempt_id)
+    agent._launch_pending()
+    assert not agent._pending and new.attempt_id not in agent._runs
+
+
+def test_a_taken_over_part_keeps_its_memory_tier(tmp_path: Path, sockets: Path, process_reaper) -> None:
+    """Finding 5: the new attempt's socket serves the memory tier as a cold start's would."""
+    tier = MemoryTier(1 << 20, peer_timeout_s=1)
+    api = LocalApi(memory=tier, handovers=Handovers())
+    try:
+        old_spec = make_spec(attempt_id="att-m1", restartable=True,
+                             memory=MemoryTierSpec(secret=secrets.token_hex(32)))
+        new_spec = make_spec(attempt_id="att-m2", attempt_number=2, restartable=True, adopts="att-m1",
+                             memory=MemoryTierSpec(secret=secrets.token_hex(32)))
+        old = _parked_run(tmp_path, process_reaper, old_spec)
+        config = AgentConfig(control_plane_url="http://127.0.0.1:9", join_token="j", name="n1", address="127.0.0.2",
+                             virtual_gpus=2, work_dir=tmp_path / "agent")
+        launches = Launches(config, api, Isolation(pool=None, cgroups=None), structlog.get_logger())
+        run = launches.take_over(new_spec, old)
+        assert run is not None
+        api.reports.register(new_spec.attempt_id, new_spec.fencing_token)
+        path = api.socket_of(new_spec.attempt_id)
+        assert path is not None
+        with httpx.Client(base_url="http://agent", transport=httpx.HTTPTransport(uds=str(path)), timeout=10) as http:
+            r = http.get(f"/v1/local/attempts/{new_spec.attempt_id}/{LOCAL_MEMORY_KIND}",
+                         headers={TOKEN_HEADER: new_spec.fencing_token})
+        assert r.status_code == 200 and r.json()["enabled"] is True, r.text
+    finally:
+        api.stop()
+        tier.stop()
