@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,7 @@ class AgentCore:
                 self._unpark(run, f"{reason}; no handover any more")
             return
         if handover_ok and run.parkable() and self.handovers.park(run.attempt_id, self.config.handover_timeout_s):
-            run.parked = True
+            run.set_parked(time.time() + self.config.handover_timeout_s)
             run.log.info("attempt_parked", reason=reason, timeout_s=self.config.handover_timeout_s)
             self._wake("report")  # the control plane may hand it over at once
             return
@@ -124,5 +125,5 @@ class AgentCore:
     def _unpark(self, run: AttemptRun, reason: str) -> None:
         """Stop a parked part now, unless a takeover already claimed it (node_agent/handover.py)."""
         if self.handovers.give_up(run.attempt_id, reason):
-            run.parked = False
+            run.set_parked(None)
             run.request_stop(reason)

@@ -181,7 +181,6 @@ class DesiredState(SuperviseLoop):
         # From here the old attempt's token is stale on this node: only its parked workers' polls
         # (the handover registry) still hear about it, and they are told the new assignment.
         self._runs.pop(old.attempt_id, None)
-        old.parked = False
         self.reports.unregister(old.attempt_id)
         if not self.handovers.hand_over(old.attempt_id, spec, str(run.paths.socket) if run.paths.socket else None):
             # Its processes ended meanwhile: the new part reports their exit (a failed attempt, as

@@ -25,6 +25,10 @@ class SuperviseLoop(AgentCore):
             if run.spec.restartable:
                 self.handovers.register(run.attempt_id, run.spec.fencing_token, node_rank=run.spec.node_rank,
                                         nproc=run.spec.nproc_per_node)
+                if run.parked and run.parked_until is not None:
+                    # Parked by the previous instance: the same deadline (the supervise loop stops it
+                    # at once if it passed), never a fresh one.
+                    self.handovers.park(run.attempt_id, max(0.0, run.parked_until - time.time()))
             if run.spec.version:
                 self._versions[run.attempt_id] = run.spec.version
             self.reports.register(run.attempt_id, run.spec.fencing_token)

@@ -106,6 +106,9 @@ class AttemptRun:
         # workers are all alive is parked; a part of the next attempt may then take its processes over.
         self.parked = False
         """Told to stop, its workers kept alive for a handover (reported ``parked``)."""
+        self.parked_until: float | None = None
+        """While parked, the handover's deadline (wall clock, saved in state.json: an agent restarted
+        keeps the part parked until then, never longer, and a takeover meanwhile finds it parked)."""
         self.marker: tuple[str, int] | None = None
         """(attempt id, node rank) its processes carry in their environment, when they were started
         for an earlier attempt whose part this one took over; None: its own."""
@@ -122,6 +125,11 @@ class AttemptRun:
     def started_as(self) -> tuple[str, int]:
         """(attempt id, node rank) its processes were started with (their markers, rank files)."""
         return self.marker or (self.spec.attempt_id, self.spec.node_rank)
+
+    def set_parked(self, until: float | None) -> None:
+        """Parked until ``until`` (time.time()), or no longer (None); saved at once."""
+        self.parked, self.parked_until = until is not None, until
+        self._persist()
 
     def parkable(self) -> bool:
         """A restartable part whose every worker runs: it can wait for a handover instead of stopping."""
@@ -154,7 +162,7 @@ class AttemptRun:
             run.marker = old.started_as
             run.adopted_from = {"attempt_id": old.attempt_id, "pid": old.pid, "create_time": old.create_time,
                                 "boot_id": old.boot_id, "worker_dir": str(old.paths.worker)}
-            old.parked = False
+            old.parked, old.parked_until = False, None
             old.done = True  # its processes are the new part's now; its record says where they went
             old._persist(handed_over_to=spec.attempt_id)
         run._persist()
@@ -317,6 +325,9 @@ class AttemptRun:
         if isinstance(marker, list) and len(marker) == 2 and isinstance(marker[0], str) and isinstance(marker[1], int):
             run.marker = (marker[0], marker[1])
         run.adopted_from = adopted_from if isinstance(adopted_from, dict) else None
+        parked_until = state.get("parked_until")
+        if isinstance(parked_until, (int, float)) and run.stop_reason is None and run.spec.restartable:
+            run.parked, run.parked_until = True, float(parked_until)
         if run.pid is None:
             run.torchrun_done, run.alive = True, False
             run.error = run.error or "the agent stopped while launching this attempt"
@@ -354,6 +365,7 @@ class AttemptRun:
             "socket": str(self.paths.socket) if self.paths.socket else None,
             "marker": list(self.marker) if self.marker else None,
             "adopted_from": self.adopted_from,
+            "parked_until": self.parked_until if self.parked else None,
             **self.confinement.to_state(),
             **extra,
         }

@@ -168,9 +168,9 @@ def test_only_a_restartable_worker_is_numbered_by_the_shim() -> None:
 # --- The agent's decisions (findings of the handover review) -------------------------------------
 
 
-def _parked_run(tmp_path: Path, process_reaper, spec) -> AttemptRun:
+def _parked_run(tmp_path: Path, process_reaper, spec, attempts: Path | None = None) -> AttemptRun:
     """A restartable part whose workers all run (a sleep stands in for its torchrun)."""
-    paths = AttemptPaths(tmp_path / "attempts" / spec.attempt_id, tmp_path / "workers" / spec.attempt_id)
+    paths = AttemptPaths((attempts or tmp_path / "attempts") / spec.attempt_id, tmp_path / "workers" / spec.attempt_id)
     paths.root.mkdir(parents=True)
     torchrun = process_reaper.spawn(["sleep", "60"], start_new_session=True)
     for local in range(spec.nproc_per_node):
@@ -259,6 +259,34 @@ def test_a_spec_never_starts_on_gpus_a_live_part_holds_and_a_claimed_part_is_not
     assert not old.alive
     agent._launch_pending()
     assert new.attempt_id in agent._runs and not agent._pending
+
+
+def test_a_parked_part_stays_parked_across_an_agent_restart_with_its_own_deadline(
+        tmp_path: Path, process_reaper) -> None:
+    """Finding 3: the agent saves a part's parking and its deadline (state.json); a restarted agent
+    serves it parked until that deadline, not a fresh one, so a takeover meanwhile finds it parked
+    and nothing starts next to its workers."""
+    agent = _agent(tmp_path)
+    run = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-p", restartable=True),
+                      attempts=agent.config.work_dir / "attempts")
+    _hold(agent, run)
+    agent._stop_or_park(run, "the control plane asked", handover_ok=True)
+    assert run.parked and run.parked_until is not None
+
+    again = _agent(tmp_path)
+    again._adopt_existing()
+    adopted = again._runs[run.attempt_id]
+    assert adopted.parked and adopted.parked_until == run.parked_until
+    assert adopted.report(None, None).state == NodeAttemptState.parked
+    assert again.handovers.parked(run.attempt_id) and again.handovers.expired() == []
+
+    state = json.loads(run.paths.state_file.read_text())
+    run.paths.state_file.write_text(json.dumps({**state, "parked_until": time.time() - 1}))
+    late = _agent(tmp_path)
+    late._adopt_existing()
+    assert late.handovers.expired() == [run.attempt_id]  # its deadline passed while no agent ran
+    late._supervise_step()
+    assert late._runs[run.attempt_id].stopping and not late._runs[run.attempt_id].parked
 
 
 def test_a_pending_part_no_longer_assigned_is_forgotten(tmp_path: Path, process_reaper) -> None:
