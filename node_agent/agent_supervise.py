@@ -118,8 +118,8 @@ class SuperviseLoop(AgentCore):
                 self._runs.pop(run.attempt_id, None)
             self.reports.unregister(run.attempt_id)
             self.handovers.forget(run.attempt_id)
-            if run.adopted_from is not None:
-                self.handovers.forget(str(run.adopted_from.get("attempt_id")))
+            for earlier in run.handed_over_from():
+                self.handovers.forget(earlier)
             self._refused_reports.pop(run.attempt_id, None)
             self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
             if self._launches is not None:

@@ -126,6 +126,14 @@ class AttemptRun:
         """(attempt id, node rank) its processes were started with (their markers, rank files)."""
         return self.marker or (self.spec.attempt_id, self.spec.node_rank)
 
+    def handed_over_from(self) -> list[str]:
+        """The attempts whose parts handed these processes over to this one, oldest first."""
+        if self.adopted_from is None:
+            return []
+        earlier = self.adopted_from.get("earlier")
+        chain = [a for a in earlier if isinstance(a, str)] if isinstance(earlier, list) else []
+        return [*chain, str(self.adopted_from.get("attempt_id"))]
+
     def set_parked(self, until: float | None) -> None:
         """Parked until ``until`` (time.time()), or no longer (None); saved at once."""
         self.parked, self.parked_until = until is not None, until
@@ -160,8 +168,11 @@ class AttemptRun:
             run.tailer = old.tailer  # its logs go on from where they were shipped, as the new attempt's
             run.env_key, old.env_key = old.env_key, None
             run.marker = old.started_as
+            # Each attempt in a chain of handovers (1 -> 2 -> 3) left these processes a socket and a
+            # handover entry; the last part closes them all when it finishes.
             run.adopted_from = {"attempt_id": old.attempt_id, "pid": old.pid, "create_time": old.create_time,
-                                "boot_id": old.boot_id, "worker_dir": str(old.paths.worker)}
+                                "boot_id": old.boot_id, "worker_dir": str(old.paths.worker),
+                                "earlier": old.handed_over_from()}
             old.parked, old.parked_until = False, None
             old.done = True  # its processes are the new part's now; its record says where they went
             old._persist(handed_over_to=spec.attempt_id)

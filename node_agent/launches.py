@@ -177,8 +177,8 @@ class Launches:
         """The part is done and none of its processes is left: stop serving it, give its uid and
         cgroup back, and remove its worker directory (its logs have been shipped)."""
         self.api.close(run.attempt_id)
-        if run.adopted_from is not None:
-            self.api.close(str(run.adopted_from.get("attempt_id")))  # its workers' first socket
+        for earlier in run.handed_over_from():
+            self.api.close(earlier)  # its workers' earlier sockets (a chain of handovers)
         if run.env_key is not None:
             self.envs.release(run.env_key)
             run.env_key = None

@@ -187,6 +187,7 @@ def _agent(tmp_path: Path, api: LocalApi | None = None) -> Agent:
     agent = Agent(AgentConfig(control_plane_url="http://127.0.0.1:9", join_token="j", name="n1",
                               address="127.0.0.2", virtual_gpus=2, work_dir=tmp_path / "agent",
                               stop_grace_s=0.5, handover_timeout_s=30.0))
+    agent.isolation = Isolation(pool=None, cgroups=None)
     agent._launches = Launches(agent.config, api or LocalApi(handovers=agent.handovers), agent.isolation, agent.log)
     agent._node = NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env={"PATH": "/bin"})
     return agent
@@ -327,3 +328,39 @@ def test_a_taken_over_part_keeps_its_memory_tier(tmp_path: Path, sockets: Path, 
     finally:
         api.stop()
         tier.stop()
+
+
+def test_a_chain_of_handovers_closes_every_earlier_socket_and_entry_when_its_last_part_ends(
+        tmp_path: Path, process_reaper) -> None:
+    """Finding 7: after 1 -> 2 -> 3, attempt 1's socket (a listener thread, a file, a connection slot)
+    and its handover entry go with the last part, not never."""
+    agent = _agent(tmp_path)
+    assert agent._launches is not None
+    api = agent._launches.api
+    first = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-c1", restartable=True),
+                        attempts=agent.config.work_dir / "attempts")
+    api.open(first.attempt_id, agent._launches.paths(first.attempt_id, 0).socket or Path())
+    _hold(agent, first)
+    run = first
+    for n in (2, 3):
+        agent._stop_or_park(run, "peer failed", handover_ok=True)
+        spec = make_spec(attempt_id=f"att-c{n}", attempt_number=n, restartable=True, adopts=run.attempt_id)
+        agent._launched_at[spec.attempt_id] = time.monotonic()
+        agent._launch(spec)
+        run = agent._runs[spec.attempt_id]
+        assert run.pid == first.pid
+        agent.handovers.register(spec.attempt_id, spec.fencing_token, node_rank=0, nproc=2)
+    assert run.handed_over_from() == ["att-c1", "att-c2"]
+    assert all(api.socket_of(a) is not None for a in ("att-c1", "att-c2", "att-c3"))
+    run.kill_now()
+    deadline = time.monotonic() + 10
+    while run.alive and time.monotonic() < deadline:
+        run.poll()
+        time.sleep(0.05)
+    run.mark_done()
+    agent._supervise(run, None)
+    try:
+        assert all(api.socket_of(a) is None for a in ("att-c1", "att-c2", "att-c3"))
+    finally:
+        api.stop()
+    assert all(agent.handovers.answer(a, f"fence-{a}", 0, 0.0) is None for a in ("att-c1", "att-c2", "att-c3"))
