@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -387,9 +387,10 @@ def schedule_pass(
         ids = {str(j.id) for j in kept}
         queue = [d for d in queue if d.job_id in ids]
     state = cluster_state(session, at, label_key=options.topology_label)
-    handovers = _plan_handovers(session, queue, state, options)
-    queue = [d for d in queue if d.job_id not in handovers]
     configured = tenants.all_tenants(session)
+    previous = reservations.previous(session)
+    handovers = _plan_handovers(session, queue, state, options, previous=previous, configured=configured)
+    queue = [d for d in queue if d.job_id not in handovers]
     shares = {
         name: TenantShare(weight=row.weight if row else 1.0, gpu_quota=row.gpu_quota if row else None,
                           gpus_in_use=state.usage.get(name, 0))
@@ -397,7 +398,7 @@ def schedule_pass(
         for row in [configured.get(name)]
     }
     decision = decide(queue, state.capacity, now=at, tenants=shares,
-                      previous=reservations.previous(session), options=options,
+                      previous=previous, options=options,
                       previous_starts=reservations.previous_starts(session))
     admitted = _admit(session, settings, [h.placement for h in handovers.values()] + decision.placements,
                       state.nodes, handovers)
@@ -413,24 +414,35 @@ def schedule_pass(
     return admitted
 
 
-def _plan_handovers(session: Session, queue: list[JobDemand], state: ClusterState,
-                    options: PolicyOptions) -> dict[str, PlannedHandover]:
+def _plan_handovers(session: Session, queue: list[JobDemand], state: ClusterState, options: PolicyOptions, *,
+                    previous: Mapping[str, Sequence[str]], configured: Mapping[str, Any]) -> dict[str, PlannedHandover]:
     """The recovering restartable jobs placed onto their own parked parts first (each sees its parked
     GPUs as free, and only it: scheduler/handover_policy.py), by job id; the pass then places the
-    others on what is left."""
+    others on what is left. The GPUs a handover needs besides its parked ones respect what the pass
+    would: other jobs' reservations (``previous``) and recovering jobs' healthy nodes, and the
+    tenant's quota (``configured``)."""
     recovering = {d.job_id: d for d in queue if d.recovering}
     if not recovering:
         return {}
     parked = handover.parked_parts(session, [uuid.UUID(j) for j in recovering])
     planned: dict[str, PlannedHandover] = {}
+    usage = state.usage  # the pass after it counts what the handovers took
     for job_id, parts in parked.items():
         demand = recovering[str(job_id)]
-        plan = handover_policy.plan_handover(demand, state.capacity, {n: p.gpu_indices for n, p in parts.items()},
-                                             topology_label=options.topology_label)
+        held = {n for other, nodes in previous.items() if other != demand.job_id for n in nodes}
+        held |= {n for d in recovering.values() if d.job_id != demand.job_id for n in d.prefer_nodes}
+        row = configured.get(demand.tenant)
+        quota = getattr(row, "gpu_quota", None)
+        plan = handover_policy.plan_handover(
+            demand, state.capacity, {n: p.gpu_indices for n, p in parts.items()},
+            topology_label=options.topology_label, held=held,
+            quota_left=None if quota is None else quota - usage.get(demand.tenant, 0))
         if plan is None:
             continue
         planned[demand.job_id] = PlannedHandover(plan.placement, {n: parts[n] for n in plan.adopted})
         state.capacity = handover_policy.without(state.capacity, plan.placement)
+        extra = sum(len(ix) for n, ix in plan.placement.nodes if n not in plan.adopted)
+        usage[demand.tenant] = usage.get(demand.tenant, 0) + extra
     return planned
 
 

@@ -15,7 +15,7 @@ No database, no clock: ``allocate.py`` reads the parked parts and applies the le
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from control_plane.scheduler.model import JobDemand, NodeCapacity, Placement
@@ -37,20 +37,29 @@ def seen_by(capacity: Sequence[NodeCapacity], parked: Mapping[str, Sequence[int]
 
 
 def plan_handover(job: JobDemand, capacity: Sequence[NodeCapacity], parked: Mapping[str, Sequence[int]], *,
-                  topology_label: str | None = "rack") -> Handover | None:
+                  topology_label: str | None = "rack", held: Collection[str] = frozenset(),
+                  quota_left: int | None = None) -> Handover | None:
     """Where ``job`` goes taking over its parked parts, or None (nothing to adopt, or it does not fit).
 
     Only nodes in ``capacity`` (ready and schedulable) can be adopted; a parked part whose GPUs are
-    not ``gpus_per_node`` of them (another shape) cannot be."""
+    not ``gpus_per_node`` of them (another shape) cannot be. The GPUs it needs besides the parked
+    ones are what the ordinary pass would let it have: never on a node ``held`` for another job (a
+    reservation, another recovering job's healthy nodes), and at most ``quota_left`` of them (its
+    tenant's quota less what the tenant holds; None: no quota). Otherwise no handover: the
+    ordinary pass decides (and the parked parts stop as usual)."""
     usable = {n: tuple(sorted(ix)) for n, ix in parked.items() if len(ix) == job.gpus_per_node}
     if not usable or not any(n.node_id in usable for n in capacity):
         return None
-    placement = place(job, seen_by(capacity, usable), topology_label=topology_label)
+    view = [n for n in seen_by(capacity, usable) if n.node_id in usable or n.node_id not in held]
+    placement = place(job, view, topology_label=topology_label)
     if placement is None:
         return None
     adopted = {node: tuple(sorted(ix)) for node, ix in placement.nodes
                if node in usable and tuple(sorted(ix)) == usable[node]}
     if not adopted:
+        return None
+    extra = sum(len(ix) for node, ix in placement.nodes if node not in adopted)
+    if quota_left is not None and extra > quota_left:
         return None
     return Handover(placement=placement, adopted=adopted)
 

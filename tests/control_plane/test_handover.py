@@ -271,3 +271,24 @@ def test_a_part_told_to_stop_before_its_first_report_may_be_parked(app, client, 
         part = s.scalar(select(AttemptNode).where(AttemptNode.node_id == uuid.UUID(alive.node_id)))
         assert part is not None and part.state == "parked"
     assert dead.name != alive.name
+
+
+def test_a_handover_does_not_take_a_replacement_gpu_beyond_the_tenants_quota(app, client, schedule):
+    """Finding 6: the GPUs a handover needs besides its parked ones count against the tenant's quota,
+    as the ordinary pass counts them: over it, no handover (the job waits, its parts stop as usual)."""
+    assert client.put("/v1/tenants/vision", json={"gpu_quota": 3}, headers=ADMIN).status_code == 200
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2, 3, 4)]
+    job, specs = _start(client, schedule, agents, restartable=True, tenant="vision")
+    other = client.post("/v1/jobs", json=job_body(num_nodes=1, gpus_per_node=1, tenant="vision"), headers=ADMIN)
+    assert other.status_code in (200, 201, 202) and schedule() == 1
+    assert client.put("/v1/tenants/vision", json={"gpu_quota": 2}, headers=ADMIN).status_code == 200
+    dead, alive = _fail_one(agents, specs)
+    old = specs[alive.name]
+    assert alive.status(old, "parked", workers=workers_for(old, "running")).status_code == 200
+    # vision holds 2 GPUs (the parked part's, the other job's); the replacement would be a third.
+    assert schedule() == 0
+    assert _active_leases(app, alive.node_id) == [uuid.UUID(old["attempt_id"])]
+    with session_scope(app.state.session_factory) as s:
+        assert not s.scalar(select(AttemptNode).where(AttemptNode.adopts_attempt_id.is_not(None)))
+    assert client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()["state"] == "recovering"
+    assert dead.name != alive.name

@@ -64,3 +64,34 @@ def test_without_removes_what_a_placement_takes():
     nodes = [_node("a", (0, 1, 2)), _node("b", (0,))]
     left = without(nodes, Placement(job_id="j", nodes=(("a", (1,)),)))
     assert [n.free for n in left] == [(0, 2), (0,)]
+
+
+def test_a_handover_takes_no_node_held_for_another_job_and_no_gpu_beyond_its_quota():
+    """Finding 6: the replacement node of a handover is what the ordinary pass would allow."""
+    nodes = [_node("a", ()), _node("b", (0, 1)), _node("c", (0, 1))]
+    job = _job(2, 2, frozenset({"a"}))
+    plan = plan_handover(job, nodes, {"a": (0, 1)}, topology_label=None, held={"b"})
+    assert plan is not None and dict(plan.placement.nodes).keys() == {"a", "c"}
+    assert plan_handover(job, nodes, {"a": (0, 1)}, topology_label=None, held={"b", "c"}) is None
+    assert plan_handover(job, nodes, {"a": (0, 1)}, topology_label=None, quota_left=1) is None
+    assert plan_handover(job, nodes, {"a": (0, 1)}, topology_label=None, quota_left=2) is not None
+    assert plan_handover(_job(1, 2, frozenset({"a"})), nodes, {"a": (0, 1)}, topology_label=None, held={"a"},
+                         quota_left=0) is not None  # its own parked GPUs cost nothing more
+
+
+@settings(max_examples=60, deadline=None)
+@given(free=st.lists(st.sets(st.integers(0, 3), max_size=4), min_size=1, max_size=5),
+       parked=st.dictionaries(st.integers(0, 4), st.sets(st.integers(0, 3), min_size=1, max_size=4), max_size=3),
+       nodes=st.integers(1, 3), per_node=st.integers(1, 4), blocked=st.sets(st.integers(0, 4)),
+       quota=st.none() | st.integers(0, 8))
+def test_a_handover_never_uses_a_held_node_or_exceeds_the_quota(free, parked, nodes, per_node, blocked, quota):
+    capacity = [_node(f"n{i}", tuple(sorted(f - parked.get(i, set())))) for i, f in enumerate(free)]
+    mine = {f"n{i}": tuple(sorted(ix)) for i, ix in parked.items() if i < len(free)}
+    held = {f"n{i}" for i in blocked}
+    plan = plan_handover(_job(nodes, per_node, frozenset(mine)), capacity, mine, topology_label=None, held=held,
+                         quota_left=quota)
+    if plan is None:
+        return
+    others = [(n, ix) for n, ix in plan.placement.nodes if n not in plan.adopted]
+    assert all(n not in held for n, _ in others)
+    assert quota is None or sum(len(ix) for _, ix in others) <= quota
