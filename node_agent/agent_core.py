@@ -19,6 +19,7 @@ from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
 from node_agent.standby_pool import StandbyPool
+from node_agent.supervise_wake import SuperviseWakeups
 from trainyard.protocol.agent import (
     AttemptStatusReport,
     GpuInfo,
@@ -65,6 +66,7 @@ class AgentCore:
     _launches: Launches | None
     _node: NodeContext | None
     _standbys: StandbyPool | None
+    _supervise_wakeups: SuperviseWakeups | None
     _threads: dict[str, threading.Thread]
     _loops: dict[str, Callable[[], float]]
     _heartbeat_done: threading.Event

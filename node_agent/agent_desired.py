@@ -127,6 +127,7 @@ class DesiredState(SuperviseLoop):
                 return
             run.received_at = received if received is not None else time.monotonic()
             self._runs[spec.attempt_id] = run
+        self._wake("supervise")  # it watches the new part's rank files and torchrun from now on
 
     def _take_over(self, spec: LaunchSpec) -> AttemptRun | None:
         """The part ``spec`` adopts, relabelled as ``spec``'s and its parked workers told their new

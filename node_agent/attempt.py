@@ -493,6 +493,15 @@ class AttemptRun:
             f"{missing} recorded no exit; exit code unknown"
         )
 
+    def watched_pids(self) -> set[int]:
+        """The processes whose exit supervision should hear of at once (supervise_wake.py): torchrun
+        while it runs, and each worker its rank file says runs."""
+        with self._lock:
+            pids = {w.pid for w in self._workers if w.state == WorkerState.running and w.pid}
+            if not self.torchrun_done and self.pid:
+                pids.add(self.pid)
+            return pids
+
     def signature(self) -> tuple[object, ...]:
         """What the control plane would want to hear about at once when it changes: whether any
         process is left (first), torchrun's end, each worker's state."""
