@@ -325,6 +325,45 @@ def test_stop_kills_every_process_of_the_attempt(launcher: Launcher, tmp_path: P
     assert all(w.state == WorkerState.exited for w in report.workers)
 
 
+TERM_HANDLER = """
+import os, signal, time
+
+def stop(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent's SIGTERM and the shim's forwarded one
+    open(os.path.join(os.environ["MARK_DIR"], f"term-{os.environ['RANK']}"), "w").close()
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(os.environ["MARK_DIR"], f"ready-{os.environ['RANK']}"), "w").close()
+time.sleep(120)
+"""
+
+
+def test_a_stop_kills_torchrun_once_its_workers_are_gone_not_after_its_own_teardown(
+        launcher: Launcher, tmp_path: Path) -> None:
+    """Issue 14 (decision): the workers of a stopped part get their SIGTERM and their grace, but
+    torchrun, whose own teardown after a SIGTERM ends nothing of the job's, is SIGKILLed the moment
+    it is the only process left: the part's GPUs are released (and the next attempt placed) that
+    much sooner. Before, torchrun exited on its own (code 1, SignalException) about half a second
+    after its last worker."""
+    write_script(tmp_path, "term.py", TERM_HANDLER)
+    run = launcher.launch(make_spec(entrypoint="term.py", env={"MARK_DIR": str(tmp_path)}), grace=600.0)
+    _wait_running(run)
+    wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == 2, what="the workers' SIGTERM handlers")
+    pids = _attempt_pids(run)
+    run.request_stop("test")
+    deadline = time.monotonic() + 30
+    while run.alive and time.monotonic() < deadline:
+        run.poll()
+        time.sleep(0.01)
+    assert not run.alive and _gone(pids)
+    assert sorted(p.name for p in tmp_path.glob("term-*")) == ["term-0", "term-1"]  # each worker's grace
+    report = run.report(None, None)
+    assert report.state == NodeAttemptState.stopped
+    assert [(w.state, w.exit_code) for w in report.workers] == [(WorkerState.exited, 0)] * 2
+    assert report.exit_code == -signal.SIGKILL  # torchrun, killed by the agent, not its own exit
+
+
 def test_torchrun_killed_alone_leaves_nothing(launcher: Launcher, tmp_path: Path) -> None:
     write_script(tmp_path, "sleeper.py", SLEEPER)
     run = launcher.launch(make_spec(entrypoint="sleeper.py"), grace=1.0)
