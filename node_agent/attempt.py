@@ -503,15 +503,13 @@ class AttemptRun:
             f"{missing} recorded no exit; exit code unknown"
         )
 
-    def watched_pids(self) -> set[int]:
-        """The processes whose exit supervision should hear of at once (supervise_wake.py): every
-        process of the attempt the last scan found (torchrun, the shims, the workers), and torchrun
-        while it runs."""
+    def watched_pids(self) -> list[int]:
+        """The processes whose exit supervision should hear of at once (supervise_wake.py): torchrun
+        while it runs, then every other process of the attempt the last scan found (the shims, the
+        workers and theirs)."""
         with self._lock:
-            pids = set(self._members)
-            if not self.torchrun_done and self.pid:
-                pids.add(self.pid)
-            return pids
+            first = [self.pid] if not self.torchrun_done and self.pid else []
+            return first + sorted(self._members - set(first))
 
     def signature(self) -> tuple[object, ...]:
         """What the control plane would want to hear about at once when it changes: whether any

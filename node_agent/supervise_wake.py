@@ -34,6 +34,10 @@ MIN_GAP_S = 0.1
 """Wakes are at least this far apart: the status directory is the workers', and a worker renaming
 files in a loop must not make the agent scan /proc without pause (at most one extra scan per gap)."""
 
+MAX_PIDS = 256
+"""At most this many pidfds are held: a job that forks thousands of processes must not exhaust the
+agent's descriptors; past it, the processes beyond are noticed by the poll."""
+
 _IN_MOVED_TO = 0x00000080
 _IN_ONLYDIR = 0x01000000
 _IN_DONT_FOLLOW = 0x02000000  # the directory is the workers': never a link they planted
@@ -61,9 +65,14 @@ class SuperviseWakeups:
         self._thread.start()
 
     def watch_pids(self, pids: Iterable[int]) -> None:
-        """Watch these pids (again: a pid already watched is left as is) until each exits."""
+        """Watch these pids, in this order, until each exits (a pid already watched is left as is),
+        up to MAX_PIDS in all."""
         with self._lock:
-            for pid in set(pids) - set(self._pids):
+            for pid in dict.fromkeys(pids):
+                if pid in self._pids:
+                    continue
+                if len(self._pids) >= MAX_PIDS:
+                    break
                 try:
                     fd = os.pidfd_open(pid)
                 except (OSError, AttributeError):

@@ -65,3 +65,12 @@ def test_a_link_in_place_of_the_directory_is_not_watched(
     (elsewhere / "x.tmp").write_text("{}")
     os.replace(elsewhere / "x.tmp", elsewhere / "x")
     assert not event.wait(0.3)
+
+
+def test_at_most_max_pids_are_held_first_come_first(
+        woken: tuple[SuperviseWakeups, threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
+    wakeups, _ = woken
+    monkeypatch.setattr("node_agent.supervise_wake.MAX_PIDS", 2)
+    mine = [os.getpid(), os.getppid(), 1]
+    wakeups.watch_pids(mine)
+    assert wakeups.watched_pids == set(mine[:2])
