@@ -103,3 +103,6 @@ class AgentCore:
             self._wake("report")  # the control plane may hand it over at once
             return
         run.request_stop(reason)
+        # Supervision looks at once: a part whose workers are already gone (a failed rank's node)
+        # has only torchrun left, which it kills rather than waiting out torchrun's own teardown.
+        self._wake("supervise")
