@@ -284,4 +284,6 @@ def _checkpoint_block(body: JobSubmit) -> dict[str, Any]:
         del block["when_busy"]
     if block.get("first_interval_steps") is None:
         block.pop("first_interval_steps", None)
+    if block.get("memory_tier") is True:
+        del block["memory_tier"]
     return block

@@ -20,7 +20,7 @@ def test_submit_exact_readme_example(cluster):
     job = r.json()
     assert job["state"] == "queued"
     assert job["num_nodes"] == 2 and job["gpus_per_node"] == 2
-    assert job["checkpoint"] == {"interval_steps": 50, "keep_last": 3}
+    assert job["checkpoint"] == {"interval_steps": 50, "keep_last": 3, "memory_tier": True}
     assert job["max_failures"] == 3
     assert job["progress"] == {"step": None, "loss": None, "updated_at": None, "total_steps": None,
                                "steps_per_s": None, "eta_s": None, "metrics": {}}
