@@ -164,6 +164,10 @@ class AgentConfig:
             raise ValueError("memory_tier_mb must be >= 0 and memory_port a port number (0: any)")
         if (self.memory_tls_cert is None) != (self.memory_tls_key is None):
             raise ValueError("memory_tls_cert and memory_tls_key go together")
+        if self.memory_tls_cert is not None and self.ca_file is None:
+            # Peers' node certificates are signed by the cluster's CA: against the system's trust
+            # store every transfer to a peer would fail, and the tier would miss without a word.
+            raise ValueError("memory_tls_cert needs ca_file (the cluster CA that signs the peers' node certificates)")
         if self.memory_tls_cert is not None:
             self.memory_tls_cert, self.memory_tls_key = Path(self.memory_tls_cert), Path(self.memory_tls_key or "")
             self.memory_tls_context()  # a certificate that cannot be used is refused at start

@@ -231,6 +231,9 @@ def test_an_agent_with_a_node_certificate_serves_its_memory_port_over_tls(
         AgentConfig(**base, memory_tls_cert=node.cert_file)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cannot use the memory TLS certificate"):
         AgentConfig(**base, memory_tls_cert=node.cert_file, memory_tls_key=https_server.ca_file)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs ca_file"):
+        AgentConfig(**{**base, "ca_file": None}, memory_tls_cert=node.cert_file,  # type: ignore[arg-type]
+                    memory_tls_key=node.key_file)
     agent = Agent(AgentConfig(**base, memory_tls_cert=node.cert_file, memory_tls_key=node.key_file))  # type: ignore[arg-type]
     try:
         agent.start()
