@@ -60,6 +60,7 @@ from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
 from node_agent.standby_pool import STANDBY_SOCKET_NAME_MAX, StandbyPool, directory_name, remove_stale
+from node_agent.supervise_wake import SuperviseWakeups
 from node_agent.upload_slots import SlotRelay
 from trainyard.protocol.agent import (
     AttemptStatusReport,
@@ -143,6 +144,7 @@ class Agent(HeartbeatLoop, ReportLoop):
         self.isolation: Isolation | None = None
         self._node: NodeContext | None = None
         self._standbys: StandbyPool | None = None
+        self._supervise_wakeups: SuperviseWakeups | None = None
         self._threads: dict[str, threading.Thread] = {}
         self._loops: dict[str, Callable[[], float]] = {
             "heartbeat": self._heartbeat_step,
@@ -216,6 +218,7 @@ class Agent(HeartbeatLoop, ReportLoop):
             self._standbys = self._standby_pool(self._node)
             self._node = dataclasses.replace(self._node, standby_dir=str(self._standbys.directory))
         self._adopt_existing()
+        self._supervise_wakeups = SuperviseWakeups(lambda: self._wake("supervise"))
         if self.config.control_plane_url.startswith("http://"):
             self.log.warning("control_plane_not_https", url=self.config.control_plane_url,
                              risk="the join token and node credentials cross the network unencrypted")
@@ -277,6 +280,8 @@ class Agent(HeartbeatLoop, ReportLoop):
             self.log.warning("outbox_items_lost_at_shutdown", items=lost)
         if self._api is not None:
             self._api.stop()
+        if self._supervise_wakeups is not None:
+            self._supervise_wakeups.close()
         if self._standbys is not None:
             self._standbys.close()  # the idle ones; those ranks took are their attempts' processes
         if self._peer_server is not None:

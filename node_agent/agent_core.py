@@ -22,6 +22,7 @@ from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
 from node_agent.standby_pool import StandbyPool
+from node_agent.supervise_wake import SuperviseWakeups
 from trainyard.protocol.agent import (
     AttemptStatusReport,
     GpuInfo,
@@ -81,6 +82,7 @@ class AgentCore:
     _launches: Launches | None
     _node: NodeContext | None
     _standbys: StandbyPool | None
+    _supervise_wakeups: SuperviseWakeups | None
     _threads: dict[str, threading.Thread]
     _loops: dict[str, Callable[[], float]]
     _heartbeat_done: threading.Event
@@ -121,9 +123,13 @@ class AgentCore:
             self._wake("report")  # the control plane may hand it over at once
             return
         run.request_stop(reason)
+        # Supervision looks at once: a part whose workers are already gone (a failed rank's node)
+        # has only torchrun left, which it kills rather than waiting out torchrun's own teardown.
+        self._wake("supervise")
 
     def _unpark(self, run: AttemptRun, reason: str) -> None:
         """Stop a parked part now, unless a takeover already claimed it (node_agent/handover.py)."""
         if self.handovers.give_up(run.attempt_id, reason):
             run.set_parked(None)
             run.request_stop(reason)
+            self._wake("supervise")

@@ -150,6 +150,7 @@ class DesiredState(SuperviseLoop):
             return
         run.received_at = pending.received
         self._runs[spec.attempt_id] = run
+        self._wake("supervise")  # it watches the new part's rank files and torchrun from now on
 
     def _launch_pending(self) -> None:
         """Start the pending parts whose GPUs are free now; forget those no longer assigned."""

@@ -72,6 +72,7 @@ class ReportLoop(AgentCore):
             self._wake("heartbeat")
             return
         run.request_stop("stale: the control plane fenced this attempt off")
+        self._wake("supervise")
 
     def _report_status(self, run: AttemptRun) -> None:
         now = time.monotonic()

@@ -101,6 +101,11 @@ class SuperviseLoop(AgentCore):
         before = run.signature()
         run.poll(table)
         after = run.signature()
+        wakeups = self._supervise_wakeups
+        if wakeups is not None and run.alive and not run.preparing:
+            # The next rank file or exit wakes this loop at once (supervise_wake.py).
+            wakeups.watch_dir(run.paths.status_dir)
+            wakeups.watch_pids(run.watched_pids())
         if after != before:
             # A worker started or exited, or the last process went: tell the control plane at
             # once (a failure is decided, or the GPUs are released, a period sooner). When the
@@ -116,6 +121,8 @@ class SuperviseLoop(AgentCore):
                 run.mark_done()  # nothing more to tell about a fenced-off attempt
             with self._runs_lock:
                 self._runs.pop(run.attempt_id, None)
+            if wakeups is not None:
+                wakeups.forget_dir(run.paths.status_dir)
             self.reports.unregister(run.attempt_id)
             self.handovers.forget(run.attempt_id)
             for earlier in run.handed_over_from():

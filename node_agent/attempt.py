@@ -479,6 +479,16 @@ class AttemptRun:
                     self.log.info("torchrun_exited", exit_code=self.exit_code, stopped=self.stopped)
             found = self._refresh(processes.scan() if table is None else table)
             alive = found or not self.torchrun_done
+            if (self.stop_reason is not None and self._term_sent_at is not None and not self._kill_sent
+                    and not self.torchrun_done and self.pid is not None and self._members <= {self.pid}):
+                # Stopped, and every shim and worker is gone (each had its SIGTERM and its grace):
+                # torchrun's own teardown after a SIGTERM (closing its workers again, its error
+                # report, a torch interpreter's exit) took about half a second and ends nothing of
+                # the job's, while the part's GPUs are released only once it is gone, which a
+                # recovery's next attempt waits for (docs/architecture.md, "Recovery").
+                self.log.info("torchrun_killed_after_its_workers", pid=self.pid)
+                self._kill_sent = True
+                self._signal(signal.SIGKILL)
             if self.torchrun_done and alive and self._term_sent_at is None:
                 # torchrun is gone but left processes behind: clean up without calling it a stop.
                 self.log.warning("attempt_leftovers", pids=sorted(self._members))
@@ -515,6 +525,14 @@ class AttemptRun:
             "torchrun ended while not a child of this agent and local ranks "
             f"{missing} recorded no exit; exit code unknown"
         )
+
+    def watched_pids(self) -> list[int]:
+        """The processes whose exit supervision should hear of at once (supervise_wake.py): torchrun
+        while it runs, then every other process of the attempt the last scan found (the shims, the
+        workers and theirs)."""
+        with self._lock:
+            first = [self.pid] if not self.torchrun_done and self.pid else []
+            return first + sorted(self._members - set(first))
 
     def signature(self) -> tuple[object, ...]:
         """What the control plane would want to hear about at once when it changes: whether any

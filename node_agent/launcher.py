@@ -1,4 +1,5 @@
-"""Start this node's part of an attempt: one torchrun, whose ranks run under node_agent.rank_shim.
+"""Start this node's part of an attempt: one torchrun (started through node_agent.torchrun_entry),
+whose ranks run under node_agent.rank_shim.
 
 Two directories per attempt part. The agent's own, work_dir/attempts/<attempt_id>/ (0700, the
 agent's user; workers cannot read it):
@@ -204,8 +205,13 @@ def torchrun_command(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -
             # How long node rank 0 waits for the others to connect, and they for it.
             "--rdzv-conf", f"timeout={node.join_timeout_s}",
         ]
+    # torchrun through node_agent.torchrun_entry: a node other than the static rendezvous's host
+    # waits for the host's port to accept before torchrun connects, which spares it torch's connect
+    # backoff when it finished importing first (trainyard/protocol/rendezvous.py).
+    wait = [] if spec.restartable or spec.node_rank == 0 else [
+        "--wait-for", _endpoint(spec.rdzv_host, spec.rdzv_port), "--wait-s", str(node.join_timeout_s)]
     return [
-        node.python, "-m", "torch.distributed.run",
+        node.python, "-m", "node_agent.torchrun_entry", *wait, "--",
         *nodes,
         "--local-addr", node.local_addr,
         # Recovery is the control plane's decision (a new attempt from a checkpoint), not torchrun's.

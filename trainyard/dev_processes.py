@@ -80,8 +80,10 @@ def is_training(proc: Any) -> bool:
     except Exception:
         return False
     # The shim's own command line starts "python [-u] -m node_agent.rank_shim"; torchrun's names
-    # the shim too, but as its entrypoint, after "-m torch.distributed.run".
-    return "node_agent.rank_shim" in parent[:4] and "torch.distributed.run" not in parent
+    # the shim too, but as its entrypoint, after "-m node_agent.torchrun_entry" (or, started by
+    # hand, "-m torch.distributed.run").
+    torchrun = {"torch.distributed.run", "node_agent.torchrun_entry"}
+    return "node_agent.rank_shim" in parent[:4] and not torchrun & set(parent)
 
 
 def kill_all(procs: list[Any]) -> None:

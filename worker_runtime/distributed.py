@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from trainyard.protocol.env import LOCAL_API_PREFIX
+from trainyard.protocol.rendezvous import wait_for_listener
 from trainyard.protocol.restart import VERIFIER_KEY, rendezvous_keyspace, rendezvous_verifier
 from worker_runtime.agent_http import agent_client
 from worker_runtime.context import WorkerContext
@@ -107,6 +108,10 @@ def fenced_store(ctx: WorkerContext, *, timeout: timedelta) -> dist.Store:
     global _STORE
     assert ctx.rendezvous is not None
     host, port, main = ctx.rendezvous.host, ctx.rendezvous.port, ctx.rank == 0
+    if not main:
+        # A fresh rank 0 may still be importing torch: connect once it listens, not at a step of
+        # torch's connect backoff (trainyard/protocol/rendezvous.py).
+        wait_for_listener(host, port, timeout.total_seconds())
     store = dist.TCPStore(host, port, world_size=None, is_master=main, timeout=timeout, wait_for_workers=False)
     mine = rendezvous_verifier(ctx.attempt_id, ctx.fencing_token)
     if main:

@@ -72,7 +72,7 @@ def victim_torchrun(victim_job: str, agent: int) -> tuple[int, list[str]]:
                 continue
             args = cmdline(int(entry.name))
             rdzv = flag(args, "--rdzv-id")
-            if "torch.distributed.run" in args and rdzv and rdzv != mine:
+            if "node_agent.torchrun_entry" in args and rdzv and rdzv != mine:
                 with contextlib.suppress(OSError, ValueError):
                     if parent(int(entry.name)) == agent:
                         return int(entry.name), args

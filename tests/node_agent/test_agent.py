@@ -277,6 +277,24 @@ def test_unassigned_attempt_is_stopped(agents: Agents, plane: FakeControlPlane) 
     wait_for(lambda: "sleeping" in plane.log_text(spec.attempt_id, 0, 0, "stdout"), what="the last log bytes")
 
 
+def test_supervision_is_woken_by_rank_files_and_exits_not_by_its_poll(agents: Agents, plane: FakeControlPlane) -> None:
+    """Issue 14 (decision and process start): with a poll interval longer than the test, a worker's
+    start (its rank file: inotify), its exit and the end of every process of a stopped attempt
+    (pidfds) still reach the control plane: supervision is woken by them, not by its period."""
+    agents.start(poll_interval_s=600.0, status_interval_s=600.0)
+    spec = agents.spec("exit.py", "import sys, time\ntime.sleep(1)\nsys.exit(3)\n", nproc_per_node=1,
+                       gpu_indices=[0])
+    sleeper = agents.spec("sleep.py", SLEEPER, nproc_per_node=1, gpu_indices=[1])
+    plane.assign(NODE, spec, sleeper)
+    wait_state(plane, sleeper.attempt_id, NodeAttemptState.running)
+    final = wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
+    assert [(w.state, w.exit_code) for w in final.workers] == [(WorkerState.exited, 3)]
+    pids = attempt_pids(sleeper.attempt_id)
+    plane.assign(NODE, spec)  # the sleeper is no longer assigned: stopped (SIGTERM)
+    stopped = wait_state(plane, sleeper.attempt_id, NodeAttemptState.stopped)
+    assert not stopped.processes_alive and gone(pids)
+
+
 def test_stale_attempt_is_stopped_and_no_longer_reported(agents: Agents, plane: FakeControlPlane) -> None:
     agent = agents.start()
     spec = agents.spec("sleep.py", SLEEPER, nproc_per_node=1, gpu_indices=[0])

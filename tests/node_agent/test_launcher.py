@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -65,7 +66,9 @@ def test_command_line(tmp_path: Path) -> None:
     spec = make_spec(node_rank=1, nnodes=2, rdzv_port=29999, entrypoint="train.py", args=["--lr", "1"])
     paths = AttemptPaths(tmp_path)
     cmd = torchrun_command(spec, node, paths)
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    # torchrun through the agent's entry: node rank 1 waits for node rank 0's store to listen first.
+    assert cmd[1:7] == ["-m", "node_agent.torchrun_entry", "--wait-for", "127.0.0.2:29999", "--wait-s", "300"]
+    assert cmd[7] == "--"
     joined = " ".join(cmd)
     assert "--nnodes 2 --nproc-per-node 2 --node-rank 1 --rdzv-backend static" in joined
     assert f"--rdzv-endpoint 127.0.0.2:29999 --rdzv-id {spec.attempt_id}" in joined
@@ -81,6 +84,7 @@ def test_command_line(tmp_path: Path) -> None:
     ]
     host_cmd = torchrun_command(make_spec(node_rank=0, nnodes=2, entrypoint="pkg.mod"), node, paths)
     assert host_cmd[host_cmd.index("--node-rank") + 1] == "0"
+    assert host_cmd[1:4] == ["-m", "node_agent.torchrun_entry", "--"]  # the host waits for nobody
     assert host_cmd[-2:] == ["module", "pkg.mod"]
 
 
@@ -203,6 +207,12 @@ def test_two_nodes_on_two_loopback_addresses(launcher: Launcher, tmp_path: Path)
         json.loads(read_log(run, w.rank))["master"] for run in (first, second) for w in run.report(None, None).workers
     }
     assert masters == {"127.0.0.3"}  # global rank 0 is on node rank 0
+    # The early node waited for the host's port itself (refused while the host was not yet up), so
+    # its TCPStore connected at once rather than at a step of torch's connect backoff.
+    waited = re.search(r"rendezvous host 127\.0\.0\.3:\d+ accepted after (\d+) refused tries",
+                       second.paths.torchrun_stderr.read_text())
+    assert waited is not None and int(waited.group(1)) >= 1
+    assert "rendezvous host" not in first.paths.torchrun_stderr.read_text()
 
 
 FENCED_ALL_REDUCE = """
@@ -313,6 +323,45 @@ def test_stop_kills_every_process_of_the_attempt(launcher: Launcher, tmp_path: P
     report = run.report(None, None)
     assert report.state == NodeAttemptState.stopped
     assert all(w.state == WorkerState.exited for w in report.workers)
+
+
+TERM_HANDLER = """
+import os, signal, time
+
+def stop(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent's SIGTERM and the shim's forwarded one
+    open(os.path.join(os.environ["MARK_DIR"], f"term-{os.environ['RANK']}"), "w").close()
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(os.environ["MARK_DIR"], f"ready-{os.environ['RANK']}"), "w").close()
+time.sleep(120)
+"""
+
+
+def test_a_stop_kills_torchrun_once_its_workers_are_gone_not_after_its_own_teardown(
+        launcher: Launcher, tmp_path: Path) -> None:
+    """Issue 14 (decision): the workers of a stopped part get their SIGTERM and their grace, but
+    torchrun, whose own teardown after a SIGTERM ends nothing of the job's, is SIGKILLed the moment
+    it is the only process left: the part's GPUs are released (and the next attempt placed) that
+    much sooner. Before, torchrun exited on its own (code 1, SignalException) about half a second
+    after its last worker."""
+    write_script(tmp_path, "term.py", TERM_HANDLER)
+    run = launcher.launch(make_spec(entrypoint="term.py", env={"MARK_DIR": str(tmp_path)}), grace=600.0)
+    _wait_running(run)
+    wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == 2, what="the workers' SIGTERM handlers")
+    pids = _attempt_pids(run)
+    run.request_stop("test")
+    deadline = time.monotonic() + 30
+    while run.alive and time.monotonic() < deadline:
+        run.poll()
+        time.sleep(0.01)
+    assert not run.alive and _gone(pids)
+    assert sorted(p.name for p in tmp_path.glob("term-*")) == ["term-0", "term-1"]  # each worker's grace
+    report = run.report(None, None)
+    assert report.state == NodeAttemptState.stopped
+    assert [(w.state, w.exit_code) for w in report.workers] == [(WorkerState.exited, 0)] * 2
+    assert report.exit_code == -signal.SIGKILL  # torchrun, killed by the agent, not its own exit
 
 
 def test_torchrun_killed_alone_leaves_nothing(launcher: Launcher, tmp_path: Path) -> None:
