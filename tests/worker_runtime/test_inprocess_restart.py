@@ -1,8 +1,9 @@
 """In-process restart of healthy ranks (worker_runtime/restart.py, trainyard/protocol/restart.py).
 
 The pure parts (fence digests, the next-assignment messages, the memory tier, the failure filter)
-are unit tests; one test runs real worker processes over gloo, a real S3 and a fake agent's local
-API: a rank crashes, the healthy rank survives in the same process into the next attempt, restores
+are unit tests; one test, for a TrainLoop script (run_restartable) and for a script with its own loop
+(tiny_gpt --restartable, through restartable), runs real worker processes over gloo, a real S3 and a
+fake agent's local API: a rank crashes, the healthy rank survives in the same process into the next attempt, restores
 from its own memory while the replaced rank restores from storage, the job ends with the weights of
 a run that never failed, and a worker holding the failed attempt's token is refused at the new
 attempt's rendezvous.
