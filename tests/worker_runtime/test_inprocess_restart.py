@@ -39,7 +39,14 @@ from trainyard.protocol.restart import (
 )
 from worker_runtime import WorkerContext
 from worker_runtime.distributed import StaleRendezvousError
-from worker_runtime.restart import AgentAssignments, MemoryTier, context_for, is_peer_failure, run_restartable
+from worker_runtime.restart import (
+    AgentAssignments,
+    MemoryTier,
+    context_for,
+    is_peer_failure,
+    restartable,
+    run_restartable,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "job-restart"
@@ -204,6 +211,23 @@ def test_a_handed_over_rank_runs_again_as_the_new_attempts(capsys):
     assert seen == [("att-0", 0, 0), ("att-1", 1, 1), ("att-2", 2, 2)]
     assert source.asked == [("att-0", "tok-0"), ("att-1", "tok-1")]  # each time with the attempt it left
     assert "restarting in process as rank 0/1 of attempt att-2" in capsys.readouterr().err
+
+
+def test_any_attempt_function_restarts_with_the_new_context_and_one_memory_across_attempts(capsys):
+    ctx = WorkerContext(job_id=JOB, attempt_id="att-0", fencing_token="tok-0", device="cpu")
+    seen: list[tuple[str, int]] = []
+
+    def attempt(ctx: WorkerContext, memory: MemoryTier) -> str:
+        seen.append((ctx.attempt_id, id(memory)))
+        if ctx.attempt_number < 2:
+            raise dist.DistBackendError("Connection reset by peer")
+        return ctx.fencing_token
+
+    source = _Source(_assignment(1), _assignment(2))
+    assert restartable(attempt, assignments=source, ctx=ctx) == "tok-2"
+    assert [a for a, _ in seen] == ["att-0", "att-1", "att-2"]
+    assert len({m for _, m in seen}) == 1  # the saves of one attempt serve the restore of the next
+    assert source.asked == [("att-0", "tok-0"), ("att-1", "tok-1")]
 
 
 def test_the_agent_client_takes_an_assignment_only_from_an_answer_that_gives_one(fake_agent: FakeAgent):
