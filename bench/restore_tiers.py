@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node_agent.local_api import LocalApi  # noqa: E402
-from node_agent.memtier import AttemptMemory, MemoryTier, serving  # noqa: E402
+from node_agent.memtier import AttemptMemory, MemoryTier  # noqa: E402
+from node_agent.memtier_peer import serving  # noqa: E402
 from trainyard.embedded import EmbeddedS3  # noqa: E402
 from trainyard.protocol.keys import MANIFEST_FORMAT  # noqa: E402
 from worker_runtime import WorkerContext  # noqa: E402

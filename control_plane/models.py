@@ -89,6 +89,9 @@ class Node(Base):
     heartbeat_seq: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     memory_port: Mapped[int | None] = mapped_column(
         Integer, doc="TCP port of its agent's in-memory checkpoint tier at `address`; NULL: the tier is off there.")
+    memory_tls: Mapped[bool] = mapped_column(
+        Boolean, server_default=text("false"), doc="The memory port speaks TLS (https peer URLs); its agent has a "
+        "node certificate signed by the cluster's CA.")
     last_heartbeat_at: Mapped[datetime | None] = _ts()
     heartbeat_interval_s: Mapped[float | None] = mapped_column(
         Float, doc="The heartbeat interval its agent was last told (it scales with the cluster); the monitor "

@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "shards and its peers' copies); 0 turns the tier off")
     parser.add_argument("--memory-port", type=int, default=0,
                         help="TCP port peer agents reach the memory tier on (at --address); 0: any free port")
+    parser.add_argument("--memory-tls-cert", type=Path, default=None,
+                        help="PEM certificate of this node (for --address, signed by the cluster's CA): the memory "
+                        "port speaks TLS and peers are reached over TLS only, verified against --ca-file")
+    parser.add_argument("--memory-tls-key", type=Path, default=None, help="PEM private key of --memory-tls-cert")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -111,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             outbox_max_bytes=int(args.outbox_max_mb * 2**20),
             memory_tier_mb=args.memory_tier_mb,
             memory_port=args.memory_port,
+            memory_tls_cert=args.memory_tls_cert,
+            memory_tls_key=args.memory_tls_key,
         )
     except ValueError as exc:
         parser.error(str(exc))

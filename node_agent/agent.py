@@ -53,7 +53,8 @@ from node_agent.isolation import Isolation, IsolationError, private_dir, reachab
 from node_agent.launcher import NodeContext, standby_env
 from node_agent.launches import Launches
 from node_agent.local_api import BASE_URL, MAX_SOCKET_PATH, LocalApi, LocalReports
-from node_agent.memtier import MemoryTier, PeerServer
+from node_agent.memtier import MemoryTier
+from node_agent.memtier_peer import PeerServer
 from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
@@ -291,15 +292,17 @@ class Agent(HeartbeatLoop, ReportLoop):
         config = self.config
         if config.memory_tier_mb <= 0:
             return
-        tier = MemoryTier(config.memory_tier_mb * 2**20)
+        tls = config.memory_tls_context()
+        tier = MemoryTier(config.memory_tier_mb * 2**20, peer_tls=config.peer_client_context(),
+                          require_tls=tls is not None)
         try:
-            self._peer_server = PeerServer(tier, config.address, config.memory_port).start()
+            self._peer_server = PeerServer(tier, config.address, config.memory_port, tls=tls).start()
         except OSError as exc:
             self.log.error("memory_tier_off", reason=f"cannot serve peers at {config.address}:{config.memory_port}: "
                            f"{exc}")
             return
         self.memory, self.memory_port = tier, self._peer_server.port
-        self.log.info("memory_tier_on", budget_mb=config.memory_tier_mb, port=self.memory_port)
+        self.log.info("memory_tier_on", budget_mb=config.memory_tier_mb, port=self.memory_port, tls=tls is not None)
 
     def _superseded(self, exc: Exception) -> None:
         """Another agent instance registered as this node: the newer one wins. Stop launching, stop

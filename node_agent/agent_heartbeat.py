@@ -42,6 +42,7 @@ class HeartbeatLoop(DesiredState):
             agent_version=AGENT_VERSION,
             agent_instance=self.instance,
             memory_port=self.memory_port,
+            memory_tls=self.memory_port is not None and self.config.memory_tls_cert is not None,
         )
         if self.superseded is not None:
             return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,12 @@ class AgentConfig:
     tier is off on this node (no memory port is registered; workers hand nothing over)."""
     memory_port: int = 0
     """TCP port of the memory tier at ``address`` for peer agents; 0: any free port (registered)."""
+    memory_tls_cert: Path | None = None
+    """PEM certificate (chain) of this node, for ``address``, signed by the cluster's CA: the memory
+    port then speaks TLS only, and this agent reaches its peers over TLS only (verifying them against
+    ``ca_file``). None: plain HTTP with the job's bearer secret (a trusted network only)."""
+    memory_tls_key: Path | None = None
+    """PEM private key of memory_tls_cert."""
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir).absolute()
@@ -155,8 +162,33 @@ class AgentConfig:
             raise ValueError(f"standbys must be 0..{MAX_STANDBYS}")
         if self.memory_tier_mb < 0 or not 0 <= self.memory_port <= 65535:
             raise ValueError("memory_tier_mb must be >= 0 and memory_port a port number (0: any)")
+        if (self.memory_tls_cert is None) != (self.memory_tls_key is None):
+            raise ValueError("memory_tls_cert and memory_tls_key go together")
+        if self.memory_tls_cert is not None and self.ca_file is None:
+            # Peers' node certificates are signed by the cluster's CA: against the system's trust
+            # store every transfer to a peer would fail, and the tier would miss without a word.
+            raise ValueError("memory_tls_cert needs ca_file (the cluster CA that signs the peers' node certificates)")
+        if self.memory_tls_cert is not None:
+            self.memory_tls_cert, self.memory_tls_key = Path(self.memory_tls_cert), Path(self.memory_tls_key or "")
+            self.memory_tls_context()  # a certificate that cannot be used is refused at start
         if self.rdzv_join_timeout_s <= 0:
             raise ValueError("rdzv_join_timeout_s must be > 0")
+
+    def memory_tls_context(self) -> ssl.SSLContext | None:
+        """The memory port's server context (memory_tls_cert); None: plain HTTP. Raises ValueError."""
+        if self.memory_tls_cert is None or self.memory_tls_key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(self.memory_tls_cert, self.memory_tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot use the memory TLS certificate {self.memory_tls_cert} with key "
+                             f"{self.memory_tls_key}: {getattr(exc, 'strerror', None) or exc}") from exc
+        return context
+
+    def peer_client_context(self) -> ssl.SSLContext:
+        """What peers' memory ports are verified against: ca_file (the cluster's CA), else the system's."""
+        return ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file is not None else None)
 
     @property
     def workers_dir(self) -> Path:

@@ -69,6 +69,7 @@ from urllib.parse import parse_qs, unquote
 import structlog
 from pydantic import ValidationError
 
+from node_agent.connections import DeadlineReader, Gate, SocketWriter, refuse
 from node_agent.handover import Handovers
 from node_agent.memtier import AttemptMemory, MemoryTier
 from node_agent.memtier_local import MEMORY_ROUTE, serve_memory
@@ -295,37 +296,6 @@ def parse_body(raw: bytes) -> Any:
     return json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
 
 
-class _DeadlineReader(io.RawIOBase):
-    """The connection's bytes, up to a deadline for the whole request (a slow sender cannot hold
-    a handler thread longer)."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self._sock = sock
-        self._deadline = deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the request did not arrive in time")
-        self._sock.settimeout(remaining)
-        return self._sock.recv_into(buffer)
-
-
-class _Writer(io.BufferedIOBase):
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        self._sock.sendall(data)
-        return len(data)
-
-
 @dataclass
 class _Context:
     """What a handler needs: the stores, and the one attempt its socket serves."""
@@ -349,9 +319,9 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.connection = self.request
         deadline = time.monotonic() + self.server.limits.request_timeout_s
-        self.reader = _DeadlineReader(self.connection, deadline)
+        self.reader = DeadlineReader(self.connection, deadline)
         self.rfile = io.BufferedReader(self.reader)
-        self.wfile = _Writer(self.connection)
+        self.wfile = SocketWriter(self.connection)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass  # requests are routine; errors are logged where they are answered
@@ -563,37 +533,6 @@ def _truthy(value: str) -> bool:
     return value.lower() in ("1", "true", "yes")
 
 
-_BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/problem+json\r\nRetry-After: 1\r\n"
-    b"Connection: close\r\nContent-Length: 94\r\n\r\n"
-    b'{"type":"about:blank","title":"Service Unavailable","status":503,"detail":"too many connections"}'
-)
-
-
-class _Gate:
-    """A count of connections with a limit that may grow and shrink (unlike a semaphore)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held = 0
-        self._lock = threading.Lock()
-
-    def acquire(self) -> bool:
-        with self._lock:
-            if self._held >= self.limit:
-                return False
-            self._held += 1
-            return True
-
-    def release(self) -> None:
-        with self._lock:
-            self._held -= 1
-
-    def resize(self, delta: int) -> None:
-        with self._lock:
-            self.limit += delta
-
-
 class _Listener:
     """One attempt's socket and its accept thread."""
 
@@ -604,7 +543,7 @@ class _Listener:
         self.sock = sock
         self.extra = extra
         """Connections this attempt's ranks add to its cap and to the API's."""
-        self.active = _Gate(api.limits.connections_per_attempt + extra)
+        self.active = Gate(api.limits.connections_per_attempt + extra)
         self.serving = 0
         """Connections being served now (for diagnostics and tests)."""
         self._count = threading.Lock()
@@ -622,23 +561,14 @@ class _Listener:
             except OSError:
                 return  # closed
             if not self.active.acquire():
-                self._refuse(conn)
+                refuse(conn)
             elif not self.api.active.acquire():
                 self.active.release()
-                self._refuse(conn)
+                refuse(conn)
             else:
                 with self._count:
                     self.serving += 1
                 threading.Thread(target=self._serve, args=(conn,), name="local-api-conn", daemon=True).start()
-
-    @staticmethod
-    def _refuse(conn: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            conn.setblocking(False)
-            conn.send(_BUSY)  # a fresh socket's buffer takes it whole
-            conn.shutdown(socket.SHUT_WR)
-            conn.recv(65536)  # what already came, so that closing does not reset the answer
-        conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -686,7 +616,7 @@ class LocalApi:
         self.grants = grants
         self.slots = slots
         self.limits = limits or LocalApiLimits()
-        self.active = _Gate(self.limits.connections_total)
+        self.active = Gate(self.limits.connections_total)
         self._lock = threading.Lock()
         self._listeners: dict[str, _Listener] = {}
         self._stopped = False

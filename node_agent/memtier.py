@@ -4,8 +4,9 @@ docs/architecture.md "In-memory checkpoint tier" for why).
 ``MemoryTier`` holds the node's ShardStore and serves three callers:
 - the attempt's own workers, through the local API (local_api.py): ``put`` a shard just uploaded,
   ``get`` a shard by sha256 from this agent's memory or from a peer agent;
-- peer agents, over TCP on the memory port (``PeerServer``): ``PUT``/``GET
-  /v1/peer/jobs/<job>/shards/<rank>/<sha256>`` with ``Authorization: Bearer <job memory secret>``;
+- peer agents, over TCP (TLS when the agent has a node certificate) on the memory port
+  (memtier_peer.py): ``PUT``/``GET /v1/peer/jobs/<job>/shards/<rank>/<sha256>`` with
+  ``Authorization: Bearer <job memory secret>``;
 - itself: after a worker's ``put`` it pushes the copy to the part's peer in the background (the
   latest shard per job and rank only: a push still queued when a newer save arrives is dropped).
 
@@ -16,32 +17,21 @@ was never there. Every failure here is a miss for the worker, which then reads S
 
 from __future__ import annotations
 
-import contextlib
 import http.client
-import json
+import ssl
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import httpx
 import structlog
 
-from node_agent.memstore import ShardRefused, ShardStore, owner_of
-from trainyard.protocol.memtier import (
-    JOB_ID_RE,
-    PEER_PREFIX,
-    MemoryTierSpec,
-    chunks,
-    get_body,
-    parse_rank,
-    valid_sha256,
-)
+from node_agent.memstore import ShardStore, owner_of
+from trainyard.protocol.memtier import PEER_PREFIX, MemoryTierSpec, chunks, get_body
 
 log = structlog.get_logger(__name__)
 
@@ -83,9 +73,16 @@ class _Pushes:
 
 
 class MemoryTier:
-    def __init__(self, budget_bytes: int, *, peer_timeout_s: float = PEER_TIMEOUT_S) -> None:
+    def __init__(self, budget_bytes: int, *, peer_timeout_s: float = PEER_TIMEOUT_S,
+                 peer_tls: ssl.SSLContext | None = None, require_tls: bool = False) -> None:
         self.store = ShardStore(budget_bytes)
         self.peer_timeout_s = peer_timeout_s
+        self.peer_tls = peer_tls
+        """What an https:// peer's certificate is verified against (the cluster's CA: the agent's
+        --ca-file); None: the system's trust store. Plain http:// peers are reached without TLS."""
+        self.require_tls = require_tls
+        """An agent whose own port speaks TLS neither sends nor asks for shards (nor the job's secret)
+        over plain HTTP: an http:// peer is a miss."""
         self._pushes = _Pushes()
         self._pusher: threading.Thread | None = None
         self.pushed = 0
@@ -102,7 +99,7 @@ class MemoryTier:
         """Keep the shard and queue its push to the peer, waiting up to ``wait_peer_s`` for the push
         to be over (done, failed or superseded); raises ShardRefused."""
         self.store.put(memory.owner, memory.job_id, rank, sha256, data)
-        if memory.peer_url:
+        if memory.peer_url and self._allowed(memory.peer_url):
             done = self._queue_push(memory, rank, sha256, data)
             if wait_peer_s > 0:
                 done.wait(wait_peer_s)
@@ -115,13 +112,24 @@ class MemoryTier:
             entry = self.store.get(memory.owner, memory.job_id, sha256)
             return None if entry is None else entry.data
         for url in (memory.peer_url, *memory.sources):
-            if url:
+            if url and self._allowed(url):
                 data = self._fetch(url, memory, rank, sha256)
                 if data is not None:
                     return data
         return None
 
     # --- peers ---
+
+    def _allowed(self, url: str) -> bool:
+        if self.require_tls and not url.startswith("https://"):
+            log.warning("memory_peer_not_tls", peer=url[:200], detail="this agent talks to peers over TLS only")
+            return False
+        return True
+
+    def _tls(self) -> ssl.SSLContext:
+        if self.peer_tls is None:
+            self.peer_tls = ssl.create_default_context()  # once: it reads the system's trust store
+        return self.peer_tls
 
     def _peer_url(self, base: str, memory: AttemptMemory, rank: int, sha256: str) -> str:
         return f"{base.rstrip('/')}{PEER_PREFIX}/{memory.job_id}/shards/{rank}/{sha256}"
@@ -130,7 +138,10 @@ class MemoryTier:
         url = urlsplit(self._peer_url(base, memory, rank, sha256))
         try:
             # http.client reads the body straight into one buffer (httpx would copy it chunk by chunk).
-            conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=self.peer_timeout_s)
+            conn = (http.client.HTTPSConnection(url.hostname or "", url.port, timeout=self.peer_timeout_s,
+                                                context=self._tls())
+                    if url.scheme == "https" else
+                    http.client.HTTPConnection(url.hostname or "", url.port, timeout=self.peer_timeout_s))
             data = get_body(conn, url.path, {"Authorization": f"Bearer {memory.secret}"}, self.store.budget_bytes)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             log.info("memory_peer_unreachable", peer=base, error=str(exc)[:200])
@@ -170,7 +181,7 @@ class MemoryTier:
                 (job_id, rank, url), (memory, sha256, data, done) = pushes.queue.popitem(last=False)
                 pushes.busy = True
             try:
-                with httpx.Client(timeout=self.peer_timeout_s, trust_env=False) as client:
+                with httpx.Client(timeout=self.peer_timeout_s, trust_env=False, verify=self._tls()) as client:
                     answer = client.put(self._peer_url(url, memory, rank, sha256), content=chunks(data),
                                         headers={"Authorization": f"Bearer {memory.secret}",
                                                  "Content-Type": "application/octet-stream",
@@ -208,81 +219,6 @@ class MemoryTier:
             self._pushes.cond.notify_all()
 
 
-class _PeerHandler(BaseHTTPRequestHandler):
-    server: PeerServer
-    protocol_version = "HTTP/1.1"
-    timeout = PEER_TIMEOUT_S
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        pass
-
-    def _answer(self, status: HTTPStatus, detail: str = "", body: bytes | bytearray | None = None) -> None:
-        self.close_connection = True
-        if body is None:
-            body = json.dumps({"type": "about:blank", "title": status.phrase, "status": int(status),
-                               "detail": detail[:500]}).encode()
-            kind = "application/problem+json" if status >= 400 else "application/json"
-        else:
-            kind = "application/octet-stream"
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _target(self) -> tuple[str, int, str, str] | None:
-        """(job, rank, sha256, owner) of a well-formed, authenticated request; None: answered."""
-        parts = self.path.partition("?")[0].split("/")
-        # "", v1, peer, jobs, <job>, shards, <rank>, <sha256>
-        if len(parts) != 8 or "/".join(parts[:4]) != PEER_PREFIX or parts[5] != "shards":
-            self._answer(HTTPStatus.NOT_FOUND, f"no route {self.path[:200]}")
-            return None
-        job_id, rank, sha = unquote(parts[4]), parse_rank(parts[6]), parts[7]
-        if not JOB_ID_RE.fullmatch(job_id) or rank is None or not valid_sha256(sha):
-            self._answer(HTTPStatus.UNPROCESSABLE_ENTITY, "the job id, rank or sha256 in the path is malformed")
-            return None
-        auth = self.headers.get("Authorization") or ""
-        scheme, _, secret = auth.partition(" ")
-        if scheme.lower() != "bearer" or len(secret.strip()) < 32:
-            self._answer(HTTPStatus.UNAUTHORIZED, "a job's memory secret is required (Authorization: Bearer)")
-            return None
-        return job_id, rank, sha, owner_of(secret.strip())
-
-    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
-        target = self._target()
-        if target is None:
-            return
-        job_id, rank, sha, owner = target
-        entry = self.server.tier.store.get(owner, job_id, sha)  # by content, like a local read
-        if entry is None:
-            self._answer(HTTPStatus.NOT_FOUND, "no such shard here for this credential")
-        else:
-            self._answer(HTTPStatus.OK, body=entry.data)
-
-    def do_PUT(self) -> None:  # noqa: N802 - stdlib naming
-        target = self._target()
-        if target is None:
-            return
-        job_id, rank, sha, owner = target
-        text = (self.headers.get("Content-Length") or "").strip()
-        if not text.isdigit() or len(text) > 20:
-            self._answer(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
-            return
-        length, budget = int(text), self.server.tier.store.budget_bytes
-        if length > budget:
-            self._answer(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"a shard of {length} bytes is over the budget "
-                         f"of {budget} bytes")
-            return
-        data = read_exactly(self.rfile, length)
-        try:
-            self.server.tier.store.put(owner, job_id, rank, sha, data)
-        except ShardRefused as exc:
-            self._answer(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc))
-            return
-        self._answer(HTTPStatus.CREATED, "stored")
-
-
 def read_exactly(stream: Any, length: int) -> bytearray:
     """``length`` bytes of ``stream`` in chunks (raises TimeoutError when it ends early)."""
     buffer = bytearray(length)
@@ -296,41 +232,3 @@ def read_exactly(stream: Any, length: int) -> bytearray:
     return buffer  # not bytes(buffer): that would hold a shard twice
 
 
-class PeerServer(ThreadingHTTPServer):
-    """The agent's memory port: serves this agent's MemoryTier to peer agents."""
-
-    daemon_threads = True
-    request_queue_size = 64
-
-    def __init__(self, tier: MemoryTier, host: str, port: int) -> None:
-        self.tier = tier
-        super().__init__((host, port), _PeerHandler)
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="memory-tier-peer", daemon=True)
-
-    @property
-    def port(self) -> int:
-        return int(self.server_address[1])
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A peer that hangs up or stalls mid-body costs its own request only: logged, not a traceback.
-        log.info("memory_peer_request_failed", peer=str(client_address)[:100])
-
-    def start(self) -> PeerServer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.shutdown()
-        self.server_close()
-
-
-@contextlib.contextmanager
-def serving(tier: MemoryTier, host: str = "127.0.0.1", port: int = 0) -> Iterator[PeerServer]:
-    server = PeerServer(tier, host, port).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        tier.stop()

@@ -99,7 +99,7 @@ def _put(handler: Any, tier: Any, memory: Any, rank: int, sha: str) -> None:
         handler._problem(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                          f"a shard of {length} bytes is over this agent's memory budget of {budget} bytes")
         return
-    handler.reader._deadline = time.monotonic() + handler.server.limits.request_timeout_s + length / MIN_BYTES_PER_S
+    handler.reader.deadline = time.monotonic() + handler.server.limits.request_timeout_s + length / MIN_BYTES_PER_S
     data = read_exactly(handler.rfile, length)
     try:
         # The worker reports its shard after this answer: waiting for the peer's copy (bounded)

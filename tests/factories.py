@@ -24,21 +24,24 @@ def job_body(**overrides: Any) -> dict[str, Any]:
 
 
 def register_body(name: str, gpus: int = 2, *, address: str | None = None, kind: str = "virtual-cpu",
-                  labels: dict[str, str] | None = None, memory_port: int | None = None) -> dict[str, Any]:
+                  labels: dict[str, str] | None = None, memory_port: int | None = None,
+                  memory_tls: bool = False) -> dict[str, Any]:
     return {
         "name": name,
         "address": address or "127.0.0.1",
         "gpus": [{"index": i, "uuid": f"virtual-{name}-{i}", "kind": kind, "memory_mb": 0} for i in range(gpus)],
         "labels": labels or {},
         **({"memory_port": memory_port} if memory_port is not None else {}),
+        **({"memory_tls": True} if memory_tls else {}),
     }
 
 
 def register_node(client: TestClient, name: str, gpus: int = 2, *, address: str | None = None,
                   kind: str = "virtual-cpu", labels: dict[str, str] | None = None,
-                  token: str = JOIN_TOKEN, memory_port: int | None = None) -> dict[str, Any]:
+                  token: str = JOIN_TOKEN, memory_port: int | None = None, memory_tls: bool = False) -> dict[str, Any]:
     """Register a new node with the static join token of the test settings (new names only)."""
-    body = register_body(name, gpus, address=address, kind=kind, labels=labels, memory_port=memory_port)
+    body = register_body(name, gpus, address=address, kind=kind, labels=labels, memory_port=memory_port,
+                         memory_tls=memory_tls)
     r = client.post("/v1/agent/register", json=body, headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 200, r.text
     return r.json()
@@ -58,10 +61,11 @@ class FakeAgentSession:
 
     def __init__(self, client: TestClient, name: str, gpus: int = 2, instance: str = "i1",
                  kind: str = "virtual-cpu", credential: str | None = None, *, address: str | None = None,
-                 labels: dict[str, str] | None = None, memory_port: int | None = None) -> None:
+                 labels: dict[str, str] | None = None, memory_port: int | None = None,
+                 memory_tls: bool = False) -> None:
         """``credential``: the node's own, to register a registered node again (as its agent does)."""
         reg = register_node(client, name, gpus, kind=kind, token=credential or JOIN_TOKEN, address=address,
-                            labels=labels, memory_port=memory_port)
+                            labels=labels, memory_port=memory_port, memory_tls=memory_tls)
         self.token = reg["node_token"]
         self.client = client
         self.name = name

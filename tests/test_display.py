@@ -15,3 +15,11 @@ def test_durations_read_the_same_in_the_cli_and_the_dashboard(seconds: float | N
     assert duration(seconds) == shown
     assert job_view.duration(seconds) == shown
     assert ui.templates.env.filters["duration"](seconds) == shown
+
+
+def test_the_job_view_says_whether_the_memory_tier_is_on() -> None:
+    assert job_view.checkpoint_line({"interval_steps": 50, "keep_last": 3, "memory_tier": True}) == (
+        "every 50 steps, keep 3, memory tier on")
+    assert job_view.checkpoint_line({"interval_steps": "auto", "keep_last": 2, "memory_tier": False}) == (
+        "auto interval, keep 2, memory tier off (restores read S3)")
+    assert job_view.checkpoint_line({"keep_last": 3}) is None  # no checkpoints at all

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import httpx
 import pytest
+import sqlalchemy
 
 from node_agent.agent import Agent, AgentConfig
 from node_agent.client import ControlPlaneClient, ControlPlaneUnavailable, StaleAttempt, TlsMismatch
@@ -218,3 +219,36 @@ def test_the_cli_verifies_the_control_plane_with_trainyard_ca_file(
         main(["whoami"])
     out, err = capsys.readouterr()
     assert trusted.value.code == 0 and json.loads(out)["role"] == "admin", err
+
+
+def test_an_agent_with_a_node_certificate_serves_its_memory_port_over_tls(
+        https_server: Server, fresh_database_url: str, tmp_path: Path) -> None:
+    node = ensure_server_tls(tmp_path / "tls", ["127.0.0.2"], common_name="trainyard tls-node", stem="tls-node")
+    base = {"control_plane_url": https_server.url, "ca_file": https_server.ca_file, "join_token": JOIN_TOKEN,
+            "name": "tls-node", "address": "127.0.0.2", "virtual_gpus": 1, "work_dir": tmp_path / "agent",
+            "memory_tier_mb": 1}
+    with pytest.raises(ValueError, match="go together"):
+        AgentConfig(**base, memory_tls_cert=node.cert_file)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cannot use the memory TLS certificate"):
+        AgentConfig(**base, memory_tls_cert=node.cert_file, memory_tls_key=https_server.ca_file)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs ca_file"):
+        AgentConfig(**{**base, "ca_file": None}, memory_tls_cert=node.cert_file,  # type: ignore[arg-type]
+                    memory_tls_key=node.key_file)
+    agent = Agent(AgentConfig(**base, memory_tls_cert=node.cert_file, memory_tls_key=node.key_file))  # type: ignore[arg-type]
+    try:
+        agent.start()
+        assert agent.registered.wait(30) and agent.memory_port is not None
+        assert agent.memory is not None and agent.memory.require_tls
+        with socket.create_connection(("127.0.0.2", agent.memory_port), timeout=5) as raw, \
+                client_context(https_server.ca_file).wrap_socket(raw, server_hostname="127.0.0.2") as tls:
+            assert tls.version() is not None  # the cluster's CA vouches for the node's certificate
+        # Registered as such: its peers are handed an https:// URL (services/memtier.py).
+        engine = sqlalchemy.create_engine(fresh_database_url)
+        try:
+            with engine.connect() as conn:
+                row = conn.execute(sqlalchemy.text("SELECT memory_port, memory_tls FROM nodes WHERE name = 'tls-node'"))
+                assert tuple(row.one()) == (agent.memory_port, True)
+        finally:
+            engine.dispose()
+    finally:
+        agent.stop(timeout=5)

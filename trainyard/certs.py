@@ -37,13 +37,15 @@ class ServerTls:
     key_file: Path
 
 
-def ensure_server_tls(directory: Path, hosts: list[str], *, common_name: str = "trainyard control plane") -> ServerTls:
+def ensure_server_tls(directory: Path, hosts: list[str], *, common_name: str = "trainyard control plane",
+                      stem: str = "server") -> ServerTls:
     """A CA in ``directory`` (made once, then kept) and a server certificate for ``hosts`` (IP
     addresses or DNS names) signed by it, issued again when it is missing, expires within
-    RENEW_BEFORE, or names other hosts."""
+    RENEW_BEFORE, or names other hosts. ``stem`` names its files (``<stem>.pem``, ``<stem>-key.pem``):
+    the control plane's is ``server``; each dev node's agent has one of its own for its memory port."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
-    tls = ServerTls(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem")
+    tls = ServerTls(directory / "ca.pem", directory / f"{stem}.pem", directory / f"{stem}-key.pem")
     ca_key_file = directory / "ca-key.pem"
     ca_cert, ca_key = _load_ca(tls.ca_file, ca_key_file)
     if ca_cert is None or ca_key is None:

@@ -183,6 +183,13 @@ def agent(
         "its peers' copies); 0 turns the tier off.")] = 4096,
     memory_port: Annotated[int, typer.Option(
         min=0, max=65535, help="TCP port peer agents reach the memory tier on, at --address; 0: any free port.")] = 0,
+    memory_tls_cert: Annotated[Path | None, typer.Option(
+        help="PEM certificate of this node (for --address, signed by the cluster's CA): the memory port speaks "
+        "TLS, and peers are reached over TLS only, verified against --ca-file. Needs --memory-tls-key.",
+        envvar="TRAINYARD_AGENT_MEMORY_TLS_CERT", show_default=False)] = None,
+    memory_tls_key: Annotated[Path | None, typer.Option(
+        help="PEM private key of --memory-tls-cert.", envvar="TRAINYARD_AGENT_MEMORY_TLS_KEY",
+        show_default=False)] = None,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
@@ -213,6 +220,8 @@ def agent(
             outbox_max_bytes=int(outbox_max_mb * 2**20),
             memory_tier_mb=memory_tier_mb,
             memory_port=memory_port,
+            memory_tls_cert=memory_tls_cert,
+            memory_tls_key=memory_tls_key,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

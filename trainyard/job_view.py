@@ -128,6 +128,16 @@ def _recovery_line(recovery: dict[str, Any]) -> Text:
     return line
 
 
+def checkpoint_line(block: dict[str, Any]) -> str | None:
+    """The job's checkpoint settings in a line; None without an interval (no checkpoints)."""
+    interval = block.get("interval_steps")
+    if interval is None:
+        return None
+    every = "auto interval" if interval == "auto" else f"every {interval} steps"
+    tier = "on" if block.get("memory_tier", True) is not False else "off (restores read S3)"
+    return f"{every}, keep {block.get('keep_last', 3)}, memory tier {tier}"
+
+
 def describe(job: dict[str, Any], attempts: Sequence[dict[str, Any]], checkpoints: Sequence[dict[str, Any]],
              events: Sequence[dict[str, Any]]) -> Group:
     p = job["progress"]
@@ -141,6 +151,7 @@ def describe(job: dict[str, Any], attempts: Sequence[dict[str, Any]], checkpoint
         ("GPUs", f"{job['num_nodes']} nodes x {job['gpus_per_node']}"),
         ("Step", f"{step_of(p)}  {rate(p)}" + (f"  ETA {duration(p['eta_s'])}" if p.get("eta_s") is not None else "")),
         ("Metrics", metrics_line(p)),
+        ("Checkpoints", checkpoint_line(job.get("checkpoint") or {})),
         ("Failures", f"{job['failures']} of {job['max_failures']} tolerated"),
         ("Waiting for", job.get("waiting_for")),
         ("Allocation", allocation),

@@ -60,6 +60,11 @@ class CheckpointSettings(BaseModel):
     when_busy: Literal["wait", "skip"] = Field(
         default="wait", description="When a save comes while the previous one is still uploading: wait for it "
         "(training blocks), or skip this save (a checkpoint.skipped event).")
+    memory_tier: bool = Field(
+        default=True, description="Keep each rank's latest shard in its node agent's memory and a copy on a peer "
+        "node, so that a restore reads memory before S3 (docs/architecture.md, 'In-memory checkpoint tier'). "
+        "false: workers never hand shards to their agent (no second copy crosses the network) and every "
+        "restore reads S3.")
 
 
 class RecoveryBudgets(BaseModel):

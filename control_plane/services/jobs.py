@@ -31,7 +31,10 @@ __all__ = ["TERMINAL", "TRANSITIONS", "can_transition", "set_job_state"]
 
 
 def _request_hash(body: JobSubmit) -> str:
-    return hashlib.sha256(body.model_dump_json().encode()).hexdigest()
+    """What an Idempotency-Key is bound to: the request's meaning, so a field left at its default
+    equals a field not sent, and a field a later release adds (with its default) leaves the hash of
+    every earlier request as it was: a retry across an upgrade is still the same request."""
+    return hashlib.sha256(body.model_dump_json(exclude_defaults=True).encode()).hexdigest()
 
 
 def check_fits_cluster(session: Session, body: JobSubmit) -> None:
@@ -284,4 +287,6 @@ def _checkpoint_block(body: JobSubmit) -> dict[str, Any]:
         del block["when_busy"]
     if block.get("first_interval_steps") is None:
         block.pop("first_interval_steps", None)
+    if block.get("memory_tier") is True:
+        del block["memory_tier"]
     return block

@@ -7,7 +7,9 @@ never changes afterwards (services/specs.py). The peer is another node whose age
 on another failure domain (the scheduler's topology label) when one exists, else any other such
 node: a copy on the same rack dies with the rack. Among the candidates the choice is spread by a
 hash of the job and node rank, so one node is not every node's peer. The job's memory secret is
-made at its first allocation; it reaches agents only, in their launch specs.
+made at its first allocation; it reaches agents only, in their launch specs. A job with
+``checkpoint.memory_tier: false`` gets no block at all: its parts' specs carry no memory tier, so
+their agents keep none of its shards and push none to a peer.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ class PeerNode:
     url: str
 
 
-def peer_url(address: str, port: int) -> str:
+def peer_url(address: str, port: int, tls: bool = False) -> str:
     host = f"[{address}]" if ":" in address and not address.startswith("[") else address
-    return f"http://{host}:{port}"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
 
 
 def choose_peer(node_id: uuid.UUID, domain: str, candidates: Sequence[PeerNode], seed: str) -> PeerNode | None:
@@ -52,6 +54,11 @@ def choose_peer(node_id: uuid.UUID, domain: str, candidates: Sequence[PeerNode],
     return away[pick]
 
 
+def memory_tier_on(job: Job) -> bool:
+    """The job's ``checkpoint.memory_tier`` (on unless the job turned it off)."""
+    return (job.checkpoint or {}).get("memory_tier", True) is not False
+
+
 class Peers:
     """The nodes that may serve as peers now (ready, with a memory port), loaded once per pass."""
 
@@ -59,13 +66,14 @@ class Peers:
         self.session = session
         self.topology_label = topology_label
         rows = session.scalars(select(Node).where(Node.state == "ready", Node.memory_port.is_not(None))).all()
-        self.nodes = {n.id: PeerNode(n.id, domain_of(n, topology_label), peer_url(n.address, n.memory_port or 0))
+        self.nodes = {n.id: PeerNode(n.id, domain_of(n, topology_label),
+                                     peer_url(n.address, n.memory_port or 0, bool(n.memory_tls)))
                       for n in rows}
 
     def blocks(self, job: Job, node_ids: Sequence[uuid.UUID], previous: int | None) -> list[dict[str, Any] | None]:
         """Each node rank's memory block (None where its node's agent serves no tier); gives the
         job its memory secret when it has none (the caller holds the job's lock)."""
-        if not any(n in self.nodes for n in node_ids):
+        if not memory_tier_on(job) or not any(n in self.nodes for n in node_ids):
             return [None] * len(node_ids)
         if job.memory_secret is None:
             job.memory_secret = secrets.token_hex(32)

@@ -70,6 +70,7 @@ def register(session: Session, req: RegisterRequest, credential: str, *,
             schedulable=True,
             labels=req.labels,
             memory_port=req.memory_port,
+            memory_tls=req.memory_tls,
             token_hash=hash_token(token),
             agent_version=req.agent_version,
             agent_instance=instance,
@@ -85,6 +86,7 @@ def register(session: Session, req: RegisterRequest, credential: str, *,
         node.address = req.address
         node.labels = req.labels or node.labels
         node.memory_port = req.memory_port
+        node.memory_tls = req.memory_tls
         node.agent_epoch = (node.agent_epoch or 0) + 1
         token = _node_token(node.id, node.agent_epoch)
         node.token_hash = hash_token(token)

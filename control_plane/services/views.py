@@ -53,6 +53,7 @@ from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.uploads import CheckpointUploadOut
 from control_plane.services import events, goodput, pages, progress, recovery_budget, reservations, tenants, watchdog
+from control_plane.services.memtier import memory_tier_on
 from control_plane.services.nodes import scheduling_state
 from control_plane.services.states import JOB_ACTIVE, JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
@@ -114,7 +115,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 entrypoint=job.entrypoint,
                 args=list(job.args),
                 env=dict(job.env),
-                checkpoint=dict(job.checkpoint),
+                checkpoint={**job.checkpoint, "memory_tier": memory_tier_on(job)},
                 max_failures=job.max_failures,
                 failures=job.failures,
                 time_limit_s=job.time_limit_s,

@@ -20,7 +20,7 @@ def test_submit_exact_readme_example(cluster):
     job = r.json()
     assert job["state"] == "queued"
     assert job["num_nodes"] == 2 and job["gpus_per_node"] == 2
-    assert job["checkpoint"] == {"interval_steps": 50, "keep_last": 3}
+    assert job["checkpoint"] == {"interval_steps": 50, "keep_last": 3, "memory_tier": True}
     assert job["max_failures"] == 3
     assert job["progress"] == {"step": None, "loss": None, "updated_at": None, "total_steps": None,
                                "steps_per_s": None, "eta_s": None, "metrics": {}}
@@ -60,6 +60,21 @@ def test_idempotent_submit_returns_same_job(cluster):
     other = cluster.post("/v1/jobs", json=job_body(name="other"), headers=h)
     assert other.status_code == 409
     assert other.headers["content-type"].startswith("application/problem+json")
+
+
+def test_the_idempotency_hash_is_blind_to_fields_left_at_their_default():
+    """A retry across an upgrade that added a job field (with a default) is the same request, and
+    so is one that spells out a default: neither may be refused as a different body (409)."""
+    from control_plane.schemas.jobs import JobSubmit
+    from control_plane.services.jobs import _request_hash
+
+    class LaterJobSubmit(JobSubmit):
+        a_field_added_later: int = 0
+
+    sent = JobSubmit.model_validate(TINY_GPT)
+    assert _request_hash(LaterJobSubmit.model_validate(TINY_GPT)) == _request_hash(sent)
+    assert _request_hash(JobSubmit.model_validate({**TINY_GPT, "restartable": False})) == _request_hash(sent)
+    assert _request_hash(JobSubmit.model_validate(job_body(name="other"))) != _request_hash(sent)
 
 
 def test_cancel_queued_then_cancel_again_is_409(cluster):

@@ -34,6 +34,18 @@ def test_a_peer_is_another_node_on_another_domain_whenever_one_exists(
 def test_peer_urls_bracket_ipv6_addresses() -> None:
     assert peer_url("10.0.0.1", 7000) == "http://10.0.0.1:7000"
     assert peer_url("::1", 7000) == "http://[::1]:7000"
+    assert peer_url("::1", 7000, tls=True) == "https://[::1]:7000"
+
+
+def test_a_peer_whose_memory_port_speaks_tls_is_reached_at_https(client, schedule) -> None:
+    agents = [FakeAgentSession(client, name, 1, address=address, labels={"rack": rack}, memory_port=port,
+                               memory_tls=tls)
+              for name, address, rack, port, tls in (("t1", "127.0.0.1", "r1", 7200, True),
+                                                     ("t2", "127.0.0.2", "r2", 7201, False))]
+    client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1), headers=ADMIN)
+    assert schedule() == 1
+    peers = {a.name: spec["memory"]["peer_url"] for a in agents for spec in a.heartbeat()["assignments"]}
+    assert peers == {"t1": "http://127.0.0.2:7201", "t2": "https://127.0.0.1:7200"}
 
 
 def test_parts_get_a_peer_on_another_rack_and_the_next_attempt_the_old_copies(client, schedule) -> None:
@@ -103,3 +115,28 @@ def test_restored_tiers_never_raise_on_anything_a_worker_sends(data: dict) -> No
     got = restored_tiers({"tiers": data})
     tiers = {"process", "local", "peer", "s3"}
     assert got is None or (set(got) <= tiers and all(isinstance(r, int) for v in got.values() for r in v))
+
+
+def test_a_job_that_turns_the_memory_tier_off_gets_no_tier_on_any_part(client, schedule) -> None:
+    agents = [FakeAgentSession(client, f"m{i}", 1, address=f"127.0.0.{i + 1}", labels={"rack": f"r{i}"},
+                               memory_port=7100 + i) for i in range(2)]
+    small = {"num_nodes": 2, "gpus_per_node": 1}
+    for bad in ("false", 0, None, [], {"on": False}):
+        r = client.post("/v1/jobs", json=job_body(**small, checkpoint={"interval_steps": 5, "memory_tier": bad}),
+                        headers=ADMIN)
+        assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json", r.text
+        assert "memory_tier" in r.text
+    on = client.post("/v1/jobs", json=job_body(name="on", **small), headers=ADMIN).json()
+    assert on["checkpoint"]["memory_tier"] is True  # shown, on by default
+    client.post(f"/v1/jobs/{on['id']}/cancel", headers=ADMIN)
+    off = client.post("/v1/jobs", json=job_body(name="off", **small,
+                                                checkpoint={"interval_steps": 5, "memory_tier": False}), headers=ADMIN)
+    assert off.status_code == 201, off.text
+    job = off.json()
+    assert job["checkpoint"] == {"interval_steps": 5, "keep_last": 3, "memory_tier": False}
+    assert schedule() == 1
+    specs = [spec for a in agents for spec in a.heartbeat()["assignments"]]
+    assert len(specs) == 2 and all(spec["job_id"] == job["id"] for spec in specs)
+    # Both nodes serve a tier, yet neither part has one; the workers are told too (their checkpoint block).
+    assert all(spec["memory"] is None and spec["checkpoint"]["memory_tier"] is False for spec in specs)
+    assert client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()["checkpoint"]["memory_tier"] is False

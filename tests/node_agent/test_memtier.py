@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from node_agent.launcher import AttemptPaths, NodeContext, torchrun_command, worker_env
 from node_agent.local_api import LocalApi
 from node_agent.memstore import ShardRefused, ShardStore, owner_of
-from node_agent.memtier import AttemptMemory, MemoryTier, PeerServer, serving
+from node_agent.memtier import AttemptMemory, MemoryTier
+from node_agent.memtier_peer import PeerServer, serving
 from tests.conftest import S3Bucket
 from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec
@@ -372,3 +373,47 @@ def test_a_peer_that_hangs_up_mid_body_costs_only_its_own_request(peer: tuple[Me
     assert len(tier.store) == 1
     chunked = httpx.put(base, headers=auth, content=iter([b"x" * 100]))  # no Content-Length
     assert chunked.status_code == 411
+
+
+def test_a_job_with_the_memory_tier_off_hands_its_agent_nothing_and_restores_from_s3(
+        sockets: Path, s3_bucket: S3Bucket, peer: tuple[MemoryTier, str]) -> None:
+    """checkpoint.memory_tier: false reaches the worker in its checkpoint block: even under an agent
+    that would keep the part's shards (its spec has a tier), nothing is handed over or pushed."""
+    from worker_runtime import CheckpointManager, TrainState
+
+    storage = S3Storage(S3Config(endpoint=s3_bucket.endpoint, bucket=s3_bucket.bucket,
+                                 access_key=s3_bucket.access_key, secret_key=s3_bucket.secret_key))
+    tier = MemoryTier(1 << 20, peer_timeout_s=5)
+    peer_tier, url = peer
+    spec = memory("job-1", peer_url=url)
+    api = agent_api(sockets, "d", tier, {"att-1": spec, "att-2": spec})
+    try:
+        model = torch.nn.Linear(4, 4)
+        state = TrainState()
+        state.register("model", model)
+
+        def ctx(attempt: str, restore_from: dict[str, object] | None = None) -> WorkerContext:
+            return WorkerContext(job_id="job-1", attempt_id=attempt, fencing_token=f"fence-{attempt}",
+                                 agent_url="http://trainyard-agent", agent_socket=str(api.socket_of(attempt)),
+                                 checkpoint={"interval_steps": 1, "memory_tier": False}, checkpoint_prefix="ck",
+                                 restore_from=restore_from)
+
+        with CheckpointManager(ctx("att-1"), state, storage=storage, reporter=_Events(), async_upload=False) as saver:
+            assert saver.agent_memory is None
+            assert saver.save(1)
+            record = saver.saves[-1]
+        assert record.ok and len(tier.store) == 0 and len(peer_tier.store) == 0 and tier.pushed == 0
+        manifest = {"format": MANIFEST_FORMAT, "step": 1, "world_size": 1,
+                    "shards": [{"rank": 0, "key": record.key, "size_bytes": record.size_bytes,
+                                "sha256": record.sha256}]}
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            model.weight.zero_()
+        with CheckpointManager(ctx("att-2", manifest), state, storage=storage, reporter=_Events()) as restorer:
+            assert restorer.restore() == 1
+            assert restorer.restored_tiers == {"s3": [0]}
+        assert torch.equal(model.weight, saved["weight"])
+        assert len(tier.store) == 0
+    finally:
+        api.stop()
+        tier.stop()

@@ -17,7 +17,8 @@ Layout of the data dir::
 
     DIR/postgres/      PGDATA (kept: a second ``dev up`` on DIR reuses the database)
     DIR/s3/            SeaweedFS data; DIR/s3-credentials.json its keys (0600)
-    DIR/tls/           ca.pem (give it to clients: curl --cacert), ca-key.pem, server.pem, server-key.pem
+    DIR/tls/           ca.pem (give it to clients: curl --cacert), ca-key.pem, server.pem, server-key.pem,
+                       node-i.pem and node-i-key.pem (each agent's memory port: TLS between agents)
     DIR/logs/NAME.log  output of each process (control-plane, node-1, ..., s3)
     DIR/nodes/node-i/  each agent's work dir (and its workers' directories, when every directory
                        above DIR lets other users through; else under the temporary directory)

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from trainyard import dev_control
+from trainyard.certs import ensure_server_tls
 from trainyard.dev.base import ClusterBase
 from trainyard.dev.config import DevError
 from trainyard.dev_processes import descendants, is_training, kill_all
@@ -62,6 +63,12 @@ class NodeAgents(ClusterBase):
             "--work-dir", str(cfg.data_dir / "nodes" / name),
             *(["--ca-file", str(self.tls.ca_file)] if self.tls else []),
         ]  # fmt: skip
+        if self.tls:
+            # The node's own certificate, from the cluster's CA: its memory port speaks TLS and its
+            # peers verify it with the same --ca-file (docs/security.md, "TLS").
+            node_tls = ensure_server_tls(cfg.data_dir / "tls", [f"127.0.0.{i + 1}"], common_name=f"trainyard {name}",
+                                         stem=name)
+            args += ["--memory-tls-cert", str(node_tls.cert_file), "--memory-tls-key", str(node_tls.key_file)]
         if cfg.worker_uids:
             args += ["--worker-uids", cfg.worker_uids, "--worker-root", str(self._worker_root(name))]
         if cfg.standbys:

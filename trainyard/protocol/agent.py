@@ -105,6 +105,10 @@ class RegisterRequest(_Wire):
         description="TCP port of the agent's in-memory checkpoint tier at `address` (trainyard/protocol/memtier.py); "
         "None: the tier is off on this node and it is never chosen as a peer.",
     )
+    memory_tls: bool = Field(
+        default=False, description="The memory port speaks TLS with a certificate signed by the cluster's CA: "
+        "peers reach it at https:// and verify it.",
+    )
 
     @field_validator("gpus")
     @classmethod

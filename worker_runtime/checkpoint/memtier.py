@@ -53,7 +53,10 @@ class AgentMemory:
 
     @classmethod
     def of(cls, ctx: WorkerContext) -> AgentMemory | None:
-        """None outside an agent (no local API to ask)."""
+        """None outside an agent (no local API to ask), and for a job that turned the tier off
+        (``checkpoint.memory_tier: false``: no shard is handed over, every restore reads S3)."""
+        if ctx.checkpoint.get("memory_tier") is False:
+            return None
         return cls(ctx) if ctx.agent_url and ctx.attempt_id else None
 
     def _headers(self) -> dict[str, str]:
