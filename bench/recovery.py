@@ -12,6 +12,14 @@ with rank 1 SIGKILLed at ``--crash-at-step`` (first attempt only), in this same 
   checkpoint. Each row switches recovery mechanisms on or off (a job, control-plane or agent
   setting); adding a mechanism is one line there. The phases come from the job view
   (``GET /v1/jobs/{id}/attempts``, ``recovery``: docs/architecture.md, "Recovery phases").
+- **In-process restart** (a row with ``restartable: true`` and tiny_gpt ``--restartable``): node
+  rank 0's worker is not stopped: its agent parks it, the control plane hands its GPU over to the
+  next attempt, and it restarts in its own process, restoring from its own memory; only rank 1
+  starts a new process (docs/architecture.md, "In-process restart of healthy ranks"). Its
+  "failure -> new worker processes" is the replaced rank's new process (the healthy rank never
+  needs one; its shim's ``started_at`` is the first attempt's), and the "process start" phase ends
+  when the new attempt's every rank runs, the kept one included. The table says whether the
+  healthy rank kept its process.
 - **Node replacement** (a row with ``replace_node``): 3 agents for the 2-node job; the moment rank
   1 dies, its node's agent and every process under it are SIGKILLed too, and the node never comes
   back, so the job must resume on the spare node.
@@ -64,6 +72,8 @@ class Variant:
     """TRAINYARD_* settings of the control plane."""
     agent_args: tuple[str, ...] = ()
     """Extra arguments for every agent."""
+    script_args: tuple[str, ...] = ()
+    """Extra arguments for tiny_gpt."""
     nodes: int = 2
     replace_node: bool = False
     """The killed rank's node is gone for good (its agent and processes killed): the job comes back
@@ -82,11 +92,11 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("push wake-ups on, memory tier off", agent_args=_NO_MEMORY_TIER),
     Variant("push wake-ups + memory tier (default)"),
     Variant("default + warm standbys", agent_args=("--standbys", "1")),
+    Variant("in-process restart (restartable: true)", job={"restartable": True}, script_args=("--restartable",)),
+    Variant("in-process restart + warm standbys", job={"restartable": True}, script_args=("--restartable",),
+            agent_args=("--standbys", "1")),
     Variant("node replaced (3 nodes; rank 1's node gone)", nodes=3, replace_node=True, in_place=False),
 )
-"""In-process restart of healthy ranks has no row yet: its agent and control-plane half is not built
-(docs/architecture.md, "In-process restart of healthy ranks"); bench/inproc_restart.py measures
-the worker side alone."""
 
 
 def _ts(value: str | None) -> float | None:
@@ -124,7 +134,8 @@ def run_trainyard(args: argparse.Namespace, workdir: Path, variant: Variant) -> 
             "name": "bench-recovery", "num_nodes": 2, "gpus_per_node": 1,
             "entrypoint": "worker_runtime.examples.tiny_gpt",
             "args": ["--steps", str(args.steps), "--step-delay-s", str(args.step_delay_s),
-                     "--crash-at-step", str(args.crash_at_step), "--crash-rank", "1", "--crash-kill", "--crash-once"],
+                     "--crash-at-step", str(args.crash_at_step), "--crash-rank", "1", "--crash-kill", "--crash-once",
+                     *variant.script_args],
             "checkpoint": {"interval_steps": args.interval, "keep_last": 100}, "max_failures": 3,
             **variant.job,
         }).raise_for_status().json()
@@ -154,7 +165,12 @@ def run_trainyard(args: argparse.Namespace, workdir: Path, variant: Variant) -> 
         # later than the kill (this process's clock, the same machine's). The gap is detection too.
         failure = min(killed_at, failure or killed_at)
         phases["detection"] = (phases["detection"] or 0.0) + _ts(rec["failure_at"]) - failure  # type: ignore[operator]
-    started = min(_ts(w["started_at"]) for n in second["nodes"] for w in n["workers"])  # type: ignore[type-var]
+    # New processes only: a worker handed over (in-process restart) keeps its pid and the first attempt's
+    # started_at.
+    old_pids = {w["pid"] for n in failed["nodes"] for w in n["workers"]}
+    workers = [w for n in second["nodes"] for w in n["workers"]]
+    kept = [w for w in workers if w["pid"] in old_pids]
+    started = min(_ts(w["started_at"]) for w in workers if w not in kept)  # type: ignore[type-var]
     first_step = _ts(rec["failure_at"]) + rec["to_first_step_s"]  # type: ignore[operator]
     stats = view["result"].get("checkpoint_stats", {})
     old_nodes = {n["node_name"] for n in failed["nodes"]}
@@ -162,6 +178,7 @@ def run_trainyard(args: argparse.Namespace, workdir: Path, variant: Variant) -> 
         "weights_sha256": view["result"]["weights_sha256"],
         "attempts": len(attempts),
         "new_nodes": sorted({n["node_name"] for n in second["nodes"]} - old_nodes),
+        "kept_processes": len(kept),
         "to_processes_s": started - failure,  # type: ignore[operator]
         "to_first_step_after_start_s": first_step - started,
         "total_s": first_step - failure,  # type: ignore[operator]
@@ -291,8 +308,8 @@ def main() -> int:
     print(f"\nfailure -> first new step and its phases (medians of {args.repeat}; ratio: against torchrun's in-place "
           "restart):\n")
     print("| | failure -> first new step | ratio | target | detection | decision | wake-up | process start "
-          "| rendezvous | restore | steps lost | weights exact |")
-    print("| --- " * 12 + "|")
+          "| rendezvous | restore | steps lost | processes kept | weights exact |")
+    print("| --- " * 13 + "|")
     for v in variants:
         runs = ours[v.name]
         total = _median(runs, "total_s")
@@ -302,14 +319,14 @@ def main() -> int:
         moved = "" if v.in_place else f" (on {', '.join(runs[-1]['new_nodes']) or '?'})"
         cells = [f"Trainyard, {v.name}{moved}", _fmt(total, "s"), _ratio(ratio), verdict,
                  *(_fmt(_median(runs, f"{p}_s"), "s") for p in PHASES), _fmt(_median(runs, "steps_lost"), ""),
-                 _exact(runs, reference)]
+                 _kept(runs), _exact(runs, reference)]
         print("| " + " | ".join(cells) + " |")
     cells = ["torchrun --max-restarts + DCP, in place", _fmt(base, "s"), "1.00", "baseline", "-", "-", "-",
              _fmt(_median(theirs, "process_start_s"), "s") + " (failure -> new processes)",
              _fmt(_median(theirs, "rendezvous_s"), "s"), _fmt(_median(theirs, "restore_s"), "s"),
-             _fmt(_median(theirs, "steps_lost"), ""), _exact(theirs, reference)]
+             _fmt(_median(theirs, "steps_lost"), ""), "0 of 2", _exact(theirs, reference)]
     print("| " + " | ".join(cells) + " |")
-    print("| torchrun, node replaced | cannot | - | - | - | - | - | - | - | - | - | - |")
+    print("| torchrun, node replaced | cannot | - | - | - | - | - | - | - | - | - | - | - |")
     print("\ntorchrun restarts its workers on the same hosts only: when a node is gone, the job needs a new torchrun "
           "on a new host and a checkpoint that host can read; nothing in torchrun does either.")
     for v in variants:
@@ -319,7 +336,8 @@ def main() -> int:
 
     # The checkpoint costs and the coarse split of the first table of this script, for the plainest row
     # (no switch set: what a job gets by default).
-    plain = next((v for v in variants if not (v.job or v.control_plane_env or v.agent_args or v.replace_node)),
+    plain = next((v for v in variants
+                  if not (v.job or v.control_plane_env or v.agent_args or v.script_args or v.replace_node)),
                  variants[0])
     first = ours[plain.name]
     rows = (
@@ -339,6 +357,11 @@ def main() -> int:
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _kept(runs: list[dict[str, Any]]) -> str:
+    """How many of the 2 ranks kept their process into the new attempt (the fewest over the runs)."""
+    return f"{min(r['kept_processes'] for r in runs)} of 2"
 
 
 def _exact(runs: list[dict[str, Any]], reference: str) -> str:

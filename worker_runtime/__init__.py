@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     )
     from worker_runtime.layouts import LayoutError, ParallelModel, apply_layout
     from worker_runtime.loop import TrainLoop
-    from worker_runtime.restart import run_restartable
+    from worker_runtime.restart import restartable, run_restartable
     from worker_runtime.state import (
         DataPosition,
         RngState,
@@ -46,6 +46,7 @@ _LAZY = {
     "CheckpointManager": "worker_runtime.checkpoint.manager",
     "ResumableSampler": "worker_runtime.data",
     "TrainLoop": "worker_runtime.loop",
+    "restartable": "worker_runtime.restart",
     "run_restartable": "worker_runtime.restart",
     "CommMeter": "worker_runtime.comm_meter",
     "LayoutError": "worker_runtime.layouts",
@@ -101,6 +102,7 @@ __all__ = [
     "device_of",
     "init_distributed",
     "is_distributed",
+    "restartable",
     "restore_rng_state",
     "run_restartable",
     "settle_ddp_buckets",

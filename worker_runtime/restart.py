@@ -10,13 +10,15 @@
 
     run_restartable(train, total_steps=1000)
 
-``run_restartable`` runs ``train`` in a TrainLoop. When a collective fails because a peer went away
+``run_restartable`` runs ``train`` in a TrainLoop; ``restartable(attempt)`` is the loop under it, for
+a script with its own training loop (worker_runtime/examples/tiny_gpt.py ``--restartable``): it runs
+``attempt(ctx, memory)``, one attempt of this rank. When a collective fails because a peer went away
 (a gloo/NCCL error, not the script's own bug), the process does not exit: it keeps the error's
 traceback in its log, aborts the process group, and asks its own agent, with the fencing token of
 the attempt it belonged to, for its part of the next attempt (AgentAssignments; the
 ``next-assignment`` kind of the local API). Given one, it adopts the new attempt id, token, ranks
 and restore plan, joins the new attempt's fenced rendezvous (distributed.fenced_store) and runs
-``train`` again: the interpreter, torch and the CUDA context survive, and the restore reads this
+the attempt again: the interpreter, torch and the CUDA context survive, and the restore reads this
 rank's own in-memory copy of the planned step (MemoryTier) when it holds exactly that step for
 exactly this rank, and storage otherwise. Without an assignment (no handover, an agent that does
 not offer one, the wait timed out) the original error is raised, as without this wrapper, and the
@@ -150,23 +152,25 @@ def context_for(ctx: WorkerContext, assignment: Assignment) -> WorkerContext:
     )
 
 
-def run_restartable(train: Callable[[Any], T], *, assignments: AssignmentSource | None = None,
-                    handover_wait_s: float = HANDOVER_WAIT_S, ctx: WorkerContext | None = None,
-                    **loop_options: Any) -> T:
-    """Run ``train(loop)`` in a TrainLoop (``loop_options``: its keyword arguments), restarting it in
-    this process for each next attempt this rank is handed after a peer failure (module docstring).
-    Returns what ``train`` returns in the attempt that completes."""
-    from worker_runtime.loop import TrainLoop
+def restartable(attempt: Callable[[WorkerContext, MemoryTier], T], *, assignments: AssignmentSource | None = None,
+                handover_wait_s: float = HANDOVER_WAIT_S, ctx: WorkerContext | None = None) -> T:
+    """Run ``attempt(ctx, memory)``, one attempt of this rank, again in this process for each next
+    attempt this rank is handed after a peer failure (module docstring); what the attempt that
+    completes returns.
 
+    ``attempt`` joins the attempt's process group itself (init_distributed on the ``ctx`` it is given:
+    the new attempt's rendezvous after a restart), restores through a CheckpointManager given
+    ``memory`` (this process's copy of its last save, kept across attempts), and destroys the group
+    only when it returns: on a peer failure this loop aborts the group once the error's frames (and
+    the DDP modules they hold) are gone. Any other error, or no handover, ends the process as it
+    would without this loop.
+    """
     source = assignments or AgentAssignments()
     ctx = ctx or WorkerContext.from_env()
     memory = MemoryTier()
-    restarts = 0
     while True:
         try:
-            with TrainLoop(ctx=ctx, memory=memory, **loop_options) as loop:
-                loop.restarts = restarts
-                return train(loop)
+            return attempt(ctx, memory)
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise
@@ -182,6 +186,27 @@ def run_restartable(train: Callable[[Any], T], *, assignments: AssignmentSource 
         if assignment is None or assignment.attempt_id == ctx.attempt_id:
             raise error
         ctx = context_for(ctx, assignment)
-        restarts += 1
         print(f"trainyard: restarting in process as rank {ctx.rank}/{ctx.world_size} of attempt {ctx.attempt_id}",
               file=sys.stderr, flush=True)
+
+
+def run_restartable(train: Callable[[Any], T], *, assignments: AssignmentSource | None = None,
+                    handover_wait_s: float = HANDOVER_WAIT_S, ctx: WorkerContext | None = None,
+                    **loop_options: Any) -> T:
+    """Run ``train(loop)`` in a TrainLoop (``loop_options``: its keyword arguments), restarting it in
+    this process for each next attempt this rank is handed after a peer failure (``restartable``).
+    Returns what ``train`` returns in the attempt that completes."""
+    from worker_runtime.loop import TrainLoop
+
+    attempts = 0
+
+    def one_attempt(ctx: WorkerContext, memory: MemoryTier) -> T:
+        nonlocal attempts
+        restarts, attempts = attempts, attempts + 1
+        # The loop joins the group on entry, and leaves it to ``restartable`` on a peer failure (its
+        # DDP wrappers are still referenced by the error's frames then: TrainLoop._shutdown).
+        with TrainLoop(ctx=ctx, memory=memory, **loop_options) as loop:
+            loop.restarts = restarts
+            return train(loop)
+
+    return restartable(one_attempt, assignments=assignments, handover_wait_s=handover_wait_s, ctx=ctx)

@@ -1,6 +1,6 @@
 """One rank of test_inprocess_restart: a restartable TrainLoop (worker_runtime.run_restartable) over
 a fenced rendezvous (TRAINYARD_RENDEZVOUS, RANK, WORLD_SIZE). With DIE_AT_STEP this rank exits
-abruptly before that step's work in attempt 0 (a crashed rank). Each rank prints one JSON line."""
+abruptly before that step's work in attempt 1, the first (a crashed rank). Each rank prints one JSON line."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def train(loop: Any) -> dict[str, Any]:
     optimizer = loop.register("optimizer", torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     net = loop.ddp(model)
     for step, (xb, yb) in loop.steps(loop.data_loader(data, batch_size=8)):
-        if step == die_at and loop.ctx.attempt_number == 0:
+        if step == die_at and loop.ctx.attempt_number == 1:
             loop.checkpoints.wait()  # crash once the last save reached storage (the test plans its restore)
             sys.stdout.flush()
             os._exit(3)  # a crash: no cleanup, no goodbye to the peers

@@ -1,8 +1,9 @@
 """In-process restart of healthy ranks (worker_runtime/restart.py, trainyard/protocol/restart.py).
 
 The pure parts (fence digests, the next-assignment messages, the memory tier, the failure filter)
-are unit tests; one test runs real worker processes over gloo, a real S3 and a fake agent's local
-API: a rank crashes, the healthy rank survives in the same process into the next attempt, restores
+are unit tests; one test, for a TrainLoop script (run_restartable) and for a script with its own loop
+(tiny_gpt --restartable, through restartable), runs real worker processes over gloo, a real S3 and a
+fake agent's local API: a rank crashes, the healthy rank survives in the same process into the next attempt, restores
 from its own memory while the replaced rank restores from storage, the job ends with the weights of
 a run that never failed, and a worker holding the failed attempt's token is refused at the new
 attempt's rendezvous.
@@ -38,7 +39,14 @@ from trainyard.protocol.restart import (
 )
 from worker_runtime import WorkerContext
 from worker_runtime.distributed import StaleRendezvousError
-from worker_runtime.restart import AgentAssignments, MemoryTier, context_for, is_peer_failure, run_restartable
+from worker_runtime.restart import (
+    AgentAssignments,
+    MemoryTier,
+    context_for,
+    is_peer_failure,
+    restartable,
+    run_restartable,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "job-restart"
@@ -205,6 +213,23 @@ def test_a_handed_over_rank_runs_again_as_the_new_attempts(capsys):
     assert "restarting in process as rank 0/1 of attempt att-2" in capsys.readouterr().err
 
 
+def test_any_attempt_function_restarts_with_the_new_context_and_one_memory_across_attempts(capsys):
+    ctx = WorkerContext(job_id=JOB, attempt_id="att-0", fencing_token="tok-0", device="cpu")
+    seen: list[tuple[str, int]] = []
+
+    def attempt(ctx: WorkerContext, memory: MemoryTier) -> str:
+        seen.append((ctx.attempt_id, id(memory)))
+        if ctx.attempt_number < 2:
+            raise dist.DistBackendError("Connection reset by peer")
+        return ctx.fencing_token
+
+    source = _Source(_assignment(1), _assignment(2))
+    assert restartable(attempt, assignments=source, ctx=ctx) == "tok-2"
+    assert [a for a, _ in seen] == ["att-0", "att-1", "att-2"]
+    assert len({m for _, m in seen}) == 1  # the saves of one attempt serve the restore of the next
+    assert source.asked == [("att-0", "tok-0"), ("att-1", "tok-1")]
+
+
 def test_the_agent_client_takes_an_assignment_only_from_an_answer_that_gives_one(fake_agent: FakeAgent):
     ctx = WorkerContext(job_id=JOB, attempt_id="att-0", fencing_token="tok-0", agent_url=fake_agent.url, device="cpu")
     client = AgentAssignments(poll_s=0.2)
@@ -248,58 +273,91 @@ def _env(*, attempt: int, rank: int, port: int, agent: FakeAgent | None, bucket:
     return env
 
 
-def _spawn(reaper: ProcessReaper, env: dict[str, str]) -> subprocess.Popen[str]:
-    return reaper.spawn([sys.executable, "-m", "tests.worker_runtime.restart_worker"], cwd=REPO, env=env,
+# The two ways a script restarts in process: a TrainLoop body in run_restartable (restart_worker.py), and
+# a script with its own loop in restartable (tiny_gpt --restartable). Attempts are numbered from 1, as
+# Trainyard numbers them (tiny_gpt's --crash-once crashes in attempt 1 only).
+SCRIPTS = {
+    "run_restartable": ["-m", "tests.worker_runtime.restart_worker"],
+    # Steps paced so that step 6's upload is reported before rank 1 crashes at step 8.
+    "tiny_gpt": ["-m", "worker_runtime.examples.tiny_gpt", "--steps", "10", "--log-every", "5", "--restartable",
+                 "--step-delay-s", "0.25", "--crash-at-step", "8", "--crash-rank", "1", "--crash-kill",
+                 "--crash-once"],
+}
+TINY_GPT_REFERENCE = ["-m", "worker_runtime.examples.tiny_gpt", "--steps", "10", "--log-every", "5"]
+
+
+def _spawn(reaper: ProcessReaper, env: dict[str, str], argv: list[str]) -> subprocess.Popen[str]:
+    return reaper.spawn([sys.executable, *argv], cwd=REPO, env=env,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+def _result(proc: subprocess.Popen[str]) -> tuple[dict[str, Any] | None, str]:
+    """The JSON result line the process printed (restart_worker: ``RESULT {...}`` on every rank;
+    tiny_gpt: ``{...}`` on rank 0 only), or None; and its stderr."""
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{stdout}\n{stderr}"
-    [line] = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-    return result
+    lines = stdout.splitlines()
+    prefix = "RESULT " if any(line.startswith("RESULT ") for line in lines) else "{"  # TrainLoop prints its own {...}
+    lines = [line.removeprefix("RESULT ") for line in lines if line.startswith(prefix)]
+    assert len(lines) <= 1, stdout
+    return (json.loads(lines[0]) if lines else None), stderr
 
 
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_a_healthy_rank_restarts_in_process_and_a_stale_worker_is_refused(
-        s3_bucket: S3Bucket, fake_agent: FakeAgent, process_reaper: ProcessReaper) -> None:
-    ref_port, port0, port1 = free_ports(3)
-    # The run that never fails (no agent, no checkpoints), over the same fenced rendezvous.
-    reference = [_result(p) for p in [_spawn(process_reaper, _env(attempt=9, rank=r, port=ref_port, agent=None,
-                                                                  bucket=None)) for r in (0, 1)]]
-    assert reference[0]["sha"] == reference[1]["sha"] and reference[0]["restored"] is None
+        script: str, s3_bucket: S3Bucket, fake_agent: FakeAgent, process_reaper: ProcessReaper) -> None:
+    argv, tiny = SCRIPTS[script], script == "tiny_gpt"
+    ref_port, port1, port2 = free_ports(3)
+    # The run that never fails (no agent, no checkpoints), over the same fenced rendezvous; tiny_gpt's is
+    # a plain run without --restartable, so the flag is shown to change nothing in the weights.
+    reference = [_result(p)[0] for p in [_spawn(process_reaper, _env(attempt=9, rank=r, port=ref_port, agent=None,
+                                                                     bucket=None), TINY_GPT_REFERENCE if tiny else argv)
+                                         for r in (0, 1)]]
+    ref_sha = reference[0]["weights_sha256"] if tiny else reference[0]["sha"]  # type: ignore[index]
+    if not tiny:
+        assert reference[0]["sha"] == reference[1]["sha"] and reference[0]["restored"] is None  # type: ignore[index]
 
-    # Attempt 0: rank 1 crashes before step 8's work; checkpoints of steps 3 and 6 are saved.
-    healthy = _spawn(process_reaper, _env(attempt=0, rank=0, port=port0, agent=fake_agent, bucket=s3_bucket))
-    crashing = _spawn(process_reaper, _env(attempt=0, rank=1, port=port0, agent=fake_agent, bucket=s3_bucket,
-                                           DIE_AT_STEP="8"))
-    assert crashing.wait(timeout=120) == 3
-    # The healthy rank does not exit: it parks and asks its agent, with attempt 0's token.
+    # Attempt 1: rank 1 crashes at step 8 (before its work: restart_worker; after it: tiny_gpt);
+    # checkpoints of steps 3 and 6 are saved.
+    healthy = _spawn(process_reaper, _env(attempt=1, rank=0, port=port1, agent=fake_agent, bucket=s3_bucket), argv)
+    crashing = _spawn(process_reaper, _env(attempt=1, rank=1, port=port1, agent=fake_agent, bucket=s3_bucket,
+                                           DIE_AT_STEP="8"), argv)
+    assert crashing.wait(timeout=120) == (-9 if tiny else 3)
+    # The healthy rank does not exit: it parks and asks its agent, with attempt 1's token.
     wait_for(lambda: fake_agent.of("next-assignment"), timeout=90, what="the healthy rank to ask for a handover")
     assert healthy.poll() is None
     asked = fake_agent.of("next-assignment")
-    assert {r.path for r in asked} == {"/v1/local/attempts/att-0/next-assignment"}
-    assert {r.body["fencing_token"] for r in asked} == {"tok-0"}
-    plan = {"candidates": [manifest_from_shards(fake_agent.shards(), job_id=JOB, attempt_id="att-0",
-                                                attempt_number=0, step=6, world_size=2)]}
+    assert {r.path for r in asked} == {"/v1/local/attempts/att-1/next-assignment"}
+    assert {r.body["fencing_token"] for r in asked} == {"tok-1"}
+    plan = {"candidates": [manifest_from_shards(fake_agent.shards(), job_id=JOB, attempt_id="att-1",
+                                                attempt_number=1, step=6, world_size=2)]}
 
-    # Attempt 1 on a new port: the healthy rank is handed its part; rank 1 is replaced (a fresh process).
-    assignment = Assignment(attempt_id="att-1", attempt_number=1, fencing_token="tok-1", rank=0, world_size=2,
-                            node_rank=0, rendezvous=Rendezvous(host="127.0.0.1", port=port1), restore_from=plan)
-    # A worker of the failed attempt that learned the new rendezvous, holding attempt 0's token.
-    stale = _spawn(process_reaper, _env(attempt=0, rank=1, port=port1, agent=None, bucket=None))
+    # Attempt 2 on a new port: the healthy rank is handed its part; rank 1 is replaced (a fresh process,
+    # with the same arguments: tiny_gpt's --crash-once does not crash it again).
+    assignment = Assignment(attempt_id="att-2", attempt_number=2, fencing_token="tok-2", rank=0, world_size=2,
+                            node_rank=0, rendezvous=Rendezvous(host="127.0.0.1", port=port2), restore_from=plan)
+    # A worker of the failed attempt that learned the new rendezvous, holding attempt 1's token.
+    stale = _spawn(process_reaper, _env(attempt=1, rank=1, port=port2, agent=None, bucket=None), argv)
     with fake_agent._cond:
-        fake_agent.handover["tok-0"] = NextAssignmentAnswer(state="assigned", assignment=assignment).model_dump()
-    replaced = _spawn(process_reaper, _env(attempt=1, rank=1, port=port1, agent=fake_agent, bucket=s3_bucket,
-                                           restore_from=plan))
-    survivor, fresh = _result(healthy), _result(replaced)
+        fake_agent.handover["tok-1"] = NextAssignmentAnswer(state="assigned", assignment=assignment).model_dump()
+    replaced = _spawn(process_reaper, _env(attempt=2, rank=1, port=port2, agent=fake_agent, bucket=s3_bucket,
+                                           restore_from=plan), argv)
+    (survivor, survivor_err), (fresh, _) = _result(healthy), _result(replaced)
 
-    assert survivor["pid"] == healthy.pid and survivor["restarts"] == 1 and survivor["attempt"] == "att-1"
-    assert (survivor["restored"], survivor["from"]) == (6, "memory")
-    assert (fresh["restored"], fresh["from"], fresh["restarts"]) == (6, "storage", 0)
-    assert survivor["sha"] == fresh["sha"] == reference[0]["sha"]
-    assert survivor["steps"] == fresh["steps"] == reference[0]["steps"]
+    assert "restarting in process as rank 0/2 of attempt att-2" in survivor_err
+    assert survivor is not None
+    if tiny:  # rank 0 alone prints the result; it names the tier that served each rank's restore
+        assert fresh is None
+        assert survivor["restored_from_step"] == 6 and survivor["restored_tiers"] == {"process": [0], "s3": [1]}
+        assert survivor["weights_sha256"] == ref_sha and survivor["steps"] == 10
+    else:
+        assert fresh is not None
+        assert survivor["pid"] == healthy.pid and survivor["restarts"] == 1 and survivor["attempt"] == "att-2"
+        assert (survivor["restored"], survivor["from"]) == (6, "memory")
+        assert (fresh["restored"], fresh["from"], fresh["restarts"]) == (6, "storage", 0)
+        assert survivor["sha"] == fresh["sha"] == ref_sha
+        assert survivor["steps"] == fresh["steps"] == reference[0]["steps"]  # type: ignore[index]
 
     stale_out, stale_err = stale.communicate(timeout=60)
     assert stale.returncode != 0 and "StaleRendezvousError" in stale_err, stale_err
-    assert "refused" in stale_err and "RESULT" not in stale_out
+    assert "refused" in stale_err and "RESULT" not in stale_out and "{" not in stale_out

@@ -16,6 +16,13 @@ TRAINYARD_STORAGE_ACCESS), every rank saves its shard after the optimizer step o
 new attempt first restores the newest good checkpoint of its restore plan (TRAINYARD_RESTORE_FROM)
 and goes on from the step after it.
 
+In-process restart (``--restartable``, for a job with ``restartable: true``): each attempt runs
+through worker_runtime.restartable, so a rank whose peer failed does not exit: it aborts the
+process group, takes its part of the next attempt from its agent and runs it in the same process,
+restoring from its own in-memory copy of the planned checkpoint (worker_runtime/restart.py). The
+result then also names the tier that served each rank's restore (``restored_tiers``). Without the
+flag the script runs each attempt in a new process, exactly as before.
+
 Rank 0 prints the result as one JSON line on stdout and reports it to the agent.
 """
 
@@ -31,7 +38,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +63,9 @@ from worker_runtime import (
 )
 from worker_runtime.examples.tiny_gpt_model import MarkovCorpus, TinyGPT
 from worker_runtime.layouts import LayoutError, apply_layout
+
+if TYPE_CHECKING:
+    from worker_runtime.restart import MemoryTier
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +99,8 @@ class Config:
     slow_busy_s: float = 0.0
     bf16: bool = False
     """Forward and backward under bf16 autocast (weights, optimizer and reductions stay fp32)."""
+    restartable: bool = False
+    """Restart in this process when a peer fails and the agent hands this rank the next attempt."""
 
     def __post_init__(self) -> None:
         if min(self.steps, self.batch_size, self.seq_len, self.d_model, self.layers, self.log_every) < 1:
@@ -198,6 +210,7 @@ class Trainer:
     def _may_crash(self) -> bool:
         if not self.cfg.crash_once:
             return True
+        # An in-process restart keeps torchrun's environment but takes the next attempt's number.
         first_group = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         return first_group and self.ctx.attempt_number <= 1
 
@@ -282,6 +295,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     parser.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL rather than exit code 3")
     parser.add_argument("--crash-once", action="store_true", help="crash only in the first attempt")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast for forward and backward")
+    parser.add_argument("--restartable", action="store_true",
+                        help="restart in process when a peer fails (a job with restartable: true)")
     parser.add_argument("--step-delay-s", type=float, default=defaults.step_delay_s)
     parser.add_argument("--ckpt-upload-delay-s", type=float, default=defaults.ckpt_upload_delay_s)
     parser.add_argument("--slow-busy-s", type=float, default=defaults.slow_busy_s)
@@ -289,15 +304,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     return Config(**vars(args))
 
 
-def train(cfg: Config, ctx: WorkerContext, reporter: Reporter) -> dict[str, Any] | None:
+def train(cfg: Config, ctx: WorkerContext, reporter: Reporter,
+          memory: MemoryTier | None = None) -> dict[str, Any] | None:
     """Restore (if planned), train, drain the last checkpoint upload; the result, or None if stale.
 
     Its own function so that the trainer, its DDP module and the checkpoint manager holding its
-    state are gone before the process group is destroyed (see shutdown_distributed).
+    state are gone before the process group is destroyed (see shutdown_distributed). ``memory``:
+    this process's copy of its last save, kept across in-process restarts (``--restartable``).
     """
     trainer = Trainer(cfg, ctx)
     delay = cfg.ckpt_upload_delay_s if cfg.ckpt_slow_rank in (-1, ctx.rank) else 0.0
-    with CheckpointManager(ctx, trainer.state, upload_delay_s=delay) as checkpoints:
+    with CheckpointManager(ctx, trainer.state, upload_delay_s=delay, memory=memory) as checkpoints:
         restored = checkpoints.restore()
         if restored is not None and ctx.is_main:
             print(f"tiny_gpt: restored step {restored}; resuming at step {restored + 1}", flush=True)
@@ -306,6 +323,8 @@ def train(cfg: Config, ctx: WorkerContext, reporter: Reporter) -> dict[str, Any]
         # the result (an attempt that succeeded keeps its final checkpoint).
     if result is not None:
         result["restored_from_step"] = restored
+        if memory is not None:
+            result["restored_tiers"] = checkpoints.restored_tiers
         saved = [s for s in checkpoints.saves if s.ok]
         result["checkpoints_saved"] = len(saved)
         if saved:
@@ -323,10 +342,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = WorkerContext.from_env()
     if ctx.device == "cpu":
         torch.use_deterministic_algorithms(True)
+    try:
+        if cfg.restartable:
+            from worker_runtime.restart import restartable  # only a restartable run needs it
+
+            return restartable(lambda attempt_ctx, memory: run_attempt(cfg, attempt_ctx, memory), ctx=ctx)
+        return run_attempt(cfg, ctx)
+    finally:
+        shutdown_distributed()
+
+
+def run_attempt(cfg: Config, ctx: WorkerContext, memory: MemoryTier | None = None) -> int:
+    """One attempt of this rank: join its process group, train, report; the exit status. The group
+    is left as it is on an error (main, or the in-process restart, takes it down)."""
     init_distributed(ctx, timeout=300)
     try:
         with Reporter(ctx, echo=False, total_steps=cfg.steps) as reporter:
-            result = train(cfg, ctx, reporter)
+            result = train(cfg, ctx, reporter, memory)
             if result is None:
                 print("tiny_gpt: attempt is stale; stopping without a result", file=sys.stderr)
                 return 1
@@ -339,8 +371,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LayoutError as exc:  # the same on every rank: all exit before any collective of training
         print(f"tiny_gpt: cannot apply the job's layout: {exc}", file=sys.stderr)
         return 2
-    finally:
-        shutdown_distributed()
     return 0
 
 
