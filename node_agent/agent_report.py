@@ -183,9 +183,22 @@ class ReportLoop(AgentCore):
         return run.spec.fencing_token, run.spec.node_rank
 
     def _relay_stale(self, attempt_id: str, exc: StaleAttempt) -> None:
+        """A worker's relayed request (a shard, an event, an upload slot) was refused as stale."""
         run = self.run(attempt_id)
-        if run is not None and not run.stale:
-            self._fenced_off(run, exc)
+        if run is None or run.stale:
+            return
+        if not run.parked and run.parkable():
+            # The attempt ended: a restartable part whose workers all run may be the one the next
+            # attempt takes over, and only the control plane's stop says whether (handover_ok). A
+            # relay's refusal says nothing of it, so it must not stop the part first: the part's
+            # status report goes out now, and its answer parks or stops it (a stale answer to the
+            # report itself fences it off as before).
+            run.log.info("relay_refused_stale_asking_for_stop", error=str(exc))
+            run.last_sent_at = run.next_try_at = float("-inf")
+            self._wake("report")
+            self._wake("heartbeat")
+            return
+        self._fenced_off(run, exc)
 
     def _storage_grants(self, attempt_id: str, body: LocalStorageRequest) -> tuple[HTTPStatus, dict[str, Any]]:
         """Forward a worker's request for presigned checkpoint URLs (trainyard/protocol/grants.py)

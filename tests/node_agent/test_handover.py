@@ -18,6 +18,7 @@ import structlog
 
 from node_agent.agent import Agent
 from node_agent.attempt import AttemptRun
+from node_agent.client import StaleAttempt
 from node_agent.config import AgentConfig
 from node_agent.handover import Handovers
 from node_agent.isolation import Isolation
@@ -364,3 +365,26 @@ def test_a_chain_of_handovers_closes_every_earlier_socket_and_entry_when_its_las
     finally:
         api.stop()
     assert all(agent.handovers.answer(a, f"fence-{a}", 0, 0.0) is None for a in ("att-c1", "att-c2", "att-c3"))
+
+
+def test_a_relay_refused_as_stale_asks_the_control_plane_before_stopping_a_part_it_may_hand_over(
+        tmp_path: Path, process_reaper) -> None:
+    """A worker's upload-slot or shard relay refused because the attempt just failed arrives before
+    the stop that allows a handover: a restartable part whose workers all run is not stopped by it
+    (that killed the healthy rank the next attempt was to take over); its status report goes out at
+    once, and the answer parks or stops it. Any other part is fenced off at once, as before."""
+    agent = _agent(tmp_path)
+    stale = StaleAttempt("attempt 1 already ended (failed); no upload slot", status=409)
+    kept = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-kept", restartable=True))
+    _hold(agent, kept)
+    agent._relay_stale(kept.attempt_id, stale)
+    assert not kept.stale and not kept.stopping and kept.last_sent_at == float("-inf")
+    agent._stop_or_park(kept, "the control plane asked", handover_ok=True)  # what the report's answer says
+    assert kept.parked and not kept.stopping
+
+    plain = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-plain", restartable=True,
+                                                            gpu_indices=[0, 1]))
+    plain.spec = plain.spec.model_copy(update={"restartable": False})
+    _hold(agent, plain)
+    agent._relay_stale(plain.attempt_id, stale)
+    assert plain.stale and plain.stopping
