@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -58,9 +59,12 @@ def test_the_agents_own_parser_takes_no_secret_inline() -> None:
     actions = build_parser()._actions
     names = [option for action in actions for option in action.option_strings]
     assert "--join-token-file" in names and "--control-plane" in names
+    # A key or token named by its path (a file, like the CLI's Path options) is not inline.
     inline = [option for action in actions for option in action.option_strings
-              if SECRET_LIKE.search(option) and not option.endswith("-file") and action.nargs != 0]
+              if SECRET_LIKE.search(option) and not option.endswith("-file") and action.nargs != 0
+              and action.type is not Path]
     assert inline == []
+    assert next(a for a in actions if "--memory-tls-key" in a.option_strings).type is Path
 
 
 def test_dev_up_reads_its_secrets_from_files_or_the_environment(tmp_path: Any, monkeypatch: Any) -> None:
