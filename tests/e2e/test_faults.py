@@ -5,7 +5,9 @@ unbroken run ends: the same weights_sha256 as tiny_gpt under bare torchrun."""
 
 from __future__ import annotations
 
+import json
 import signal
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -70,6 +72,31 @@ def test_node_killed_with_its_workers_job_recovers_on_other_nodes(make_cluster, 
     assert victim not in _leases(cluster)
     assert cluster.attempts(job["id"])[0]["state"] == "ended"
     assert cluster.http.delete(f"/v1/nodes/{r.json()['id']}").status_code == 404
+
+
+def test_a_node_lost_with_the_peer_holding_its_memory_copy_restores_from_s3(make_cluster, reference_result):
+    """Issue 14: the in-memory tier is an accelerator, never the source of truth. A one-node job's
+    node dies together with the peer agent that keeps the copy of its shards: both memory tiers are
+    gone, and the job resumes on the third node from S3 with the weights of an unbroken run."""
+    cluster = make_cluster(nodes=3, gpus_per_node=2)
+    job = _submit(cluster, "peer-lost", num_nodes=1, gpus_per_node=2)
+    cluster.wait_for("a committed checkpoint", lambda: cluster.checkpoints(job["id"], "committed"), timeout=120)
+    first = cluster.attempts(job["id"])[0]
+    (victim,) = _nodes_of(first)
+    state = cluster.dev.config.data_dir / "nodes" / victim / "attempts" / first["id"] / "state.json"
+    peer_host = urlsplit(json.loads(state.read_text())["spec"]["memory"]["peer_url"]).hostname
+    (peer,) = [n["name"] for n in cluster.get("/v1/nodes") if n["address"] == peer_host]
+    assert peer != victim
+    for name in (peer, victim):
+        cluster.signal_node(name, signal.SIGKILL)
+
+    done = cluster.wait_state(job["id"], ENDED, timeout=180)
+    assert done["state"] == "succeeded", done["end_reason"]
+    assert done["result"]["weights_sha256"] == reference_result(ARGS)["weights_sha256"]
+    attempts = cluster.attempts(job["id"])
+    assert _nodes_of(attempts[-1]) == {"node-1", "node-2", "node-3"} - {victim, peer}
+    restored = cluster.events(job["id"], "checkpoint.restored")
+    assert len(restored) == 1 and set(restored[0]["data"]["tiers"]) == {"s3"}, restored
 
 
 def test_frozen_node_comes_back_stale_and_changes_nothing(make_cluster, reference_result):
