@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from worker_runtime.checkpoint.manager import CheckpointManager
+from worker_runtime.checkpoint.manager import ERROR_DRAIN_S, CheckpointManager
 from worker_runtime.context import WorkerContext
 from worker_runtime.data import ResumableSampler
 from worker_runtime.distributed import (
@@ -241,7 +241,7 @@ class TrainLoop:
         try:
             if self.checkpoints is not None:
                 # Drains the upload in flight: the last checkpoint is reported before the result.
-                self.checkpoints.close(timeout=None if kind is None else 5.0)
+                self.checkpoints.close(timeout=None if kind is None else ERROR_DRAIN_S)
             if kind is None and not self._result_sent and not self._stop and self.step >= self.total_steps:
                 self.result()
             self.reporter.close()

@@ -415,3 +415,23 @@ def test_a_manifest_storage_cannot_serve_is_not_evidence_against_the_checkpoint(
         CheckpointManager(ctx, Trainer(SMALL, ctx).state).restore()
     [fallback] = fake_agent.events("checkpoint.fallback")
     assert fallback["data"]["unusable"] is False and fallback["data"]["checkpoint_id"] == "id-8"
+
+
+def test_a_manager_left_on_an_error_stops_waiting_for_its_upload(
+        trainer_ctx: WorkerContext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script leaving its ``with CheckpointManager`` on an error (a peer failed) must not wait out
+    the upload in flight: the process has to exit, or to ask its agent for the next attempt within
+    the handover wait (tiny_gpt --restartable). A clean exit still drains it."""
+    import worker_runtime.checkpoint.manager as manager_module
+
+    monkeypatch.setattr(manager_module, "ERROR_DRAIN_S", 0.2)
+    trainer = Trainer(SMALL, trainer_ctx)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="peer failed"), \
+            CheckpointManager(trainer_ctx, trainer.state, upload_delay_s=3.0) as manager:
+        assert manager.save(4)
+        raise RuntimeError("peer failed")
+    assert time.monotonic() - started < 2.0  # not the upload's 3 s
+    with CheckpointManager(trainer_ctx, trainer.state, upload_delay_s=0.3) as manager:
+        assert manager.save(8)
+    assert manager.saves[-1].step == 8 and manager.saves[-1].ok  # drained on a clean exit

@@ -95,6 +95,9 @@ log = logging.getLogger(__name__)
 _STORAGE_VARS = "TRAINYARD_STORAGE_ACCESS or TRAINYARD_S3_*"
 
 
+ERROR_DRAIN_S = 5.0
+"""How long a manager left on an error waits for the upload in flight (then it stops waiting)."""
+
 class CheckpointUnavailableError(RuntimeError):
     """There is a restore plan but its storage cannot be reached (starting fresh would waste the
     job's progress; failing the attempt lets the control plane retry later)."""
@@ -233,8 +236,11 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        # Leaving on an error (a peer failed: the gang is broken), the upload in flight gets
+        # ERROR_DRAIN_S, not forever: the process has to exit, or to ask its agent for the next
+        # attempt within the handover wait (worker_runtime.restart), as TrainLoop's exit does.
+        self.close(timeout=None if kind is None else ERROR_DRAIN_S)
 
     def should_save(self, step: int) -> bool:
         if not self.enabled or step <= 0:
