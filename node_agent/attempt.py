@@ -91,6 +91,7 @@ class AttemptRun:
         """torchrun ended after the agent asked it to stop (state 'stopped', not 'exited')."""
         self._term_sent_at: float | None = None
         self._kill_sent = False
+        self._torchrun_killed = False
         self._workers: list[WorkerStatus] = []
         self._members: set[int] = set()
         self._pgids: set[int] = set()
@@ -480,15 +481,20 @@ class AttemptRun:
             found = self._refresh(processes.scan() if table is None else table)
             alive = found or not self.torchrun_done
             if (self.stop_reason is not None and self._term_sent_at is not None and not self._kill_sent
-                    and not self.torchrun_done and self.pid is not None and self._members <= {self.pid}):
+                    and not self._torchrun_killed and not self.torchrun_done and self.pid is not None
+                    and self._members <= {self.pid}
+                    # A table shared by the supervise step may predate shims torchrun just started.
+                    and (table is None or (self._refresh(processes.scan()) and self._members <= {self.pid}))):
                 # Stopped, and every shim and worker is gone (each had its SIGTERM and its grace):
                 # torchrun's own teardown after a SIGTERM (closing its workers again, its error
                 # report, a torch interpreter's exit) took about half a second and ends nothing of
                 # the job's, while the part's GPUs are released only once it is gone, which a
                 # recovery's next attempt waits for (docs/architecture.md, "Recovery").
                 self.log.info("torchrun_killed_after_its_workers", pid=self.pid)
-                self._kill_sent = True
-                self._signal(signal.SIGKILL)
+                # torchrun alone, and no escalation: anything that starts after this still gets its
+                # SIGTERM's grace (_kill_sent means the grace ran out).
+                self._torchrun_killed = True
+                processes.signal_processes((self.pid,), (), signal.SIGKILL)
             if self.torchrun_done and alive and self._term_sent_at is None:
                 # torchrun is gone but left processes behind: clean up without calling it a stop.
                 self.log.warning("attempt_leftovers", pids=sorted(self._members))

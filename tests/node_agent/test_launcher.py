@@ -364,6 +364,28 @@ def test_a_stop_kills_torchrun_once_its_workers_are_gone_not_after_its_own_teard
     assert report.exit_code == -signal.SIGKILL  # torchrun, killed by the agent, not its own exit
 
 
+def test_a_process_table_older_than_the_workers_never_kills_them_before_their_grace(
+        launcher: Launcher, tmp_path: Path) -> None:
+    """The supervise step shares one process table among its parts; one scanned before torchrun's
+    shims started shows torchrun alone. A stop must not read that as "every worker is gone" and
+    SIGKILL the part: each worker still gets its SIGTERM and its grace (here a handler that takes
+    half a second)."""
+    slow = TERM_HANDLER.replace("    open(os.path", "    time.sleep(0.5)\n    open(os.path", 1)
+    write_script(tmp_path, "term.py", slow)
+    stale = processes.scan()  # before the launch: no shim, no worker
+    run = launcher.launch(make_spec(entrypoint="term.py", env={"MARK_DIR": str(tmp_path)}), grace=600.0)
+    _wait_running(run)
+    wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == 2, what="the workers' SIGTERM handlers")
+    run.request_stop("test")
+    run.poll(stale)
+    deadline = time.monotonic() + 30
+    while run.alive and time.monotonic() < deadline:
+        run.poll()
+        time.sleep(0.01)
+    assert not run.alive
+    assert sorted(p.name for p in tmp_path.glob("term-*")) == ["term-0", "term-1"]  # each worker's grace
+
+
 def test_torchrun_killed_alone_leaves_nothing(launcher: Launcher, tmp_path: Path) -> None:
     write_script(tmp_path, "sleeper.py", SLEEPER)
     run = launcher.launch(make_spec(entrypoint="sleeper.py"), grace=1.0)
