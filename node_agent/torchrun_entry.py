@@ -9,7 +9,9 @@ client, in a thread, while torch imports (about a second: the wait usually costs
 it, a node whose torchrun finished importing before node rank 0's had started listening met
 torch's connect backoff and joined up to a second after the host was up
 (trainyard/protocol/rendezvous.py). The wait is bounded by ``--wait-s`` (the rendezvous's join
-timeout); past it torchrun connects, and fails, as it would have.
+timeout); past it torchrun connects, and fails, as it would have. The wait counts against that
+timeout: torchrun's own rendezvous gets only what is left of it (``--rdzv-conf timeout=``), so a
+host that never listens is noticed after one join timeout (plus at most MIN_RDZV_TIMEOUT_S), not two.
 
 This module imports only the standard library before torch.
 """
@@ -47,6 +49,21 @@ def _parse(argv: list[str]) -> tuple[tuple[str, int] | None, float, list[str]]:
     return endpoint, wait_s, rest
 
 
+MIN_RDZV_TIMEOUT_S = 30
+
+
+def with_timeout_left(rest: list[str], left_s: float) -> list[str]:
+    """``rest`` with the ``timeout=`` of its ``--rdzv-conf`` lowered to ``left_s``, but never below
+    MIN_RDZV_TIMEOUT_S: the static rendezvous's store keeps that timeout for its later operations."""
+    out = list(rest)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--rdzv-conf":
+            pairs = [p for p in out[i + 1].split(",") if p and not p.startswith("timeout=")]
+            out[i + 1] = ",".join([*pairs, f"timeout={max(MIN_RDZV_TIMEOUT_S, int(left_s))}"])
+            break  # torchrun's own (the launcher's, before the script); the script's args are its own
+    return out
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     endpoint, wait_s, rest = _parse(sys.argv[1:] if argv is None else argv)
     waiter: threading.Thread | None = None
@@ -67,6 +84,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         # torchrun's stderr is the attempt's torchrun.stderr.log (not shipped to the user).
         print(f"torchrun_entry: rendezvous host {host}:{port} {said} "
               f"({time.monotonic() - started:.2f} s after start, torch imported)", file=sys.stderr, flush=True)
+        rest = with_timeout_left(rest, started + wait_s - time.monotonic())
     sys.argv = ["torchrun", *rest]
     run.main(rest)
     sys.exit(0)

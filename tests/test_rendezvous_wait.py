@@ -40,3 +40,16 @@ def test_waits_through_refusals_until_the_host_listens_and_the_store_then_connec
 
 def test_gives_up_at_its_timeout() -> None:
     assert wait_for_listener("127.0.0.1", rendezvous_port(), 0.05) is None
+
+
+def test_torchruns_join_timeout_is_what_the_wait_left_of_it() -> None:
+    """A host that never listens is noticed after one join timeout, not the wait's and then
+    torchrun's own in full; the store keeps a floor for its later operations."""
+    from node_agent.torchrun_entry import MIN_RDZV_TIMEOUT_S, with_timeout_left
+
+    rest = ["--nnodes", "2", "--rdzv-conf", "timeout=300", "train.py", "--rdzv-conf", "timeout=9"]
+    assert with_timeout_left(rest, 120.7) == ["--nnodes", "2", "--rdzv-conf", "timeout=120", "train.py",
+                                              "--rdzv-conf", "timeout=9"]  # the script's own args untouched
+    assert with_timeout_left(["--rdzv-conf", "a=1,timeout=300"], 0.2) == [
+        "--rdzv-conf", f"a=1,timeout={MIN_RDZV_TIMEOUT_S}"]
+    assert with_timeout_left(["train.py"], 5.0) == ["train.py"]
