@@ -15,7 +15,9 @@ _ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned wo
 
 class SuperviseLoop(AgentCore):
     def _launch_pending(self) -> None:
-        raise NotImplementedError  # agent_desired.DesiredState
+        """Start the specs kept pending while a live part held their GPUs (agent_desired.DesiredState,
+        the mixin that owns them; Agent combines both)."""
+        raise NotImplementedError
     def _adopt_existing(self) -> None:
         assert self._launches is not None
         seen, runs = self._launches.adopt_all()

@@ -331,9 +331,7 @@ def test_a_saved_shard_is_handed_to_the_agent_and_the_next_attempt_restores_it_f
         state.register("model", model)
 
         def ctx(attempt: str, restore_from: dict[str, object] | None = None) -> WorkerContext:
-            return WorkerContext(job_id="job-1", attempt_id=attempt, fencing_token=f"fence-{attempt}",
-                                 agent_url="http://trainyard-agent", agent_socket=str(api.socket_of(attempt)),
-                                 checkpoint={"interval_steps": 1}, checkpoint_prefix="ck", restore_from=restore_from)
+            return _worker_ctx(api, attempt, restore_from)
 
         reports = Reports()
         with CheckpointManager(ctx("att-1"), state, storage=storage, reporter=reports, async_upload=False) as saver:
@@ -393,10 +391,7 @@ def test_a_job_with_the_memory_tier_off_hands_its_agent_nothing_and_restores_fro
         state.register("model", model)
 
         def ctx(attempt: str, restore_from: dict[str, object] | None = None) -> WorkerContext:
-            return WorkerContext(job_id="job-1", attempt_id=attempt, fencing_token=f"fence-{attempt}",
-                                 agent_url="http://trainyard-agent", agent_socket=str(api.socket_of(attempt)),
-                                 checkpoint={"interval_steps": 1, "memory_tier": False}, checkpoint_prefix="ck",
-                                 restore_from=restore_from)
+            return _worker_ctx(api, attempt, restore_from, memory_tier=False)
 
         with CheckpointManager(ctx("att-1"), state, storage=storage, reporter=_Events(), async_upload=False) as saver:
             assert saver.agent_memory is None
@@ -417,3 +412,12 @@ def test_a_job_with_the_memory_tier_off_hands_its_agent_nothing_and_restores_fro
     finally:
         api.stop()
         tier.stop()
+
+
+def _worker_ctx(api: LocalApi, attempt: str, restore_from: dict[str, object] | None,
+                **checkpoint: object) -> WorkerContext:
+    """A worker of job-1's ``attempt`` reaching its agent through ``api``; ``checkpoint``: settings."""
+    return WorkerContext(job_id="job-1", attempt_id=attempt, fencing_token=f"fence-{attempt}",
+                         agent_url="http://trainyard-agent", agent_socket=str(api.socket_of(attempt)),
+                         checkpoint={"interval_steps": 1, **checkpoint}, checkpoint_prefix="ck",
+                         restore_from=restore_from)
