@@ -24,7 +24,8 @@ class SimulationIn(BaseModel):
     days: float | None = Field(default=None, gt=0, le=3650, description="With `interruptions`: over how many days.")
     work_h: float = Field(default=720, gt=0, le=100_000, description="Hours of training the job needs.")
     interval_s: float | None = Field(
-        default=None, gt=0, le=1e7, description="Compute between saves; null: the best found around Young's.")
+        default=None, ge=1, le=1e7,  # below a second, work / interval overflows (a 500 schemathesis found)
+        description="Compute between saves (at least 1 s); null: the best found around Young's.")
     blocking_s: float = Field(ge=0, le=86_400, description="Seconds one save blocks training.")
     background_s: float = Field(
         default=0, ge=0, le=86_400, description="Seconds an asynchronous save uploads after that (0: synchronous).")

@@ -143,3 +143,10 @@ def test_heartbeat_refuses_bad_values(client):
     assert client.post("/v1/agent/heartbeat", json={"agent_instance": "i", "seq": 1}, headers=odd).status_code == 401
     assert client.get("/v1/jobs", headers=odd).status_code == 401
     assert client.post("/v1/agent/register", json=register_body("gpu-y", 1), headers=odd).status_code == 401
+
+
+def test_a_simulation_interval_too_small_to_count_saves_is_a_422_not_a_500(client):
+    """schemathesis found it: interval_s of 2e-309 made work / interval infinite (OverflowError, 500)."""
+    body = {"nodes": 8, "node_mtbf_h": 1000, "blocking_s": 5, "interval_s": 2.225073858507203e-309}
+    r = client.post("/v1/simulations", json=body, headers=ADMIN)
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json"), r.text
