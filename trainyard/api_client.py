@@ -25,6 +25,8 @@ from typing import Annotated, Any
 
 import typer
 
+from trainyard.protocol.display import printable
+
 DEFAULT_URL = "https://127.0.0.1:8000"
 TOKEN_ENV = "TRAINYARD_TOKEN"
 URL_ENV = "TRAINYARD_URL"
@@ -189,7 +191,8 @@ class Api:
                 return
 
     def stream_lines(self, path: str, **params: Any) -> Iterator[str]:
-        """A streamed text answer (followed logs), line by line."""
+        """A streamed text answer (followed logs), line by line, with control characters written out
+        (a worker's output must not drive the reader's terminal)."""
         import httpx
 
         try:
@@ -199,7 +202,8 @@ class Api:
                 if response.status_code >= 400:
                     response.read()
                     raise ApiError(f"{response.status_code}: {problem_detail(response)}", response.status_code)
-                yield from response.iter_lines()
+                for line in response.iter_lines():
+                    yield printable(line)
         except httpx.HTTPError as exc:
             raise self.unreachable(exc, "lost") from exc
 

@@ -185,7 +185,7 @@ def _follow(api: Api, job: dict[str, Any], *, rank: int | None, attempt: int | N
     else:
         for line in lines:
             print(line, flush=True)
-    final = api.get(f"/v1/jobs/{job['id']}")
+    final = job_view.shown(api.get(f"/v1/jobs/{job['id']}"))
     p = final["progress"]
     console.print(f"job {final['name']} {final['state']} at step {job_view.step_of(p)}"
                   + (f": {final['end_reason']}" if final.get("end_reason") and final["state"] != "succeeded" else ""),
@@ -205,7 +205,7 @@ def _follow_live(api: Api, job: dict[str, Any], lines: Any, console: Console) ->
     def poll() -> None:
         while not done.wait(2.0):
             try:
-                now = api.get(f"/v1/jobs/{job['id']}")
+                now = job_view.shown(api.get(f"/v1/jobs/{job['id']}"))
             except ApiError:
                 continue
             p = now["progress"]

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from trainyard.protocol.display import duration
+from trainyard.protocol.display import duration, printable_data
+
+T = TypeVar("T")
 
 STATE_STYLE = {"queued": "yellow", "starting": "cyan", "running": "green", "recovering": "magenta",
                "succeeded": "bold green", "failed": "bold red", "cancelling": "yellow", "cancelled": "dim"}
@@ -53,7 +55,14 @@ def state_text(state: str) -> Text:
     return Text(state, style=STATE_STYLE.get(state, ""))
 
 
+def shown(data: T) -> T:
+    """What the server sent, safe to print: a job's error, log or metric name written by its code
+    cannot drive the terminal (trainyard/protocol/display.py printable)."""
+    return cast(T, printable_data(data))
+
+
 def jobs_table(jobs: Sequence[dict[str, Any]], now: datetime | None = None) -> Table:
+    jobs = shown(list(jobs))
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("ID", "NAME", "TENANT", "STATE", "STEP", "RATE", "ETA", "LOSS", "GPUS", "AGE"):
         table.add_column(column, no_wrap=True, justify="right" if column in ("STEP", "RATE", "ETA", "GPUS") else "left")
@@ -140,6 +149,8 @@ def checkpoint_line(block: dict[str, Any]) -> str | None:
 
 def describe(job: dict[str, Any], attempts: Sequence[dict[str, Any]], checkpoints: Sequence[dict[str, Any]],
              events: Sequence[dict[str, Any]]) -> Group:
+    job, attempts, checkpoints = shown(job), shown(list(attempts)), shown(list(checkpoints))
+    events = shown(list(events))
     p = job["progress"]
     allocation = ", ".join(f"{a['node_name']} (rank {a['node_rank']}) GPUs {a['gpu_indices']}"
                            for a in job.get("allocation", []))
@@ -181,6 +192,7 @@ def describe(job: dict[str, Any], attempts: Sequence[dict[str, Any]], checkpoint
 
 
 def nodes_table(nodes: Sequence[dict[str, Any]], now: datetime | None = None) -> Table:
+    nodes = shown(list(nodes))
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("NAME", "STATE", "SCHEDULING", "GPUS", "IN USE", "KIND", "HEARTBEAT", "LABELS"):
         table.add_column(column, no_wrap=True)
@@ -195,6 +207,7 @@ def nodes_table(nodes: Sequence[dict[str, Any]], now: datetime | None = None) ->
 
 
 def tenants_table(tenants: Sequence[dict[str, Any]]) -> Table:
+    tenants = shown(list(tenants))
     table = Table(box=None, pad_edge=False, header_style="bold")
     keys = [k for k in ("name", "weight", "gpu_quota", "max_priority", "gpus_in_use", "jobs_waiting", "jobs_running")
             if any(k in t for t in tenants)] or ["name"]
