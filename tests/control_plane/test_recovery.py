@@ -16,6 +16,7 @@ from control_plane.models import Node
 from control_plane.scheduler.loops import Loops
 from control_plane.services import attempts, metrics, nodes
 from control_plane.services.recovery_budget import PHASES
+from tests.control_plane.test_ui_pages import login_csrf
 from tests.factories import ADMIN, ADMIN_TOKEN, FakeAgentSession, job_body, workers_for
 from tests.helpers import in_parallel
 from trainyard import job_view
@@ -216,7 +217,8 @@ def test_a_recovery_splits_into_its_phases_on_the_control_planes_clock_and_names
     line = job_view._recovery_line(rec).plain
     assert line.index("detection 0.40s") < line.index("wake up 0.30s") < line.index("restore 1.20s")
     assert "rendezvous 1.50s (budget 1s)" in line and "= 5.20s" in line
-    r = client.post("/ui/login", data={"token": ADMIN_TOKEN, "next": "/ui"}, follow_redirects=False)
+    r = client.post("/ui/login", data={"token": ADMIN_TOKEN, "next": "/ui", "csrf": login_csrf(client)},
+                    follow_redirects=False)
     assert r.status_code == 303
     page = client.get(f"/ui/jobs/{job['id']}/live").text
     assert "process start 1.2" in page and 'title="over its budget of 1.0s">rendezvous 1.5' in page, page
