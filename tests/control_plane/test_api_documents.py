@@ -6,6 +6,7 @@ route with its line and column, and events page like every other collection."""
 from __future__ import annotations
 
 import re
+from importlib import metadata
 
 from control_plane.api.deps import api_routes
 from tests.control_plane.helpers import submit
@@ -25,6 +26,13 @@ def test_docs_pages_load_every_asset_from_the_control_plane(client):
             got = client.get(url)
             assert got.status_code == 200 and len(got.content) > 100, f"{page}: {url} -> {got.status_code}"
     assert "openapi.json" in client.get("/docs").text
+    # Nor does a page's script fetch from elsewhere at run time (ReDoc's footer logo came from its CDN).
+    for script in ("/static/vendor/redoc/redoc.standalone.js", "/static/swagger-ui/swagger-ui-bundle.js"):
+        assert "cdn.redoc.ly" not in client.get(script).text
+    # Swagger UI 4 cannot render an OpenAPI 3.1 document ("Unable to render this definition"); the
+    # browser check that every operation shows is in tests/e2e/test_guide_and_dashboard.py.
+    assert client.get("/openapi.json").json()["openapi"].startswith("3.1")
+    assert int(metadata.version("swagger-ui-bundle-v2").split(".")[0]) >= 5
 
 
 def test_agent_endpoints_are_in_their_own_document_only(client):

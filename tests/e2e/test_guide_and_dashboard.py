@@ -298,6 +298,8 @@ def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
         assert page.locator("#utilization").inner_text() == "100%"
         page.screenshot(path=str(shots / "cluster.png"), full_page=True)
 
+        _api_pages(cluster, page, shots)
+
         page.goto(f"{cluster.url}/ui/jobs/{job['id']}")
         page.on("dialog", lambda dialog: dialog.accept())
         page.click("#cancel")
@@ -310,5 +312,28 @@ def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
         page.screenshot(path=str(shots / "cancelled.png"), full_page=True)
         browser.close()
     print(f"\ndashboard screenshots: {shots}")
-    assert sorted(p.name for p in shots.iterdir()) == ["cancelled.png", "cluster.png", "job.png", "jobs.png",
-                                                        "nodes.png"]
+    assert sorted(p.name for p in shots.iterdir()) == ["cancelled.png", "cluster.png", "docs.png", "job.png",
+                                                        "jobs.png", "nodes.png", "redoc.png"]
+
+
+def _api_pages(cluster: Cluster, page: Any, shots: Path) -> None:
+    """/docs and /redoc as a person meets them (the dashboard's "API" link): every operation of the
+    served document is listed, and the page logs no error (Swagger UI 4 could not read OpenAPI 3.1
+    and showed "Unable to render this definition")."""
+    document = cluster.get("/openapi.json")
+    operations = sum(1 for item in document["paths"].values() for method in item
+                     if method in ("get", "put", "post", "delete", "patch"))
+    errors: list[str] = []
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{cluster.url}/docs")
+    page.locator(".opblock").first.wait_for(timeout=30_000)
+    assert page.locator(".opblock").count() == operations, (page.locator(".opblock").count(), operations)
+    assert "Unable to render" not in page.content() and page.locator(".errors-wrapper").count() == 0
+    assert page.locator(".opblock-summary-path[data-path='/v1/jobs']").count() >= 2  # list and submit
+    page.screenshot(path=str(shots / "docs.png"))
+    page.goto(f"{cluster.url}/redoc")
+    page.locator("[data-section-id^='operation/']").first.wait_for(state="attached", timeout=30_000)
+    assert page.locator("[data-section-id^='operation/']").count() == operations
+    page.screenshot(path=str(shots / "redoc.png"))
+    assert errors == [], errors
