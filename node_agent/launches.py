@@ -38,6 +38,7 @@ class Launches:
         self.log = log
         self.attempts_dir = private_dir(config.work_dir / "attempts")
         self.sockets_dir = private_dir(config.runtime_dir / "sockets", 0o711)
+        private_dir(config.work_dir / "code")  # every tenant's code archives: root's alone (node_agent/code.py)
         self.envs = EnvCache(config.work_dir / "envs", constraints_file=config.pip_constraints,
                              max_count=config.env_cache_max_count, max_bytes=int(config.env_cache_max_gb * 2**30),
                              build_timeout_s=config.env_build_timeout_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import stat
 import tarfile
 
 from tests.node_agent.fake_control_plane import FakeControlPlane
@@ -45,7 +46,10 @@ def _ref(data: bytes) -> CodeRef:
 
 def test_heartbeats_go_on_while_code_downloads_and_unpacks_and_a_bomb_fails_its_job(agents: Agents,  # noqa: F811
                                                                                   plane: FakeControlPlane) -> None:  # noqa: F811
+    cache = agents.tmp_path / "agent" / "code"
+    cache.mkdir(parents=True, mode=0o755)  # as an agent before issue 23 left it: listable by every uid
     agents.start()
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700  # closed at start, before any job runs
     wait_for(lambda: len(plane.heartbeat_times) >= 3, what="the agent's first heartbeats")
     slow, bomb = _code(1500), _bomb()
     good = make_spec(entrypoint="train.py", nproc_per_node=1, gpu_indices=[0], code=_ref(slow))
@@ -66,3 +70,5 @@ def test_heartbeats_go_on_while_code_downloads_and_unpacks_and_a_bomb_fails_its_
     window = times[-1] - times[0]
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert window >= 3.0 and max(gaps) < 1.5, (window, max(gaps))
+    assert sorted(p.name for p in cache.iterdir()) == sorted(f"{_ref(d).sha256}.tar.gz" for d in (slow, bomb))
+    assert {stat.S_IMODE(p.stat().st_mode) for p in cache.iterdir()} == {0o600}
