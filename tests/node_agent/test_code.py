@@ -23,9 +23,9 @@ from typing import BinaryIO
 import pytest
 
 from node_agent.attempt import AttemptRun, attempt_paths
-from node_agent.code import CodeLimits, CodeUnavailable, cached_archive, unpack
+from node_agent.code import CodeLimits, CodeUnavailable, ShippedCode, cached_archive, unpack
 from node_agent.isolation import Confinement, make_worker_dir, worker_paths
-from tests.node_agent.helpers import Launcher, local_code, make_spec, read_log, wait_finished
+from tests.node_agent.helpers import Launcher, local_code, make_spec, read_log, wait_finished, wait_for
 from trainyard.protocol.agent import CodeRef
 
 TRAIN = "import os, sys\nprint('cwd', os.getcwd())\nprint('helper', open('data/helper.txt').read())\n"
@@ -246,3 +246,28 @@ def test_an_attempt_whose_code_is_over_a_cap_fails_with_the_reason_as_a_start_er
     wait_finished(run, timeout=60)
     assert run.error is not None and "holds more than 1000 entries" in run.error
     assert run.error_kind == "start_error" and run.pid is None
+
+
+class _Fifo(ShippedCode):
+    """Code whose archive is a FIFO nothing writes to: its unpacking waits for ever."""
+
+    def archive(self) -> Path:
+        return self.work_dir / "never.tar.gz"
+
+
+def test_a_part_stopped_while_its_code_unpacks_kills_the_unpacking(launcher: Launcher, tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "never.tar.gz")
+    held = os.open(tmp_path / "never.tar.gz", os.O_RDWR)  # a writer that never writes: no EOF either
+    try:
+        spec = make_spec(entrypoint="train.py", nproc_per_node=1, gpu_indices=[0], code=_ref(b"x"))
+        code = _Fifo(spec.code, tmp_path, _fetch_of(b""), CodeLimits(timeout_s=120))  # type: ignore[arg-type]
+        run = AttemptRun.launch(spec, launcher.node(), attempt_paths(tmp_path / "node", spec.attempt_id),
+                                stop_grace_s=2.0, code=code)
+        launcher.runs.append(run)
+        proc = wait_for(lambda: run._unpacking, timeout=30, interval=0.05, what="the unpacking to start")
+        assert run.preparing and run.alive
+        run.request_stop("no longer assigned")
+        assert proc.poll() is not None  # killed, not left to run out its 120 s
+        assert not run.alive and run.stopped and run.error is None
+    finally:
+        os.close(held)
