@@ -6,11 +6,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from node_agent.attempt import AttemptRun
 from node_agent.client import ControlPlaneClient
+from node_agent.code import ShippedCode
 from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource
 from node_agent.handover import Handovers
@@ -35,8 +35,7 @@ class PendingLaunch:
     """A part to start, with what its launch needs (held while its GPUs are busy)."""
 
     spec: LaunchSpec
-    code_archive: Path | None
-    code_problem: str | None
+    code: ShippedCode | None
     received: float
     """When its spec arrived (monotonic): its wake-up ends there."""
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node_agent import credential
+from node_agent.code import CodeLimits
 from node_agent.isolation import UidRange
 from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
@@ -109,6 +110,13 @@ class AgentConfig:
     """Disk the cached venvs may take, in GiB (see env_cache_max_count)."""
     env_build_timeout_s: float = 1800.0
     """A job's requirements that take longer to install fail its attempt (start_error)."""
+    code_max_bytes: int = CodeLimits.max_bytes
+    """A job's shipped code: its archive's download, and its unpacked files together, each at most
+    this (node_agent/code.py); over it the job fails (start_error)."""
+    code_max_entries: int = CodeLimits.max_entries
+    """A job's shipped code: files, directories and links in its archive, at most."""
+    code_timeout_s: float = CodeLimits.timeout_s
+    """A job's shipped code: its download, then its unpacking, each at most this long."""
 
     outbox_max_items: int = MAX_ITEMS_PER_NODE
     """The most shards and events the agent holds for the control plane, over every attempt of the
@@ -129,6 +137,11 @@ class AgentConfig:
     ``ca_file``). None: plain HTTP with the job's bearer secret (a trusted network only)."""
     memory_tls_key: Path | None = None
     """PEM private key of memory_tls_cert."""
+
+    @property
+    def code_limits(self) -> CodeLimits:
+        return CodeLimits(max_bytes=self.code_max_bytes, max_entries=self.code_max_entries,
+                          timeout_s=self.code_timeout_s)
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir).absolute()
@@ -154,6 +167,8 @@ class AgentConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.env_cache_max_count < 1 or self.env_cache_max_gb <= 0 or self.env_build_timeout_s <= 0:
             raise ValueError("env_cache_max_count must be >= 1, env_cache_max_gb and env_build_timeout_s > 0")
+        if self.code_max_bytes < 1 or self.code_max_entries < 1 or self.code_timeout_s <= 0:
+            raise ValueError("code_max_bytes, code_max_entries and code_timeout_s must be > 0")
         if self.pip_constraints is not None and not Path(self.pip_constraints).is_file():
             raise ValueError(f"pip_constraints {self.pip_constraints} is not a readable file")
         if self.outbox_max_items < 2 or self.outbox_max_bytes < 1:

@@ -15,6 +15,7 @@ from typing import Any
 
 from node_agent import processes
 from node_agent.attempt import AttemptRun
+from node_agent.code import ShippedCode
 from node_agent.config import AgentConfig
 from node_agent.envs import EnvCache
 from node_agent.isolation import Confinement, Isolation, IsolationError, private_dir, remove_tree
@@ -37,6 +38,7 @@ class Launches:
         self.log = log
         self.attempts_dir = private_dir(config.work_dir / "attempts")
         self.sockets_dir = private_dir(config.runtime_dir / "sockets", 0o711)
+        private_dir(config.work_dir / "code")  # every tenant's code archives: root's alone (node_agent/code.py)
         self.envs = EnvCache(config.work_dir / "envs", constraints_file=config.pip_constraints,
                              max_count=config.env_cache_max_count, max_bytes=int(config.env_cache_max_gb * 2**30),
                              build_timeout_s=config.env_build_timeout_s)
@@ -76,10 +78,10 @@ class Launches:
                     f"an attempt needs at least {self.config.min_free_mb} MiB (logs, rank status, state)")
         return None
 
-    def start(self, spec: LaunchSpec, node: NodeContext, gpus: list[GpuInfo], *, code_archive: Path | None = None,
-              code_problem: str | None = None) -> AttemptRun | None:
+    def start(self, spec: LaunchSpec, node: NodeContext, gpus: list[GpuInfo], *,
+              code: ShippedCode | None = None) -> AttemptRun | None:
         """Launch ``spec`` (or record why it cannot run); None when it was launched here before.
-        ``code_archive``: the job's shipped code in this node's cache; ``code_problem``: why it is not."""
+        ``code``: the job's shipped code (fetched and unpacked in the part's own thread)."""
         paths = self.paths(spec.attempt_id, spec.node_rank)
         grace = self.config.stop_grace_s
         if not SAFE_ID.match(spec.attempt_id):
@@ -87,7 +89,7 @@ class Launches:
             return AttemptRun.failed(spec, paths, "attempt id not usable as a directory name on this node",
                                      stop_grace_s=grace, create_dir=False)
         try:
-            problem = self.problem(spec, gpus) or code_problem
+            problem = self.problem(spec, gpus)
         except OSError as exc:
             problem = f"could not check the node for this attempt: {exc}"
         if problem is not None:
@@ -107,7 +109,7 @@ class Launches:
         else:
             try:
                 return AttemptRun.launch(spec, node, paths, stop_grace_s=grace, confinement=confinement,
-                                         code_archive=code_archive, envs=self.envs)
+                                         code=code, envs=self.envs)
             except FileExistsError:
                 if paths.root.is_dir():
                     # Launched here before (adoption missed it): never launched twice.

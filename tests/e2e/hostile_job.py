@@ -3,7 +3,7 @@ node, it tries to take over the node and the other job, and records for each att
 blocked. Nothing here harms the other job even when an attack works (signal 0, files opened and
 closed unwritten), and nothing read is printed: an attack's record says only whether it got through.
 
-    hostile_job.py VICTIM_JOB_ID
+    hostile_job.py VICTIM_JOB_ID [VICTIM_CODE_SHA256]
 
 Its result (rank 0): {"uid": ..., "attacks": [{"name", "blocked", "how"}], "escapee": pid}.
 """
@@ -123,6 +123,31 @@ def escape() -> int:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid
 
 
+# --- issue 23, finding 3: shipped code (docs/security.md, "Shipped code") ---
+
+VICTIM_CODE_FILE = "victim_code.py"
+"""A file of the victim job's shipped code (tests/e2e/test_isolation.py ships it)."""
+
+
+def read_existing(path: str) -> str:
+    """``read``, except that a path that is not there proves nothing (the victim ships no code?)."""
+    try:
+        return read(path)
+    except FileNotFoundError:
+        return f"not tried: nothing at {path}"
+
+
+def attack_shipped_code(work_dir: str, victim_worker_dir: str, victim_code_sha: str | None) -> None:
+    """Every job's code archives sit in the node's cache, and each attempt's unpacked code in its
+    worker directory: another tenant's worker must neither list nor read either."""
+    attempt("list the node's code cache", lambda: str(os.listdir(f"{work_dir}/code")[:0]))
+    attempt("read the other job's code archive in the node's cache",
+            lambda: read_existing(f"{work_dir}/code/{victim_code_sha}.tar.gz") if victim_code_sha
+            else "not tried: no hash given")
+    attempt("read the other attempt's unpacked code",
+            lambda: read_existing(f"{victim_worker_dir}/code/{VICTIM_CODE_FILE}"))
+
+
 def main() -> None:
     victim_job = sys.argv[1]
     ctx = WorkerContext.from_env()
@@ -172,6 +197,7 @@ def main() -> None:
             return "got through: connected"
 
         attempt("connect to the other attempt's local API", connect)
+    attack_shipped_code(work_dir, victim_worker_dir, sys.argv[2] if len(sys.argv) > 2 else None)
     attempt("post a NaN progress report", lambda: post_number(b"NaN"))
     attempt("post an infinite progress report (1e999)", lambda: post_number(b"1e999"))
     escapee = escape()
