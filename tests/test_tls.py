@@ -216,7 +216,7 @@ def test_the_cli_verifies_the_control_plane_with_trainyard_ca_file(
     assert len(err.strip().splitlines()) == 1
     monkeypatch.setenv("TRAINYARD_CA_FILE", str(https_server.ca_file))
     with pytest.raises(SystemExit) as trusted:
-        main(["whoami"])
+        main(["whoami", "--output", "json"])
     out, err = capsys.readouterr()
     assert trusted.value.code == 0 and json.loads(out)["role"] == "admin", err
 

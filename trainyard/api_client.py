@@ -20,6 +20,7 @@ import os
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -38,6 +39,15 @@ Url = Annotated[str | None, typer.Option("--url", envvar=URL_ENV, show_default=F
 TokenFile = Annotated[Path | None, typer.Option(
     "--token-file", envvar="TRAINYARD_TOKEN_FILE", show_default=False,
     help="File holding your API token (default: TRAINYARD_TOKEN, else the token `trainyard login` stored).")]
+
+
+class OutputFormat(StrEnum):
+    table = "table"
+    json = "json"
+
+
+Format = Annotated[OutputFormat, typer.Option(
+    "--output", "-o", help="table (default, for people) or json (the API's documents, for scripts).")]
 
 
 class ApiError(Exception):

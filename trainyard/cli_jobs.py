@@ -6,6 +6,7 @@ id (what ``ps`` shows). Failures are one line, from the API's problem+json ``det
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -17,7 +18,7 @@ import typer
 from rich.console import Console
 
 from trainyard import job_view
-from trainyard.api_client import Api, ApiError, TokenFile, Url, read_token_file, save_config
+from trainyard.api_client import Api, ApiError, Format, OutputFormat, TokenFile, Url, read_token_file, save_config
 
 nodes_app = typer.Typer(help="Nodes: list them, cordon, drain, uncordon (operators).", invoke_without_command=True)
 tenants_app = typer.Typer(help="Tenants: their weights, quotas and GPUs in use (operators).",
@@ -133,12 +134,15 @@ def ps(
     tenant: Annotated[list[str] | None, typer.Option(help="Only this tenant's jobs (repeatable).")] = None,
     name: Annotated[str | None, typer.Option(help="Only jobs of this name.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="At most this many jobs.")] = 50,
-    url: Url = None, token_file: TokenFile = None,
+    output: Format = OutputFormat.table, url: Url = None, token_file: TokenFile = None,
 ) -> None:
     """Jobs, newest first: state, step of total, step rate, ETA, loss, GPUs, age."""
     api = Api.from_options(url, token_file)
     states = state or (None if all_ else list(ACTIVE))
     jobs = list(api.pages("/v1/jobs", most=limit, state=states, tenant=tenant, name=name, limit=min(limit, 500)))
+    if output is OutputFormat.json:
+        print(json.dumps(jobs, indent=2))
+        return
     if not jobs:
         print("no jobs" + ("" if all_ or state else " running or waiting (--all shows ended ones)"), file=sys.stderr)
         return
@@ -231,10 +235,19 @@ def cancel(job_ref: JobRef, url: Url = None, token_file: TokenFile = None) -> No
 
 
 @nodes_app.callback()
-def nodes_list(ctx: typer.Context, url: Url = None, token_file: TokenFile = None) -> None:
+def nodes_list(ctx: typer.Context, output: Format = OutputFormat.table, url: Url = None,
+               token_file: TokenFile = None) -> None:
     """Nodes: state, cordon/drain, GPUs and those in use, last heartbeat, labels."""
     if ctx.invoked_subcommand is None:
-        job_view.print_to(_console(), job_view.nodes_table(Api.from_options(url, token_file).get("/v1/nodes")))
+        _list(Api.from_options(url, token_file).get("/v1/nodes"), output, job_view.nodes_table)
+
+
+def _list(doc: Any, output: OutputFormat, table: Any) -> None:
+    """A listing on stdout: a table, or the API's JSON with ``--output json``."""
+    if output is OutputFormat.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        job_view.print_to(_console(), table(doc))
 
 
 def _node_action(action: str, node: str, url: str | None, token_file: Path | None) -> None:
@@ -266,10 +279,11 @@ def nodes_uncordon(node: NodeRef, url: Url = None, token_file: TokenFile = None)
 
 
 @tenants_app.callback()
-def tenants_list(ctx: typer.Context, url: Url = None, token_file: TokenFile = None) -> None:
+def tenants_list(ctx: typer.Context, output: Format = OutputFormat.table, url: Url = None,
+                 token_file: TokenFile = None) -> None:
     """Tenants: weight, GPU quota, priority cap, GPUs in use, jobs waiting and running."""
     if ctx.invoked_subcommand is None:
-        job_view.print_to(_console(), job_view.tenants_table(Api.from_options(url, token_file).get("/v1/tenants")))
+        _list(Api.from_options(url, token_file).get("/v1/tenants"), output, job_view.tenants_table)
 
 
 @tenants_app.command("set")

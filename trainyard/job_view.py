@@ -28,6 +28,15 @@ def age(value: str | None, now: datetime | None = None) -> str:
     return "-" if at is None else duration(((now or datetime.now(UTC)) - at).total_seconds())
 
 
+def when(value: str | None, now: datetime | None = None) -> str:
+    """A time as a person reads it in a listing: "3m05s ago", or "in 2h03m" for one to come."""
+    at = parse_time(value)
+    if at is None:
+        return "-"
+    seconds = ((now or datetime.now(UTC)) - at).total_seconds()
+    return f"{duration(seconds)} ago" if seconds >= 0 else f"in {duration(-seconds)}"
+
+
 def step_of(progress: dict[str, Any]) -> str:
     step, total = progress.get("step"), progress.get("total_steps")
     if step is None:
@@ -216,6 +225,31 @@ def tenants_table(tenants: Sequence[dict[str, Any]]) -> Table:
     for t in tenants:
         table.add_row(*("-" if t.get(k) is None else str(t.get(k)) for k in keys))
     return table
+
+
+def records_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> Table:
+    """A listing of API documents: ``columns`` are (header, key); times show as their age."""
+    rows = shown(list(rows))
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for header, _ in columns:
+        table.add_column(header, no_wrap=True)
+    for row in rows:
+        cells = []
+        for _, key in columns:
+            value = row.get(key)
+            if value is None or value == "":
+                cells.append("-")
+            elif key.endswith("_at") and isinstance(value, str):
+                cells.append(when(value))
+            else:
+                cells.append(str(value))
+        table.add_row(*cells)
+    return table
+
+
+def key_values(doc: dict[str, Any]) -> Table:
+    """One document as KEY value lines (whoami)."""
+    return _kv((key, "-" if value is None else str(value)) for key, value in shown(doc).items())
 
 
 def print_to(console: Console, renderable: Any) -> None:

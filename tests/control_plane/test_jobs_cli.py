@@ -6,6 +6,7 @@ uncordon; tenants; every failure is one line."""
 
 from __future__ import annotations
 
+import json
 import stat
 from datetime import UTC, datetime, timedelta
 
@@ -97,6 +98,10 @@ def test_login_run_ps_describe_logs_cancel_nodes_tenants(settings, tmp_path, mon
         assert code == 0 and "weight 2.0, quota 8" in err
         code, out, err = _run(["tenants"], capsys)
         assert code == 0 and "default" in out and "vision" in out
+        # Every listing: a table for people, the API's documents with --output json for scripts.
+        for args, key in ((["ps"], "progress"), (["nodes"], "gpus"), (["tenants"], "weight")):
+            code, out, err = _run([*args, "--output", "json"], capsys)
+            assert code == 0 and isinstance(json.loads(out), list) and key in json.loads(out)[0], (args, out)
 
         code, out, err = _run(["cancel", "demo"], capsys)
         assert code == 0 and "cancelling" in err
