@@ -91,6 +91,8 @@ def test_a_peers_collective_error_waits_for_the_rank_that_failed_first(client, s
     (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["failure_kind"] == "signal" and attempt["failed_node"] == "node-2"
     assert "killed by SIGKILL" in attempt["end_reason"]
+    # /metrics counts failed attempts by that cause.
+    assert 'trainyard_attempts_failed_total{cause="signal"} 1.0' in client.get("/metrics", headers=ADMIN).text
 
 
 def test_collective_errors_everywhere_are_decided_at_once(client, schedule):
