@@ -4,8 +4,8 @@ and venvs").
 A job's interpreter is exec'd only after the confine wrapper (the agent's own interpreter,
 confine_exec.py) has switched to the attempt's uid; but it runs torchrun and every worker, and it is
 what a venv is built on, so it must be something the node's operator installed, never a file a job
-(or any user) could have written. A path passes when the operator listed it (``--allowed-python``,
-compared after resolving links) or when root (or the agent's own user) owns the file and every
+(or any user) could have written. A path passes when it is the agent's own or the operator listed
+it (``--allowed-python``, compared as named) or when root (or the agent's own user) owns the file and every
 directory above it, none of them writable by group or others, both along the path as named and
 along the path its links resolve to. Nothing here executes the file.
 """
@@ -60,7 +60,8 @@ def interpreter_problem(path: str, allowed: Iterable[str] = ()) -> str | None:
     real = os.path.realpath(path)
     if not os.path.isfile(real) or not os.access(real, os.X_OK):
         return f"the job's python {path} is not an executable file on this node"
-    if real in {os.path.realpath(a) for a in allowed} or real == os.path.realpath(sys.executable):
+    # As named, not as resolved: a listed path reached through a link someone else may swap is not it.
+    if os.path.normpath(path) in {os.path.normpath(a) for a in (*allowed, sys.executable)}:
         return None
     owners = trusted_owners()
     # The path as named (a link in it could be swapped by whoever may write its directory), then

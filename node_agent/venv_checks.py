@@ -43,7 +43,7 @@ def shape(venv: Path) -> VenvShape:
             continue
         path = venv / "bin" / name
         if not path.is_symlink():
-            raise VenvTampered(f"the venv's bin/{name} is not a link to the node's interpreter")
+            raise VenvTampered(f"bin/{name} is not a link to the node's interpreter")
         links.append((name, os.readlink(path)))
     if not links:
         raise VenvTampered("the venv has no bin/python")
@@ -59,7 +59,7 @@ def changed(before: VenvShape, venv: Path) -> str | None:
     try:
         after = shape(venv)
     except VenvTampered as exc:
-        return str(exc)
+        return f"the job's requirements replaced the venv's interpreter or pyvenv.cfg: {exc}"
     if after.links != before.links:
         names = sorted({n for n, _ in before.links} ^ {n for n, _ in after.links}
                        | {n for (n, t) in before.links if (n, t) not in after.links})

@@ -15,8 +15,8 @@ from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.tenants import TENANT_NAME
 from control_plane.schemas.uploads import CheckpointUploadOut
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
-from trainyard.protocol.layout import APPLIED_KINDS, Layout
 from trainyard.protocol.interpreters import python_path_problem
+from trainyard.protocol.layout import APPLIED_KINDS, Layout
 from trainyard.protocol.requirements import MAX_REQUIREMENTS_CHARS, requirements_problem
 
 MAX_ENV_BYTES = MAX_JOB_ENV_BYTES
