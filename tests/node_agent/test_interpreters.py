@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from node_agent import processes
 from node_agent.attempt import AttemptRun
@@ -28,6 +29,7 @@ from node_agent.isolation import CONFINE_EXEC, Confinement, UidPool, UidRange, w
 from node_agent.launcher import AttemptPaths, NodeContext
 from tests.node_agent.helpers import make_spec, read_log, wait_finished
 from tests.node_agent.proc_events import ProcRecorder
+from trainyard.protocol.agent import GpuInfo, NodeAttemptState
 from trainyard.protocol.interpreters import python_path_problem
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids (and the proc connector) needs root")
@@ -200,3 +202,35 @@ def test_a_wheel_that_replaces_the_venvs_interpreter_is_refused_and_never_runs(t
     assert cache.cached() == [] and sorted(p.name for p in cache.root.iterdir()) == [".locks"]
     assert recorder.root_execs_not_wrappers(CONFINE_EXEC) == []
     assert any("-m pip install" in " ".join(e.cmdline or []) for e in recorder.execs if e.uid == UID + 1)
+
+
+@root_only
+def test_an_interpreter_this_node_does_not_allow_fails_the_part_at_once(tmp_path: Path, trusted_dir: Path) -> None:
+    """A path that passed submit but not this node's rule: the part is reported exited with the rule
+    that failed, as a start_error (the control plane fails the job without a retry:
+    tests/control_plane/test_code_shipping.py), and the file never runs. Listed by the operator, it
+    may run."""
+    from node_agent.config import AgentConfig
+    from node_agent.launches import Launches
+
+    shared = trusted_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone may replace what is in it
+    python = shared / "python"
+    python.write_text(f"#!/bin/sh\ntouch {trusted_dir}/ran\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    config = AgentConfig(control_plane_url="http://127.0.0.1:9", join_token="j", name="n", address="127.0.0.2",
+                         virtual_gpus=1, work_dir=tmp_path / "agent", run_dir=tmp_path / "run")
+    # Neither the workers' API nor the isolation is reached: the part is refused before either.
+    launches = Launches(config, api=None, isolation=None, log=structlog.get_logger())  # type: ignore[arg-type]
+    spec = make_spec(nproc_per_node=1, gpu_indices=[0], python=str(python))
+    node = NodeContext(local_addr="127.0.0.2", agent_url="http://127.0.0.1:9", virtual=True, cwd=str(tmp_path))
+    run = launches.start(spec, node, [GpuInfo(index=0, uuid="virtual-n-0", kind="virtual-cpu", memory_mb=0)])
+    assert run is not None
+    report = run.report(None, None)
+    assert report.state == NodeAttemptState.exited and report.error_kind == "start_error", report
+    assert f"{shared} is writable by others" in (report.error or "") and "--allowed-python" in (report.error or "")
+    assert not (trusted_dir / "ran").exists()
+
+    launches.config.allowed_pythons = (python,)
+    assert launches.interpreter_refusal(spec) is None
