@@ -54,7 +54,9 @@ MARKER = "trainyard-env.json"
 SCRATCH = ".build-"
 """In the cache's root, with the key: one directory per build, its uid's (the requirements, pip's HOME
 and TMPDIR), removed when the build ends."""
-KEY_FORMAT = "trainyard-env-1"
+KEY_FORMAT = "trainyard-env-2"
+"""2: built as the part's uid and checked (issue 23); a venv of format 1 (built as root, never
+checked) is never used again, only evicted."""
 PINNED_FROM_NODE = ("torch",)
 """Packages of the node's interpreter that a job's requirements may not replace."""
 ERROR_LINES = 6

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.factories import job_body
-from tests.helpers import need
+from tests.helpers import make_wheel_with, need
 from trainyard.dev import NOT_ISOLATED
 
 pytestmark = pytest.mark.e2e
@@ -97,12 +97,14 @@ def test_a_hostile_job_cannot_touch_the_node_or_a_job_beside_it(cluster, referen
 def check_planted_interpreters_are_refused(cluster: Any) -> None:
     """A first job plants an executable script in /dev/shm; a second job naming it as its python is
     refused at submit (422, naming the field). A path that passes submit but that this node does not
-    allow (its directory writable by others) fails the attempt at once with the reason, no retry.
-    Neither script ever runs, as anyone. Uses the slots the hostile job freed."""
+    allow (its directory writable by others) fails the attempt at once with the reason, no retry; so
+    does a wheel that replaces the venv's interpreter. No planted script ever runs, as anyone. Uses
+    the slots the hostile job freed."""
     planted = f"/dev/shm/trainyard-planted-{secrets.token_hex(6)}"
     planter = cluster.submit(job_body(name="planter", entrypoint="tests/e2e/planter_job.py", args=[planted],
                                       num_nodes=1, gpus_per_node=1, checkpoint={}, max_failures=0))
     shared = Path(tempfile.mkdtemp(prefix="trainyard-e2e-python-", dir="/run"))
+    wheels = Path(tempfile.mkdtemp(prefix="trainyard-e2e-wheels-", dir="/tmp"))
     try:
         cluster.wait_for("the planter's script", lambda: os.path.exists(planted), timeout=120)
         assert os.stat(planted).st_uid != 0  # written by the first job's own uid
@@ -124,9 +126,23 @@ def check_planted_interpreters_are_refused(cluster: Any) -> None:
         assert attempts[0]["failure_kind"] == "start_error", attempts[0]
         assert "not allowed on this node" in failed["end_reason"] and "writable by others" in failed["end_reason"]
         assert not os.path.exists(shared / "ran") and not os.path.exists(planted + ".ran")  # neither ever ran
+
+        # A wheel whose scripts replace the venv's interpreter: the build (as the part's uid) is
+        # refused, the job fails at once, and the planted interpreter never runs.
+        wheels.chmod(0o755)
+        evil = f"#!/bin/sh\nid -u >> {wheels}/ran\nexec {sys.executable} \"$@\"\n"
+        make_wheel_with(wheels, "evilpkg", "1.0", {"evilpkg.py": "X = 1\n", "evilpkg-1.0.data/scripts/python": evil})
+        job = cluster.submit(job_body(name="evil-wheel", requirements=f"--no-index\n--find-links {wheels}\nevilpkg\n",
+                                      num_nodes=1, gpus_per_node=1, checkpoint={}, max_failures=3))
+        failed = cluster.wait_state(job["id"], ENDED, timeout=180)
+        assert failed["state"] == "failed" and "replaced the venv's interpreter" in failed["end_reason"], failed
+        assert len(cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]) == 1
+        assert not os.path.exists(wheels / "ran")
     finally:
         with contextlib.suppress(OSError):
             os.unlink(planted)  # the planter then ends
         shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(wheels, ignore_errors=True)
     assert cluster.wait_state(planter["id"], ENDED, timeout=60)["state"] == "succeeded"
+
 

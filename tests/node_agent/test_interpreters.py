@@ -6,15 +6,12 @@ not pip, not torchrun), and a wheel that replaces the venv's interpreter, refuse
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
 import os
 import shutil
 import stat
 import sys
 import tempfile
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +24,7 @@ from node_agent.envs import EnvBuildFailed, EnvCache
 from node_agent.interpreters import interpreter_problem
 from node_agent.isolation import CONFINE_EXEC, Confinement, UidPool, UidRange, worker_paths
 from node_agent.launcher import AttemptPaths, NodeContext
+from tests.helpers import make_wheel_with
 from tests.node_agent.helpers import make_spec, read_log, wait_finished
 from tests.node_agent.proc_events import ProcRecorder
 from trainyard.protocol.agent import GpuInfo, NodeAttemptState
@@ -89,27 +87,6 @@ print("mark", tinypkg.MARK, "uid", os.getuid(), flush=True)
 """
 
 
-def _wheel(directory: Path, name: str, version: str, files: dict[str, str]) -> Path:
-    """A wheel of ``files`` (paths inside it), with its metadata and RECORD, as pip expects."""
-    info = f"{name}-{version}.dist-info"
-    wheel_info = "Wheel-Version: 1.0\nGenerator: trainyard-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             f"{info}/WHEEL": wheel_info}
-    record = []
-    for path, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-        record.append(f"{path},sha256={digest},{len(text.encode())}")
-    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
-    wheel = directory / f"{name}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for path, text in files.items():
-            info_entry = zipfile.ZipInfo(path)
-            info_entry.external_attr = (0o755 if "/scripts/" in path else 0o644) << 16
-            zf.writestr(info_entry, text)
-    wheel.chmod(0o644)
-    return wheel
-
-
 @pytest.fixture
 def open_dir() -> Iterator[Path]:
     """A directory a worker uid can reach (a pytest tmp_path is 0700): wheels, code, worker dirs."""
@@ -138,7 +115,7 @@ def test_no_process_of_a_job_with_requirements_runs_as_root(tmp_path: Path, open
     The venv is then root's, read-only, and its requirements text is gone."""
     wheels = open_dir / "wheels"
     wheels.mkdir(mode=0o755)
-    _wheel(wheels, "tinypkg", "1.0", {"tinypkg.py": "MARK = 'one'\n"})
+    make_wheel_with(wheels, "tinypkg", "1.0", {"tinypkg.py": "MARK = 'one'\n"})
     (open_dir / "train.py").write_text(TRAIN)
     (open_dir / "train.py").chmod(0o644)
     spec = make_spec(nproc_per_node=1, gpu_indices=[0], entrypoint="train.py", python=sys.executable,
@@ -188,7 +165,7 @@ def test_a_wheel_that_replaces_the_venvs_interpreter_is_refused_and_never_runs(t
     ran.mkdir(mode=0o777)
     ran.chmod(0o1777)
     planted = f"#!/bin/sh\nid -u > {ran}/uid-$$\nexec {os.path.realpath(sys.executable)} \"$@\"\n"
-    _wheel(wheels, "evilpkg", "1.0", {"evilpkg.py": "X = 1\n", "evilpkg-1.0.data/scripts/python": planted,
+    make_wheel_with(wheels, "evilpkg", "1.0", {"evilpkg.py": "X = 1\n", "evilpkg-1.0.data/scripts/python": planted,
                                       "evilpkg-1.0.data/scripts/python3": planted})
     cache = EnvCache(tmp_path / "envs")
     with (_lease(UID + 1, tmp_path / "locks") as confinement, ProcRecorder() as recorder,
