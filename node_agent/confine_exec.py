@@ -10,16 +10,16 @@ saved), forbid gaining privileges again (no_new_privs: a setuid binary stays unp
 make files private by default (umask 077). Any failure exits with 126 and one line on stderr,
 which lands in the attempt's torchrun.stderr.log and its reported error.
 
-``--expose-rw DIR``: the same for a directory the uid must write (a venv it builds, node_agent/envs.py).
-
 ``--expose DIR``: a directory the workers need (the Python installation, say) below a directory
 other users cannot enter (a 0700 /root holding pyenv). In a mount namespace of the attempt's own,
 the first such directory above it is covered by an empty tmpfs (0755) and DIR alone is bound back
 into place, read-only: the workers can run that Python and see nothing else of /root. The host's
 mounts are untouched (the namespace's mounts are private).
 
-Standard library only, and run with ``-I -S``: it must not import anything a worker could have
-influenced, and it runs once per attempt.
+``--expose-rw DIR``: the same for a directory the uid must write (a venv it builds, node_agent/envs.py).
+
+Standard library only, and run with ``-I -S`` by the agent's own interpreter, never a job's: it runs
+as root until the switch, so it must not import or be anything a worker could have influenced.
 """
 
 from __future__ import annotations
