@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--pip-constraint", type=Path, default=None,
                         help="constraints for every job's requirements (the node's torch is pinned besides)")
+    parser.add_argument("--allowed-python", type=Path, action="append", default=[],
+                        help="an interpreter jobs may name as their python besides root-owned ones no one else can "
+                        "write (repeatable)")
     parser.add_argument("--env-cache-max-count", type=int, default=8,
                         help="cached venvs of jobs' requirements to keep (least recently used removed first)")
     parser.add_argument("--env-cache-max-gb", type=float, default=20.0, help="disk the cached venvs may take")
@@ -116,6 +119,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             handover_timeout_s=args.handover_timeout,
             keep_workers_on_exit=args.keep_workers_on_exit,
             pip_constraints=args.pip_constraint,
+            allowed_pythons=tuple(args.allowed_python),
             env_cache_max_count=args.env_cache_max_count,
             env_cache_max_gb=args.env_cache_max_gb,
             code_max_bytes=int(args.code_max_gb * 2**30),

@@ -298,7 +298,7 @@ class AttemptRun:
         assert self.spec.requirements is not None
         started = time.monotonic()
         try:
-            key, python = envs.acquire(self.spec.requirements, node.python)
+            key, python = envs.acquire(self.spec.requirements, node.python, self._builder(node.python))
         except EnvBuildFailed as exc:
             self.log.error("requirements_failed", error=str(exc))
             with self._lock:
@@ -340,18 +340,31 @@ class AttemptRun:
                 return
             self._started(proc)
 
+    def _builder(self, python: str) -> Confinement | None:
+        """Who probes ``python`` and builds the venv: the part's own uid (never root), seeing what its
+        workers will see and the interpreter's installation; None: the agent itself (no uid pool)."""
+        confinement = self.confinement
+        if confinement.uid is None:
+            return None
+        # The installation as named (a venv's) and as its links resolve (the base interpreter's).
+        installations = [os.path.dirname(os.path.dirname(p)) for p in (python, os.path.realpath(python))]
+        expose = tuple(dict.fromkeys((*confinement.expose, *hidden_paths(installations))))
+        return Confinement(uid=confinement.uid, gid=confinement.gid, expose=expose)
+
     @classmethod
     def failed(
-        cls, spec: LaunchSpec, paths: AttemptPaths, error: str, *, stop_grace_s: float, create_dir: bool = True
+        cls, spec: LaunchSpec, paths: AttemptPaths, error: str, *, stop_grace_s: float, create_dir: bool = True,
+        error_kind: AgentErrorKind | None = None,
     ) -> AttemptRun:
-        """An assigned attempt this node cannot run (reported as exited with `error`). Without
-        `create_dir` (the directory cannot be made, or must not be touched) it lives in memory only:
-        it is still reported, once per agent life."""
+        """An assigned attempt this node cannot run (reported as exited with `error`, of `error_kind`
+        when known: start_error is never retried). Without `create_dir` (the directory cannot be
+        made, or must not be touched) it lives in memory only: it is still reported, once per agent
+        life."""
         if create_dir:
             paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         run = cls(spec, paths, stop_grace_s=stop_grace_s)
         run.in_memory = not create_dir
-        run.error, run.torchrun_done, run.alive = error, True, False
+        run.error, run.error_kind, run.torchrun_done, run.alive = error, error_kind, True, False
         run._persist()
         return run
 

@@ -117,6 +117,10 @@ class AgentConfig:
     """A job's shipped code: files, directories and links in its archive, at most."""
     code_timeout_s: float = CodeLimits.timeout_s
     """A job's shipped code: its download, then its unpacking, each at most this long."""
+    allowed_pythons: tuple[Path, ...] = ()
+    """Interpreters a job may name as its ``python`` besides the agent's own and those root owns with
+    no directory above them writable by anyone else (node_agent/interpreters.py). A job naming any
+    other fails at once (start_error), never retried."""
 
     outbox_max_items: int = MAX_ITEMS_PER_NODE
     """The most shards and events the agent holds for the control plane, over every attempt of the
@@ -169,6 +173,10 @@ class AgentConfig:
             raise ValueError("env_cache_max_count must be >= 1, env_cache_max_gb and env_build_timeout_s > 0")
         if self.code_max_bytes < 1 or self.code_max_entries < 1 or self.code_timeout_s <= 0:
             raise ValueError("code_max_bytes, code_max_entries and code_timeout_s must be > 0")
+        self.allowed_pythons = tuple(Path(p) for p in self.allowed_pythons)
+        for python in self.allowed_pythons:
+            if not python.is_absolute() or not python.is_file() or not os.access(python, os.X_OK):
+                raise ValueError(f"allowed python {python} is not an absolute path to an executable file")
         if self.pip_constraints is not None and not Path(self.pip_constraints).is_file():
             raise ValueError(f"pip_constraints {self.pip_constraints} is not a readable file")
         if self.outbox_max_items < 2 or self.outbox_max_bytes < 1:

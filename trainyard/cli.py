@@ -171,6 +171,9 @@ def agent(
     worker_env: Annotated[
         list[str] | None, typer.Option(help="A variable of the agent's environment to give workers (repeatable).")
     ] = None,
+    allowed_python: Annotated[list[Path] | None, typer.Option(
+        help="An interpreter jobs may name as their python besides root-owned ones no one else can write "
+        "(repeatable).", show_default=False)] = None,
     join_token_file: Annotated[Path | None, typer.Option(
         help="File holding a join token (default: the TRAINYARD_JOIN_TOKEN variable). Needed for the first "
         "registration only: the agent keeps its node credential in its work dir.", show_default=False)] = None,
@@ -224,6 +227,7 @@ def agent(
             cgroups=cgroups,
             standbys=standbys,
             worker_env_passthrough=tuple(worker_env or ()),
+            allowed_pythons=tuple(allowed_python or ()),
             outbox_max_items=outbox_max_items,
             outbox_max_bytes=int(outbox_max_mb * 2**20),
             memory_tier_mb=memory_tier_mb,

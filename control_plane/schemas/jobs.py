@@ -15,6 +15,7 @@ from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.tenants import TENANT_NAME
 from control_plane.schemas.uploads import CheckpointUploadOut
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
+from trainyard.protocol.interpreters import python_path_problem
 from trainyard.protocol.layout import APPLIED_KINDS, Layout
 from trainyard.protocol.requirements import MAX_REQUIREMENTS_CHARS, requirements_problem
 
@@ -210,6 +211,14 @@ class JobSubmit(BaseModel):
                 raise ValueError(f"hsdp shard_size {size} must divide the job's {gpus} GPUs and be a divisor "
                                  f"or a multiple of gpus_per_node {node}")
         return layout
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, v: str | None) -> str | None:
+        # A path any user can write is refused now; the node decides the rest at launch.
+        if v is not None and (problem := python_path_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
 
     @field_validator("requirements")
     @classmethod

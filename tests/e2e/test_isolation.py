@@ -12,15 +12,20 @@ import gzip
 import hashlib
 import io
 import os
+import secrets
+import shutil
 import signal
+import sys
 import tarfile
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
 from tests.factories import job_body
-from tests.helpers import need
+from tests.helpers import make_wheel_with, need
 from trainyard.dev import NOT_ISOLATED
 
 pytestmark = pytest.mark.e2e
@@ -131,7 +136,65 @@ def test_a_hostile_job_cannot_touch_the_node_or_a_job_beside_it(cluster, referen
         assert finished["result"]["weights_sha256"] == reference_result(args)["weights_sha256"]
         assert len(cluster.get(f"/v1/jobs/{victim['id']}/attempts")["items"]) == 1  # never disturbed into a recovery
         _bomb_failed_alone(cluster, bomb)
+        check_planted_interpreters_are_refused(cluster)  # issue 23 (on the slots the hostile job freed)
     finally:
         if escapee is not None and _alive(escapee):
             with contextlib.suppress(psutil.Error):
                 psutil.Process(escapee).send_signal(signal.SIGKILL)
+
+
+# --- issue 23, finding 1: a job's interpreter (self-contained; called from the test above) ---
+
+
+def check_planted_interpreters_are_refused(cluster: Any) -> None:
+    """A first job plants an executable script in /dev/shm; a second job naming it as its python is
+    refused at submit (422, naming the field). A path that passes submit but that this node does not
+    allow (its directory writable by others) fails the attempt at once with the reason, no retry; so
+    does a wheel that replaces the venv's interpreter. No planted script ever runs, as anyone. Uses
+    the slots the hostile job freed."""
+    planted = f"/dev/shm/trainyard-planted-{secrets.token_hex(6)}"
+    planter = cluster.submit(job_body(name="planter", entrypoint="tests/e2e/planter_job.py", args=[planted],
+                                      num_nodes=1, gpus_per_node=1, checkpoint={}, max_failures=0))
+    shared = Path(tempfile.mkdtemp(prefix="trainyard-e2e-python-", dir="/run"))
+    wheels = Path(tempfile.mkdtemp(prefix="trainyard-e2e-wheels-", dir="/tmp"))
+    try:
+        cluster.wait_for("the planter's script", lambda: os.path.exists(planted), timeout=120)
+        assert os.stat(planted).st_uid != 0  # written by the first job's own uid
+        refused = cluster.http.post("/v1/jobs", json=job_body(name="planted", python=planted, num_nodes=1,
+                                                               gpus_per_node=1, checkpoint={}))
+        assert refused.status_code == 422, refused.text
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        assert "python" in refused.text and "/dev/shm" in refused.text and "--allowed-python" in refused.text
+
+        shared.chmod(0o777)  # anyone may replace what is in it: passes submit, not the node's rule
+        python = shared / "python"
+        python.write_text(f"#!/bin/sh\nid -u >> {shared}/ran\nexec {sys.executable} \"$@\"\n")
+        python.chmod(0o755)
+        job = cluster.submit(job_body(name="unlisted-python", python=str(python), num_nodes=1, gpus_per_node=1,
+                                      checkpoint={}, max_failures=3))
+        failed = cluster.wait_state(job["id"], ENDED, timeout=120)
+        attempts = cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]
+        assert failed["state"] == "failed" and len(attempts) == 1, (failed, attempts)  # not retried
+        assert attempts[0]["failure_kind"] == "start_error", attempts[0]
+        assert "not allowed on this node" in failed["end_reason"] and "writable by others" in failed["end_reason"]
+        assert not os.path.exists(shared / "ran") and not os.path.exists(planted + ".ran")  # neither ever ran
+
+        # A wheel whose scripts replace the venv's interpreter: the build (as the part's uid) is
+        # refused, the job fails at once, and the planted interpreter never runs.
+        wheels.chmod(0o755)
+        evil = f"#!/bin/sh\nid -u >> {wheels}/ran\nexec {sys.executable} \"$@\"\n"
+        make_wheel_with(wheels, "evilpkg", "1.0", {"evilpkg.py": "X = 1\n", "evilpkg-1.0.data/scripts/python": evil})
+        job = cluster.submit(job_body(name="evil-wheel", requirements=f"--no-index\n--find-links {wheels}\nevilpkg\n",
+                                      num_nodes=1, gpus_per_node=1, checkpoint={}, max_failures=3))
+        failed = cluster.wait_state(job["id"], ENDED, timeout=180)
+        assert failed["state"] == "failed" and "replaced the venv's interpreter" in failed["end_reason"], failed
+        assert len(cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]) == 1
+        assert not os.path.exists(wheels / "ran")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(planted)  # the planter then ends
+        shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(wheels, ignore_errors=True)
+    assert cluster.wait_state(planter["id"], ENDED, timeout=60)["state"] == "succeeded"
+
+
