@@ -94,20 +94,26 @@ def _put(handler: Any, tier: Any, memory: Any, rank: int, sha: str) -> None:
     if not text.isdigit() or len(text) > 20:
         handler._problem(HTTPStatus.LENGTH_REQUIRED, "a Content-Length (a byte count) is required")
         return
-    length, budget = int(text), tier.store.budget_bytes
-    if length > budget:
-        handler._problem(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                         f"a shard of {length} bytes is over this agent's memory budget of {budget} bytes")
+    length = int(text)
+    # Reserved before a byte of the body is read, released on every path (memtier.py, finding 5 of
+    # issue 23): a worker that announces more than its job's share, or while the in-flight budget is
+    # taken, is refused at once and keeps its shard in S3 only.
+    refused = tier.reserve(memory.job_id, length)
+    if refused is not None:
+        handler._problem(refused.status, refused.detail)
         return
-    handler.reader.deadline = time.monotonic() + handler.server.limits.request_timeout_s + length / MIN_BYTES_PER_S
-    data = read_exactly(handler.rfile, length)
     try:
+        handler.reader.deadline = (time.monotonic() + handler.server.limits.request_timeout_s
+                                   + length / MIN_BYTES_PER_S)
+        data = read_exactly(handler.rfile, length)
         # The worker reports its shard after this answer: waiting for the peer's copy (bounded)
         # means a committed checkpoint is in two memories unless the peer is slow or gone.
         tier.put(memory, rank, sha, data, wait_peer_s=min(tier.peer_timeout_s, 5.0 + length / MIN_BYTES_PER_S))
     except ShardRefused as exc:
         handler._problem(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc))
         return
+    finally:
+        tier.release(memory.job_id, length)
     log.debug("memory_shard_stored", job_id=memory.job_id, rank=rank, bytes=length)
     handler._send(HTTPStatus.CREATED, {"stored": True, "peer": bool(memory.peer_url)}, "application/json")
 
