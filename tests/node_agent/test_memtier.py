@@ -3,15 +3,18 @@ and the worker's restore through it, over real HTTP (unix sockets and TCP)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import secrets
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 from hypothesis import given, settings
@@ -371,7 +374,6 @@ def test_a_saved_shard_is_handed_to_the_agent_and_the_next_attempt_restores_it_f
 
 
 def test_a_peer_that_hangs_up_mid_body_costs_only_its_own_request(peer: tuple[MemoryTier, str]) -> None:
-    import socket
 
     tier, url = peer
     port = int(url.rsplit(":", 1)[1])
@@ -437,3 +439,86 @@ def _worker_ctx(api: LocalApi, attempt: str, restore_from: dict[str, object] | N
                          agent_url="http://trainyard-agent", agent_socket=str(api.socket_of(attempt)),
                          checkpoint={"interval_steps": 1, **checkpoint}, checkpoint_prefix="ck",
                          restore_from=restore_from)
+
+
+# --- a hostile worker (issue 23, finding 5) ---
+
+
+def _rss() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+def _announce(path: Path, attempt_id: str, size: int, body: bytes = b"") -> socket.socket:
+    """A PUT to the attempt's own socket that announces ``size`` bytes and sends only ``body``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(path))
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused before the body: closed
+        sock.sendall(f"PUT /v1/local/attempts/{attempt_id}/memory/0/{'0' * 64} HTTP/1.1\r\nHost: agent\r\n"
+                     f"{TOKEN_HEADER}: fence-{attempt_id}\r\nContent-Length: {size}\r\n\r\n".encode() + body)
+    return sock
+
+
+def _status_of(sock: socket.socket) -> int | None:
+    """The status the agent answered (None: it closed without one, or has not answered)."""
+    got = b""
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            got += chunk
+    return int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else None
+
+
+def test_a_worker_flooding_its_agent_with_huge_announced_shards_costs_bounded_memory_and_others_still_save(
+        sockets: Path) -> None:
+    """32 connections each announcing 4 GiB to the memory tier's local PUT (which once allocated the
+    declared length up front: 128 GiB): refused at once, before a byte is read. Announcing what fits
+    its share instead, the attacker holds at most its share of the in-flight budget, and only the
+    bytes it really sends; the victim job on the same agent saves and restores as before."""
+    gib = 1 << 30
+    tier = MemoryTier(4 * gib, grant_key=KEY)
+    api = agent_api(sockets, "f", tier, {"att-v": memory("job-v"), "att-e": memory("job-e")})
+    victim, evil = worker(api, "att-v"), worker(api, "att-e")
+    first, second = secrets.token_bytes(1 << 20), secrets.token_bytes(8 << 20)
+    held: list[socket.socket] = []
+    try:
+        assert victim.put(0, sha(first), first)  # the victim's job is served here already
+        before = _rss()
+        path = api.socket_of("att-e")
+        assert path is not None
+        flood = [_announce(path, "att-e", 4 * gib) for _ in range(32)]
+        answers = [_status_of(sock) for sock in flood]
+        # Each is over the job's share (half the budget: two jobs are served): 413, or 503 for the
+        # connections beyond the attempt's limit; nothing allocated, nothing held.
+        assert set(answers) <= {413, 503} and answers.count(413) >= 16, answers
+        assert tier.inflight_held == 0 and _rss() - before < 64 << 20
+
+        # Within its share: two of 1 GiB each are reserved (its 2 GiB), each sends 4 MiB and stalls.
+        held = [_announce(path, "att-e", gib, b"x" * (4 << 20)) for _ in range(32)]
+        assert _eventually(lambda: tier.inflight_held == 2 * gib, timeout=10)
+        refused = [s for s in held if _status_of_nowait(s) in (413, 503)]
+        assert len(refused) == 30, len(refused)
+        # What arrived (2 x 4 MiB, and buffers), never the 2 GiB announced: 18 MiB when measured.
+        grown = _rss() - before
+        assert grown < 256 << 20, f"{grown >> 20} MiB"
+        assert not evil.put(1, sha(second), second)  # the worker is told no and keeps S3 only: no exception
+        assert victim.put(0, sha(second), second)  # the victim's share and in-flight budget are its own
+        assert victim.get(0, sha(second), "local") == second
+        assert victim.get(0, sha(first), "local") == first
+    finally:
+        for sock in held:
+            sock.close()
+        assert _eventually(lambda: tier.inflight_held == 0, timeout=10)  # released on every path
+        api.stop()
+        tier.stop()
+
+
+def _status_of_nowait(sock: socket.socket) -> int | None:
+    """The status already answered on ``sock`` within a second, else None (a connection still held)."""
+    sock.settimeout(1.0)
+    try:
+        got = sock.recv(65536)
+    except TimeoutError:
+        return None
+    finally:
+        sock.settimeout(10)
+    return int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else None

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from node_agent.memstore import job_owner
 from node_agent.memtier import AttemptMemory, MemoryTier
 from node_agent.memtier_peer import PeerLimits, PeerServer, serving
 from trainyard.certs import ensure_server_tls
@@ -177,3 +178,35 @@ def test_the_memory_port_speaks_tls_and_peers_verify_it_against_the_clusters_ca(
         assert trusted.get(clear, 0, digest, "peer") is None
     trusted.stop()
     stranger.stop()
+
+
+def test_a_forged_bearer_neither_stores_reads_nor_evicts_and_a_granted_job_evicts_only_its_own(
+        port: tuple[PeerServer, MemoryTier]) -> None:
+    """Issue 23 finding 9: any bearer of 32+ characters once became an owner here and could evict
+    every other job's shards by filling the budget. Now a request needs the control plane's grant of
+    the job in its path for this node, and even a job with its grant stays within its share."""
+    server, tier = port
+    base = f"http://127.0.0.1:{server.port}/v1/peer/jobs"
+    victim = secrets.token_bytes(300 << 10)
+    victim_url = f"{base}/job-1/shards/0/{hashlib.sha256(victim).hexdigest()}"
+    with httpx.Client(timeout=5, trust_env=False) as client:
+        assert client.put(victim_url, headers={"Authorization": f"Bearer {GRANT}"}, content=victim).status_code == 201
+        forged = [secrets.token_hex(32), "s" * 40, job_grant(KEY, "job-2"), job_grant("other-node" * 8, "job-1")]
+        for bearer in forged:  # a guess, another job's grant, job-1's grant for another node
+            auth = {"Authorization": f"Bearer {bearer}"}
+            assert client.get(victim_url, headers=auth).status_code == 401
+            for i in range(4):
+                junk = secrets.token_bytes(300 << 10)
+                answer = client.put(f"{base}/job-1/shards/{i}/{hashlib.sha256(junk).hexdigest()}", headers=auth,
+                                    content=junk)
+                assert answer.status_code == 401 and answer.headers["content-type"] == "application/problem+json"
+        assert len(tier.store) == 1
+        # Job 2, with its own grant, fills what it may: only its own oldest entries make room.
+        auth = {"Authorization": f"Bearer {job_grant(KEY, 'job-2')}"}
+        for i in range(6):
+            junk = secrets.token_bytes(300 << 10)
+            answer = client.put(f"{base}/job-2/shards/{i}/{hashlib.sha256(junk).hexdigest()}", headers=auth,
+                                content=junk)
+            assert answer.status_code == 201, answer.text
+        assert tier.store.job_bytes(job_owner("job-2"), "job-2") <= tier.store.budget_bytes // 2
+        assert client.get(victim_url, headers={"Authorization": f"Bearer {GRANT}"}).content == victim
