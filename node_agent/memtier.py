@@ -18,10 +18,11 @@ Memory (issue 23, finding 5): a body is read only under a **reservation** of its
 (``reserve``): all bodies being received at once, local and peer together, hold at most
 ``inflight_bytes``, and one job's at most its share; the bytes are allocated as they arrive, never
 the declared length up front. A job's **share** is the budget split evenly among the jobs this
-agent serves now (those with entries here, or that asked in the last JOB_IDLE_S); it bounds what the
+agent serves now (those that stored or asked for a shard here within JOB_IDLE_S); it bounds what the
 job stores (memstore.py evicts the job's own oldest to stay within it) and what it may have in
 flight. A request that does not fit is refused (413 over the share, 503 while the budget is taken)
-and the worker keeps its S3 copy only.
+and the worker keeps its S3 copy only. At most the budget is stored and the in-flight budget being
+received, whatever workers and peers announce.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ ATTACKS = {
     "connect to the other attempt's local API",
     "post a NaN progress report",
     "post an infinite progress report (1e999)",
+    "flood its agent's memory tier with 32 PUTs announcing 4 GiB each",
 }
 
 
