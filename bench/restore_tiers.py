@@ -34,7 +34,7 @@ from node_agent.memtier import AttemptMemory, MemoryTier  # noqa: E402
 from node_agent.memtier_peer import serving  # noqa: E402
 from trainyard.embedded import EmbeddedS3  # noqa: E402
 from trainyard.protocol.keys import MANIFEST_FORMAT  # noqa: E402
-from trainyard.protocol.memtier import job_grant  # noqa: E402
+from trainyard.protocol.memtier import memory_grant  # noqa: E402
 from worker_runtime import WorkerContext  # noqa: E402
 from worker_runtime.checkpoint.memtier import AgentMemory  # noqa: E402
 from worker_runtime.checkpoint.restore import _download, fetch_shard  # noqa: E402
@@ -81,7 +81,7 @@ def measure(storage: S3Storage, size_mb: int, repeat: int, sockets: Path) -> dic
     out: dict[str, float] = {"bytes": float(len(data))}
     with serving(peer_tier) as peer:
         peer_url = f"http://127.0.0.1:{peer.port}"
-        spec = AttemptMemory(job.job_id, job.secret, peer_url, grants={peer_url: job_grant(node_key, job.job_id)})
+        spec = AttemptMemory(job.job_id, job.secret, peer_url, grants={peer_url: memory_grant(node_key, job.job_id)})
         api = LocalApi(memory=node_tier)
         try:
             api.reports.register("a", "t-a")

@@ -6,7 +6,7 @@ docs/architecture.md "In-memory checkpoint tier" for why).
   ``get`` a shard by sha256 from this agent's memory or from a peer agent;
 - peer agents, over TCP (TLS unless the operator opted out) on the memory port (memtier_peer.py):
   ``PUT``/``GET /v1/peer/jobs/<job>/shards/<rank>/<sha256>`` with ``Authorization: Bearer <grant>``,
-  the job's grant for this node (trainyard/protocol/memtier.py ``job_grant``; ``accepts``);
+  the job's grant for this node (trainyard/protocol/memtier.py ``memory_grant``; ``accepts``);
 - itself: after a worker's ``put`` it pushes the copy to the part's peer in the background (the
   latest shard per job and rank only: a push still queued when a newer save arrives is dropped),
   with the grant the part's spec holds for that peer.
@@ -43,7 +43,7 @@ import httpx
 import structlog
 
 from node_agent.memstore import ShardStore, job_owner
-from trainyard.protocol.memtier import PEER_PREFIX, MemoryTierSpec, chunks, get_body, job_grant
+from trainyard.protocol.memtier import PEER_PREFIX, MemoryTierSpec, chunks, get_body, memory_grant
 
 log = structlog.get_logger(__name__)
 
@@ -108,7 +108,7 @@ class MemoryTier:
         self.inflight_bytes = max(1, budget_bytes if inflight_bytes is None else inflight_bytes)
         """Shard bytes being received at once, local and peer requests together."""
         self.grant_key = grant_key
-        """This node's grant key (node_grant_key of its current credential: the agent sets it at each
+        """This node's grant key (memory_grant_key of its current credential: the agent sets it at each
         registration); None: no peer request is accepted."""
         self._inflight: dict[str, int] = {}
         self._jobs: dict[str, float] = {}
@@ -220,7 +220,7 @@ class MemoryTier:
     def accepts(self, job_id: str, bearer: str) -> bool:
         """Whether ``bearer`` is the control plane's grant of ``job_id`` for this node."""
         key = self.grant_key
-        return key is not None and hmac.compare_digest(bearer.encode(), job_grant(key, job_id).encode())
+        return key is not None and hmac.compare_digest(bearer.encode(), memory_grant(key, job_id).encode())
 
     def _grant(self, memory: AttemptMemory, url: str) -> str | None:
         grant = memory.grants.get(url)

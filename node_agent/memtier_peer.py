@@ -5,7 +5,7 @@ tier, docs/architecture.md "In-memory checkpoint tier").
     GET /v1/peer/jobs/<job>/shards/<rank>/<sha256>   -> 200 bytes, 404
 
 with ``Authorization: Bearer <grant>``: the control plane's grant of that job for this node
-(trainyard/protocol/memtier.py ``job_grant``, checked by ``MemoryTier.accepts``). Any other bearer
+(trainyard/protocol/memtier.py ``memory_grant``, checked by ``MemoryTier.accepts``). Any other bearer
 (a guess, another job's grant, this job's grant for another node) gets 401 and neither reads, stores
 nor evicts anything; a granted job stores within its share and evicts only its own entries
 (memstore.py). The port is reachable by any host that can reach

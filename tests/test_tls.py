@@ -32,7 +32,7 @@ from trainyard.certs import ensure_server_tls
 from trainyard.cli import main
 from trainyard.protocol.agent import GpuInfo, RegisterRequest
 from trainyard.protocol.grants import StorageRequest
-from trainyard.protocol.memtier import node_grant_key
+from trainyard.protocol.memtier import memory_grant_key
 from trainyard.tls import client_context
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,7 +241,7 @@ def test_an_agent_with_a_node_certificate_serves_its_memory_port_over_tls(
         assert agent.registered.wait(30) and agent.memory_port is not None
         assert agent.memory is not None and agent.memory.require_tls
         # Its port accepts the grants the control plane derives from its credential (issue 23, finding 9).
-        assert agent.client.node_token and agent.memory.grant_key == node_grant_key(agent.client.node_token)
+        assert agent.client.node_token and agent.memory.grant_key == memory_grant_key(agent.client.node_token)
         with socket.create_connection(("127.0.0.2", agent.memory_port), timeout=5) as raw, \
                 client_context(https_server.ca_file).wrap_socket(raw, server_hostname="127.0.0.2") as tls:
             assert tls.version() is not None  # the cluster's CA vouches for the node's certificate

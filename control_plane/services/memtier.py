@@ -8,7 +8,7 @@ on another failure domain (the scheduler's topology label) when one exists, else
 node: a copy on the same rack dies with the rack. Among the candidates the choice is spread by a
 hash of the job and node rank, so one node is not every node's peer. The job's memory secret is
 made at its first allocation; it reaches agents only, in their launch specs. So does each
-**grant** (trainyard/protocol/memtier.py ``job_grant``): the bearer that one node's memory port
+**memory grant** (trainyard/protocol/memtier.py ``memory_grant``): the bearer that one node's memory port
 accepts for this job, derived from that node's key (the hash of its credential, which only the
 node and this table have). A block carries the grants of exactly the agents it names (the peer and
 the sources), so an agent can push a job's shards only where the control plane sent them, and a
@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode, Job, Node
 from control_plane.services.upload_slots import domain_of
-from trainyard.protocol.memtier import job_grant
+from trainyard.protocol.memtier import memory_grant
 
 MAX_SOURCES = 4
 
@@ -98,7 +98,7 @@ class Peers:
             url = None if peer is None else peer.url
             sources = [s for s in earlier.get(rank, []) if s not in (url, me.url) and s in self._keys][:MAX_SOURCES]
             named = [u for u in (url, *sources) if u]
-            grants = {u: job_grant(self._keys[u], str(job.id)) for u in named}
+            grants = {u: memory_grant(self._keys[u], str(job.id)) for u in named}
             out.append({"peer_url": url, "sources": sources, "grants": grants})
         return out
 

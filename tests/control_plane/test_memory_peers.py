@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from control_plane.services.memtier import PeerNode, choose_peer, peer_url
 from control_plane.services.memtier_facts import restored_tiers
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
-from trainyard.protocol.memtier import job_grant, node_grant_key
+from trainyard.protocol.memtier import memory_grant, memory_grant_key
 
 _node = st.tuples(st.uuids(), st.sampled_from(["", "r1", "r2", "r3"]))
 
@@ -72,8 +72,8 @@ def test_parts_get_a_peer_on_another_rack_and_the_next_attempt_the_old_copies(cl
         assert spec["memory"]["sources"] == []
         # The grant of this job at its peer: what the peer's agent computes from its own credential.
         peer_agent = next(a for a in agents if url[a.name] == peer)
-        assert spec["memory"]["grants"] == {peer: job_grant(node_grant_key(peer_agent.token), job["id"])}
-        assert spec["memory"]["grants"][peer] != job_grant(node_grant_key(by_token[name]), job["id"])
+        assert spec["memory"]["grants"] == {peer: memory_grant(memory_grant_key(peer_agent.token), job["id"])}
+        assert spec["memory"]["grants"][peer] != memory_grant(memory_grant_key(by_token[name]), job["id"])
     # Never shown: not in the job's view or its attempts.
     secret = next(iter(first.values()))["memory"]["secret"]
     for path in (f"/v1/jobs/{job['id']}", f"/v1/jobs/{job['id']}/attempts", f"/v1/jobs/{job['id']}/events"):
@@ -107,7 +107,7 @@ def test_parts_get_a_peer_on_another_rack_and_the_next_attempt_the_old_copies(cl
         assert set(new_spec["memory"]["grants"]) == named
         tokens = {url[a.name]: a.token for a in agents}
         for u in named:
-            assert new_spec["memory"]["grants"][u] == job_grant(node_grant_key(tokens[u]), job["id"])
+            assert new_spec["memory"]["grants"][u] == memory_grant(memory_grant_key(tokens[u]), job["id"])
 
 
 def test_restored_tiers_are_recorded_only_when_well_formed() -> None:

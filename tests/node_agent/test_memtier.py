@@ -29,14 +29,14 @@ from tests.conftest import S3Bucket
 from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec
 from trainyard.protocol.keys import MANIFEST_FORMAT
-from trainyard.protocol.memtier import TIER_HEADER, TOKEN_HEADER, MemoryTierSpec, chunks, fill, job_grant
+from trainyard.protocol.memtier import TIER_HEADER, TOKEN_HEADER, MemoryTierSpec, chunks, fill, memory_grant
 from worker_runtime.checkpoint.memtier import AgentMemory
 from worker_runtime.checkpoint.restore import fetch_shard
 from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.context import WorkerContext
 
 KEY = "k" * 64
-"""Every test tier's grant key (an agent's is node_grant_key of its credential)."""
+"""Every test tier's grant key (an agent's is memory_grant_key of its credential)."""
 
 # --- the store ---
 
@@ -118,7 +118,7 @@ def peer() -> Iterator[tuple[MemoryTier, str]]:
 def memory(job: str = "job-1", peer_url: str | None = None, secret: str | None = None,
            sources: tuple[str, ...] = ()) -> AttemptMemory:
     """A part's memory tier as its spec gives it: with the job's grant for each agent it names."""
-    grants = {url: job_grant(KEY, job) for url in (peer_url, *sources) if url}
+    grants = {url: memory_grant(KEY, job) for url in (peer_url, *sources) if url}
     return AttemptMemory(job, secret or secrets.token_hex(32), peer_url, sources, grants)
 
 
@@ -377,7 +377,7 @@ def test_a_peer_that_hangs_up_mid_body_costs_only_its_own_request(peer: tuple[Me
 
     tier, url = peer
     port = int(url.rsplit(":", 1)[1])
-    secret = job_grant(KEY, "job-1")
+    secret = memory_grant(KEY, "job-1")
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(f"PUT /v1/peer/jobs/job-1/shards/0/{sha(b'x' * 100)} HTTP/1.1\r\nHost: p\r\n"
                      f"Authorization: Bearer {secret}\r\nContent-Length: 100\r\n\r\n".encode() + b"x" * 10)

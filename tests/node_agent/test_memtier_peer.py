@@ -20,11 +20,11 @@ from node_agent.memstore import job_owner
 from node_agent.memtier import AttemptMemory, MemoryTier
 from node_agent.memtier_peer import PeerLimits, PeerServer, serving
 from trainyard.certs import ensure_server_tls
-from trainyard.protocol.memtier import job_grant
+from trainyard.protocol.memtier import memory_grant
 
 KEY = "k" * 64
-"""Every test tier's grant key (an agent's is node_grant_key of its credential)."""
-GRANT = job_grant(KEY, "job-1")
+"""Every test tier's grant key (an agent's is memory_grant_key of its credential)."""
+GRANT = memory_grant(KEY, "job-1")
 
 LIMITS = PeerLimits(request_timeout_s=1.0, connections_total=6, connections_per_peer=3, inflight_bytes=1 << 20)
 
@@ -191,7 +191,7 @@ def test_a_forged_bearer_neither_stores_reads_nor_evicts_and_a_granted_job_evict
     victim_url = f"{base}/job-1/shards/0/{hashlib.sha256(victim).hexdigest()}"
     with httpx.Client(timeout=5, trust_env=False) as client:
         assert client.put(victim_url, headers={"Authorization": f"Bearer {GRANT}"}, content=victim).status_code == 201
-        forged = [secrets.token_hex(32), "s" * 40, job_grant(KEY, "job-2"), job_grant("other-node" * 8, "job-1")]
+        forged = [secrets.token_hex(32), "s" * 40, memory_grant(KEY, "job-2"), memory_grant("other-node" * 8, "job-1")]
         for bearer in forged:  # a guess, another job's grant, job-1's grant for another node
             auth = {"Authorization": f"Bearer {bearer}"}
             assert client.get(victim_url, headers=auth).status_code == 401
@@ -202,7 +202,7 @@ def test_a_forged_bearer_neither_stores_reads_nor_evicts_and_a_granted_job_evict
                 assert answer.status_code == 401 and answer.headers["content-type"] == "application/problem+json"
         assert len(tier.store) == 1
         # Job 2, with its own grant, fills what it may: only its own oldest entries make room.
-        auth = {"Authorization": f"Bearer {job_grant(KEY, 'job-2')}"}
+        auth = {"Authorization": f"Bearer {memory_grant(KEY, 'job-2')}"}
         for i in range(6):
             junk = secrets.token_bytes(300 << 10)
             answer = client.put(f"{base}/job-2/shards/{i}/{hashlib.sha256(junk).hexdigest()}", headers=auth,

@@ -8,9 +8,9 @@ against the committed manifest, and falls back to S3 otherwise. Entries are cont
 rank and sha256: no commit tracking, any bytes that match the manifest are the right bytes.
 
 Agents talk to each other over HTTPS (plain HTTP only where an operator opted out) on the agent's
-memory port with a **grant** as the bearer credential: ``job_grant(node key, job id)``, an HMAC that
-only the control plane and the node holding the port can compute (the node key is the digest of the
-node's own credential, ``node_grant_key``). The control plane puts in a part's spec the grants of
+memory port with a **memory grant** as the bearer credential: ``memory_grant(node key, job id)``, an
+HMAC that only the control plane and the node holding the port can compute (the node key is the digest of the
+node's own credential, ``memory_grant_key``). The control plane puts in a part's spec the grants of
 the job for the agents it names (its peer, the sources); it gives them to agents running that job's
 parts only, never to workers. The port checks a request's grant against the job id in its path, so
 a bearer serves one job on one node: a forged or another job's grant stores, reads and evicts
@@ -61,7 +61,7 @@ class MemoryTierSpec(BaseModel):
                                "this node rank's shards from the previous attempt (its node, its peer), asked "
                                "after the local store and peer_url.")
     grants: dict[str, str] = Field(default_factory=dict, max_length=6, description="The job's grant for each "
-                                   "agent named here (its memory URL -> job_grant of that node's key): the "
+                                   "agent named here (its memory URL -> memory_grant of that node's key): the "
                                    "bearer that agent's memory port accepts for this job. An agent without a "
                                    "grant is not asked.")
 
@@ -77,13 +77,13 @@ class MemoryStatus(BaseModel):
 GRANT_CONTEXT: Final = b"trainyard memory-tier grant/1:"
 
 
-def node_grant_key(node_credential: str) -> str:
+def memory_grant_key(node_credential: str) -> str:
     """A node's grant key: the sha256 of its current credential (what the control plane stores of it,
     so both sides have it and nothing new is kept); a new registration is a new key."""
     return hashlib.sha256(node_credential.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def job_grant(node_key: str, job_id: str) -> str:
+def memory_grant(node_key: str, job_id: str) -> str:
     """The bearer the node with ``node_key`` accepts for ``job_id`` on its memory port."""
     return hmac.new(node_key.encode(), GRANT_CONTEXT + job_id.encode(), hashlib.sha256).hexdigest()
 
