@@ -16,7 +16,8 @@ is a miss for the worker, which then reads S3.
 
 Memory (issue 23, finding 5): a body is read only under a **reservation** of its declared length
 (``reserve``): all bodies being received at once, local and peer together, hold at most
-``inflight_bytes``, and one job's at most its share; the bytes are allocated as they arrive, never
+``inflight_bytes`` (a shard fetched from a peer for a worker is received under it too), and one
+job's at most its share; the bytes are allocated as they arrive, never
 the declared length up front. A job's **share** is the budget split evenly among the jobs this
 agent serves now (those that stored or asked for a shard here within JOB_IDLE_S); it bounds what the
 job stores (memstore.py evicts the job's own oldest to stay within it) and what it may have in
@@ -246,6 +247,17 @@ class MemoryTier:
 
     def _fetch(self, base: str, memory: AttemptMemory, rank: int, sha256: str) -> bytearray | None:
         url = urlsplit(self._peer_url(base, memory, rank, sha256))
+        held = 0
+
+        def admit(size: int) -> bool:
+            # A body from a peer is received under the same in-flight budget as a put's (finding 5).
+            nonlocal held
+            if self.reserve(memory.job_id, size) is not None:
+                log.info("memory_peer_fetch_refused", peer=base, job_id=memory.job_id, bytes=size)
+                return False
+            held = size
+            return True
+
         try:
             # http.client reads the body straight into one buffer (httpx would copy it chunk by chunk).
             conn = (http.client.HTTPSConnection(url.hostname or "", url.port, timeout=self.peer_timeout_s,
@@ -253,10 +265,13 @@ class MemoryTier:
                     if url.scheme == "https" else
                     http.client.HTTPConnection(url.hostname or "", url.port, timeout=self.peer_timeout_s))
             data = get_body(conn, url.path, {"Authorization": f"Bearer {memory.grants.get(base, '')}"},
-                            self.store.budget_bytes)
+                            self.store.budget_bytes, admit)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             log.info("memory_peer_unreachable", peer=base, error=str(exc)[:200])
             return None
+        finally:
+            if held:
+                self.release(memory.job_id, held)
         # Not hashed here: the worker checks every byte against the committed manifest anyway, and a
         # second pass over a 2 GB shard costs a second.
         return data

@@ -132,6 +132,9 @@ def test_a_shard_pushed_to_the_peer_is_read_back_only_with_its_jobs_grant(peer: 
     assert local.pushed == 1 and local.push_failures == 0
 
     assert local.get(mine, 3, sha(data), "peer") == data
+    # A body from a peer is received under the in-flight budget too: past it, a miss (S3 serves).
+    narrow = MemoryTier(1 << 20, grant_key=KEY, inflight_bytes=len(data) - 1)
+    assert narrow.get(mine, 3, sha(data), "peer") is None and narrow.inflight_held == 0
     # Another job (its own grant), job-1 with a forged grant or another job's grant: nothing.
     other_job = memory("job-2", peer_url=url)
     assert local.get(other_job, 3, sha(data), "peer") is None

@@ -24,7 +24,7 @@ import hmac
 import http.client
 import re
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -135,17 +135,21 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def get_body(conn: http.client.HTTPConnection, path: str, headers: dict[str, str], limit: int) -> bytearray | None:
+def get_body(conn: http.client.HTTPConnection, path: str, headers: dict[str, str], limit: int,
+             admit: Callable[[int], bool] | None = None) -> bytearray | None:
     """GET ``path`` and read a 200 answer's body straight into one buffer (``readinto``: no chunk
     copies, no joining: a shard moves at memory speed); None for any other answer, a body without a
-    Content-Length or over ``limit``, or one that ends early. Raises OSError/HTTPException when the
-    connection fails."""
+    Content-Length or over ``limit``, one that ``admit`` (given its length, before anything is
+    allocated) turns down, or one that ends early. Raises OSError/HTTPException when the connection
+    fails."""
     try:
         conn.request("GET", path, headers=headers)
         answer = conn.getresponse()
         size = answer.getheader("Content-Length") or ""
         if answer.status != 200 or not size.isdigit() or int(size) > limit:
             answer.read(64 * 1024)  # a problem's few bytes: closing before them would break the sender's pipe
+            return None
+        if admit is not None and not admit(int(size)):
             return None
         buffer = bytearray(int(size))
         view = memoryview(buffer)
