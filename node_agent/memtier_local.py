@@ -8,8 +8,10 @@ Fenced like every local request: the attempt's fencing token goes in X-Trainyard
 body is the shard itself, not JSON), 409 when it is wrong or the attempt is not here. The job and
 the credential come from the attempt's LaunchSpec (AttemptMemory), never from the worker: a worker
 can only store and read its own job's shards. The bodies are binary and as large as a shard, so
-these routes take a body up to the memory budget (not the API's JSON limit) and allow it time in
-proportion to its size.
+these routes take a body up to the job's share of the memory budget (not the API's JSON limit), read
+only under a reservation from the tier's in-flight budget (memtier.py: 413 over the share, 503 while
+the budget is taken, nothing allocated before the bytes arrive), and allow it time in proportion to
+its size.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ tier, docs/architecture.md "In-memory checkpoint tier").
     PUT /v1/peer/jobs/<job>/shards/<rank>/<sha256>   shard bytes -> 201
     GET /v1/peer/jobs/<job>/shards/<rank>/<sha256>   -> 200 bytes, 404
 
-with ``Authorization: Bearer <grant>``: the control plane's grant of that job for this node
+with ``Authorization: Bearer <memory grant>``: the control plane's grant of that job for this node
 (trainyard/protocol/memtier.py ``memory_grant``, checked by ``MemoryTier.accepts``). Any other bearer
 (a guess, another job's grant, this job's grant for another node) gets 401 and neither reads, stores
 nor evicts anything; a granted job stores within its share and evicts only its own entries
@@ -136,8 +136,8 @@ class _PeerHandler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization") or ""
         scheme, _, secret = auth.partition(" ")
         if scheme.lower() != "bearer" or not self.server.tier.accepts(job_id, secret.strip()):
-            self._answer(HTTPStatus.UNAUTHORIZED, "the control plane's grant of this job for this node is required "
-                         "(Authorization: Bearer)")
+            self._answer(HTTPStatus.UNAUTHORIZED, "the control plane's memory grant of this job for this node is "
+                         "required (Authorization: Bearer)")
             return None
         self.server.tier.touch(job_id)
         return job_id, rank, sha, job_owner(job_id)

@@ -53,7 +53,7 @@ class MemoryTierSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     secret: str = Field(min_length=32, max_length=128, description="The job's memory secret (agents only; "
-                        "never passed to workers). Authenticates agent-to-agent shard requests.")
+                        "never passed to workers). Authenticates nothing on the wire: the memory grants do.")
     peer_url: str | None = Field(default=None, max_length=300, pattern=r"^https?://[A-Za-z0-9._:\[\]%-]+$",
                                  description="The peer agent that keeps a copy of this node's shards "
                                  "(another failure domain when one exists); None: no peer.")
