@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="PEM certificate of this node (for --address, signed by the cluster's CA): the memory "
                         "port speaks TLS and peers are reached over TLS only, verified against --ca-file")
     parser.add_argument("--memory-tls-key", type=Path, default=None, help="PEM private key of --memory-tls-cert")
+    parser.add_argument("--memory-plain-http", action="store_true",
+                        help="without --memory-tls-cert, serve the memory port in plain HTTP (a trusted network "
+                        "only: shards and job grants cross it in clear); without either the tier is off")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -131,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             memory_port=args.memory_port,
             memory_tls_cert=args.memory_tls_cert,
             memory_tls_key=args.memory_tls_key,
+            memory_plain_http=args.memory_plain_http,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -18,6 +18,7 @@ from node_agent.isolation import Isolation
 from node_agent.launcher import NodeContext
 from node_agent.launches import Launches
 from node_agent.local_api import LocalApi, LocalReports
+from node_agent.memtier import MemoryTier
 from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
@@ -78,6 +79,7 @@ class AgentCore:
     _launched_at: dict[str, float]
     _api: LocalApi | None
     memory_port: int | None
+    memory: MemoryTier | None
     _launches: Launches | None
     _node: NodeContext | None
     _standbys: StandbyPool | None

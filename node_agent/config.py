@@ -138,9 +138,13 @@ class AgentConfig:
     memory_tls_cert: Path | None = None
     """PEM certificate (chain) of this node, for ``address``, signed by the cluster's CA: the memory
     port then speaks TLS only, and this agent reaches its peers over TLS only (verifying them against
-    ``ca_file``). None: plain HTTP with the job's bearer secret (a trusted network only)."""
+    ``ca_file``). None: no memory port at all, unless ``memory_plain_http``."""
     memory_tls_key: Path | None = None
     """PEM private key of memory_tls_cert."""
+    memory_plain_http: bool = False
+    """Serve the memory port in plain HTTP when there is no memory_tls_cert (a trusted network only:
+    the jobs' grants and shards cross it in clear; logged as a warning at start). False: a node
+    without a certificate keeps the tier off (logged), so shards never travel in clear by default."""
 
     @property
     def code_limits(self) -> CodeLimits:

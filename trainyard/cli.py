@@ -201,6 +201,9 @@ def agent(
     memory_tls_key: Annotated[Path | None, typer.Option(
         help="PEM private key of --memory-tls-cert.", envvar="TRAINYARD_AGENT_MEMORY_TLS_KEY",
         show_default=False)] = None,
+    memory_plain_http: Annotated[bool, typer.Option(
+        "--memory-plain-http", help="Without --memory-tls-cert, serve the memory port in plain HTTP (a trusted "
+        "network only: shards and job grants cross it in clear). Without either the tier is off.")] = False,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
@@ -234,6 +237,7 @@ def agent(
             memory_port=memory_port,
             memory_tls_cert=memory_tls_cert,
             memory_tls_key=memory_tls_key,
+            memory_plain_http=memory_plain_http,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

@@ -117,6 +117,58 @@ def post_number(number: bytes) -> str:
     return f"blocked: HTTP {status}" if status == 422 else f"got through: HTTP {status}"
 
 
+# --- issue 23, finding 5: a memory PUT flood against its own agent (self-contained) ---
+
+
+def _vm_rss(pid: int) -> int:
+    """The agent's resident memory in bytes (/proc/<pid>/status is readable by every uid)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def flood_memory_tier(agent: int) -> str:
+    """32 connections to its own agent's memory tier, each announcing a 4 GiB shard and sending 1 MiB
+    of it: an agent that allocated the declared length (128 GiB) would die with every job on the
+    node. Blocked when the agent's memory grows by less than 512 MiB and every connection is told
+    no (413/503) or only waits for bytes that never come."""
+    path = os.environ.get("TRAINYARD_AGENT_SOCKET")
+    if not path:
+        return "blocked: no local socket to flood"
+    before = _vm_rss(agent)
+    head = (f"PUT /v1/local/attempts/{os.environ['TRAINYARD_ATTEMPT_ID']}/memory/0/{'0' * 64} HTTP/1.1\r\n"
+            f"Host: agent\r\nX-Trainyard-Fencing-Token: {os.environ['TRAINYARD_FENCING_TOKEN']}\r\n"
+            f"Content-Length: {4 << 30}\r\n\r\n").encode()
+    socks = []
+    for _ in range(32):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(path)
+        with contextlib.suppress(OSError):  # refused before the body: the agent closes at once
+            sock.sendall(head + b"x" * (1 << 20))
+        socks.append(sock)
+    grown = 0
+    for _ in range(5):  # the agent takes in what was sent: its peak while all 32 are open
+        time.sleep(0.05)
+        grown = max(grown, _vm_rss(agent) - before)
+    answers: dict[str, int] = {}
+    for sock in socks:
+        sock.settimeout(0.1)
+        try:
+            got = sock.recv(64)
+            status = got.split(b" ", 2)[1].decode() if got.startswith(b"HTTP/1.1 ") else "closed"
+        except TimeoutError:
+            status = "held"  # reserved, waiting for its body: it costs what it sent
+        except OSError:
+            status = "closed"
+        answers[status] = answers.get(status, 0) + 1
+        sock.close()
+    stored = any(code.startswith("2") for code in answers)
+    how = f"agent RSS +{grown >> 20} MiB, answers {answers}"
+    return f"got through: {how}" if stored or grown >= 512 << 20 else f"blocked: {how}"
+
+
 def escape() -> int:
     """A process in a session of its own with an empty environment: no marker left to find it by."""
     return subprocess.Popen(["/bin/sleep", "600"], env={}, start_new_session=True, stdin=subprocess.DEVNULL,
@@ -200,6 +252,7 @@ def main() -> None:
     attack_shipped_code(work_dir, victim_worker_dir, sys.argv[2] if len(sys.argv) > 2 else None)
     attempt("post a NaN progress report", lambda: post_number(b"NaN"))
     attempt("post an infinite progress report (1e999)", lambda: post_number(b"1e999"))
+    attempt("flood its agent's memory tier with 32 PUTs announcing 4 GiB each", lambda: flood_memory_tier(agent))
     escapee = escape()
     print(json.dumps({"uid": os.getuid(), "attacks": attacks, "escapee": escapee}), flush=True)
     if ctx.is_main:

@@ -52,6 +52,7 @@ ATTACKS = {
     "read the other attempt's unpacked code",
     "post a NaN progress report",
     "post an infinite progress report (1e999)",
+    "flood its agent's memory tier with 32 PUTs announcing 4 GiB each",
 }
 
 

@@ -274,7 +274,8 @@ class LaunchSpec(_Wire):
     memory: MemoryTierSpec | None = Field(
         default=None,
         description="The in-memory checkpoint tier of this part: the job's memory secret, the peer agent that "
-        "keeps a copy of its shards and where the previous attempt's copies may be; None: off.",
+        "keeps a copy of its shards, where the previous attempt's copies may be, and the job's memory grant "
+        "at each of those agents; None: off.",
     )
     launched: bool = Field(
         default=False,
