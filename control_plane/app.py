@@ -38,6 +38,7 @@ from control_plane.api import (
 from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthorized
+from control_plane.http_deadlines import BodyIdleTimeout
 from control_plane.limits_http import BodyLimit
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
@@ -308,6 +309,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.mount(docs.VENDOR, StaticFiles(directory=openapi.STATIC_DIR), name="vendor")
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes,
                        larger={"/v1/code/": settings.max_code_bytes})
+    # Outside BodyLimit (added last), so that a chunked body BodyLimit reads is timed too.
+    app.add_middleware(BodyIdleTimeout, idle_s=settings.request_body_idle_s)
     return app
 
 

@@ -66,10 +66,11 @@ def server(
     --tls-cert and --tls-key, plain HTTP without (then only behind a TLS-terminating proxy)."""
     import uvicorn
 
+    from control_plane.http_deadlines import uvicorn_options
     from control_plane.settings import Settings
 
     try:
-        Settings()  # validate the environment before uvicorn starts: one clear line if it is wrong
+        settings = Settings()  # validate the environment before uvicorn starts: one clear line if it is wrong
     except ValueError as exc:
         raise CliError(f"invalid settings: {_first_line(exc)}") from exc
     certfile, keyfile = _check_tls(tls_cert, tls_key)
@@ -83,6 +84,7 @@ def server(
         access_log=False,
         ssl_certfile=certfile,
         ssl_keyfile=keyfile,
+        **uvicorn_options(settings),
     )
 
 
