@@ -179,6 +179,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            # A body that is not UTF-8 is not JSON either: the 422 any other such body gets (FastAPI
+            # raises a bare 400 for it, which the document does not declare).
+            return _not_utf8(request, exc.__cause__)
         return _problem(exc.status_code, {
             "type": "about:blank",
             "title": str(exc.detail),
@@ -186,6 +190,18 @@ def _install_error_handlers(app: FastAPI) -> None:
             "detail": str(exc.detail),
             "instance": request.url.path,
         })
+
+
+def _not_utf8(request: Request, error: UnicodeDecodeError) -> JSONResponse:
+    message = f"the body is not valid JSON: not UTF-8 (byte 0x{error.object[error.start]:02x} at offset {error.start})"
+    return _problem(422, {
+        "type": "https://trainyard.dev/problems/validation",
+        "title": "The request is invalid",
+        "status": 422,
+        "detail": message,
+        "instance": request.url.path,
+        "errors": [{"field": "", "message": message, "type": "json_invalid"}],
+    })
 
 
 def _field_error(error: Any, body: Any) -> dict[str, Any]:

@@ -115,3 +115,11 @@ def test_every_number_a_request_carries_has_a_range_and_says_it(app):
     undocumented = [f"{f.method} {f.path} {f.field}" for f in fields if not f.description]
     unbounded = [f"{f.method} {f.path} {f.field}" for f in fields if not f.bounded and f.field not in UNBOUNDED]
     assert undocumented == [] and unbounded == []
+
+
+def test_a_body_that_is_not_utf8_is_a_422_as_any_body_that_is_not_json(client):
+    """Issue 28's probes: FastAPI answered a bare 400 (undeclared) for bytes that are not UTF-8."""
+    r = client.post("/v1/simulations", content=b'{"nodes": "\xff\xfe"}',
+                    headers={**ADMIN, "content-type": "application/json"})
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json"), r.text
+    assert r.json()["errors"][0]["type"] == "json_invalid" and "byte 0xff at offset 11" in r.json()["detail"]
