@@ -39,10 +39,6 @@ app.add_typer(cli_jobs.nodes_app, name="nodes", rich_help_panel="Cluster")
 app.add_typer(cli_jobs.tenants_app, name="tenants", rich_help_panel="Cluster")
 
 
-SHUTDOWN_GRACE_S = 3
-"""How long a stopping control plane lets requests in flight finish (uvicorn's graceful shutdown)."""
-
-
 class CliError(Exception):
     """Bad input or a failed precondition: reported as one line, exit status 2 (1 for ``code=1``)."""
 
@@ -70,10 +66,11 @@ def server(
     --tls-cert and --tls-key, plain HTTP without (then only behind a TLS-terminating proxy)."""
     import uvicorn
 
+    from control_plane.http_deadlines import uvicorn_options
     from control_plane.settings import Settings
 
     try:
-        Settings()  # validate the environment before uvicorn starts: one clear line if it is wrong
+        settings = Settings()  # validate the environment before uvicorn starts: one clear line if it is wrong
     except ValueError as exc:
         raise CliError(f"invalid settings: {_first_line(exc)}") from exc
     certfile, keyfile = _check_tls(tls_cert, tls_key)
@@ -87,10 +84,7 @@ def server(
         access_log=False,
         ssl_certfile=certfile,
         ssl_keyfile=keyfile,
-        # A stopping replica does not wait out its long polls (up to TRAINYARD_AGENT_WAIT_TIMEOUT_S,
-        # their agents already gone or about to ask another replica): requests still in flight after
-        # this many seconds are cancelled. Ctrl-C of `dev up` took 14.6 s, 10 of them here.
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        **uvicorn_options(settings),
     )
 
 

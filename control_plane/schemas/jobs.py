@@ -68,17 +68,21 @@ class CheckpointSettings(BaseModel):
         "restore reads S3.")
 
 
+_BUDGET = "Seconds the {} phase of a recovery may take, 0.1 to 86,400; null: the cluster's."
+
+
 class RecoveryBudgets(BaseModel):
     """A job's budget for each phase of a recovery, in seconds (null: the cluster's)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    detection: float | None = Field(default=None, gt=0, le=86400)
-    decision: float | None = Field(default=None, gt=0, le=86400)
-    wake_up: float | None = Field(default=None, gt=0, le=86400)
-    process_start: float | None = Field(default=None, gt=0, le=86400)
-    rendezvous: float | None = Field(default=None, gt=0, le=86400)
-    restore: float | None = Field(default=None, gt=0, le=86400)
+    # At least a tenth of a second: a budget of 5e-324 s is no budget a phase can meet or be measured against.
+    detection: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("detection"))
+    decision: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("decision"))
+    wake_up: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("wake_up"))
+    process_start: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("process_start"))
+    rendezvous: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("rendezvous"))
+    restore: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("restore"))
 
 
 class WatchdogSettings(BaseModel):
@@ -148,7 +152,9 @@ class JobSubmit(BaseModel):
     tenant: str | None = Field(
         default=None, min_length=1, max_length=128, pattern=TENANT_NAME,
         description="Default: the caller's tenant. Only an admin may name another (403 otherwise).")
-    time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400)
+    time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400,
+                                     description="Seconds an attempt may run from its allocation, 1 to "
+                                     "31,536,000 (a year); null: no limit.")
     gpu_kind: GpuKindName | Annotated[list[GpuKindName], Field(min_length=1, max_length=MAX_GPU_KINDS)] | None = Field(
         default=None,
         description="Require this GPU kind, or one of a list of kinds (the whole gang runs on one of them). "

@@ -107,3 +107,27 @@ def test_events_page_with_a_cursor_and_follow_with_after(client):
     assert [e["id"] for e in newer] == ids[1:]
     bad = client.get(f"/v1/jobs/{job['id']}/events", params={"cursor": "bm90IGEgY3Vyc29y"}, headers=ADMIN)
     assert bad.status_code == 422
+
+
+# --- Every request number has a documented range (issue 28) -------------------------------------
+UNBOUNDED = {"body.progress.loss", "body.progress.metrics.*"}
+"""A training loss and a user's metrics: any finite number the script computes (inf and NaN are
+refused); a bound would drop a diverging job's reports, which are how its owner sees it diverge."""
+
+
+def test_every_number_a_request_carries_has_a_range_and_says_it(app):
+    from tests.control_plane.openapi_numbers import numeric_fields
+
+    fields = [*numeric_fields(app.openapi()), *numeric_fields(app.state.agent_openapi())]
+    assert len(fields) > 100  # both documents walked, bodies and parameters
+    undocumented = [f"{f.method} {f.path} {f.field}" for f in fields if not f.description]
+    unbounded = [f"{f.method} {f.path} {f.field}" for f in fields if not f.bounded and f.field not in UNBOUNDED]
+    assert undocumented == [] and unbounded == []
+
+
+def test_a_body_that_is_not_utf8_is_a_422_as_any_body_that_is_not_json(client):
+    """Issue 28's probes: FastAPI answered a bare 400 (undeclared) for bytes that are not UTF-8."""
+    r = client.post("/v1/simulations", content=b'{"nodes": "\xff\xfe"}',
+                    headers={**ADMIN, "content-type": "application/json"})
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json"), r.text
+    assert r.json()["errors"][0]["type"] == "json_invalid" and "byte 0xff at offset 11" in r.json()["detail"]
