@@ -129,3 +129,44 @@ def test_a_loop_resumed_at_the_end_of_an_epoch_goes_on_with_the_next_one():
                                                    "shuffle": True, "epoch": 0, "consumed": 32}}
     assert [step for step, _ in uninterrupted] == list(range(1, 8))
     assert run(end_of_epoch) == uninterrupted[4:]
+
+
+# --- issue 26: a stopped loop logs no traceback; a failing step is named ---
+
+_SLEEPY_JOB = """
+import time, torch
+from torch.utils.data import TensorDataset
+from worker_runtime import TrainLoop
+with TrainLoop(total_steps=100000, log_every=1) as loop:
+    model = loop.register("model", torch.nn.Linear(4, 1))
+    for step, (x,) in loop.steps(loop.data_loader(TensorDataset(torch.randn(64, 4)), batch_size=4)):
+        model(x).sum().backward()
+        if step == 2:
+            print("ready", flush=True)
+        time.sleep(0.01)
+"""
+
+
+def test_sigterm_several_times_exits_143_without_a_traceback(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_SLEEPY_JOB)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        # The agent signals the worker itself, and the rank shim forwards torchrun's and its own.
+        for _ in range(3):
+            os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # 143, not -15: a later SIGTERM did not kill the process in the middle of its unwinding.
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "SystemExit" not in err, err
