@@ -128,6 +128,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 python=job.python,
                 requirements=job.requirements,
                 restartable=job.restartable,
+                retry_same_exception=job.retry_same_exception,
                 progress=JobProgress(step=now_at.step, loss=now_at.loss, updated_at=now_at.at,
                                      total_steps=now_at.total, metrics=metrics,
                                      steps_per_s=round(now_at.rate, 4) if now_at.rate else None,

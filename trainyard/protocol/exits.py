@@ -24,6 +24,12 @@ FAILURE_KINDS = ("start_error", "out_of_memory", "collective_timeout", "exceptio
                  "node_lost", "launch_error", "time_limit", "other")
 """What an attempt's failure_kind may be (the last four are decided by the control plane)."""
 
+NODE_FAULT_KINDS = frozenset({"signal", "node_lost", "launch_error", "collective_timeout", "other"})
+"""The failures a node may be blamed for (its processes killed, the node lost or its agent silent, a
+peer unreachable, anything unexplained): a node blamed twice by one job is avoided for that job.
+The others (start_error, exception, out_of_memory, exit_code, time_limit) are the job's own: they
+would happen on any node, so they never count against the one they happened on."""
+
 TAIL_BYTES = 16 * 1024
 """How much of a worker's stderr is read to classify its exit."""
 
