@@ -135,7 +135,8 @@ def ps(
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="At most this many jobs.")] = 50,
     url: Url = None, token_file: TokenFile = None,
 ) -> None:
-    """Jobs, newest first: state, step of total, step rate, ETA, loss, GPUs, age."""
+    """Jobs, newest first: state (a recovery shows as recovering), step of total, step rate, ETA, loss, GPUs,
+    age, and what a job that is not running waits for."""
     api = Api.from_options(url, token_file)
     states = state or (None if all_ else list(ACTIVE))
     jobs = list(api.pages("/v1/jobs", most=limit, state=states, tenant=tenant, name=name, limit=min(limit, 500)))
