@@ -289,9 +289,9 @@ class _Terminate:
     forward theirs, so a worker gets two or three SIGTERMs. A second SystemExit raised in the
     middle of the unwinding (inside a join, a finalizer, an atexit hook) would abort the drain and
     print "Exception ignored ... SystemExit: 143" tracebacks into the job's log; so after the first
-    one SIGTERM is ignored to the end of the process (SIGKILL stays the agent's last word). A
-    process forked from the worker (a DataLoader worker) inherits the handler but has no loop to
-    unwind: it just exits."""
+    one SIGTERM is ignored to the end of the process (SIGKILL stays the agent's last word), and so
+    are the deaths of DataLoader workers. A process forked from the worker that kept this handler
+    has no loop to unwind: it just exits."""
 
     def __init__(self, owner_pid: int) -> None:
         self.owner_pid = owner_pid
@@ -301,6 +301,10 @@ class _Terminate:
         if os.getpid() != self.owner_pid:
             os._exit(TERMINATED)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # The agent stops the DataLoader's worker processes too (they die of it: torch's own
+        # handler), and torch's SIGCHLD handler would raise "DataLoader worker is killed by
+        # signal" in the middle of the unwinding: their end is expected now.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.received = True
         raise SystemExit(TERMINATED)
 

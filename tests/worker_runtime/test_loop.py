@@ -139,7 +139,8 @@ from torch.utils.data import TensorDataset
 from worker_runtime import TrainLoop
 with TrainLoop(total_steps=100000, log_every=1) as loop:
     model = loop.register("model", torch.nn.Linear(4, 1))
-    for step, (x,) in loop.steps(loop.data_loader(TensorDataset(torch.randn(64, 4)), batch_size=4)):
+    data = loop.data_loader(TensorDataset(torch.randn(64, 4)), batch_size=4, num_workers=2, persistent_workers=True)
+    for step, (x,) in loop.steps(data):
         model(x).sum().backward()
         if step == 2:
             print("ready", flush=True)
@@ -147,7 +148,8 @@ with TrainLoop(total_steps=100000, log_every=1) as loop:
 """
 
 
-def test_sigterm_several_times_exits_143_without_a_traceback(tmp_path):
+def test_sigterm_to_every_process_several_times_exits_143_without_a_traceback(tmp_path):
+    import contextlib
     import os
     import signal
     import subprocess
@@ -159,9 +161,14 @@ def test_sigterm_several_times_exits_143_without_a_traceback(tmp_path):
                             text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        # The agent signals the worker itself, and the rank shim forwards torchrun's and its own.
-        for _ in range(3):
-            os.kill(proc.pid, signal.SIGTERM)
+        # The agent signals every process of the attempt (the DataLoader's workers too: they die of
+        # it, torch's way), and the rank shim forwards torchrun's SIGTERM and its own.
+        children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                       text=True).stdout.split()]
+        assert len(children) >= 2  # the DataLoader's workers
+        for pid in (proc.pid, *children, proc.pid, proc.pid):
+            with contextlib.suppress(ProcessLookupError):  # done already: nothing left to stop
+                os.kill(pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
