@@ -185,6 +185,9 @@ class Job(Base):
     restartable: Mapped[bool] = mapped_column(
         Boolean, server_default=text("false"),
         doc="Its workers restart in process: a healthy node's part is parked, then handed over to the next attempt.")
+    retry_same_exception: Mapped[bool] = mapped_column(
+        Boolean, server_default=text("false"),
+        doc="Retry an exception raised again at the same step as in the attempt before (default: fail the job).")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     memory_secret: Mapped[str | None] = mapped_column(
         String(64), doc="Authenticates its agents to each other for the in-memory checkpoint tier "

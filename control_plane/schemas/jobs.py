@@ -181,6 +181,9 @@ class JobSubmit(BaseModel):
         "The script runs its loop with worker_runtime.run_restartable: when a peer fails, the workers on healthy "
         "nodes stay alive and are handed over to the next attempt on the same GPUs (restarting in process), "
         "and only the failed node's ranks start cold. Default: every worker starts cold after a failure."))
+    retry_same_exception: bool = Field(default=False, description=(
+        "Retry an attempt that failed with the same exception, at the same step, as the attempt before it. "
+        "Default: such a failure ends the job (it would fail the same way again), with a reason that says so."))
 
     @field_validator("gpu_kind")
     @classmethod
@@ -345,6 +348,8 @@ class JobOut(BaseModel):
     python: str | None = Field(default=None, description="The interpreter its workers run with, if not the agent's.")
     requirements: str | None = Field(default=None, description="The requirements installed for its workers, if any.")
     restartable: bool = Field(default=False, description="Its healthy workers restart in process after a failure.")
+    retry_same_exception: bool = Field(
+        default=False, description="An exception raised again at the same step is retried (default: the job fails).")
     progress: JobProgress
     split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None
