@@ -10,6 +10,7 @@ from pathlib import Path
 
 from node_agent import credential
 from node_agent.isolation import UidRange
+from node_agent.limits import LimitOptions
 from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
 
@@ -129,6 +130,9 @@ class AgentConfig:
     ``ca_file``). None: plain HTTP with the job's bearer secret (a trusted network only)."""
     memory_tls_key: Path | None = None
     """PEM private key of memory_tls_cert."""
+    limits: LimitOptions = field(default_factory=LimitOptions)
+    """Each attempt part's resource limits (node_agent/limits.py): derived from its share of the
+    node's GPUs unless set here (``--part-memory-limit`` etc.); ``enabled=False``: none."""
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir).absolute()
