@@ -79,6 +79,27 @@ def test_operators_override_each_limit_and_can_turn_them_off() -> None:
         limit_options(memory="lots")
 
 
+def test_both_agent_command_lines_take_the_limit_options(tmp_path: Path) -> None:
+    import typer.main
+
+    from node_agent.__main__ import build_parser, parse_args
+    from trainyard.cli import app
+
+    names = {"--part-memory-limit", "--memory-reserve", "--part-pids-max", "--part-cpus", "--part-shm-size",
+             "--part-work-dir-size", "--no-part-limits"}
+    argparse_names = {o for action in build_parser()._actions for o in action.option_strings}
+    command = typer.main.get_command(app)
+    agent = command.commands["agent"]  # type: ignore[attr-defined]
+    click_names = {o for param in agent.params for o in (*param.opts, *param.secondary_opts)}
+    assert names <= argparse_names and names <= click_names, (names - argparse_names, names - click_names)
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    parsed = parse_args(["--control-plane", "http://127.0.0.1:1", "--name", "n", "--address", "127.0.0.1",
+                         "--join-token-file", str(token), "--work-dir", str(tmp_path), "--part-memory-limit", "48G",
+                         "--part-pids-max", "512", "--part-cpus", "2.5", "--memory-reserve", "0"])
+    assert parsed.limits == LimitOptions(memory=48 * GiB, pids=512, cpus=2.5, reserve=0)
+
+
 def test_a_limit_hit_is_named_in_the_reason() -> None:
     limits = PartLimits(memory=48 * GiB, pids=4096)
     assert limit_reason(limits, LimitEvents()) is None
