@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--part-memory-limit", default=None, help="memory per part, e.g. 48G")
     limits.add_argument("--memory-reserve", default=None, help="memory no part's share includes (default 2G)")
     limits.add_argument("--part-pids-max", type=int, default=None, help="processes and threads per part")
-    limits.add_argument("--part-cpus", type=float, default=None, help="CPUs of time per part, e.g. 12 or 0.5")
+    limits.add_argument("--part-cpus", type=float, default=None,
+                        help="a hard cap in CPUs of time per part, e.g. 0.5 (default: none; weighted 100 per GPU)")
     limits.add_argument("--part-shm-size", default=None, help="size of each part's /dev/shm, e.g. 8G")
     limits.add_argument("--part-work-dir-size", default=None, help="disk each part's work directory may hold")
     parser.add_argument("--log-level", default="INFO")

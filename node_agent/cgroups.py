@@ -208,7 +208,8 @@ class LimitGroups:
     def path(self, controller: str) -> Path | None:
         return next((path for name, path in self.dirs if name == controller), None)
 
-    def apply(self, memory: int | None, pids: int | None, cpus: float | None) -> None:
+    def apply(self, memory: int | None, pids: int | None, cpus: float | None, cpu_weight: int | None = None
+              ) -> None:
         """Write the limits (raises OSError when a controller refuses)."""
         mem, pid, cpu = self.path("memory"), self.path("pids"), self.path("cpu")
         if mem is not None and memory is not None:
@@ -226,6 +227,11 @@ class LimitGroups:
                     _write(mem / "memory.memsw.limit_in_bytes", str(memory))
         if pid is not None and pids is not None:
             _write(pid / "pids.max", str(pids))
+        if cpu is not None and cpu_weight is not None:
+            if self.version == 2:
+                _write(cpu / "cpu.weight", str(cpu_weight))
+            else:
+                _write(cpu / "cpu.shares", str(cpu_weight * 1024 // 100))
         if cpu is not None and cpus is not None:
             quota = max(1000, int(cpus * CPU_PERIOD_US))
             if self.version == 2:

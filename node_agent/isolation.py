@@ -486,6 +486,7 @@ def _limiter(options: LimitOptions | None, cgroups: CgroupTree | None, run_dir: 
     limiter = PartLimiter(tree, options, node_resources(work_dir, gpus), private_dir(run_dir / "shm"))
     sample = limiter.limits_for(1)
     notes.append(f"a part of 1 of the node's {gpus} GPUs may use {format_size(sample.memory or 0)} of memory, "
-                 f"{sample.cpus} CPUs, {sample.pids} pids, {format_size(sample.shm or 0)} of /dev/shm and "
+                 f"CPU weight {sample.cpu_weight}{f' capped at {sample.cpus} CPUs' if sample.cpus else ''}, "
+                 f"{sample.pids} pids, {format_size(sample.shm or 0)} of /dev/shm and "
                  f"{format_size(sample.work_dir or 0)} of work dir")
     return limiter

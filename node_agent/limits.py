@@ -1,8 +1,12 @@
 """Resource limits of one attempt part (issue 23, finding 6): the policy, with no I/O.
 
 A part that holds k of the node's n GPUs gets k/n of what the node can give its jobs: memory (the
-node's memory less a reserve for the agent and the system), CPU time, disk for its work directory;
-besides, a cap on its processes and threads (pids) and its own /dev/shm. An operator overrides any
+node's memory less a reserve for the agent and the system), disk for its work directory, and CPU
+time under contention (a CPU weight proportional to k: parts that all want every CPU get k/n each);
+besides, a cap on its processes and threads (pids) and its own /dev/shm. CPU is weighted, not
+capped, by default: a hard k/n quota would leave CPUs idle that the part's neighbours do not use,
+and on a machine whose agents each count every CPU as theirs (a dev cluster) it would starve every
+part; ``--part-cpus`` sets a hard cap besides. An operator overrides any
 of them on the agent's command line (``--part-memory-limit`` etc., docs/operations.md). The kernel
 enforces memory, pids and CPU through the part's cgroup (node_agent/cgroups.py), /dev/shm through a
 tmpfs of the part's own size (node_agent/confine_exec.py); the work directory is measured by the
@@ -22,6 +26,8 @@ DEFAULT_RESERVE = 2 * GiB
 PIDS_PER_GPU = 4096
 """Processes and threads per GPU share (DataLoader workers, NCCL and OpenMP threads count too)."""
 MIN_PIDS = 4096
+CPU_WEIGHT_PER_GPU = 100
+MAX_CPU_WEIGHT = 10_000
 SHM_SHARE = 0.5
 """/dev/shm of a part: this share of its memory limit (tmpfs pages count against that limit too)."""
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -62,7 +68,7 @@ class LimitOptions:
     pids: int | None = None
     """``--part-pids-max``: processes and threads per part."""
     cpus: float | None = None
-    """``--part-cpus``: CPUs of time per part (may be fractional)."""
+    """``--part-cpus``: a hard cap, in CPUs of time per part (may be fractional); None: weighted only."""
     shm: int | None = None
     """``--part-shm-size``: bytes of the part's /dev/shm."""
     work_dir: int | None = None
@@ -99,12 +105,15 @@ class PartLimits:
     memory: int | None = None
     pids: int | None = None
     cpus: float | None = None
+    """A hard cap in CPUs (CFS quota)."""
+    cpu_weight: int | None = None
+    """Its CPU weight (cgroup v2 cpu.weight, 100 per GPU; v1 cpu.shares scaled to 1024 per GPU)."""
     shm: int | None = None
     work_dir: int | None = None
 
     def to_state(self) -> dict[str, int | float | None]:
-        return {"memory": self.memory, "pids": self.pids, "cpus": self.cpus, "shm": self.shm,
-                "work_dir": self.work_dir}
+        return {"memory": self.memory, "pids": self.pids, "cpus": self.cpus, "cpu_weight": self.cpu_weight,
+                "shm": self.shm, "work_dir": self.work_dir}
 
     @classmethod
     def from_state(cls, state: object) -> PartLimits | None:
@@ -115,6 +124,7 @@ class PartLimits:
             return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
         cpus = state.get("cpus")
         return cls(memory=number("memory"), pids=number("pids"), shm=number("shm"), work_dir=number("work_dir"),
+                   cpu_weight=number("cpu_weight"),
                    cpus=float(cpus) if isinstance(cpus, (int, float)) and not isinstance(cpus, bool) and cpus > 0
                    else None)
 
@@ -139,10 +149,10 @@ def part_limits(node: NodeResources, part_gpus: int, options: LimitOptions) -> P
     reserve = min(options.reserve, node.memory // 2)
     memory = options.memory or max(256 * MiB, int((node.memory - reserve) * share))
     pids = options.pids or max(MIN_PIDS, PIDS_PER_GPU * max(1, part_gpus))
-    cpus = options.cpus or max(0.1, round(node.cpus * share, 2))
+    weight = min(MAX_CPU_WEIGHT, CPU_WEIGHT_PER_GPU * max(1, part_gpus))
     shm = options.shm or max(64 * MiB, int(memory * SHM_SHARE))
     work_dir = options.work_dir or max(256 * MiB, int(node.work_dir_space * share))
-    return PartLimits(memory=memory, pids=pids, cpus=cpus, shm=shm, work_dir=work_dir)
+    return PartLimits(memory=memory, pids=pids, cpus=options.cpus, cpu_weight=weight, shm=shm, work_dir=work_dir)
 
 
 @dataclass(frozen=True, kw_only=True)

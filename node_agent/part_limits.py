@@ -135,7 +135,7 @@ class PartLimiter:
         try:
             if self.tree is not None:
                 groups = self.tree.for_part(tracking, node_id, attempt_id, node_rank)
-                groups.apply(limits.memory, limits.pids, limits.cpus)
+                groups.apply(limits.memory, limits.pids, limits.cpus, limits.cpu_weight)
             if self.shm_root is not None and limits.shm is not None:
                 shm = self.shm_root / f"{attempt_id}.{node_rank}"
                 mount_shm(shm, limits.shm, uid, gid)

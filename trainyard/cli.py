@@ -201,7 +201,8 @@ def agent(
     part_pids_max: Annotated[int | None, typer.Option(
         min=1, help="Processes and threads per part. Default: 4096 per GPU.", show_default=False)] = None,
     part_cpus: Annotated[float | None, typer.Option(
-        min=0.01, help="CPUs of time per part. Default: its GPU share of the node's CPUs.", show_default=False)] = None,
+        min=0.01, help="A hard cap in CPUs of time per part. Default: none (a CPU weight of 100 per GPU).",
+        show_default=False)] = None,
     part_shm_size: Annotated[str | None, typer.Option(
         help="Size of each part's /dev/shm. Default: half its memory limit.", show_default=False)] = None,
     part_work_dir_size: Annotated[str | None, typer.Option(

@@ -56,10 +56,10 @@ def test_sizes_parse_and_print() -> None:
 
 def test_a_part_gets_its_gpu_share_of_the_node_less_the_reserve() -> None:
     two = part_limits(NODE, 2, LimitOptions())
-    assert two.memory == (66 - 2) * GiB // 4 and two.cpus == 8.0 and two.pids == 8192
+    assert two.memory == (66 - 2) * GiB // 4 and two.cpu_weight == 200 and two.cpus is None and two.pids == 8192
     assert two.shm == two.memory // 2 and two.work_dir == 250 * GiB
     whole = part_limits(NODE, 8, LimitOptions(reserve=10 * GiB))
-    assert whole.memory == 56 * GiB and whole.cpus == 32
+    assert whole.memory == 56 * GiB and whole.cpu_weight == 800
     # A CPU-only node (virtual slots, no GPU found): the whole node less the reserve.
     assert part_limits(NodeResources(memory=8 * GiB, cpus=2, gpus=0, work_dir_space=GiB), 1,
                        LimitOptions()).memory == 6 * GiB
@@ -70,8 +70,8 @@ def test_a_part_gets_its_gpu_share_of_the_node_less_the_reserve() -> None:
 
 def test_operators_override_each_limit_and_can_turn_them_off() -> None:
     options = limit_options(memory="48G", pids=100, cpus=1.5, shm="1G", work_dir="10G", reserve="0")
-    assert part_limits(NODE, 1, options) == PartLimits(memory=48 * GiB, pids=100, cpus=1.5, shm=GiB,
-                                                       work_dir=10 * GiB)
+    assert part_limits(NODE, 1, options) == PartLimits(memory=48 * GiB, pids=100, cpus=1.5, cpu_weight=100,
+                                                       shm=GiB, work_dir=10 * GiB)
     assert part_limits(NODE, 4, LimitOptions(enabled=False)) == PartLimits()
     with pytest.raises(ValueError):
         LimitOptions(pids=0)
@@ -123,23 +123,25 @@ def test_limits_are_written_read_back_and_kept_for_an_adopting_agent(tmp_path: P
     """The files a cgroup v2 and a v1 hierarchy take, on plain directories; the state a restarted
     agent reads back; and the wrapper's arguments."""
     v2 = LimitGroups(tuple((c, tmp_path) for c in ("memory", "pids", "cpu")), 2)
-    v2.apply(48 * GiB, 4096, 1.5)
+    v2.apply(48 * GiB, 4096, 1.5, 200)
     assert (tmp_path / "memory.max").read_text() == str(48 * GiB) and (tmp_path / "pids.max").read_text() == "4096"
     assert (tmp_path / "cpu.max").read_text() == "150000 100000" and v2.joins() == []
+    assert (tmp_path / "cpu.weight").read_text() == "200"
     (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 1\noom_kill 1\n")
     (tmp_path / "pids.events").write_text("max 12\n")
     assert v2.counters() == (1, 12)
-    mem, pids = tmp_path / "mem", tmp_path / "pids"
-    mem.mkdir(), pids.mkdir()
-    v1 = LimitGroups((("memory", mem), ("pids", pids)), 1)
-    v1.apply(GiB, 64, None)
-    assert (mem / "memory.limit_in_bytes").read_text() == str(GiB) and v1.joins() == [mem, pids]
+    mem, pids, cpu = tmp_path / "mem", tmp_path / "pids", tmp_path / "cpu"
+    mem.mkdir(), pids.mkdir(), cpu.mkdir()
+    v1 = LimitGroups((("memory", mem), ("pids", pids), ("cpu", cpu)), 1)
+    v1.apply(GiB, 64, None, 300)
+    assert (mem / "memory.limit_in_bytes").read_text() == str(GiB) and v1.joins() == [mem, pids, cpu]
+    assert (cpu / "cpu.shares").read_text() == "3072" and not (cpu / "cpu.cfs_quota_us").exists()
     confinement = Confinement(uid=UID, gid=UID, limits=PartLimits(memory=GiB, pids=64), limit_groups=v1,
                               shm_dir=tmp_path / "shm", oom_score_adj=WORKER_OOM_SCORE_ADJ)
     again = Confinement.from_state(confinement.to_state())
     assert (again.limits, again.limit_groups, again.shm_dir) == (confinement.limits, v1, tmp_path / "shm")
     command = " ".join(confinement.wrap(["train"]))
-    assert f"--cgroup {mem} --cgroup {pids} --oom-score-adj 500 --shm {tmp_path / 'shm'}" in command
+    assert f"--cgroup {mem} --cgroup {pids} --cgroup {cpu} --oom-score-adj 500 --shm {tmp_path / 'shm'}" in command
     assert Confinement.from_state({"limits": "x", "limit_groups": {"version": 3}}).limits is None
 
 
