@@ -39,7 +39,7 @@ from node_agent.envs import EnvBuildFailed, EnvCache
 from node_agent.isolation import Confinement, Isolation, hidden_paths, make_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
 from node_agent.logs import LogTailer
-from node_agent.part_limits import WORK_DIR_CHECK_S, PartLimiter
+from node_agent.part_limits import WALK_BACKOFF, WORK_DIR_CHECK_S, PartLimiter
 from trainyard.protocol.agent import (
     AgentErrorKind,
     AttemptStatusReport,
@@ -121,6 +121,7 @@ class AttemptRun:
         self.limit_hit: str | None = None
         """The resource limit the part hit (its failure reason; issue 23, finding 6)."""
         self._work_dir_checked_at = 0.0
+        """When its work directory may be walked again (node_agent/part_limits.py)."""
 
     @property
     def attempt_id(self) -> str:
@@ -527,11 +528,12 @@ class AttemptRun:
         if confinement.limits is None:
             return False
         now = time.monotonic()
-        walk = now - self._work_dir_checked_at >= WORK_DIR_CHECK_S
-        if walk:
-            self._work_dir_checked_at = now
+        walk = now >= self._work_dir_checked_at
         reason = PartLimiter.check(confinement.limits, confinement.limit_groups, confinement.shm_dir,
                                    self.paths.worker if walk else None)
+        if walk:
+            took = time.monotonic() - now
+            self._work_dir_checked_at = now + max(WORK_DIR_CHECK_S, WALK_BACKOFF * took)
         if reason is None:
             return False
         self.limit_hit = self.error = reason

@@ -7,7 +7,8 @@ directory's measure, and the checks the part's supervision makes (``PartLimiter.
 Why the work directory is measured rather than enforced by the kernel: a per-part file system
 (a loop-mounted image, a project quota) needs loop devices or quota-enabled mounts that containers
 and CI runners rarely have, and a tmpfs would put the part's files in RAM. The agent walks the
-directory every WORK_DIR_CHECK_S and stops the part once it holds more than its cap: the cap can be
+directory every WORK_DIR_CHECK_S (or WALK_BACKOFF times as long as its last walk took) and stops
+the part once it holds more than its cap (or MAX_WORK_DIR_FILES entries): the cap can be
 overshot by what the part writes in that time, which the agent's ``--min-free-mb`` check and the
 node's reserve absorb. /dev/shm is a tmpfs of the part's own size: the kernel enforces it (ENOSPC).
 """
@@ -37,7 +38,12 @@ AGENT_OOM_SCORE_ADJ = -1000
 WORKER_OOM_SCORE_ADJ = 500
 """A part's processes are the first choice, whatever else runs on the node."""
 WORK_DIR_CHECK_S = 2.0
-MAX_WALK_ENTRIES = 1_000_000
+MAX_WORK_DIR_FILES = 500_000
+"""Entries a part's work directory may hold: each walk reads them all, and a node's inodes are
+shared. Past it the part is stopped, as past its bytes."""
+WALK_BACKOFF = 20
+"""The next walk waits at least this many times as long as the last one took: a large tree costs
+the supervision loop a few per cent at most."""
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
 
 
@@ -93,12 +99,12 @@ def shm_full(path: Path) -> bool:
     return stat.f_bavail == 0 or stat.f_favail == 0
 
 
-def disk_used(path: Path, limit: int) -> int:
-    """Bytes of disk the tree at ``path`` holds (st_blocks, no link followed); it stops counting
-    past ``limit`` (the answer is then over it) and after MAX_WALK_ENTRIES entries."""
+def disk_used(path: Path, limit: int) -> tuple[int, int]:
+    """Bytes of disk the tree at ``path`` holds (st_blocks, no link followed) and its entries; it
+    stops counting past ``limit`` bytes or MAX_WORK_DIR_FILES entries (the answer is then over)."""
     used, seen = 0, 0
     stack = [str(path)]
-    while stack and used <= limit and seen < MAX_WALK_ENTRIES:
+    while stack and used <= limit and seen <= MAX_WORK_DIR_FILES:
         try:
             entries = list(os.scandir(stack.pop()))
         except OSError:
@@ -110,7 +116,7 @@ def disk_used(path: Path, limit: int) -> int:
                 used += info.st_blocks * 512
                 if entry.is_dir(follow_symlinks=False):
                     stack.append(entry.path)
-    return used
+    return used, seen
 
 
 class PartLimiter:
@@ -159,9 +165,12 @@ class PartLimiter:
         if shm is not None and limits.shm is not None and shm_full(shm):
             return shm_reason(limits)
         if limits.work_dir is not None and worker_dir is not None:
-            used = disk_used(worker_dir, limits.work_dir)
+            used, files = disk_used(worker_dir, limits.work_dir)
             if used > limits.work_dir:
                 return work_dir_reason(limits, used)
+            if files > MAX_WORK_DIR_FILES:
+                return (f"file limit: the part's work directory holds more than {MAX_WORK_DIR_FILES} entries; "
+                        "the part was stopped")
         return None
 
     @staticmethod

@@ -149,8 +149,9 @@ def test_the_work_dir_measure_counts_blocks_and_stops_early(tmp_path: Path) -> N
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "f").write_bytes(os.urandom(MiB))
     (tmp_path / "link").symlink_to("/usr")  # never followed
-    assert MiB <= disk_used(tmp_path, 100 * MiB) < 2 * MiB
-    assert disk_used(tmp_path, 0) > 0
+    used, entries = disk_used(tmp_path, 100 * MiB)
+    assert MiB <= used < 2 * MiB and entries == 3
+    assert disk_used(tmp_path, 0)[0] > 0
 
 
 # --- real parts under their limits ---
@@ -198,7 +199,9 @@ def _attack(sandbox: Path, launcher: Launcher, script: str, options: LimitOption
     (code / "train.py").chmod(0o644)
     isolation, notes = Isolation.configure(UidRange(UID, UID + 3), sandbox / "run", use_cgroups=True,
                                            cwd=str(code), limits=options, gpus=1, work_dir=sandbox)
-    assert isolation.limiter is not None and isolation.limiter.tree is not None, notes
+    assert isolation.limiter is not None, notes
+    if isolation.limiter.tree is None:  # runs here (root, hybrid cgroups); elsewhere the log line says why not
+        pytest.skip(f"no cgroup limits on this machine: {notes}")
     # Lowering it takes CAP_SYS_RESOURCE, which some containers (this one) drop: then the log says so.
     refused = f"cannot set the agent's oom_score_adj to {AGENT_OOM_SCORE_ADJ}"
     assert (Path("/proc/self/oom_score_adj").read_text().strip() == str(AGENT_OOM_SCORE_ADJ)
