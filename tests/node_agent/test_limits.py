@@ -6,8 +6,10 @@ process outside the part live on."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -131,7 +133,8 @@ def test_limits_are_written_read_back_and_kept_for_an_adopting_agent(tmp_path: P
     (tmp_path / "pids.events").write_text("max 12\n")
     assert v2.counters() == (1, 12)
     mem, pids, cpu = tmp_path / "mem", tmp_path / "pids", tmp_path / "cpu"
-    mem.mkdir(), pids.mkdir(), cpu.mkdir()
+    for directory in (mem, pids, cpu):
+        directory.mkdir()
     v1 = LimitGroups((("memory", mem), ("pids", pids), ("cpu", cpu)), 1)
     v1.apply(GiB, 64, None, 300)
     assert (mem / "memory.limit_in_bytes").read_text() == str(GiB) and v1.joins() == [mem, pids, cpu]
@@ -286,3 +289,49 @@ def test_a_work_dir_filler_is_stopped_at_its_cap(sandbox: Path, launcher: Launch
     assert "over its 64 MiB cap" in (run.error or "")
     assert not (run.paths.worker / "tmp" / "fill").exists() or (run.paths.worker / "tmp" / "fill").stat().st_size < GiB
 
+
+
+@root_only
+def test_a_rank_started_in_a_warm_standby_is_under_its_parts_limits(tmp_path: Path, oom_adj_restored: None) -> None:
+    """A standby was started by the agent (its cgroups, its oom_score_adj): the rank it becomes
+    takes on the claimant's limit cgroups and oom_score_adj, as a cold start has them."""
+    from tests.node_agent.test_standby import record, run_shim, start_standby
+
+    isolation, notes = Isolation.configure(None, tmp_path / "run", use_cgroups=True, cwd=os.getcwd(),
+                                           limits=LimitOptions(pids=300), gpus=1, work_dir=tmp_path)
+    assert isolation.limiter is not None and isolation.cgroups is not None, notes
+    if isolation.limiter.tree is None:
+        pytest.skip(f"no cgroup limits on this machine: {notes}")
+    confinement = isolation.confine("standby-limits", f"att-{os.getpid()}", 0, lambda: set(), gpus=1)
+    assert confinement.cgroup is not None and confinement.limit_groups is not None
+    spawned: list[subprocess.Popen[bytes]] = []
+    work = Path("/tmp") / f"standby-limits-{os.getpid()}"
+    try:
+        work.mkdir(mode=0o755)
+        for name in ("standbys", "status", "logs"):
+            (work / name).mkdir(mode=0o755)
+        start_standby(spawned, work / "standbys", "c", "--cgroup-base", str(isolation.cgroups.base))
+        (work / "who.py").write_text(
+            "import json\n"
+            "print(json.dumps({'adj': open('/proc/self/oom_score_adj').read().strip(),\n"
+            " 'cgroups': open('/proc/self/cgroup').read().splitlines()}))\n")
+        shim = run_shim(spawned, work, "file", str(work / "who.py"), standbys=work / "standbys",
+                        wrap=confinement.wrap(["program"])[:-1])
+        assert shim.wait(60) == 0
+        assert record(work)["standby"] is True
+        seen = json.loads((work / "logs" / "rank-0" / "stdout.log").read_text())
+        assert seen["adj"] == str(WORKER_OOM_SCORE_ADJ)
+        pids = confinement.limit_groups.path("pids")
+        assert pids is not None
+        if confinement.limit_groups.version == 1:  # the part's v1 cgroups, not the standby's (the agent's)
+            joined = cgroup1_dirs(Path("/proc/self/mountinfo").read_text(), "\n".join(seen["cgroups"]))
+            assert joined["pids"] == pids and joined["memory"] == confinement.limit_groups.path("memory")
+    finally:
+        for proc in spawned:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        confinement.cgroup.kill()
+        wait_for(lambda: not confinement.cgroup.pids(), 10, what="the part's processes")  # type: ignore[union-attr]
+        isolation.release(confinement)
+        shutil.rmtree(work, ignore_errors=True)
