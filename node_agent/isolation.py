@@ -382,6 +382,11 @@ class Isolation:
         if problem is not None and cgroups is not None:
             notes.append(f"no cgroup tracking (a confined process could not start in one: {problem})")
             isolation.cgroups = None
+            limiter = isolation.limiter
+            if limiter is not None and limiter.tree is not None and limiter.tree.version == 2:
+                # Its v2 limits live in the tracking cgroups just given up.
+                notes.append("no memory, pids or cpu limits on parts (they were to be set in those cgroups)")
+                limiter.tree = None
             problem = isolation.probe() if pool is not None else None
         if problem is not None:
             raise IsolationError(f"a worker uid cannot run this node's Python and code: {problem}")
