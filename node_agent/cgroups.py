@@ -30,6 +30,9 @@ from pathlib import Path
 
 PARENT = "trainyard"
 CONTROLLERS = ("memory", "pids", "cpu")
+AGENT_LEAF = "trainyard-agent"
+"""Where the agent moves the processes of its own cgroup so that the cgroup may delegate
+controllers to its attempts' tree (the cgroup v2 "no internal processes" rule)."""
 CPU_PERIOD_US = 100_000
 
 
@@ -122,6 +125,8 @@ class CgroupTree:
             return None, f"cannot read /proc: {exc}"
         if own is None:
             return None, "no cgroup v2 (unified) hierarchy is mounted"
+        if own.name == AGENT_LEAF:  # moved there by an earlier agent, to delegate controllers
+            own = own.parent
         base = own / PARENT
         probe = base / f".probe-{os.getpid()}"
         try:
@@ -271,6 +276,23 @@ class LimitGroups:
         return cls(dirs, state["version"])
 
 
+def _move_to_leaf(own: Path) -> str | None:
+    """Move every process of ``own`` into ``own/AGENT_LEAF``; None when done, else why not."""
+    leaf = own / AGENT_LEAF
+    try:
+        leaf.mkdir(exist_ok=True)
+        for _ in range(3):  # a process may fork meanwhile
+            pids = _read(own / "cgroup.procs").split()
+            if not pids:
+                return None
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    _write(leaf / "cgroup.procs", pid)
+    except OSError as exc:
+        return f"cannot move its processes to {leaf}: {exc}"
+    return None if not _read(own / "cgroup.procs").split() else f"{own} still holds processes"
+
+
 class LimitTree:
     """Where this agent can set limits: the v2 tree (controllers enabled down to it) or v1 bases."""
 
@@ -321,9 +343,18 @@ class LimitTree:
             try:
                 _write(directory / "cgroup.subtree_control", wanted)
             except OSError as exc:
-                # A cgroup holding processes cannot delegate domain controllers (the "no internal
-                # process" rule): the agent must run in a leaf of its own (systemd Delegate=yes).
-                return f"cannot enable {wanted} in {directory}: {exc}"
+                if directory != own or exc.errno != errno.EBUSY:
+                    return f"cannot enable {wanted} in {directory}: {exc}"
+                # A non-root cgroup that holds processes cannot delegate domain controllers (the
+                # "no internal processes" rule): its processes (the agent's own, in a unit with
+                # systemd's Delegate=yes) move to a leaf beside the attempts' tree, then it can.
+                why = _move_to_leaf(own)
+                if why is not None:
+                    return f"cannot enable {wanted} in {own}: {exc}; {why}"
+                try:
+                    _write(own / "cgroup.subtree_control", wanted)
+                except OSError as again:
+                    return f"cannot enable {wanted} in {own} even with its processes in {AGENT_LEAF}/: {again}"
         return None
 
     def for_part(self, tracking: AttemptCgroup | None, node_id: str, attempt_id: str, node_rank: int) -> LimitGroups:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from node_agent.attempt import AttemptRun
-from node_agent.cgroups import LimitGroups, cgroup1_dirs
+from node_agent.cgroups import AGENT_LEAF, LimitGroups, _move_to_leaf, cgroup1_dirs
 from node_agent.isolation import Confinement, Isolation, UidRange, worker_paths
 from node_agent.launcher import AttemptPaths
 from node_agent.limits import (
@@ -146,6 +146,16 @@ def test_limits_are_written_read_back_and_kept_for_an_adopting_agent(tmp_path: P
     command = " ".join(confinement.wrap(["train"]))
     assert f"--cgroup {mem} --cgroup {pids} --cgroup {cpu} --oom-score-adj 500 --shm {tmp_path / 'shm'}" in command
     assert Confinement.from_state({"limits": "x", "limit_groups": {"version": 3}}).limits is None
+
+
+def test_a_cgroup_v2_holding_processes_moves_them_to_a_leaf_to_delegate(tmp_path: Path) -> None:
+    """On plain files: an empty cgroup moves nothing; one whose processes did not move says so (a
+    real cgroup.procs moves a pid on write; this machine's v2 offers no controller to try it on)."""
+    (tmp_path / "cgroup.procs").write_text("")
+    assert _move_to_leaf(tmp_path) is None and (tmp_path / AGENT_LEAF).is_dir()
+    (tmp_path / "cgroup.procs").write_text("4242\n")
+    assert "still holds processes" in (_move_to_leaf(tmp_path) or "")
+    assert (tmp_path / AGENT_LEAF / "cgroup.procs").read_text() == "4242"
 
 
 def test_the_work_dir_measure_counts_blocks_and_stops_early(tmp_path: Path) -> None:
