@@ -520,6 +520,14 @@ class AttemptRun:
             if changed:
                 self._persist()
 
+    def enforce_limits(self) -> None:
+        """The limit checks alone (``_check_limits``), for the supervision loop to make before its
+        scan of the process table: a fork bomb makes that scan take seconds, and the bomb must not
+        have them."""
+        with self._lock:
+            if self.alive and self.limit_hit is None and not self.preparing and self._check_limits():
+                self._persist()
+
     def _check_limits(self) -> bool:
         """Stop the part, with the limit as its failure reason, once it hit one (its memory, pids,
         /dev/shm or work directory cap: node_agent/part_limits.py). Also looked at in the poll that
@@ -538,8 +546,10 @@ class AttemptRun:
             return False
         self.limit_hit = self.error = reason
         self.log.warning("attempt_limit_hit", reason=reason)
-        # At once and without a grace: a fork bomb or a filler would use it to go on.
-        self._refresh(processes.scan())
+        # At once and without a grace: a fork bomb or a filler would use it to go on. With a cgroup,
+        # cgroup.kill needs no look at the process table, which a fork bomb makes slow to read.
+        if self.confinement.cgroup is None:
+            self._refresh(processes.scan())
         self._term_sent_at, self._kill_sent = now, True
         self._signal(signal.SIGKILL)
         return True

@@ -227,7 +227,7 @@ def _attack(sandbox: Path, launcher: Launcher, script: str, options: LimitOption
     run = AttemptRun.launch(spec, launcher.node(cwd=str(code)), paths, stop_grace_s=2.0, confinement=confinement)
     launcher.runs.append(run)
     try:
-        wait_finished(run, timeout=120)
+        wait_finished(run, timeout=240)  # a fork bomb slows every scan of the process table meanwhile
     finally:
         run.kill_now()
         wait_for(lambda: not (confinement.cgroup and confinement.cgroup.pids()), 20, what="the part's processes")
