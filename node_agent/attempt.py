@@ -39,6 +39,7 @@ from node_agent.envs import EnvBuildFailed, EnvCache
 from node_agent.isolation import Confinement, Isolation, hidden_paths, make_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
 from node_agent.logs import LogTailer
+from node_agent.part_limits import WALK_BACKOFF, WORK_DIR_CHECK_S, PartLimiter
 from trainyard.protocol.agent import (
     AgentErrorKind,
     AttemptStatusReport,
@@ -120,6 +121,10 @@ class AttemptRun:
         """The taken-over part: its attempt id, torchrun (pid, start time, boot id) and worker dir."""
         self.received_at: float | None = None
         """When this agent received the part (its monotonic clock; None: adopted after a restart)."""
+        self.limit_hit: str | None = None
+        """The resource limit the part hit (its failure reason; issue 23, finding 6)."""
+        self._work_dir_checked_at = 0.0
+        """When its work directory may be walked again (node_agent/part_limits.py)."""
 
     @property
     def attempt_id(self) -> str:
@@ -535,7 +540,7 @@ class AttemptRun:
             if self.preparing:
                 return
             self._workers = self._read_rank_files()
-            changed = False
+            changed = self.alive and self.limit_hit is None and self._check_limits()
             if not self.torchrun_done:
                 if self._proc is not None:
                     code = self._proc.poll()
@@ -590,6 +595,40 @@ class AttemptRun:
             self.alive = alive
             if changed:
                 self._persist()
+
+    def enforce_limits(self) -> None:
+        """The limit checks alone (``_check_limits``), for the supervision loop to make before its
+        scan of the process table: a fork bomb makes that scan take seconds, and the bomb must not
+        have them."""
+        with self._lock:
+            if self.alive and self.limit_hit is None and not self.preparing and self._check_limits():
+                self._persist()
+
+    def _check_limits(self) -> bool:
+        """Stop the part, with the limit as its failure reason, once it hit one (its memory, pids,
+        /dev/shm or work directory cap: node_agent/part_limits.py). Also looked at in the poll that
+        finds its processes gone, so a limit that ended it is still its reason. True: it hit one."""
+        confinement = self.confinement
+        if confinement.limits is None:
+            return False
+        now = time.monotonic()
+        walk = now >= self._work_dir_checked_at
+        reason = PartLimiter.check(confinement.limits, confinement.limit_groups, confinement.shm_dir,
+                                   self.paths.worker if walk else None)
+        if walk:
+            took = time.monotonic() - now
+            self._work_dir_checked_at = now + max(WORK_DIR_CHECK_S, WALK_BACKOFF * took)
+        if reason is None:
+            return False
+        self.limit_hit = self.error = reason
+        self.log.warning("attempt_limit_hit", reason=reason)
+        # At once and without a grace: a fork bomb or a filler would use it to go on. With a cgroup,
+        # cgroup.kill needs no look at the process table, which a fork bomb makes slow to read.
+        if self.confinement.cgroup is None:
+            self._refresh(processes.scan())
+        self._term_sent_at, self._kill_sent = now, True
+        self._signal(signal.SIGKILL)
+        return True
 
     def _exit_from_rank_files(self) -> tuple[int | None, str | None]:
         """torchrun's exit code as its ranks' files tell it: 0 when every local rank exited 0, the

@@ -111,7 +111,7 @@ class Launches:
         confinement = Confinement()
         try:
             confinement = self.isolation.confine(node.node_id or None, spec.attempt_id, spec.node_rank,
-                                                 processes.uids_alive)
+                                                 processes.uids_alive, gpus=len(spec.gpu_indices))
             self.api.open(spec.attempt_id, paths.socket or Path(), uid=confinement.uid, gid=confinement.gid,
                           ranks=spec.nproc_per_node, memory=AttemptMemory.of(spec.job_id, spec.memory))
         except (IsolationError, OSError) as exc:
