@@ -169,6 +169,25 @@ class S3Storage:
                        access_key=cfg.access_key, secret_key=cfg.secret_key, region=cfg.region or "us-east-1",
                        expires_s=expires_s, secure=cfg.secure, headers=headers, query=query, now=now)
 
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort an upload in parts (its parts are deleted); one already completed or aborted is no
+        error. Signed here with this client's credentials (the control plane's storage sweep)."""
+        from worker_runtime.checkpoint.sigv4 import presign
+
+        cfg = self.config
+        url = presign(method="DELETE", endpoint=cfg.endpoint, bucket=self.bucket, key=key, access_key=cfg.access_key,
+                      secret_key=cfg.secret_key, region=cfg.region or "us-east-1", expires_s=60, secure=cfg.secure,
+                      query={"uploadId": upload_id})
+        resp = self._http.request("DELETE", url, retries=False)
+        if resp.status >= 300 and resp.status != 404:  # 404: NoSuchUpload, nothing left to abort
+            raise OSError(f"abort upload {key}: HTTP {resp.status} {resp.data[:300]!r}")
+
+    def list_objects_modified(self, prefix: str) -> Iterator[tuple[str, datetime | None]]:
+        """Every object under ``prefix`` with when it was last written."""
+        for obj in self._client.list_objects(self.bucket, prefix=prefix, recursive=True):
+            if obj.object_name and not obj.is_dir:
+                yield obj.object_name, obj.last_modified
+
     def list_keys(self, prefix: str) -> Iterator[str]:
         for obj in self.list_objects(prefix):
             yield obj.key
