@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import re
-
 from typing import Any
 
 import pytest
