@@ -225,12 +225,13 @@ class Settings(BaseSettings):
         "Content-Length is signed: S3 refuses a larger body); larger requests are answered 422."
     )
     storage_shard_growth: float = Field(
-        4.0, ge=0, description="Once a job has a committed checkpoint, a shard is granted at most this many times "
-        "its largest committed shard (at least storage_shard_floor_mb); 0: only storage_max_shard_gb."
+        8.0, ge=0, description="Once a job has a committed checkpoint, a shard is granted at most this many times "
+        "its largest committed shard (at least storage_shard_floor_mb; 8 covers optimizer state that appears "
+        "after a first save of bf16 weights); 0: only storage_max_shard_gb."
     )
     storage_shard_floor_mb: int = Field(64, ge=1, description="The least the observed bound grants a shard.")
     storage_open_saves: int = Field(
-        2, ge=1, le=100, description="Steps of one attempt whose shards may be granted while none of them is "
+        4, ge=1, le=100, description="Steps of one attempt whose shards may be granted while none of them is "
         "decided (committed or aborted); a grant for one more is answered 409."
     )
     storage_step_lead: int = Field(

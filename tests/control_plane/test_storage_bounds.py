@@ -29,6 +29,7 @@ def client(settings: Settings, s3_bucket) -> Any:
     s3 = settings.model_copy(update={
         "s3_endpoint": s3_bucket.endpoint, "s3_access_key": s3_bucket.access_key,
         "s3_secret_key": s3_bucket.secret_key, "s3_bucket": s3_bucket.bucket, "storage_part_size_mb": 5,
+        "storage_open_saves": 2, "storage_shard_growth": 4.0,
     })
     with TestClient(create_app(s3)) as c:
         yield c
