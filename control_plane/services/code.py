@@ -10,6 +10,7 @@ by guessing its hash."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import select
@@ -70,8 +71,9 @@ def for_job(store: Any, tenant: str, sha256: str) -> dict[str, Any]:
     return found
 
 
-def fetch_for_node(session: Session, node: Node, attempt_id: uuid.UUID, store: Any) -> tuple[bytes, str]:
-    """The archive of a live attempt's job, for a node that runs a part of it; (bytes, sha256)."""
+def fetch_for_node(session: Session, node: Node, attempt_id: uuid.UUID, store: Any) -> tuple[Iterator[bytes], str]:
+    """The archive of a live attempt's job, for a node that runs a part of it: (its bytes, a chunk
+    at a time as S3 sends them, never the whole archive in memory; its sha256)."""
     row = session.execute(
         select(Job.tenant, Job.code).join(Attempt, Attempt.job_id == Job.id)
         .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
@@ -83,4 +85,16 @@ def fetch_for_node(session: Session, node: Node, attempt_id: uuid.UUID, store: A
     tenant, code = row
     if not code:
         raise NotFound(f"the job of attempt {attempt_id} ships no code")
-    return require_store(store).get_bytes(code_key(tenant, code["sha256"])), str(code["sha256"])
+    body = require_store(store).get_object(code_key(tenant, code["sha256"]))  # opened here: errors come before 200
+    return _chunks(body), str(code["sha256"])
+
+
+def _chunks(body: Any, size: int = 2**20) -> Iterator[bytes]:
+    try:
+        while chunk := body.read(size):
+            yield chunk
+    finally:
+        body.close()
+        release = getattr(body, "release_conn", None)
+        if release:
+            release()
