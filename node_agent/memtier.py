@@ -112,7 +112,7 @@ class MemoryTier:
                  inflight_bytes: int | None = None, grant_key: str | None = None) -> None:
         self.store = ShardStore(budget_bytes)
         self.inflight_bytes = max(1, budget_bytes if inflight_bytes is None else inflight_bytes)
-        """Shard bytes being received at once, local and peer requests together."""
+        """Shard bytes being received or answered at once, local and peer requests together."""
         self.grant_key = grant_key
         """This node's grant key (memory_grant_key of its current credential: the agent sets it at each
         registration); None: no peer request is accepted."""
@@ -238,7 +238,7 @@ class MemoryTier:
             total = sum(self._inflight.values())
             if mine + length > share or total + length > self.inflight_bytes:
                 return Refusal(HTTPStatus.SERVICE_UNAVAILABLE,
-                               "too many shard bytes are being received at once (this job's or all jobs')")
+                               "too many shard bytes are being received or answered at once (this job's or all jobs')")
             self._inflight[job_id] = mine + length
         return None
 

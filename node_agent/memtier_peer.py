@@ -69,7 +69,7 @@ class PeerLimits:
     restoring at once each fetch through their agent: 16 covers a node of 8 GPUs twice over (beyond
     it a fetch is a miss and reads S3)."""
     inflight_bytes: int | None = None
-    """Lowers the tier's in-flight budget (MemoryTier.inflight_bytes, shared with the local API's puts);
+    """Lowers the tier's in-flight budget (MemoryTier.inflight_bytes, shared with the local API's puts and answers);
     None: the tier's as it is."""
 
     def __post_init__(self) -> None:
