@@ -43,9 +43,9 @@ def _training_processes(cluster, job_id: str) -> list[psutil.Process]:
         return []
 
 
-# No node is lost here: a machine too loaded to heartbeat for 10 s must not fail it (30 s: the most
-# the default launch timeout allows) (node avoidance
-# would then blame a node twice, for the loss and for the kill, and give the job up).
+# No node is lost here: a machine too loaded to heartbeat for 10 s must not fail the test (node
+# avoidance would blame a node twice, for the loss and for the kill, and give the job up). 30 s:
+# the most the default launch timeout allows.
 @pytest.mark.parametrize("cluster", [{"env": {"TRAINYARD_NODE_LOST_TIMEOUT_S": "30"}}], indirect=True)
 def test_a_shell_script_that_runs_torchrun_itself_logs_and_resumes_exactly(cluster):
     clean = cluster.submit(_body("clean"))
