@@ -5,6 +5,7 @@ driving the attempt like any other."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -71,3 +72,21 @@ def test_a_command_job_is_given_to_every_node_and_runs_fails_and_recovers_as_any
     attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempts[0]["outcome"] == "failed", attempts[0]
     assert client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()["state"] in ("recovering", "starting", "queued")
+
+
+def test_the_example_job_file_is_a_valid_command_job_whose_script_is_shipped_executable() -> None:
+    """examples/command.yaml, as `trainyard run` reads it: a command job, its script executable (a
+    relative argv[0] is exec'd in the shipped code, whose modes keep the executable bit)."""
+    from pathlib import Path
+
+    from control_plane.schemas.jobs import JobSubmit
+    from trainyard.cli_jobs import load_spec
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    body, workdir = load_spec(examples / "command.yaml")
+    job = JobSubmit.model_validate(body)
+    assert job.command is not None and job.entrypoint is None and workdir == examples
+    script = examples / job.command[0]
+    assert script.is_file() and os.access(script, os.X_OK), script
+    text = script.read_text()
+    assert "torch.distributed.run" in text and '--node-rank "${NODE_RANK}"' in text
