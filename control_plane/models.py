@@ -163,6 +163,9 @@ class Job(Base):
     )
     entrypoint: Mapped[str] = mapped_column(Text)
     args: Mapped[list[str]] = mapped_column(JSONB, server_default=text("'[]'::jsonb"))
+    command: Mapped[list[str] | None] = mapped_column(
+        JSONB, doc="The job's own command (argv), run once per node in place of torchrun (entrypoint is then ''); "
+        "NULL: torchrun runs the entrypoint.")
     env: Mapped[dict[str, str]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     checkpoint: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     max_failures: Mapped[int] = mapped_column(Integer)

@@ -131,6 +131,12 @@ class AttemptRun:
         return self.spec.attempt_id
 
     @property
+    def local_workers(self) -> int:
+        """The worker records this part has: one per local rank under torchrun; one for a ``command``
+        job's whole part (its command under one rank shim: node_agent/launcher.py, command_argv)."""
+        return 1 if self.spec.command else self.spec.nproc_per_node
+
+    @property
     def started_as(self) -> tuple[str, int]:
         """(attempt id, node rank) its processes were started with (their markers, rank files)."""
         return self.marker or (self.spec.attempt_id, self.spec.node_rank)
@@ -156,7 +162,7 @@ class AttemptRun:
             if self.stop_reason is not None:
                 return False
             running = [w for w in self._workers if w.state == WorkerState.running]
-            return len(running) == self.spec.nproc_per_node
+            return len(running) == self.local_workers
 
     @classmethod
     def take_over(cls, spec: LaunchSpec, paths: AttemptPaths, old: AttemptRun) -> AttemptRun:
@@ -634,7 +640,7 @@ class AttemptRun:
         """torchrun's exit code as its ranks' files tell it: 0 when every local rank exited 0, the
         first failing rank's code otherwise; None (with why) when some rank left no exit."""
         ranks = {w.local_rank: w for w in self._workers}
-        exits = [ranks.get(local) for local in range(self.spec.nproc_per_node)]
+        exits = [ranks.get(local) for local in range(self.local_workers)]
         failed = [w for w in exits if w is not None and w.state == WorkerState.exited and w.exit_code != 0]
         if failed:
             w = failed[0]
@@ -707,7 +713,7 @@ class AttemptRun:
                 workers = [w.model_copy(update={"rank": w.rank + shift}) for w in workers]
             if not self.torchrun_done:
                 up = sum(1 for w in workers if w.state != WorkerState.starting)
-                state = NodeAttemptState.running if up >= self.spec.nproc_per_node else NodeAttemptState.launching
+                state = NodeAttemptState.running if up >= self.local_workers else NodeAttemptState.launching
                 if self.parked and self.alive:
                     state = NodeAttemptState.parked
             elif self.stopped:
@@ -738,7 +744,8 @@ class AttemptRun:
                 tail = f.read().decode("utf-8", errors="replace").strip()
         except OSError:
             return None
-        return f"torchrun exited with {self.exit_code}: ...{tail}" if tail else None
+        what = "the command" if self.spec.command else "torchrun"
+        return f"{what} exited with {self.exit_code}: ...{tail}" if tail else None
 
     def mark_final_acked(self) -> None:
         with self._lock:

@@ -62,6 +62,9 @@ class Launches:
         # The control plane refuses these at submit; a spec from elsewhere is refused here too.
         if spec.requirements is not None and (refused := requirements_problem(spec.requirements)) is not None:
             return f"the job's requirements are refused: {refused}"
+        if spec.command and (spec.restartable or spec.adopts):
+            # A command job's processes are its own launcher's: none is parked or handed over.
+            return "a command job cannot restart in process (restartable)"
         env_problems = [p for name, value in spec.env.items() if (p := job_env_problem(name, value))]
         if env_problems:
             return f"the job's env is refused: {'; '.join(env_problems[:5])}"

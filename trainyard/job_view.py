@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar, cast
@@ -202,6 +203,7 @@ def describe(job: dict[str, Any], attempts: Sequence[dict[str, Any]], checkpoint
         ("Job", f"{job['name']}  {job['id']}"),
         ("State", state_text(shown_state(job))),
         ("Tenant", f"{job['tenant']} (priority {job['priority']})"),
+        ("Command", shlex.join(job["command"])) if job.get("command") else
         ("Entrypoint", " ".join([job["entrypoint"], *job["args"]])),
         ("GPUs", f"{job['num_nodes']} nodes x {job['gpus_per_node']}"),
         ("Step", f"{step_of(p)}  {rate(p)}" + (f"  ETA {duration(p['eta_s'])}" if p.get("eta_s") is not None else "")),

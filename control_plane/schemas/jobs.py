@@ -6,7 +6,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from control_plane.schemas.goodput import GoodputOut, StragglerOut
 from control_plane.schemas.limits import TEXT_LINE
@@ -14,6 +14,7 @@ from control_plane.schemas.plans import JobModelIn, JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.tenants import TENANT_NAME
 from control_plane.schemas.uploads import CheckpointUploadOut
+from trainyard.protocol.agent import MAX_COMMAND_ITEM_CHARS, MAX_COMMAND_ITEMS, CommandItem
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
 from trainyard.protocol.interpreters import python_path_problem
 from trainyard.protocol.layout import APPLIED_KINDS, Layout
@@ -125,10 +126,22 @@ class JobSubmit(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     num_nodes: int = Field(ge=1, le=4096, description="Nodes the job spans (one torchrun each).")
     gpus_per_node: int = Field(ge=1, le=64, description="GPUs (workers) per node.")
-    entrypoint: str = Field(
+    entrypoint: str | None = Field(
+        default=None,
         min_length=1,
         max_length=1024,
-        description="Python module (run as `torchrun -m MODULE`) or a path to a `.py` file.",
+        description="Python module (run as `torchrun -m MODULE`) or a path to a `.py` file. Give either this "
+        "or `command`.",
+    )
+    command: list[CommandItem] | None = Field(
+        default=None, min_length=1, max_length=MAX_COMMAND_ITEMS,
+        description=f"The job's own command (argv, not a shell line), run once on every node in place of "
+        f"Trainyard's torchrun: a shell script, a launcher of its own, `python -m torch.distributed.run` with its "
+        f"own flags. It gets the node rank, node count, processes per node, the rendezvous address and port "
+        f"(docs/writing-jobs.md, \"Jobs that bring their own launcher\"). argv[0]: a name looked up on PATH on "
+        f"the node (as the job's uid), an absolute path, or a path relative to the job's code. 1 to "
+        f"{MAX_COMMAND_ITEMS} items of 1 to {MAX_COMMAND_ITEM_CHARS} characters, no NUL. Not with "
+        f"`entrypoint`, `args` or `restartable`.",
     )
     args: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] = Field(
         default_factory=list, max_length=MAX_ARGS,
@@ -236,9 +249,24 @@ class JobSubmit(BaseModel):
             raise ValueError(problem)
         return v
 
+    @model_validator(mode="after")
+    def _entrypoint_or_command(self) -> JobSubmit:
+        # Either torchrun runs the job's Python entrypoint, or the job's command runs in its place.
+        if self.command is not None:
+            if self.entrypoint is not None or self.args:
+                raise ValueError("give either `command` or `entrypoint` (with `args`), not both: a command is run "
+                                 "in place of torchrun and the entrypoint")
+            if self.restartable:
+                raise ValueError("a `command` job cannot be `restartable`: its processes are its own launcher's")
+        elif self.entrypoint is None:
+            raise ValueError("give `entrypoint` (a Python module or .py file run by torchrun) or `command` (argv)")
+        return self
+
     @field_validator("entrypoint")
     @classmethod
-    def _entrypoint(cls, v: str) -> str:
+    def _entrypoint(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
         v = v.strip()
         if not v:
             raise ValueError("entrypoint must name a Python module or a .py file")
@@ -329,8 +357,10 @@ class JobOut(BaseModel):
     state: str = Field(description="One of: " + ", ".join(JOB_STATES))
     num_nodes: int
     gpus_per_node: int
-    entrypoint: str
+    entrypoint: str = Field(description="Empty for a `command` job.")
     args: list[str]
+    command: list[str] | None = Field(default=None, description="The job's own command (argv); null: torchrun "
+                                      "runs `entrypoint`.")
     env: dict[str, str]
     checkpoint: dict[str, Any]
     max_failures: int

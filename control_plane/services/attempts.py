@@ -702,7 +702,8 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
                         False, False)
     all_running = attempt.state == "starting" and (session.scalar(
         select(func.count()).select_from(Worker)
-        .where(Worker.attempt_id == attempt.id, Worker.state.in_(("running", "exited")))) or 0) >= attempt.num_gpus
+        .where(Worker.attempt_id == attempt.id, Worker.state.in_(("running", "exited")))) or 0) >= _workers_expected(
+            session, attempt)
     # A node part may already be "gone" (released) when the last node's exit report arrives.
     unfinished = session.scalar(
         select(func.count()).select_from(AttemptNode)
@@ -712,6 +713,14 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
     if not all_running and unfinished:
         return None
     return _Verdict(None, all_running, not unfinished)
+
+
+def _workers_expected(session: Session, attempt: Attempt) -> int:
+    """The workers an attempt's parts report: every rank under torchrun; one per node for a
+    ``command`` job, whose part is its own launcher's and is reported as a whole (the node's first
+    rank: node_agent/launcher.py, command_argv)."""
+    command, nodes = session.execute(select(Job.command, Job.num_nodes).where(Job.id == attempt.job_id)).one()
+    return nodes if command else attempt.num_gpus
 
 
 def _consequence_pending(session: Session, attempt: Attempt, failed: tuple[Any, ...]) -> bool:

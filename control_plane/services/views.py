@@ -115,6 +115,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 gpus_per_node=job.gpus_per_node,
                 entrypoint=job.entrypoint,
                 args=list(job.args),
+                command=list(job.command) if job.command else None,
                 env=dict(job.env),
                 checkpoint={**job.checkpoint, "memory_tier": memory_tier_on(job)},
                 max_failures=job.max_failures,
