@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import node_agent
+from node_agent.isolation import worker_tmp
 from trainyard.protocol.agent import LaunchSpec
 from trainyard.protocol.env import (
     ENV_AGENT_SOCKET,
@@ -289,7 +290,7 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid:
     inherited = os.environ if node.base_env is None else node.base_env
     env = node_env(node)
     # The attempt's own: torch's compile caches, pip's and HF's caches, temporary files.
-    env["HOME"], env["TMPDIR"] = str(paths.worker / "home"), str(paths.worker / "tmp")
+    env["HOME"], env["TMPDIR"] = str(paths.worker / "home"), str(worker_tmp(paths.worker))
     if uid is not None:
         env["USER"] = env["LOGNAME"] = f"trainyard-{uid}"  # getpass works without a passwd entry
     else:
