@@ -12,7 +12,9 @@ agent's user; workers cannot read it):
 and the worker directory, worker_root/<attempt_id>.<node_rank>/ (0700, the attempt's uid: see
 isolation.py), the workers' cwd, removed once the attempt is done:
 
-    home/, tmp/           HOME and TMPDIR (torch's compile and cache directories land here)
+    home/                 HOME (torch's compile and cache directories land here)
+    tmp/                  TMPDIR only where the short one (isolation.worker_tmp: /tmp/trainyard-<uid>/<hash>,
+                          so unix socket paths under it fit 108 bytes) cannot be made
     status/rank-<R>.json  one per global rank, written by the rank shim, read back with care
                           (safe_files.py: a worker may plant links or FIFOs there)
     logs/rank-<R>/stdout.log, logs/rank-<R>/stderr.log   each rank's output, shipped by offset

@@ -50,6 +50,7 @@ from worker_runtime.distributed import (
     settle_ddp_buckets,
     shutdown_distributed,
 )
+from worker_runtime.grads import PendingGrads
 from worker_runtime.reporting import Reporter, StaleAttemptError
 from worker_runtime.restart import MemoryTier
 from worker_runtime.state import RngState, Stateful, StepCounter, TrainState
@@ -79,6 +80,8 @@ class TrainLoop:
         self.state = TrainState()
         self._counter = self.state.register("step", StepCounter())
         self.state.register("rng", RngState(), per_rank=True)
+        # Gradients of an accumulation window a save cuts (worker_runtime/grads.py).
+        self._grads = self.state.register("grads", PendingGrads(self.state), per_rank=True, optional=True)
         self.reporter = Reporter(self.ctx, echo=not self.ctx.managed, total_steps=total_steps)
         self.checkpoints: CheckpointManager | None = None
         self.restored_step: int | None = None
@@ -167,6 +170,7 @@ class TrainLoop:
         if self._started:
             return self.restored_step
         self._started = True
+        self._grads.watch()
         self.checkpoints = CheckpointManager(self.ctx, self.state, memory=self.memory)
         self.restored_step = self.checkpoints.restore()
         if self.restored_step is not None and self.ctx.is_main:

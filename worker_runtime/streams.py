@@ -23,6 +23,7 @@ owns them:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import random
@@ -102,7 +103,8 @@ class StreamWatch:
         self._data = data
         self._owned_loader = owned_loader
         self._device = device
-        self._before = _fingerprints(self._registered)
+        self._roots = _datasets(data)
+        self._before = _fingerprints(self._registered, self._roots)
 
     def causes(self) -> list[Cause]:
         """Everything that keeps this run's resume from being exact, each named once."""
@@ -120,35 +122,48 @@ class StreamWatch:
             found.append(Cause("nondeterministic_kernels", "cuda", (
                 "torch.use_deterministic_algorithms is off: CUDA kernels (atomics in backward passes) may sum in "
                 "another order after a resume")))
-        after = _fingerprints(self._registered)
+        after = _fingerprints(self._registered, self._roots)
         for key, (label, kind, value) in after.items():
             previous = self._before.get(key)
             if previous is not None and previous[2] != value:
-                label = f"{label} held as {_holder(key)}"
+                label = f"{label} held as {_holder(key, [*self._registered, *self._roots])}"
                 found.append(Cause(kind, label, _UNREGISTERED[kind].format(label=label)))
         return found
 
 
-def _holder(key: int) -> str:
+def _holder(key: int, roots: list[Any]) -> str:
     """A name the object with id ``key`` is held under (an attribute or a global), for the message."""
-    target = next((obj for obj in _visible(key)), None)
+    target = next((obj for obj in _visible(key, roots)), None)
     if target is None:
         return "?"
     for ref in gc.get_referrers(target):
-        if isinstance(ref, dict):
-            names = [name for name, value in ref.items() if value is target and isinstance(name, str)]
+        attributes = ref if isinstance(ref, dict) else getattr(ref, "__dict__", None)
+        if isinstance(attributes, dict):
+            names = [name for name, value in list(attributes.items()) if value is target and isinstance(name, str)]
             if names:
-                module = ref.get("__name__") if isinstance(ref.get("__name__"), str) else None
-                return f"{module}.{names[0]}" if module else repr(names[0])
+                module = attributes.get("__name__") if attributes is ref else None
+                return f"{module}.{names[0]}" if isinstance(module, str) else repr(names[0])
     return "an unnamed reference"
 
 
-def _visible(key: int) -> Iterator[Any]:
+def _datasets(data: Any) -> list[Any]:
+    """The dataset behind ``data`` (a DataLoader's, unwrapped from SeededSamples)."""
+    found: list[Any] = []
+    dataset = getattr(data, "dataset", None)
+    while dataset is not None and len(found) < 4:
+        found.append(dataset)
+        dataset = getattr(dataset, "dataset", None)
+    return found
+
+
+def _visible(key: int, roots: list[Any]) -> Iterator[Any]:
     for obj in gc.get_objects():
         if id(obj) == key:
             yield obj
         elif isinstance(obj, dict):
-            yield from (v for v in obj.values() if id(v) == key)
+            yield from (v for v in list(obj.values()) if id(v) == key)
+    for root in roots:
+        yield from (v for v in list(getattr(root, "__dict__", {}).values()) if id(v) == key)
 
 
 _UNREGISTERED = {
@@ -163,7 +178,7 @@ _UNREGISTERED = {
 }
 
 
-def _fingerprints(registered: list[Any]) -> dict[int, tuple[str, str, Any]]:
+def _fingerprints(registered: list[Any], roots: list[Any]) -> dict[int, tuple[str, str, Any]]:
     """``id -> (label, kind, fingerprint)`` of the unregistered stateful objects alive now."""
     covered = {id(obj) for obj in registered}
     modules = [obj for obj in registered if isinstance(obj, torch.nn.Module)]
@@ -173,10 +188,10 @@ def _fingerprints(registered: list[Any]) -> dict[int, tuple[str, str, Any]]:
     with warnings.catch_warnings():
         # isinstance() touches every live object, deprecated aliases (torch.distributed.reduce_op) too.
         warnings.simplefilter("ignore")
-        return _scan(covered)
+        return _scan(covered, [*registered, *roots])
 
 
-def _scan(covered: set[int]) -> dict[int, tuple[str, str, Any]]:
+def _scan(covered: set[int], roots: list[Any]) -> dict[int, tuple[str, str, Any]]:
     found: dict[int, tuple[str, str, Any]] = {}
     numpy = sys.modules.get("numpy")
     global_state = getattr(numpy.random.mtrand, "_rand", None) if numpy is not None else None
@@ -191,6 +206,7 @@ def _scan(covered: set[int]) -> dict[int, tuple[str, str, Any]]:
     names = getattr(_attr("tempfile", "_name_sequence"), "__dict__", {})
     skip = {id(getattr(random, "_inst", None)), id(names.get("_rng"))}
     candidates: list[Any] = []
+    holders: list[dict[str, Any]] = []
     for obj in objects:
         if isinstance(obj, module_type):
             candidates.append(obj)
@@ -202,19 +218,29 @@ def _scan(covered: set[int]) -> dict[int, tuple[str, str, Any]]:
         elif scaler_types and isinstance(obj, scaler_types) and id(obj) not in covered:
             found[id(obj)] = ("a GradScaler", "unregistered_scaler", repr(obj.state_dict()))
         elif isinstance(obj, dict):
-            # Generators held by name (an attribute, a global) are the user's; one held only by a
+            # Generators held by name (a global, an attribute) are the user's; one held only by a
             # library's bound method (a retry jitter, a temporary name) is not the step's.
-            for value in obj.values():
-                if type(value) is torch.Generator and id(value) not in covered:
-                    found[id(value)] = ("a torch.Generator", "unregistered_generator", bytes(value.get_state().numpy()))
-                elif isinstance(value, random.Random) and type(value) is not random.SystemRandom \
-                        and id(value) not in skip:
-                    found[id(value)] = ("a random.Random", "unregistered_generator", value.getstate())
-                elif numpy is not None and isinstance(value, numpy.random.Generator):
-                    found[id(value)] = ("a numpy Generator", "unregistered_generator", repr(value.bit_generator.state))
-                elif numpy is not None and isinstance(value, numpy.random.RandomState) and value is not global_state:
-                    found[id(value)] = ("a numpy RandomState", "unregistered_generator",
-                                        repr(value.get_state(legacy=False)))
+            holders.append(obj)
+    # Most instances keep their attributes without a dict object (Python 3.11): look into the ones
+    # the step's generators live in, the dataset and the registered objects.
+    for root in roots:
+        with contextlib.suppress(TypeError):
+            holders.append(vars(root))
+    for holder in holders:
+        # A snapshot: the runtime's threads (uploads, reports) change dicts meanwhile; list() of a
+        # dict runs in C under the GIL, whole.
+        for value in list(holder.values()):
+            if id(value) in covered or id(value) in skip:
+                continue
+            if type(value) is torch.Generator:
+                found[id(value)] = ("a torch.Generator", "unregistered_generator", bytes(value.get_state().numpy()))
+            elif isinstance(value, random.Random) and type(value) is not random.SystemRandom:
+                found[id(value)] = ("a random.Random", "unregistered_generator", value.getstate())
+            elif numpy is not None and isinstance(value, numpy.random.Generator):
+                found[id(value)] = ("a numpy Generator", "unregistered_generator", repr(value.bit_generator.state))
+            elif numpy is not None and isinstance(value, numpy.random.RandomState) and value is not global_state:
+                found[id(value)] = ("a numpy RandomState", "unregistered_generator",
+                                    repr(value.get_state(legacy=False)))
     for module in candidates:
         if id(module) in covered or id(module) in children:
             continue  # a submodule is judged with its root

@@ -9,9 +9,10 @@ are. The weights AND every step's loss after the resume point must be bit-identi
 A kill's point decides only which checkpoint the next attempt restores: killed mid-epoch, at an
 epoch boundary or just after a commit, it restores the checkpoint just taken; killed between a
 save's start and its commit, the one before. So resuming from each of the checkpoints at steps 3
-(mid epoch), 6 (an epoch boundary: 48 samples, 8 a step) and 9 covers every kill point of the
-first 12 steps. The cases run in-process with one rank; the multi-rank layouts (DDP, HSDP,
-PowerSGD) are test_tiny_gpt.py's four-rank torchrun test.
+(mid epoch, mid accumulation window) and 6 (an epoch boundary: 48 samples, 8 a step) covers each
+kind of kill point (the checkpoints of steps 9 and 12 are two more of the same kinds): two resumes a
+case (one for spawned workers: each imports torch). The cases run in-process with one rank; the
+multi-rank layouts (DDP, HSDP, PowerSGD) are test_tiny_gpt.py's four-rank torchrun test.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from worker_runtime import TrainLoop, WorkerContext, weights_sha256
 JOB = "job-exact"
 PREFIX = f"jobs/{JOB}/checkpoints"
 STEPS = 14
-RESUME_FROM = (3, 6, 9)
+RESUME_FROM = (3, 6)
 
 
 class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -100,6 +101,7 @@ class Case:
     """Python random and NumPy draws in the step (scaling the loss)."""
     ema: bool = False
     """A registered EMA copy of the weights, updated after each optimizer step."""
+    resume_from: tuple[int, ...] = RESUME_FROM
 
 
 CASES: dict[str, Case] = {
@@ -111,7 +113,8 @@ CASES: dict[str, Case] = {
                          loader={"num_workers": 2, "multiprocessing_context": "fork"}),
     "workers-spawn-persistent": Case(lambda: mlp(0.2), dataset=lambda: Points(augment=True),
                                      loader={"num_workers": 2, "multiprocessing_context": "spawn",
-                                             "persistent_workers": True}),
+                                             "persistent_workers": True},
+                                     resume_from=(3,)),  # each spawned worker imports torch: seconds
     "augment-in-process": Case(lambda: mlp(0.0), dataset=lambda: Points(augment=True)),
     "lambdalr-warmup-random-numpy": Case(
         lambda: mlp(0.2), in_step_draws=True,
@@ -120,6 +123,8 @@ CASES: dict[str, Case] = {
         lambda: mlp(0.2), ema=True, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
         schedule=lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS)),
     "bf16-autocast-cpu": Case(lambda: mlp(0.2), loader={"autocast": True}),
+    # The optimizer steps every 2 loop steps: the checkpoint of step 3 holds half a window's gradients.
+    "accumulate-mid-window": Case(lambda: mlp(0.2), accumulate=2),
 }
 
 
@@ -173,7 +178,7 @@ def _check_resumes(case: Case, bucket: S3Bucket, agent: FakeAgent) -> None:
     assert sorted(reference["losses"]) == list(range(1, STEPS + 1))
     shards = agent.shards()
     assert sorted({s["step"] for s in shards}) == [3, 6, 9, 12]
-    for attempt, step in enumerate(RESUME_FROM, start=1):
+    for attempt, step in enumerate(case.resume_from, start=1):
         plan = {"candidates": [manifest_from_shards(shards, job_id=JOB, attempt_id="att-0", attempt_number=0,
                                                     step=step, world_size=1)]}
         resumed = train(case, _ctx(bucket, agent, attempt, plan))
@@ -188,3 +193,39 @@ def _check_resumes(case: Case, bucket: S3Bucket, agent: FakeAgent) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_resumed_user_job_matches_the_unbroken_run(name: str, s3_bucket: S3Bucket, fake_agent: FakeAgent) -> None:
     _check_resumes(CASES[name], s3_bucket, fake_agent)
+
+
+class Jittered(Points):
+    """A dataset that draws from a generator of its own: the runtime sees it, but cannot restore it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = torch.Generator().manual_seed(1)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitem__(index)
+        return x + 0.01 * torch.randn(x.shape, generator=self.rng), y
+
+
+def test_what_a_checkpoint_misses_is_named_at_the_first_save(s3_bucket: S3Bucket, fake_agent: FakeAgent) -> None:
+    ctx = _ctx(s3_bucket, fake_agent, 0)
+    with TrainLoop(total_steps=7, seed=5, ctx=ctx) as loop:
+        torch.manual_seed(0)
+        model = loop.register("model", mlp(0.0))
+        optimizer = loop.register("optimizer", torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 2)  # not registered
+        ema = torch.optim.swa_utils.AveragedModel(model)  # not registered
+        for _, (x, y) in loop.steps(loop.data_loader(Jittered(), batch_size=8)):
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()
+            ema.update_parameters(model)
+    events = fake_agent.events("resume.inexact")
+    causes = {e["data"]["cause"]: e for e in events}
+    assert set(causes) == {"unregistered_scheduler", "unregistered_module", "unregistered_generator"}, events
+    assert len(events) == 3  # at the first save only (steps 3 and 6 were saved)
+    assert "StepLR" in causes["unregistered_scheduler"]["message"]
+    assert "AveragedModel" in causes["unregistered_module"]["message"]
+    assert "torch.Generator held as 'rng'" in causes["unregistered_generator"]["message"]
+    assert all(e["rank"] == 0 and e["fencing_token"] == "tok-0" for e in events)
