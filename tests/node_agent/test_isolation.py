@@ -37,7 +37,7 @@ from node_agent.isolation import (
     worker_paths,
     worker_tmp,
 )
-from node_agent.launcher import AttemptPaths
+from node_agent.launcher import AttemptPaths, NodeContext, worker_env
 from node_agent.logs import LogTailer
 from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec
@@ -349,6 +349,9 @@ def test_dataloader_workers_run_confined_under_a_deep_work_dir(tmp_path: Path) -
     assert len(str(worker / "tmp")) + len("/pymp-xxxxxxxx/listener-xxxxxxxx") > 107
     assert tmp == short_tmp(worker) and len(str(tmp)) < 40
     assert tmp.stat().st_uid == UID and stat_mode(tmp) == 0o700 and stat_mode(tmp.parent) == 0o711
+    launched = worker_env(make_spec(nproc_per_node=1, gpu_indices=[0]), NodeContext(local_addr="127.0.0.1",
+                          agent_url="http://a:1", virtual=True), AttemptPaths(tmp_path / "a", worker), uid=UID)
+    assert launched["TMPDIR"] == str(tmp)  # what torchrun and the workers get
     (worker / "job.py").write_text(DATALOADER)
     os.lchown(worker / "job.py", UID, UID)
     confinement = Confinement(uid=UID, gid=UID, expose=hidden_paths([*worker_paths(os.getcwd()), str(worker)]))
