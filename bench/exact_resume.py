@@ -117,7 +117,9 @@ def train(case: Case, device: str, steps: int, *, keep: set[int] | None = None,
         model = loop.register("model", mlp().to(loop.device))
         optimizer = loop.register("optimizer", case.optimizer(model))
         scaler = loop.register("scaler", torch.amp.GradScaler("cuda")) if case.scaler else None
-        options: dict[str, Any] = {"num_workers": case.workers, "multiprocessing_context": "fork"} if case.workers else {}
+        options: dict[str, Any] = {}
+        if case.workers:
+            options = {"num_workers": case.workers, "multiprocessing_context": "fork"}
         data = loop.data_loader(Points(case.augment), batch_size=16, **options)
         if restore is not None:
             # What CheckpointManager.restore loads (the step counter included), before the first step.

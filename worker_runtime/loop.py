@@ -194,9 +194,10 @@ class TrainLoop:
         batch_size = int(getattr(data, "batch_size", 1) or 1)
         first = self.step + 1
         generator = self._generators.get(id(data))
-        self._watch = StreamWatch([self.state[n] for n in self.state.names()], data,
-                                  owned_loader=generator is not None, device=self.ctx.device,
-                                  owned=[generator] if generator is not None else [])
+        # Rank 0 alone looks (every rank runs the same code) and warns at the first save.
+        self._watch = _watch([self.state[n] for n in self.state.names()], data,
+                             owned_loader=generator is not None, device=self.ctx.device,
+                             owned=[generator] if generator is not None else []) if self.ctx.is_main else None
         while self.step < self.total_steps and not self._stop:
             fed = False
             if generator is not None and resumable is not None:
@@ -239,7 +240,12 @@ class TrainLoop:
         watch, self._watch = self._watch, None
         if watch is None or not self.ctx.is_main or self.checkpoints is None:
             return
-        for cause in watch.causes():
+        try:
+            causes = watch.causes()
+        except Exception:  # a warning must never stop training
+            log.exception("could not check what this run's checkpoints miss")
+            return
+        for cause in causes:
             log.warning("resume will not be exact: %s", cause.message)
             self.checkpoints.reporter.event(INEXACT_EVENT, cause.message, {"cause": cause.kind, "what": cause.what})
 
@@ -292,6 +298,14 @@ class TrainLoop:
             log.debug("DDP wrappers still referenced; the process group is left to the process exit")
             return
         shutdown_distributed()
+
+
+def _watch(registered: list[Any], data: Iterable[Any], **kwargs: Any) -> StreamWatch | None:
+    try:
+        return StreamWatch(registered, data, **kwargs)
+    except Exception:  # a warning must never stop training
+        log.exception("could not look for state this run's checkpoints miss")
+        return None
 
 
 class _Epoch:

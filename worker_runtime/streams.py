@@ -110,14 +110,15 @@ class StreamWatch:
         """Everything that keeps this run's resume from being exact, each named once."""
         found: list[Cause] = []
         data = self._data
-        if not self._owned_loader:
+        registered = {id(obj) for obj in self._registered}
+        if not self._owned_loader and not any(id(d) in registered for d in [data, *self._roots]):
             found.append(Cause("data_position", type(data).__name__, (
                 "the data does not come from loop.data_loader: its position is not in the checkpoint, so a "
                 "resumed run reads other samples")))
-            if isinstance(data, DataLoader) and data.num_workers > 0:
-                found.append(Cause("dataloader_workers", "DataLoader", (
-                    f"a DataLoader with num_workers={data.num_workers} not made by loop.data_loader: its workers' "
-                    "random streams are seeded at each iterator, which a resumed run creates elsewhere")))
+        if not self._owned_loader and isinstance(data, DataLoader) and data.num_workers > 0:
+            found.append(Cause("dataloader_workers", "DataLoader", (
+                f"a DataLoader with num_workers={data.num_workers} not made by loop.data_loader: its workers' "
+                "random streams are seeded at each iterator, which a resumed run creates elsewhere")))
         if self._device == "cuda" and not torch.are_deterministic_algorithms_enabled():
             found.append(Cause("nondeterministic_kernels", "cuda", (
                 "torch.use_deterministic_algorithms is off: CUDA kernels (atomics in backward passes) may sum in "

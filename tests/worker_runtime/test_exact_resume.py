@@ -18,7 +18,7 @@ multi-rank layouts (DDP, HSDP, PowerSGD) are test_tiny_gpt.py's four-rank torchr
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from tests.conftest import S3Bucket
 from tests.worker_runtime.fake_agent import FakeAgent, manifest_from_shards
@@ -78,6 +78,26 @@ class Images(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x + 0.05 * torch.randn_like(x), self.y[index]
 
 
+class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """An endless stream the user positions through its own registered state (no map-style index):
+    sample ``n`` is drawn from ``(seed, n)``, and the state is how many were read."""
+
+    def __init__(self) -> None:
+        self.read = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            x = torch.randn(8, generator=torch.Generator().manual_seed(self.read))
+            self.read += 1
+            yield x, (x[0] + x[1] > 0).long()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"read": self.read}
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
+        self.read = int(state_dict["read"])
+
+
 def mlp(dropout: float) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 2))
 
@@ -102,6 +122,8 @@ class Case:
     ema: bool = False
     """A registered EMA copy of the weights, updated after each optimizer step."""
     resume_from: tuple[int, ...] = RESUME_FROM
+    stream: bool = False
+    """The data is a registered Stream through a DataLoader of the user's own."""
 
 
 CASES: dict[str, Case] = {
@@ -125,6 +147,7 @@ CASES: dict[str, Case] = {
     "bf16-autocast-cpu": Case(lambda: mlp(0.2), loader={"autocast": True}),
     # The optimizer steps every 2 loop steps: the checkpoint of step 3 holds half a window's gradients.
     "accumulate-mid-window": Case(lambda: mlp(0.2), accumulate=2),
+    "registered-stream": Case(lambda: mlp(0.2), stream=True),
 }
 
 
@@ -153,7 +176,10 @@ def train(case: Case, ctx: WorkerContext) -> dict[str, Any]:
         schedule = loop.register("schedule", case.schedule(optimizer)) if case.schedule else None
         ema = loop.register("ema", torch.optim.swa_utils.AveragedModel(
             model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))) if case.ema else None
-        data = loop.data_loader(case.dataset(), batch_size=8, **options)
+        if case.stream:  # the user's own loader over a stream whose position they registered
+            data: Any = DataLoader(loop.register("stream", Stream(), per_rank=True), batch_size=8)
+        else:
+            data = loop.data_loader(case.dataset(), batch_size=8, **options)
         for step, (x, y) in loop.steps(data):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = F.cross_entropy(model(x), y)
