@@ -17,6 +17,7 @@ multi-rank layouts (DDP, HSDP, PowerSGD) are test_tiny_gpt.py's four-rank torchr
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from tests.conftest import S3Bucket
-from tests.worker_runtime.fake_agent import FakeAgent, manifest_from_shards
+from tests.helpers import ProcessReaper
+from tests.worker_runtime.fake_agent import FakeAgent, manifest_from_shards, serve_fake_agent
+from tests.worker_runtime.torchrun import run_torchrun
 from worker_runtime import TrainLoop, WorkerContext, weights_sha256
 
 JOB = "job-exact"
@@ -180,9 +183,10 @@ def train(case: Case, ctx: WorkerContext) -> dict[str, Any]:
             data: Any = DataLoader(loop.register("stream", Stream(), per_rank=True), batch_size=8)
         else:
             data = loop.data_loader(case.dataset(), batch_size=8, **options)
+        net = loop.ddp(model)  # DDP when torchrun starts several ranks (test_two_ranks...)
         for step, (x, y) in loop.steps(data):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(net(x), y)
             if case.in_step_draws:
                 loss = loss * (1 + random.random() * 0.1) * float(1 + np.random.rand() * 0.1)
             (loss / case.accumulate).backward()
@@ -195,8 +199,11 @@ def train(case: Case, ctx: WorkerContext) -> dict[str, Any]:
                     ema.update_parameters(model)
             losses[step] = loss.item()
             loop.log(loss=loss)
-        return {"losses": losses, "sha": weights_sha256(model), "restored": loop.restored_step,
-                "ema": weights_sha256(ema) if ema is not None else None}
+        result = {"losses": losses, "sha": weights_sha256(model), "restored": loop.restored_step,
+                  "ema": weights_sha256(ema) if ema is not None else None}
+        loop.result(result)  # rank 0 prints it as its JSON line (the torchrun test reads it)
+        del net  # DDP before the process group
+        return result
 
 
 def _check_resumes(case: Case, bucket: S3Bucket, agent: FakeAgent) -> None:
@@ -255,3 +262,31 @@ def test_what_a_checkpoint_misses_is_named_at_the_first_save(s3_bucket: S3Bucket
     assert "AveragedModel" in causes["unregistered_module"]["message"]
     assert "torch.Generator held as 'rng'" in causes["unregistered_generator"]["message"]
     assert all(e["rank"] == 0 and e["fencing_token"] == "tok-0" for e in events)
+
+
+def test_two_ranks_under_torchrun_resume_the_dropout_job_exactly(process_reaper: ProcessReaper,
+                                                                  s3_bucket: S3Bucket) -> None:
+    """The issue's setting: the dropout job on 2 ranks (DDP, gloo), the second attempt restored from
+    the checkpoint of step 6 (an epoch boundary) by a new torchrun."""
+    job = "job-two-ranks"
+    with serve_fake_agent() as agent:
+        env = {"TRAINYARD_AGENT_URL": agent.url, "TRAINYARD_DEVICE": "cpu", "TRAINYARD_JOB_ID": job,
+               "TRAINYARD_CHECKPOINT": json.dumps({"interval_steps": 3}),
+               "TRAINYARD_S3_ENDPOINT": s3_bucket.endpoint, "TRAINYARD_S3_ACCESS_KEY": s3_bucket.access_key,
+               "TRAINYARD_S3_SECRET_KEY": s3_bucket.secret_key, "TRAINYARD_S3_BUCKET": s3_bucket.bucket,
+               "TRAINYARD_S3_SECURE": "0", "TRAINYARD_CHECKPOINT_PREFIX": f"jobs/{job}/checkpoints"}
+        attempt0 = {"TRAINYARD_ATTEMPT_ID": "att-0", "TRAINYARD_ATTEMPT_NUMBER": "0", "TRAINYARD_FENCING_TOKEN": "t0"}
+        first, _ = run_torchrun(process_reaper, [__name__], {**env, **attempt0})
+        plan = {"candidates": [manifest_from_shards(agent.shards(), job_id=job, attempt_id="att-0", attempt_number=0,
+                                                    step=6, world_size=2)]}
+        attempt1 = {"TRAINYARD_ATTEMPT_ID": "att-1", "TRAINYARD_ATTEMPT_NUMBER": "1", "TRAINYARD_FENCING_TOKEN": "t1",
+                    "TRAINYARD_RESTORE_FROM": json.dumps(plan)}
+        resumed, stdout = run_torchrun(process_reaper, [__name__], {**env, **attempt1})
+    assert first["restored"] is None and resumed["restored"] == 6, stdout
+    # 48 samples over 2 ranks, 8 each a step: an epoch is 3 steps, so 14 steps cross 4 epoch boundaries.
+    assert resumed["losses"] == {s: v for s, v in first["losses"].items() if int(s) > 6}
+    assert resumed["sha"] == first["sha"]
+
+
+if __name__ == "__main__":  # a rank under torchrun (the test above)
+    train(CASES["dropout-sgd-steplr"], WorkerContext.from_env())
