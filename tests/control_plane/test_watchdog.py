@@ -246,7 +246,7 @@ def test_an_attempt_without_a_first_step_fails_after_the_startup_timeout_quoting
     clock.advance(2)
     assert app.state.loops.watchdog_once() == 1
     (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
-    assert attempt["outcome"] == "failed"
+    assert attempt["outcome"] == "failed" and attempt["hung_since"]  # its time since the start counts as hung
     reason = attempt["end_reason"]
     assert reason.startswith("not started: no rank reported a first step 61s after every worker was running "
                              "(startup timeout 60s"), reason
