@@ -34,6 +34,7 @@ from node_agent.memtier import AttemptMemory, MemoryTier  # noqa: E402
 from node_agent.memtier_peer import serving  # noqa: E402
 from trainyard.embedded import EmbeddedS3  # noqa: E402
 from trainyard.protocol.keys import MANIFEST_FORMAT  # noqa: E402
+from trainyard.protocol.memtier import memory_grant  # noqa: E402
 from worker_runtime import WorkerContext  # noqa: E402
 from worker_runtime.checkpoint.memtier import AgentMemory  # noqa: E402
 from worker_runtime.checkpoint.restore import _download, fetch_shard  # noqa: E402
@@ -73,12 +74,14 @@ def measure(storage: S3Storage, size_mb: int, repeat: int, sockets: Path) -> dic
     manifest = {"format": MANIFEST_FORMAT, "step": 1, "world_size": 1,
                 "shards": [{"rank": 0, "key": KEY, "size_bytes": len(data), "sha256": sha}]}
     budget = len(data) + 2**20
-    peer_tier = MemoryTier(budget, peer_timeout_s=600)
+    node_key = secrets.token_hex(32)  # the peer's grant key (an agent's: the hash of its credential)
+    peer_tier = MemoryTier(budget, peer_timeout_s=600, grant_key=node_key)
     node_tier = MemoryTier(budget, peer_timeout_s=600)
     job = AttemptMemory("bench", secrets.token_hex(32))
     out: dict[str, float] = {"bytes": float(len(data))}
     with serving(peer_tier) as peer:
-        spec = AttemptMemory(job.job_id, job.secret, f"http://127.0.0.1:{peer.port}")
+        peer_url = f"http://127.0.0.1:{peer.port}"
+        spec = AttemptMemory(job.job_id, job.secret, peer_url, grants={peer_url: memory_grant(node_key, job.job_id)})
         api = LocalApi(memory=node_tier)
         try:
             api.reports.register("a", "t-a")

@@ -38,6 +38,7 @@ from control_plane.api import (
 from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthorized
+from control_plane.http_deadlines import BodyIdleTimeout
 from control_plane.limits_http import BodyLimit
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
@@ -178,6 +179,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            # A body that is not UTF-8 is not JSON either: the 422 any other such body gets (FastAPI
+            # raises a bare 400 for it, which the document does not declare).
+            return _not_utf8(request, exc.__cause__)
         return _problem(exc.status_code, {
             "type": "about:blank",
             "title": str(exc.detail),
@@ -185,6 +190,18 @@ def _install_error_handlers(app: FastAPI) -> None:
             "detail": str(exc.detail),
             "instance": request.url.path,
         })
+
+
+def _not_utf8(request: Request, error: UnicodeDecodeError) -> JSONResponse:
+    message = f"the body is not valid JSON: not UTF-8 (byte 0x{error.object[error.start]:02x} at offset {error.start})"
+    return _problem(422, {
+        "type": "https://trainyard.dev/problems/validation",
+        "title": "The request is invalid",
+        "status": 422,
+        "detail": message,
+        "instance": request.url.path,
+        "errors": [{"field": "", "message": message, "type": "json_invalid"}],
+    })
 
 
 def _field_error(error: Any, body: Any) -> dict[str, Any]:
@@ -308,6 +325,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.mount(docs.VENDOR, StaticFiles(directory=openapi.STATIC_DIR), name="vendor")
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes,
                        larger={"/v1/code/": settings.max_code_bytes})
+    # Outside BodyLimit (added last), so that a chunked body BodyLimit reads is timed too.
+    app.add_middleware(BodyIdleTimeout, idle_s=settings.request_body_idle_s)
     return app
 
 

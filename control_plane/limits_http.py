@@ -3,10 +3,12 @@
 A pure ASGI middleware: a declared Content-Length over the limit is refused before anything is
 read (the server then delivers no more than it declared), and a body sent without one (chunked) is
 read here as it arrives and refused once it passes the limit, so no request can make a replica
-buffer more than the limit."""
+buffer more than the limit. A refused body is read to its end (and dropped) before the 413, up to
+DRAIN_MAX_BYTES: see ``drain``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -33,6 +35,8 @@ class BodyLimit:
         limit = self.limit(scope.get("path", ""))
         declared = _content_length(scope)
         if declared is not None and (declared < 0 or declared > limit):
+            if 0 <= declared <= DRAIN_MAX_BYTES:
+                await drain(receive)
             await self._refuse(scope, send, declared, limit)
             return
         if declared is not None:
@@ -47,6 +51,8 @@ class BodyLimit:
                 return
             body += message.get("body", b"")
             if len(body) > limit:
+                if message.get("more_body", False):
+                    await drain(receive)
                 await self._refuse(scope, send, None, limit)
                 return
             if not message.get("more_body", False):
@@ -69,6 +75,34 @@ class BodyLimit:
                    (b"connection", b"close")]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+# --- Reading a refused body to its end (issue 28) ------------------------------------------------
+DRAIN_MAX_BYTES = 64 * 1024 * 1024
+"""A refused body up to this size is read (and dropped) before the 413 goes out."""
+DRAIN_MAX_S = 10.0
+
+
+async def drain(receive: Receive) -> None:
+    """Read and drop the rest of a request body, within DRAIN_MAX_BYTES and DRAIN_MAX_S.
+
+    Why: a 413 sent while the client still sends its body, then the connection closed with that body
+    unread, resets the connection, and the reset discards the 413 before the client reads it: a
+    client that writes its whole body before it reads (requests, urllib3, schemathesis) saw no answer
+    ("Connection reset by peer", over TLS "EOF occurred in violation of protocol"). A body larger
+    still is cut short: reading it all would cost more than the answer is worth."""
+    read = 0
+    try:
+        async with asyncio.timeout(DRAIN_MAX_S):
+            while read <= DRAIN_MAX_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                read += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        return
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -185,6 +185,9 @@ class Job(Base):
     restartable: Mapped[bool] = mapped_column(
         Boolean, server_default=text("false"),
         doc="Its workers restart in process: a healthy node's part is parked, then handed over to the next attempt.")
+    retry_same_exception: Mapped[bool] = mapped_column(
+        Boolean, server_default=text("false"),
+        doc="Retry an exception raised again at the same step as in the attempt before (default: fail the job).")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     memory_secret: Mapped[str | None] = mapped_column(
         String(64), doc="Authenticates its agents to each other for the in-memory checkpoint tier "
@@ -589,6 +592,27 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
     expires_at: Mapped[datetime | None] = _ts()
     last_used_at: Mapped[datetime | None] = _ts(doc="Updated at most once a minute.")
+    revoked_at: Mapped[datetime | None] = _ts()
+    parent_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("api_tokens.id", ondelete="SET NULL"), index=True,
+        doc="The token that created this one for its own principal: it never outlives it.")
+
+
+class UiSession(Base):
+    """A dashboard login (services/ui_sessions.py): the browser's cookie holds a random secret of
+    its own, never an API token, stored here as its sha256; logging out revokes it."""
+
+    __tablename__ = "ui_sessions"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    secret_hash: Mapped[str] = mapped_column(String(64), unique=True, doc="sha256 hex of the cookie's secret.")
+    token_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("api_tokens.id", ondelete="CASCADE"), index=True,
+        doc="The API token the session was opened with; NULL: the bootstrap admin token.")
+    admin_token_hash: Mapped[str | None] = mapped_column(
+        String(64), doc="sha256 of the bootstrap admin token it was opened with (a changed token ends it).")
+    created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
+    expires_at: Mapped[datetime] = _ts(nullable=False)
     revoked_at: Mapped[datetime | None] = _ts()
 
 

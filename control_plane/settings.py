@@ -235,6 +235,15 @@ class Settings(BaseSettings):
     log_json: bool = True
     log_level: str = "INFO"
 
+    # HTTP connections: every request gets an answer (issue 28; control_plane/http_deadlines.py).
+    http_keep_alive_s: float = Field(
+        75.0, ge=1, le=3600, description="Seconds the server keeps an idle connection open; longer than its "
+        "clients keep one (the agents 5 s) and than a load balancer in front does (commonly 60 s), or a "
+        "request sent as the server closes the connection gets no answer.")
+    request_body_idle_s: float = Field(
+        30.0, gt=0, le=3600, description="A request body that stops arriving for this long is answered 408 "
+        "(uvicorn itself would wait for ever).")
+
     @property
     def agent_request_timeout_s(self) -> float:
         """What agents registered here use as their per-try request timeout (trainyard/protocol/agent.py)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import structlog
 
 from node_agent.agent import AgentConfig, run_agent
+from node_agent.code import CodeLimits
 from node_agent.config import read_join_token
 from node_agent.gpus import NoGpusError
 from node_agent.isolation import IsolationError, UidRange
@@ -62,9 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--pip-constraint", type=Path, default=None,
                         help="constraints for every job's requirements (the node's torch is pinned besides)")
+    parser.add_argument("--allowed-python", type=Path, action="append", default=[],
+                        help="an interpreter jobs may name as their python besides root-owned ones no one else can "
+                        "write (repeatable)")
     parser.add_argument("--env-cache-max-count", type=int, default=8,
                         help="cached venvs of jobs' requirements to keep (least recently used removed first)")
     parser.add_argument("--env-cache-max-gb", type=float, default=20.0, help="disk the cached venvs may take")
+    parser.add_argument("--code-max-gb", type=float, default=CodeLimits.max_bytes / 2**30,
+                        help="a job's shipped code: its archive, and its unpacked files together, at most this")
+    parser.add_argument("--code-max-entries", type=int, default=CodeLimits.max_entries,
+                        help="a job's shipped code: files, directories and links in its archive, at most")
+    parser.add_argument("--code-timeout", type=float, default=CodeLimits.timeout_s,
+                        help="seconds a job's code may take to download, then to unpack, each")
     parser.add_argument("--outbox-max-items", type=int, default=MAX_ITEMS_PER_NODE,
                         help="shards and events held for the control plane, over every attempt of the node")
     parser.add_argument("--outbox-max-mb", type=float, default=MAX_BYTES_PER_NODE / 2**20,
@@ -78,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="PEM certificate of this node (for --address, signed by the cluster's CA): the memory "
                         "port speaks TLS and peers are reached over TLS only, verified against --ca-file")
     parser.add_argument("--memory-tls-key", type=Path, default=None, help="PEM private key of --memory-tls-cert")
+    parser.add_argument("--memory-plain-http", action="store_true",
+                        help="without --memory-tls-cert, serve the memory port in plain HTTP (a trusted network "
+                        "only: shards and job grants cross it in clear); without either the tier is off")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -109,14 +122,19 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             handover_timeout_s=args.handover_timeout,
             keep_workers_on_exit=args.keep_workers_on_exit,
             pip_constraints=args.pip_constraint,
+            allowed_pythons=tuple(args.allowed_python),
             env_cache_max_count=args.env_cache_max_count,
             env_cache_max_gb=args.env_cache_max_gb,
+            code_max_bytes=int(args.code_max_gb * 2**30),
+            code_max_entries=args.code_max_entries,
+            code_timeout_s=args.code_timeout,
             outbox_max_items=args.outbox_max_items,
             outbox_max_bytes=int(args.outbox_max_mb * 2**20),
             memory_tier_mb=args.memory_tier_mb,
             memory_port=args.memory_port,
             memory_tls_cert=args.memory_tls_cert,
             memory_tls_key=args.memory_tls_key,
+            memory_plain_http=args.memory_plain_http,
         )
     except ValueError as exc:
         parser.error(str(exc))

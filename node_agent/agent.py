@@ -301,6 +301,14 @@ class Agent(HeartbeatLoop, ReportLoop):
         if config.memory_tier_mb <= 0:
             return
         tls = config.memory_tls_context()
+        if tls is None and not config.memory_plain_http:
+            self.log.error("memory_tier_off", reason="no --memory-tls-cert for the memory port (shards never cross the "
+                           "network in clear by default); pass --memory-plain-http to serve it without TLS on a "
+                           "trusted network")
+            return
+        if tls is None:
+            self.log.warning("memory_tier_plain_http", risk="checkpoint shards and the jobs' grants cross the network "
+                             "unencrypted (--memory-plain-http)")
         tier = MemoryTier(config.memory_tier_mb * 2**20, peer_tls=config.peer_client_context(),
                           require_tls=tls is not None)
         try:

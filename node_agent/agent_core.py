@@ -6,11 +6,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from node_agent.attempt import AttemptRun
 from node_agent.client import ControlPlaneClient
+from node_agent.code import ShippedCode
 from node_agent.config import AgentConfig
 from node_agent.gpus import GpuSource
 from node_agent.handover import Handovers
@@ -18,6 +18,7 @@ from node_agent.isolation import Isolation
 from node_agent.launcher import NodeContext
 from node_agent.launches import Launches
 from node_agent.local_api import LocalApi, LocalReports
+from node_agent.memtier import MemoryTier
 from node_agent.orphans import OrphanSweeper
 from node_agent.outbox import Outbox
 from node_agent.relay import Relay
@@ -35,8 +36,7 @@ class PendingLaunch:
     """A part to start, with what its launch needs (held while its GPUs are busy)."""
 
     spec: LaunchSpec
-    code_archive: Path | None
-    code_problem: str | None
+    code: ShippedCode | None
     received: float
     """When its spec arrived (monotonic): its wake-up ends there."""
 
@@ -79,6 +79,7 @@ class AgentCore:
     _launched_at: dict[str, float]
     _api: LocalApi | None
     memory_port: int | None
+    memory: MemoryTier | None
     _launches: Launches | None
     _node: NodeContext | None
     _standbys: StandbyPool | None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
+from typing import BinaryIO
 
 from node_agent.agent_core import PendingLaunch
 from node_agent.agent_supervise import SuperviseLoop
@@ -16,7 +16,7 @@ from node_agent.client import (
     RequestRejected,
     Unauthorized,
 )
-from node_agent.code import CodeUnavailable, cached_archive
+from node_agent.code import CodeUnavailable, ShippedCode
 from trainyard.protocol.agent import (
     AssignmentRef,
     KnownAssignment,
@@ -77,10 +77,7 @@ class DesiredState(SuperviseLoop):
         its own moment: an answer to a request sent (``sent_at``) before an attempt was launched
         may have been read before that attempt was assigned, so its silence about it is no order to
         stop it (an explicit stop comes with the next answer that knows it)."""
-        # Shipped code is fetched before the lock (once per content hash; the heartbeat and the long
-        # poll take the lock for every request): a slow download holds back no other loop.
         arrived = time.monotonic()  # a part's wake-up ends here (received_s_ago), its code fetch is process start
-        fetched = {spec.attempt_id: self._code(spec) for spec in assignments}
         with self._reconcile_lock:
             refs = unchanged or []
             assigned = {spec.attempt_id for spec in assignments}
@@ -93,7 +90,7 @@ class DesiredState(SuperviseLoop):
                     self._versions[spec.attempt_id] = spec.version
                 self._launched_at.setdefault(spec.attempt_id, time.monotonic())
                 self._launch(spec.model_copy(update={"storage": {**self._storage, **spec.storage}}),
-                             *fetched[spec.attempt_id], received=arrived)
+                             self._code(spec), received=arrived)
             said = {ref.attempt_id: ref.handover_ok for ref in refs if ref.desired == "stop"}
             for run in self.runs():
                 if run.alive and not run.stopping and run.attempt_id not in assigned | newer:
@@ -102,8 +99,7 @@ class DesiredState(SuperviseLoop):
             # that sends none): the guard above holds for both.
             self._launched_at = {a: t for a, t in self._launched_at.items() if a in assigned or a in newer}
 
-    def _launch(self, spec: LaunchSpec, code_archive: Path | None = None, code_problem: str | None = None, *,
-                received: float | None = None) -> None:
+    def _launch(self, spec: LaunchSpec, code: ShippedCode | None = None, *, received: float | None = None) -> None:
         assert self._node is not None and self._launches is not None
         with self._runs_lock:
             if spec.attempt_id in self._known or self._stop_event.is_set():
@@ -119,8 +115,7 @@ class DesiredState(SuperviseLoop):
             if spec.restartable:
                 self.handovers.register(spec.attempt_id, spec.fencing_token, node_rank=spec.node_rank,
                                         nproc=spec.nproc_per_node)
-            self._start_or_hold(PendingLaunch(spec, code_archive, code_problem,
-                                              received if received is not None else time.monotonic()))
+            self._start_or_hold(PendingLaunch(spec, code, received if received is not None else time.monotonic()))
 
     def _start_or_hold(self, pending: PendingLaunch) -> None:
         """Start the part (taking over the parked part it adopts, if it can), or hold it pending while
@@ -141,8 +136,7 @@ class DesiredState(SuperviseLoop):
                                      held_by=sorted(r.attempt_id for r in busy))
                 self._pending[spec.attempt_id] = pending
                 return
-            run = self._launches.start(spec, self._node, self.gpus, code_archive=pending.code_archive,
-                                       code_problem=pending.code_problem)
+            run = self._launches.start(spec, self._node, self.gpus, code=pending.code)
         self._pending.pop(spec.attempt_id, None)
         if run is None:
             self.reports.unregister(spec.attempt_id)
@@ -190,13 +184,18 @@ class DesiredState(SuperviseLoop):
         self.log.info("attempt_handed_over", attempt_id=spec.attempt_id, adopts=old.attempt_id, pid=run.pid)
         return run
 
-    def _code(self, spec: LaunchSpec) -> tuple[Path | None, str | None]:
-        """The job's code archive in this node's cache (fetched once per content hash), or why not."""
-        if spec.code is None or spec.launched or spec.attempt_id in self._known:
-            return None, None
-        ref = spec.code
-        try:
-            return cached_archive(self.config.work_dir, ref, lambda: self.client.fetch_code(spec.attempt_id)), None
-        except (CodeUnavailable, ControlPlaneError, OSError) as exc:
-            self.log.error("code_fetch_failed", attempt_id=spec.attempt_id, error=str(exc))
-            return None, f"the job's code {ref.sha256[:12]} could not be fetched: {exc}"
+    def _code(self, spec: LaunchSpec) -> ShippedCode | None:
+        """How the part gets the job's code: fetched (once per content hash) and unpacked in the
+        part's own thread when it starts (node_agent/code.py), never in this loop's."""
+        if spec.code is None:
+            return None
+        attempt_id, ref = spec.attempt_id, spec.code
+
+        def fetch(out: BinaryIO, max_bytes: int, deadline: float) -> None:
+            try:
+                self.client.fetch_code(attempt_id, out, max_bytes, deadline)
+            except ControlPlaneError as exc:
+                self.log.error("code_fetch_failed", attempt_id=attempt_id, error=str(exc))
+                raise CodeUnavailable(f"the job's code {ref.sha256[:12]} could not be fetched: {exc}") from exc
+
+        return ShippedCode(ref, self.config.work_dir, fetch, self.config.code_limits)

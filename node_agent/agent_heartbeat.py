@@ -25,6 +25,7 @@ from trainyard.protocol.agent import (
     RegisterRequest,
     agent_request_timeout_s,
 )
+from trainyard.protocol.memtier import memory_grant_key
 
 log = structlog.get_logger("node_agent.agent")
 
@@ -63,6 +64,10 @@ class HeartbeatLoop(DesiredState):
             self.log.error("node_credential_not_saved", error=str(exc))
         self.node_id = resp.node_id
         self.epoch = resp.agent_epoch
+        if self.memory is not None:
+            # The memory port accepts the grants the control plane derives from this credential's
+            # hash (trainyard/protocol/memtier.py): a new registration, a new key.
+            self.memory.grant_key = memory_grant_key(resp.node_token)
         self._heartbeat_interval_s = resp.heartbeat_interval_s
         # Each try of a heartbeat ends early enough that it and its retries are over before the node
         # is declared lost (docs/architecture.md, "Time and timeouts").

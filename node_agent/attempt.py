@@ -34,7 +34,7 @@ import structlog
 from pydantic import ValidationError
 
 from node_agent import processes, safe_files
-from node_agent.code import CodeUnavailable, unpack
+from node_agent.code import CodeUnavailable, ShippedCode, unpack
 from node_agent.envs import EnvBuildFailed, EnvCache
 from node_agent.isolation import Confinement, Isolation, hidden_paths, make_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
@@ -83,7 +83,10 @@ class AttemptRun:
         self.error_kind: AgentErrorKind | None = None
         """start_error when the job's own setup cannot work here (its requirements do not install)."""
         self.preparing = False
-        """Its requirements' venv is being built (in a thread of its own): no torchrun yet."""
+        """Its code is being fetched and unpacked, or its requirements' venv built (in a thread of its
+        own): no torchrun yet."""
+        self._unpacking: subprocess.Popen[bytes] | None = None
+        """The process unpacking its code (as its uid), while it runs: a stop kills it."""
         self.env_key: str | None = None
         """The cached venv it runs in (held until it is done: node_agent/envs.py)."""
         self.stop_reason: str | None = None
@@ -186,38 +189,34 @@ class AttemptRun:
     @classmethod
     def launch(
         cls, spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, stop_grace_s: float,
-        confinement: Confinement | None = None, code_archive: Path | None = None, envs: EnvCache | None = None,
+        confinement: Confinement | None = None, code: ShippedCode | None = None, envs: EnvCache | None = None,
     ) -> AttemptRun:
-        """Create the attempt's directories, unpack the job's shipped code into the worker directory
-        (``code_archive``: the workers then run there, as the attempt's uid) and start torchrun
-        (confined as ``confinement`` says). A job with requirements gets its venv from ``envs``
-        first, in a thread: pip may take minutes, and meanwhile the part is launching (reported,
-        stoppable). Raises FileExistsError if the attempt directory exists: that attempt has been
-        launched here before and must never be launched again."""
+        """Create the attempt's directories and start torchrun (confined as ``confinement`` says).
+        A job with shipped code (``code``) gets it fetched and unpacked into the worker directory
+        first (the workers then run there, as the attempt's uid), and a job with requirements its
+        venv from ``envs``: both in a thread of the part's own, since either may take minutes, and
+        meanwhile the part is launching (reported, stoppable) and the agent's loops go on. Raises
+        FileExistsError if the attempt directory exists: that attempt has been launched here before
+        and must never be launched again."""
         paths.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         paths.root.mkdir(mode=0o700, exist_ok=False)
         run = cls(spec, paths, stop_grace_s=stop_grace_s, confinement=confinement)
         run._persist()  # before starting: a crash in between must still leave the id taken
         try:
             make_worker_dir(paths.worker, run.confinement.uid, run.confinement.gid)
-            cwd = None
-            if code_archive is not None:
-                cwd = unpack(code_archive, paths.worker / "code", uid=run.confinement.uid, gid=run.confinement.gid)
-                node = dataclasses.replace(node, cwd=str(cwd))
             if spec.python is not None:
                 node = dataclasses.replace(node, python=spec.python)
+            if code is not None:
+                run.preparing = True
+                threading.Thread(target=run._unpack_then_start, args=(code, envs, node),
+                                 name=f"code-{spec.attempt_id}", daemon=True).start()
+                return run
             if spec.requirements is not None and envs is not None:
                 run.preparing = True
-                threading.Thread(target=run._prepare_then_start, args=(envs, node, cwd),
+                threading.Thread(target=run._prepare_then_start, args=(envs, node, None),
                                  name=f"env-{spec.attempt_id}", daemon=True).start()
                 return run
-            proc = start_torchrun(spec, node, paths, run.confinement, cwd=cwd)
-        except CodeUnavailable as exc:
-            run.log.error("code_unpack_failed", error=str(exc))
-            run.error = str(exc)
-            run.torchrun_done, run.alive = True, False
-            run._persist()
-            return run
+            proc = start_torchrun(spec, node, paths, run.confinement, cwd=None)
         except OSError as exc:
             run.log.error("launch_failed", error=str(exc))
             run.error = f"could not start torchrun: {exc}"
@@ -235,11 +234,71 @@ class AttemptRun:
         self.log.info("attempt_launched", pid=proc.pid, nnodes=self.spec.nnodes,
                       nproc_per_node=self.spec.nproc_per_node)
 
+    # --- shipped code (docs/security.md, "Shipped code") ---
+
+    def _unpack_then_start(self, code: ShippedCode, envs: EnvCache | None, node: NodeContext) -> None:
+        """In the part's own thread: fetch the job's code into the node's cache, unpack it as the
+        part's uid into its worker directory, then go on as a part without code would (its venv,
+        torchrun). An archive over this node's caps fails the job at once (start_error)."""
+        started = time.monotonic()
+        into = self.paths.worker / "code"
+        try:
+            archive = code.archive()
+            cwd = unpack(archive, into, confinement=self.confinement, limits=code.limits,
+                         started=self._unpack_started)
+        except CodeUnavailable as exc:
+            self.log.error("code_unpack_failed", error=str(exc), permanent=exc.permanent)
+            with self._lock:
+                self._unpacking, self.preparing = None, False
+                if self.stop_reason is None:
+                    self.error, self.error_kind = str(exc), "start_error" if exc.permanent else None
+                    self.torchrun_done, self.alive = True, False
+                    self._persist()
+            return
+        except Exception as exc:  # never a part left launching for ever
+            self.log.exception("code_unpack_crashed")
+            with self._lock:
+                self._unpacking, self.preparing = None, False
+                if self.stop_reason is None:
+                    self.error = f"could not prepare the job's code: {exc}"
+                    self.torchrun_done, self.alive = True, False
+                    self._persist()
+            return
+        self.log.info("code_ready", seconds=round(time.monotonic() - started, 2))
+        node = dataclasses.replace(node, cwd=str(cwd))
+        with self._lock:
+            self._unpacking = None
+            if self.stop_reason is not None:
+                self.preparing = False
+                return
+        if self.spec.requirements is not None and envs is not None:
+            self._prepare_then_start(envs, node, cwd)
+            return
+        with self._lock:
+            self.preparing = False
+            if self.stop_reason is not None:
+                return
+            try:
+                proc = start_torchrun(self.spec, node, self.paths, self.confinement, cwd=cwd)
+            except OSError as exc:
+                self.log.error("launch_failed", error=str(exc))
+                self.error = f"could not start torchrun: {exc}"
+                self.torchrun_done, self.alive = True, False
+                self._persist()
+                return
+            self._started(proc)
+
+    def _unpack_started(self, proc: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._unpacking = proc
+            if self.stop_reason is not None:
+                proc.kill()  # stopped before it began
+
     def _prepare_then_start(self, envs: EnvCache, node: NodeContext, cwd: Path | None) -> None:
         assert self.spec.requirements is not None
         started = time.monotonic()
         try:
-            key, python = envs.acquire(self.spec.requirements, node.python)
+            key, python = envs.acquire(self.spec.requirements, node.python, self._builder(node.python))
         except EnvBuildFailed as exc:
             self.log.error("requirements_failed", error=str(exc))
             with self._lock:
@@ -281,18 +340,31 @@ class AttemptRun:
                 return
             self._started(proc)
 
+    def _builder(self, python: str) -> Confinement | None:
+        """Who probes ``python`` and builds the venv: the part's own uid (never root), seeing what its
+        workers will see and the interpreter's installation; None: the agent itself (no uid pool)."""
+        confinement = self.confinement
+        if confinement.uid is None:
+            return None
+        # The installation as named (a venv's) and as its links resolve (the base interpreter's).
+        installations = [os.path.dirname(os.path.dirname(p)) for p in (python, os.path.realpath(python))]
+        expose = tuple(dict.fromkeys((*confinement.expose, *hidden_paths(installations))))
+        return Confinement(uid=confinement.uid, gid=confinement.gid, expose=expose)
+
     @classmethod
     def failed(
-        cls, spec: LaunchSpec, paths: AttemptPaths, error: str, *, stop_grace_s: float, create_dir: bool = True
+        cls, spec: LaunchSpec, paths: AttemptPaths, error: str, *, stop_grace_s: float, create_dir: bool = True,
+        error_kind: AgentErrorKind | None = None,
     ) -> AttemptRun:
-        """An assigned attempt this node cannot run (reported as exited with `error`). Without
-        `create_dir` (the directory cannot be made, or must not be touched) it lives in memory only:
-        it is still reported, once per agent life."""
+        """An assigned attempt this node cannot run (reported as exited with `error`, of `error_kind`
+        when known: start_error is never retried). Without `create_dir` (the directory cannot be
+        made, or must not be touched) it lives in memory only: it is still reported, once per agent
+        life."""
         if create_dir:
             paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         run = cls(spec, paths, stop_grace_s=stop_grace_s)
         run.in_memory = not create_dir
-        run.error, run.torchrun_done, run.alive = error, True, False
+        run.error, run.error_kind, run.torchrun_done, run.alive = error, error_kind, True, False
         run._persist()
         return run
 
@@ -436,7 +508,11 @@ class AttemptRun:
             self.stop_reason = reason
             self.log.info("attempt_stopping", reason=reason)
             if self.preparing:
-                # Nothing runs yet; the venv's build goes on for whoever else wants it.
+                # Nothing runs yet but the unpacking of its code (killed: its uid is given back
+                # once the part is done); the venv's build goes on for whoever else wants it.
+                if self._unpacking is not None:
+                    self._unpacking.kill()
+                    self._unpacking.wait()
                 self.stopped, self.torchrun_done, self.alive = True, True, False
                 self._persist()
                 return

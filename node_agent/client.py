@@ -18,9 +18,10 @@ import queue
 import random
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import httpx
 import structlog
@@ -308,18 +309,30 @@ class ControlPlaneClient:
     def report_events(self, attempt_id: str, batch: WorkerEventBatch) -> WorkerEventAck:
         return self._post(f"/attempts/{attempt_id}/events", batch, WorkerEventAck, token=self.node_token)
 
-    def fetch_code(self, attempt_id: str, timeout_s: float = 300.0) -> bytes:
-        """The tar.gz of an attempt's shipped code (node_agent/code.py checks and caches it)."""
+    def fetch_code(self, attempt_id: str, out: BinaryIO, max_bytes: int, deadline: float) -> None:
+        """Write the tar.gz of an attempt's shipped code into ``out`` (node_agent/code.py checks and
+        caches it): streamed, at most ``max_bytes``, done by the ``deadline`` (time.monotonic()) or
+        abandoned. Retried from the start on a transport error or a 5xx."""
         if self.node_token is None:
             raise Unauthorized("not registered")
         last = ""
         for attempt in range(self.retry.attempts):
             if attempt and self._stop.wait(self.retry.delay(attempt - 1)):
                 break
+            out.seek(0)
+            out.truncate()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
-                with self._http() as http:
-                    resp = http.get(f"/attempts/{attempt_id}/code", timeout=httpx.Timeout(timeout_s, connect=3.0),
-                                    headers={"Authorization": f"Bearer {self.node_token}"})
+                with self._http(pooled=True) as http, http.stream(
+                        "GET", f"/attempts/{attempt_id}/code", timeout=httpx.Timeout(min(left, 60.0), connect=3.0),
+                        headers={"Authorization": f"Bearer {self.node_token}"}) as resp:
+                    if resp.status_code >= 400:
+                        resp.read()
+                    else:
+                        _stream_into(resp, out, max_bytes, deadline)
+                        return
             except httpx.TransportError as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 continue
@@ -328,11 +341,8 @@ class ControlPlaneClient:
                 continue
             if resp.status_code == 409:
                 raise StaleAttempt(_detail(resp), status=409, problem_type=_problem_type(resp))
-            if resp.status_code >= 400:
-                raise RequestRejected(f"HTTP {resp.status_code} fetching code: {_detail(resp)}",
-                                      status=resp.status_code)
-            return resp.content
-        raise ControlPlaneUnavailable(f"fetching code: {last or 'stopped'}")
+            raise RequestRejected(f"HTTP {resp.status_code} fetching code: {_detail(resp)}", status=resp.status_code)
+        raise ControlPlaneUnavailable(f"fetching code: {last or 'out of time'}")
 
     def storage_grants(self, attempt_id: str, request: StorageRequest) -> StorageGrants:
         """Presigned URLs for a worker's checkpoint objects (trainyard/protocol/grants.py)."""
@@ -349,6 +359,18 @@ class ControlPlaneClient:
     def release_upload_slot(self, attempt_id: str, request: SlotRelease) -> SlotReleased:
         return self._post(f"/attempts/{attempt_id}/upload-slots/release", request, SlotReleased,
                           token=self.node_token, pooled=True)
+
+
+def _stream_into(resp: httpx.Response, out: BinaryIO, max_bytes: int, deadline: float) -> None:
+    """The body into ``out``: no more than ``max_bytes`` kept, no later than ``deadline``."""
+    written = 0
+    for chunk in resp.iter_bytes(1 << 20):
+        written += len(chunk)
+        if written > max_bytes:
+            raise RequestRejected(f"the code archive sent is longer than the {max_bytes} bytes the control plane named")
+        if time.monotonic() > deadline:
+            raise ControlPlaneUnavailable(f"fetching code: not done by its deadline ({written} bytes in)")
+        out.write(chunk)
 
 
 def _detail(resp: httpx.Response) -> str:

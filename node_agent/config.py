@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node_agent import credential
+from node_agent.code import CodeLimits
 from node_agent.isolation import UidRange
 from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
@@ -109,6 +110,17 @@ class AgentConfig:
     """Disk the cached venvs may take, in GiB (see env_cache_max_count)."""
     env_build_timeout_s: float = 1800.0
     """A job's requirements that take longer to install fail its attempt (start_error)."""
+    code_max_bytes: int = CodeLimits.max_bytes
+    """A job's shipped code: its archive's download, and its unpacked files together, each at most
+    this (node_agent/code.py); over it the job fails (start_error)."""
+    code_max_entries: int = CodeLimits.max_entries
+    """A job's shipped code: files, directories and links in its archive, at most."""
+    code_timeout_s: float = CodeLimits.timeout_s
+    """A job's shipped code: its download, then its unpacking, each at most this long."""
+    allowed_pythons: tuple[Path, ...] = ()
+    """Interpreters a job may name as its ``python`` besides the agent's own and those root owns with
+    no directory above them writable by anyone else (node_agent/interpreters.py). A job naming any
+    other fails at once (start_error), never retried."""
 
     outbox_max_items: int = MAX_ITEMS_PER_NODE
     """The most shards and events the agent holds for the control plane, over every attempt of the
@@ -126,9 +138,18 @@ class AgentConfig:
     memory_tls_cert: Path | None = None
     """PEM certificate (chain) of this node, for ``address``, signed by the cluster's CA: the memory
     port then speaks TLS only, and this agent reaches its peers over TLS only (verifying them against
-    ``ca_file``). None: plain HTTP with the job's bearer secret (a trusted network only)."""
+    ``ca_file``). None: no memory port at all, unless ``memory_plain_http``."""
     memory_tls_key: Path | None = None
     """PEM private key of memory_tls_cert."""
+    memory_plain_http: bool = False
+    """Serve the memory port in plain HTTP when there is no memory_tls_cert (a trusted network only:
+    the jobs' grants and shards cross it in clear; logged as a warning at start). False: a node
+    without a certificate keeps the tier off (logged), so shards never travel in clear by default."""
+
+    @property
+    def code_limits(self) -> CodeLimits:
+        return CodeLimits(max_bytes=self.code_max_bytes, max_entries=self.code_max_entries,
+                          timeout_s=self.code_timeout_s)
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir).absolute()
@@ -154,6 +175,12 @@ class AgentConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.env_cache_max_count < 1 or self.env_cache_max_gb <= 0 or self.env_build_timeout_s <= 0:
             raise ValueError("env_cache_max_count must be >= 1, env_cache_max_gb and env_build_timeout_s > 0")
+        if self.code_max_bytes < 1 or self.code_max_entries < 1 or self.code_timeout_s <= 0:
+            raise ValueError("code_max_bytes, code_max_entries and code_timeout_s must be > 0")
+        self.allowed_pythons = tuple(Path(p) for p in self.allowed_pythons)
+        for python in self.allowed_pythons:
+            if not python.is_absolute() or not python.is_file() or not os.access(python, os.X_OK):
+                raise ValueError(f"allowed python {python} is not an absolute path to an executable file")
         if self.pip_constraints is not None and not Path(self.pip_constraints).is_file():
             raise ValueError(f"pip_constraints {self.pip_constraints} is not a readable file")
         if self.outbox_max_items < 2 or self.outbox_max_bytes < 1:

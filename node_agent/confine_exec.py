@@ -1,6 +1,6 @@
 """Put this process in an attempt's cgroup, drop to the attempt's uid and gid, then exec torchrun.
 
-    python -I -S confine_exec.py [--cgroup DIR] [--uid N --gid N] [--expose DIR]... -- PROGRAM [ARGS...]
+    python -I -S confine_exec.py [--cgroup DIR] [--uid N --gid N] [--expose[-rw] DIR]... -- PROGRAM [ARGS...]
 
 The agent starts every attempt's torchrun through this file (node_agent/isolation.py). The steps
 run in the new process before the program exists, so nothing the program starts can be outside the
@@ -16,8 +16,10 @@ the first such directory above it is covered by an empty tmpfs (0755) and DIR al
 into place, read-only: the workers can run that Python and see nothing else of /root. The host's
 mounts are untouched (the namespace's mounts are private).
 
-Standard library only, and run with ``-I -S``: it must not import anything a worker could have
-influenced, and it runs once per attempt.
+``--expose-rw DIR``: the same for a directory the uid must write (a venv it builds, node_agent/envs.py).
+
+Standard library only, and run with ``-I -S`` by the agent's own interpreter, never a job's: it runs
+as root until the switch, so it must not import or be anything a worker could have influenced.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ def _fail(message: str) -> NoReturn:
     os._exit(EXIT_CONFINE_FAILED)
 
 
-def _parse(argv: list[str]) -> tuple[str | None, int | None, int | None, list[str], list[str]]:
+def _parse(argv: list[str]) -> tuple[str | None, int | None, int | None, list[tuple[str, bool]], list[str]]:
     cgroup: str | None = None
     uid: int | None = None
     gid: int | None = None
-    expose: list[str] = []
+    expose: list[tuple[str, bool]] = []
     rest = list(argv)
     while rest and rest[0] != "--":
         flag = rest.pop(0)
@@ -51,8 +53,8 @@ def _parse(argv: list[str]) -> tuple[str | None, int | None, int | None, list[st
         value = rest.pop(0)
         if flag == "--cgroup":
             cgroup = value
-        elif flag == "--expose":
-            expose.append(value)
+        elif flag in ("--expose", "--expose-rw"):
+            expose.append((value, flag == "--expose-rw"))
         elif flag in ("--uid", "--gid"):
             try:
                 number = int(value)
@@ -87,14 +89,15 @@ def _mount(libc: ctypes.CDLL, source: str, target: str, fstype: str | None, flag
         _fail(f"mount {source} on {target}: {os.strerror(ctypes.get_errno())}")
 
 
-def expose(paths: list[str]) -> None:
-    """Make each of ``paths`` reachable by any uid, in a private mount namespace (see above)."""
+def expose(paths: list[tuple[str, bool]]) -> None:
+    """Make each of ``paths`` (a directory, and whether it stays writable) reachable by any uid, in a
+    private mount namespace (see above)."""
     wanted = []
-    for path in paths:
+    for path, writable in paths:
         real = os.path.realpath(path)
         blocked = blocked_ancestor(real)
         if blocked is not None:
-            wanted.append((blocked, real))
+            wanted.append((blocked, real, writable))
     if not wanted:
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -102,17 +105,20 @@ def expose(paths: list[str]) -> None:
         _fail(f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}")
     _mount(libc, "none", "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing below goes back to the host
     # Opened in the new namespace (a bind source must be in it), before the tmpfs hides them.
-    plans = [(blocked, real, os.open(real, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)) for blocked, real in wanted]
+    plans = [(blocked, real, writable, os.open(real, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+             for blocked, real, writable in wanted]
     covered: list[str] = []
-    for blocked in sorted({b for b, _, _ in plans}, key=len):
+    for blocked in sorted({b for b, _, _, _ in plans}, key=len):
         if not any(blocked == c or blocked.startswith(c + "/") for c in covered):
             _mount(libc, "tmpfs", blocked, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
             covered.append(blocked)
     os.umask(0o022)
-    for _, real, fd in plans:
+    for _, real, writable, fd in plans:
         os.makedirs(real, mode=0o755, exist_ok=True)
         _mount(libc, f"/proc/self/fd/{fd}", real, None, _MS_BIND | _MS_REC, None)
-        _mount(libc, "none", real, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
+        # A venv being built (--expose-rw) stays writable by its uid; nothing is setuid or a device.
+        read_only = 0 if writable else _MS_RDONLY
+        _mount(libc, "none", real, None, _MS_REMOUNT | _MS_BIND | read_only | _MS_NOSUID | _MS_NODEV, None)
         os.close(fd)
 
 

@@ -11,10 +11,20 @@ holds between agents sharing a work dir), and reused until evicted.
 The venv is made with ``--without-pip`` and a ``.pth`` file that adds the interpreter's own package
 directories after the venv's: the workers see torch, trainyard and pip from the node, and the
 job's packages first. This works whether the node's interpreter is a system Python or itself a
-venv (``--system-site-packages`` would see only the base interpreter's packages). pip runs as the
-agent's user with ``--only-binary :all:`` (installing wheels runs none of their code) and the
-agent's environment (PIP_INDEX_URL and the rest apply). The tree is then made read-only to every
-other user: worker uids can read and run it, never change it. A venv is complete once its marker
+venv (``--system-site-packages`` would see only the base interpreter's packages). pip runs with
+``--only-binary :all:`` (installing wheels runs none of their code) and the agent's environment
+(PIP_INDEX_URL and the rest apply).
+
+Nothing of the build runs as root (docs/security.md, "Interpreters and venvs"): where the agent has
+a uid pool, the interpreter probe, ``python -m venv`` and pip run as the part's own uid
+(``build_as``), through the confine wrapper, in a venv directory and a scratch directory that uid
+owns; pip then reads ``--find-links`` and ``file://`` paths only as that uid could. Root then checks
+the result without executing anything in it (node_agent/venv_checks.py: the interpreter links and
+``pyvenv.cfg`` as ``python -m venv`` made them, nothing setuid or special) and gives the tree to
+root, read-only to everyone: worker uids can read and run it, never change it. The requirements
+text (index URLs may carry tokens) lives only in the scratch directory, removed after the build,
+and the cache's root is 0711: a worker can run a venv whose key it knows, not list or read the
+others. An agent that is not root (no pool) builds as itself. A venv is complete once its marker
 (``trainyard-env.json``) exists; a directory without one is a build that died and is rebuilt.
 
 The cache keeps at most ``max_count`` venvs and ``max_bytes``: past either, the least recently used
@@ -36,10 +46,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from node_agent.isolation import Confinement, hidden_paths
+from node_agent.venv_checks import VenvTampered, changed, seal, shape
 from trainyard.protocol.requirements import requirement_lines
 
 MARKER = "trainyard-env.json"
-KEY_FORMAT = "trainyard-env-1"
+SCRATCH = ".build-"
+"""In the cache's root, with the key: one directory per build, its uid's (the requirements, pip's HOME
+and TMPDIR), removed when the build ends."""
+KEY_FORMAT = "trainyard-env-2"
+"""2: built as the part's uid and checked (issue 23); a venv of format 1 (built as root, never
+checked) is never used again, only evicted."""
 PINNED_FROM_NODE = ("torch",)
 """Packages of the node's interpreter that a job's requirements may not replace."""
 ERROR_LINES = 6
@@ -131,15 +148,17 @@ class EnvCache:
 
     # --- keys ---
 
-    def interpreter(self, python: str) -> Interpreter:
-        """The interpreter at ``python`` as the key sees it (asked once per path)."""
+    def interpreter(self, python: str, build_as: Confinement | None = None) -> Interpreter:
+        """The interpreter at ``python`` as the key sees it (asked once per path, as ``build_as``'s
+        uid when given: never root)."""
         with self._lock:
             known = self._interpreters.get(python)
         if known is not None:
             return known
         code = PROBE.replace("NAMES", repr(PINNED_FROM_NODE))
         try:
-            done = subprocess.run([python, "-I", "-c", code], capture_output=True, timeout=60, check=False)
+            done = subprocess.run(_as(build_as, [python, "-I", "-c", code]), capture_output=True, timeout=60,
+                                  check=False, cwd="/", stdin=subprocess.DEVNULL)
             facts = json.loads(done.stdout) if done.returncode == 0 else None
         except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
             raise EnvBuildFailed(f"the interpreter {python} cannot be asked about its packages: {exc}") from exc
@@ -152,9 +171,9 @@ class EnvCache:
             self._interpreters[python] = found
         return found
 
-    def key(self, requirements: str, python: str) -> tuple[str, Interpreter, str]:
+    def key(self, requirements: str, python: str, build_as: Confinement | None = None) -> tuple[str, Interpreter, str]:
         """The venv's key, the interpreter it is built on, and the constraints that apply."""
-        interpreter = self.interpreter(python)
+        interpreter = self.interpreter(python, build_as)
         try:
             agent_constraints = self.constraints_file.read_text() if self.constraints_file else ""
         except OSError as exc:
@@ -164,19 +183,24 @@ class EnvCache:
 
     # --- use ---
 
-    def acquire(self, requirements: str, python: str) -> tuple[str, str]:
+    def acquire(self, requirements: str, python: str, build_as: Confinement | None = None) -> tuple[str, str]:
         """The venv for these requirements on ``python``, built if it is not there: (its key, its
-        python). The caller holds it until ``release(key)``: it is not evicted meanwhile."""
-        key, interpreter, constraints = self.key(requirements, python)
-        self.root.mkdir(mode=0o755, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o755)  # worker uids run the venvs' pythons
+        python). The caller holds it until ``release(key)``: it is not evicted meanwhile.
+        ``build_as``: the unprivileged uid (and what it must see) that probes and builds; None: the
+        agent itself (an agent that is not root)."""
+        if build_as is not None and build_as.uid is None:
+            build_as = None
+        key, interpreter, constraints = self.key(requirements, python, build_as)
+        self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        # Worker uids run the venvs' pythons by their paths, but cannot list which venvs exist.
+        os.chmod(self.root, 0o711)
         venv = self.root / key
         with self._key_lock(key):
             with self._lock:
                 self._users[key] = self._users.get(key, 0) + 1
             try:
                 if not (venv / MARKER).is_file():
-                    self._build(venv, requirements, interpreter, constraints)
+                    self._build(venv, requirements, interpreter, constraints, build_as)
                 os.utime(venv / MARKER)  # last used
             except BaseException:
                 self.release(key)
@@ -229,30 +253,61 @@ class EnvCache:
         finally:
             os.close(fd)  # and the lock with it
 
-    def _build(self, venv: Path, requirements: str, interpreter: Interpreter, constraints: str) -> None:
-        if venv.exists():
-            shutil.rmtree(venv)  # a build that died: no marker
+    def _build(self, venv: Path, requirements: str, interpreter: Interpreter, constraints: str,
+               build_as: Confinement | None = None) -> None:
+        scratch = self.root / f"{SCRATCH}{venv.name}"
+        for leftover in (venv, scratch):
+            if leftover.exists() or leftover.is_symlink():
+                shutil.rmtree(leftover)  # a build that died: no marker
         started = time.monotonic()
         try:
-            _run([interpreter.path, "-m", "venv", "--without-pip", str(venv)], "create the virtualenv", 120)
+            venv.mkdir(mode=0o700)
+            scratch.mkdir(mode=0o700)
+            for name, text in (("requirements.txt", requirements), ("constraints.txt", constraints)):
+                fd = os.open(scratch / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+            if build_as is not None:
+                assert build_as.uid is not None and build_as.gid is not None
+                for path in (venv, scratch, scratch / "requirements.txt", scratch / "constraints.txt"):
+                    os.lchown(path, build_as.uid, build_as.gid)
+            # Below a private directory (a 0700 work dir's parent), the uid gets both, writable, in
+            # its own mount namespace.
+            writable = hidden_paths([str(venv), str(scratch)])
+            env = {"HOME": str(scratch), "TMPDIR": str(scratch)}
+            _run(_as(build_as, [interpreter.path, "-I", "-m", "venv", "--without-pip", str(venv)], writable),
+                 "create the virtualenv", 120, env)
+            made = shape(venv)
             site = venv / "lib" / interpreter.lib / "site-packages"
             # addsitedir (not a bare path): the node's own .pth files (editable installs) apply too.
-            (site / "_trainyard_node.pth").write_text(
-                "".join(f"import site; site.addsitedir({d!r})\n" for d in interpreter.site))
-            (venv / "trainyard-requirements.txt").write_text(requirements)
-            (venv / "trainyard-constraints.txt").write_text(constraints)
-            _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
-                  "--no-input", "--only-binary", ":all:", "-r", str(venv / "trainyard-requirements.txt"),
-                  "-c", str(venv / "trainyard-constraints.txt")],
-                 "install the job's requirements", self.build_timeout_s)
-            size = _read_only_to_others(venv)
+            # Written by root into the uid's directory: never through a link it could have left.
+            if site.is_symlink() or not site.is_dir():
+                raise VenvTampered(f"the venv's {site.relative_to(venv)} is not a directory")
+            fd = os.open(site / "_trainyard_node.pth", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(f"import site; site.addsitedir({d!r})\n" for d in interpreter.site))
+            _run(_as(build_as, [str(venv / "bin" / "python"), "-I", "-m", "pip", "install",
+                                "--disable-pip-version-check", "--no-input", "--only-binary", ":all:",
+                                "-r", str(scratch / "requirements.txt"), "-c", str(scratch / "constraints.txt")],
+                     writable),
+                 "install the job's requirements", self.build_timeout_s, env)
+            # Nothing of the build runs any more: what the uid left is checked and sealed as is.
+            size = seal(venv, owner=0 if build_as is not None else None)
+            tampered = changed(made, venv)
+            if tampered is not None:
+                raise VenvTampered(tampered)
             facts = {"python": interpreter.path, "size_bytes": size, "build_s": round(time.monotonic() - started, 3)}
             marker = venv / MARKER
             marker.write_text(json.dumps(facts))
             marker.chmod(0o644)
+        except VenvTampered as exc:
+            shutil.rmtree(venv, ignore_errors=True)
+            raise EnvBuildFailed(f"the venv built for the job's requirements is refused: {exc}") from exc
         except BaseException:
             shutil.rmtree(venv, ignore_errors=True)
             raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)  # the requirements text (index tokens) with it
 
     def _evict(self) -> None:
         for key in evictions(self.cached(), max_count=self.max_count, max_bytes=self.max_bytes, in_use=self.in_use()):
@@ -265,18 +320,26 @@ class EnvCache:
                 shutil.rmtree(self.root / key, ignore_errors=True)
 
 
-def _run(command: list[str], what: str, timeout_s: float) -> None:
+def _as(build_as: Confinement | None, command: list[str], writable: tuple[str, ...] = ()) -> list[str]:
+    """``command`` as ``build_as``'s uid (through the confine wrapper), else as the agent itself."""
+    return command if build_as is None else build_as.wrap(command, writable=writable)
+
+
+def _run(command: list[str], what: str, timeout_s: float, extra_env: dict[str, str] | None = None) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TRAINYARD_", "VIRTUAL_ENV"))}
+    program = command[command.index("--") + 1:] if "--" in command else command
     try:
         done = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=timeout_s, env={**env, "PIP_NO_INPUT": "1"}, check=False)
+                              timeout=timeout_s, env={**env, **(extra_env or {}), "PIP_NO_INPUT": "1"}, check=False,
+                              cwd="/")
     except subprocess.TimeoutExpired as exc:
         raise EnvBuildFailed(f"could not {what} within {timeout_s:g}s: "
                              f"{_tail((exc.output or b'').decode(errors='replace'))}") from exc
     except OSError as exc:
         raise EnvBuildFailed(f"could not {what}: {exc}") from exc
     if done.returncode != 0:
-        raise EnvBuildFailed(f"could not {what} ({Path(command[2] if command[1] == '-m' else command[0]).name} "
+        module = program[program.index("-m") + 1] if "-m" in program else program[0]
+        raise EnvBuildFailed(f"could not {what} ({Path(module).name} "
                              f"exit {done.returncode}): "
                              f"{_tail(done.stdout.decode(errors='replace'))}")
 
@@ -286,16 +349,3 @@ def _tail(output: str, lines: int = ERROR_LINES) -> str:
     kept = [line.strip() for line in output.splitlines() if line.strip() and not line.lstrip().startswith("[notice]")]
     errors = [line.removeprefix("ERROR:").strip() for line in kept if line.startswith("ERROR:")]
     return " | ".join(errors[-2:] if errors else kept[-lines:]) or "no output"
-
-
-def _read_only_to_others(root: Path) -> int:
-    """Let every user read (and run) the tree, no one but its owner write it; its size in bytes."""
-    size = 0
-    for path in (root, *root.rglob("*")):
-        st = path.lstat()
-        if path.is_symlink():
-            continue
-        executable = path.is_dir() or st.st_mode & 0o100
-        path.chmod(0o755 if executable else 0o644)
-        size += st.st_size
-    return size

@@ -42,6 +42,8 @@ from node_agent.confine_exec import blocked_ancestor
 from node_agent.processes import uids_alive
 
 CONFINE_EXEC = str(Path(__file__).resolve().with_name("confine_exec.py"))
+AGENT_PYTHON = sys.executable
+"""The only interpreter ever started as root for a part: the agent's own (node_agent/interpreters.py)."""
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 PROBE = "import node_agent.rank_shim, worker_runtime.agent_http"
 """What every worker imports first: the interpreter, the code and the venv's packages."""
@@ -257,17 +259,25 @@ class Confinement:
             cgroup=AttemptCgroup(Path(cgroup)) if isinstance(cgroup, str) and cgroup else None,
         )
 
-    def wrap(self, command: list[str], python: str = sys.executable) -> list[str]:
-        """``command`` started through confine_exec.py, or as is when there is nothing to do."""
+    def wrap(self, command: list[str], *, writable: tuple[str, ...] = ()) -> list[str]:
+        """``command`` started through confine_exec.py, or as is when there is nothing to do.
+
+        The wrapper runs as root until it switches to the uid, so it is always the agent's own
+        interpreter (``-I -S``: nothing a job influenced is imported); the program it execs (a job's
+        interpreter included) starts only after the switch (docs/security.md, "Interpreters and
+        venvs"). ``writable``: directories below a private one that the uid must write (a venv it
+        builds), exposed like ``expose`` but not read-only."""
         if self.cgroup is None and self.uid is None:
             return command
-        prefix = [python, "-I", "-S", CONFINE_EXEC]
+        prefix = [AGENT_PYTHON, "-I", "-S", CONFINE_EXEC]
         if self.cgroup is not None:
             prefix += ["--cgroup", str(self.cgroup.path)]
         if self.uid is not None and self.gid is not None:
             prefix += ["--uid", str(self.uid), "--gid", str(self.gid)]
             for directory in self.expose:
                 prefix += ["--expose", directory]
+            for directory in writable:
+                prefix += ["--expose-rw", directory]
         return [*prefix, "--", *command]
 
 
@@ -306,7 +316,7 @@ def probe(confinement: Confinement, python: str = sys.executable) -> str | None:
     """Run what a worker runs first, confined like one; None when it works, else why not."""
     # Without a uid of its own, only the cgroup is in question: no imports needed.
     check = [python, "-c", PROBE] if confinement.uid is not None else [python, "-I", "-S", "-c", "pass"]
-    command = confinement.wrap(check, python)
+    command = confinement.wrap(check)
     env = {"PYTHONPATH": PACKAGE_ROOT, "HOME": "/", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     try:
         done = subprocess.run(command, env=env, cwd="/", capture_output=True, timeout=60, check=False)

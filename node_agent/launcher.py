@@ -343,7 +343,7 @@ def start_torchrun(
     command = torchrun_command(spec, node, paths)
     uid = None
     if confinement is not None:
-        command, uid = confinement.wrap(command, node.python), confinement.uid
+        command, uid = confinement.wrap(command), confinement.uid  # node.python only after the switch
     with paths.torchrun_stdout.open("ab") as out, paths.torchrun_stderr.open("ab") as err:
         return subprocess.Popen(
             command,

@@ -15,19 +15,15 @@ from typing import Any
 
 from node_agent import processes
 from node_agent.attempt import AttemptRun
+from node_agent.code import ShippedCode
 from node_agent.config import AgentConfig
 from node_agent.envs import EnvCache
-from node_agent.isolation import (
-    Confinement,
-    Isolation,
-    IsolationError,
-    private_dir,
-    remove_worker_dir,
-)
+from node_agent.interpreters import interpreter_problem
+from node_agent.isolation import Confinement, Isolation, IsolationError, private_dir, remove_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext
 from node_agent.local_api import LocalApi
 from node_agent.memtier import AttemptMemory
-from trainyard.protocol.agent import GpuInfo, LaunchSpec
+from trainyard.protocol.agent import AgentErrorKind, GpuInfo, LaunchSpec
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
 from trainyard.protocol.requirements import requirements_problem
 
@@ -43,6 +39,7 @@ class Launches:
         self.log = log
         self.attempts_dir = private_dir(config.work_dir / "attempts")
         self.sockets_dir = private_dir(config.runtime_dir / "sockets", 0o711)
+        private_dir(config.work_dir / "code")  # every tenant's code archives: root's alone (node_agent/code.py)
         self.envs = EnvCache(config.work_dir / "envs", constraints_file=config.pip_constraints,
                              max_count=config.env_cache_max_count, max_bytes=int(config.env_cache_max_gb * 2**30),
                              build_timeout_s=config.env_build_timeout_s)
@@ -57,8 +54,6 @@ class Launches:
         indices = {gpu.index for gpu in gpus}
         if not set(spec.gpu_indices) <= indices:
             return f"GPU indices {spec.gpu_indices} are not all on this node (it has {sorted(indices)})"
-        if spec.python is not None and not (os.path.isabs(spec.python) and os.access(spec.python, os.X_OK)):
-            return f"the job's python {spec.python} is not an executable on this node"
         if spec.nproc_per_node < 1 or spec.nnodes < 1 or not 0 <= spec.node_rank < spec.nnodes:
             return (
                 f"invalid shape: node_rank {spec.node_rank} of {spec.nnodes} nodes, "
@@ -82,26 +77,37 @@ class Launches:
                     f"an attempt needs at least {self.config.min_free_mb} MiB (logs, rank status, state)")
         return None
 
-    def start(self, spec: LaunchSpec, node: NodeContext, gpus: list[GpuInfo], *, code_archive: Path | None = None,
-              code_problem: str | None = None) -> AttemptRun | None:
+    def interpreter_refusal(self, spec: LaunchSpec) -> str | None:
+        """Why the job's own ``python`` may not run here (node_agent/interpreters.py), or None. Not a
+        fault of this node's: the same job would be refused again, so it is a start_error (the job
+        fails at once, no retry)."""
+        if spec.python is None:
+            return None
+        return interpreter_problem(spec.python, (str(p) for p in self.config.allowed_pythons))
+
+    def start(self, spec: LaunchSpec, node: NodeContext, gpus: list[GpuInfo], *,
+              code: ShippedCode | None = None) -> AttemptRun | None:
         """Launch ``spec`` (or record why it cannot run); None when it was launched here before.
-        ``code_archive``: the job's shipped code in this node's cache; ``code_problem``: why it is not."""
+        ``code``: the job's shipped code (fetched and unpacked in the part's own thread)."""
         paths = self.paths(spec.attempt_id, spec.node_rank)
         grace = self.config.stop_grace_s
         if not SAFE_ID.match(spec.attempt_id):
             self.log.error("attempt_id_rejected", attempt_id=spec.attempt_id)
             return AttemptRun.failed(spec, paths, "attempt id not usable as a directory name on this node",
                                      stop_grace_s=grace, create_dir=False)
+        kind: AgentErrorKind | None = None
         try:
-            problem = self.problem(spec, gpus) or code_problem
+            problem = self.problem(spec, gpus)
+            if problem is None and (problem := self.interpreter_refusal(spec)) is not None:
+                kind = "start_error"
         except OSError as exc:
             problem = f"could not check the node for this attempt: {exc}"
         if problem is not None:
             self.log.error("attempt_not_runnable", attempt_id=spec.attempt_id, problem=problem)
             try:
-                return AttemptRun.failed(spec, paths, problem, stop_grace_s=grace)
+                return AttemptRun.failed(spec, paths, problem, stop_grace_s=grace, error_kind=kind)
             except OSError:
-                return AttemptRun.failed(spec, paths, problem, stop_grace_s=grace, create_dir=False)
+                return AttemptRun.failed(spec, paths, problem, stop_grace_s=grace, create_dir=False, error_kind=kind)
         confinement = Confinement()
         try:
             confinement = self.isolation.confine(node.node_id or None, spec.attempt_id, spec.node_rank,
@@ -113,7 +119,7 @@ class Launches:
         else:
             try:
                 return AttemptRun.launch(spec, node, paths, stop_grace_s=grace, confinement=confinement,
-                                         code_archive=code_archive, envs=self.envs)
+                                         code=code, envs=self.envs)
             except FileExistsError:
                 if paths.root.is_dir():
                     # Launched here before (adoption missed it): never launched twice.

@@ -4,24 +4,37 @@ docs/architecture.md "In-memory checkpoint tier" for why).
 ``MemoryTier`` holds the node's ShardStore and serves three callers:
 - the attempt's own workers, through the local API (local_api.py): ``put`` a shard just uploaded,
   ``get`` a shard by sha256 from this agent's memory or from a peer agent;
-- peer agents, over TCP (TLS when the agent has a node certificate) on the memory port
-  (memtier_peer.py): ``PUT``/``GET /v1/peer/jobs/<job>/shards/<rank>/<sha256>`` with
-  ``Authorization: Bearer <job memory secret>``;
+- peer agents, over TCP (TLS unless the operator opted out) on the memory port (memtier_peer.py):
+  ``PUT``/``GET /v1/peer/jobs/<job>/shards/<rank>/<sha256>`` with ``Authorization: Bearer <grant>``,
+  the job's grant for this node (trainyard/protocol/memtier.py ``memory_grant``; ``accepts``);
 - itself: after a worker's ``put`` it pushes the copy to the part's peer in the background (the
-  latest shard per job and rank only: a push still queued when a newer save arrives is dropped).
+  latest shard per job and rank only: a push still queued when a newer save arrives is dropped),
+  with the grant the part's spec holds for that peer.
 
-A peer request without a credential gets 401; an entry is found only with the secret that stored it
-(memstore.py), so another job's secret, or a guess, finds nothing (404), exactly like a shard that
-was never there. Every failure here is a miss for the worker, which then reads S3.
+A peer request without a job's grant for this node gets 401 and touches nothing. Every failure here
+is a miss for the worker, which then reads S3.
+
+Memory (issue 23, finding 5): a body is read only under a **reservation** of its declared length
+(``reserve``): all bodies being received at once, local and peer together, hold at most
+``inflight_bytes`` (a shard fetched from a peer for a worker is received under it too), and one
+job's at most its share; the bytes are allocated as they arrive, never
+the declared length up front. A job's **share** is the budget split evenly among the jobs this
+agent serves now (those that stored or asked for a shard here within JOB_IDLE_S); it bounds what the
+job stores (memstore.py evicts the job's own oldest to stay within it) and what it may have in
+flight. A request that does not fit is refused (413 over the share, 503 while the budget is taken)
+and the worker keeps its S3 copy only. At most the budget is stored and the in-flight budget being
+received, whatever workers and peers announce.
 """
 
 from __future__ import annotations
 
+import hmac
 import http.client
 import ssl
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -30,14 +43,19 @@ from urllib.parse import urlsplit
 import httpx
 import structlog
 
-from node_agent.memstore import ShardStore, owner_of
-from trainyard.protocol.memtier import PEER_PREFIX, MemoryTierSpec, chunks, get_body
+from node_agent.memstore import ShardStore, job_owner
+from trainyard.protocol.memtier import PEER_PREFIX, MemoryTierSpec, chunks, get_body, memory_grant
 
 log = structlog.get_logger(__name__)
 
 PEER_TIMEOUT_S = 30.0
 """One peer request; a peer that takes longer is treated as gone (the worker reads S3)."""
 _CHUNK = 4 * 1024 * 1024
+_ZEROS = bytes(_CHUNK)
+JOB_IDLE_S = 3600.0
+"""A job that neither stored nor asked for a shard here for this long no longer counts among the jobs
+sharing the budget, and its entries go at the next store (its attempts are over, or it saves less
+often than this: its copy would be stale anyway)."""
 
 
 @dataclass(frozen=True)
@@ -48,16 +66,27 @@ class AttemptMemory:
     secret: str
     peer_url: str | None = None
     sources: tuple[str, ...] = ()
+    grants: Mapping[str, str] = field(default_factory=dict)
+    """Peer URL -> the job's grant at that agent (the bearer it accepts); a URL without one is not asked."""
 
     @classmethod
     def of(cls, job_id: str, spec: MemoryTierSpec | None) -> AttemptMemory | None:
         if spec is None:
             return None
-        return cls(job_id, spec.secret, spec.peer_url, tuple(u for u in spec.sources if u != spec.peer_url))
+        return cls(job_id, spec.secret, spec.peer_url, tuple(u for u in spec.sources if u != spec.peer_url),
+                   dict(spec.grants))
 
     @property
     def owner(self) -> str:
-        return owner_of(self.secret)
+        return job_owner(self.job_id)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a shard body is not read: the status and detail of the problem answered."""
+
+    status: HTTPStatus
+    detail: str
 
 
 @dataclass
@@ -74,8 +103,18 @@ class _Pushes:
 
 class MemoryTier:
     def __init__(self, budget_bytes: int, *, peer_timeout_s: float = PEER_TIMEOUT_S,
-                 peer_tls: ssl.SSLContext | None = None, require_tls: bool = False) -> None:
+                 peer_tls: ssl.SSLContext | None = None, require_tls: bool = False,
+                 inflight_bytes: int | None = None, grant_key: str | None = None) -> None:
         self.store = ShardStore(budget_bytes)
+        self.inflight_bytes = max(1, budget_bytes if inflight_bytes is None else inflight_bytes)
+        """Shard bytes being received at once, local and peer requests together."""
+        self.grant_key = grant_key
+        """This node's grant key (memory_grant_key of its current credential: the agent sets it at each
+        registration); None: no peer request is accepted."""
+        self._inflight: dict[str, int] = {}
+        self._jobs: dict[str, float] = {}
+        """Job -> when it last stored or asked for a shard here (monotonic)."""
+        self._lock = threading.Lock()
         self.peer_timeout_s = peer_timeout_s
         self.peer_tls = peer_tls
         """What an https:// peer's certificate is verified against (the cluster's CA: the agent's
@@ -98,25 +137,97 @@ class MemoryTier:
             *, wait_peer_s: float = 0.0) -> None:
         """Keep the shard and queue its push to the peer, waiting up to ``wait_peer_s`` for the push
         to be over (done, failed or superseded); raises ShardRefused."""
-        self.store.put(memory.owner, memory.job_id, rank, sha256, data)
-        if memory.peer_url and self._allowed(memory.peer_url):
+        self.store_shard(memory.job_id, rank, sha256, data)
+        if memory.peer_url and self._allowed(memory.peer_url) and self._grant(memory, memory.peer_url):
             done = self._queue_push(memory, rank, sha256, data)
             if wait_peer_s > 0:
                 done.wait(wait_peer_s)
 
     def get(self, memory: AttemptMemory, rank: int, sha256: str, tier: str) -> bytes | bytearray | None:
         """The shard's bytes from this agent's memory (``local``) or a peer's (``peer``), or None."""
+        self.touch(memory.job_id)
         if tier == "local":
             # By content, whatever rank stored it: torchrun may give a rank another node this time,
             # and this agent may hold the bytes as another node's peer.
             entry = self.store.get(memory.owner, memory.job_id, sha256)
             return None if entry is None else entry.data
         for url in (memory.peer_url, *memory.sources):
-            if url and self._allowed(url):
+            if url and self._allowed(url) and self._grant(memory, url):
                 data = self._fetch(url, memory, rank, sha256)
                 if data is not None:
                     return data
         return None
+
+    # --- the budget: shares, reservations, grants ---
+
+    def touch(self, job_id: str) -> None:
+        with self._lock:
+            self._jobs[job_id] = time.monotonic()
+
+    def share_of(self, job_id: str) -> int:
+        """The bytes ``job_id`` may store here (and have in flight): the budget over the jobs served
+        now (seen within JOB_IDLE_S), the asking one included, which counts as seen now."""
+        now = time.monotonic()
+        with self._lock:
+            self._jobs[job_id] = now
+            for gone in [j for j, seen in self._jobs.items() if now - seen >= JOB_IDLE_S]:
+                del self._jobs[gone]
+            active = len(self._jobs)
+        return self.store.budget_bytes // active
+
+    def store_shard(self, job_id: str, rank: int, sha256: str, data: bytes | bytearray) -> None:
+        """Keep a shard for ``job_id`` within its share, evicting only its own entries (and those
+        of jobs idle past JOB_IDLE_S); raises ShardRefused."""
+        share = self.share_of(job_id)
+        self._expire_idle()
+        self.store.put(job_owner(job_id), job_id, rank, sha256, data, share=share)
+
+    def _expire_idle(self) -> None:
+        with self._lock:
+            active = set(self._jobs)
+        for job_id in self.store.jobs() - active:
+            self.store.drop_job(job_id)
+
+    def reserve(self, job_id: str, length: int) -> Refusal | None:
+        """Hold ``length`` bytes of the in-flight budget for a body of ``job_id`` about to be read;
+        None when held (the caller must ``release`` it on every path), else why not."""
+        share = self.share_of(job_id)
+        if length > share:
+            return Refusal(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                           f"a shard of {length} bytes is over this job's share of this agent's memory budget "
+                           f"({share} of {self.store.budget_bytes} bytes)")
+        with self._lock:
+            mine = self._inflight.get(job_id, 0)
+            total = sum(self._inflight.values())
+            if mine + length > share or total + length > self.inflight_bytes:
+                return Refusal(HTTPStatus.SERVICE_UNAVAILABLE,
+                               "too many shard bytes are being received at once (this job's or all jobs')")
+            self._inflight[job_id] = mine + length
+        return None
+
+    def release(self, job_id: str, length: int) -> None:
+        with self._lock:
+            left = self._inflight.get(job_id, 0) - length
+            if left > 0:
+                self._inflight[job_id] = left
+            else:
+                self._inflight.pop(job_id, None)
+
+    @property
+    def inflight_held(self) -> int:
+        with self._lock:
+            return sum(self._inflight.values())
+
+    def accepts(self, job_id: str, bearer: str) -> bool:
+        """Whether ``bearer`` is the control plane's grant of ``job_id`` for this node."""
+        key = self.grant_key
+        return key is not None and hmac.compare_digest(bearer.encode(), memory_grant(key, job_id).encode())
+
+    def _grant(self, memory: AttemptMemory, url: str) -> str | None:
+        grant = memory.grants.get(url)
+        if grant is None:
+            log.info("memory_peer_without_grant", peer=url[:200], job_id=memory.job_id)
+        return grant
 
     # --- peers ---
 
@@ -136,16 +247,31 @@ class MemoryTier:
 
     def _fetch(self, base: str, memory: AttemptMemory, rank: int, sha256: str) -> bytearray | None:
         url = urlsplit(self._peer_url(base, memory, rank, sha256))
+        held = 0
+
+        def admit(size: int) -> bool:
+            # A body from a peer is received under the same in-flight budget as a put's (finding 5).
+            nonlocal held
+            if self.reserve(memory.job_id, size) is not None:
+                log.info("memory_peer_fetch_refused", peer=base, job_id=memory.job_id, bytes=size)
+                return False
+            held = size
+            return True
+
         try:
             # http.client reads the body straight into one buffer (httpx would copy it chunk by chunk).
             conn = (http.client.HTTPSConnection(url.hostname or "", url.port, timeout=self.peer_timeout_s,
                                                 context=self._tls())
                     if url.scheme == "https" else
                     http.client.HTTPConnection(url.hostname or "", url.port, timeout=self.peer_timeout_s))
-            data = get_body(conn, url.path, {"Authorization": f"Bearer {memory.secret}"}, self.store.budget_bytes)
+            data = get_body(conn, url.path, {"Authorization": f"Bearer {memory.grants.get(base, '')}"},
+                            self.store.budget_bytes, admit)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             log.info("memory_peer_unreachable", peer=base, error=str(exc)[:200])
             return None
+        finally:
+            if held:
+                self.release(memory.job_id, held)
         # Not hashed here: the worker checks every byte against the committed manifest anyway, and a
         # second pass over a 2 GB shard costs a second.
         return data
@@ -183,7 +309,7 @@ class MemoryTier:
             try:
                 with httpx.Client(timeout=self.peer_timeout_s, trust_env=False, verify=self._tls()) as client:
                     answer = client.put(self._peer_url(url, memory, rank, sha256), content=chunks(data),
-                                        headers={"Authorization": f"Bearer {memory.secret}",
+                                        headers={"Authorization": f"Bearer {memory.grants.get(url, '')}",
                                                  "Content-Type": "application/octet-stream",
                                                  "Content-Length": str(len(data))})
                 ok = answer.status_code == HTTPStatus.CREATED
@@ -220,15 +346,20 @@ class MemoryTier:
 
 
 def read_exactly(stream: Any, length: int) -> bytearray:
-    """``length`` bytes of ``stream`` in chunks (raises TimeoutError when it ends early)."""
-    buffer = bytearray(length)
-    view = memoryview(buffer)
-    got = 0
-    while got < length:
-        n = stream.readinto(view[got:got + _CHUNK])
+    """``length`` bytes of ``stream`` (raises TimeoutError when it ends early). The buffer grows as the
+    bytes arrive (issue 23, finding 5): a sender that announces 4 GiB and sends nothing costs nothing,
+    and a shard still moves at memory speed (``readinto`` straight into the buffer; appending to a
+    bytearray reallocates in place or by remapping, amortized)."""
+    buffer = bytearray()
+    zeros = memoryview(_ZEROS)
+    while len(buffer) < length:
+        start = len(buffer)
+        want = min(_CHUNK, length - start)
+        buffer += zeros[:want]
+        with memoryview(buffer) as whole, whole[start:] as tail:
+            n = stream.readinto(tail)
         if not n:
             raise TimeoutError("the body ended early")
-        got += n
+        if n < want:
+            del buffer[start + n:]
     return buffer  # not bytes(buffer): that would hold a shard twice
-
-

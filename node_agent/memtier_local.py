@@ -8,8 +8,10 @@ Fenced like every local request: the attempt's fencing token goes in X-Trainyard
 body is the shard itself, not JSON), 409 when it is wrong or the attempt is not here. The job and
 the credential come from the attempt's LaunchSpec (AttemptMemory), never from the worker: a worker
 can only store and read its own job's shards. The bodies are binary and as large as a shard, so
-these routes take a body up to the memory budget (not the API's JSON limit) and allow it time in
-proportion to its size.
+these routes take a body up to the job's share of the memory budget (not the API's JSON limit), read
+only under a reservation from the tier's in-flight budget (memtier.py: 413 over the share, 503 while
+the budget is taken, nothing allocated before the bytes arrive), and allow it time in proportion to
+its size.
 """
 
 from __future__ import annotations
@@ -94,20 +96,26 @@ def _put(handler: Any, tier: Any, memory: Any, rank: int, sha: str) -> None:
     if not text.isdigit() or len(text) > 20:
         handler._problem(HTTPStatus.LENGTH_REQUIRED, "a Content-Length (a byte count) is required")
         return
-    length, budget = int(text), tier.store.budget_bytes
-    if length > budget:
-        handler._problem(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                         f"a shard of {length} bytes is over this agent's memory budget of {budget} bytes")
+    length = int(text)
+    # Reserved before a byte of the body is read, released on every path (memtier.py, finding 5 of
+    # issue 23): a worker that announces more than its job's share, or while the in-flight budget is
+    # taken, is refused at once and keeps its shard in S3 only.
+    refused = tier.reserve(memory.job_id, length)
+    if refused is not None:
+        handler._problem(refused.status, refused.detail)
         return
-    handler.reader.deadline = time.monotonic() + handler.server.limits.request_timeout_s + length / MIN_BYTES_PER_S
-    data = read_exactly(handler.rfile, length)
     try:
+        handler.reader.deadline = (time.monotonic() + handler.server.limits.request_timeout_s
+                                   + length / MIN_BYTES_PER_S)
+        data = read_exactly(handler.rfile, length)
         # The worker reports its shard after this answer: waiting for the peer's copy (bounded)
         # means a committed checkpoint is in two memories unless the peer is slow or gone.
         tier.put(memory, rank, sha, data, wait_peer_s=min(tier.peer_timeout_s, 5.0 + length / MIN_BYTES_PER_S))
     except ShardRefused as exc:
         handler._problem(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc))
         return
+    finally:
+        tier.release(memory.job_id, length)
     log.debug("memory_shard_stored", job_id=memory.job_id, rank=rank, bytes=length)
     handler._send(HTTPStatus.CREATED, {"stored": True, "peer": bool(memory.peer_url)}, "application/json")
 

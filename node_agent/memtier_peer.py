@@ -4,19 +4,26 @@ tier, docs/architecture.md "In-memory checkpoint tier").
     PUT /v1/peer/jobs/<job>/shards/<rank>/<sha256>   shard bytes -> 201
     GET /v1/peer/jobs/<job>/shards/<rank>/<sha256>   -> 200 bytes, 404
 
-with ``Authorization: Bearer <job memory secret>``. The port is reachable by any host that can reach
+with ``Authorization: Bearer <memory grant>``: the control plane's grant of that job for this node
+(trainyard/protocol/memtier.py ``memory_grant``, checked by ``MemoryTier.accepts``). Any other bearer
+(a guess, another job's grant, this job's grant for another node) gets 401 and neither reads, stores
+nor evicts anything; a granted job stores within its share and evicts only its own entries
+(memstore.py). The port is reachable by any host that can reach
 the node, so it is bounded like the local API (connections.py; PeerLimits): at most
 ``connections_total`` connections are served at once and ``connections_per_peer`` from one address
 (503 beyond, answered without a thread); the request line and headers must arrive within
 ``request_timeout_s`` and a body within that plus its size at MIN_BYTES_PER_S (408, then closed);
-a body is at most the store's budget (413) and all bodies being received at once at most
-``inflight_bytes`` (503): a host that opens connections, or trickles bytes, or announces huge bodies,
+a body is read only under a reservation from the tier's in-flight budget, shared with the local
+API's puts (MemoryTier.reserve: 413 over the job's share, 503 while the budget is taken), and is
+allocated as it arrives: a host that opens connections, or trickles bytes, or announces huge bodies,
 costs the agent a bounded number of threads and bytes, and a peer from another address is still
 served. One request per connection.
 
 With a node certificate (``--memory-tls-cert``/``--memory-tls-key``) the port speaks TLS only, and
 peers verify it against the cluster's CA (their ``--ca-file``); the handshake runs on the
-connection's own thread, under the same deadline.
+connection's own thread, under the same deadline. Without one the agent serves no memory port at all
+unless its operator passed ``--memory-plain-http`` (node_agent/config.py), which it logs as a
+warning: grants and shards would cross the network in clear.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from urllib.parse import unquote
 import structlog
 
 from node_agent.connections import DeadlineReader, Gate, KeyedGates, SocketWriter, problem_bytes, refuse
-from node_agent.memstore import ShardRefused, owner_of
+from node_agent.memstore import ShardRefused, job_owner
 from node_agent.memtier import MemoryTier, read_exactly
 from trainyard.protocol.memtier import JOB_ID_RE, PEER_PREFIX, parse_rank, valid_sha256
 
@@ -61,7 +68,8 @@ class PeerLimits:
     restoring at once each fetch through their agent: 16 covers a node of 8 GPUs twice over (beyond
     it a fetch is a miss and reads S3)."""
     inflight_bytes: int | None = None
-    """Shard bytes being received at once, over all connections; None: the store's budget."""
+    """Lowers the tier's in-flight budget (MemoryTier.inflight_bytes, shared with the local API's puts);
+    None: the tier's as it is."""
 
     def __post_init__(self) -> None:
         if self.request_timeout_s <= 0:
@@ -115,7 +123,7 @@ class _PeerHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _target(self) -> tuple[str, int, str, str] | None:
-        """(job, rank, sha256, owner) of a well-formed, authenticated request; None: answered."""
+        """(job, rank, sha256, owner) of a well-formed request with the job's grant; None: answered."""
         parts = self.path.partition("?")[0].split("/")
         # "", v1, peer, jobs, <job>, shards, <rank>, <sha256>
         if len(parts) != 8 or "/".join(parts[:4]) != PEER_PREFIX or parts[5] != "shards":
@@ -127,10 +135,12 @@ class _PeerHandler(BaseHTTPRequestHandler):
             return None
         auth = self.headers.get("Authorization") or ""
         scheme, _, secret = auth.partition(" ")
-        if scheme.lower() != "bearer" or len(secret.strip()) < 32:
-            self._answer(HTTPStatus.UNAUTHORIZED, "a job's memory secret is required (Authorization: Bearer)")
+        if scheme.lower() != "bearer" or not self.server.tier.accepts(job_id, secret.strip()):
+            self._answer(HTTPStatus.UNAUTHORIZED, "the control plane's memory grant of this job for this node is "
+                         "required (Authorization: Bearer)")
             return None
-        return job_id, rank, sha, owner_of(secret.strip())
+        self.server.tier.touch(job_id)
+        return job_id, rank, sha, job_owner(job_id)
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
         target = self._target()
@@ -152,24 +162,20 @@ class _PeerHandler(BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding") or not text.isdigit() or len(text) > 20:
             self._answer(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required")
             return
-        length, budget = int(text), self.server.tier.store.budget_bytes
-        if length > budget:
-            self._answer(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"a shard of {length} bytes is over the budget "
-                         f"of {budget} bytes")
-            return
-        if not self.server.inflight.acquire(length):
-            self._answer(HTTPStatus.SERVICE_UNAVAILABLE, "too many shard bytes are being received at once")
+        length, tier = int(text), self.server.tier
+        refused = tier.reserve(job_id, length)
+        if refused is not None:
+            self._answer(refused.status, refused.detail)
             return
         try:
             self.reader.deadline += length / MIN_BYTES_PER_S
             data = read_exactly(self.rfile, length)
-        finally:
-            self.server.inflight.release(length)
-        try:
-            self.server.tier.store.put(owner, job_id, rank, sha, data)
+            tier.store_shard(job_id, rank, sha, data)
         except ShardRefused as exc:
             self._answer(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc))
             return
+        finally:
+            tier.release(job_id, length)
         self._answer(HTTPStatus.CREATED, "stored")
 
 
@@ -187,7 +193,8 @@ class PeerServer(socketserver.TCPServer):
         self.tls = tls
         self.active = Gate(self.limits.connections_total)
         self.per_peer = KeyedGates(self.limits.connections_per_peer)
-        self.inflight = Gate(self.limits.inflight_bytes or max(1, tier.store.budget_bytes))
+        if self.limits.inflight_bytes is not None:
+            tier.inflight_bytes = min(tier.inflight_bytes, self.limits.inflight_bytes)
         self._connection = threading.local()
         self._lock = threading.Lock()
         self.serving = 0

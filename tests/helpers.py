@@ -158,3 +158,29 @@ def make_wheel(directory: Path, name: str, version: str, source: str) -> Path:
         for path, text in files.items():
             zf.writestr(path, text)
     return wheel
+
+
+def make_wheel_with(directory: Path, name: str, version: str, files: dict[str, str]) -> Path:
+    """A wheel of ``files`` (paths inside it, ``<name>-<version>.data/scripts/...`` included: an
+    attacker's wheel), with its metadata and RECORD, as pip expects."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    wheel_info = "Wheel-Version: 1.0\nGenerator: trainyard-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": wheel_info}
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    wheel = directory / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, text in files.items():
+            info_entry = zipfile.ZipInfo(path)
+            info_entry.external_attr = (0o755 if "/scripts/" in path else 0o644) << 16
+            zf.writestr(info_entry, text)
+    wheel.chmod(0o644)
+    return wheel

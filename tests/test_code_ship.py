@@ -71,3 +71,13 @@ def test_a_job_files_requirements_file_becomes_its_requirements(tmp_path: Path) 
     job.write_text("name: j\nrequirements_file: code/requirements.txt\nrequirements: other\n")
     with pytest.raises(ApiError, match="may not also set requirements"):
         load_spec(job)
+
+
+def test_a_trainyardignore_applies_after_the_gitignore_of_its_folder(tmp_path: Path) -> None:
+    """Issue 26 item 6: a workdir's .trainyardignore (gitignore syntax) leaves out what git keeps
+    (data, checkpoints) and can ship what git ignores (a generated config)."""
+    _tree(tmp_path)
+    (tmp_path / ".trainyardignore").write_text("notes.tmp\n!run.log\n")
+    (tmp_path / "lib" / ".trainyardignore").write_text("model.py\n")
+    assert [p.as_posix() for p in files_of(tmp_path)] == [
+        ".gitignore", ".trainyardignore", "keep.log", "lib/.gitignore", "lib/.trainyardignore", "run.log", "train.py"]

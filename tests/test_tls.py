@@ -32,6 +32,7 @@ from trainyard.certs import ensure_server_tls
 from trainyard.cli import main
 from trainyard.protocol.agent import GpuInfo, RegisterRequest
 from trainyard.protocol.grants import StorageRequest
+from trainyard.protocol.memtier import memory_grant_key
 from trainyard.tls import client_context
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,7 +217,7 @@ def test_the_cli_verifies_the_control_plane_with_trainyard_ca_file(
     assert len(err.strip().splitlines()) == 1
     monkeypatch.setenv("TRAINYARD_CA_FILE", str(https_server.ca_file))
     with pytest.raises(SystemExit) as trusted:
-        main(["whoami"])
+        main(["whoami", "--output", "json"])
     out, err = capsys.readouterr()
     assert trusted.value.code == 0 and json.loads(out)["role"] == "admin", err
 
@@ -239,6 +240,8 @@ def test_an_agent_with_a_node_certificate_serves_its_memory_port_over_tls(
         agent.start()
         assert agent.registered.wait(30) and agent.memory_port is not None
         assert agent.memory is not None and agent.memory.require_tls
+        # Its port accepts the grants the control plane derives from its credential (issue 23, finding 9).
+        assert agent.client.node_token and agent.memory.grant_key == memory_grant_key(agent.client.node_token)
         with socket.create_connection(("127.0.0.2", agent.memory_port), timeout=5) as raw, \
                 client_context(https_server.ca_file).wrap_socket(raw, server_hostname="127.0.0.2") as tls:
             assert tls.version() is not None  # the cluster's CA vouches for the node's certificate
@@ -252,3 +255,19 @@ def test_an_agent_with_a_node_certificate_serves_its_memory_port_over_tls(
             engine.dispose()
     finally:
         agent.stop(timeout=5)
+
+
+def test_without_a_node_certificate_the_memory_port_is_plain_http_only_when_the_operator_asks(tmp_path: Path) -> None:
+    """Issue 23 finding 9: shards and grants never cross the network in clear by default."""
+    base = {"control_plane_url": "http://127.0.0.1:9", "join_token": "j", "name": "n", "address": "127.0.0.2",
+            "virtual_gpus": 1, "work_dir": tmp_path / "agent", "memory_tier_mb": 1}
+    off = Agent(AgentConfig(**base))  # type: ignore[arg-type]
+    off._start_memory_tier()
+    assert off.memory is None and off.memory_port is None  # registered without a memory port: no peer for anyone
+    plain = Agent(AgentConfig(**base, memory_plain_http=True))  # type: ignore[arg-type]
+    plain._start_memory_tier()
+    try:
+        assert plain.memory is not None and plain.memory_port is not None and not plain.memory.require_tls
+    finally:
+        assert plain._peer_server is not None
+        plain._peer_server.stop()

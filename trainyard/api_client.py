@@ -20,10 +20,13 @@ import os
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from trainyard.protocol.display import printable
 
 DEFAULT_URL = "https://127.0.0.1:8000"
 TOKEN_ENV = "TRAINYARD_TOKEN"
@@ -36,6 +39,15 @@ Url = Annotated[str | None, typer.Option("--url", envvar=URL_ENV, show_default=F
 TokenFile = Annotated[Path | None, typer.Option(
     "--token-file", envvar="TRAINYARD_TOKEN_FILE", show_default=False,
     help="File holding your API token (default: TRAINYARD_TOKEN, else the token `trainyard login` stored).")]
+
+
+class OutputFormat(StrEnum):
+    table = "table"
+    json = "json"
+
+
+Format = Annotated[OutputFormat, typer.Option(
+    "--output", "-o", help="table (default, for people) or json (the API's documents, for scripts).")]
 
 
 class ApiError(Exception):
@@ -189,7 +201,8 @@ class Api:
                 return
 
     def stream_lines(self, path: str, **params: Any) -> Iterator[str]:
-        """A streamed text answer (followed logs), line by line."""
+        """A streamed text answer (followed logs), line by line, with control characters written out
+        (a worker's output must not drive the reader's terminal)."""
         import httpx
 
         try:
@@ -199,7 +212,8 @@ class Api:
                 if response.status_code >= 400:
                     response.read()
                     raise ApiError(f"{response.status_code}: {problem_detail(response)}", response.status_code)
-                yield from response.iter_lines()
+                for line in response.iter_lines():
+                    yield printable(line)
         except httpx.HTTPError as exc:
             raise self.unreachable(exc, "lost") from exc
 

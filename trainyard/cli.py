@@ -66,10 +66,11 @@ def server(
     --tls-cert and --tls-key, plain HTTP without (then only behind a TLS-terminating proxy)."""
     import uvicorn
 
+    from control_plane.http_deadlines import uvicorn_options
     from control_plane.settings import Settings
 
     try:
-        Settings()  # validate the environment before uvicorn starts: one clear line if it is wrong
+        settings = Settings()  # validate the environment before uvicorn starts: one clear line if it is wrong
     except ValueError as exc:
         raise CliError(f"invalid settings: {_first_line(exc)}") from exc
     certfile, keyfile = _check_tls(tls_cert, tls_key)
@@ -83,6 +84,7 @@ def server(
         access_log=False,
         ssl_certfile=certfile,
         ssl_keyfile=keyfile,
+        **uvicorn_options(settings),
     )
 
 
@@ -163,6 +165,9 @@ def agent(
     worker_env: Annotated[
         list[str] | None, typer.Option(help="A variable of the agent's environment to give workers (repeatable).")
     ] = None,
+    allowed_python: Annotated[list[Path] | None, typer.Option(
+        help="An interpreter jobs may name as their python besides root-owned ones no one else can write "
+        "(repeatable).", show_default=False)] = None,
     join_token_file: Annotated[Path | None, typer.Option(
         help="File holding a join token (default: the TRAINYARD_JOIN_TOKEN variable). Needed for the first "
         "registration only: the agent keeps its node credential in its work dir.", show_default=False)] = None,
@@ -190,6 +195,9 @@ def agent(
     memory_tls_key: Annotated[Path | None, typer.Option(
         help="PEM private key of --memory-tls-cert.", envvar="TRAINYARD_AGENT_MEMORY_TLS_KEY",
         show_default=False)] = None,
+    memory_plain_http: Annotated[bool, typer.Option(
+        "--memory-plain-http", help="Without --memory-tls-cert, serve the memory port in plain HTTP (a trusted "
+        "network only: shards and job grants cross it in clear). Without either the tier is off.")] = False,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
@@ -216,12 +224,14 @@ def agent(
             cgroups=cgroups,
             standbys=standbys,
             worker_env_passthrough=tuple(worker_env or ()),
+            allowed_pythons=tuple(allowed_python or ()),
             outbox_max_items=outbox_max_items,
             outbox_max_bytes=int(outbox_max_mb * 2**20),
             memory_tier_mb=memory_tier_mb,
             memory_port=memory_port,
             memory_tls_cert=memory_tls_cert,
             memory_tls_key=memory_tls_key,
+            memory_plain_http=memory_plain_http,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

@@ -23,6 +23,13 @@ tokens_app = typer.Typer(help="API tokens: create (shown once), list, revoke.", 
 join_app = typer.Typer(help="Join tokens for node agents (operators).", no_args_is_help=True)
 
 Url = api_client.Url
+Format = api_client.Format
+PRINCIPAL_COLUMNS = (("NAME", "name"), ("TENANT", "tenant"), ("ROLE", "role"), ("TOKENS", "tokens"),
+                     ("CREATED", "created_at"), ("BY", "created_by"), ("DISABLED", "disabled_at"))
+TOKEN_COLUMNS = (("ID", "id"), ("PRINCIPAL", "principal"), ("DESCRIPTION", "description"), ("CREATED", "created_at"),
+                 ("EXPIRES", "expires_at"), ("LAST USED", "last_used_at"), ("REVOKED", "revoked_at"))
+JOIN_COLUMNS = (("ID", "id"), ("NODE", "node_name"), ("USES", "uses"), ("MAX USES", "max_uses"),
+                ("DESCRIPTION", "description"), ("EXPIRES", "expires_at"), ("REVOKED", "revoked_at"))
 TokenFile = Annotated[Path | None, typer.Option(
     "--token-file", envvar="TRAINYARD_TOKEN_FILE", show_default=False,
     help="File holding your API token (default: the TRAINYARD_TOKEN variable).")]
@@ -81,6 +88,21 @@ def _show(doc: Any) -> None:
     print(json.dumps(doc, indent=2), file=sys.stderr)
 
 
+def _listing(doc: Any, output: api_client.OutputFormat, columns: tuple[tuple[str, str], ...]) -> None:
+    """A listing on stdout: a table for people, or the API's JSON with ``--output json``."""
+    from rich.console import Console
+
+    from trainyard import job_view
+
+    if output is api_client.OutputFormat.json:
+        print(json.dumps(doc, indent=2))
+    elif not doc:
+        print("none", file=sys.stderr)
+    else:
+        job_view.print_to(Console(width=None if sys.stdout.isatty() else 200, highlight=False),
+                          job_view.records_table(doc, columns) if isinstance(doc, list) else job_view.key_values(doc))
+
+
 def _secret_out(token: str, output: Path | None) -> None:
     if output is None:
         print(token, flush=True)
@@ -112,8 +134,10 @@ def principals_create(
 
 
 @principals_app.command("list")
-def principals_list(url: Url = None, token_file: TokenFile = None) -> None:
-    print(json.dumps(call(url, token_file, "GET", "/v1/principals"), indent=2))
+def principals_list(output: Format = api_client.OutputFormat.table, url: Url = None,
+                    token_file: TokenFile = None) -> None:
+    """Principals: tenant, role, live tokens."""
+    _listing(call(url, token_file, "GET", "/v1/principals"), output, PRINCIPAL_COLUMNS)
 
 
 @principals_app.command("disable")
@@ -139,9 +163,10 @@ def tokens_create(
 
 @tokens_app.command("list")
 def tokens_list(principal: Annotated[str | None, typer.Option(help="Whose (admins).")] = None,
-                url: Url = None, token_file: TokenFile = None) -> None:
+                output: Format = api_client.OutputFormat.table, url: Url = None, token_file: TokenFile = None) -> None:
+    """API tokens (never the secrets): when each expires, was last used, was revoked."""
     params = {"principal": principal} if principal else None
-    print(json.dumps(call(url, token_file, "GET", "/v1/tokens", params=params), indent=2))
+    _listing(call(url, token_file, "GET", "/v1/tokens", params=params), output, TOKEN_COLUMNS)
 
 
 @tokens_app.command("revoke")
@@ -166,8 +191,9 @@ def join_create(
 
 
 @join_app.command("list")
-def join_list(url: Url = None, token_file: TokenFile = None) -> None:
-    print(json.dumps(call(url, token_file, "GET", "/v1/join-tokens"), indent=2))
+def join_list(output: Format = api_client.OutputFormat.table, url: Url = None, token_file: TokenFile = None) -> None:
+    """Join tokens: the node each is for, uses, expiry."""
+    _listing(call(url, token_file, "GET", "/v1/join-tokens"), output, JOIN_COLUMNS)
 
 
 @join_app.command("revoke")
@@ -175,6 +201,6 @@ def join_revoke(token_id: str, url: Url = None, token_file: TokenFile = None) ->
     _show(call(url, token_file, "DELETE", f"/v1/join-tokens/{token_id}"))
 
 
-def whoami(url: Url = None, token_file: TokenFile = None) -> None:
+def whoami(output: Format = api_client.OutputFormat.table, url: Url = None, token_file: TokenFile = None) -> None:
     """Your principal: name, tenant, role."""
-    print(json.dumps(call(url, token_file, "GET", "/v1/whoami"), indent=2))
+    _listing(call(url, token_file, "GET", "/v1/whoami"), output, ())

@@ -6,6 +6,7 @@ id (what ``ps`` shows). Failures are one line, from the API's problem+json ``det
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -17,7 +18,7 @@ import typer
 from rich.console import Console
 
 from trainyard import job_view
-from trainyard.api_client import Api, ApiError, TokenFile, Url, read_token_file, save_config
+from trainyard.api_client import Api, ApiError, Format, OutputFormat, TokenFile, Url, read_token_file, save_config
 
 nodes_app = typer.Typer(help="Nodes: list them, cordon, drain, uncordon (operators).", invoke_without_command=True)
 tenants_app = typer.Typer(help="Tenants: their weights, quotas and GPUs in use (operators).",
@@ -133,12 +134,16 @@ def ps(
     tenant: Annotated[list[str] | None, typer.Option(help="Only this tenant's jobs (repeatable).")] = None,
     name: Annotated[str | None, typer.Option(help="Only jobs of this name.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="At most this many jobs.")] = 50,
-    url: Url = None, token_file: TokenFile = None,
+    output: Format = OutputFormat.table, url: Url = None, token_file: TokenFile = None,
 ) -> None:
-    """Jobs, newest first: state, step of total, step rate, ETA, loss, GPUs, age."""
+    """Jobs, newest first: state (a recovery shows as recovering), step of total, step rate, ETA, loss, GPUs,
+    age, and what a job that is not running waits for."""
     api = Api.from_options(url, token_file)
     states = state or (None if all_ else list(ACTIVE))
     jobs = list(api.pages("/v1/jobs", most=limit, state=states, tenant=tenant, name=name, limit=min(limit, 500)))
+    if output is OutputFormat.json:
+        print(json.dumps(jobs, indent=2))
+        return
     if not jobs:
         print("no jobs" + ("" if all_ or state else " running or waiting (--all shows ended ones)"), file=sys.stderr)
         return
@@ -176,16 +181,62 @@ def logs(
     raise typer.Exit(_follow(api, job, rank=rank, attempt=attempt, stream=stream))
 
 
+class _JobEvents:
+    """A followed job's failures and recoveries, as they happen: the events API polled with
+    ``after`` beside the log stream, each event that job_view.event_line names printed on stderr
+    as one ``trainyard:`` line (the logs stay alone on stdout)."""
+
+    def __init__(self, api: Api, job_id: str, say: Any) -> None:
+        self.api, self.job_id, self.say = api, job_id, say
+        self.after = 0
+        self.done = threading.Event()
+        self._lock = threading.Lock()  # the last poll, after the logs end, may meet the thread's
+
+    def poll(self) -> None:
+        with self._lock:
+            while True:
+                try:
+                    page = self.api.get(f"/v1/jobs/{self.job_id}/events", after=self.after, limit=500)
+                except ApiError:
+                    return  # the next poll tries again; following the logs goes on
+                for event in page["items"]:
+                    self.after = max(self.after, int(event["id"]))
+                    line = job_view.event_line(event)
+                    if line is not None:
+                        self.say(f"trainyard: {line}")
+                if len(page["items"]) < 500:
+                    return
+
+    def __enter__(self) -> _JobEvents:
+        def run() -> None:
+            while not self.done.wait(EVENT_POLL_S):
+                self.poll()
+        threading.Thread(target=run, daemon=True, name="job-events").start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.poll()  # what happened last (the failure that ended the job) before the last line
+
+
+EVENT_POLL_S = 2.0
+"""How often a followed job's events are polled."""
+
+
 def _follow(api: Api, job: dict[str, Any], *, rank: int | None, attempt: int | None, stream: str | None = None) -> int:
-    """Follow a job's logs until it ends, with a live progress line on a terminal; the exit status."""
+    """Follow a job's logs until it ends, with a live progress line on a terminal and a line for each
+    failure and recovery (_JobEvents); the exit status."""
     console = Console(stderr=True)
     lines = api.stream_lines(f"/v1/jobs/{job['id']}/logs", follow="true", rank=rank, attempt=attempt, stream=stream)
     if console.is_terminal:
-        _follow_live(api, job, lines, console)
+        with _JobEvents(api, job["id"], lambda line: console.print(line, style="magenta", markup=False,
+                                                                  highlight=False, soft_wrap=True)):
+            _follow_live(api, job, lines, console)
     else:
-        for line in lines:
-            print(line, flush=True)
-    final = api.get(f"/v1/jobs/{job['id']}")
+        with _JobEvents(api, job["id"], lambda line: print(line, file=sys.stderr, flush=True)):
+            for line in lines:
+                print(line, flush=True)
+    final = job_view.shown(api.get(f"/v1/jobs/{job['id']}"))
     p = final["progress"]
     console.print(f"job {final['name']} {final['state']} at step {job_view.step_of(p)}"
                   + (f": {final['end_reason']}" if final.get("end_reason") and final["state"] != "succeeded" else ""),
@@ -205,12 +256,12 @@ def _follow_live(api: Api, job: dict[str, Any], lines: Any, console: Console) ->
     def poll() -> None:
         while not done.wait(2.0):
             try:
-                now = api.get(f"/v1/jobs/{job['id']}")
+                now = job_view.shown(api.get(f"/v1/jobs/{job['id']}"))
             except ApiError:
                 continue
             p = now["progress"]
             bar.update(task, completed=p.get("step") or 0, total=p.get("total_steps"),
-                       description=f"{now['name']} {now['state']}", rate=job_view.rate(p),
+                       description=f"{now['name']} {job_view.shown_state(now)}", rate=job_view.rate(p),
                        metrics=job_view.metrics_line(p, most=2))
 
     threading.Thread(target=poll, daemon=True).start()
@@ -231,10 +282,19 @@ def cancel(job_ref: JobRef, url: Url = None, token_file: TokenFile = None) -> No
 
 
 @nodes_app.callback()
-def nodes_list(ctx: typer.Context, url: Url = None, token_file: TokenFile = None) -> None:
+def nodes_list(ctx: typer.Context, output: Format = OutputFormat.table, url: Url = None,
+               token_file: TokenFile = None) -> None:
     """Nodes: state, cordon/drain, GPUs and those in use, last heartbeat, labels."""
     if ctx.invoked_subcommand is None:
-        job_view.print_to(_console(), job_view.nodes_table(Api.from_options(url, token_file).get("/v1/nodes")))
+        _list(Api.from_options(url, token_file).get("/v1/nodes"), output, job_view.nodes_table)
+
+
+def _list(doc: Any, output: OutputFormat, table: Any) -> None:
+    """A listing on stdout: a table, or the API's JSON with ``--output json``."""
+    if output is OutputFormat.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        job_view.print_to(_console(), table(doc))
 
 
 def _node_action(action: str, node: str, url: str | None, token_file: Path | None) -> None:
@@ -266,10 +326,11 @@ def nodes_uncordon(node: NodeRef, url: Url = None, token_file: TokenFile = None)
 
 
 @tenants_app.callback()
-def tenants_list(ctx: typer.Context, url: Url = None, token_file: TokenFile = None) -> None:
+def tenants_list(ctx: typer.Context, output: Format = OutputFormat.table, url: Url = None,
+                 token_file: TokenFile = None) -> None:
     """Tenants: weight, GPU quota, priority cap, GPUs in use, jobs waiting and running."""
     if ctx.invoked_subcommand is None:
-        job_view.print_to(_console(), job_view.tenants_table(Api.from_options(url, token_file).get("/v1/tenants")))
+        _list(Api.from_options(url, token_file).get("/v1/tenants"), output, job_view.tenants_table)
 
 
 @tenants_app.command("set")

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from trainyard.protocol.display import duration
+from trainyard.protocol.display import duration, printable_data
+
+T = TypeVar("T")
 
 STATE_STYLE = {"queued": "yellow", "starting": "cyan", "running": "green", "recovering": "magenta",
                "succeeded": "bold green", "failed": "bold red", "cancelling": "yellow", "cancelled": "dim"}
@@ -24,6 +26,15 @@ def parse_time(value: str | None) -> datetime | None:
 def age(value: str | None, now: datetime | None = None) -> str:
     at = parse_time(value)
     return "-" if at is None else duration(((now or datetime.now(UTC)) - at).total_seconds())
+
+
+def when(value: str | None, now: datetime | None = None) -> str:
+    """A time as a person reads it in a listing: "3m05s ago", or "in 2h03m" for one to come."""
+    at = parse_time(value)
+    if at is None:
+        return "-"
+    seconds = ((now or datetime.now(UTC)) - at).total_seconds()
+    return f"{duration(seconds)} ago" if seconds >= 0 else f"in {duration(-seconds)}"
 
 
 def step_of(progress: dict[str, Any]) -> str:
@@ -53,18 +64,60 @@ def state_text(state: str) -> Text:
     return Text(state, style=STATE_STYLE.get(state, ""))
 
 
+def shown(data: T) -> T:
+    """What the server sent, safe to print: a job's error, log or metric name written by its code
+    cannot drive the terminal (trainyard/protocol/display.py printable)."""
+    return cast(T, printable_data(data))
+
+
+def shown_state(job: dict[str, Any]) -> str:
+    """The state a person would name: a job starting its second or later attempt is recovering
+    (the API's state is ``starting``, as for a first start)."""
+    current = job.get("current_attempt") or {}
+    if job["state"] == "starting" and (current.get("number") or 1) > 1:
+        return "recovering"
+    return str(job["state"])
+
+
 def jobs_table(jobs: Sequence[dict[str, Any]], now: datetime | None = None) -> Table:
+    jobs = shown(list(jobs))
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("ID", "NAME", "TENANT", "STATE", "STEP", "RATE", "ETA", "LOSS", "GPUS", "AGE"):
+    waits = any(job.get("waiting_for") for job in jobs)
+    columns = ("ID", "NAME", "TENANT", "STATE", "STEP", "RATE", "ETA", "LOSS", "GPUS", "AGE")
+    for column in columns:
         table.add_column(column, no_wrap=True, justify="right" if column in ("STEP", "RATE", "ETA", "GPUS") else "left")
+    if waits:  # what a waiting, starting or recovering job waits for (issue 26)
+        table.add_column("WAITING FOR", overflow="fold")
     for job in jobs:
         p = job["progress"]
         loss = "-" if p.get("loss") is None else f"{p['loss']:.4g}"
         gpus = f"{job['num_nodes']}x{job['gpus_per_node']}"
-        table.add_row(job["id"][:8], job["name"], job["tenant"], state_text(job["state"]), step_of(p), rate(p),
-                      duration(p.get("eta_s")) if p.get("eta_s") is not None else "-", loss, gpus,
-                      age(job["created_at"], now))
+        row: list[Any] = [job["id"][:8], job["name"], job["tenant"], state_text(shown_state(job)), step_of(p), rate(p),
+                          duration(p.get("eta_s")) if p.get("eta_s") is not None else "-", loss, gpus,
+                          age(job["created_at"], now)]
+        table.add_row(*row, *([job.get("waiting_for") or ""] if waits else []))
     return table
+
+
+def event_line(event: dict[str, Any]) -> str | None:
+    """The line a followed job (``run -f``, ``logs -f``) prints for one of its events as it happens:
+    an attempt that failed and why, a recovery that starts, the checkpoint step it resumes from, a
+    recovered job running again; None for the others (the end is said once, by the last line)."""
+    event = shown(event)
+    kind, message = event["kind"], event["message"]
+    first = message.startswith("attempt 1 ") or message.startswith("attempt 1:")
+    if kind == "job.recovering":  # "attempt N failed (<cause>); recovery k of m"
+        return message
+    if kind == "job.starting" and not first:
+        return f"recovery: {message}"
+    if kind == "checkpoint.restored" and isinstance(event.get("data", {}).get("step"), int):
+        step, attempt = event["data"]["step"], message.split(" restored", 1)[0]  # "attempt N restored step S"
+        return f"recovery: {attempt} resumes from checkpoint step {step} (next step {step + 1})"
+    if kind == "checkpoint.fallback":
+        return f"recovery: {message}"
+    if kind == "job.running" and not first:
+        return f"recovered: {message}"
+    return None
 
 
 def _kv(rows: Iterable[tuple[str, Any]]) -> Table:
@@ -140,12 +193,14 @@ def checkpoint_line(block: dict[str, Any]) -> str | None:
 
 def describe(job: dict[str, Any], attempts: Sequence[dict[str, Any]], checkpoints: Sequence[dict[str, Any]],
              events: Sequence[dict[str, Any]]) -> Group:
+    job, attempts, checkpoints = shown(job), shown(list(attempts)), shown(list(checkpoints))
+    events = shown(list(events))
     p = job["progress"]
     allocation = ", ".join(f"{a['node_name']} (rank {a['node_rank']}) GPUs {a['gpu_indices']}"
                            for a in job.get("allocation", []))
     head = _kv([
         ("Job", f"{job['name']}  {job['id']}"),
-        ("State", state_text(job["state"])),
+        ("State", state_text(shown_state(job))),
         ("Tenant", f"{job['tenant']} (priority {job['priority']})"),
         ("Entrypoint", " ".join([job["entrypoint"], *job["args"]])),
         ("GPUs", f"{job['num_nodes']} nodes x {job['gpus_per_node']}"),
@@ -181,6 +236,7 @@ def describe(job: dict[str, Any], attempts: Sequence[dict[str, Any]], checkpoint
 
 
 def nodes_table(nodes: Sequence[dict[str, Any]], now: datetime | None = None) -> Table:
+    nodes = shown(list(nodes))
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("NAME", "STATE", "SCHEDULING", "GPUS", "IN USE", "KIND", "HEARTBEAT", "LABELS"):
         table.add_column(column, no_wrap=True)
@@ -195,6 +251,7 @@ def nodes_table(nodes: Sequence[dict[str, Any]], now: datetime | None = None) ->
 
 
 def tenants_table(tenants: Sequence[dict[str, Any]]) -> Table:
+    tenants = shown(list(tenants))
     table = Table(box=None, pad_edge=False, header_style="bold")
     keys = [k for k in ("name", "weight", "gpu_quota", "max_priority", "gpus_in_use", "jobs_waiting", "jobs_running")
             if any(k in t for t in tenants)] or ["name"]
@@ -203,6 +260,31 @@ def tenants_table(tenants: Sequence[dict[str, Any]]) -> Table:
     for t in tenants:
         table.add_row(*("-" if t.get(k) is None else str(t.get(k)) for k in keys))
     return table
+
+
+def records_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> Table:
+    """A listing of API documents: ``columns`` are (header, key); times show as their age."""
+    rows = shown(list(rows))
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for header, _ in columns:
+        table.add_column(header, no_wrap=True)
+    for row in rows:
+        cells = []
+        for _, key in columns:
+            value = row.get(key)
+            if value is None or value == "":
+                cells.append("-")
+            elif key.endswith("_at") and isinstance(value, str):
+                cells.append(when(value))
+            else:
+                cells.append(str(value))
+        table.add_row(*cells)
+    return table
+
+
+def key_values(doc: dict[str, Any]) -> Table:
+    """One document as KEY value lines (whoami)."""
+    return _kv((key, "-" if value is None else str(value)) for key, value in shown(doc).items())
 
 
 def print_to(console: Console, renderable: Any) -> None:

@@ -21,7 +21,7 @@ from control_plane import authz
 from control_plane.authz import Principal
 from control_plane.errors import Forbidden, Unauthorized
 from control_plane.models import Node
-from control_plane.services import nodes, principals
+from control_plane.services import nodes, principals, ui_sessions
 from control_plane.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="API token of a principal (tyt_...), the bootstrap admin token, "
@@ -188,7 +188,10 @@ class Allow:
 
 
 UI_COOKIE = "trainyard_session"
-"""The dashboard's session cookie: the principal's API token itself (HttpOnly, SameSite=Strict)."""
+"""The dashboard's session cookie: a session's own secret (services/ui_sessions.py), never an API
+token (HttpOnly, SameSite=Strict)."""
+LOGIN_COOKIE = "trainyard_login"
+"""A random value the login form is tied to (login CSRF: another site cannot log a browser in)."""
 CSRF_HEADER = "X-CSRF-Token"
 
 
@@ -208,10 +211,21 @@ class UiAllow(Allow):
                  session: SessionDep) -> Principal:
         cookie = request.cookies.get(UI_COOKIE)
         via_cookie = (creds is None or not creds.credentials) and bool(cookie)
-        if via_cookie:
-            creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=str(cookie))
-        principal = super().__call__(creds, settings, session)
-        if via_cookie and request.method not in ("GET", "HEAD"):
+        if not via_cookie:
+            return super().__call__(creds, settings, session)
+        try:
+            principal = ui_sessions.authenticate(session, str(cookie), admin_token=settings.admin_token,
+                                                 admin_tenant=settings.admin_tenant)
+        except BaseException:
+            end_transaction(session, ok=False)
+            raise
+        session.commit()  # before the endpoint's thread (see end_transaction)
+        if principal is None:
+            raise Unauthorized("the dashboard session has ended (logged out, expired or its token revoked)")
+        if not self.policy.allows(principal.role):
+            raise Forbidden(f"a {principal.role} may not do this ({self.policy.name}: "
+                            f"{', '.join(sorted(self.policy.roles))})")
+        if request.method not in ("GET", "HEAD"):
             sent = request.headers.get(CSRF_HEADER, "")
             if not authz.same_secret(sent, csrf_token(str(cookie))):
                 raise Forbidden("missing or wrong CSRF token: reload the page and try again")

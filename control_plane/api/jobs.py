@@ -38,7 +38,7 @@ _PROBLEM: dict[str, Any] = {"content": {"application/problem+json": {}}}
 ERRORS: dict[int | str, dict[str, Any]] = {401: _PROBLEM, 403: _PROBLEM, 404: _PROBLEM, 409: _PROBLEM,
                                            413: _PROBLEM, 422: _PROBLEM, 429: _PROBLEM}
 
-Limit = Annotated[int, Query(ge=1, le=500, description="Items per page.")]
+Limit = Annotated[int, Query(ge=1, le=500, description="Items per page, 1 to 500.")]
 Cursor = Annotated[str | None, Query(min_length=1, max_length=512, description="`next_cursor` of the page before.")]
 
 
@@ -79,7 +79,7 @@ def list_jobs(
     name: Annotated[str | None, Query(min_length=1, max_length=128, description="Only jobs of this name.")] = None,
     tenant: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=TENANT_NAME)]] | None,
                       Query(max_length=64, description="Only these tenants' jobs (repeatable).")] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    limit: Annotated[int, Query(ge=1, le=500, description="Jobs per page, 1 to 500.")] = 50,
     cursor: Cursor = None,
 ) -> JobPage:
     """Newest first."""
@@ -122,7 +122,7 @@ def list_events(
     principal: JobsRead,
     after: Annotated[int, Query(ge=0, le=INT64_MAX, description="Only events with a larger id (to follow "
                                 "the log: the last id seen).")] = 0,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Events per page, 1 to 1,000.")] = 100,
     cursor: Cursor = None,
 ) -> EventPage:
     """Oldest first, `limit` at a time."""
@@ -132,7 +132,8 @@ def list_events(
 
 @router.get("/{job_id}/progress", response_model=ProgressPage, responses=ERRORS, summary="A job's progress history")
 def list_progress(job_id: uuid.UUID, session: SessionDep, principal: JobsRead,
-                  limit: Annotated[int, Query(ge=1, le=5000)] = 1000, cursor: Cursor = None) -> ProgressPage:
+                  limit: Annotated[int, Query(ge=1, le=5000, description="Points per page, 1 to 5,000.")] = 1000,
+                  cursor: Cursor = None) -> ProgressPage:
     """Oldest first: step, loss, step rate and metrics, sampled every few seconds of each attempt."""
     jobs.get_visible_job(session, job_id, principal)
     return views.progress_page(session, job_id, limit=limit, cursor=cursor)
@@ -152,7 +153,7 @@ def get_logs(
     settings: SettingsDep,
     principal: JobsRead,
     attempt: Annotated[int | None, Query(ge=1, le=INT32_MAX, description="Attempt number (default: all).")] = None,
-    node_rank: Annotated[int | None, Query(ge=0, le=INT32_MAX)] = None,
+    node_rank: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="Node rank (default: all).")] = None,
     rank: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="Global worker rank.")] = None,
     stream: Annotated[str | None, Query(pattern="^(stdout|stderr)$")] = None,
     follow: Annotated[bool, Query(description="Keep streaming until the job ends (429 past the principal's "

@@ -1,10 +1,12 @@
 """/ui: the dashboard. Server-rendered pages whose live parts htmx re-fetches (fragments), behind
-the same tokens and policies as the API (api/deps.py UiAllow: the session cookie holds the token,
-HttpOnly and SameSite=Strict; a cancel also needs the page's CSRF token). Read models in
+the same tokens and policies as the API (api/deps.py UiAllow: the session cookie holds a server-side
+session's secret (services/ui_sessions.py), HttpOnly and SameSite=Strict; a cancel also needs the
+page's CSRF token, and the login form one of its own). Read models in
 services/dashboard.py; templates in control_plane/ui/templates."""
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,7 +18,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
 
+from control_plane import authz
 from control_plane.api.deps import (
+    LOGIN_COOKIE,
     PUBLIC,
     UI_COOKIE,
     SessionDep,
@@ -30,14 +34,14 @@ from control_plane.api.deps import (
     csrf_token,
 )
 from control_plane.authz import Principal
-from control_plane.services import cluster, dashboard, jobs
-from trainyard.protocol.display import duration
+from control_plane.services import cluster, dashboard, jobs, ui_sessions
+from trainyard.protocol.display import duration, printable
 
 router = APIRouter(prefix="/ui", tags=["ui"], route_class=TransactionRoute, include_in_schema=False)
 templates = Jinja2Templates(directory=str(Path(__file__).resolve().parents[1] / "ui" / "templates"))
 HTMX = "/static/vendor/htmx/htmx.min.js"
-SESSION_S = 12 * 3600
-"""How long the session cookie lives (the token itself may expire or be revoked sooner)."""
+LOGIN_FORM_S = 3600
+"""How long a login form stays usable."""
 
 
 def _age(at: datetime | None) -> str:
@@ -49,6 +53,9 @@ def _number(value: float | None, digits: int = 4) -> str:
 
 
 templates.env.filters.update(duration=duration, age=_age, number=_number)
+# Every value a page shows: a job's log line, error or name cannot carry terminal escapes or
+# bidirectional overrides into it (our own markup, Markup, is left as it is).
+templates.env.finalize = lambda v: printable(v) if isinstance(v, str) and not isinstance(v, Markup) else v
 
 
 def _page(request: Request, name: str, principal: Principal | None, status_code: int = 200,
@@ -59,29 +66,60 @@ def _page(request: Request, name: str, principal: Principal | None, status_code:
         status_code=status_code)
 
 
+def _login_cookie(request: Request) -> str:
+    """Over HTTPS the login cookie is a ``__Host-`` one: a browser takes it only from this host,
+    Secure, for path /, so a sibling domain cannot plant one of its own (cookie tossing) to log
+    this browser in with the attacker's form."""
+    return f"__Host-{LOGIN_COOKIE}" if request.url.scheme == "https" else LOGIN_COOKIE
+
+
+def _login_page(request: Request, next: str, *, error: str | None = None, status_code: int = 200) -> HTMLResponse:
+    """The login form, tied to a random value in a cookie of its own (login CSRF: a page of another
+    site can neither read that cookie nor, SameSite=Strict, send it, so it cannot log this browser
+    in to an account of its choosing)."""
+    nonce = secrets.token_urlsafe(24)  # never one the browser brought: a planted cookie is no use
+    response = _page(request, "login.html", None, status_code=status_code, next=_local(next), error=error,
+                     login_csrf=csrf_token(nonce))
+    response.set_cookie(_login_cookie(request), nonce, max_age=LOGIN_FORM_S, path="/", httponly=True,
+                        samesite="strict", secure=request.url.scheme == "https")
+    return response
+
+
 @router.get("/login", response_class=HTMLResponse, dependencies=[PUBLIC])
 def login_form(request: Request, next: Annotated[str, Query(max_length=512)] = "/ui") -> HTMLResponse:
-    return _page(request, "login.html", None, next=_local(next), error=None)
+    return _login_page(request, next)
 
 
 @router.post("/login", response_class=HTMLResponse, dependencies=[PUBLIC])
 def login(request: Request, session: SessionDep, settings: SettingsDep,
           token: Annotated[str, Form(max_length=512)] = "",
-          next: Annotated[str, Form(max_length=512)] = "/ui") -> Response:
-    """Check the token and keep it in the session cookie (HttpOnly: no script reads it; SameSite=
-    Strict: no other site's page sends it)."""
+          next: Annotated[str, Form(max_length=512)] = "/ui",
+          csrf: Annotated[str, Form(max_length=128)] = "") -> Response:
+    """Check the token and open a session (services/ui_sessions.py) whose secret the cookie keeps
+    (HttpOnly: no script reads it; SameSite=Strict: no other site's page sends it)."""
+    nonce = request.cookies.get(_login_cookie(request))
+    if not nonce or not authz.same_secret(csrf, csrf_token(nonce)):
+        return _login_page(request, next, status_code=422,
+                           error="This login form has expired or came from another site: log in again.")
     principal = authenticate_token(token.strip(), settings, session) if token.strip() else None
     if principal is None:
-        return _page(request, "login.html", None, status_code=422, next=_local(next),
-                     error="That token is not valid (or expired, or revoked).")
+        return _login_page(request, next, status_code=422, error="That token is not valid (or expired, or revoked).")
+    admin = token.strip() if principal.token_id is None else None
+    secret, lifetime_s = ui_sessions.open_session(session, principal, admin_token=admin)
     response = RedirectResponse(_local(next), status_code=303)
-    response.set_cookie(UI_COOKIE, token.strip(), max_age=SESSION_S, path="/", httponly=True, samesite="strict",
+    response.set_cookie(UI_COOKIE, secret, max_age=lifetime_s, path="/", httponly=True, samesite="strict",
                         secure=request.url.scheme == "https")
+    response.delete_cookie(_login_cookie(request), path="/", secure=request.url.scheme == "https")
     return response
 
 
 @router.post("/logout", dependencies=[PUBLIC])
-def logout() -> Response:
+def logout(request: Request, session: SessionDep) -> Response:
+    """End the session on the server, not only in this browser: a copy of the cookie is worthless
+    from here on."""
+    cookie = request.cookies.get(UI_COOKIE)
+    if cookie:
+        ui_sessions.close_session(session, cookie)
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(UI_COOKIE, path="/")
     return response

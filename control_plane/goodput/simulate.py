@@ -143,7 +143,10 @@ def mean_outcome(s: Scenario, runs: int) -> Outcome:
 def closed_form_goodput(interval_s: float, blocking_s: float, mtbf_s: float, recovery_s: float) -> float:
     """Expected goodput of synchronous saves with a node always at hand, for exponential failures
     that spare the recovery: interval / ((MTBF + R) (e^(T / MTBF) - 1)), T = interval + blocking."""
-    segment = (mtbf_s + recovery_s) * math.expm1((interval_s + blocking_s) / mtbf_s)
+    try:
+        segment = (mtbf_s + recovery_s) * math.expm1((interval_s + blocking_s) / mtbf_s)
+    except OverflowError:  # a segment hundreds of MTBFs long: it practically never ends
+        return 0.0
     return interval_s / segment
 
 

@@ -15,6 +15,7 @@ from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.tenants import TENANT_NAME
 from control_plane.schemas.uploads import CheckpointUploadOut
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
+from trainyard.protocol.interpreters import python_path_problem
 from trainyard.protocol.layout import APPLIED_KINDS, Layout
 from trainyard.protocol.requirements import MAX_REQUIREMENTS_CHARS, requirements_problem
 
@@ -67,17 +68,21 @@ class CheckpointSettings(BaseModel):
         "restore reads S3.")
 
 
+_BUDGET = "Seconds the {} phase of a recovery may take, 0.1 to 86,400; null: the cluster's."
+
+
 class RecoveryBudgets(BaseModel):
     """A job's budget for each phase of a recovery, in seconds (null: the cluster's)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    detection: float | None = Field(default=None, gt=0, le=86400)
-    decision: float | None = Field(default=None, gt=0, le=86400)
-    wake_up: float | None = Field(default=None, gt=0, le=86400)
-    process_start: float | None = Field(default=None, gt=0, le=86400)
-    rendezvous: float | None = Field(default=None, gt=0, le=86400)
-    restore: float | None = Field(default=None, gt=0, le=86400)
+    # At least a tenth of a second: a budget of 5e-324 s is no budget a phase can meet or be measured against.
+    detection: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("detection"))
+    decision: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("decision"))
+    wake_up: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("wake_up"))
+    process_start: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("process_start"))
+    rendezvous: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("rendezvous"))
+    restore: float | None = Field(default=None, ge=0.1, le=86400, description=_BUDGET.format("restore"))
 
 
 class WatchdogSettings(BaseModel):
@@ -147,7 +152,9 @@ class JobSubmit(BaseModel):
     tenant: str | None = Field(
         default=None, min_length=1, max_length=128, pattern=TENANT_NAME,
         description="Default: the caller's tenant. Only an admin may name another (403 otherwise).")
-    time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400)
+    time_limit_s: int | None = Field(default=None, ge=1, le=365 * 86400,
+                                     description="Seconds an attempt may run from its allocation, 1 to "
+                                     "31,536,000 (a year); null: no limit.")
     gpu_kind: GpuKindName | Annotated[list[GpuKindName], Field(min_length=1, max_length=MAX_GPU_KINDS)] | None = Field(
         default=None,
         description="Require this GPU kind, or one of a list of kinds (the whole gang runs on one of them). "
@@ -174,6 +181,9 @@ class JobSubmit(BaseModel):
         "The script runs its loop with worker_runtime.run_restartable: when a peer fails, the workers on healthy "
         "nodes stay alive and are handed over to the next attempt on the same GPUs (restarting in process), "
         "and only the failed node's ranks start cold. Default: every worker starts cold after a failure."))
+    retry_same_exception: bool = Field(default=False, description=(
+        "Retry an attempt that failed with the same exception, at the same step, as the attempt before it. "
+        "Default: such a failure ends the job (it would fail the same way again), with a reason that says so."))
 
     @field_validator("gpu_kind")
     @classmethod
@@ -210,6 +220,14 @@ class JobSubmit(BaseModel):
                 raise ValueError(f"hsdp shard_size {size} must divide the job's {gpus} GPUs and be a divisor "
                                  f"or a multiple of gpus_per_node {node}")
         return layout
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, v: str | None) -> str | None:
+        # A path any user can write is refused now; the node decides the rest at launch.
+        if v is not None and (problem := python_path_problem(v)) is not None:
+            raise ValueError(problem)
+        return v
 
     @field_validator("requirements")
     @classmethod
@@ -330,6 +348,8 @@ class JobOut(BaseModel):
     python: str | None = Field(default=None, description="The interpreter its workers run with, if not the agent's.")
     requirements: str | None = Field(default=None, description="The requirements installed for its workers, if any.")
     restartable: bool = Field(default=False, description="Its healthy workers restart in process after a failure.")
+    retry_same_exception: bool = Field(
+        default=False, description="An exception raised again at the same step is retried (default: the job fails).")
     progress: JobProgress
     split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None

@@ -31,11 +31,13 @@ class BytesPerParamIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    weights: float = Field(ge=0, le=64)
-    grads: float = Field(ge=0, le=64)
-    optimizer: float = Field(ge=0, le=256, description="Optimizer states plus fp32 master weights.")
+    weights: float = Field(ge=0, le=64, description="Bytes per parameter of the weights, 0 to 64.")
+    grads: float = Field(ge=0, le=64, description="Bytes per parameter of the gradients, 0 to 64.")
+    optimizer: float = Field(ge=0, le=256, description=(
+        "Bytes per parameter of the optimizer states plus fp32 master weights, 0 to 256."))
     master: float | None = Field(default=None, ge=0, le=64, description=(
-        "Of optimizer, the fp32 master weights: DDP's gradients (buckets, wire) are this wide, and it adds "
+        "Bytes per parameter, 0 to 64, of optimizer's: the fp32 master weights: DDP's gradients (buckets, "
+        "wire) are this wide, and it adds "
         "autocast's copies of the weights."))
 
     @model_validator(mode="after")
@@ -51,24 +53,27 @@ class ModelIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    params: float | None = Field(default=None, ge=1, le=1e15, description="Parameters; default: from the shape.")
-    layers: int | None = Field(default=None, ge=1, le=100_000)
-    hidden: int | None = Field(default=None, ge=1, le=1_000_000)
-    vocab: int | None = Field(default=None, ge=0, le=100_000_000)
-    heads: int | None = Field(default=None, ge=1, le=100_000, description="Default: hidden / 128.")
-    seq_len: int = Field(ge=1, le=10_000_000, description="Tokens per sample.")
+    params: float | None = Field(default=None, ge=1, le=1e15,
+                                 description="Parameters, 1 to 1e15; default: from the shape.")
+    layers: int | None = Field(default=None, ge=1, le=100_000, description="Transformer layers, 1 to 100,000.")
+    hidden: int | None = Field(default=None, ge=1, le=1_000_000, description="Hidden size, 1 to 1,000,000.")
+    vocab: int | None = Field(default=None, ge=0, le=100_000_000, description="Vocabulary size, 0 to 100,000,000.")
+    heads: int | None = Field(default=None, ge=1, le=100_000,
+                              description="Attention heads, 1 to 100,000; default: hidden / 128.")
+    seq_len: int = Field(ge=1, le=10_000_000, description="Tokens per sample, 1 to 10,000,000.")
     precision: Precision = "bf16-mixed"
     optimizer: Optimizer = "adamw"
     bytes_per_param: BytesPerParamIn | None = None
     activation_bytes_per_sample: float | None = Field(
         default=None, ge=0, le=1e15,
-        description="Measured activation memory of one sample; default: estimated from the shape.")
+        description="Measured activation memory of one sample in bytes, 0 to 1e15; default: estimated from the shape.")
     activation_checkpointing: bool = Field(default=False, description="Recompute activations in backward.")
     flash_attention: bool = Field(default=True, description="No s x s attention scores kept (SDPA/flash).")
     micro_batch: int | None = Field(
-        default=None, ge=1, le=1_000_000, description="Samples per GPU per forward/backward; default: the "
-        "whole per-replica share of the global batch (no gradient accumulation).")
-    mfu: float = Field(default=0.4, ge=0.001, le=1, description="Model FLOPs utilisation of the compute alone.")
+        default=None, ge=1, le=1_000_000, description="Samples per GPU per forward/backward, 1 to 1,000,000; "
+        "default: the whole per-replica share of the global batch (no gradient accumulation).")
+    mfu: float = Field(default=0.4, ge=0.001, le=1,
+                       description="Model FLOPs utilisation of the compute alone, 0.001 to 1.")
 
     @model_validator(mode="after")
     def _size(self) -> ModelIn:
@@ -80,7 +85,7 @@ class ModelIn(BaseModel):
 
 
 class PlanModelIn(ModelIn):
-    global_batch: int = Field(ge=1, le=100_000_000, description="Samples per optimizer step.")
+    global_batch: int = Field(ge=1, le=100_000_000, description="Samples per optimizer step, 1 to 100,000,000.")
 
 
 class HardwareIn(BaseModel):
@@ -89,26 +94,33 @@ class HardwareIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    gpu_memory_gib: float | None = Field(default=None, ge=0.001, le=100_000)
-    peak_tflops: float | None = Field(default=None, ge=1e-6, le=1e6, description="Dense 16-bit peak.")
+    gpu_memory_gib: float | None = Field(default=None, ge=0.001, le=100_000,
+                                         description="Memory of one GPU, GiB, 0.001 to 100,000.")
+    peak_tflops: float | None = Field(default=None, ge=1e-6, le=1e6,
+                                      description="Dense 16-bit peak of one GPU, TFLOP/s, 1e-6 to 1e6.")
     intra_link: IntraLink | None = None
     intra_gbytes_per_s: float | None = Field(default=None, ge=0.001, le=100_000,
-                                             description="Per GPU and direction, GB/s.")
-    intra_latency_us: float | None = Field(default=None, ge=0, le=1_000_000)
+                                             description="Per GPU and direction, GB/s, 0.001 to 100,000.")
+    intra_latency_us: float | None = Field(default=None, ge=0, le=1_000_000,
+                                           description="Latency inside a node, microseconds, 0 to 1,000,000.")
     inter_link: InterLink | None = None
     inter_gbits_per_s: float | None = Field(default=None, ge=0.001, le=10_000_000,
-                                            description="All the node's NICs together, Gbit/s.")
-    inter_latency_us: float | None = Field(default=None, ge=0, le=1_000_000)
-    link_efficiency: float | None = Field(default=None, ge=0.01, le=1)
+                                            description="All the node's NICs together, Gbit/s, 0.001 to 10,000,000.")
+    inter_latency_us: float | None = Field(default=None, ge=0, le=1_000_000,
+                                           description="Latency between nodes, microseconds, 0 to 1,000,000.")
+    link_efficiency: float | None = Field(default=None, ge=0.01, le=1,
+                                          description="Share of nominal bandwidth reached, 0.01 to 1 (1: measured).")
     memory_reserve: float | None = Field(default=None, ge=0, le=0.99,
-                                         description="Share of GPU memory left to CUDA, NCCL, fragmentation.")
+                                         description="Share of GPU memory left to CUDA, NCCL, fragmentation, "
+                                         "0 to 0.99.")
 
 
 class JobModelIn(ModelIn):
     """A job's ``model`` block: the batch follows from micro_batch, the layout's grad_accum_steps and
     the job's GPUs when global_batch is not given (and must agree with them when it is)."""
 
-    global_batch: int | None = Field(default=None, ge=1, le=100_000_000)
+    global_batch: int | None = Field(default=None, ge=1, le=100_000_000,
+                                     description="Samples per optimizer step, 1 to 100,000,000; default: derived.")
     hardware: HardwareIn | None = None
 
 
@@ -119,7 +131,7 @@ class PlanRequest(BaseModel):
     gpu_kind: str = Field(min_length=1, max_length=128, description=(
         "A catalog kind (h100, h200, a100-sxm, l40s, ...) or a kind the cluster's nodes report: their "
         "labels then set the link figures."))
-    gpus_per_node: int = Field(ge=1, le=64)
+    gpus_per_node: int = Field(ge=1, le=64, description="GPUs per node, 1 to 64.")
     gpu_counts: list[Annotated[int, Field(ge=1, le=1_000_000)]] | None = Field(
         default=None, min_length=1, max_length=64, description="Default: 1, 2, 4, ... 64 whole nodes.")
     layouts: list[Layout] | None = Field(default=None, min_length=1, max_length=16,

@@ -35,6 +35,10 @@ class SchedulingOut(BaseModel):
         description="Idle GPU-seconds held by all reservations so far (ended ones included): their cost."
     )
     reservations_started: int = Field(description="Reserved jobs that started.")
+    reservations_started_estimated: int = Field(
+        default=0, description="Of those, the ones that were given an earliest start when they were reserved "
+        "(none is given while every node they wait for runs a job without an ETA)."
+    )
     reservations_started_on_time: int = Field(
         description="Of those, the ones that started no later than the earliest start first promised."
     )

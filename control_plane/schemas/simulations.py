@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 SIMULATION_EXAMPLE: dict[str, Any] = {
     "nodes": 2048, "node_mtbf_h": 6335, "work_h": 1296, "blocking_s": 6, "background_s": 150,
     "sync_blocking_s": 150, "recovery_s": 600, "spares": 8, "repair_h": 24,
 }
+MIN_NODE_MTBF_H = 1.0
+"""A node that fails more often than hourly is not one to train on (and 5e-324 h divided by zero)."""
+MAX_NODE_MTBF_H = 1e7
 
 
 class SimulationIn(BaseModel):
@@ -17,27 +20,54 @@ class SimulationIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [SIMULATION_EXAMPLE]})
 
-    nodes: int = Field(ge=1, le=100_000, description="Nodes the job runs on.")
-    node_mtbf_h: float | None = Field(default=None, gt=0, le=1e7, description="Hours between failures of one node.")
+    # Each range is what a real cluster and job can have, and what the model computes on without
+    # overflow or a division by zero (issue 28: four 500s came from values such as a node MTBF of
+    # 5e-324 h; tests/control_plane/test_simulation_domain.py tries the whole of it).
+    nodes: int = Field(ge=1, le=100_000, description="Nodes the job runs on, 1 to 100,000.")
+    node_mtbf_h: float | None = Field(
+        default=None, ge=MIN_NODE_MTBF_H, le=MAX_NODE_MTBF_H,
+        description="Mean hours between failures of one node, 1 to 10,000,000 (a flaky node ~100, a good one "
+                    "~50,000). Give it, or `interruptions` and `days`.")
     interruptions: int | None = Field(
-        default=None, ge=1, le=10_000_000, description="Or: failures the job saw over `days` (e.g. 419).")
-    days: float | None = Field(default=None, gt=0, le=3650, description="With `interruptions`: over how many days.")
-    work_h: float = Field(default=720, gt=0, le=100_000, description="Hours of training the job needs.")
+        default=None, ge=1, le=10_000_000,
+        description="Or: failures the job saw over `days` (e.g. 419), 1 to 10,000,000; the node MTBF they imply "
+                    "(days x 24 x nodes / interruptions) must lie in node_mtbf_h's range.")
+    days: float | None = Field(
+        default=None, ge=0.01, le=3650,
+        description="With `interruptions`: over how many days, 0.01 (about 15 minutes) to 3,650.")
+    work_h: float = Field(default=720, ge=0.01, le=100_000,
+                          description="Hours of training the job needs, 0.01 (36 s) to 100,000.")
     interval_s: float | None = Field(
         default=None, ge=1, le=1e7,  # below a second, work / interval overflows (a 500 schemathesis found)
-        description="Compute between saves (at least 1 s); null: the best found around Young's.")
-    blocking_s: float = Field(ge=0, le=86_400, description="Seconds one save blocks training.")
+        description="Seconds of compute between saves, 1 to 10,000,000; null: the best found around Young's.")
+    blocking_s: float = Field(ge=0, le=86_400, description="Seconds one save blocks training, 0 to 86,400.")
     background_s: float = Field(
-        default=0, ge=0, le=86_400, description="Seconds an asynchronous save uploads after that (0: synchronous).")
+        default=0, ge=0, le=86_400,
+        description="Seconds an asynchronous save uploads after that, 0 (synchronous) to 86,400.")
     sync_blocking_s: float | None = Field(
         default=None, ge=0, le=86_400,
-        description="What the same save blocks when synchronous (default blocking_s + background_s).")
-    recovery_s: float = Field(default=600, ge=0, le=86_400, description="Failure to training again, a node at hand.")
+        description="Seconds the same save blocks when synchronous, 0 to 86,400 (default blocking_s + background_s).")
+    recovery_s: float = Field(default=600, ge=0, le=86_400,
+                              description="Seconds from a failure to training again, a node at hand, 0 to 86,400.")
     spares: int | None = Field(default=None, ge=0, le=10_000,
-                               description="Spare nodes; null: a healthy node is always at hand.")
-    repair_h: float = Field(default=24, ge=0, le=10_000, description="Hours until a failed node is back.")
-    runs: int = Field(default=5, ge=1, le=50, description="Runs averaged (seeds seed, seed + 1, ...).")
-    seed: int = Field(default=0, ge=0, le=2**31)
+                               description="Spare nodes, 0 to 10,000; null: a healthy node is always at hand.")
+    repair_h: float = Field(default=24, ge=0, le=10_000,
+                            description="Hours until a failed node is back, 0 to 10,000.")
+    runs: int = Field(default=5, ge=1, le=50, description="Runs averaged (seeds seed, seed + 1, ...), 1 to 50.")
+    seed: int = Field(default=0, ge=0, le=2**31, description="Seed of the first run, 0 to 2^31.")
+
+    @field_validator("days")
+    @classmethod
+    def _implied_mtbf(cls, days: float | None, info: ValidationInfo) -> float | None:
+        # The node MTBF that interruptions over days imply goes where node_mtbf_h goes: it has its range.
+        nodes, interruptions = info.data.get("nodes"), info.data.get("interruptions")
+        if days is None or nodes is None or interruptions is None:
+            return days
+        implied = days * 24 * nodes / interruptions
+        if not MIN_NODE_MTBF_H <= implied <= MAX_NODE_MTBF_H:
+            raise ValueError(f"{interruptions} interruptions over {days:g} days on {nodes} nodes mean a node fails "
+                             f"every {implied:.3g} h; node_mtbf_h must be {MIN_NODE_MTBF_H:g} to {MAX_NODE_MTBF_H:g}")
+        return days
 
     @model_validator(mode="after")
     def _rate(self) -> SimulationIn:

@@ -14,8 +14,8 @@ class TenantIn(BaseModel):
                               json_schema_extra={"examples": [{"weight": 2, "gpu_quota": 64, "max_priority": 10}]})
 
     weight: float = Field(default=1.0, gt=0, le=1_000_000,
-                          description="Queue order uses GPUs in use / weight: a tenant of weight 2 is served "
-                                      "as if it used half its GPUs.")
+                          description="Over 0 to 1,000,000. Queue order uses GPUs in use / weight: a tenant of "
+                          "weight 2 is served as if it used half its GPUs.")
     gpu_quota: int | None = Field(default=None, ge=0, le=10_000_000,
                                   description="Most GPUs its running jobs may hold together; null: no quota.")
     max_priority: int = Field(default=0, ge=-1000, le=1000,

@@ -64,7 +64,8 @@ def progress_chart(samples: list[ProgressSampleOut]) -> str:
     for s in samples:
         starts.setdefault(s.attempt_number, float(s.step))
     boundaries = [(step, f"attempt {n}") for n, step in sorted(starts.items())[1:]]
-    return line_chart([("loss", loss), ("steps/s", rate)], boundaries=boundaries)  # type: ignore[list-item]
+    return line_chart([("loss", loss), ("steps/s", rate)], boundaries=boundaries,  # type: ignore[list-item]
+                      from_zero=("steps/s",))
 
 
 @dataclass

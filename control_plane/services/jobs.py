@@ -146,6 +146,7 @@ def submit(
         python=body.python,
         requirements=body.requirements,
         restartable=body.restartable,
+        retry_same_exception=body.retry_same_exception,
         idempotency_key=idempotency_key,
         request_hash=digest,
         created_at=now(),

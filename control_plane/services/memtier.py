@@ -7,7 +7,12 @@ never changes afterwards (services/specs.py). The peer is another node whose age
 on another failure domain (the scheduler's topology label) when one exists, else any other such
 node: a copy on the same rack dies with the rack. Among the candidates the choice is spread by a
 hash of the job and node rank, so one node is not every node's peer. The job's memory secret is
-made at its first allocation; it reaches agents only, in their launch specs. A job with
+made at its first allocation; it reaches agents only, in their launch specs. So does each
+**memory grant** (trainyard/protocol/memtier.py ``memory_grant``): the bearer that one node's memory port
+accepts for this job, derived from that node's key (the hash of its credential, which only the
+node and this table have). A block carries the grants of exactly the agents it names (the peer and
+the sources), so an agent can push a job's shards only where the control plane sent them, and a
+port refuses any bearer that is not a grant of the job in the request's path. A job with
 ``checkpoint.memory_tier: false`` gets no block at all: its parts' specs carry no memory tier, so
 their agents keep none of its shards and push none to a peer.
 """
@@ -26,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode, Job, Node
 from control_plane.services.upload_slots import domain_of
+from trainyard.protocol.memtier import memory_grant
 
 MAX_SOURCES = 4
 
@@ -35,6 +41,8 @@ class PeerNode:
     node_id: uuid.UUID
     domain: str
     url: str
+    key: str = ""
+    """The node's grant key (Node.token_hash: the agent computes the same from its credential)."""
 
 
 def peer_url(address: str, port: int, tls: bool = False) -> str:
@@ -67,8 +75,9 @@ class Peers:
         self.topology_label = topology_label
         rows = session.scalars(select(Node).where(Node.state == "ready", Node.memory_port.is_not(None))).all()
         self.nodes = {n.id: PeerNode(n.id, domain_of(n, topology_label),
-                                     peer_url(n.address, n.memory_port or 0, bool(n.memory_tls)))
+                                     peer_url(n.address, n.memory_port or 0, bool(n.memory_tls)), n.token_hash)
                       for n in rows}
+        self._keys = {node.url: node.key for node in self.nodes.values()}
 
     def blocks(self, job: Job, node_ids: Sequence[uuid.UUID], previous: int | None) -> list[dict[str, Any] | None]:
         """Each node rank's memory block (None where its node's agent serves no tier); gives the
@@ -87,8 +96,10 @@ class Peers:
                 continue
             peer = choose_peer(node_id, me.domain, candidates, f"{job.id}:{rank}")
             url = None if peer is None else peer.url
-            sources = [s for s in earlier.get(rank, []) if s not in (url, me.url)][:MAX_SOURCES]
-            out.append({"peer_url": url, "sources": sources})
+            sources = [s for s in earlier.get(rank, []) if s not in (url, me.url) and s in self._keys][:MAX_SOURCES]
+            named = [u for u in (url, *sources) if u]
+            grants = {u: memory_grant(self._keys[u], str(job.id)) for u in named}
+            out.append({"peer_url": url, "sources": sources, "grants": grants})
         return out
 
     def _previous_sources(self, job_id: uuid.UUID, number: int) -> dict[int, list[str]]:

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import now
 from control_plane.models import Attempt, AttemptNode, Checkpoint, GpuLease, Job, Node
+from control_plane.services import states
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING
 from trainyard.protocol.agent import ShardReport
+from trainyard.protocol.exits import FAILURE_KINDS
 
 PROCESS = CollectorRegistry(auto_describe=True)
 """This process's own measurements (module-level: one set however many apps a process creates)."""
@@ -71,6 +73,13 @@ def observe_recovery(phases: dict[str, float | None]) -> None:
             RECOVERY_PHASE.labels(phase=phase).observe(seconds)
 
 
+def _every(family: Any, names: Iterable[str], counts: Iterable[Any]) -> None:
+    """One sample per name, 0 for those without a row (and any name the rows add)."""
+    found = {str(name): n for name, n in counts}
+    for name in dict.fromkeys([*names, *found]):
+        family.add_metric([name], found.get(name, 0))
+
+
 class DatabaseCollector(Collector):
     """Gauges and counters read from the database at scrape time, cached for ``cache_s``."""
 
@@ -98,9 +107,10 @@ class DatabaseCollector(Collector):
 
     def _read(self, session: Session) -> list[Any]:
         t = now()
+        # Every state, 0 included: a series that vanishes at 0 reads as "no data" in a dashboard and
+        # breaks rate() and alerts on it.
         jobs = GaugeMetricFamily("trainyard_jobs", "Jobs by state.", labels=["state"])
-        for state, n in session.execute(select(Job.state, func.count()).group_by(Job.state)):
-            jobs.add_metric([state], n)
+        _every(jobs, states.JOB, session.execute(select(Job.state, func.count()).group_by(Job.state)))
         queue = GaugeMetricFamily("trainyard_queue_length", "Jobs waiting for the scheduler.", labels=["state"])
         oldest = GaugeMetricFamily("trainyard_queue_oldest_wait_seconds", "The longest a waiting job has waited.")
         waiting = dict(session.execute(select(Job.state, func.count()).where(Job.state.in_(JOB_WAITING))
@@ -120,17 +130,16 @@ class DatabaseCollector(Collector):
         for state, n in zip(("active", "releasing", "on_unreachable_nodes"), held, strict=True):
             leases.add_metric([state], n)
         nodes = GaugeMetricFamily("trainyard_nodes", "Nodes by state.", labels=["state"])
-        for state, n in session.execute(select(Node.state, func.count()).group_by(Node.state)):
-            nodes.add_metric([state], n)
+        _every(nodes, states.NODE, session.execute(select(Node.state, func.count()).group_by(Node.state)))
         checkpoints = GaugeMetricFamily("trainyard_checkpoints", "Checkpoints by state.", labels=["state"])
-        for state, n in session.execute(select(Checkpoint.state, func.count()).group_by(Checkpoint.state)):
-            checkpoints.add_metric([state], n)
-        failed = CounterMetricFamily("trainyard_attempts_failed", "Failed attempts, hung ones apart.", labels=["cause"])
-        hung, other = session.execute(select(
-            func.count().filter(Attempt.hung_since.is_not(None)), func.count().filter(Attempt.hung_since.is_(None))
-        ).where(Attempt.outcome == "failed")).one()
-        failed.add_metric(["hung"], hung)
-        failed.add_metric(["other"], other)
+        _every(checkpoints, states.CHECKPOINT,
+               session.execute(select(Checkpoint.state, func.count()).group_by(Checkpoint.state)))
+        failed = CounterMetricFamily(
+            "trainyard_attempts_failed", "Failed attempts by cause: hung, or the attempt's failure kind "
+            "(trainyard/protocol/exits.py: exception, signal, out_of_memory, node_lost, ...).", labels=["cause"])
+        cause = case((Attempt.hung_since.is_not(None), "hung"), else_=func.coalesce(Attempt.failure_kind, "other"))
+        _every(failed, ("hung", *FAILURE_KINDS), session.execute(
+            select(cause, func.count()).where(Attempt.outcome == "failed").group_by(cause)))
         stragglers = GaugeMetricFamily("trainyard_stragglers", "Ranks of running attempts named stragglers.")
         stragglers.add_metric([], session.scalar(
             select(func.count()).select_from(AttemptNode).join(Attempt, Attempt.id == AttemptNode.attempt_id)

@@ -7,7 +7,7 @@ token (TRAINYARD_ADMIN_TOKEN) has no row; it is checked in api/deps.py before an
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -35,21 +35,40 @@ def authenticate(session: Session, token: str) -> Principal | None:
         return None
     api_token, record = row
     t = now()
-    if api_token.revoked_at is not None or record.disabled_at is not None:
-        return None
-    if api_token.expires_at is not None and api_token.expires_at <= t:
+    if not valid(api_token, record, t):
         return None
     if api_token.last_used_at is None or (t - api_token.last_used_at).total_seconds() > LAST_USED_GRANULARITY_S:
         session.execute(update(ApiToken).where(ApiToken.id == api_token.id).values(last_used_at=t))
     return Principal(name=record.name, tenant=record.tenant, role=Role(record.role), token_id=api_token.id)
 
 
+def valid(api_token: ApiToken, record: PrincipalRecord, t: datetime) -> bool:
+    """Whether a token still authenticates its principal at ``t``."""
+    if api_token.revoked_at is not None or record.disabled_at is not None:
+        return False
+    return api_token.expires_at is None or api_token.expires_at > t
+
+
+def token_of(session: Session, token_id: uuid.UUID) -> tuple[ApiToken, PrincipalRecord] | None:
+    row = session.execute(
+        select(ApiToken, PrincipalRecord).join(PrincipalRecord, PrincipalRecord.id == ApiToken.principal_id)
+        .where(ApiToken.id == token_id)).one_or_none()
+    return None if row is None else (row[0], row[1])
+
+
 def _issue(session: Session, record: PrincipalRecord, *, by: str, description: str,
-           ttl_s: int | None) -> tuple[ApiToken, str]:
+           ttl_s: int | None, parent: ApiToken | None = None) -> tuple[ApiToken, str]:
+    """A new token; one made with ``parent`` for the parent's own principal expires no later than
+    it (a stolen short-lived token cannot mint a permanent one). Revoking the parent leaves it be:
+    rotation (make a new token, revoke the old) must keep working."""
     token = new_token(USER_TOKEN_PREFIX)
     t = now()
+    expires = t + timedelta(seconds=ttl_s) if ttl_s else None
+    if parent is not None and parent.expires_at is not None:
+        expires = parent.expires_at if expires is None else min(expires, parent.expires_at)
     row = ApiToken(id=uuid.uuid4(), principal_id=record.id, token_hash=hash_token(token), description=description,
-                   created_by=by, created_at=t, expires_at=t + timedelta(seconds=ttl_s) if ttl_s else None)
+                   created_by=by, created_at=t, expires_at=expires,
+                   parent_id=parent.id if parent is not None else None)
     session.add(row)
     return row, token
 
@@ -115,7 +134,9 @@ def create_token(session: Session, body: TokenIn, *, caller: Principal) -> tuple
     record = _record(session, name)
     if record.disabled_at is not None:
         raise Conflict(f"principal {name!r} is disabled")
-    row, token = _issue(session, record, by=caller.name, description=body.description, ttl_s=body.ttl_s)
+    parent = session.get(ApiToken, caller.token_id) if caller.token_id is not None and name == caller.name else None
+    row, token = _issue(session, record, by=caller.name, description=body.description, ttl_s=body.ttl_s,
+                        parent=parent)
     session.commit()
     return row, token, record.name
 
@@ -142,8 +163,9 @@ def revoke_token(session: Session, token_id: uuid.UUID, *, caller: Principal) ->
     if row is None or (not caller.is_admin and row[1] != caller.name):
         raise NotFound(f"token {token_id} does not exist")
     token, owner = row
+    t = now()
     if token.revoked_at is None:
-        token.revoked_at = now()
+        token.revoked_at = t
     session.commit()
     return token_out(token, owner)
 

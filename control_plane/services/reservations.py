@@ -175,10 +175,12 @@ def summary(session: Session) -> SchedulingOut:
     ).all()
     reserve_rows = list(session.scalars(select(ReservationRow).where(ReservationRow.kind == RESERVE)))
     names = _names(session, [r for r, _ in active] + [r for r in reserve_rows if r.ended_at is None])
-    ended_cost, started, on_time = session.execute(
+    ended_cost, started, estimated, on_time = session.execute(
         select(
             func.coalesce(func.sum(ReservationRow.idle_gpu_seconds), 0.0),
             func.count().filter(ReservationRow.end_reason == "started"),
+            func.count().filter(ReservationRow.end_reason == "started",
+                                ReservationRow.first_earliest_start.is_not(None)),
             func.count().filter(ReservationRow.end_reason == "started",
                                 ReservationRow.ended_at <= ReservationRow.first_earliest_start),
         ).where(ReservationRow.kind == JOB, ReservationRow.ended_at.is_not(None))
@@ -199,6 +201,6 @@ def summary(session: Session) -> SchedulingOut:
     return SchedulingOut(
         reservations=live,
         reservation_idle_gpu_seconds=round(float(ended_cost) + sum(r.idle_gpu_seconds for r in live), 3),
-        reservations_started=started, reservations_started_on_time=on_time,
+        reservations_started=started, reservations_started_estimated=estimated, reservations_started_on_time=on_time,
         recovery_reserve=list(reserve.values()),
     )

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import now
 from control_plane.db import rowcount, session_scope
-from control_plane.models import Event, LogChunk, ProgressSample
+from control_plane.models import Event, LogChunk, ProgressSample, UiSession
 
 MAX_BATCHES = 20
 """Batches per table and pass: the rest waits for the next pass."""
@@ -43,5 +43,6 @@ def apply(factory: sessionmaker[Session], *, log_days: float, event_days: float,
     """One retention pass; returns (log chunks, events) deleted. Progress samples (the charts' history)
     go with the events."""
     events = _delete_older(factory, Event, event_days, batch)
+    _delete_older(factory, UiSession, 1, batch, UiSession.expires_at)  # ended dashboard sessions
     _delete_older(factory, ProgressSample, event_days, batch, ProgressSample.at)
     return _delete_older(factory, LogChunk, log_days, batch), events

@@ -19,27 +19,40 @@ def _best(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(points, key=lambda p: p[1])
 
 
-def simulate(body: SimulationIn) -> SimulationOut:
+RATE_FIELDS = ("node_mtbf_h", "interruptions", "nodes", "work_h", "recovery_s")
+"""The fields that set how often the job fails against how much it must do: a refusal names them."""
+
+
+def simulate(body: SimulationIn, *, max_events: int = MAX_EVENTS) -> SimulationOut:
+    """``max_events``: the budget of simulated failures (tests lower it to try more of the domain)."""
     try:
-        return _simulate(body)
+        return _simulate(body, max_events)
     except TooManyFailures as exc:
         # The estimate below assumes saves finish between failures; one whose interval, costs or
         # spares make it fail again before saving would run for good (and hold a request thread).
-        raise Unprocessable(f"this job barely progresses between failures, too slow to simulate here: {exc}") from exc
+        raise _refused(f"this job barely progresses between failures, too slow to simulate here: {exc}",
+                       ("interval_s", "blocking_s", "background_s", *RATE_FIELDS)) from exc
 
 
-def _simulate(body: SimulationIn) -> SimulationOut:
+def _refused(detail: str, fields: tuple[str, ...]) -> Unprocessable:
+    # A 422 names its fields (as a validation error does), though no one of them alone is wrong.
+    return Unprocessable(detail, errors=[{"field": f, "message": detail, "type": "too_slow_to_simulate"}
+                                         for f in fields])
+
+
+def _simulate(body: SimulationIn, max_events: int) -> SimulationOut:
     mtbf_h = body.mtbf_h
     base = Scenario(nodes=body.nodes, node_mtbf_h=mtbf_h, work_h=body.work_h, interval_s=body.interval_s or 1.0,
                     blocking_s=body.blocking_s, background_s=body.background_s, recovery_s=body.recovery_s,
                     spares=body.spares, repair_h=body.repair_h, seed=body.seed)
     failures = body.work_h * 3600 / base.job_mtbf_s
     batches = 11 + len(SPARES) + 2 * 11 + 1
-    base = replace(base, max_failures=max(int(MAX_EVENTS / (body.runs * batches)), 1))
-    if failures * 1.5 * body.runs * batches > MAX_EVENTS or base.job_mtbf_s < body.recovery_s:
-        raise Unprocessable(
+    base = replace(base, max_failures=max(int(max_events / (body.runs * batches)), 1))
+    if failures * 1.5 * body.runs * batches > max_events or base.job_mtbf_s < body.recovery_s:
+        raise _refused(
             f"about {failures:.0f} failures per run (job MTBF {base.job_mtbf_s:.0f}s over {body.work_h:g}h of work, "
-            f"recovery {body.recovery_s:g}s): too many to simulate here, or a job that fails faster than it recovers")
+            f"recovery {body.recovery_s:g}s): too many to simulate here, or a job that fails faster than it recovers",
+            RATE_FIELDS)
     young = young_daly_interval_s(body.blocking_s, base.job_mtbf_s) or 1.0
     points = sweep(replace(base, interval_s=young), body.runs)
     best_interval, _ = _best(points)

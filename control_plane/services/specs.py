@@ -72,7 +72,8 @@ def _memory(job: Job, part: Any) -> MemoryTierSpec | None:
     block = getattr(part, "memory", None)
     if not block or not job.memory_secret:
         return None
-    return MemoryTierSpec(secret=job.memory_secret, peer_url=block.get("peer_url"), sources=block.get("sources") or [])
+    return MemoryTierSpec(secret=job.memory_secret, peer_url=block.get("peer_url"), sources=block.get("sources") or [],
+                          grants=block.get("grants") or {})
 
 
 def _checkpoint(job: Job, attempt: Any) -> dict[str, object]:

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.errors import Unprocessable
-from control_plane.models import GpuLease, Job, Tenant
+from control_plane.models import GpuLease, Job, PrincipalRecord, Tenant
 from control_plane.schemas.tenants import TenantIn, TenantOut
 from control_plane.services.states import JOB_ACTIVE, JOB_WAITING
 
@@ -67,7 +67,7 @@ def gpus_in_use(session: Session) -> dict[str, int]:
 
 
 def list_tenants(session: Session) -> list[TenantOut]:
-    """Configured tenants and every tenant with waiting or running jobs, by name."""
+    """Configured tenants, every tenant with a principal, and every tenant with jobs, by name."""
     configured = all_tenants(session)
     usage = gpus_in_use(session)
     counts: dict[tuple[str, str], int] = {
@@ -77,7 +77,11 @@ def list_tenants(session: Session) -> list[TenantOut]:
             .group_by(Job.tenant, Job.state)
         )
     }
-    names = set(configured) | set(usage) | {tenant for tenant, _ in counts}
+    # Also every tenant that has people or has ever run a job: a fresh cluster's `trainyard tenants`
+    # lists the teams that use it, not only those an admin configured.
+    known = set(session.scalars(select(PrincipalRecord.tenant).distinct())) | set(
+        session.scalars(select(Job.tenant).distinct()))
+    names = set(configured) | set(usage) | {tenant for tenant, _ in counts} | known
     out = []
     for name in sorted(names):
         row = configured.get(name)

@@ -10,8 +10,12 @@ Point = tuple[float, float]
 COLORS = ("#2563eb", "#d97706")
 
 
-def _scale(values: Sequence[float], lo_px: float, hi_px: float) -> tuple[float, float, list[float]]:
+def _scale(values: Sequence[float], lo_px: float, hi_px: float, *,
+           from_zero: bool = False) -> tuple[float, float, list[float]]:
+    """``from_zero``: the axis starts at 0 (a rate of 9.6 to 9.9 steps/s is a flat line, not a cliff)."""
     lo, hi = min(values), max(values)
+    if from_zero and lo >= 0:
+        lo = 0.0
     if hi == lo:
         hi, lo = hi + 1.0, lo - (1.0 if lo else 0.0)
     span = hi - lo
@@ -23,9 +27,10 @@ def _fmt(value: float) -> str:
 
 
 def line_chart(series: Sequence[tuple[str, Sequence[Point]]], *, boundaries: Sequence[tuple[float, str]] = (),
-               width: int = 640, height: int = 220) -> str:
+               width: int = 640, height: int = 220, from_zero: Sequence[str] = ()) -> str:
     """Up to two series against one x axis (steps): the first on the left axis, the second on the
-    right; ``boundaries`` are dashed vertical lines (attempt starts) with a label."""
+    right; ``boundaries`` are dashed vertical lines (attempt starts) with a label; the series named
+    in ``from_zero`` (rates) have an axis that starts at 0."""
     drawn = [(name, list(points)) for name, points in series if points]
     if not drawn:
         return (f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" aria-label="no progress yet">'
@@ -48,7 +53,7 @@ def line_chart(series: Sequence[tuple[str, Sequence[Point]]], *, boundaries: Seq
                      f'stroke-dasharray="4 3"/><text x="{px + 3:.1f}" y="{top + 10}" font-size="10" '
                      f'fill="#a855f7">{escape(label)}</text>')
     for i, (name, points) in enumerate(drawn[:2]):
-        lo, hi, ys = _scale([y for _, y in points], bottom, top)
+        lo, hi, ys = _scale([y for _, y in points], bottom, top, from_zero=name in from_zero)
         coords = " ".join(f"{x_px(x):.1f},{y:.1f}" for (x, _), y in zip(points, ys, strict=True))
         color = COLORS[i]
         anchor, ax = ("end", left - 4) if i == 0 else ("start", right + 4)

@@ -69,6 +69,28 @@ def test_an_expired_token_is_refused(client, clock):
     assert client.get("/v1/whoami", headers=carol.headers).status_code == 200  # no expiry
 
 
+def test_a_token_made_by_a_token_never_outlives_it(client, clock):
+    """A short-lived token (stolen, say) cannot mint itself a permanent one: a self token expires no
+    later than the token that made it."""
+    carol = make_principal(client, "carol", "member", "vision")
+    short = client.post("/v1/tokens", json={"ttl_s": 600}, headers=carol.headers).json()
+    as_short = {"Authorization": f"Bearer {short['token']}"}
+    forever = client.post("/v1/tokens", json={"description": "no ttl asked"}, headers=as_short)
+    longer = client.post("/v1/tokens", json={"ttl_s": 86400}, headers=as_short)
+    assert forever.status_code == longer.status_code == 201, forever.text
+    for made in (forever.json(), longer.json()):
+        assert made["expires_at"] == short["expires_at"], made
+    grandchild = client.post("/v1/tokens", json={}, headers={"Authorization": f"Bearer {forever.json()['token']}"})
+    assert grandchild.status_code == 201 and grandchild.json()["expires_at"] == short["expires_at"]
+    clock.advance(601)
+    for token in (forever.json()["token"], longer.json()["token"], grandchild.json()["token"]):
+        assert client.get("/v1/whoami", headers={"Authorization": f"Bearer {token}"}).status_code == 401
+
+    # A token made from an unexpiring one asks for what it wants.
+    child = client.post("/v1/tokens", json={}, headers=carol.headers).json()
+    assert child["expires_at"] is None
+
+
 def test_the_tenant_comes_from_the_principal_and_priority_is_capped(client):
     register_node(client, "node-1", 2)
     a = team(client, "vision")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.control_plane.access import make_principal
 from tests.control_plane.helpers import finish, get_job, nodes_of, submit
 from tests.factories import ADMIN, FakeAgentSession, job_body, register_node
 
@@ -19,6 +20,14 @@ def test_tenants_api_and_submit_refuses_a_job_larger_than_the_quota(client):
     listed = {t["name"]: t for t in client.get("/v1/tenants", headers=ADMIN).json()}
     assert listed["nlp"]["configured"] is False and listed["nlp"]["jobs_waiting"] == 1
     assert listed["vision"]["jobs_waiting"] == 0
+    # A team that has people but no job yet is listed too (a fresh cluster's `trainyard tenants`
+    # printed only a header), as is a team whose jobs all ended.
+    make_principal(client, "ana", "member", "speech")
+    finish_all = client.post(f"/v1/jobs/{submit(client, tenant='audio', num_nodes=1)['id']}/cancel", headers=ADMIN)
+    assert finish_all.status_code == 200
+    listed = {t["name"]: t for t in client.get("/v1/tenants", headers=ADMIN).json()}
+    assert listed["speech"]["configured"] is False and listed["speech"]["jobs_waiting"] == 0
+    assert "audio" in listed and listed["audio"]["jobs_waiting"] == listed["audio"]["jobs_running"] == 0
     for bad in ({"weight": 0}, {"gpu_quota": -1}, {"weight": 1, "extra": 1}):
         assert client.put("/v1/tenants/vision", json=bad, headers=ADMIN).status_code == 422
     assert client.put("/v1/tenants/Not_Valid", json={}, headers=ADMIN).status_code == 422

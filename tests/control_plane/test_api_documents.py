@@ -6,6 +6,7 @@ route with its line and column, and events page like every other collection."""
 from __future__ import annotations
 
 import re
+from importlib import metadata
 
 from control_plane.api.deps import api_routes
 from tests.control_plane.helpers import submit
@@ -25,6 +26,13 @@ def test_docs_pages_load_every_asset_from_the_control_plane(client):
             got = client.get(url)
             assert got.status_code == 200 and len(got.content) > 100, f"{page}: {url} -> {got.status_code}"
     assert "openapi.json" in client.get("/docs").text
+    # Nor does a page's script fetch from elsewhere at run time (ReDoc's footer logo came from its CDN).
+    for script in ("/static/vendor/redoc/redoc.standalone.js", "/static/swagger-ui/swagger-ui-bundle.js"):
+        assert "cdn.redoc.ly" not in client.get(script).text
+    # Swagger UI 4 cannot render an OpenAPI 3.1 document ("Unable to render this definition"); the
+    # browser check that every operation shows is in tests/e2e/test_guide_and_dashboard.py.
+    assert client.get("/openapi.json").json()["openapi"].startswith("3.1")
+    assert int(metadata.version("swagger-ui-bundle-v2").split(".")[0]) >= 5
 
 
 def test_agent_endpoints_are_in_their_own_document_only(client):
@@ -99,3 +107,27 @@ def test_events_page_with_a_cursor_and_follow_with_after(client):
     assert [e["id"] for e in newer] == ids[1:]
     bad = client.get(f"/v1/jobs/{job['id']}/events", params={"cursor": "bm90IGEgY3Vyc29y"}, headers=ADMIN)
     assert bad.status_code == 422
+
+
+# --- Every request number has a documented range (issue 28) -------------------------------------
+UNBOUNDED = {"body.progress.loss", "body.progress.metrics.*"}
+"""A training loss and a user's metrics: any finite number the script computes (inf and NaN are
+refused); a bound would drop a diverging job's reports, which are how its owner sees it diverge."""
+
+
+def test_every_number_a_request_carries_has_a_range_and_says_it(app):
+    from tests.control_plane.openapi_numbers import numeric_fields
+
+    fields = [*numeric_fields(app.openapi()), *numeric_fields(app.state.agent_openapi())]
+    assert len(fields) > 100  # both documents walked, bodies and parameters
+    undocumented = [f"{f.method} {f.path} {f.field}" for f in fields if not f.description]
+    unbounded = [f"{f.method} {f.path} {f.field}" for f in fields if not f.bounded and f.field not in UNBOUNDED]
+    assert undocumented == [] and unbounded == []
+
+
+def test_a_body_that_is_not_utf8_is_a_422_as_any_body_that_is_not_json(client):
+    """Issue 28's probes: FastAPI answered a bare 400 (undeclared) for bytes that are not UTF-8."""
+    r = client.post("/v1/simulations", content=b'{"nodes": "\xff\xfe"}',
+                    headers={**ADMIN, "content-type": "application/json"})
+    assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json"), r.text
+    assert r.json()["errors"][0]["type"] == "json_invalid" and "byte 0xff at offset 11" in r.json()["detail"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import tarfile
 
 import pytest
@@ -108,3 +109,45 @@ def test_requirements_travel_to_the_nodes_and_an_install_that_fails_is_not_retri
     assert done["state"] == "failed" and "cannot start" in done["end_reason"] and reason in done["end_reason"], done
     (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["failure_kind"] == "start_error"
+
+
+def test_the_cli_ships_a_workdir_once_says_so_and_names_the_limit(settings, s3_bucket, tmp_path, monkeypatch):
+    """Issue 26 item 6, against a real control plane and S3: `trainyard run` says what it ships (files,
+    size, packed size, sha256); an unchanged workdir is asked for by the hash of its last archive
+    without packing it again; over the control plane's limit for code, one line names the limit and
+    the way out."""
+    from tests.control_plane.helpers import serve
+    from tests.factories import ADMIN_TOKEN
+    from trainyard import code_ship
+    from trainyard.api_client import Api, ApiError
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    work = tmp_path / "w"
+    (work / "data").mkdir(parents=True)
+    (work / "train.py").write_text("print('hi')\n")
+    (work / "data" / "shard.bin").write_bytes(os.urandom(300_000))
+    packs: list[object] = []
+    real_pack = code_ship.pack
+    monkeypatch.setattr(code_ship, "pack", lambda w: packs.append(w) or real_pack(w))
+    limited = settings.model_copy(update={
+        "s3_endpoint": s3_bucket.endpoint, "s3_access_key": s3_bucket.access_key,
+        "s3_secret_key": s3_bucket.secret_key, "s3_bucket": s3_bucket.bucket, "max_code_bytes": 200_000})
+    with serve(create_app(limited)) as url:
+        api = Api(url=url, token=ADMIN_TOKEN)
+        said: list[str] = []
+        with pytest.raises(ApiError) as over:
+            code_ship.ship(api, work, say=said.append)
+        assert over.value.status == 413 and ".trainyardignore" in str(over.value) and "MB" in str(over.value)
+        assert "2 files" in said[0] and "packed" in said[0] and "uploading" in said[0]
+
+        (work / ".trainyardignore").write_text("data/\n")
+        said.clear()
+        first = code_ship.ship(api, work, say=said.append)
+        assert said[-1].startswith("code: uploaded") and "2 files" in said[0], said
+        assert api.get(f"/v1/code/{first['sha256']}")["sha256"] == first["sha256"]
+        packed = len(packs)
+        said.clear()
+        assert code_ship.ship(api, work, say=said.append) == first and len(packs) == packed
+        assert "unchanged" in said[0] and "already on the control plane" in said[0], said
+        (work / "train.py").write_text("print('changed')\n")
+        assert code_ship.ship(api, work, say=said.append) != first and len(packs) == packed + 1

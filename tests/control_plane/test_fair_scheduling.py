@@ -117,6 +117,7 @@ def test_reservation_holds_nodes_backfill_runs_and_the_cost_is_shown(client, sch
     assert started["reservation"] is None
     after = client.get("/v1/cluster", headers=ADMIN).json()["scheduling"]
     assert after["reservations_started"] == 1 and after["reservations_started_on_time"] == 1
+    assert after["reservations_started_estimated"] == 1
     assert after["reservation_idle_gpu_seconds"] == pytest.approx(3 * 20 + 1 * 5)
     kinds = [e["kind"] for e in client.get(f"/v1/jobs/{big['id']}/events", headers=ADMIN).json()["items"]]
     assert kinds.index("job.reserved") < kinds.index("job.starting")

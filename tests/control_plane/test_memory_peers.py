@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from control_plane.services.memtier import PeerNode, choose_peer, peer_url
 from control_plane.services.memtier_facts import restored_tiers
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
+from trainyard.protocol.memtier import memory_grant, memory_grant_key
 
 _node = st.tuples(st.uuids(), st.sampled_from(["", "r1", "r2", "r3"]))
 
@@ -57,6 +58,7 @@ def test_parts_get_a_peer_on_another_rack_and_the_next_attempt_the_old_copies(cl
     job = client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1), headers=ADMIN).json()
     assert schedule() == 1
     first = {a.name: spec for a in [*agents, off] for spec in a.heartbeat()["assignments"]}
+    by_token = {a.name: a.token for a in agents}
     assert len(first) == 2
     if "n5" in first:  # its agent serves no memory tier: nothing for it
         assert first.pop("n5")["memory"] is None
@@ -68,6 +70,10 @@ def test_parts_get_a_peer_on_another_rack_and_the_next_attempt_the_old_copies(cl
         peer_rack = racks[next(n for n, u in url.items() if u == peer)]
         assert peer_rack != racks[name]  # a copy on another failure domain
         assert spec["memory"]["sources"] == []
+        # The grant of this job at its peer: what the peer's agent computes from its own credential.
+        peer_agent = next(a for a in agents if url[a.name] == peer)
+        assert spec["memory"]["grants"] == {peer: memory_grant(memory_grant_key(peer_agent.token), job["id"])}
+        assert spec["memory"]["grants"][peer] != memory_grant(memory_grant_key(by_token[name]), job["id"])
     # Never shown: not in the job's view or its attempts.
     secret = next(iter(first.values()))["memory"]["secret"]
     for path in (f"/v1/jobs/{job['id']}", f"/v1/jobs/{job['id']}/attempts", f"/v1/jobs/{job['id']}/events"):
@@ -96,6 +102,12 @@ def test_parts_get_a_peer_on_another_rack_and_the_next_attempt_the_old_copies(cl
         expected = [u for u in (url[str(old_node)], old["memory"]["peer_url"])
                     if u not in (new_spec["memory"]["peer_url"], url[new_name])]
         assert new_spec["memory"]["sources"] == expected
+        # A grant for each agent the spec names, and for no other.
+        named = {u for u in (new_spec["memory"]["peer_url"], *expected) if u}
+        assert set(new_spec["memory"]["grants"]) == named
+        tokens = {url[a.name]: a.token for a in agents}
+        for u in named:
+            assert new_spec["memory"]["grants"][u] == memory_grant(memory_grant_key(tokens[u]), job["id"])
 
 
 def test_restored_tiers_are_recorded_only_when_well_formed() -> None:

@@ -16,6 +16,7 @@ from control_plane.models import Node
 from control_plane.scheduler.loops import Loops
 from control_plane.services import attempts, metrics, nodes
 from control_plane.services.recovery_budget import PHASES
+from tests.control_plane.test_ui_pages import login_csrf
 from tests.factories import ADMIN, ADMIN_TOKEN, FakeAgentSession, job_body, workers_for
 from tests.helpers import in_parallel
 from trainyard import job_view
@@ -104,8 +105,9 @@ def test_a_node_that_failed_a_job_twice_is_avoided(client, schedule, three_nodes
         used.append(name)
         if len(used) < 3:
             # Fail it twice on the node it gets: the recovery goes back to its last attempt's node
-            # as long as it may (whichever node that is: placement never depends on names).
-            _fail(by_name[name], spec)
+            # as long as it may (whichever node that is: placement never depends on names). A
+            # worker killed by a signal: a node's kind of failure (an exception would not count).
+            _fail(by_name[name], spec, code=-9)
             by_name[name].heartbeat([])
     assert used[0] == used[1] and used[2] != used[0]
 
@@ -117,7 +119,7 @@ def test_a_job_that_only_fits_on_a_twice_failed_node_fails(client, schedule):
     for _ in range(2):
         assert schedule() == 1
         specs = _assignments(agents)
-        _fail(agents[0], specs["node-1"])
+        _fail(agents[0], specs["node-1"], code=-9)  # a node's kind of failure (NODE_FAULT_KINDS)
         for a in agents:
             a.heartbeat([])
     assert schedule() == 0
@@ -216,7 +218,8 @@ def test_a_recovery_splits_into_its_phases_on_the_control_planes_clock_and_names
     line = job_view._recovery_line(rec).plain
     assert line.index("detection 0.40s") < line.index("wake up 0.30s") < line.index("restore 1.20s")
     assert "rendezvous 1.50s (budget 1s)" in line and "= 5.20s" in line
-    r = client.post("/ui/login", data={"token": ADMIN_TOKEN, "next": "/ui"}, follow_redirects=False)
+    r = client.post("/ui/login", data={"token": ADMIN_TOKEN, "next": "/ui", "csrf": login_csrf(client)},
+                    follow_redirects=False)
     assert r.status_code == 303
     page = client.get(f"/ui/jobs/{job['id']}/live").text
     assert "process start 1.2" in page and 'title="over its budget of 1.0s">rendezvous 1.5' in page, page

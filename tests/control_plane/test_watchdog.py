@@ -134,6 +134,12 @@ def test_metrics_need_their_token_and_show_the_database(clock, app, client, runn
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
     assert 'trainyard_jobs{state="running"} 1.0' in text
+    # Every state and every failure cause has its series, 0 included (issue 26 item 8).
+    for state in ("queued", "recovering", "succeeded", "failed", "cancelled"):
+        assert f'trainyard_jobs{{state="{state}"}} 0.0' in text, state
+    for cause in ("hung", "exception", "signal", "out_of_memory", "node_lost", "start_error"):
+        assert f'trainyard_attempts_failed_total{{cause="{cause}"}} 0.0' in text, cause
+    assert 'trainyard_nodes{state="lost"} 0.0' in text
     assert 'trainyard_gpu_leases{state="active"} 4.0' in text
     for name in ("trainyard_goodput_gpu_seconds{component=\"allocated\"}", "trainyard_goodput_ratio",
                  "trainyard_heartbeat_duration_seconds_bucket", "trainyard_queue_wait_seconds_bucket",

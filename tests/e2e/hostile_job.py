@@ -3,7 +3,7 @@ node, it tries to take over the node and the other job, and records for each att
 blocked. Nothing here harms the other job even when an attack works (signal 0, files opened and
 closed unwritten), and nothing read is printed: an attack's record says only whether it got through.
 
-    hostile_job.py VICTIM_JOB_ID
+    hostile_job.py VICTIM_JOB_ID [VICTIM_CODE_SHA256]
 
 Its result (rank 0): {"uid": ..., "attacks": [{"name", "blocked", "how"}], "escapee": pid}.
 """
@@ -117,10 +117,87 @@ def post_number(number: bytes) -> str:
     return f"blocked: HTTP {status}" if status == 422 else f"got through: HTTP {status}"
 
 
+# --- issue 23, finding 5: a memory PUT flood against its own agent (self-contained) ---
+
+
+def _vm_rss(pid: int) -> int:
+    """The agent's resident memory in bytes (/proc/<pid>/status is readable by every uid)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def flood_memory_tier(agent: int) -> str:
+    """32 connections to its own agent's memory tier, each announcing a 4 GiB shard and sending 1 MiB
+    of it: an agent that allocated the declared length (128 GiB) would die with every job on the
+    node. Blocked when the agent's memory grows by less than 512 MiB and every connection is told
+    no (413/503) or only waits for bytes that never come."""
+    path = os.environ.get("TRAINYARD_AGENT_SOCKET")
+    if not path:
+        return "blocked: no local socket to flood"
+    before = _vm_rss(agent)
+    head = (f"PUT /v1/local/attempts/{os.environ['TRAINYARD_ATTEMPT_ID']}/memory/0/{'0' * 64} HTTP/1.1\r\n"
+            f"Host: agent\r\nX-Trainyard-Fencing-Token: {os.environ['TRAINYARD_FENCING_TOKEN']}\r\n"
+            f"Content-Length: {4 << 30}\r\n\r\n").encode()
+    socks = []
+    for _ in range(32):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(path)
+        with contextlib.suppress(OSError):  # refused before the body: the agent closes at once
+            sock.sendall(head + b"x" * (1 << 20))
+        socks.append(sock)
+    grown = 0
+    for _ in range(5):  # the agent takes in what was sent: its peak while all 32 are open
+        time.sleep(0.05)
+        grown = max(grown, _vm_rss(agent) - before)
+    answers: dict[str, int] = {}
+    for sock in socks:
+        sock.settimeout(0.1)
+        try:
+            got = sock.recv(64)
+            status = got.split(b" ", 2)[1].decode() if got.startswith(b"HTTP/1.1 ") else "closed"
+        except TimeoutError:
+            status = "held"  # reserved, waiting for its body: it costs what it sent
+        except OSError:
+            status = "closed"
+        answers[status] = answers.get(status, 0) + 1
+        sock.close()
+    stored = any(code.startswith("2") for code in answers)
+    how = f"agent RSS +{grown >> 20} MiB, answers {answers}"
+    return f"got through: {how}" if stored or grown >= 512 << 20 else f"blocked: {how}"
+
+
 def escape() -> int:
     """A process in a session of its own with an empty environment: no marker left to find it by."""
     return subprocess.Popen(["/bin/sleep", "600"], env={}, start_new_session=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid
+
+
+# --- issue 23, finding 3: shipped code (docs/security.md, "Shipped code") ---
+
+VICTIM_CODE_FILE = "victim_code.py"
+"""A file of the victim job's shipped code (tests/e2e/test_isolation.py ships it)."""
+
+
+def read_existing(path: str) -> str:
+    """``read``, except that a path that is not there proves nothing (the victim ships no code?)."""
+    try:
+        return read(path)
+    except FileNotFoundError:
+        return f"not tried: nothing at {path}"
+
+
+def attack_shipped_code(work_dir: str, victim_worker_dir: str, victim_code_sha: str | None) -> None:
+    """Every job's code archives sit in the node's cache, and each attempt's unpacked code in its
+    worker directory: another tenant's worker must neither list nor read either."""
+    attempt("list the node's code cache", lambda: str(os.listdir(f"{work_dir}/code")[:0]))
+    attempt("read the other job's code archive in the node's cache",
+            lambda: read_existing(f"{work_dir}/code/{victim_code_sha}.tar.gz") if victim_code_sha
+            else "not tried: no hash given")
+    attempt("read the other attempt's unpacked code",
+            lambda: read_existing(f"{victim_worker_dir}/code/{VICTIM_CODE_FILE}"))
 
 
 def main() -> None:
@@ -172,8 +249,10 @@ def main() -> None:
             return "got through: connected"
 
         attempt("connect to the other attempt's local API", connect)
+    attack_shipped_code(work_dir, victim_worker_dir, sys.argv[2] if len(sys.argv) > 2 else None)
     attempt("post a NaN progress report", lambda: post_number(b"NaN"))
     attempt("post an infinite progress report (1e999)", lambda: post_number(b"1e999"))
+    attempt("flood its agent's memory tier with 32 PUTs announcing 4 GiB each", lambda: flood_memory_tier(agent))
     escapee = escape()
     print(json.dumps({"uid": os.getuid(), "attacks": attacks, "escapee": escapee}), flush=True)
     if ctx.is_main:

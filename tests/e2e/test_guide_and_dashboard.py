@@ -138,6 +138,11 @@ def _guide(cluster: Cluster, data_dir: Path, tmp_path: Path, monkeypatch: pytest
     assert len(attempts) == 2 and attempts[0]["failure_kind"] == "signal", attempts[0]
     assert attempts[1]["restored_from_step"] >= 25 and attempts[1]["recovery"]["to_first_step_s"] > 0
     assert job["progress"]["total_steps"] == steps and job["progress"]["step"] == steps
+    # Issue 26: the followed log said, as it happened, that attempt 1 failed and why, and where the
+    # recovery resumed (stderr lines between the log's).
+    assert "trainyard: attempt 1 failed (" in err and "); recovery 1 of 3" in err, err
+    resumed = f"trainyard: recovery: attempt 2 resumes from checkpoint step {attempts[1]['restored_from_step']}"
+    assert resumed in err, err
 
     stdout, stderr = reference.communicate(timeout=300)
     assert reference.returncode == 0, stderr[-2000:]
@@ -298,6 +303,8 @@ def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
         assert page.locator("#utilization").inner_text() == "100%"
         page.screenshot(path=str(shots / "cluster.png"), full_page=True)
 
+        _api_pages(cluster, page, shots)
+
         page.goto(f"{cluster.url}/ui/jobs/{job['id']}")
         page.on("dialog", lambda dialog: dialog.accept())
         page.click("#cancel")
@@ -310,5 +317,28 @@ def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
         page.screenshot(path=str(shots / "cancelled.png"), full_page=True)
         browser.close()
     print(f"\ndashboard screenshots: {shots}")
-    assert sorted(p.name for p in shots.iterdir()) == ["cancelled.png", "cluster.png", "job.png", "jobs.png",
-                                                        "nodes.png"]
+    assert sorted(p.name for p in shots.iterdir()) == ["cancelled.png", "cluster.png", "docs.png", "job.png",
+                                                        "jobs.png", "nodes.png", "redoc.png"]
+
+
+def _api_pages(cluster: Cluster, page: Any, shots: Path) -> None:
+    """/docs and /redoc as a person meets them (the dashboard's "API" link): every operation of the
+    served document is listed, and the page logs no error (Swagger UI 4 could not read OpenAPI 3.1
+    and showed "Unable to render this definition")."""
+    document = cluster.get("/openapi.json")
+    operations = sum(1 for item in document["paths"].values() for method in item
+                     if method in ("get", "put", "post", "delete", "patch"))
+    errors: list[str] = []
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{cluster.url}/docs")
+    page.locator(".opblock").first.wait_for(timeout=30_000)
+    assert page.locator(".opblock").count() == operations, (page.locator(".opblock").count(), operations)
+    assert "Unable to render" not in page.content() and page.locator(".errors-wrapper").count() == 0
+    assert page.locator(".opblock-summary-path[data-path='/v1/jobs']").count() >= 2  # list and submit
+    page.screenshot(path=str(shots / "docs.png"))
+    page.goto(f"{cluster.url}/redoc")
+    page.locator("[data-section-id^='operation/']").first.wait_for(state="attached", timeout=30_000)
+    assert page.locator("[data-section-id^='operation/']").count() == operations
+    page.screenshot(path=str(shots / "redoc.png"))
+    assert errors == [], errors

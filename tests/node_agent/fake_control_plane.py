@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import uuid
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,6 +51,12 @@ class FakeControlPlane:
         self.registrations: list[RegisterRequest] = []
         self.assignments: dict[str, list[LaunchSpec]] = defaultdict(list)
         self.heartbeats: list[tuple[str, HeartbeatRequest]] = []
+        self.heartbeat_times: list[float] = []
+        """When each heartbeat arrived (time.monotonic())."""
+        self.code: dict[str, bytes] = {}
+        """Per attempt, the code archive GET /v1/agent/attempts/{id}/code serves."""
+        self.code_trickle_s = 0.0
+        """How long serving an archive takes (sent in 16 pieces): a slow network."""
         self.statuses: dict[str, list[AttemptStatusReport]] = defaultdict(list)
         self.logs: dict[tuple[str, int, int, str], dict[int, str]] = defaultdict(dict)
         self.shards: dict[str, list[ShardInfo]] = defaultdict(list)
@@ -169,6 +176,7 @@ class FakeControlPlane:
             if path == "/v1/agent/heartbeat":
                 hb = HeartbeatRequest.model_validate_json(body)
                 self.heartbeats.append((node, hb))
+                self.heartbeat_times.append(time.monotonic())
                 hb_resp = HeartbeatResponse(
                     node_id=self.node_ids[node],
                     node_state="ready",
@@ -237,6 +245,25 @@ class FakeControlPlane:
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+                match = re.match(r"^/v1/agent/attempts/([^/]+)/code$", self.path)
+                data = plane.code.get(match.group(1)) if match and token in plane.tokens else None
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/gzip")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                piece = -(-len(data) // 16)
+                for start in range(0, len(data), piece):
+                    self.wfile.write(data[start:start + piece])
+                    self.wfile.flush()
+                    time.sleep(plane.code_trickle_s / 16)  # the network's pace, not a wait for an event
 
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from node_agent.attempt import AttemptRun, attempt_paths
+from node_agent.code import CodeLimits, ShippedCode
 from node_agent.launcher import NodeContext
 from tests.helpers import free_port, rendezvous_port, wait_for
-from trainyard.protocol.agent import LaunchSpec
+from trainyard.protocol.agent import CodeRef, LaunchSpec
 
 __all__ = ["REPO_ROOT", "free_port", "wait_for", "make_spec", "write_script", "Launcher", "read_log", "wait_finished"]
 
@@ -80,7 +82,7 @@ class Launcher:
         """Launch as the agent does for a job with shipped code (node_agent/code.py)."""
         node = node or self.node()
         paths = attempt_paths(self.tmp_path / f"node-{node.local_addr}", spec.attempt_id)
-        run = AttemptRun.launch(spec, node, paths, stop_grace_s=2.0, code_archive=archive)
+        run = AttemptRun.launch(spec, node, paths, stop_grace_s=2.0, code=local_code(archive, self.tmp_path / "cache"))
         self.runs.append(run)
         return run
 
@@ -97,6 +99,17 @@ class Launcher:
                 if not run.alive:
                     break
                 time.sleep(0.05)
+
+
+def local_code(archive: Path, work_dir: Path, limits: CodeLimits = CodeLimits()) -> ShippedCode:
+    """A job's code as an agent gets it, fetched from a local file instead of the control plane."""
+    data = archive.read_bytes()
+
+    def fetch(out: BinaryIO, max_bytes: int, deadline: float) -> None:
+        assert len(data) <= max_bytes
+        out.write(data)
+
+    return ShippedCode(CodeRef(sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data)), work_dir, fetch, limits)
 
 
 def wait_finished(run: AttemptRun, timeout: float = 30.0) -> AttemptRun:

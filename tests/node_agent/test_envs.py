@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from node_agent.attempt import AttemptRun, attempt_paths
 from node_agent.envs import MARKER, CachedEnv, EnvBuildFailed, EnvCache, Interpreter, env_key, evictions
+from node_agent.isolation import Confinement
 from tests.helpers import in_parallel, make_wheel, wait_for
 from tests.node_agent.helpers import Launcher, make_spec
 from trainyard.protocol.agent import NodeAttemptState
@@ -150,10 +151,10 @@ class GatedCache(EnvCache):
         super().__init__(*args, **kwargs)
         self.asked, self.go = threading.Event(), threading.Event()
 
-    def acquire(self, requirements: str, python: str) -> tuple[str, str]:
+    def acquire(self, requirements: str, python: str, build_as: Confinement | None = None) -> tuple[str, str]:
         self.asked.set()
         assert self.go.wait(60)
-        return super().acquire(requirements, python)
+        return super().acquire(requirements, python, build_as)
 
 
 def test_a_part_stopped_while_its_venv_builds_never_starts(launcher: Launcher, tmp_path: Path, wheels: Path) -> None:

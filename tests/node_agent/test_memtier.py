@@ -3,15 +3,18 @@ and the worker's restore through it, over real HTTP (unix sockets and TCP)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import secrets
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,18 +22,21 @@ from hypothesis import strategies as st
 
 from node_agent.launcher import AttemptPaths, NodeContext, torchrun_command, worker_env
 from node_agent.local_api import LocalApi
-from node_agent.memstore import ShardRefused, ShardStore, owner_of
+from node_agent.memstore import ShardRefused, ShardStore
 from node_agent.memtier import AttemptMemory, MemoryTier
 from node_agent.memtier_peer import PeerServer, serving
 from tests.conftest import S3Bucket
 from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec
 from trainyard.protocol.keys import MANIFEST_FORMAT
-from trainyard.protocol.memtier import TIER_HEADER, TOKEN_HEADER, MemoryTierSpec, chunks, fill
+from trainyard.protocol.memtier import TIER_HEADER, TOKEN_HEADER, MemoryTierSpec, chunks, fill, memory_grant
 from worker_runtime.checkpoint.memtier import AgentMemory
 from worker_runtime.checkpoint.restore import fetch_shard
 from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.context import WorkerContext
+
+KEY = "k" * 64
+"""Every test tier's grant key (an agent's is memory_grant_key of its credential)."""
 
 # --- the store ---
 
@@ -44,26 +50,35 @@ _put = st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["job-1", "job-2"]
 
 
 @settings(max_examples=150, deadline=None)
-@given(budget=st.integers(0, 100), keep=st.integers(1, 3), puts=st.lists(_put, max_size=30))
-def test_the_store_keeps_the_latest_per_rank_within_its_budget_evicting_the_oldest(
-        budget: int, keep: int, puts: list[tuple[str, str, int, bytes]]) -> None:
+@given(budget=st.integers(0, 100), keep=st.integers(1, 3), share=st.none() | st.integers(0, 100),
+       puts=st.lists(_put, max_size=30))
+def test_the_store_keeps_the_latest_per_rank_within_its_budget_evicting_only_the_jobs_own_oldest(
+        budget: int, keep: int, share: int | None, puts: list[tuple[str, str, int, bytes]]) -> None:
+    """Issue 23 finding 9: a job's put evicts its own entries only (to stay within its share and to
+    make room), and is refused when other jobs' entries fill the budget."""
     store = ShardStore(budget, keep_per_rank=keep)
+    cap = budget if share is None else min(share, budget)
     model: list[tuple[tuple[str, str, int, str], bytes]] = []  # what should be there, oldest first
     for owner, job, rank, data in puts:
         key = (owner, job, rank, sha(data))
+        others = [(k, d) for k, d in model if k[:2] != key[:2]]
         try:
-            store.put(owner, job, rank, sha(data), data)
+            evicted = store.put(owner, job, rank, sha(data), data, share=share)
         except ShardRefused:
-            assert len(data) > budget
+            assert len(data) > cap or sum(len(d) for _, d in others) + len(data) > budget
             continue
-        model = [(k, d) for k, d in model if k != key]
-        same = [k for k, _ in model if k[:3] == key[:3]]
+        assert all(e.owner == owner and e.job_id == job for e in evicted)  # never another job's
+        mine = [(k, d) for k, d in model if k[:2] == key[:2] and k != key]
+        same = [k for k, _ in mine if k[2] == rank]
         drop = set(same[:max(0, len(same) - keep + 1)])  # the rank's oldest beyond keep_per_rank
-        model = [(k, d) for k, d in model if k not in drop]
-        while model and sum(len(d) for _, d in model) + len(data) > budget:
-            model.pop(0)  # then the oldest of all, until it fits
-        model.append((key, data))
+        mine = [(k, d) for k, d in mine if k not in drop]
+        while mine and (sum(len(d) for _, d in mine) + len(data) > cap
+                        or sum(len(d) for _, d in others + mine) + len(data) > budget):
+            mine.pop(0)  # then the job's own oldest, until it fits
+        kept = {k for k, _ in others + mine}
+        model = [(k, d) for k, d in model if k in kept] + [(key, data)]
         assert store.used_bytes == sum(len(d) for _, d in model) <= budget
+        assert store.job_bytes(owner, job) <= cap
         assert len(store) == len(model)
         for (o, j, r, s), d in model:
             entry = store.get(o, j, s, r)
@@ -80,7 +95,7 @@ def test_the_store_refuses_bytes_that_are_not_their_sha256_and_shards_over_the_b
     store.put("o", "j", 0, sha(b"good"), b"good")
     with pytest.raises(ShardRefused, match="do not match"):
         store.put("o", "j", 0, sha(b"other"), b"bad!")
-    with pytest.raises(ShardRefused, match="over this agent's memory budget"):
+    with pytest.raises(ShardRefused, match="over this job's share of this agent's memory budget"):
         store.put("o", "j", 0, sha(b"x" * 11), b"x" * 11)
     assert store.get("o", "j", sha(b"good"), 0) is not None  # the slot's entry survives a refusal
     assert store.get("someone-else", "j", sha(b"good"), 0) is None  # another owner finds nothing
@@ -95,35 +110,42 @@ def test_the_store_refuses_bytes_that_are_not_their_sha256_and_shards_over_the_b
 
 @pytest.fixture
 def peer() -> Iterator[tuple[MemoryTier, str]]:
-    tier = MemoryTier(1 << 20, peer_timeout_s=5)
+    tier = MemoryTier(1 << 20, grant_key=KEY, peer_timeout_s=5)
     with serving(tier) as server:
         yield tier, f"http://127.0.0.1:{server.port}"
 
 
 def memory(job: str = "job-1", peer_url: str | None = None, secret: str | None = None,
            sources: tuple[str, ...] = ()) -> AttemptMemory:
-    return AttemptMemory(job, secret or secrets.token_hex(32), peer_url, sources)
+    """A part's memory tier as its spec gives it: with the job's grant for each agent it names."""
+    grants = {url: memory_grant(KEY, job) for url in (peer_url, *sources) if url}
+    return AttemptMemory(job, secret or secrets.token_hex(32), peer_url, sources, grants)
 
 
-def test_a_shard_pushed_to_the_peer_is_read_back_only_with_its_jobs_secret(peer: tuple[MemoryTier, str]) -> None:
+def test_a_shard_pushed_to_the_peer_is_read_back_only_with_its_jobs_grant(peer: tuple[MemoryTier, str]) -> None:
     peer_tier, url = peer
     mine = memory(peer_url=url)
-    local = MemoryTier(1 << 20, peer_timeout_s=5)
+    local = MemoryTier(1 << 20, grant_key=KEY, peer_timeout_s=5)
     data = b"shard-bytes" * 100
     local.put(mine, 3, sha(data), data)
     assert local.wait_pushed(5) and _eventually(lambda: peer_tier.store.get(mine.owner, "job-1", sha(data), 3))
     assert local.pushed == 1 and local.push_failures == 0
 
     assert local.get(mine, 3, sha(data), "peer") == data
-    # Another job (its own secret), the same job id with a wrong secret, and a wrong job id: nothing.
+    # A body from a peer is received under the in-flight budget too: past it, a miss (S3 serves).
+    narrow = MemoryTier(1 << 20, grant_key=KEY, inflight_bytes=len(data) - 1)
+    assert narrow.get(mine, 3, sha(data), "peer") is None and narrow.inflight_held == 0
+    # Another job (its own grant), job-1 with a forged grant or another job's grant: nothing.
     other_job = memory("job-2", peer_url=url)
     assert local.get(other_job, 3, sha(data), "peer") is None
-    assert local.get(memory("job-1", peer_url=url), 3, sha(data), "peer") is None
-    assert local.get(memory("job-2", peer_url=url, secret=mine.secret), 3, sha(data), "peer") is None
+    forged = AttemptMemory("job-1", mine.secret, url, (), {url: secrets.token_hex(32)})
+    assert local.get(forged, 3, sha(data), "peer") is None
+    assert local.get(AttemptMemory("job-1", mine.secret, url, (), other_job.grants), 3, sha(data), "peer") is None
     base = f"{url}/v1/peer/jobs/job-1/shards/3/{sha(data)}"
     assert httpx.get(base).status_code == 401  # no credential at all
     assert httpx.get(base, headers={"Authorization": "Bearer short"}).status_code == 401
-    auth = {"Authorization": f"Bearer {mine.secret}"}
+    assert httpx.get(base, headers={"Authorization": f"Bearer {mine.secret}"}).status_code == 401  # not a grant
+    auth = {"Authorization": f"Bearer {mine.grants[url]}"}
     assert httpx.get(base, headers=auth).content == data
     # Bad input is refused with a clear status, never a crash.
     assert httpx.get(f"{url}/v1/peer/jobs/job-1/shards/x/{sha(data)}", headers=auth).status_code == 422
@@ -136,8 +158,8 @@ def test_a_shard_pushed_to_the_peer_is_read_back_only_with_its_jobs_secret(peer:
 
 
 def test_a_push_to_a_dead_peer_is_a_miss_not_an_error() -> None:
-    tier = MemoryTier(1 << 20, peer_timeout_s=1)
-    with serving(MemoryTier(1 << 20)) as server:
+    tier = MemoryTier(1 << 20, grant_key=KEY, peer_timeout_s=1)
+    with serving(MemoryTier(1 << 20, grant_key=KEY)) as server:
         gone = f"http://127.0.0.1:{server.port}"
     mine = memory(peer_url=gone)
     tier.put(mine, 0, sha(b"abc"), b"abc")
@@ -179,12 +201,12 @@ def shard_of(state: dict[str, torch.Tensor]) -> bytes:
 
 def test_a_worker_restores_from_local_memory_then_the_peer_and_corrupt_bytes_fall_through(
         sockets: Path, s3_bucket: S3Bucket) -> None:
-    peer_tier = MemoryTier(1 << 20)
+    peer_tier = MemoryTier(1 << 20, grant_key=KEY)
     peer_server = PeerServer(peer_tier, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{peer_server.port}"
     secret = secrets.token_hex(32)
     job = memory("job-1", peer_url=url, secret=secret)
-    tier = MemoryTier(1 << 20, peer_timeout_s=5)
+    tier = MemoryTier(1 << 20, grant_key=KEY, peer_timeout_s=5)
     api = agent_api(sockets, "a", tier, {"att-1": job, "att-x": memory("job-2"), "att-off": None})
     try:
         state = {"w": torch.arange(10.0)}
@@ -241,14 +263,14 @@ def test_a_replacement_node_reads_the_previous_attempts_copy_from_the_old_peer(
         sockets: Path, peer: tuple[MemoryTier, str]) -> None:
     _, url = peer
     secret = secrets.token_hex(32)
-    old = MemoryTier(1 << 20, peer_timeout_s=5)
+    old = MemoryTier(1 << 20, grant_key=KEY, peer_timeout_s=5)
     old.put(memory("job-1", peer_url=url, secret=secret), 1, sha(b"rank1"), b"rank1")
     assert old.wait_pushed(5) and _eventually(lambda: old.pushed == 1)
     old.stop()  # the old node is gone with its memory
     # The new attempt's part on another node: its own peer knows nothing, the old peer is a source.
-    with serving(MemoryTier(1 << 20)) as fresh_peer:
+    with serving(MemoryTier(1 << 20, grant_key=KEY)) as fresh_peer:
         spec = memory("job-1", peer_url=f"http://127.0.0.1:{fresh_peer.port}", secret=secret, sources=(url,))
-        new = MemoryTier(1 << 20, peer_timeout_s=5)
+        new = MemoryTier(1 << 20, grant_key=KEY, peer_timeout_s=5)
         api = agent_api(sockets, "b", new, {"att-2": spec})
         try:
             me = worker(api, "att-2", rank=1)
@@ -257,7 +279,6 @@ def test_a_replacement_node_reads_the_previous_attempts_copy_from_the_old_peer(
         finally:
             api.stop()
             new.stop()
-    assert owner_of(secret) != owner_of(secrets.token_hex(32))
 
 
 def _eventually(check: Callable[[], object], timeout: float = 5.0) -> bool:
@@ -307,7 +328,7 @@ def test_a_saved_shard_is_handed_to_the_agent_and_the_next_attempt_restores_it_f
 
     storage = S3Storage(S3Config(endpoint=s3_bucket.endpoint, bucket=s3_bucket.bucket,
                                  access_key=s3_bucket.access_key, secret_key=s3_bucket.secret_key))
-    tier = MemoryTier(1 << 20, peer_timeout_s=5)
+    tier = MemoryTier(1 << 20, grant_key=KEY, peer_timeout_s=5)
     peer_tier, url = peer
     spec = memory("job-1", peer_url=url)
 
@@ -356,16 +377,16 @@ def test_a_saved_shard_is_handed_to_the_agent_and_the_next_attempt_restores_it_f
 
 
 def test_a_peer_that_hangs_up_mid_body_costs_only_its_own_request(peer: tuple[MemoryTier, str]) -> None:
-    import socket
 
     tier, url = peer
     port = int(url.rsplit(":", 1)[1])
-    secret = secrets.token_hex(32)
+    secret = memory_grant(KEY, "job-1")
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(f"PUT /v1/peer/jobs/job-1/shards/0/{sha(b'x' * 100)} HTTP/1.1\r\nHost: p\r\n"
                      f"Authorization: Bearer {secret}\r\nContent-Length: 100\r\n\r\n".encode() + b"x" * 10)
     auth = {"Authorization": f"Bearer {secret}"}
     base = f"{url}/v1/peer/jobs/job-1/shards/0/{sha(b'x' * 100)}"
+    assert _eventually(lambda: tier.inflight_held == 0)  # the cut body's reservation is released
     assert httpx.put(base, headers=auth, content=b"x" * 100).status_code == 201  # the server goes on
     assert httpx.get(base, headers=auth).content == b"x" * 100
     assert len(tier.store) == 1
@@ -381,7 +402,7 @@ def test_a_job_with_the_memory_tier_off_hands_its_agent_nothing_and_restores_fro
 
     storage = S3Storage(S3Config(endpoint=s3_bucket.endpoint, bucket=s3_bucket.bucket,
                                  access_key=s3_bucket.access_key, secret_key=s3_bucket.secret_key))
-    tier = MemoryTier(1 << 20, peer_timeout_s=5)
+    tier = MemoryTier(1 << 20, grant_key=KEY, peer_timeout_s=5)
     peer_tier, url = peer
     spec = memory("job-1", peer_url=url)
     api = agent_api(sockets, "d", tier, {"att-1": spec, "att-2": spec})
@@ -421,3 +442,86 @@ def _worker_ctx(api: LocalApi, attempt: str, restore_from: dict[str, object] | N
                          agent_url="http://trainyard-agent", agent_socket=str(api.socket_of(attempt)),
                          checkpoint={"interval_steps": 1, **checkpoint}, checkpoint_prefix="ck",
                          restore_from=restore_from)
+
+
+# --- a hostile worker (issue 23, finding 5) ---
+
+
+def _rss() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+def _announce(path: Path, attempt_id: str, size: int, body: bytes = b"") -> socket.socket:
+    """A PUT to the attempt's own socket that announces ``size`` bytes and sends only ``body``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(path))
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused before the body: closed
+        sock.sendall(f"PUT /v1/local/attempts/{attempt_id}/memory/0/{'0' * 64} HTTP/1.1\r\nHost: agent\r\n"
+                     f"{TOKEN_HEADER}: fence-{attempt_id}\r\nContent-Length: {size}\r\n\r\n".encode() + body)
+    return sock
+
+
+def _status_of(sock: socket.socket) -> int | None:
+    """The status the agent answered (None: it closed without one, or has not answered)."""
+    got = b""
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            got += chunk
+    return int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else None
+
+
+def test_a_worker_flooding_its_agent_with_huge_announced_shards_costs_bounded_memory_and_others_still_save(
+        sockets: Path) -> None:
+    """32 connections each announcing 4 GiB to the memory tier's local PUT (which once allocated the
+    declared length up front: 128 GiB): refused at once, before a byte is read. Announcing what fits
+    its share instead, the attacker holds at most its share of the in-flight budget, and only the
+    bytes it really sends; the victim job on the same agent saves and restores as before."""
+    gib = 1 << 30
+    tier = MemoryTier(4 * gib, grant_key=KEY)
+    api = agent_api(sockets, "f", tier, {"att-v": memory("job-v"), "att-e": memory("job-e")})
+    victim, evil = worker(api, "att-v"), worker(api, "att-e")
+    first, second = secrets.token_bytes(1 << 20), secrets.token_bytes(8 << 20)
+    held: list[socket.socket] = []
+    try:
+        assert victim.put(0, sha(first), first)  # the victim's job is served here already
+        before = _rss()
+        path = api.socket_of("att-e")
+        assert path is not None
+        flood = [_announce(path, "att-e", 4 * gib) for _ in range(32)]
+        answers = [_status_of(sock) for sock in flood]
+        # Each is over the job's share (half the budget: two jobs are served): 413, or 503 for the
+        # connections beyond the attempt's limit; nothing allocated, nothing held.
+        assert set(answers) <= {413, 503} and answers.count(413) >= 16, answers
+        assert tier.inflight_held == 0 and _rss() - before < 64 << 20
+
+        # Within its share: two of 1 GiB each are reserved (its 2 GiB), each sends 4 MiB and stalls.
+        held = [_announce(path, "att-e", gib, b"x" * (4 << 20)) for _ in range(32)]
+        assert _eventually(lambda: tier.inflight_held == 2 * gib, timeout=10)
+        refused = [s for s in held if _status_of_nowait(s) in (413, 503)]
+        assert len(refused) == 30, len(refused)
+        # What arrived (2 x 4 MiB, and buffers), never the 2 GiB announced: 18 MiB when measured.
+        grown = _rss() - before
+        assert grown < 256 << 20, f"{grown >> 20} MiB"
+        assert not evil.put(1, sha(second), second)  # the worker is told no and keeps S3 only: no exception
+        assert victim.put(0, sha(second), second)  # the victim's share and in-flight budget are its own
+        assert victim.get(0, sha(second), "local") == second
+        assert victim.get(0, sha(first), "local") == first
+    finally:
+        for sock in held:
+            sock.close()
+        assert _eventually(lambda: tier.inflight_held == 0, timeout=10)  # released on every path
+        api.stop()
+        tier.stop()
+
+
+def _status_of_nowait(sock: socket.socket) -> int | None:
+    """The status already answered on ``sock`` within a second, else None (a connection still held)."""
+    sock.settimeout(1.0)
+    try:
+        got = sock.recv(65536)
+    except TimeoutError:
+        return None
+    finally:
+        sock.settimeout(10)
+    return int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else None

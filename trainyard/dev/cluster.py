@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 from trainyard import dev_control
@@ -204,12 +205,15 @@ class DevCluster(EmbeddedServices, NodeAgents):
         kill_all(list(self._descendants.values()))
         if self.config.worker_uids:
             shutil.rmtree(self._workers_tmp, ignore_errors=True)
-        if self.s3 is not None:
-            self._say("stopping S3")
-            self.s3.stop()
-        if self.pg is not None:
-            self._say("stopping PostgreSQL")
-            self.pg.stop()
+        # S3 and PostgreSQL have no client left: stopped side by side.
+        servers = [(name, server) for name, server in (("S3", self.s3), ("PostgreSQL", self.pg)) if server is not None]
+        if servers:
+            self._say(f"stopping {' and '.join(name for name, _ in servers)}")
+            stoppers = [threading.Thread(target=server.stop) for _, server in servers]
+            for thread in stoppers:
+                thread.start()
+            for thread in stoppers:
+                thread.join()
         with contextlib.suppress(OSError):
             (self.config.data_dir / "dev-up.pids").unlink()
         self._say("stopped")

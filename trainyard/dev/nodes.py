@@ -69,6 +69,8 @@ class NodeAgents(ClusterBase):
             node_tls = ensure_server_tls(cfg.data_dir / "tls", [f"127.0.0.{i + 1}"], common_name=f"trainyard {name}",
                                          stem=name)
             args += ["--memory-tls-cert", str(node_tls.cert_file), "--memory-tls-key", str(node_tls.key_file)]
+        else:  # --insecure-http: the operator chose plain HTTP for the whole cluster
+            args += ["--memory-plain-http"]
         if cfg.worker_uids:
             args += ["--worker-uids", cfg.worker_uids, "--worker-root", str(self._worker_root(name))]
         if cfg.standbys:

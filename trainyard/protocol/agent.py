@@ -274,7 +274,8 @@ class LaunchSpec(_Wire):
     memory: MemoryTierSpec | None = Field(
         default=None,
         description="The in-memory checkpoint tier of this part: the job's memory secret, the peer agent that "
-        "keeps a copy of its shards and where the previous attempt's copies may be; None: off.",
+        "keeps a copy of its shards, where the previous attempt's copies may be, and the job's memory grant "
+        "at each of those agents; None: off.",
     )
     launched: bool = Field(
         default=False,
@@ -329,7 +330,9 @@ class WaitRequest(_Wire):
     at once; without, the agent heartbeats at once when ``changed``. Either way it then waits again."""
 
     known: list[KnownAssignment] = Field(default_factory=list, max_length=1024)
-    timeout_s: float | None = Field(default=None, gt=0, le=120)
+    timeout_s: float | None = Field(
+        default=None, gt=0, le=120,
+        description="Seconds to wait for a change, over 0 to 120 (capped by agent_wait_timeout_s); null: that.")
     answer: bool = Field(
         default=False,
         description="Answer a change with `assignments` and `unchanged` (as HeartbeatResponse, relative "
@@ -355,9 +358,9 @@ class WorkerState(StrEnum):
 
 
 class WorkerStatus(_Wire):
-    rank: Int32
-    local_rank: Int32
-    pid: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    rank: Int32 = Field(description="Global rank of the worker, 0 to 2,147,483,647.")
+    local_rank: Int32 = Field(description="Rank on its node (LOCAL_RANK), 0 to 2,147,483,647.")
+    pid: int | None = Field(default=None, ge=0, le=INT32_MAX, description="Process id, 0 to 2,147,483,647.")
     state: WorkerState
     exit_code: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX,
                                   description="Negative: killed by that signal.")
@@ -383,8 +386,10 @@ Metrics = Annotated[dict[Annotated[str, Field(max_length=128, pattern=TEXT_LINE)
 
 
 class Progress(_Wire):
-    step: Int32
-    loss: Finite | None = None
+    step: Int32 = Field(description="Training step, 0 to 2,147,483,647.")
+    loss: Finite | None = Field(default=None,
+                                description="Training loss at that step: any finite number (the worker runtime sends "
+                                "no inf or NaN; they are refused).")
     at: datetime
     metrics: Metrics = Field(default_factory=dict)
     total_steps: Int32 | None = Field(default=None, description="The steps the script will run, when it says.")
@@ -411,8 +416,8 @@ Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
 class RankStat(_Wire):
     """One local rank as its agent saw it (worker_runtime/reporting.py sends the figures)."""
 
-    rank: Int32
-    step: Int32
+    rank: Int32 = Field(description="Global rank of the worker, 0 to 2,147,483,647.")
+    step: Int32 = Field(description="Training step, 0 to 2,147,483,647.")
     step_time_s: Seconds | None = Field(default=None, description="Wall seconds per step, lately.")
     busy_s: Seconds | None = Field(
         default=None, description="Seconds per step the rank computed on its own (outside collectives), "
@@ -433,7 +438,7 @@ AgentErrorKind = Literal["start_error", "launch_error"]
 
 class AttemptStatusReport(_Wire):
     fencing_token: FencingToken
-    node_rank: Int32
+    node_rank: Int32 = Field(description="The node's rank in the attempt (torchrun's node_rank), 0 to 2,147,483,647.")
     state: NodeAttemptState
     exit_code: int | None = Field(default=None, ge=-INT32_MAX, le=INT32_MAX,
                                   description="torchrun's exit code once exited.")
@@ -489,7 +494,7 @@ class AttemptStatusAck(_Wire):
 
 
 class LogChunk(_Wire):
-    rank: Int32
+    rank: Int32 = Field(description="Global rank of the worker, 0 to 2,147,483,647.")
     stream: str = Field(pattern="^(stdout|stderr)$")
     offset: Int64 = Field(description="Byte offset of data in that rank's stream.")
     data: str = Field(max_length=MAX_LOG_CHUNK_CHARS, description="NUL characters are dropped when stored.")
@@ -497,7 +502,7 @@ class LogChunk(_Wire):
 
 class LogBatch(_Wire):
     fencing_token: FencingToken
-    node_rank: Int32
+    node_rank: Int32 = Field(description="The node's rank in the attempt (torchrun's node_rank), 0 to 2,147,483,647.")
     chunks: list[LogChunk] = Field(max_length=4096)
 
 
@@ -520,11 +525,13 @@ class LocalProgress(_Wire):
     others with their step and timings only (the node's RankSummary)."""
 
     fencing_token: FencingToken
-    rank: Int32
-    step: Int32
-    loss: Finite | None = None
+    rank: Int32 = Field(description="Global rank of the worker, 0 to 2,147,483,647.")
+    step: Int32 = Field(description="Training step, 0 to 2,147,483,647.")
+    loss: Finite | None = Field(default=None,
+                                description="Training loss at that step: any finite number (the worker runtime sends "
+                                "no inf or NaN; they are refused).")
     metrics: Metrics = Field(default_factory=dict)
-    total_steps: Int32 | None = None
+    total_steps: Int32 | None = Field(default=None, description="The steps the script will run, when it says.")
     step_time_s: float | None = Field(default=None, ge=0, le=1e7, allow_inf_nan=False,
                                       description="Wall seconds per step since the last report.")
     busy_s: float | None = Field(default=None, ge=0, le=1e7, allow_inf_nan=False,
@@ -536,7 +543,7 @@ class LocalReady(_Wire):
     a recovery's rendezvous phase; worker_runtime/distributed.py sends it)."""
 
     fencing_token: FencingToken
-    rank: Int32
+    rank: Int32 = Field(description="Global rank of the worker, 0 to 2,147,483,647.")
 
 
 class LocalCheckpointInterval(_Wire):
@@ -548,7 +555,7 @@ class LocalCheckpointInterval(_Wire):
 
 class LocalResult(_Wire):
     fencing_token: FencingToken
-    rank: Int32
+    rank: Int32 = Field(description="Global rank of the worker, 0 to 2,147,483,647.")
     result: JsonDocument
 
 
@@ -568,13 +575,13 @@ class LocalResult(_Wire):
 
 
 class ShardInfo(_Wire):
-    rank: Int32
-    step: Int32
-    world_size: int = Field(ge=1, le=INT32_MAX)
+    rank: Int32 = Field(description="Global rank of the worker, 0 to 2,147,483,647.")
+    step: Int32 = Field(description="Training step, 0 to 2,147,483,647.")
+    world_size: int = Field(ge=1, le=INT32_MAX, description="Ranks of the save, 1 to 2,147,483,647.")
     key: str = Field(min_length=1, max_length=1024,
                      description="Object key of the uploaded shard: exactly keys.shard_key of its job, step, "
                      "attempt and rank.")
-    size_bytes: Int64
+    size_bytes: Int64 = Field(description="Bytes of the shard, 0 to 2^63 - 1.")
     sha256: str = Field(pattern="^[0-9a-f]{64}$")
     upload: UploadStats | None = Field(default=None, description="Its upload's slot wait and duration "
                                        "(trainyard/protocol/uploads.py); None from an older worker runtime.")
@@ -590,7 +597,7 @@ class LocalShard(ShardInfo):
 
 class ShardReport(_Wire):
     fencing_token: FencingToken
-    node_rank: Int32
+    node_rank: Int32 = Field(description="The node's rank in the attempt (torchrun's node_rank), 0 to 2,147,483,647.")
     shards: list[ShardInfo] = Field(max_length=4096)
 
 
@@ -608,7 +615,7 @@ is stored as ``worker.<kind>``, so it cannot pass for a control-plane event eith
 
 
 class WorkerEvent(_Wire):
-    rank: Int32
+    rank: Int32 = Field(description="Global rank of the worker, 0 to 2,147,483,647.")
     kind: str = Field(pattern=r"^[a-z][a-z0-9_.]*$", max_length=64,
                       description="checkpoint.restored, checkpoint.fallback, checkpoint.save_failed, "
                       "checkpoint.restore_failed, or a kind of the worker's own (stored as worker.<kind>)")
@@ -631,7 +638,7 @@ class LocalEvent(WorkerEvent):
 
 class WorkerEventBatch(_Wire):
     fencing_token: FencingToken
-    node_rank: Int32
+    node_rank: Int32 = Field(description="The node's rank in the attempt (torchrun's node_rank), 0 to 2,147,483,647.")
     events: list[WorkerEvent] = Field(max_length=4096)
 
 

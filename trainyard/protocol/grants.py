@@ -79,7 +79,7 @@ class StorageRequest(_Asked):
     """Agent -> control plane (node token), for one of the node's attempts."""
 
     fencing_token: str = _TOKEN
-    node_rank: int = Field(ge=0, le=2**31 - 1)
+    node_rank: int = Field(ge=0, le=2**31 - 1, description="The node's rank in the attempt, 0 to 2,147,483,647.")
 
 
 class GrantAction(StrEnum):

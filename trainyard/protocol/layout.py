@@ -35,7 +35,8 @@ class Layout(BaseModel):
     kind: LayoutKind = "ddp"
     grad_accum_steps: int = Field(default=1, ge=1, le=4096, description=(
         "Micro-steps per optimizer step; gradients are synchronised only on the last one."))
-    ddp_bucket_mb: float = Field(default=25.0, gt=0, le=4096, description="DDP gradient bucket size (MiB).")
+    ddp_bucket_mb: float = Field(default=25.0, gt=0, le=4096,
+                                 description="DDP gradient bucket size, MiB, over 0 to 4,096.")
     compression: Compression = Field(default="none", description="Gradient compression (DDP only).")
     powersgd_rank: int = Field(default=1, ge=1, le=64, description="PowerSGD matrix rank.")
     shard_size: int | None = Field(default=None, ge=1, le=4096, description=(

@@ -7,19 +7,24 @@ memory (``local``) or through the agent from the peer (``peer``); the worker ver
 against the committed manifest, and falls back to S3 otherwise. Entries are content-addressed by job,
 rank and sha256: no commit tracking, any bytes that match the manifest are the right bytes.
 
-Agents talk to each other over HTTP on the agent's memory port with the job's memory secret (a
-random per-job value the control plane hands to every part of the job, never to workers) as a
-bearer credential. Each entry is owned by the digest of the secret that stored it: a request with
-another secret (another job's, or none) finds nothing, and one job's shards can never be read with
-another job's credential. Standard library and pydantic only.
+Agents talk to each other over HTTPS (plain HTTP only where an operator opted out) on the agent's
+memory port with a **memory grant** as the bearer credential: ``memory_grant(node key, job id)``, an
+HMAC that only the control plane and the node holding the port can compute (the node key is the digest of the
+node's own credential, ``memory_grant_key``). The control plane puts in a part's spec the grants of
+the job for the agents it names (its peer, the sources); it gives them to agents running that job's
+parts only, never to workers. The port checks a request's grant against the job id in its path, so
+a bearer serves one job on one node: a forged or another job's grant stores, reads and evicts
+nothing. Standard library and pydantic only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import http.client
 import re
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,13 +53,17 @@ class MemoryTierSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     secret: str = Field(min_length=32, max_length=128, description="The job's memory secret (agents only; "
-                        "never passed to workers). Authenticates agent-to-agent shard requests.")
+                        "never passed to workers). Authenticates nothing on the wire: the memory grants do.")
     peer_url: str | None = Field(default=None, max_length=300, pattern=r"^https?://[A-Za-z0-9._:\[\]%-]+$",
                                  description="The peer agent that keeps a copy of this node's shards "
                                  "(another failure domain when one exists); None: no peer.")
     sources: list[str] = Field(default_factory=list, max_length=4, description="Other agents that may hold "
                                "this node rank's shards from the previous attempt (its node, its peer), asked "
                                "after the local store and peer_url.")
+    grants: dict[str, str] = Field(default_factory=dict, max_length=6, description="The job's grant for each "
+                                   "agent named here (its memory URL -> memory_grant of that node's key): the "
+                                   "bearer that agent's memory port accepts for this job. An agent without a "
+                                   "grant is not asked.")
 
 
 class MemoryStatus(BaseModel):
@@ -63,6 +72,20 @@ class MemoryStatus(BaseModel):
     enabled: bool
     budget_bytes: int = 0
     peer: bool = False
+
+
+GRANT_CONTEXT: Final = b"trainyard memory-tier grant/1:"
+
+
+def memory_grant_key(node_credential: str) -> str:
+    """A node's grant key: the sha256 of its current credential (what the control plane stores of it,
+    so both sides have it and nothing new is kept); a new registration is a new key."""
+    return hashlib.sha256(node_credential.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def memory_grant(node_key: str, job_id: str) -> str:
+    """The bearer the node with ``node_key`` accepts for ``job_id`` on its memory port."""
+    return hmac.new(node_key.encode(), GRANT_CONTEXT + job_id.encode(), hashlib.sha256).hexdigest()
 
 
 def valid_sha256(value: str) -> bool:
@@ -112,17 +135,21 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def get_body(conn: http.client.HTTPConnection, path: str, headers: dict[str, str], limit: int) -> bytearray | None:
+def get_body(conn: http.client.HTTPConnection, path: str, headers: dict[str, str], limit: int,
+             admit: Callable[[int], bool] | None = None) -> bytearray | None:
     """GET ``path`` and read a 200 answer's body straight into one buffer (``readinto``: no chunk
     copies, no joining: a shard moves at memory speed); None for any other answer, a body without a
-    Content-Length or over ``limit``, or one that ends early. Raises OSError/HTTPException when the
-    connection fails."""
+    Content-Length or over ``limit``, one that ``admit`` (given its length, before anything is
+    allocated) turns down, or one that ends early. Raises OSError/HTTPException when the connection
+    fails."""
     try:
         conn.request("GET", path, headers=headers)
         answer = conn.getresponse()
         size = answer.getheader("Content-Length") or ""
         if answer.status != 200 or not size.isdigit() or int(size) > limit:
             answer.read(64 * 1024)  # a problem's few bytes: closing before them would break the sender's pipe
+            return None
+        if admit is not None and not admit(int(size)):
             return None
         buffer = bytearray(int(size))
         view = memoryview(buffer)

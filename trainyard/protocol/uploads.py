@@ -59,7 +59,7 @@ class LocalSlotRequest(_Ask):
 
 class SlotRequest(_Ask):
     fencing_token: Token
-    node_rank: Int32
+    node_rank: Int32 = Field(description="The node's rank in the attempt (torchrun's node_rank), 0 to 2,147,483,647.")
 
 
 class SlotAnswer(_Wire):
@@ -77,7 +77,7 @@ class SlotAnswer(_Wire):
 
 
 class _Release(_SlotKey):
-    uploaded_bytes: Int64 = 0
+    uploaded_bytes: Int64 = Field(default=0, description="Bytes uploaded, 0 to 2^63 - 1.")
     upload_s: Seconds = Field(default=0.0, description="Seconds the upload took (0 when it never started).")
     ok: bool = Field(default=True, description="False: the upload failed, or the worker stopped waiting.")
 
@@ -88,7 +88,7 @@ class LocalSlotRelease(_Release):
 
 class SlotRelease(_Release):
     fencing_token: Token
-    node_rank: Int32
+    node_rank: Int32 = Field(description="The node's rank in the attempt (torchrun's node_rank), 0 to 2,147,483,647.")
 
 
 class SlotReleased(_Wire):
