@@ -113,6 +113,11 @@ class Settings(BaseSettings):
         120.0, gt=0, description="The floor of the hang timeout: a running attempt whose step has not advanced for "
         "max(this, hang_step_multiplier x its step time + its longest checkpoint stall) is failed as hung (a "
         "job's watchdog.hang_timeout_s overrides it).")
+    startup_timeout_s: float = Field(
+        900.0, gt=0, le=7 * 86400, description="A running attempt (every worker started) none of whose ranks has "
+        "reported a first step this long after it started is failed as not starting, with the last stderr lines "
+        "of each rank in the reason (issue 24: a job whose DataLoader workers failed sat in running forever). "
+        "Covers imports, rendezvous, the restore and the first step (a torch.compile too).")
     hang_step_multiplier: float = Field(
         10.0, ge=1, description="Step times a step may take before the attempt counts as hung (above the floor).")
     straggler_factor: float = Field(

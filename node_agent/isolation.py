@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import grp
+import hashlib
 import os
 import pwd
 import shutil
@@ -194,6 +195,7 @@ def make_worker_dir(path: Path, uid: int | None, gid: int | None) -> None:
     if uid is not None and gid is not None:
         for p in (path, *(path / name for name in WORKER_SUBDIRS)):
             os.lchown(p, uid, gid)
+    make_short_tmp(path, uid, gid)  # TMPDIR (worker_tmp): see "A short TMPDIR per part" below
 
 
 def remove_tree(path: Path) -> None:
@@ -505,3 +507,53 @@ def _limiter(options: LimitOptions | None, cgroups: CgroupTree | None, run_dir: 
                  f"{sample.pids} pids, {format_size(sample.shm or 0)} of /dev/shm and "
                  f"{format_size(sample.work_dir or 0)} of work dir")
     return limiter
+
+
+# --- A short TMPDIR per part (issue 24) ---
+# A unix socket's path holds at most 107 bytes. DataLoader workers (multiprocessing's resource
+# sharer, torch's shared-memory manager) bind sockets under TMPDIR, and the worker directory's
+# tmp/ under a realistic work dir (a project's .trainyard/dev/nodes/node-2/attempts/<uuid>/worker)
+# leaves no room: they failed with "AF_UNIX path too long". So each part's TMPDIR is a short
+# directory under /tmp, named by a hash of its worker directory (found again for the cleanup),
+# inside a directory of the agent's own that nobody else may create entries in.
+
+SHORT_TMP_PARENT = Path("/tmp")
+
+
+def short_tmp(worker: Path) -> Path:
+    """The short TMPDIR of the part whose worker directory is ``worker`` (it may not exist)."""
+    digest = hashlib.sha256(str(worker.absolute()).encode()).hexdigest()[:12]
+    return SHORT_TMP_PARENT / f"trainyard-{os.geteuid()}" / digest
+
+
+def make_short_tmp(worker: Path, uid: int | None, gid: int | None) -> Path | None:
+    """Make ``short_tmp(worker)`` afresh (0700, the attempt uid's); None where it cannot be made
+    safely (its parent is not this agent's own directory): the part keeps worker/tmp."""
+    path = short_tmp(worker)
+    parent = path.parent
+    try:
+        with contextlib.suppress(FileExistsError):
+            parent.mkdir(mode=0o711)  # others pass through to their own directory, list nothing
+        info = parent.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            return None  # planted by someone else: nothing in it is ours to trust
+        if path.exists() or path.is_symlink():
+            remove_tree(path)
+        path.mkdir(mode=0o700)
+        if uid is not None and gid is not None:
+            os.lchown(path, uid, gid)
+    except OSError:
+        return None
+    return path
+
+
+def worker_tmp(worker: Path) -> Path:
+    """The TMPDIR a part's workers get: the short one where it was made, else worker/tmp."""
+    path = short_tmp(worker)
+    return path if path.is_dir() and not path.is_symlink() else worker / "tmp"
+
+
+def remove_worker_dir(worker: Path) -> None:
+    """Remove a part's worker directory and its short TMPDIR."""
+    remove_tree(short_tmp(worker))
+    remove_tree(worker)

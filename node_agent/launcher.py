@@ -12,7 +12,9 @@ agent's user; workers cannot read it):
 and the worker directory, worker_root/<attempt_id>.<node_rank>/ (0700, the attempt's uid: see
 isolation.py), the workers' cwd, removed once the attempt is done:
 
-    home/, tmp/           HOME and TMPDIR (torch's compile and cache directories land here)
+    home/                 HOME (torch's compile and cache directories land here)
+    tmp/                  TMPDIR only where the short one (isolation.worker_tmp: /tmp/trainyard-<uid>/<hash>,
+                          so unix socket paths under it fit 108 bytes) cannot be made
     status/rank-<R>.json  one per global rank, written by the rank shim, read back with care
                           (safe_files.py: a worker may plant links or FIFOs there)
     logs/rank-<R>/stdout.log, logs/rank-<R>/stderr.log   each rank's output, shipped by offset
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import node_agent
+from node_agent.isolation import worker_tmp
 from trainyard.protocol.agent import LaunchSpec
 from trainyard.protocol.env import (
     ENV_AGENT_SOCKET,
@@ -294,7 +297,7 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid:
     inherited = os.environ if node.base_env is None else node.base_env
     env = node_env(node)
     # The attempt's own: torch's compile caches, pip's and HF's caches, temporary files.
-    env["HOME"], env["TMPDIR"] = str(paths.worker / "home"), str(paths.worker / "tmp")
+    env["HOME"], env["TMPDIR"] = str(paths.worker / "home"), str(worker_tmp(paths.worker))
     if uid is not None:
         env["USER"] = env["LOGNAME"] = f"trainyard-{uid}"  # getpass works without a passwd entry
     else:

@@ -19,7 +19,7 @@ from node_agent.code import ShippedCode
 from node_agent.config import AgentConfig
 from node_agent.envs import EnvCache
 from node_agent.interpreters import interpreter_problem
-from node_agent.isolation import Confinement, Isolation, IsolationError, private_dir, remove_tree
+from node_agent.isolation import Confinement, Isolation, IsolationError, private_dir, remove_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext
 from node_agent.local_api import LocalApi
 from node_agent.memtier import AttemptMemory
@@ -185,7 +185,7 @@ class Launches:
         if workers_dir.is_dir():
             for entry in os.scandir(workers_dir):
                 if entry.name not in kept:
-                    remove_tree(Path(entry.path))
+                    remove_worker_dir(Path(entry.path))
         return seen, runs
 
     def finish(self, run: AttemptRun) -> None:
@@ -201,4 +201,4 @@ class Launches:
         if removed:
             run.log.info("worker_uid_files_removed", paths=removed[:20], count=len(removed))
         if not run.in_memory and run.paths.worker.parent == self.config.workers_dir:
-            remove_tree(run.paths.worker)
+            remove_worker_dir(run.paths.worker)

@@ -30,13 +30,17 @@ class ResumableSampler(Sampler[int]):
 
     VERSION: ClassVar[int] = 1
 
-    def __init__(self, size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(self, size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True,
+                 keyed: bool = False) -> None:
         if size < world_size:
             raise ValueError(f"a dataset of {size} samples cannot feed {world_size} ranks")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.size, self.rank, self.world_size = size, rank, world_size
         self.seed, self.shuffle = seed, shuffle
+        self.keyed = keyed
+        """Yield ``epoch * size + index`` instead of the index, for worker_runtime.streams.SeededSamples:
+        a sample's randomness in a DataLoader worker is then drawn from its epoch and index alone."""
         self.epoch = 0
         self.consumed = 0
         """Samples this rank consumed in ``epoch`` (advanced by the loop after each step)."""
@@ -55,7 +59,11 @@ class ResumableSampler(Sampler[int]):
         return everything[self.rank:self.per_rank * self.world_size:self.world_size]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order(self.epoch)[self.consumed:])
+        indices = self.order(self.epoch)[self.consumed:]
+        if self.keyed:
+            base = self.epoch * self.size
+            return iter([base + index for index in indices])
+        return iter(indices)
 
     def __len__(self) -> int:
         return self.per_rank - self.consumed

@@ -52,9 +52,11 @@ from worker_runtime.distributed import (
     settle_ddp_buckets,
     shutdown_distributed,
 )
+from worker_runtime.grads import PendingGrads
 from worker_runtime.reporting import Reporter, StaleAttemptError
 from worker_runtime.restart import MemoryTier
 from worker_runtime.state import RngState, Stateful, StepCounter, TrainState
+from worker_runtime.streams import INEXACT_EVENT, SeededSamples, StreamWatch, mix, quiet_iter
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=Stateful)
@@ -80,6 +82,8 @@ class TrainLoop:
         self.state = TrainState()
         self._counter = self.state.register("step", StepCounter())
         self.state.register("rng", RngState(), per_rank=True)
+        # Gradients of an accumulation window a save cuts (worker_runtime/grads.py).
+        self._grads = self.state.register("grads", PendingGrads(self.state), per_rank=True, optional=True)
         self.reporter = Reporter(self.ctx, echo=not self.ctx.managed, total_steps=total_steps)
         self.checkpoints: CheckpointManager | None = None
         self.restored_step: int | None = None
@@ -98,6 +102,9 @@ class TrainLoop:
         self._terminate: _Terminate | None = None
         self._step_in_progress: int | None = None
         """The step whose body, save or report runs now (None outside ``steps``): named when it raises."""
+        self._generators: dict[int, torch.Generator] = {}
+        """The generator of each loader made by ``data_loader`` (by the loader's id), reseeded per epoch."""
+        self._watch: StreamWatch | None = None
 
     # --- setup ---
 
@@ -133,11 +140,20 @@ class TrainLoop:
                     **kwargs: Any) -> DataLoader[Any]:
         """A DataLoader over a map-style dataset whose position is saved and restored with the
         checkpoint (a :class:`ResumableSampler` registered as ``data``): each rank reads its own
-        share of each epoch, in an order drawn from ``(seed, epoch)``."""
-        sampler = ResumableSampler(len(dataset), rank=self.ctx.rank, world_size=self.ctx.world_size,  # type: ignore[arg-type]
-                                   seed=self.seed, shuffle=shuffle)
+        share of each epoch, in an order drawn from ``(seed, epoch)``. In DataLoader workers
+        (``num_workers`` > 0) each sample's random draws come from ``(seed, epoch, index)``
+        (worker_runtime.streams.SeededSamples), so augmentation there resumes exactly too."""
+        size = len(dataset)  # type: ignore[arg-type]
+        sampler = ResumableSampler(size, rank=self.ctx.rank, world_size=self.ctx.world_size,
+                                   seed=self.seed, shuffle=shuffle, keyed=True)
         self.register("data", sampler, per_rank=True)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **kwargs)
+        # The loader's own generator (reseeded per epoch in steps): its iterators draw their base
+        # seed there, not from the registered global stream (worker_runtime/streams.py).
+        generator = kwargs.pop("generator", None) or torch.Generator()
+        loader = DataLoader(SeededSamples(dataset, size, self.seed), batch_size=batch_size, sampler=sampler,
+                            drop_last=True, generator=generator, **kwargs)
+        self._generators[id(loader)] = generator
+        return loader
 
     def ddp(self, model: torch.nn.Module, *example: torch.Tensor) -> torch.nn.Module:
         """``model`` wrapped in DistributedDataParallel when there are several ranks (itself when
@@ -160,6 +176,7 @@ class TrainLoop:
         if self._started:
             return self.restored_step
         self._started = True
+        self._grads.watch()
         self.checkpoints = CheckpointManager(self.ctx, self.state, memory=self.memory)
         self.restored_step = self.checkpoints.restore()
         if self.restored_step is not None and self.ctx.is_main:
@@ -182,10 +199,17 @@ class TrainLoop:
                         "reads other samples than the uninterrupted one would have")
         batch_size = int(getattr(data, "batch_size", 1) or 1)
         first = self.step + 1
+        generator = self._generators.get(id(data))
+        # Rank 0 alone looks (every rank runs the same code) and warns at the first save.
+        self._watch = _watch([self.state[n] for n in self.state.names()], data,
+                             owned_loader=generator is not None, device=self.ctx.device,
+                             owned=[generator] if generator is not None else []) if self.ctx.is_main else None
         while self.step < self.total_steps and not self._stop:
             fed = False
+            if generator is not None and resumable is not None:
+                generator.manual_seed(mix(self.seed, self.ctx.rank, resumable.epoch))
             self._step_in_progress = self.step + 1  # reading its batch may raise too
-            for batch in data:
+            for batch in _Epoch(data):
                 fed = True
                 step = self.step + 1
                 yield step, batch
@@ -216,12 +240,28 @@ class TrainLoop:
     def _after(self, step: int, first: int) -> None:
         if self.checkpoints is not None and self.checkpoints.should_save(step):
             self.checkpoints.save(step)
+            self._warn_inexact()
         if step in (first, self.total_steps) or step % self.log_every == 0:
             loss = self._logged.get("loss")
             mean, self._stop = self._mean_and_stop(loss)
             metrics = {k: _number(v) for k, v in self._logged.items() if k != "loss" and v is not None}
             self.loss = mean
             self.reporter.progress(step, loss=mean, **{k: v for k, v in metrics.items() if v is not None})
+
+    def _warn_inexact(self) -> None:
+        """At the first save: name each cause a resume of this run cannot be exact (an event, which
+        ``trainyard describe`` shows), before the user finds out from the loss."""
+        watch, self._watch = self._watch, None
+        if watch is None or not self.ctx.is_main or self.checkpoints is None:
+            return
+        try:
+            causes = watch.causes()
+        except Exception:  # a warning must never stop training
+            log.exception("could not check what this run's checkpoints miss")
+            return
+        for cause in causes:
+            log.warning("resume will not be exact: %s", cause.message)
+            self.checkpoints.reporter.event(INEXACT_EVENT, cause.message, {"cause": cause.kind, "what": cause.what})
 
     def _mean_and_stop(self, loss: Any) -> tuple[float | None, bool]:
         """The loss averaged over ranks, and whether any rank must stop: one small all-reduce."""
@@ -278,6 +318,25 @@ class TrainLoop:
             log.debug("DDP wrappers still referenced; the process group is left to the process exit")
             return
         shutdown_distributed()
+
+
+def _watch(registered: list[Any], data: Iterable[Any], **kwargs: Any) -> StreamWatch | None:
+    try:
+        return StreamWatch(registered, data, **kwargs)
+    except Exception:  # a warning must never stop training
+        log.exception("could not look for state this run's checkpoints miss")
+        return None
+
+
+class _Epoch:
+    """One pass over ``data``: its iterator is created without drawing from the global torch stream
+    (worker_runtime.streams.quiet_iter)."""
+
+    def __init__(self, data: Iterable[Any]) -> None:
+        self._data = data
+
+    def __iter__(self) -> Iterator[Any]:
+        return quiet_iter(self._data)
 
 
 class _Terminate:

@@ -46,9 +46,11 @@ class TrainState:
     def __init__(self) -> None:
         self._objects: dict[str, Stateful] = {}
         self._per_rank: set[str] = set()
+        self._optional: set[str] = set()
 
-    def register(self, name: str, obj: S, *, per_rank: bool = False) -> S:
-        """Add ``obj`` under ``name`` and return it, so registration can wrap construction."""
+    def register(self, name: str, obj: S, *, per_rank: bool = False, optional: bool = False) -> S:
+        """Add ``obj`` under ``name`` and return it, so registration can wrap construction.
+        ``optional``: a checkpoint without it still loads (state a newer runtime adds to older ones)."""
         if not name or not name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"state name {name!r} must be alphanumeric (with _ or -)")
         if name in self._objects:
@@ -58,6 +60,8 @@ class TrainState:
         self._objects[name] = obj
         if per_rank:
             self._per_rank.add(name)
+        if optional:
+            self._optional.add(name)
         return obj
 
     def __getitem__(self, name: str) -> Stateful:
@@ -88,7 +92,7 @@ class TrainState:
         ``strict`` requires ``state`` to cover exactly the registered names: a checkpoint that
         lacks, say, the optimizer would silently resume a different run.
         """
-        missing = [n for n in self._objects if n not in state]
+        missing = [n for n in self._objects if n not in state and n not in self._optional]
         unexpected = [n for n in state if n not in self._objects]
         if strict and (missing or unexpected):
             raise KeyError(f"state mismatch: missing {missing}, unexpected {unexpected}")

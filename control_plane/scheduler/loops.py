@@ -170,6 +170,8 @@ class Loops:
         with session_scope(self._factory) as session:
             hung = watchdog.fail_hung(session, self._settings)
         with session_scope(self._factory) as session:
+            hung += watchdog.fail_not_started(session, self._settings)
+        with session_scope(self._factory) as session:
             watchdog.track_stragglers(session, self._settings)
         with session_scope(self._factory) as session:
             intervals.update(session, self._settings)

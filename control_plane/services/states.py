@@ -71,8 +71,9 @@ JOB: dict[str, State] = {
         message="attempt status report")),
     "running": _s("succeeded", "recovering", "failed", "cancelling", exit=Exit(
         "the workers exit (status reports), a node is lost, the time limit ends it, or the watchdog fails "
-        "its attempt as hung (its step stopped advancing)",
-        settings=("node_lost_timeout_s", "limits_interval_s", "hang_timeout_min_s", "watchdog_interval_s"),
+        "its attempt as hung (its step stopped advancing) or as not started (no first step)",
+        settings=("node_lost_timeout_s", "limits_interval_s", "hang_timeout_min_s", "startup_timeout_s",
+                  "watchdog_interval_s"),
         message="attempt status report")),
     "recovering": _s("starting", "failed", "cancelling", "cancelled", exit=Exit(
         "the scheduler loop places the next attempt, or fails the job when the cluster cannot hold it "
@@ -107,8 +108,10 @@ ATTEMPT: dict[str, State] = {
     "running": _s("stopping", exit=Exit(
         "its workers exit, its node is lost, the time limit ends it, or its step does not advance within "
         "its hang timeout (derived from its step time, at least hang_timeout_min_s; the watchdog loop fails "
-        "it as hung, naming the ranks that stopped reporting)",
-        settings=("node_lost_timeout_s", "limits_interval_s", "hang_timeout_min_s", "watchdog_interval_s"),
+        "it as hung, naming the ranks that stopped reporting), or no rank reports a first step within "
+        "startup_timeout_s (failed as not started, quoting each rank's last stderr lines)",
+        settings=("node_lost_timeout_s", "limits_interval_s", "hang_timeout_min_s", "startup_timeout_s",
+                  "watchdog_interval_s"),
         message="attempt status report")),
     "stopping": _s("ended", exit=Exit(
         "each node confirms its processes gone (its final status report, or the heartbeat that stops "

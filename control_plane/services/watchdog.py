@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import now
 from control_plane.db import rowcount
 from control_plane.goodput.rules import RankTiming, Straggler, hang_timeout_s, stragglers
-from control_plane.models import Attempt, AttemptNode, Checkpoint, Job, Node
+from control_plane.models import Attempt, AttemptNode, Checkpoint, Job, LogChunk, Node
 from control_plane.services import attempts, events, progress
 from control_plane.services.fencing import lock_attempt
 from control_plane.settings import Settings
@@ -127,6 +127,71 @@ def fail_hung(session: Session, settings: Settings) -> list[uuid.UUID]:
         session.commit()
         failed.append(attempt.id)
     return failed
+
+
+# --- Startup: an attempt that never reports a first step (issue 24) ---
+# fail_hung needs a step that advanced once; workers that never get there (DataLoader workers that
+# died, a rendezvous or a restore stuck) would leave the attempt running forever. So an attempt all
+# of whose workers run but none of whose parts ever advanced a step fails after startup_timeout_s,
+# and the reason carries what the ranks last wrote to stderr: the usual clue.
+
+STDERR_LINES = 3
+"""Lines of each rank's stderr in a not-starting attempt's reason."""
+STDERR_RANKS = 8
+"""Ranks quoted at most (the reason stays readable; the logs have the rest)."""
+
+
+def fail_not_started(session: Session, settings: Settings) -> list[uuid.UUID]:
+    """Fail every running attempt that has reported no step ``startup_timeout_s`` after all its workers
+    started; returns them."""
+    at = now()
+    deadline = at - timedelta(seconds=settings.startup_timeout_s)
+    advanced = select(AttemptNode.attempt_id).where(AttemptNode.step_advanced_at.is_not(None))
+    candidates = session.scalars(
+        select(Attempt.id).where(Attempt.state == "running", Attempt.outcome.is_(None),
+                                 Attempt.started_at.is_not(None), Attempt.started_at < deadline,
+                                 Attempt.id.not_in(advanced))
+    ).all()
+    failed: list[uuid.UUID] = []
+    for attempt_id in candidates:
+        locked = lock_attempt(session, attempt_id)
+        if locked is None:
+            continue
+        job, attempt = locked
+        if attempt.outcome is not None or _advanced_at(session, attempt.id) is not None:
+            continue  # decided meanwhile, or its first step arrived
+        waited = (at - attempt.started_at).total_seconds() if attempt.started_at else settings.startup_timeout_s
+        last = last_stderr(session, attempt.id)
+        reason = (f"not started: no rank reported a first step {waited:.0f}s after every worker was running "
+                  f"(startup timeout {settings.startup_timeout_s:g}s, TRAINYARD_STARTUP_TIMEOUT_S); "
+                  + (f"last stderr: {last}" if last else "no rank wrote to stderr"))
+        attempt.hung_since = attempt.started_at  # the goodput's hung time; its workers are not parked
+        events.record(session, "attempt.not_started", reason, job_id=job.id, attempt_id=attempt.id,
+                      waited_s=round(waited, 3), timeout_s=settings.startup_timeout_s)
+        attempts.fail_attempt(session, job, attempt, reason)
+        session.commit()
+        failed.append(attempt.id)
+    return failed
+
+
+def last_stderr(session: Session, attempt_id: uuid.UUID) -> str:
+    """The last STDERR_LINES lines each rank (up to STDERR_RANKS) wrote to stderr, in one line."""
+    ranks = session.execute(
+        select(LogChunk.node_rank, LogChunk.rank).where(LogChunk.attempt_id == attempt_id,
+                                                        LogChunk.stream == "stderr")
+        .distinct().order_by(LogChunk.node_rank, LogChunk.rank).limit(STDERR_RANKS)
+    ).all()
+    quoted = []
+    for node_rank, rank in ranks:
+        chunks = session.scalars(
+            select(LogChunk.data).where(LogChunk.attempt_id == attempt_id, LogChunk.node_rank == node_rank,
+                                        LogChunk.rank == rank, LogChunk.stream == "stderr")
+            .order_by(LogChunk.offset.desc()).limit(STDERR_LINES)
+        ).all()
+        lines = [line.strip() for line in "".join(reversed(chunks)).splitlines() if line.strip()]
+        tail = " | ".join(line[:300] for line in lines[-STDERR_LINES:])
+        quoted.append(f"[node {node_rank} rank {rank}] {tail}")
+    return "; ".join(quoted)
 
 
 def _advanced_at(session: Session, attempt_id: uuid.UUID) -> datetime | None:

@@ -18,7 +18,8 @@ from tests.factories import ADMIN, ADMIN_TOKEN, JOIN_TOKEN, FakeAgentSession, jo
 def settings(fresh_database_url: str) -> Settings:
     return Settings(database_url=fresh_database_url, admin_token=ADMIN_TOKEN, join_token=JOIN_TOKEN, run_loops=False,
                     log_json=False, startup_grace_s=0, node_lost_timeout_s=2, hang_timeout_min_s=30,
-                    straggler_persist_s=5, metrics_cache_s=0, metrics_token="scrape-me")
+                    straggler_persist_s=5, metrics_cache_s=0, metrics_token="scrape-me",
+                    startup_timeout_s=60)
 
 
 @pytest.fixture
@@ -224,3 +225,53 @@ def test_the_next_recovery_avoids_a_straggler_when_the_job_asks(clock, app, clie
     assert schedule() == 1
     placed = {n for n, a in agents.items() for s in a.heartbeat()["assignments"] if s["job_id"] == job["id"]}
     assert slow_node not in placed and len(placed) == 2
+
+
+# --- issue 24: an attempt that never reports a first step ---
+
+def _log(agent, spec, rank: int, offset: int, data: str) -> None:
+    body = {"fencing_token": spec["fencing_token"], "node_rank": spec["node_rank"],
+            "chunks": [{"rank": rank, "stream": "stderr", "offset": offset, "data": data}]}
+    r = agent.client.post(f"/v1/agent/attempts/{spec['attempt_id']}/logs", json=body, headers=agent.headers)
+    assert r.status_code == 200, r.text
+
+
+def test_an_attempt_without_a_first_step_fails_after_the_startup_timeout_quoting_each_ranks_stderr(
+        clock, app, client, schedule, running):
+    job, specs, agents = running()
+    # What each rank of a confined DataLoader job wrote before it sat still (issue 24).
+    for n, spec in specs.items():
+        base = spec["node_rank"] * spec["nproc_per_node"]
+        for rank in range(base, base + spec["nproc_per_node"]):
+            _log(agents[n], spec, rank, 0, "Traceback (most recent call last):\n  File \"train.py\", line 40\n")
+            _log(agents[n], spec, rank, 40, "OSError: AF_UNIX path too long\n")
+    for n in agents:  # every rank keeps reporting, with no step
+        agents[n].status(specs[n], "running", workers=workers_for(specs[n], "running"))
+    clock.advance(59)
+    assert app.state.loops.watchdog_once() == 0  # within the startup timeout
+    clock.advance(2)
+    assert app.state.loops.watchdog_once() == 1
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["outcome"] == "failed" and attempt["hung_since"]  # its time since the start counts as hung
+    reason = attempt["end_reason"]
+    assert reason.startswith("not started: no rank reported a first step 61s after every worker was running "
+                             "(startup timeout 60s"), reason
+    for rank in range(4):
+        assert f"rank {rank}] Traceback (most recent call last): | File \"train.py\", line 40 | OSError: AF_UNIX " \
+               "path too long" in reason, reason
+    (event,) = _events(client, job["id"], "attempt.not_started")
+    assert event["data"]["timeout_s"] == 60
+    assert client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()["state"] == "recovering"
+    assert app.state.loops.watchdog_once() == 0  # decided once
+
+
+def test_an_attempt_that_took_a_step_is_the_hang_watchdogs_even_without_a_step_time(
+        clock, app, client, running):
+    job, specs, agents = running()
+    for n in agents:  # one step, so no step time of its own yet: the hang floor (30 s) applies
+        _report(agents[n], specs[n], 1)
+    clock.advance(100)  # past the startup timeout: a step was seen, so it is not "not started"
+    assert app.state.loops.watchdog_once() == 1
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["end_reason"].startswith("hung: step 1 has not advanced for 100.0s (hang timeout 30s"), attempt
+    assert _events(client, job["id"], "attempt.not_started") == []

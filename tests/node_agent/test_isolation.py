@@ -29,11 +29,15 @@ from node_agent.isolation import (
     UidPool,
     UidRange,
     account_problem,
+    hidden_paths,
     make_worker_dir,
+    remove_worker_dir,
     scrub_uid_files,
+    short_tmp,
     worker_paths,
+    worker_tmp,
 )
-from node_agent.launcher import AttemptPaths
+from node_agent.launcher import AttemptPaths, NodeContext, worker_env
 from node_agent.logs import LogTailer
 from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec
@@ -314,3 +318,52 @@ def test_dev_up_finds_out_whether_its_uid_pool_works_here() -> None:
     assert _PoolCheck("20000-1").problem() is not None  # ValueError: first > last
     if os.geteuid() == 0:
         assert _PoolCheck(str(UID + 40)).problem() is None  # here it works: the probe ran as that uid
+
+
+# --- issue 24: DataLoader workers under confinement, whatever the work dir's length ---
+
+DATALOADER = """
+import sys, torch
+from torch.utils.data import DataLoader, Dataset
+class Noisy(Dataset):
+    def __len__(self): return 8
+    def __getitem__(self, i): return torch.full((4,), float(i)) + torch.rand(4)
+if __name__ == "__main__":
+    for method in sys.argv[1:]:
+        got = sum(len(b) for b in DataLoader(Noisy(), batch_size=2, num_workers=2, multiprocessing_context=method))
+        print(method, got, flush=True)
+"""
+
+
+@root_only
+def test_dataloader_workers_run_confined_under_a_deep_work_dir(tmp_path: Path) -> None:
+    # A project's dev cluster: <project>/.trainyard/dev/nodes/node-2/attempts/<uuid>/worker.
+    worker = tmp_path / "my-team-projects" / "image-classifier" / ".trainyard" / "dev" / "nodes" / "node-2" / \
+        "attempts" / "0b6f3c1e-5d7a-4e8b-9c2d-1f0a3b4c5d6e" / "worker"
+    worker.parent.mkdir(parents=True)
+    worker.parent.chmod(0o755)
+    make_worker_dir(worker, UID, UID)
+    tmp = worker_tmp(worker)
+    # worker/tmp leaves less than multiprocessing's socket names need (pymp-XXXXXXXX/listener-XXXXXXXX)
+    # under the 107 bytes of a unix socket path; the short one leaves plenty.
+    assert len(str(worker / "tmp")) + len("/pymp-xxxxxxxx/listener-xxxxxxxx") > 107
+    assert tmp == short_tmp(worker) and len(str(tmp)) < 40
+    assert tmp.stat().st_uid == UID and stat_mode(tmp) == 0o700 and stat_mode(tmp.parent) == 0o711
+    launched = worker_env(make_spec(nproc_per_node=1, gpu_indices=[0]), NodeContext(local_addr="127.0.0.1",
+                          agent_url="http://a:1", virtual=True), AttemptPaths(tmp_path / "a", worker), uid=UID)
+    assert launched["TMPDIR"] == str(tmp)  # what torchrun and the workers get
+    (worker / "job.py").write_text(DATALOADER)
+    os.lchown(worker / "job.py", UID, UID)
+    confinement = Confinement(uid=UID, gid=UID, expose=hidden_paths([*worker_paths(os.getcwd()), str(worker)]))
+    env = {"PYTHONPATH": os.getcwd(), "HOME": str(worker / "home"), "PATH": os.environ.get("PATH", "/usr/bin")}
+
+    def run(tmpdir: Path) -> subprocess.CompletedProcess[str]:
+        command = confinement.wrap([sys.executable, str(worker / "job.py"), "fork", "spawn"])
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False, cwd=worker,
+                              env={**env, "TMPDIR": str(tmpdir), "OMP_NUM_THREADS": "1"})
+
+    done = run(tmp)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["fork", "8", "spawn", "8"]
+    remove_worker_dir(worker)
+    assert not worker.exists() and not tmp.exists()
