@@ -324,7 +324,7 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
             events.record(session, "attempt.blame", f"attempt {attempt.number}: node {node.name} was lost",
                           job_id=job.id, attempt_id=attempt.id, node_id=node.id)
         # A cancel does not wait for a lost node (its leases stay held, visibly, on it). A release
-        # committing meanwhile, unseen here, is finished by the monitor's sweep (finish_stopped).
+        # of this attempt waits for its lock, sees the outcome and ends it (release_parts).
         attempts.finish_if_released(session, job, attempt)
     return list(lost)
 
