@@ -20,7 +20,7 @@ TEST_WORKERS ?= 2
 
 help:
 	@echo "make venv       create $(VENV) and install trainyard[dev] (pinned by constraints.txt)"
-	@echo "make test       ruff, mypy, import contracts, then the whole pytest suite (real PostgreSQL and S3, no GPU needed)"
+	@echo "make test       system packages where it can (scripts/system-deps.sh), ruff, mypy, import contracts, then the whole pytest suite (real PostgreSQL and S3, no GPU needed)"
 	@echo "make lint       ruff, mypy and the import contracts (lint-imports)"
 	@echo "make demo       a 2-node dev cluster on this machine, running one tiny-gpt job end to end"
 	@echo "make clean      remove caches and .trainyard/ (demo data); distclean also removes $(VENV)"
@@ -34,7 +34,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	@touch $@
 
+# The system packages some fault tests need (libfaketime, chromium): installed where it can be
+# (root and apt-get; nothing to do once present), else the script says what is missing and those
+# tests skip, each saying the one command that installs its tool.
 test: venv
+	-scripts/system-deps.sh
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy $(PACKAGES)
 	$(VENV)/bin/lint-imports

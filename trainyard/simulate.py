@@ -612,10 +612,15 @@ async def job_scenario(fleet: Fleet, ranks: int, *, window_s: float = 3.0, args_
     await asyncio.sleep(fleet.longest_interval() * 1.5)
     figures.recovered_first_bytes = max(_sizes([a for a, _ in new], t_fail, full=True), default=0)
     await fleet.cancel(job["id"])
+    ours = {r.attempt_id for _, r in parts} | {r.attempt_id for _, r in new}
 
     async def released() -> bool | None:
         j = await fleet.job(job["id"])
-        return True if j["state"] in ("cancelled", "failed", "succeeded") and not j["allocation"] else None
+        # Also until no agent holds one of its specs any more (an answer said 'stop'): an agent told
+        # to stop by a status ack learns it from its next answer, and a stop reference left in the
+        # next job's first answer would count against that job's figures (first_bytes).
+        return True if j["state"] in ("cancelled", "failed", "succeeded") and not j["allocation"] \
+            and not any(ours & a.held.keys() for a in fleet.agents) else None
 
     await wait_until(released, 120.0, f"job {job['id']} ended and released", every=0.25)
     return figures

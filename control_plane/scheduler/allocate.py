@@ -410,7 +410,9 @@ def schedule_pass(
                       state.nodes, handovers)
     _account(session, at, decision, admitted, state)
     session.commit()
-    released = attempts.released_attempts(session)  # parked parts handed over: their attempts may end now
+    # Parked parts handed over: the old attempts ended with them (handover.release_adopted); this
+    # only finishes a cancelling job, as after any release.
+    released = attempts.released_attempts(session)
     if released:
         attempts.finish_released(session, released)
         session.commit()

@@ -137,8 +137,8 @@ class Loops:
                     interval_s=self._settings.heartbeat_interval_s,  # a node told longer waits longer
                 )
             with session_scope(self._factory) as session:
-                # After the lost nodes committed: a cancel they end, and any gang whose last release
-                # raced a node loss (attempts.finish_released), ends here.
+                # After the lost nodes committed: a cancelling job whose release committed but was
+                # not finished (a crash before attempts.finish_released) is cancelled here.
                 ended = attempts.finish_stopped(session)
             unlaunched: list[object] = []
             if now() >= self._not_before:  # agents get the same grace to report a launch

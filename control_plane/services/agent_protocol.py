@@ -108,8 +108,9 @@ def _heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
 
 
 def _after_release(session: Session, wakeups: Wakeups, ended_before: int) -> bool:
-    """After the transactions of a message committed: end the gangs its releases completed
-    (attempts.finish_released) and schedule. A gang that ended (here or in the message's own
+    """After the transactions of a message committed: finish the cancelling jobs its releases
+    concern (attempts.finish_released; the release of a gang's last part ended the attempt itself)
+    and schedule. A gang that ended (here or in the message's own
     transactions: more than ``ended_before``) frees its GPUs at once, so a pass runs now, in this
     thread (True: it placed something). One node of a larger gang giving its GPUs back only wakes
     the scheduler loop (one pass for many such releases): a pass in every releasing thread made the
@@ -150,7 +151,8 @@ def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: A
                   wakeups: Wakeups, *, budgets: Mapping[str, float | None] | None = None) -> StatusAnswer:
     """Merge an attempt status report (attempts.apply_status, which shares the job and the attempt
     with the other nodes' reports) and commit it; then, if it may have decided something, settle
-    the attempt under its exclusive locks (attempts.settle) and commit that. A final report that
+    the attempt under its exclusive locks (attempts.settle) and commit that; then release the part
+    a final report asked to release (attempts.release_reported) and commit that. A final report that
     released the last GPUs of a gang schedules at once, as a heartbeat would. The answer carries
     the checkpoint interval the platform chose for an 'auto' job (services/intervals.py). The report
     that brings a recovering attempt's first step closes the recovery: its phases are observed and
@@ -167,13 +169,19 @@ def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: A
     if merged.settle:
         attempt = attempts.settle(session, attempt_id, report.result) or attempt
         session.commit()
+    released = merged.released
+    if merged.release:
+        # After settle: a verdict this report completes is taken first, and the release of the
+        # gang's last part then ends the attempt in its own transaction (attempts.release_parts).
+        released = attempts.release_reported(session, merged.part.id)
+        session.commit()
     interval = intervals.current_steps(session, attempt)
     _observe_recovery(session, attempt, session.info.pop("first_step_at", None), budgets)
     session.commit()
     _after_release(session, wakeups, ended_before)
     stop = merged.part.desired == "stop"
     ok = stop and str(attempt.id) in parking.handover_ok(session, node.id, [attempt.id])
-    return StatusAnswer(attempt_state=attempt.state, stop=stop, released=merged.released,
+    return StatusAnswer(attempt_state=attempt.state, stop=stop, released=released,
                         checkpoint_interval_steps=interval, handover_ok=ok)
 
 

@@ -29,7 +29,7 @@ from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node,
 from control_plane.services import events, intervals, memtier, parking, progress, specs
 from control_plane.services.checkpoints import restore_plan
 from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
-from control_plane.services.locks import attempt_order, lock_part, lock_parts
+from control_plane.services.locks import attempt_order, lock_attempts, lock_part, lock_parts
 from control_plane.services.states import (
     JOB_ACTIVE,
     JOB_TERMINAL,
@@ -294,19 +294,31 @@ def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> 
 
 
 def release_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> set[uuid.UUID]:
-    """Nodes confirmed the processes of these parts gone: release their leases. Returns the attempts
-    of the parts released now (a part already released is skipped).
+    """Nodes confirmed the processes of these parts gone: release their leases, and end each
+    attempt whose last held part this released (``end_if_released``), in this transaction. Returns
+    the attempts of the parts released now (a part already released is skipped).
 
-    Locks only the parts (after the caller's node, or job and attempt), not their jobs or attempts:
-    a release changes neither, so the 128 releases of a stopped 1,024-rank gang do not queue on its
-    job row. Whether the release completed the gang is decided after the caller commits, by
-    ``finish_released``: counting held parts here could not see releases other transactions have not
-    committed yet, so two last releases could each conclude the other was still held."""
-    parts = [p for p in lock_parts(session, part_ids) if p.released_at is None]
+    Locks the parts' attempts (``locks.lock_attempts``, not their jobs), then the parts. The attempt
+    lock serializes the releases of one gang: the release that gives back its last part counts
+    the parts still held after every earlier release committed, so an attempt never holds no
+    lease while it reads ``stopping`` (docs/architecture.md, "Synchronous failure and lease
+    release"). The job lock is not taken: the 128 releases of a stopped 1,024-rank gang queue only
+    on their attempt's row, for a few statements each, and a cancelling job is finished after the
+    commit (``finish_released``). The caller holds no attempt part and no job after this in the
+    lock order (a heartbeat: its node; a removal: the node and the jobs and attempts it locked)."""
+    ids = sorted(set(part_ids))
+    if not ids:
+        return set()
+    held = session.scalars(select(AttemptNode.attempt_id).where(
+        AttemptNode.id.in_(ids), AttemptNode.released_at.is_(None))).all()
+    if not held:
+        return set()
+    locked = lock_attempts(session, held)
+    parts = [p for p in lock_parts(session, ids) if p.released_at is None]
     if not parts:
         return set()
     attempt_ids = {p.attempt_id for p in parts}
-    job_of = dict(session.execute(select(Attempt.id, Attempt.job_id).where(Attempt.id.in_(attempt_ids))).all())
+    job_of = {a.id: a.job_id for a in locked}
     t = now()
     released = dict.fromkeys(((p.attempt_id, p.node_id) for p in parts), 0)
     for attempt_id, node_id in session.execute(
@@ -328,9 +340,32 @@ def release_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> set[uuid.U
             attempt_id=part.attempt_id,
             node_id=part.node_id,
         )
+    for attempt in locked:
+        if attempt.id in attempt_ids:
+            end_if_released(session, attempt)
     session.info["released"] = session.info.get("released", 0) + len(parts)  # lets the caller wake the scheduler
     session.info.setdefault(RELEASED_ATTEMPTS, set()).update(attempt_ids)
     return attempt_ids
+
+
+def end_if_released(session: Session, attempt: Attempt) -> bool:
+    """End a decided attempt (outcome set) that holds no part any more; True if it ended now. The
+    caller holds the attempt's lock and released its parts in this transaction (release_parts,
+    handover.release_adopted), so the last lease and the attempt's end commit together: whatever
+    reads both (the scheduler, a view, a test) never sees a stopping attempt that holds nothing. A
+    cancelling job's ``cancelled`` needs the job lock, which a release does not take: that is
+    ``finish_released``, after the commit. An attempt still undecided stays as it is: its verdict
+    (settle) ends it under the job lock."""
+    if attempt.outcome is None or attempt.state == "ended":
+        return False
+    session.flush()
+    if session.scalar(select(func.count()).select_from(AttemptNode).where(
+            AttemptNode.attempt_id == attempt.id, AttemptNode.released_at.is_(None))):
+        return False
+    set_attempt_state(session, attempt, "ended", f"attempt {attempt.number}: every node released its GPUs")
+    # The whole gang is free: the caller may schedule at once (agent_protocol.heartbeat_and_schedule).
+    session.info["attempts_ended"] = session.info.get("attempts_ended", 0) + 1
+    return True
 
 
 RELEASED_ATTEMPTS = "released_attempts"
@@ -349,22 +384,22 @@ def released_attempts(session: Session) -> set[uuid.UUID]:
 
 
 def finish_released(session: Session, attempt_ids: Iterable[uuid.UUID]) -> int:
-    """After a transaction that released parts (or lost nodes) committed: end each attempt whose
-    every part is released now and finish a cancelling job (finish_if_released), under the job and
-    attempt locks; returns how many attempts ended. Part of the caller's transaction.
+    """After a transaction that released parts (or lost nodes) committed: finish the cancelling job
+    of each such attempt (finish_if_released, under the job and attempt locks), which the release
+    itself could not (it holds no job lock); returns how many attempts ended here. Part of the
+    caller's transaction.
 
-    An unlocked count comes first, so that only the release that completed the gang (and the
-    releases of a cancelling job) take the job lock: it reads what committed before it, so of two
-    releases that complete the gang at once, the later one sees both. Should the last one still
-    miss (a node declared lost at the same moment), the monitor loop's sweep (``finish_stopped``)
-    ends the attempt within a period."""
+    The release that gave back a gang's last part ended the attempt itself (``end_if_released``);
+    so only a cancelling job's attempts, or a decided attempt that nothing ended (the monitor's
+    sweep, ``finish_stopped``), take the job lock here. An unlocked read comes first, so that the
+    other releases of a gang do not queue on its job row."""
     ended_before = ended_count(session)
     for attempt_id in attempt_order(session, attempt_ids):
         row = session.execute(
             select(Attempt.outcome, Attempt.state, Job.state.label("job_state"))
             .join(Job, Job.id == Attempt.job_id).where(Attempt.id == attempt_id)
         ).one_or_none()
-        if row is None or row.outcome is None or row.state == "ended":
+        if row is None or row.outcome is None or (row.state == "ended" and row.job_state != "cancelling"):
             continue
         if row.job_state != "cancelling" and session.scalar(select(func.count()).select_from(AttemptNode).where(
                 AttemptNode.attempt_id == attempt_id, AttemptNode.released_at.is_(None))):
@@ -376,13 +411,17 @@ def finish_released(session: Session, attempt_ids: Iterable[uuid.UUID]) -> int:
 
 
 def finish_stopped(session: Session, *, batch: int = 200) -> int:
-    """The monitor loop's sweep: finish every stopping attempt whose gang is released (or whose job
-    is cancelling) that no release finished: the release completing a gang races a node declared
-    lost, or the process died between its two transactions. Returns how many attempts ended."""
+    """The monitor loop's sweep: finish what no transaction finished. A cancelling job whose
+    attempt ended or may end (its releases cannot take the job lock, and the process may die
+    before finish_released), or, as a safety net, a decided attempt that holds no part (every
+    release and every decision ends such an attempt in its own transaction). Returns how many
+    attempts ended."""
     holding = select(AttemptNode.id).where(AttemptNode.attempt_id == Attempt.id, AttemptNode.released_at.is_(None))
     ids = session.scalars(
         select(Attempt.id).join(Job, Job.id == Attempt.job_id)
-        .where(Attempt.state == "stopping", or_(Job.state == "cancelling", ~holding.exists()))
+        .where(or_(and_(Attempt.state == "stopping", ~holding.exists()),
+                   and_(Job.state == "cancelling", Attempt.state.in_(("stopping", "ended")),
+                        Job.current_attempt_id == Attempt.id)))
         .order_by(Attempt.id).limit(batch)
     ).all()
     return finish_released(session, ids)
@@ -395,10 +434,9 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
     or on a lost (or removed) node. That node's leases stay held, shown in the node view, until it
     returns and confirms or an operator removes it; only then does the attempt end.
 
-    The caller holds the job and attempt locks (lock_attempt). It sees the releases committed
-    before it: finish_released calls it after the releasing transaction committed; a caller that
-    acts on something else (a node lost, a cancel) may miss a release committing at the same time,
-    which the monitor's sweep (finish_stopped) then finishes."""
+    The caller holds the job and attempt locks (lock_attempt). Releases lock the attempt too
+    (release_parts), so none is in flight: it sees every release committed before it, and a
+    release after it sees the outcome it set and ends the attempt itself (end_if_released)."""
     if attempt.outcome is None:
         return
     session.flush()
@@ -436,7 +474,10 @@ class StatusMerged:
     attempt: Attempt
     part: AttemptNode
     released: bool
-    """The report said no process is left, and the part's GPUs were released with it."""
+    """The part's GPUs were released before this report."""
+    release: bool
+    """The report said no process is left of a done part still held: ``release_reported`` releases
+    it once phase 1 (and phase 2, if any) committed."""
     settle: bool
     """Phase 2 (``settle``) may have something to decide once this report committed."""
 
@@ -447,11 +488,13 @@ def apply_status(
     """Phase 1 of a level-triggered status report: merge it into the node's own part, its workers
     and its progress, under shared job and attempt locks (fencing holds, as for shard reports) and
     the part's own lock. It writes no row of the job or the attempt, so the reports of a job's 128
-    nodes do not wait for each other. A final report that says no process is left releases the
-    part's GPUs now (the node confirmed it, as its heartbeat would a period later).
+    nodes do not wait for each other. A final report that says no process is left has its part's
+    GPUs released right after (``release``: the node confirmed it, as its heartbeat would a period
+    later), in a transaction of its own: a release locks the attempt (release_parts), which a
+    holder of its share lock must not.
 
     Whatever the report may change of the attempt or the job (a failure, every worker running,
-    every node exited 0, the result, the release that completes the gang) is decided by ``settle``
+    every node exited 0, the result) is decided by ``settle``
     once this transaction committed, under the exclusive locks: it reads what every report
     committed before it, so of two reports that complete a condition at once, the later one sees
     both."""
@@ -481,11 +524,7 @@ def apply_status(
             session.info["first_step_at"] = t  # may end a recovery (agent_protocol: its phases)
     if report.ranks is not None and report.ranks.ranks and _own_ranks(session, part, report):
         part.ranks, part.ranks_at = report.ranks.model_dump(mode="json"), t
-    released = False
-    if report.processes_alive is False and part.state in PART_DONE and part.released_at is None:
-        released = bool(release_parts(session, [part.id]))
-    elif part.released_at is not None:
-        released = True
+    release = report.processes_alive is False and part.state in PART_DONE and part.released_at is None
     # Global rank 0 reports the result. The agent pins torchrun's node order (node_agent/launcher.py)
     # so it runs on node rank 0, but another launcher may put it elsewhere: the part that holds
     # worker rank 0 (as reported, checked by _merge_workers) is the one. settle publishes it.
@@ -498,7 +537,17 @@ def apply_status(
         or any(w.exit_code not in (0, None) for w in report.workers)
         or (attempt.state == "starting" and part.state == "running")
         or (part.state in PART_STARTED and _failure_undecided(session, attempt.id))))
-    return StatusMerged(attempt=attempt, part=part, released=released, settle=settle)
+    return StatusMerged(attempt=attempt, part=part, released=part.released_at is not None, release=release,
+                        settle=settle)
+
+
+def release_reported(session: Session, part_id: uuid.UUID) -> bool:
+    """The release a final status report asked for (``StatusMerged.release``), after its phases
+    committed: after ``settle``, so that a verdict the report completes is taken before the part is
+    given back, and the release of the gang's last part ends the attempt with it. Part of the
+    caller's transaction; True once the part is released (by this call or before)."""
+    release_parts(session, [part_id])
+    return session.scalar(select(AttemptNode.released_at).where(AttemptNode.id == part_id)) is not None
 
 
 PARKED = "parked"
@@ -534,7 +583,7 @@ def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | Non
         return None
     publish = result is not None and session.scalar(select(Job.result).where(Job.id == attempt.job_id)) is None
     if not publish and (attempt.outcome is not None or _verdict(session, attempt) is None):
-        return attempt  # a release is finished by finish_released, after the caller commits
+        return attempt  # a release ends a decided gang itself (release_parts)
     locked = lock_attempt(session, attempt_id)
     if locked is None:
         return attempt

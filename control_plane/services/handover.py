@@ -24,8 +24,8 @@ from sqlalchemy.orm import Session
 from control_plane.clock import now
 from control_plane.models import Attempt, AttemptNode, GpuLease, Job
 from control_plane.services import events, parking
-from control_plane.services.attempts import RELEASED_ATTEMPTS
-from control_plane.services.locks import lock_parts
+from control_plane.services.attempts import RELEASED_ATTEMPTS, end_if_released
+from control_plane.services.locks import lock_attempts, lock_parts
 from control_plane.services.states import PART_PARKED, advance_part
 
 
@@ -65,7 +65,12 @@ def take_over(session: Session, job: Job, adopted: Mapping[str, ParkedPart],
     those GPUs (its agent's handover timeout stopped it meanwhile) or may no longer be handed over
     (services/parking.py, under the locks now): the job is not admitted this pass, and the next
     one places it afresh."""
-    parts = {p.id: p for p in lock_parts(session, [a.part_id for a in adopted.values()])}
+    part_ids = [a.part_id for a in adopted.values()]
+    # Their attempts before the parts (the lock order), so that the hand-over of an old attempt's
+    # last part ends it in this transaction (attempts.end_if_released), as any release does.
+    old_attempts = lock_attempts(session, session.scalars(
+        select(AttemptNode.attempt_id).where(AttemptNode.id.in_(part_ids))).all())
+    parts = {p.id: p for p in lock_parts(session, part_ids)}
     for node, parked in adopted.items():
         part = parts.get(parked.part_id)
         if (part is None or part.state not in PART_PARKED or part.released_at is not None
@@ -91,6 +96,7 @@ def take_over(session: Session, job: Job, adopted: Mapping[str, ParkedPart],
             "with the workers holding them",
             job_id=job.id, attempt_id=part.attempt_id, node_id=part.node_id,
         )
-    # The old attempt ends once its last part is released: finish_released, after the commit.
+    for attempt in old_attempts:
+        end_if_released(session, attempt)
     session.info.setdefault(RELEASED_ATTEMPTS, set()).update(p.attempt_id for p in parts.values())
     return True

@@ -80,6 +80,22 @@ def share_job_attempt(session: Session, attempt_id: uuid.UUID) -> tuple[Job, Att
     return job, attempt
 
 
+def lock_attempts(session: Session, attempt_ids: Iterable[uuid.UUID]) -> list[Attempt]:
+    """Lock attempts ``FOR NO KEY UPDATE`` without their jobs, in ``attempt_order``, and load them
+    afresh (unknown ids are skipped). For a release (attempts.release_parts): the attempt lock
+    serializes the releases of one gang, so the one that gives back the last part sees every
+    release before it and ends the attempt in its own transaction. The caller holds no job it has
+    not locked already in this order, no attempt part, and never locks a job after this."""
+    ordered = attempt_order(session, attempt_ids)
+    locked: list[Attempt] = []
+    for attempt_id in ordered:  # one at a time: the order is the lock order, not the ids'
+        attempt = reload(session, select(Attempt).where(Attempt.id == attempt_id)
+                         .with_for_update(key_share=True)).one_or_none()
+        if attempt is not None:
+            locked.append(attempt)
+    return locked
+
+
 def lock_part(session: Session, part_id: uuid.UUID) -> AttemptNode:
     """Lock one attempt part (after its job and attempt, or after its node) and load it afresh."""
     return reload(session, select(AttemptNode).where(AttemptNode.id == part_id).with_for_update(key_share=True)).one()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import secrets
 import uuid
 from datetime import datetime, timedelta
+from itertools import groupby
 
-from sqlalchemy import func, literal, select
+from sqlalchemy import Row, func, literal, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.authz import NODE_TOKEN_PREFIX, hash_token
@@ -180,9 +181,11 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str], listed: set[
     holds them, so their absence of processes is no verdict ("vanished" is only ever decided for
     an attempt the node no longer lists at all).
 
-    The releases lock only the parts (attempts.release_parts); whether one completed its gang is
-    decided after the heartbeat commits (attempts.finish_released). Only a vanished part, which
-    fails its attempt, locks the job and the attempt (before any part: services/locks.py)."""
+    The releases lock each attempt, then its parts (attempts.release_parts), and the release of a
+    gang's last part ends the attempt in this transaction; a cancelling job is finished after the
+    heartbeat commits (attempts.finish_released). Only a vanished part, which fails its attempt,
+    locks the job too (before its attempt: services/locks.py). Attempt by attempt, in the lock
+    order (jobs, then attempts, by id): every lock of one attempt before any of the next."""
     listed = listed or set()
     candidates = session.execute(
         select(AttemptNode.id, AttemptNode.attempt_id, AttemptNode.desired, AttemptNode.state,
@@ -191,30 +194,37 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str], listed: set[
         .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
         .order_by(Attempt.job_id, AttemptNode.attempt_id)  # the lock order: jobs, then attempts, by id
     ).all()
-    release: list[uuid.UUID] = []
-    for c in candidates:
-        if str(c.attempt_id) in alive:
-            continue
-        # Read without the part's lock: a part's desired state only goes run -> stop and its state
-        # only forward, so what qualifies it here still does once release_parts has locked it.
-        if c.desired == "stop" or c.state in PART_DONE:
-            release.append(c.id)
-        elif str(c.attempt_id) in listed:
-            continue  # its final status is pending: it decides the attempt, not its absence
-        elif c.state in PART_STARTED and c.reported_at is not None \
-                and (now() - c.reported_at).total_seconds() > VANISHED_AFTER_S:
-            locked = lock_attempt(session, c.attempt_id)  # job, then attempt: see lock_attempt
-            assert locked is not None
-            job, attempt = locked
-            part = lock_part(session, c.id)
-            if part.released_at is None and part.desired == "run" and part.state in PART_STARTED:
-                attempts.fail_attempt(
-                    session, job, attempt,
-                    f"processes of node rank {part.node_rank} on {node.name} vanished without an exit report",
-                    node_id=node.id, kind="node_lost",
-                )
-            release.append(c.id)
-    attempts.release_parts(session, release)
+    for _, group in groupby(candidates, key=lambda c: c.attempt_id):
+        ids = [part_id for c in group if (part_id := _to_release(session, node, c, alive, listed)) is not None]
+        attempts.release_parts(session, ids)  # this attempt's locks, before any of the next one's
+
+
+def _to_release(session: Session, node: Node, c: Row[uuid.UUID, uuid.UUID, str, str, datetime | None],
+                alive: set[str], listed: set[str]) -> uuid.UUID | None:
+    """The part of candidate ``c`` if its processes are confirmed gone (or vanished, which fails
+    its attempt under the job and attempt locks), else None."""
+    if str(c.attempt_id) in alive:
+        return None
+    # Read without the part's lock: a part's desired state only goes run -> stop and its state
+    # only forward, so what qualifies it here still does once release_parts has locked it.
+    if c.desired == "stop" or c.state in PART_DONE:
+        return c.id
+    if str(c.attempt_id) in listed:
+        return None  # its final status is pending: it decides the attempt, not its absence
+    if c.state in PART_STARTED and c.reported_at is not None \
+            and (now() - c.reported_at).total_seconds() > VANISHED_AFTER_S:
+        locked = lock_attempt(session, c.attempt_id)  # job, then attempt: see lock_attempt
+        assert locked is not None
+        job, attempt = locked
+        part = lock_part(session, c.id)
+        if part.released_at is None and part.desired == "run" and part.state in PART_STARTED:
+            attempts.fail_attempt(
+                session, job, attempt,
+                f"processes of node rank {part.node_rank} on {node.name} vanished without an exit report",
+                node_id=node.id, kind="node_lost",
+            )
+        return c.id
+    return None
 
 
 def registered_nodes(session: Session) -> int:
@@ -314,7 +324,7 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
             events.record(session, "attempt.blame", f"attempt {attempt.number}: node {node.name} was lost",
                           job_id=job.id, attempt_id=attempt.id, node_id=node.id)
         # A cancel does not wait for a lost node (its leases stay held, visibly, on it). A release
-        # committing meanwhile, unseen here, is finished by the monitor's sweep (finish_stopped).
+        # of this attempt waits for its lock, sees the outcome and ends it (release_parts).
         attempts.finish_if_released(session, job, attempt)
     return list(lost)
 

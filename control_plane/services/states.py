@@ -82,7 +82,8 @@ JOB: dict[str, State] = {
     "cancelling": _s("cancelled", exit=Exit(
         "each node confirms its workers stopped (final status report or heartbeat); a part on a lost "
         "node counts as stopped for the job (its leases stay held on the node until it returns or is "
-        "removed); the monitor loop's sweep ends it should the last confirmation race a node loss",
+        "removed); it is cancelled right after the commit of the release that ends its attempt, or by "
+        "the monitor loop's sweep should the control plane die in between",
         settings=("node_lost_timeout_s", "monitor_interval_s"), message="heartbeat")),
     "succeeded": _s(),
     "failed": _s(),
@@ -115,9 +116,10 @@ ATTEMPT: dict[str, State] = {
         message="attempt status report")),
     "stopping": _s("ended", exit=Exit(
         "each node confirms its processes gone (its final status report, or the heartbeat that stops "
-        "listing it), and the release that completes the gang ends it, or the monitor loop's sweep "
-        "does; a lost node's part waits for the node to return",
-        settings=("node_lost_timeout_s", "monitor_interval_s"), message="attempt status report, heartbeat",
+        "listing it), and the release that completes the gang ends it in the same transaction (never "
+        "an attempt that holds nothing and is not ended: issue 31); a lost node's part waits for the "
+        "node to return",
+        settings=("node_lost_timeout_s",), message="attempt status report, heartbeat",
         operator="DELETE /v1/nodes/{id}")),
     "ended": _s(),
 }

@@ -3,8 +3,6 @@ node that failed a job twice, operator removal, the recovery facts of the job vi
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 import uuid
 
@@ -14,11 +12,10 @@ from control_plane import clock
 from control_plane.db import session_scope
 from control_plane.models import Node
 from control_plane.scheduler.loops import Loops
-from control_plane.services import attempts, metrics, nodes
+from control_plane.services import metrics, nodes
 from control_plane.services.recovery_budget import PHASES
 from tests.control_plane.test_ui_pages import login_csrf
 from tests.factories import ADMIN, ADMIN_TOKEN, FakeAgentSession, job_body, workers_for
-from tests.helpers import in_parallel
 from trainyard import job_view
 from trainyard.protocol.agent import HeartbeatRequest
 
@@ -284,50 +281,22 @@ def test_recovery_replaces_gpus_with_gpus_of_the_same_kind(client, schedule):
     assert schedule() == 1
     assert list(_assignments(others)) == ["c-1"]
 
-def test_two_nodes_releasing_at_once_still_end_the_attempt(app, client, schedule):
-    """Each release checks whether every node has released, after its own transaction committed
-    (attempts.finish_released): two releases in transactions open at once would each see the
-    other's part unreleased, and the attempt would never end."""
-    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
-    job = client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1, max_failures=0), headers=ADMIN).json()
-    assert schedule() == 1
-    specs = _assignments(agents)
-    _fail(agents[1], specs["node-2"])  # the job fails; both nodes must now confirm their processes gone
-    both_inside = threading.Barrier(2)
-
-    def release(agent: FakeAgentSession) -> None:
-        session = app.state.session_factory()
-        try:
-            node = session.get(Node, uuid.UUID(agent.node_id))
-            nodes.heartbeat(session, node, HeartbeatRequest(agent_instance="race", seq=1000, attempts=[]))
-            with contextlib.suppress(threading.BrokenBarrierError):
-                both_inside.wait(timeout=1.0)  # both in their transaction, unless one waits for the other
-            session.commit()
-            attempts.finish_released(session, attempts.released_attempts(session))  # as the heartbeat does
-            session.commit()
-        finally:
-            session.close()
-
-    in_parallel(release, [(a,) for a in agents], timeout=30)
-    [attempt] = _attempts(client, job["id"])
-    assert all(n["released_at"] for n in attempt["nodes"]) and attempt["state"] == "ended"
-
-
-def test_a_released_gang_that_no_release_finished_is_ended_by_the_monitor(app, client, schedule):
-    """A control plane that dies between a release's commit and its finish (the second transaction,
-    attempts.finish_released) leaves a stopping attempt whose every part is released: the monitor
-    loop's sweep ends it, and its job's next attempt can be placed."""
+def test_a_released_gang_is_ended_by_its_releases_and_a_cancel_finished_by_the_monitor(app, client, schedule):
+    """The releases end the gang in their own transactions (issue 31); only a cancelling job's
+    ``cancelled``, which takes the job lock a release does not take, follows after their commit
+    (attempts.finish_released). A control plane that dies in between leaves the job cancelling
+    with its attempt ended: the monitor loop's sweep finishes it."""
     agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
     job = client.post("/v1/jobs", json=job_body(num_nodes=2, gpus_per_node=1, max_failures=1), headers=ADMIN).json()
     assert schedule() == 1
-    specs = _assignments(agents)
-    _fail(agents[1], specs["node-2"])
+    _assignments(agents)
+    assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN).json()["state"] == "cancelling"
     with session_scope(app.state.session_factory) as session:
-        for agent in agents:  # both confirm their processes gone; nobody finishes the gang
+        for agent in agents:  # both confirm their processes gone; nothing runs after the commits
             nodes.heartbeat(session, session.get(Node, uuid.UUID(agent.node_id)),
                             HeartbeatRequest(agent_instance="crash", seq=1000, attempts=[]))
     [attempt] = _attempts(client, job["id"])
-    assert attempt["state"] == "stopping" and all(n["released_at"] for n in attempt["nodes"])
+    assert attempt["state"] == "ended" and all(n["released_at"] for n in attempt["nodes"])
+    assert _job(client, job["id"])["state"] == "cancelling"
     app.state.loops.monitor_once()
-    assert _attempts(client, job["id"])[0]["state"] == "ended"
-    assert schedule() == 1 and len(_attempts(client, job["id"])) == 2
+    assert _job(client, job["id"])["state"] == "cancelled"

@@ -37,7 +37,7 @@ def _node_lost_events(database_url: str) -> int:
 
 def test_a_replica_30s_ahead_declares_nobody_lost_and_enforces_no_limit_early(make_cluster, fresh_database_url):
     need(LIBFAKETIME.exists() and shutil.which("faketime") is not None,
-         "libfaketime is not installed (apt-get install faketime; scripts/system-deps.sh)")
+         "libfaketime is not installed; as root: apt-get install -y faketime")
     ahead = float(subprocess.run([sys.executable, "-c", "import time; print(time.time())"], env={**os.environ, **SKEW},
                                  check=True, capture_output=True, text=True).stdout) - time.time()
     assert 25 < ahead < 35, ahead  # what the replica will see
