@@ -203,16 +203,19 @@ def agent(
     ] = True,
     part_memory_limit: Annotated[str | None, typer.Option(
         help="Memory per part, e.g. 48G. Default: the part's share of the node's GPUs of the node's memory "
-        "less --memory-reserve.", show_default=False)] = None,
+        "less --memory-reserve.", envvar="TRAINYARD_AGENT_PART_MEMORY_LIMIT", show_default=False)] = None,
     memory_reserve: Annotated[str | None, typer.Option(
-        help="Memory no part's share includes (the agent, the system). Default: 2G.", show_default=False)] = None,
+        help="Memory no part's share includes (the agent, the system). Default: 2G.",
+        envvar="TRAINYARD_AGENT_MEMORY_RESERVE", show_default=False)] = None,
     part_pids_max: Annotated[int | None, typer.Option(
-        min=1, help="Processes and threads per part. Default: 4096 per GPU.", show_default=False)] = None,
+        min=1, help="Processes and threads per part. Default: 4096 per GPU.", envvar="TRAINYARD_AGENT_PART_PIDS_MAX",
+        show_default=False)] = None,
     part_cpus: Annotated[float | None, typer.Option(
         min=0.01, help="A hard cap in CPUs of time per part. Default: none (a CPU weight of 100 per GPU).",
         show_default=False)] = None,
     part_shm_size: Annotated[str | None, typer.Option(
-        help="Size of each part's /dev/shm. Default: half its memory limit.", show_default=False)] = None,
+        help="Size of each part's /dev/shm. Default: half its memory limit.", envvar="TRAINYARD_AGENT_PART_SHM_SIZE",
+        show_default=False)] = None,
     part_work_dir_size: Annotated[str | None, typer.Option(
         help="Disk each part's work directory may hold. Default: its GPU share of the file system.",
         show_default=False)] = None,

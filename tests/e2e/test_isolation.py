@@ -108,7 +108,30 @@ def _bomb_failed_alone(cluster: Any, bomb: dict[str, Any]) -> None:
     assert {node["state"] for node in cluster.get("/v1/nodes")} == {"ready"}
 
 
+# Small part limits for this cluster's agents (issue 23, finding 6), so that a memory hog and a fork bomb
+# beside the victim meet them quickly on a shared test machine; the victim fits well inside them.
+PART_LIMITS = {"TRAINYARD_AGENT_PART_MEMORY_LIMIT": "2G", "TRAINYARD_AGENT_PART_PIDS_MAX": "512",
+               "TRAINYARD_AGENT_PART_SHM_SIZE": "256M"}
+HOGS = {"memory": "out of memory: cgroup limit 2 GiB", "forkbomb": "process limit: pids.max 512 reached"}
+
+
+def _submit_hogs(cluster: Any) -> dict[str, dict[str, Any]]:
+    """A memory hog and a fork bomb, each a job of its own beside the victim."""
+    return {what: cluster.submit(job_body(name=f"hog-{what}", entrypoint="tests/e2e/hog_job.py", args=[what],
+                                          num_nodes=1, gpus_per_node=1, checkpoint={}, max_failures=0))
+            for what in HOGS}
+
+
+def _hogs_stopped_at_their_limits(cluster: Any, hogs: dict[str, dict[str, Any]]) -> None:
+    """Each hog's job failed with its part's limit as the reason, and no node was lost over it."""
+    for what, job in hogs.items():
+        ended = cluster.wait_state(job["id"], ENDED, timeout=240)
+        assert ended["state"] == "failed" and HOGS[what] in (ended["end_reason"] or ""), (what, ended)
+    assert {node["state"] for node in cluster.get("/v1/nodes")} == {"ready"}
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="workers run as uids of their own only under a root agent")
+@pytest.mark.parametrize("cluster", [{"env": PART_LIMITS}], indirect=True)
 def test_a_hostile_job_cannot_touch_the_node_or_a_job_beside_it(cluster, reference_result):
     need(NOT_ISOLATED not in cluster.log.read_text(), "dev up could not use its uid pool here (its log says why)")
     # Long enough (24 s) to still be training when the hostile job and the bomb beside it are done.
@@ -120,6 +143,7 @@ def test_a_hostile_job_cannot_touch_the_node_or_a_job_beside_it(cluster, referen
     cluster.wait_for("the victim training", lambda: (cluster.job(victim["id"])["progress"]["step"] or 0) > 0,
                      timeout=120, every=0.2)
     bomb = _submit_bomb(cluster)
+    hogs = _submit_hogs(cluster)
     hostile = cluster.submit(job_body(name="hostile", entrypoint="tests/e2e/hostile_job.py",
                                       args=[victim["id"], code_sha],
                                       num_nodes=1, gpus_per_node=1, checkpoint={}, max_failures=0))
@@ -150,6 +174,7 @@ def test_a_hostile_job_cannot_touch_the_node_or_a_job_beside_it(cluster, referen
         assert finished["result"]["weights_sha256"] == reference_result(args)["weights_sha256"]
         assert len(cluster.get(f"/v1/jobs/{victim['id']}/attempts")["items"]) == 1  # never disturbed into a recovery
         _bomb_failed_alone(cluster, bomb)
+        _hogs_stopped_at_their_limits(cluster, hogs)
         check_planted_interpreters_are_refused(cluster)  # issue 23 (on the slots the hostile job freed)
     finally:
         if escapee is not None and _alive(escapee):
