@@ -60,8 +60,6 @@ class Launches:
                 f"{spec.nproc_per_node} processes per node"
             )
         # The control plane refuses these at submit; a spec from elsewhere is refused here too.
-        if spec.requirements is not None and (refused := requirements_problem(spec.requirements)) is not None:
-            return f"the job's requirements are refused: {refused}"
         env_problems = [p for name, value in spec.env.items() if (p := job_env_problem(name, value))]
         if env_problems:
             return f"the job's env is refused: {'; '.join(env_problems[:5])}"
@@ -85,6 +83,14 @@ class Launches:
             return None
         return interpreter_problem(spec.python, (str(p) for p in self.config.allowed_pythons))
 
+    def requirements_refusal(self, spec: LaunchSpec) -> str | None:
+        """Why the job's requirements may not be installed here (trainyard/protocol/requirements.py),
+        or None. Refused at submit already; a spec from elsewhere is refused here too, as a
+        start_error: the same requirements would be refused on every node."""
+        if spec.requirements is None or (refused := requirements_problem(spec.requirements)) is None:
+            return None
+        return f"the job's requirements are refused: {refused}"
+
     def start(self, spec: LaunchSpec, node: NodeContext, gpus: list[GpuInfo], *,
               code: ShippedCode | None = None) -> AttemptRun | None:
         """Launch ``spec`` (or record why it cannot run); None when it was launched here before.
@@ -98,7 +104,7 @@ class Launches:
         kind: AgentErrorKind | None = None
         try:
             problem = self.problem(spec, gpus)
-            if problem is None and (problem := self.interpreter_refusal(spec)) is not None:
+            if problem is None and (problem := self.requirements_refusal(spec) or self.interpreter_refusal(spec)):
                 kind = "start_error"
         except OSError as exc:
             problem = f"could not check the node for this attempt: {exc}"
