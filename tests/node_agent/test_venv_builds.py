@@ -108,7 +108,8 @@ def _builder(confinement: Confinement) -> Confinement:
 # --- finding 1: root never writes through what the build left ---
 
 @root_only
-def test_a_link_the_build_plants_as_the_marker_is_refused_and_never_written_through(tmp_path: Path, place: Path) -> None:
+def test_a_link_the_build_plants_as_the_marker_is_refused_and_never_written_through(
+        tmp_path: Path, place: Path) -> None:
     """Build code (as the uid) makes the venv's trainyard-env.json a link to a root file: the venv
     is refused, says why, and the file is untouched (content and mode): root created nothing through
     the link, chmod'ed nothing."""
