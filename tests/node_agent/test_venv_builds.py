@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import shutil
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -261,3 +263,31 @@ def test_a_job_interpreter_below_a_private_directory_is_exposed_only_when_listed
     assert unlisted is not None and str(private / "x") not in unlisted.expose
     listed = run._builder(NodeContext(**{**node.__dict__, "allowed_pythons": (str(tool),)}))
     assert listed is not None and str(private / "x") in listed.expose
+
+
+def test_a_part_stopped_while_another_builds_its_venv_stops_waiting_and_builds_nothing(tmp_path: Path) -> None:
+    """The venv's lock held by another build: a part waiting for it gives up once stopped (it would
+    otherwise wait for that whole build, holding its GPUs), and builds nothing."""
+    cache = EnvCache(tmp_path / "envs")
+    requirements = "tinypkg==1.0\n"
+    key, _, _ = cache.key(requirements, sys.executable)
+    stopped, outcome = threading.Event(), queue.Queue[BaseException | None]()
+
+    def wait_then_stop() -> None:
+        try:
+            cache.acquire(requirements, sys.executable, cancelled=stopped.is_set)
+            outcome.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.put(exc)
+
+    cache.root.mkdir(parents=True)
+    with cache._key_lock(key):  # another part's build, as far as this one can tell
+        waiter = threading.Thread(target=wait_then_stop, daemon=True)
+        waiter.start()
+        with pytest.raises(queue.Empty):
+            outcome.get(timeout=0.5)  # waiting for the lock
+        stopped.set()
+        raised = outcome.get(timeout=10)
+    waiter.join(10)
+    assert isinstance(raised, EnvBuildFailed) and "stopped" in str(raised), raised
+    assert not (cache.root / key).exists() and not cache.in_use()
