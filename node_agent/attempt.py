@@ -368,7 +368,8 @@ class AttemptRun:
             # The installation as named (a venv's) and as its links resolve (the base interpreter's).
             installations = [os.path.dirname(os.path.dirname(p)) for p in (python, os.path.realpath(python))]
         expose = tuple(dict.fromkeys((*confinement.expose, *hidden_paths(installations))))
-        return Confinement(uid=confinement.uid, gid=confinement.gid, cgroup=confinement.cgroup, expose=expose)
+        # Everything else of the part's confinement (its cgroup, and whatever limits it carries) as is.
+        return dataclasses.replace(confinement, expose=expose, lease=None)
 
     @classmethod
     def failed(
