@@ -73,7 +73,9 @@ def measure(storage: S3Storage, size_mb: int, repeat: int, sockets: Path) -> dic
     storage.put_object(KEY, io.BytesIO(data), length=len(data))
     manifest = {"format": MANIFEST_FORMAT, "step": 1, "world_size": 1,
                 "shards": [{"rank": 0, "key": KEY, "size_bytes": len(data), "sha256": sha}]}
-    budget = len(data) + 2**20
+    # Room for two answers of the shard: an answer stays counted until its last bytes are sent
+    # (MemoryTier.lend), a moment after which the next fetch may already ask.
+    budget = 2 * len(data) + 2**20
     node_key = secrets.token_hex(32)  # the peer's grant key (an agent's: the hash of its credential)
     peer_tier = MemoryTier(budget, peer_timeout_s=600, grant_key=node_key)
     node_tier = MemoryTier(budget, peer_timeout_s=600)

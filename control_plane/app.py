@@ -43,6 +43,7 @@ from control_plane.limits_http import BodyLimit
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
 from control_plane.services import goodput, upload_slots
+from control_plane.services.code_upload import UploadGate
 from control_plane.services.logs import Followers
 from control_plane.services.metrics import Exporter
 from control_plane.settings import Settings
@@ -315,6 +316,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.worker_storage = worker_storage(settings)
     app.state.metrics = Exporter(factory, settings.metrics_cache_s, goodput.for_cluster)
     app.state.log_followers = Followers(settings.log_followers_per_principal)
+    app.state.code_uploads = UploadGate(settings.code_uploads_per_principal)
     _install_error_handlers(app)
     for module in (health, jobs, code, nodes, tenants, plans, simulations, principals, join_tokens, uploads, agent,
                    metrics, docs, ui):

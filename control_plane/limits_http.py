@@ -2,9 +2,9 @@
 
 A pure ASGI middleware: a declared Content-Length over the limit is refused before anything is
 read (the server then delivers no more than it declared), and a body sent without one (chunked) is
-read here as it arrives and refused once it passes the limit, so no request can make a replica
-buffer more than the limit. A refused body is read to its end (and dropped) before the 413, up to
-DRAIN_MAX_BYTES: see ``drain``."""
+counted as the app reads it and refused once it passes the limit: this middleware buffers nothing,
+and no request can make the app read more than the limit. A refused body is read to its end (and
+dropped) before the 413, up to DRAIN_MAX_BYTES: see ``drain``."""
 
 from __future__ import annotations
 
@@ -42,23 +42,41 @@ class BodyLimit:
         if declared is not None:
             await self.app(scope, receive, send)  # the server delivers no more than it declares
             return
-        # No Content-Length (chunked): read it here, up to the limit, then hand it over whole.
-        body = bytearray()
-        while True:
+        # No Content-Length (chunked): counted as the app reads it, never buffered here (a code
+        # archive streams to storage: services/code_upload.py). Past the limit the app is told the
+        # client went away, and the caller gets the 413 instead of whatever the app then answers.
+        seen = 0
+        over = False
+        unread = False
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen, over, unread
             message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, _replay([message], receive), send)
-                return
-            body += message.get("body", b"")
-            if len(body) > limit:
-                if message.get("more_body", False):
-                    await drain(receive)
-                await self._refuse(scope, send, None, limit)
-                return
-            if not message.get("more_body", False):
-                break
-        whole: Message = {"type": "http.request", "body": bytes(body), "more_body": False}
-        await self.app(scope, _replay([whole], receive), send)
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    over = True
+                    unread = bool(message.get("more_body", False))
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded(message: Message) -> None:
+            nonlocal started
+            if over:
+                return  # the 413 below answers instead
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, guarded)
+        except Exception:
+            if not over:
+                raise
+        if over and not started:
+            if unread:
+                await drain(receive)
+            await self._refuse(scope, send, None, limit)
 
     async def _refuse(self, scope: Scope, send: Send, declared: int | None, limit: int) -> None:
         size = f"{declared} bytes" if declared is not None and declared >= 0 else "more"
@@ -103,15 +121,6 @@ async def drain(receive: Receive) -> None:
                     return
     except TimeoutError:
         return
-
-
-def _replay(messages: list[Message], receive: Receive) -> Receive:
-    pending = list(messages)
-
-    async def replay() -> Message:
-        return pending.pop(0) if pending else await receive()
-
-    return replay
 
 
 def _content_length(scope: Scope) -> int | None:

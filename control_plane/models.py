@@ -163,6 +163,9 @@ class Job(Base):
     )
     entrypoint: Mapped[str] = mapped_column(Text)
     args: Mapped[list[str]] = mapped_column(JSONB, server_default=text("'[]'::jsonb"))
+    command: Mapped[list[str] | None] = mapped_column(
+        JSONB, doc="The job's own command (argv), run once per node in place of torchrun (entrypoint is then ''); "
+        "NULL: torchrun runs the entrypoint.")
     env: Mapped[dict[str, str]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     checkpoint: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     max_failures: Mapped[int] = mapped_column(Integer)
@@ -185,6 +188,9 @@ class Job(Base):
     restartable: Mapped[bool] = mapped_column(
         Boolean, server_default=text("false"),
         doc="Its workers restart in process: a healthy node's part is parked, then handed over to the next attempt.")
+    retry_same_exception: Mapped[bool] = mapped_column(
+        Boolean, server_default=text("false"),
+        doc="Retry an exception raised again at the same step as in the attempt before (default: fail the job).")
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     memory_secret: Mapped[str | None] = mapped_column(
         String(64), doc="Authenticates its agents to each other for the in-memory checkpoint tier "
@@ -634,3 +640,24 @@ class JoinToken(Base):
     expires_at: Mapped[datetime] = _ts(nullable=False)
     last_used_at: Mapped[datetime | None] = _ts()
     revoked_at: Mapped[datetime | None] = _ts()
+
+
+class StoragePutGrant(Base):
+    """An object a worker was granted to create (services/storage_grants.py, issue 23 finding 7):
+    one row per shard key, kept until the object is owned by a checkpoint (its shard was reported)
+    or deleted by the storage sweep (services/storage_sweep.py) once its attempt has ended, so a
+    granted object that was never reported does not stay in storage for ever."""
+
+    __tablename__ = "storage_put_grants"
+    __table_args__ = (Index("ix_storage_put_grants_attempt_step", "attempt_id", "step"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    key: Mapped[str] = mapped_column(Text, unique=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, doc="The size the grant signed (Content-Length).")
+    upload_id: Mapped[str | None] = mapped_column(
+        Text, doc="Uploads in parts: the one upload id parts were granted for (aborted by the sweep).")
+    granted_at: Mapped[datetime] = _ts(nullable=False)

@@ -219,6 +219,40 @@ class Settings(BaseSettings):
         512, ge=5, le=5120, description="Checkpoint objects up to this size are uploaded with one PUT; larger "
         "ones in parts of this size (S3: one PUT up to 5 GiB, parts of 5 MiB to 5 GiB, at most 10,000)."
     )
+    # Storage bounds (issue 23, findings 7 and 8; docs/security.md, "Storage bounds").
+    storage_max_shard_gb: float = Field(
+        256.0, gt=0, le=5 * 1024, description="Largest checkpoint shard any worker is granted to write (its "
+        "Content-Length is signed: S3 refuses a larger body); larger requests are answered 422."
+    )
+    storage_shard_growth: float = Field(
+        8.0, ge=0, description="Once a job has a committed checkpoint, a shard is granted at most this many times "
+        "its largest committed shard (at least storage_shard_floor_mb; 8 covers optimizer state that appears "
+        "after a first save of bf16 weights); 0: only storage_max_shard_gb."
+    )
+    storage_shard_floor_mb: int = Field(64, ge=1, description="The least the observed bound grants a shard.")
+    storage_open_saves: int = Field(
+        4, ge=1, le=100, description="Steps of one attempt whose shards may be granted while none of them is "
+        "decided (committed or aborted); a grant for one more is answered 409."
+    )
+    storage_step_lead: int = Field(
+        1_000_000, ge=1, description="How far beyond the attempt's last known step (reported progress, restored "
+        "step, checkpoints) a shard's step may be; further ones are answered 403."
+    )
+    code_quota_archives: int = Field(
+        200, ge=1, description="Code archives one tenant may keep; an upload past it is answered 409 (code-quota)."
+    )
+    code_quota_gb: float = Field(
+        20.0, gt=0, description="Bytes of code archives one tenant may keep, in GiB; an upload past it is answered "
+        "413 (code-quota)."
+    )
+    code_unreferenced_days: float = Field(
+        7.0, ge=0, description="A code archive no unfinished job names, uploaded and last used by a job longer "
+        "ago than this, is deleted (0: kept forever)."
+    )
+    code_uploads_per_principal: int = Field(
+        2, ge=1, le=100, description="Code uploads one principal may have in flight on one replica; more are "
+        "answered 429 with Retry-After."
+    )
 
     failpoints: str = Field(
         "", description="Testing only: 'name=sleep(S)' or 'name=exit' pairs, ';'-separated (failpoints.py)."

@@ -16,6 +16,7 @@ from node_agent.code import CodeLimits
 from node_agent.config import read_join_token
 from node_agent.gpus import NoGpusError
 from node_agent.isolation import IsolationError, UidRange
+from node_agent.limits import limit_options
 from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
 
@@ -91,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-plain-http", action="store_true",
                         help="without --memory-tls-cert, serve the memory port in plain HTTP (a trusted network "
                         "only: shards and job grants cross it in clear); without either the tier is off")
+    limits = parser.add_argument_group("part limits", "what each attempt part may use (docs/operations.md); "
+                                       "default: its share of the node's GPUs of the node's memory, CPUs and disk")
+    limits.add_argument("--no-part-limits", action="store_true", help="set no resource limit on parts")
+    limits.add_argument("--part-memory-limit", default=None, help="memory per part, e.g. 48G")
+    limits.add_argument("--memory-reserve", default=None, help="memory no part's share includes (default 2G)")
+    limits.add_argument("--part-pids-max", type=int, default=None, help="processes and threads per part")
+    limits.add_argument("--part-cpus", type=float, default=None,
+                        help="a hard cap in CPUs of time per part, e.g. 0.5 (default: none; weighted 100 per GPU)")
+    limits.add_argument("--part-shm-size", default=None, help="size of each part's /dev/shm, e.g. 8G")
+    limits.add_argument("--part-work-dir-size", default=None, help="disk each part's work directory may hold")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -135,6 +146,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             memory_tls_cert=args.memory_tls_cert,
             memory_tls_key=args.memory_tls_key,
             memory_plain_http=args.memory_plain_http,
+            limits=limit_options(enabled=not args.no_part_limits, memory=args.part_memory_limit,
+                                 reserve=args.memory_reserve, pids=args.part_pids_max, cpus=args.part_cpus,
+                                 shm=args.part_shm_size, work_dir=args.part_work_dir_size),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -178,7 +178,8 @@ class Agent(HeartbeatLoop, ReportLoop):
         config = self.config
         self.gpus = self._gpu_source.discover()
         self.isolation, notes = Isolation.configure(
-            config.worker_uids, config.runtime_dir, use_cgroups=config.cgroups, cwd=os.getcwd()
+            config.worker_uids, config.runtime_dir, use_cgroups=config.cgroups, cwd=os.getcwd(),
+            limits=config.limits, gpus=len(self.gpus), work_dir=config.workers_dir,
         )
         for note in notes:
             self.log.info("isolation", detail=note)

@@ -76,6 +76,8 @@ class SuperviseLoop(AgentCore):
 
     def _supervise_step(self) -> float:
         runs = self.runs()
+        for run in runs:
+            run.enforce_limits()  # before the scan below, which a part's fork bomb slows down
         scan_orphans = bool(self.orphans.alive) or time.monotonic() >= self._next_orphan_scan
         table = processes.scan() if runs or scan_orphans else None  # one scan of the process table for all
         if table is not None:

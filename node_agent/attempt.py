@@ -39,6 +39,7 @@ from node_agent.envs import EnvBuildFailed, EnvCache, kill_build
 from node_agent.isolation import Confinement, Isolation, hidden_paths, make_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
 from node_agent.logs import LogTailer
+from node_agent.part_limits import WALK_BACKOFF, WORK_DIR_CHECK_S, PartLimiter
 from trainyard.protocol.agent import (
     AgentErrorKind,
     AttemptStatusReport,
@@ -124,10 +125,20 @@ class AttemptRun:
         """The taken-over part: its attempt id, torchrun (pid, start time, boot id) and worker dir."""
         self.received_at: float | None = None
         """When this agent received the part (its monotonic clock; None: adopted after a restart)."""
+        self.limit_hit: str | None = None
+        """The resource limit the part hit (its failure reason; issue 23, finding 6)."""
+        self._work_dir_checked_at = 0.0
+        """When its work directory may be walked again (node_agent/part_limits.py)."""
 
     @property
     def attempt_id(self) -> str:
         return self.spec.attempt_id
+
+    @property
+    def local_workers(self) -> int:
+        """The worker records this part has: one per local rank under torchrun; one for a ``command``
+        job's whole part (its command under one rank shim: node_agent/launcher.py, command_argv)."""
+        return 1 if self.spec.command else self.spec.nproc_per_node
 
     @property
     def started_as(self) -> tuple[str, int]:
@@ -155,7 +166,7 @@ class AttemptRun:
             if self.stop_reason is not None:
                 return False
             running = [w for w in self._workers if w.state == WorkerState.running]
-            return len(running) == self.spec.nproc_per_node
+            return len(running) == self.local_workers
 
     @classmethod
     def take_over(cls, spec: LaunchSpec, paths: AttemptPaths, old: AttemptRun) -> AttemptRun:
@@ -562,7 +573,7 @@ class AttemptRun:
             if self.preparing:
                 return
             self._workers = self._read_rank_files()
-            changed = False
+            changed = self.alive and self.limit_hit is None and self._check_limits()
             if not self.torchrun_done:
                 if self._proc is not None:
                     code = self._proc.poll()
@@ -618,11 +629,45 @@ class AttemptRun:
             if changed:
                 self._persist()
 
+    def enforce_limits(self) -> None:
+        """The limit checks alone (``_check_limits``), for the supervision loop to make before its
+        scan of the process table: a fork bomb makes that scan take seconds, and the bomb must not
+        have them."""
+        with self._lock:
+            if self.alive and self.limit_hit is None and not self.preparing and self._check_limits():
+                self._persist()
+
+    def _check_limits(self) -> bool:
+        """Stop the part, with the limit as its failure reason, once it hit one (its memory, pids,
+        /dev/shm or work directory cap: node_agent/part_limits.py). Also looked at in the poll that
+        finds its processes gone, so a limit that ended it is still its reason. True: it hit one."""
+        confinement = self.confinement
+        if confinement.limits is None:
+            return False
+        now = time.monotonic()
+        walk = now >= self._work_dir_checked_at
+        reason = PartLimiter.check(confinement.limits, confinement.limit_groups, confinement.shm_dir,
+                                   self.paths.worker if walk else None)
+        if walk:
+            took = time.monotonic() - now
+            self._work_dir_checked_at = now + max(WORK_DIR_CHECK_S, WALK_BACKOFF * took)
+        if reason is None:
+            return False
+        self.limit_hit = self.error = reason
+        self.log.warning("attempt_limit_hit", reason=reason)
+        # At once and without a grace: a fork bomb or a filler would use it to go on. With a cgroup,
+        # cgroup.kill needs no look at the process table, which a fork bomb makes slow to read.
+        if self.confinement.cgroup is None:
+            self._refresh(processes.scan())
+        self._term_sent_at, self._kill_sent = now, True
+        self._signal(signal.SIGKILL)
+        return True
+
     def _exit_from_rank_files(self) -> tuple[int | None, str | None]:
         """torchrun's exit code as its ranks' files tell it: 0 when every local rank exited 0, the
         first failing rank's code otherwise; None (with why) when some rank left no exit."""
         ranks = {w.local_rank: w for w in self._workers}
-        exits = [ranks.get(local) for local in range(self.spec.nproc_per_node)]
+        exits = [ranks.get(local) for local in range(self.local_workers)]
         failed = [w for w in exits if w is not None and w.state == WorkerState.exited and w.exit_code != 0]
         if failed:
             w = failed[0]
@@ -695,7 +740,7 @@ class AttemptRun:
                 workers = [w.model_copy(update={"rank": w.rank + shift}) for w in workers]
             if not self.torchrun_done:
                 up = sum(1 for w in workers if w.state != WorkerState.starting)
-                state = NodeAttemptState.running if up >= self.spec.nproc_per_node else NodeAttemptState.launching
+                state = NodeAttemptState.running if up >= self.local_workers else NodeAttemptState.launching
                 if self.parked and self.alive:
                     state = NodeAttemptState.parked
             elif self.stopped:
@@ -726,7 +771,8 @@ class AttemptRun:
                 tail = f.read().decode("utf-8", errors="replace").strip()
         except OSError:
             return None
-        return f"torchrun exited with {self.exit_code}: ...{tail}" if tail else None
+        what = "the command" if self.spec.command else "torchrun"
+        return f"{what} exited with {self.exit_code}: ...{tail}" if tail else None
 
     def mark_final_acked(self) -> None:
         with self._lock:

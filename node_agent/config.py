@@ -11,6 +11,7 @@ from pathlib import Path
 from node_agent import credential
 from node_agent.code import CodeLimits
 from node_agent.isolation import UidRange
+from node_agent.limits import LimitOptions
 from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
 
@@ -150,6 +151,9 @@ class AgentConfig:
     def code_limits(self) -> CodeLimits:
         return CodeLimits(max_bytes=self.code_max_bytes, max_entries=self.code_max_entries,
                           timeout_s=self.code_timeout_s)
+    limits: LimitOptions = field(default_factory=LimitOptions)
+    """Each attempt part's resource limits (node_agent/limits.py): derived from its share of the
+    node's GPUs unless set here (``--part-memory-limit`` etc.); ``enabled=False``: none."""
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir).absolute()

@@ -1,6 +1,7 @@
 """Put this process in an attempt's cgroup, drop to the attempt's uid and gid, then exec torchrun.
 
-    python -I -S confine_exec.py [--cgroup DIR] [--uid N --gid N] [--expose[-rw] DIR]... -- PROGRAM [ARGS...]
+    python -I -S confine_exec.py [--cgroup DIR]... [--uid N --gid N] [--expose[-rw] DIR]...
+        [--oom-score-adj N] [--shm DIR] -- PROGRAM [ARGS...]
 
 The agent starts every attempt's torchrun through this file (node_agent/isolation.py). The steps
 run in the new process before the program exists, so nothing the program starts can be outside the
@@ -33,6 +34,9 @@ _PR_SET_NO_NEW_PRIVS = 38
 _CLONE_NEWNS = 0x00020000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 EXIT_CONFINE_FAILED = 126
+_LIMIT_FLAGS = ("--oom-score-adj", "--shm")
+_LIMITS: dict[str, str] = {}
+"""The resource-limit options (issue 23, finding 6), see limit()."""
 
 
 def _fail(message: str) -> NoReturn:
@@ -40,8 +44,8 @@ def _fail(message: str) -> NoReturn:
     os._exit(EXIT_CONFINE_FAILED)
 
 
-def _parse(argv: list[str]) -> tuple[str | None, int | None, int | None, list[tuple[str, bool]], list[str]]:
-    cgroup: str | None = None
+def _parse(argv: list[str]) -> tuple[list[str], int | None, int | None, list[tuple[str, bool]], list[str]]:
+    cgroups: list[str] = []
     uid: int | None = None
     gid: int | None = None
     expose: list[tuple[str, bool]] = []
@@ -52,9 +56,11 @@ def _parse(argv: list[str]) -> tuple[str | None, int | None, int | None, list[tu
             _fail(f"{flag} needs a value")
         value = rest.pop(0)
         if flag == "--cgroup":
-            cgroup = value
+            cgroups.append(value)
         elif flag in ("--expose", "--expose-rw"):
             expose.append((value, flag == "--expose-rw"))
+        elif flag in _LIMIT_FLAGS:
+            _LIMITS[flag] = value
         elif flag in ("--uid", "--gid"):
             try:
                 number = int(value)
@@ -67,10 +73,10 @@ def _parse(argv: list[str]) -> tuple[str | None, int | None, int | None, list[tu
         else:
             _fail(f"unknown option {flag}")
     if not rest[1:]:
-        _fail("usage: confine_exec.py [--cgroup DIR] [--uid N --gid N] -- PROGRAM [ARGS...]")
+        _fail("usage: confine_exec.py [--cgroup DIR]... [--uid N --gid N] -- PROGRAM [ARGS...]")
     if (uid is None) != (gid is None):
         _fail("--uid and --gid go together")
-    return cgroup, uid, gid, expose, rest[1:]
+    return cgroups, uid, gid, expose, rest[1:]
 
 
 def blocked_ancestor(path: str) -> str | None:
@@ -89,6 +95,40 @@ def _mount(libc: ctypes.CDLL, source: str, target: str, fstype: str | None, flag
         _fail(f"mount {source} on {target}: {os.strerror(ctypes.get_errno())}")
 
 
+_namespace: list[ctypes.CDLL] = []
+
+
+def _own_mount_namespace() -> ctypes.CDLL:
+    """Enter a private mount namespace (once; expose and the /dev/shm cap share it)."""
+    if not _namespace:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(_CLONE_NEWNS) != 0:
+            _fail(f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}")
+        _mount(libc, "none", "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing below goes back to the host
+        _namespace.append(libc)
+    return _namespace[0]
+
+
+def limit() -> None:
+    """The part's resource limits that are not its cgroups' (issue 23, finding 6), while still root.
+
+    ``--oom-score-adj N``: the agent runs at -1000 (never the kernel's choice) and its children
+    inherit that; a worker must be the first choice instead. ``--shm DIR``: a tmpfs of the part's
+    own size, made by the agent, replaces /dev/shm in the part's mount namespace: a full /dev/shm is
+    the part's alone (the agent reads how full it is from DIR) and the host's stays free."""
+    adj = _LIMITS.get("--oom-score-adj")
+    if adj is not None:
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write(str(int(adj)))
+        except (OSError, ValueError) as exc:
+            _fail(f"cannot set oom_score_adj {adj}: {exc}")
+    shm = _LIMITS.get("--shm")
+    if shm is not None:
+        libc = _own_mount_namespace()
+        _mount(libc, shm, "/dev/shm", None, _MS_BIND, None)
+
+
 def expose(paths: list[tuple[str, bool]]) -> None:
     """Make each of ``paths`` (a directory, and whether it stays writable) reachable by any uid, in a
     private mount namespace (see above)."""
@@ -100,10 +140,7 @@ def expose(paths: list[tuple[str, bool]]) -> None:
             wanted.append((blocked, real, writable))
     if not wanted:
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(_CLONE_NEWNS) != 0:
-        _fail(f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}")
-    _mount(libc, "none", "/", None, _MS_REC | _MS_PRIVATE, None)  # nothing below goes back to the host
+    libc = _own_mount_namespace()
     # Opened in the new namespace (a bind source must be in it), before the tmpfs hides them.
     plans = [(blocked, real, writable, os.open(real, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
              for blocked, real, writable in wanted]
@@ -123,13 +160,17 @@ def expose(paths: list[tuple[str, bool]]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    cgroup, uid, gid, exposed, command = _parse(argv)
-    if cgroup is not None:
+    cgroups, uid, gid, exposed, command = _parse(argv)
+    for cgroup in cgroups:  # the tracking cgroup, then those of the limits in cgroup v1 hierarchies
         try:
             with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
                 procs.write(str(os.getpid()))
         except OSError as exc:
             _fail(f"cannot join the attempt's cgroup {cgroup}: {exc}")
+    try:
+        limit()
+    except OSError as exc:
+        _fail(f"cannot set the part's limits: {exc}")
     if exposed:
         try:
             expose(exposed)

@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node_agent.cgroups import AttemptCgroup, CgroupTree
+from node_agent.cgroups import AttemptCgroup, CgroupTree, LimitGroups, LimitTree
 from node_agent.confine_exec import blocked_ancestor
+from node_agent.limits import LimitOptions, PartLimits, format_size
+from node_agent.part_limits import WORKER_OOM_SCORE_ADJ, PartLimiter, node_resources, protect_agent
 from node_agent.processes import uids_alive
 
 CONFINE_EXEC = str(Path(__file__).resolve().with_name("confine_exec.py"))
@@ -233,6 +235,14 @@ class Confinement:
     lease: UidLease | None = field(default=None, repr=False)
     expose: tuple[str, ...] = ()
     """Directories exposed to the workers in their own mount namespace (only at launch)."""
+    limits: PartLimits | None = None
+    """What the part may use (node_agent/limits.py); None: no limit."""
+    limit_groups: LimitGroups | None = None
+    """The cgroups the kernel enforces its memory, pids and cpu limits in."""
+    shm_dir: Path | None = None
+    """The tmpfs (of the part's /dev/shm size) that is /dev/shm in the part's mount namespace."""
+    oom_score_adj: int | None = None
+    """Set on its processes (the agent's own, -1000, must not be inherited)."""
 
     @property
     def isolated(self) -> bool:
@@ -245,7 +255,10 @@ class Confinement:
         return self.uid is not None and self.lease is not None and self.lease.held
 
     def to_state(self) -> dict[str, Any]:
-        return {"uid": self.uid, "gid": self.gid, "cgroup": str(self.cgroup.path) if self.cgroup else None}
+        return {"uid": self.uid, "gid": self.gid, "cgroup": str(self.cgroup.path) if self.cgroup else None,
+                "limits": self.limits.to_state() if self.limits else None,
+                "limit_groups": self.limit_groups.to_state() if self.limit_groups else None,
+                "shm_dir": str(self.shm_dir) if self.shm_dir else None}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Confinement:
@@ -255,6 +268,9 @@ class Confinement:
             uid=uid if isinstance(uid, int) else None,
             gid=gid if isinstance(gid, int) else None,
             cgroup=AttemptCgroup(Path(cgroup)) if isinstance(cgroup, str) and cgroup else None,
+            limits=PartLimits.from_state(state.get("limits")),
+            limit_groups=LimitGroups.from_state(state.get("limit_groups")),
+            shm_dir=Path(shm) if isinstance(shm := state.get("shm_dir"), str) and shm else None,
         )
 
     def wrap(self, command: list[str], *, writable: tuple[str, ...] = ()) -> list[str]:
@@ -265,11 +281,17 @@ class Confinement:
         interpreter included) starts only after the switch (docs/security.md, "Interpreters and
         venvs"). ``writable``: directories below a private one that the uid must write (a venv it
         builds), exposed like ``expose`` but not read-only."""
-        if self.cgroup is None and self.uid is None:
+        if self.cgroup is None and self.uid is None and self.oom_score_adj is None:
             return command
         prefix = [AGENT_PYTHON, "-I", "-S", CONFINE_EXEC]
         if self.cgroup is not None:
             prefix += ["--cgroup", str(self.cgroup.path)]
+        for joined in self.limit_groups.joins() if self.limit_groups else ():
+            prefix += ["--cgroup", str(joined)]
+        if self.oom_score_adj is not None:
+            prefix += ["--oom-score-adj", str(self.oom_score_adj)]
+        if self.shm_dir is not None:
+            prefix += ["--shm", str(self.shm_dir)]
         if self.uid is not None and self.gid is not None:
             prefix += ["--uid", str(self.uid), "--gid", str(self.gid)]
             for directory in self.expose:
@@ -329,14 +351,18 @@ def probe(confinement: Confinement, python: str = sys.executable) -> str | None:
 class Isolation:
     """What this agent can do: a uid pool (root only) and cgroups (where writable)."""
 
-    def __init__(self, *, pool: UidPool | None, cgroups: CgroupTree | None, expose: tuple[str, ...] = ()) -> None:
+    def __init__(self, *, pool: UidPool | None, cgroups: CgroupTree | None, expose: tuple[str, ...] = (),
+                 limiter: PartLimiter | None = None) -> None:
         self.pool = pool
         self.cgroups = cgroups
         self.expose = expose
+        self.limiter = limiter
+        """Each part's resource limits (issue 23, finding 6); None: none (--no-part-limits)."""
 
     @classmethod
     def configure(
-        cls, uids: UidRange | None, run_dir: Path, *, use_cgroups: bool, cwd: str
+        cls, uids: UidRange | None, run_dir: Path, *, use_cgroups: bool, cwd: str,
+        limits: LimitOptions | None = None, gpus: int = 0, work_dir: Path | None = None,
     ) -> tuple[Isolation, list[str]]:
         """The isolation the configuration asks for, proven by a probe; raises IsolationError when
         a pool is configured but cannot be used. Returns it with lines for the agent's log."""
@@ -356,7 +382,8 @@ class Isolation:
         if use_cgroups:
             cgroups, why = CgroupTree.detect()
             notes.append(f"tracking processes by {why}" if cgroups else f"no cgroup tracking ({why})")
-        isolation = cls(pool=pool, cgroups=cgroups, expose=worker_paths(cwd) if pool is not None else ())
+        isolation = cls(pool=pool, cgroups=cgroups, expose=worker_paths(cwd) if pool is not None else (),
+                        limiter=_limiter(limits, cgroups, run_dir, gpus, work_dir or run_dir, notes))
         if isolation.expose:
             notes.append(f"exposing {', '.join(isolation.expose)} to the workers (read-only, own mount namespace)")
         if pool is None and cgroups is None:
@@ -365,6 +392,11 @@ class Isolation:
         if problem is not None and cgroups is not None:
             notes.append(f"no cgroup tracking (a confined process could not start in one: {problem})")
             isolation.cgroups = None
+            limiter = isolation.limiter
+            if limiter is not None and limiter.tree is not None and limiter.tree.version == 2:
+                # Its v2 limits live in the tracking cgroups just given up.
+                notes.append("no memory, pids or cpu limits on parts (they were to be set in those cgroups)")
+                limiter.tree = None
             problem = isolation.probe() if pool is not None else None
         if problem is not None:
             raise IsolationError(f"a worker uid cannot run this node's Python and code: {problem}")
@@ -396,9 +428,11 @@ class Isolation:
     def isolated(self) -> bool:
         return self.pool is not None
 
-    def confine(self, node_id: str | None, attempt_id: str, node_rank: int, alive: Any) -> Confinement:
-        """A uid and a cgroup for a new attempt part; raises IsolationError when the pool is
-        exhausted (the part then fails at once, saying so)."""
+    def confine(self, node_id: str | None, attempt_id: str, node_rank: int, alive: Any, *, gpus: int = 0
+                ) -> Confinement:
+        """A uid, a cgroup and resource limits (for a part of ``gpus`` GPUs) for a new attempt part;
+        raises IsolationError when the pool is exhausted or the limits cannot be set (the part then
+        fails at once, saying so)."""
         confinement = Confinement()
         if self.pool is not None:
             lease = self.pool.lease(alive)
@@ -416,6 +450,15 @@ class Isolation:
                 confinement.cgroup = part
             except OSError:
                 pass  # tracked by uid instead (or, unconfined, by markers)
+        if self.limiter is not None:
+            try:
+                confinement.limits, confinement.limit_groups, confinement.shm_dir = self.limiter.apply(
+                    confinement.cgroup, node_id or "local", attempt_id, node_rank, gpus,
+                    confinement.uid, confinement.gid)
+            except OSError as exc:
+                self.release(confinement)
+                raise IsolationError(f"cannot set the part's resource limits: {exc}") from exc
+            confinement.oom_score_adj = WORKER_OOM_SCORE_ADJ
         return confinement
 
     def readopt(self, confinement: Confinement) -> None:
@@ -430,8 +473,35 @@ class Isolation:
         removed: list[str] = []
         if confinement.cgroup is not None:
             confinement.cgroup.remove()
+        PartLimiter.release(confinement.limit_groups, confinement.shm_dir)
         lease = confinement.lease
         if lease is not None and lease.held:
             removed = scrub_uid_files(lease.uid)
             lease.close()
         return removed
+
+
+def _limiter(options: LimitOptions | None, cgroups: CgroupTree | None, run_dir: Path, gpus: int, work_dir: Path,
+             notes: list[str]) -> PartLimiter | None:
+    """The agent's part limits (issue 23, finding 6), with a line for its log on what it can
+    enforce here. None when turned off or not root (an agent that is not root can neither set
+    cgroup limits nor mount a part's /dev/shm: said once, at start)."""
+    if options is None or not options.enabled:
+        if options is not None:
+            notes.append("no resource limits on parts (--no-part-limits)")
+        return None
+    if os.geteuid() != 0:
+        notes.append(f"no resource limits on parts: the agent is not root (uid {os.geteuid()})")
+        return None
+    protected = protect_agent()
+    notes.append(protected or "the agent is the OOM killer's last choice (oom_score_adj -1000); workers get "
+                 f"+{WORKER_OOM_SCORE_ADJ}")
+    tree, why = LimitTree.detect(cgroups)
+    notes.append(why if tree is not None else f"no memory, pids or cpu limits on parts ({why})")
+    limiter = PartLimiter(tree, options, node_resources(work_dir, gpus), private_dir(run_dir / "shm"))
+    sample = limiter.limits_for(1)
+    notes.append(f"a part of 1 of the node's {gpus} GPUs may use {format_size(sample.memory or 0)} of memory, "
+                 f"CPU weight {sample.cpu_weight}{f' capped at {sample.cpus} CPUs' if sample.cpus else ''}, "
+                 f"{sample.pids} pids, {format_size(sample.shm or 0)} of /dev/shm and "
+                 f"{format_size(sample.work_dir or 0)} of work dir")
+    return limiter

@@ -57,16 +57,21 @@ from trainyard.protocol.env import (
     ENV_JOB_ID,
     ENV_JOB_NAME,
     ENV_LAYOUT,
+    ENV_LOCAL_ADDR,
+    ENV_MASTER_ADDR,
+    ENV_MASTER_PORT,
     ENV_NNODES,
     ENV_NODE_ID,
     ENV_NODE_NAME,
     ENV_NODE_RANK,
+    ENV_NPROC_PER_NODE,
     ENV_RENDEZVOUS,
     ENV_RESTORE_FROM,
     ENV_S3_CA_PEM,
     ENV_STANDBY_DIR,
     ENV_STATUS_DIR,
     ENV_STORAGE_ACCESS,
+    ENV_WORLD_SIZE,
     PREFIX,
 )
 from trainyard.protocol.restart import Rendezvous
@@ -331,6 +336,38 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid:
     return env
 
 
+# --- `command` jobs (LaunchSpec.command; docs/writing-jobs.md, "Jobs that bring their own launcher") ---
+
+
+def command_argv(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> list[str]:
+    """The part of a ``command`` job: the job's argv under one rank shim (``command`` kind), in place of
+    torchrun. The shim records the part as one worker (the node's first global rank, local rank 0) with
+    the command's exact exit, and writes its output where every rank's is shipped from. argv[0] is not
+    looked at here beyond its spelling: a bare name is found on PATH by the shim, after the uid switch;
+    a relative path is made absolute against the job's code (node.cwd), like a file entrypoint."""
+    assert spec.command
+    program, *rest = spec.command
+    if "/" in program:
+        program = os.path.join(node.cwd, program)  # no-op for an absolute path
+    return [node.python, "-m", "node_agent.rank_shim", "--log-dir", str(paths.log_dir), "command", program, *rest]
+
+
+def command_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid: int | None = None) -> dict[str, str]:
+    """worker_env plus the contract a job's own launcher starts its processes with: the node rank,
+    node count, processes per node and world size, and the rendezvous (node rank 0's address and the
+    attempt's own port), both as torchrun's usual names and as TRAINYARD_* ones."""
+    env = worker_env(spec, node, paths, uid=uid)
+    world = spec.nnodes * spec.nproc_per_node
+    contract = {
+        ENV_NNODES: str(spec.nnodes), ENV_NPROC_PER_NODE: str(spec.nproc_per_node), ENV_WORLD_SIZE: str(world),
+        ENV_MASTER_ADDR: spec.rdzv_host, ENV_MASTER_PORT: str(spec.rdzv_port), ENV_LOCAL_ADDR: node.local_addr,
+        "MASTER_ADDR": spec.rdzv_host, "MASTER_PORT": str(spec.rdzv_port), "NODE_RANK": str(spec.node_rank),
+        "NNODES": str(spec.nnodes), "NPROC_PER_NODE": str(spec.nproc_per_node),
+    }
+    env.update(contract)
+    return env
+
+
 def start_torchrun(
     spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, confinement: Confinement | None = None,
     cwd: Path | None = None,
@@ -339,16 +376,19 @@ def start_torchrun(
     spares it (the agent stops workers itself, or leaves them for its successor); confined
     (isolation.py) when ``confinement`` says so. torchrun puts each rank in yet another session:
     the attempt's cgroup, uid or markers find them all (processes.py). Both directories must
-    exist. ``cwd``: where the workers run (the job's unpacked code), else the worker directory."""
-    command = torchrun_command(spec, node, paths)
+    exist. ``cwd``: where the workers run (the job's unpacked code), else the worker directory. A
+    ``command`` job's part is its command under a rank shim instead (command_argv), started the same
+    way: through the same confinement, in the same session and files."""
+    command = command_argv(spec, node, paths) if spec.command else torchrun_command(spec, node, paths)
     uid = None
     if confinement is not None:
         command, uid = confinement.wrap(command), confinement.uid  # node.python only after the switch
+    make_env = command_env if spec.command else worker_env
     with paths.torchrun_stdout.open("ab") as out, paths.torchrun_stderr.open("ab") as err:
         return subprocess.Popen(
             command,
             cwd=cwd or paths.worker,
-            env=worker_env(spec, node, paths, uid=uid),
+            env=make_env(spec, node, paths, uid=uid),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,

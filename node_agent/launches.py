@@ -60,6 +60,9 @@ class Launches:
                 f"{spec.nproc_per_node} processes per node"
             )
         # The control plane refuses these at submit; a spec from elsewhere is refused here too.
+        if spec.command and (spec.restartable or spec.adopts):
+            # A command job's processes are its own launcher's: none is parked or handed over.
+            return "a command job cannot restart in process (restartable)"
         env_problems = [p for name, value in spec.env.items() if (p := job_env_problem(name, value))]
         if env_problems:
             return f"the job's env is refused: {'; '.join(env_problems[:5])}"
@@ -117,7 +120,7 @@ class Launches:
         confinement = Confinement()
         try:
             confinement = self.isolation.confine(node.node_id or None, spec.attempt_id, spec.node_rank,
-                                                 processes.uids_alive)
+                                                 processes.uids_alive, gpus=len(spec.gpu_indices))
             self.api.open(spec.attempt_id, paths.socket or Path(), uid=confinement.uid, gid=confinement.gid,
                           ranks=spec.nproc_per_node, memory=AttemptMemory.of(spec.job_id, spec.memory))
         except (IsolationError, OSError) as exc:

@@ -22,19 +22,24 @@ the declared length up front. A job's **share** is the budget split evenly among
 agent serves now (those that stored or asked for a shard here within JOB_IDLE_S); it bounds what the
 job stores (memstore.py evicts the job's own oldest to stay within it) and what it may have in
 flight. A request that does not fit is refused (413 over the share, 503 while the budget is taken)
-and the worker keeps its S3 copy only. At most the budget is stored and the in-flight budget being
-received, whatever workers and peers announce.
+and the worker keeps its S3 copy only. An **answer** is counted the same way until it is sent
+(``lend``; issue 23 review, finding 4): a stored shard sent to a worker or a peer (which a later save
+may evict from the store, but not from memory while a send holds it) and a shard fetched from a peer
+for a worker (received and then answered under one reservation); one that does not fit is refused
+with 503 and the worker reads S3. At most the budget is stored and the in-flight budget being
+received or answered, whatever workers and peers announce or leave unread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.client
 import ssl
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -107,7 +112,7 @@ class MemoryTier:
                  inflight_bytes: int | None = None, grant_key: str | None = None) -> None:
         self.store = ShardStore(budget_bytes)
         self.inflight_bytes = max(1, budget_bytes if inflight_bytes is None else inflight_bytes)
-        """Shard bytes being received at once, local and peer requests together."""
+        """Shard bytes being received or answered at once, local and peer requests together."""
         self.grant_key = grant_key
         """This node's grant key (memory_grant_key of its current credential: the agent sets it at each
         registration); None: no peer request is accepted."""
@@ -144,19 +149,51 @@ class MemoryTier:
                 done.wait(wait_peer_s)
 
     def get(self, memory: AttemptMemory, rank: int, sha256: str, tier: str) -> bytes | bytearray | None:
-        """The shard's bytes from this agent's memory (``local``) or a peer's (``peer``), or None."""
+        """The shard's bytes from this agent's memory (``local``) or a peer's (``peer``), or None (a
+        miss or a refusal). Once this returns, the bytes are no longer counted: an answer sent to a
+        worker goes through ``lend`` instead."""
+        with self.lend(memory, rank, sha256, tier) as got:
+            return None if isinstance(got, Refusal) else got
+
+    @contextlib.contextmanager
+    def lend(self, memory: AttemptMemory, rank: int, sha256: str,
+             tier: str) -> Iterator[bytes | bytearray | Refusal | None]:
+        """The shard's bytes as ``get`` finds them, counted in the in-flight budget and the job's share
+        until the block ends (the caller sends them inside it); a Refusal when answering them would
+        go past either (the worker reads S3), None when no tier has them.
+
+        Why (issue 23 review, finding 4): an answer the worker does not read holds its bytes for as
+        long as the send may take. A local answer holds the stored entry, which a later save may
+        evict from the store but not from memory; a peer's answer is a fresh copy per request. Held
+        uncounted, a worker opening many GETs it never reads made the agent keep one copy each."""
+        got, held = self._take(memory, rank, sha256, tier)
+        try:
+            yield got
+        finally:
+            if held:
+                self.release(memory.job_id, held)
+
+    def _take(self, memory: AttemptMemory, rank: int, sha256: str,
+              tier: str) -> tuple[bytes | bytearray | Refusal | None, int]:
+        """(what ``lend`` yields, the bytes reserved for it: the caller releases them)."""
         self.touch(memory.job_id)
         if tier == "local":
             # By content, whatever rank stored it: torchrun may give a rank another node this time,
             # and this agent may hold the bytes as another node's peer.
             entry = self.store.get(memory.owner, memory.job_id, sha256)
-            return None if entry is None else entry.data
+            if entry is None:
+                return None, 0
+            refused = self.reserve_answer(memory.job_id, len(entry.data))
+            return (refused, 0) if refused is not None else (entry.data, len(entry.data))
+        refusal: Refusal | None = None
         for url in (memory.peer_url, *memory.sources):
             if url and self._allowed(url) and self._grant(memory, url):
-                data = self._fetch(url, memory, rank, sha256)
-                if data is not None:
-                    return data
-        return None
+                data, held = self._fetch(url, memory, rank, sha256)
+                if isinstance(data, Refusal):
+                    refusal = data
+                elif data is not None:
+                    return data, held
+        return refusal, 0
 
     # --- the budget: shares, reservations, grants ---
 
@@ -201,9 +238,19 @@ class MemoryTier:
             total = sum(self._inflight.values())
             if mine + length > share or total + length > self.inflight_bytes:
                 return Refusal(HTTPStatus.SERVICE_UNAVAILABLE,
-                               "too many shard bytes are being received at once (this job's or all jobs')")
+                               "too many shard bytes are being received or answered at once (this job's or all jobs')")
             self._inflight[job_id] = mine + length
         return None
+
+    def reserve_answer(self, job_id: str, length: int) -> Refusal | None:
+        """``reserve`` for an answer's bytes (a shard sent to a worker or a peer), held until it is
+        sent; refused always as 503: the shard exists, the agent will not hold it for this request
+        now (too much of this job's share, or of the budget, is being answered or received)."""
+        refused = self.reserve(job_id, length)
+        if refused is None:
+            return None
+        return Refusal(HTTPStatus.SERVICE_UNAVAILABLE,
+                       f"not answered from memory now: {refused.detail} (read the shard from S3)")
 
     def release(self, job_id: str, length: int) -> None:
         with self._lock:
@@ -245,19 +292,26 @@ class MemoryTier:
     def _peer_url(self, base: str, memory: AttemptMemory, rank: int, sha256: str) -> str:
         return f"{base.rstrip('/')}{PEER_PREFIX}/{memory.job_id}/shards/{rank}/{sha256}"
 
-    def _fetch(self, base: str, memory: AttemptMemory, rank: int, sha256: str) -> bytearray | None:
+    def _fetch(self, base: str, memory: AttemptMemory, rank: int,
+               sha256: str) -> tuple[bytearray | Refusal | None, int]:
+        """(the peer's bytes, the bytes reserved for them: the caller releases them once it sent them
+        on), (a Refusal, 0) when they would not fit, or (None, 0) on a miss."""
         url = urlsplit(self._peer_url(base, memory, rank, sha256))
         held = 0
+        refused: Refusal | None = None
 
         def admit(size: int) -> bool:
-            # A body from a peer is received under the same in-flight budget as a put's (finding 5).
-            nonlocal held
-            if self.reserve(memory.job_id, size) is not None:
+            # Received and then answered under one reservation, decided on the announced length
+            # before anything is allocated (finding 5), kept until the worker took the bytes (lend).
+            nonlocal held, refused
+            refused = self.reserve_answer(memory.job_id, size)
+            if refused is not None:
                 log.info("memory_peer_fetch_refused", peer=base, job_id=memory.job_id, bytes=size)
                 return False
             held = size
             return True
 
+        data: bytearray | None = None
         try:
             # http.client reads the body straight into one buffer (httpx would copy it chunk by chunk).
             conn = (http.client.HTTPSConnection(url.hostname or "", url.port, timeout=self.peer_timeout_s,
@@ -268,13 +322,13 @@ class MemoryTier:
                             self.store.budget_bytes, admit)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             log.info("memory_peer_unreachable", peer=base, error=str(exc)[:200])
-            return None
         finally:
-            if held:
+            if held and data is None:  # nothing to answer: the reservation goes with it
                 self.release(memory.job_id, held)
+                held = 0
         # Not hashed here: the worker checks every byte against the committed manifest anyway, and a
         # second pass over a 2 GB shard costs a second.
-        return data
+        return (data, held) if data is not None else (refused, 0)
 
     def _queue_push(self, memory: AttemptMemory, rank: int, sha256: str, data: bytes | bytearray) -> threading.Event:
         """Queue the push; the event is set once it is over (done, failed, or replaced by a newer one)."""

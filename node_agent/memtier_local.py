@@ -11,7 +11,8 @@ can only store and read its own job's shards. The bodies are binary and as large
 these routes take a body up to the job's share of the memory budget (not the API's JSON limit), read
 only under a reservation from the tier's in-flight budget (memtier.py: 413 over the share, 503 while
 the budget is taken, nothing allocated before the bytes arrive), and allow it time in proportion to
-its size.
+its size. An answer (a stored shard, or one fetched from a peer) is counted the same way until it
+is sent (``MemoryTier.lend``): 503 when it would not fit.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from urllib.parse import parse_qs, unquote
 import structlog
 
 from node_agent.memstore import ShardRefused
-from node_agent.memtier import read_exactly
+from node_agent.memtier import Refusal, read_exactly
 from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.memtier import LOCAL_MEMORY_KIND, TIER_HEADER, TIERS, TOKEN_HEADER, MemoryStatus, parse_rank
 
@@ -76,19 +77,25 @@ def serve_memory(handler: Any, match: re.Match[str]) -> None:
     if which not in TIERS:
         handler._problem(HTTPStatus.UNPROCESSABLE_ENTITY, f"tier must be one of {', '.join(TIERS)}")
         return
-    data = tier.get(memory, rank, sha, which)
-    if data is None:
-        handler._problem(HTTPStatus.NOT_FOUND, f"no shard {sha[:12]}... of rank {rank} in the {which} tier")
-        return
-    handler.close_connection = True
-    handler.connection.settimeout(ctx.limits.request_timeout_s + len(data) / MIN_BYTES_PER_S)
-    handler.send_response(HTTPStatus.OK)
-    handler.send_header("Content-Type", "application/octet-stream")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.send_header(TIER_HEADER, which)
-    handler.send_header("Connection", "close")
-    handler.end_headers()
-    handler.wfile.write(data)
+    # The answer's bytes stay counted against the in-flight budget and the job's share until they
+    # are sent or the send gives up (request_timeout_s plus the size at MIN_BYTES_PER_S): a worker
+    # that opens GETs and never reads them holds at most its share (issue 23 review, finding 4).
+    with tier.lend(memory, rank, sha, which) as data:
+        if data is None:
+            handler._problem(HTTPStatus.NOT_FOUND, f"no shard {sha[:12]}... of rank {rank} in the {which} tier")
+            return
+        if isinstance(data, Refusal):
+            handler._problem(data.status, data.detail)
+            return
+        handler.close_connection = True
+        handler.connection.settimeout(ctx.limits.request_timeout_s + len(data) / MIN_BYTES_PER_S)
+        handler.send_response(HTTPStatus.OK)
+        handler.send_header("Content-Type", "application/octet-stream")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.send_header(TIER_HEADER, which)
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        handler.wfile.write(data)
 
 
 def _put(handler: Any, tier: Any, memory: Any, rank: int, sha: str) -> None:

@@ -15,9 +15,10 @@ the node, so it is bounded like the local API (connections.py; PeerLimits): at m
 ``request_timeout_s`` and a body within that plus its size at MIN_BYTES_PER_S (408, then closed);
 a body is read only under a reservation from the tier's in-flight budget, shared with the local
 API's puts (MemoryTier.reserve: 413 over the job's share, 503 while the budget is taken), and is
-allocated as it arrives: a host that opens connections, or trickles bytes, or announces huge bodies,
-costs the agent a bounded number of threads and bytes, and a peer from another address is still
-served. One request per connection.
+allocated as it arrives; a GET's answer is held under the same budget until it is taken
+(MemoryTier.reserve_answer: 503 beyond it): a host that opens connections, or trickles bytes, or
+announces huge bodies, or leaves answers unread, costs the agent a bounded number of threads and
+bytes, and a peer from another address is still served. One request per connection.
 
 With a node certificate (``--memory-tls-cert``/``--memory-tls-key``) the port speaks TLS only, and
 peers verify it against the cluster's CA (their ``--ca-file``); the handshake runs on the
@@ -68,7 +69,7 @@ class PeerLimits:
     restoring at once each fetch through their agent: 16 covers a node of 8 GPUs twice over (beyond
     it a fetch is a miss and reads S3)."""
     inflight_bytes: int | None = None
-    """Lowers the tier's in-flight budget (MemoryTier.inflight_bytes, shared with the local API's puts);
+    """Lowers the tier's in-flight budget (MemoryTier.inflight_bytes, shared with the local API's puts and answers);
     None: the tier's as it is."""
 
     def __post_init__(self) -> None:
@@ -147,11 +148,21 @@ class _PeerHandler(BaseHTTPRequestHandler):
         if target is None:
             return
         job_id, rank, sha, owner = target
-        entry = self.server.tier.store.get(owner, job_id, sha)  # by content, like a local read
+        tier = self.server.tier
+        entry = tier.store.get(owner, job_id, sha)  # by content, like a local read
         if entry is None:
             self._answer(HTTPStatus.NOT_FOUND, "no such shard here for this credential")
-        else:
+            return
+        # Counted until it is taken (or its deadline passes), as a worker's answer is: a peer that
+        # stops reading keeps the entry alive past its eviction (issue 23 review, finding 4).
+        refused = tier.reserve_answer(job_id, len(entry.data))
+        if refused is not None:
+            self._answer(refused.status, refused.detail)
+            return
+        try:
             self._answer(HTTPStatus.OK, body=entry.data)
+        finally:
+            tier.release(job_id, len(entry.data))
 
     def do_PUT(self) -> None:  # noqa: N802 - stdlib naming
         target = self._target()

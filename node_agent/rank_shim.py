@@ -1,6 +1,7 @@
 """The process torchrun starts for each rank: it runs the real training process and records it.
 
     python -m node_agent.rank_shim [--log-dir DIR] (module|file) ENTRYPOINT [ARGS...]
+    python -m node_agent.rank_shim [--log-dir DIR] command PROGRAM [ARGS...]
 
 torchrun only knows its direct children and reports their exit as an opaque failure. The shim sits
 between torchrun and the training code so that the agent learns, from one small file per rank,
@@ -21,6 +22,12 @@ standby warm, or one that declines (another interpreter, other startup variables
 
 With --log-dir, the worker's stdout and stderr go to DIR/rank-<RANK>/{stdout,stderr}.log, one
 pair per global rank, which the agent tails and ships.
+
+``command``: a job that brings its own launcher (LaunchSpec.command). The agent starts one shim per
+node in place of torchrun, and the shim runs PROGRAM (found on PATH as the job's uid, or a path) as
+the node's whole part: its record is the node's first global rank (node rank x processes per node,
+local rank 0), its exit the part's, its output the part's log. No warm standby takes it, and it
+does not die with its parent (the agent, which may restart while the job runs on).
 
 This module must stay import-light (stdlib only, no torch, no pydantic): it runs once per rank
 before the training code and its start time adds to every launch.
@@ -45,6 +52,7 @@ from trainyard.protocol.env import (  # standard library only
     ENV_JOB_ENV,
     ENV_NNODES,
     ENV_NODE_RANK,
+    ENV_NPROC_PER_NODE,
     ENV_STANDBY_DIR,
     ENV_STATUS_DIR,
     global_rank,
@@ -54,7 +62,7 @@ from trainyard.protocol.exits import TAIL_BYTES, classify
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _PR_SET_PDEATHSIG = 1
-USAGE = "usage: python -m node_agent.rank_shim [--log-dir DIR] (module|file) ENTRYPOINT [ARGS...]"
+USAGE = "usage: python -m node_agent.rank_shim [--log-dir DIR] (module|file|command) ENTRYPOINT [ARGS...]"
 
 
 def _now() -> str:
@@ -80,7 +88,9 @@ def child_command(kind: str, entrypoint: str, args: list[str]) -> list[str]:
         return [sys.executable, "-m", entrypoint, *args]
     if kind == "file":
         return [sys.executable, entrypoint, *args]
-    raise ValueError(f"unknown entrypoint kind {kind!r} (expected 'module' or 'file')")
+    if kind == "command":
+        return [entrypoint, *args]  # exec'd as is: PATH lookup in the child's env, as the job's uid
+    raise ValueError(f"unknown entrypoint kind {kind!r} (expected 'module', 'file' or 'command')")
 
 
 def _tail(path: Path) -> str:
@@ -141,7 +151,7 @@ def _start(
     """The worker: a warm standby's when one takes the rank, else a new interpreter."""
     env = child_env(dict(os.environ))
     standby_dir = os.environ.get(ENV_STANDBY_DIR)
-    if standby_dir:
+    if standby_dir and kind != "command":
         # Without --log-dir a cold worker inherits the shim's stdout and stderr; so does this one.
         stdio = [f.fileno() if f is not None else fd for f, fd in ((stdout, 1), (stderr, 2))]
         worker, why = claim(Path(standby_dir), kind, entrypoint, args, env, cwd=os.getcwd(), stdio=stdio)
@@ -191,6 +201,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
                            "GROUP_WORLD_SIZE": os.environ[ENV_NNODES]})
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if kind == "command":
+        # No torchrun above: the part is one record, at the node's first global rank.
+        rank = int(os.environ.get(ENV_NODE_RANK, "0")) * int(os.environ.get(ENV_NPROC_PER_NODE, "1"))
+        local_rank = 0
     status_dir = Path(os.environ.get(ENV_STATUS_DIR) or ".")
     status_dir.mkdir(parents=True, exist_ok=True)
     path = rank_file(status_dir, rank)
@@ -218,7 +232,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
-    _die_with_parent()
+    if kind != "command":  # a command's parent is the agent, whose restart must not stop the job
+        _die_with_parent()
 
     stdout: Any = None
     stderr: Any = None
@@ -233,6 +248,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
         child = _start(kind, entrypoint, args, stdout, stderr, rank)
     except (OSError, ValueError) as exc:
         print(f"rank_shim: cannot start worker: {exc}", file=sys.stderr)
+        if stderr is not None:  # in the job's own log too, where its user looks
+            stderr.write(f"trainyard: cannot start {entrypoint!r}: {exc}\n".encode())
         record.update(state="exited", exit_code=127, ended_at=_now())
         write_json_atomic(path, record)
         sys.exit(127)

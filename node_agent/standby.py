@@ -46,7 +46,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from node_agent import standby_wire as wire
-from node_agent.cgroups import cgroup2_dir
+from node_agent.cgroups import PARENT, cgroup1_dirs, cgroup2_dir
 
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 _CLONE_NEWNS = 0x00020000
@@ -102,6 +102,26 @@ def _cgroup_of(pid: int) -> str | None:
             if line.startswith("0::"):
                 return line[3:].strip()
     return None
+
+
+def _limits_of(pid: int) -> tuple[list[str], int | None]:
+    """The claimant's resource-limit cgroups in cgroup v1 hierarchies (those below this machine's
+    Trainyard trees: a hybrid machine's memory, pids and cpu limits) and its oom_score_adj, which a
+    rank started in this standby takes on like its cold-started peers (issue 23, finding 6)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
+        with open("/proc/self/cgroup") as f:
+            own = cgroup1_dirs(mountinfo, f.read())
+        with open(f"/proc/{pid}/cgroup") as f:
+            theirs = cgroup1_dirs(mountinfo, f.read())
+        with open(f"/proc/{pid}/oom_score_adj") as f:
+            adj: int | None = int(f.read())
+    except (OSError, ValueError):
+        return [], None
+    joins = [str(path) for name, path in theirs.items()
+             if name in own and str(path).startswith(os.path.join(str(own[name]), PARENT) + "/")]
+    return joins, adj
 
 
 def _check(request: dict[str, Any], startup: dict[str, str]) -> tuple[Rank | None, str | None]:
@@ -183,6 +203,7 @@ class Standby:
             if self.policy.cgroup_base is not None and cgroup_dir is None:
                 self._decline(conn, fds, "the claimant is not in one of the agent's attempt cgroups")
                 return None
+            limits = _limits_of(pid)
             mnt = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
             # What was read from /proc is the claimant's only if the claimant still lives now.
             if select.select([pidfd], [], [], 0)[0]:
@@ -200,7 +221,7 @@ class Standby:
             self._decline(conn, fds, "the agent is stopping this standby")
             os._exit(0)
         self.listener.close()
-        self._confine(conn, cgroup_dir, mnt, uid, gid)
+        self._confine(conn, cgroup_dir, mnt, uid, gid, limits)
         self.stdio = fds
         return rank
 
@@ -216,7 +237,8 @@ class Standby:
         found = os.path.normpath(os.path.join(str(mount), relative.lstrip("/")))
         return found if found.startswith(os.path.normpath(self.policy.cgroup_base) + "/") else None
 
-    def _confine(self, conn: socket.socket, cgroup_dir: str | None, mnt: int, uid: int, gid: int) -> None:
+    def _confine(self, conn: socket.socket, cgroup_dir: str | None, mnt: int, uid: int, gid: int,
+                 limits: tuple[list[str], int | None] = ([], None)) -> None:
         """Take on the claimant's confinement, in confine_exec.py's order; any failure ends the
         standby (the shim, told why, starts its rank cold)."""
         try:
@@ -228,6 +250,13 @@ class Standby:
             if cgroup_dir is not None:
                 with open(os.path.join(cgroup_dir, "cgroup.procs"), "w") as procs:
                     procs.write(str(os.getpid()))
+            joins, oom_score_adj = limits
+            for directory in joins:  # the part's limits in cgroup v1 hierarchies (node_agent/cgroups.py)
+                with open(os.path.join(directory, "cgroup.procs"), "w") as procs:
+                    procs.write(str(os.getpid()))
+            if oom_score_adj is not None:  # not the agent's -1000, inherited at the standby's start
+                with open("/proc/self/oom_score_adj", "w") as f:
+                    f.write(str(oom_score_adj))
             libc = _libc()
             theirs = os.readlink(f"/proc/self/fd/{mnt}")
             if os.readlink("/proc/self/ns/mnt") != theirs and libc.setns(mnt, _CLONE_NEWNS) != 0:

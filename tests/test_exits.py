@@ -50,3 +50,27 @@ def test_a_missing_file_or_module_is_a_start_error(tmp_path: Path) -> None:
 def test_signals_name_themselves() -> None:
     assert classify(-signal.SIGKILL, "") == ("signal", "killed by SIGKILL (the kernel's OOM killer, or an operator)")
     assert classify(-signal.SIGSEGV, "whatever") == ("signal", "killed by SIGSEGV")
+
+
+def test_an_exception_in_a_trainloop_step_under_torch_distributed_keeps_its_message_and_step(tmp_path: Path) -> None:
+    # Issue 26: with a process group, torch prefixes the rank's stderr ("[rank0]: Traceback ..."),
+    # which once hid the exception ("exited with code 1"); TrainLoop names the step that raised.
+    import os
+    import socket
+
+    script = tmp_path / "t.py"
+    script.write_text(
+        "import torch\nfrom torch.utils.data import TensorDataset\nfrom worker_runtime import TrainLoop\n"
+        "with TrainLoop(total_steps=10) as loop:\n"
+        "    for step, (x,) in loop.steps(loop.data_loader(TensorDataset(torch.randn(32, 2)), batch_size=4)):\n"
+        "        if step == 3:\n"
+        "            raise ValueError('lr must be positive')\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert "[rank0]: ValueError" in done.stderr  # the prefix is really there
+    said = "ValueError: lr must be positive (t.py line 7) in step 3"
+    assert classify(done.returncode, done.stderr) == ("exception", said)

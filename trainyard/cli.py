@@ -198,15 +198,36 @@ def agent(
     memory_plain_http: Annotated[bool, typer.Option(
         "--memory-plain-http", help="Without --memory-tls-cert, serve the memory port in plain HTTP (a trusted "
         "network only: shards and job grants cross it in clear). Without either the tier is off.")] = False,
+    part_limits: Annotated[bool, typer.Option(
+        help="Resource limits on each attempt part (memory, pids, CPU, /dev/shm, work dir; docs/operations.md).")
+    ] = True,
+    part_memory_limit: Annotated[str | None, typer.Option(
+        help="Memory per part, e.g. 48G. Default: the part's share of the node's GPUs of the node's memory "
+        "less --memory-reserve.", show_default=False)] = None,
+    memory_reserve: Annotated[str | None, typer.Option(
+        help="Memory no part's share includes (the agent, the system). Default: 2G.", show_default=False)] = None,
+    part_pids_max: Annotated[int | None, typer.Option(
+        min=1, help="Processes and threads per part. Default: 4096 per GPU.", show_default=False)] = None,
+    part_cpus: Annotated[float | None, typer.Option(
+        min=0.01, help="A hard cap in CPUs of time per part. Default: none (a CPU weight of 100 per GPU).",
+        show_default=False)] = None,
+    part_shm_size: Annotated[str | None, typer.Option(
+        help="Size of each part's /dev/shm. Default: half its memory limit.", show_default=False)] = None,
+    part_work_dir_size: Annotated[str | None, typer.Option(
+        help="Disk each part's work directory may hold. Default: its GPU share of the file system.",
+        show_default=False)] = None,
 ) -> None:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
     labels = _parse_labels(label or [])
     from node_agent.agent import AgentConfig, IsolationError, run_agent
     from node_agent.config import read_join_token
     from node_agent.isolation import UidRange
+    from node_agent.limits import limit_options
 
     try:
         uids = UidRange.parse(worker_uids) if worker_uids else None
+        limits = limit_options(enabled=part_limits, memory=part_memory_limit, reserve=memory_reserve,
+                               pids=part_pids_max, cpus=part_cpus, shm=part_shm_size, work_dir=part_work_dir_size)
         config = AgentConfig(
             control_plane_url=control_plane,
             ca_file=ca_file,
@@ -232,6 +253,7 @@ def agent(
             memory_tls_cert=memory_tls_cert,
             memory_tls_key=memory_tls_key,
             memory_plain_http=memory_plain_http,
+            limits=limits,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

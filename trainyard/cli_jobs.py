@@ -136,7 +136,8 @@ def ps(
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="At most this many jobs.")] = 50,
     output: Format = OutputFormat.table, url: Url = None, token_file: TokenFile = None,
 ) -> None:
-    """Jobs, newest first: state, step of total, step rate, ETA, loss, GPUs, age."""
+    """Jobs, newest first: state (a recovery shows as recovering), step of total, step rate, ETA, loss, GPUs,
+    age, and what a job that is not running waits for."""
     api = Api.from_options(url, token_file)
     states = state or (None if all_ else list(ACTIVE))
     jobs = list(api.pages("/v1/jobs", most=limit, state=states, tenant=tenant, name=name, limit=min(limit, 500)))
@@ -180,15 +181,61 @@ def logs(
     raise typer.Exit(_follow(api, job, rank=rank, attempt=attempt, stream=stream))
 
 
+class _JobEvents:
+    """A followed job's failures and recoveries, as they happen: the events API polled with
+    ``after`` beside the log stream, each event that job_view.event_line names printed on stderr
+    as one ``trainyard:`` line (the logs stay alone on stdout)."""
+
+    def __init__(self, api: Api, job_id: str, say: Any) -> None:
+        self.api, self.job_id, self.say = api, job_id, say
+        self.after = 0
+        self.done = threading.Event()
+        self._lock = threading.Lock()  # the last poll, after the logs end, may meet the thread's
+
+    def poll(self) -> None:
+        with self._lock:
+            while True:
+                try:
+                    page = self.api.get(f"/v1/jobs/{self.job_id}/events", after=self.after, limit=500)
+                except ApiError:
+                    return  # the next poll tries again; following the logs goes on
+                for event in page["items"]:
+                    self.after = max(self.after, int(event["id"]))
+                    line = job_view.event_line(event)
+                    if line is not None:
+                        self.say(f"trainyard: {line}")
+                if len(page["items"]) < 500:
+                    return
+
+    def __enter__(self) -> _JobEvents:
+        def run() -> None:
+            while not self.done.wait(EVENT_POLL_S):
+                self.poll()
+        threading.Thread(target=run, daemon=True, name="job-events").start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.poll()  # what happened last (the failure that ended the job) before the last line
+
+
+EVENT_POLL_S = 2.0
+"""How often a followed job's events are polled."""
+
+
 def _follow(api: Api, job: dict[str, Any], *, rank: int | None, attempt: int | None, stream: str | None = None) -> int:
-    """Follow a job's logs until it ends, with a live progress line on a terminal; the exit status."""
+    """Follow a job's logs until it ends, with a live progress line on a terminal and a line for each
+    failure and recovery (_JobEvents); the exit status."""
     console = Console(stderr=True)
     lines = api.stream_lines(f"/v1/jobs/{job['id']}/logs", follow="true", rank=rank, attempt=attempt, stream=stream)
     if console.is_terminal:
-        _follow_live(api, job, lines, console)
+        with _JobEvents(api, job["id"], lambda line: console.print(line, style="magenta", markup=False,
+                                                                  highlight=False, soft_wrap=True)):
+            _follow_live(api, job, lines, console)
     else:
-        for line in lines:
-            print(line, flush=True)
+        with _JobEvents(api, job["id"], lambda line: print(line, file=sys.stderr, flush=True)):
+            for line in lines:
+                print(line, flush=True)
     final = job_view.shown(api.get(f"/v1/jobs/{job['id']}"))
     p = final["progress"]
     console.print(f"job {final['name']} {final['state']} at step {job_view.step_of(p)}"
@@ -214,7 +261,7 @@ def _follow_live(api: Api, job: dict[str, Any], lines: Any, console: Console) ->
                 continue
             p = now["progress"]
             bar.update(task, completed=p.get("step") or 0, total=p.get("total_steps"),
-                       description=f"{now['name']} {now['state']}", rate=job_view.rate(p),
+                       description=f"{now['name']} {job_view.shown_state(now)}", rate=job_view.rate(p),
                        metrics=job_view.metrics_line(p, most=2))
 
     threading.Thread(target=poll, daemon=True).start()

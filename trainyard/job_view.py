@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar, cast
@@ -70,19 +71,54 @@ def shown(data: T) -> T:
     return cast(T, printable_data(data))
 
 
+def shown_state(job: dict[str, Any]) -> str:
+    """The state a person would name: a job starting its second or later attempt is recovering
+    (the API's state is ``starting``, as for a first start)."""
+    current = job.get("current_attempt") or {}
+    if job["state"] == "starting" and (current.get("number") or 1) > 1:
+        return "recovering"
+    return str(job["state"])
+
+
 def jobs_table(jobs: Sequence[dict[str, Any]], now: datetime | None = None) -> Table:
     jobs = shown(list(jobs))
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("ID", "NAME", "TENANT", "STATE", "STEP", "RATE", "ETA", "LOSS", "GPUS", "AGE"):
+    waits = any(job.get("waiting_for") for job in jobs)
+    columns = ("ID", "NAME", "TENANT", "STATE", "STEP", "RATE", "ETA", "LOSS", "GPUS", "AGE")
+    for column in columns:
         table.add_column(column, no_wrap=True, justify="right" if column in ("STEP", "RATE", "ETA", "GPUS") else "left")
+    if waits:  # what a waiting, starting or recovering job waits for (issue 26)
+        table.add_column("WAITING FOR", overflow="fold")
     for job in jobs:
         p = job["progress"]
         loss = "-" if p.get("loss") is None else f"{p['loss']:.4g}"
         gpus = f"{job['num_nodes']}x{job['gpus_per_node']}"
-        table.add_row(job["id"][:8], job["name"], job["tenant"], state_text(job["state"]), step_of(p), rate(p),
-                      duration(p.get("eta_s")) if p.get("eta_s") is not None else "-", loss, gpus,
-                      age(job["created_at"], now))
+        row: list[Any] = [job["id"][:8], job["name"], job["tenant"], state_text(shown_state(job)), step_of(p), rate(p),
+                          duration(p.get("eta_s")) if p.get("eta_s") is not None else "-", loss, gpus,
+                          age(job["created_at"], now)]
+        table.add_row(*row, *([job.get("waiting_for") or ""] if waits else []))
     return table
+
+
+def event_line(event: dict[str, Any]) -> str | None:
+    """The line a followed job (``run -f``, ``logs -f``) prints for one of its events as it happens:
+    an attempt that failed and why, a recovery that starts, the checkpoint step it resumes from, a
+    recovered job running again; None for the others (the end is said once, by the last line)."""
+    event = shown(event)
+    kind, message = event["kind"], event["message"]
+    first = message.startswith("attempt 1 ") or message.startswith("attempt 1:")
+    if kind == "job.recovering":  # "attempt N failed (<cause>); recovery k of m"
+        return message
+    if kind == "job.starting" and not first:
+        return f"recovery: {message}"
+    if kind == "checkpoint.restored" and isinstance(event.get("data", {}).get("step"), int):
+        step, attempt = event["data"]["step"], message.split(" restored", 1)[0]  # "attempt N restored step S"
+        return f"recovery: {attempt} resumes from checkpoint step {step} (next step {step + 1})"
+    if kind == "checkpoint.fallback":
+        return f"recovery: {message}"
+    if kind == "job.running" and not first:
+        return f"recovered: {message}"
+    return None
 
 
 def _kv(rows: Iterable[tuple[str, Any]]) -> Table:
@@ -165,8 +201,9 @@ def describe(job: dict[str, Any], attempts: Sequence[dict[str, Any]], checkpoint
                            for a in job.get("allocation", []))
     head = _kv([
         ("Job", f"{job['name']}  {job['id']}"),
-        ("State", state_text(job["state"])),
+        ("State", state_text(shown_state(job))),
         ("Tenant", f"{job['tenant']} (priority {job['priority']})"),
+        ("Command", shlex.join(job["command"])) if job.get("command") else
         ("Entrypoint", " ".join([job["entrypoint"], *job["args"]])),
         ("GPUs", f"{job['num_nodes']} nodes x {job['gpus_per_node']}"),
         ("Step", f"{step_of(p)}  {rate(p)}" + (f"  ETA {duration(p['eta_s'])}" if p.get("eta_s") is not None else "")),

@@ -28,6 +28,7 @@ import gc
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
+from trainyard.protocol.exits import failed_step_line
 from worker_runtime.checkpoint.manager import ERROR_DRAIN_S, CheckpointManager
 from worker_runtime.context import WorkerContext
 from worker_runtime.data import ResumableSampler
@@ -93,13 +95,17 @@ class TrainLoop:
         self._stop = False
         self._wrappers: list[weakref.ref[torch.nn.Module]] = []
         self._previous_sigterm: Any = None
+        self._terminate: _Terminate | None = None
+        self._step_in_progress: int | None = None
+        """The step whose body, save or report runs now (None outside ``steps``): named when it raises."""
 
     # --- setup ---
 
     def __enter__(self) -> TrainLoop:
         init_distributed(self.ctx, timeout=self.timeout_s)
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            self._previous_sigterm = signal.signal(signal.SIGTERM, _terminate)
+            self._terminate = _Terminate(os.getpid())
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._terminate)
         return self
 
     @property
@@ -178,6 +184,7 @@ class TrainLoop:
         first = self.step + 1
         while self.step < self.total_steps and not self._stop:
             fed = False
+            self._step_in_progress = self.step + 1  # reading its batch may raise too
             for batch in data:
                 fed = True
                 step = self.step + 1
@@ -186,7 +193,13 @@ class TrainLoop:
                 if resumable is not None:
                     resumable.advance(batch_size)
                 self._after(step, first)
+                self._step_in_progress = step + 1
+                if self._terminate is not None and self._terminate.received:
+                    # Its SystemExit was raised where it could be swallowed (a finalizer run by
+                    # the garbage collector prints "Exception ignored" and goes on): stop here.
+                    raise SystemExit(TERMINATED)
                 if self._stop or step >= self.total_steps:
+                    self._step_in_progress = None
                     return
             # A position restored at the end of an epoch (a save after its last batch) yields nothing
             # more of that epoch: go on with the next one, as the uninterrupted run did.
@@ -194,6 +207,7 @@ class TrainLoop:
                 raise ValueError("the data yields no batch: is the dataset smaller than one batch per rank?")
             if resumable is not None:
                 resumable.next_epoch()
+        self._step_in_progress = None
 
     def log(self, loss: float | torch.Tensor | None = None, **metrics: float | torch.Tensor) -> None:
         """This step's loss and metrics (tensors are fine: they are read only when reported)."""
@@ -238,6 +252,11 @@ class TrainLoop:
             print(f"trainyard: {exc}; this attempt's result is dropped", file=sys.stderr)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if isinstance(exc, Exception) and self._step_in_progress is not None:
+            # Printed before the traceback (the exception leaves the script after this): the rank
+            # shim's classification adds the step to the failure's message, and the control plane
+            # stops retrying an exception that comes back at the same step (docs/writing-jobs.md).
+            print(failed_step_line(self._step_in_progress, exc), file=sys.stderr, flush=True)
         try:
             if self.checkpoints is not None:
                 # Drains the upload in flight: the last checkpoint is reported before the result.
@@ -246,7 +265,8 @@ class TrainLoop:
                 self.result()
             self.reporter.close()
         finally:
-            if self._previous_sigterm is not None:
+            if self._previous_sigterm is not None and not (self._terminate and self._terminate.received):
+                # After a SIGTERM, later ones stay ignored to the end of the process (_Terminate).
                 signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._shutdown()
 
@@ -260,10 +280,33 @@ class TrainLoop:
         shutdown_distributed()
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    # The agent stops an attempt with SIGTERM (then SIGKILL after a grace period): unwind through
-    # the loop's __exit__ (drain the upload in flight, flush progress) and exit as a shell would.
-    raise SystemExit(TERMINATED)
+class _Terminate:
+    """The SIGTERM handler while a loop runs. The agent stops an attempt with SIGTERM (then SIGKILL
+    after a grace period): unwind through the loop's __exit__ (drain the upload in flight, flush
+    progress) and exit with TERMINATED, as a shell would.
+
+    Once only: the agent signals every process of the attempt, and torchrun and the rank shim
+    forward theirs, so a worker gets two or three SIGTERMs. A second SystemExit raised in the
+    middle of the unwinding (inside a join, a finalizer, an atexit hook) would abort the drain and
+    print "Exception ignored ... SystemExit: 143" tracebacks into the job's log; so after the first
+    one SIGTERM is ignored to the end of the process (SIGKILL stays the agent's last word), and so
+    are the deaths of DataLoader workers. A process forked from the worker that kept this handler
+    has no loop to unwind: it just exits."""
+
+    def __init__(self, owner_pid: int) -> None:
+        self.owner_pid = owner_pid
+        self.received = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self.owner_pid:
+            os._exit(TERMINATED)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # The agent stops the DataLoader's worker processes too (they die of it: torch's own
+        # handler), and torch's SIGCHLD handler would raise "DataLoader worker is killed by
+        # signal" in the middle of the unwinding: their end is expected now.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.received = True
+        raise SystemExit(TERMINATED)
 
 
 def _number(value: Any) -> float | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 
 from fastapi import APIRouter, Response
+from fastapi.responses import StreamingResponse
 
 from control_plane.api.deps import (
     NodeIdentity,
@@ -113,8 +114,8 @@ def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity,
 def attempt_code(attempt_id: uuid.UUID, node: NodeIdentity, session: SessionDep, runtime: RuntimeDep) -> Response:
     """The tar.gz of a live attempt's job's code (CodeRef in its LaunchSpec), for a node of that attempt;
     409 for an attempt that is not live or not the node's."""
-    data, sha256 = code.fetch_for_node(session, node, attempt_id, runtime.object_store)
-    return Response(data, media_type="application/gzip", headers={"X-Content-SHA256": sha256})
+    chunks, sha256 = code.fetch_for_node(session, node, attempt_id, runtime.object_store)
+    return StreamingResponse(chunks, media_type="application/gzip", headers={"X-Content-SHA256": sha256})
 
 
 @router.post("/attempts/{attempt_id}/events", response_model=WorkerEventAck, responses=ERRORS)

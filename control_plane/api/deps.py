@@ -57,6 +57,8 @@ class Runtime:
     """services.metrics.Exporter: what GET /metrics answers (app.metrics)."""
     log_followers: Any = None
     """services.logs.Followers: followed logs per principal on this replica (app.log_followers)."""
+    code_uploads: Any = None
+    """services.code_upload.UploadGate: code uploads in flight per principal on this replica."""
 
     def wake_scheduler(self) -> None:
         self.loops.wake_scheduler()
@@ -72,7 +74,8 @@ def get_runtime(request: Request) -> Runtime:
                    worker_storage=dict(state.worker_storage or {}), session_factory=state.session_factory,
                    engine=state.engine, wakeups=getattr(state, "wakeups", None),
                    slot_wakeups=getattr(state, "slot_wakeups", None), slot_passes=getattr(state, "slot_passes", None),
-                   metrics=getattr(state, "metrics", None), log_followers=getattr(state, "log_followers", None))
+                   metrics=getattr(state, "metrics", None), log_followers=getattr(state, "log_followers", None),
+                   code_uploads=getattr(state, "code_uploads", None))
 
 
 def get_session(request: Request) -> Iterator[Session]:

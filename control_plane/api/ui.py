@@ -66,15 +66,22 @@ def _page(request: Request, name: str, principal: Principal | None, status_code:
         status_code=status_code)
 
 
+def _login_cookie(request: Request) -> str:
+    """Over HTTPS the login cookie is a ``__Host-`` one: a browser takes it only from this host,
+    Secure, for path /, so a sibling domain cannot plant one of its own (cookie tossing) to log
+    this browser in with the attacker's form."""
+    return f"__Host-{LOGIN_COOKIE}" if request.url.scheme == "https" else LOGIN_COOKIE
+
+
 def _login_page(request: Request, next: str, *, error: str | None = None, status_code: int = 200) -> HTMLResponse:
     """The login form, tied to a random value in a cookie of its own (login CSRF: a page of another
     site can neither read that cookie nor, SameSite=Strict, send it, so it cannot log this browser
     in to an account of its choosing)."""
-    nonce = request.cookies.get(LOGIN_COOKIE) or secrets.token_urlsafe(24)
+    nonce = secrets.token_urlsafe(24)  # never one the browser brought: a planted cookie is no use
     response = _page(request, "login.html", None, status_code=status_code, next=_local(next), error=error,
                      login_csrf=csrf_token(nonce))
-    response.set_cookie(LOGIN_COOKIE, nonce, max_age=LOGIN_FORM_S, path="/ui", httponly=True, samesite="strict",
-                        secure=request.url.scheme == "https")
+    response.set_cookie(_login_cookie(request), nonce, max_age=LOGIN_FORM_S, path="/", httponly=True,
+                        samesite="strict", secure=request.url.scheme == "https")
     return response
 
 
@@ -90,7 +97,7 @@ def login(request: Request, session: SessionDep, settings: SettingsDep,
           csrf: Annotated[str, Form(max_length=128)] = "") -> Response:
     """Check the token and open a session (services/ui_sessions.py) whose secret the cookie keeps
     (HttpOnly: no script reads it; SameSite=Strict: no other site's page sends it)."""
-    nonce = request.cookies.get(LOGIN_COOKIE)
+    nonce = request.cookies.get(_login_cookie(request))
     if not nonce or not authz.same_secret(csrf, csrf_token(nonce)):
         return _login_page(request, next, status_code=422,
                            error="This login form has expired or came from another site: log in again.")
@@ -102,7 +109,7 @@ def login(request: Request, session: SessionDep, settings: SettingsDep,
     response = RedirectResponse(_local(next), status_code=303)
     response.set_cookie(UI_COOKIE, secret, max_age=lifetime_s, path="/", httponly=True, samesite="strict",
                         secure=request.url.scheme == "https")
-    response.delete_cookie(LOGIN_COOKIE, path="/ui")
+    response.delete_cookie(_login_cookie(request), path="/", secure=request.url.scheme == "https")
     return response
 
 

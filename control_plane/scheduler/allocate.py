@@ -44,6 +44,7 @@ from control_plane.services import attempts, handover, metrics, reservations, te
 from control_plane.services.limits import ONE_SECOND
 from control_plane.services.states import ATTEMPT_HOLDING, ATTEMPT_LIVE, JOB_WAITING, set_job_state
 from control_plane.settings import Settings
+from trainyard.protocol.exits import NODE_FAULT_KINDS
 
 log = structlog.get_logger("trainyard.scheduler")
 
@@ -200,11 +201,16 @@ AVOID_AFTER_FAILURES = 2
 def recovery_history(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, RecoveryHistory]:
     if not job_ids:
         return {}
-    rows = session.execute(
-        select(Attempt.job_id, Attempt.id, Attempt.number, Attempt.failed_node_id)
-        .where(Attempt.job_id.in_(job_ids))
-        .order_by(Attempt.job_id, Attempt.number)
-    ).all()
+    # Only the node's own failures count against it (NODE_FAULT_KINDS): a job's exception on a
+    # healthy node must not make it avoid that node (issue 26).
+    rows = [
+        (job_id, attempt_id, number, failed_node if kind in NODE_FAULT_KINDS else None)
+        for job_id, attempt_id, number, failed_node, kind in session.execute(
+            select(Attempt.job_id, Attempt.id, Attempt.number, Attempt.failed_node_id, Attempt.failure_kind)
+            .where(Attempt.job_id.in_(job_ids))
+            .order_by(Attempt.job_id, Attempt.number)
+        )
+    ]
     slow = _stragglers_to_avoid(session, job_ids)
     last: dict[uuid.UUID, uuid.UUID] = {}
     blamed: dict[uuid.UUID, Counter[str]] = {}

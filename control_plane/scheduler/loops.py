@@ -29,6 +29,7 @@ from control_plane.services import (
     metrics,
     nodes,
     retention,
+    storage_sweep,
     upload_slots,
     watchdog,
 )
@@ -179,13 +180,19 @@ class Loops:
     def retention_once(self) -> tuple[int, int]:
         """Delete logs and events past their retention (services/retention.py)."""
         st = self._settings
-        return retention.apply(self._factory, log_days=st.log_retention_days, event_days=st.event_retention_days,
+        done = retention.apply(self._factory, log_days=st.log_retention_days, event_days=st.event_retention_days,
                                batch=st.retention_batch)
+        # Code archives no job needs any more (services/storage_sweep.py); after the rows, so an
+        # unreachable S3 holds up nothing else.
+        storage_sweep.sweep_code(self._factory, self._store, unreferenced_days=st.code_unreferenced_days)
+        return done
 
     def checkpoints_once(self) -> None:
         checkpoints.maintenance(
             self._factory, self._store,  # type: ignore[arg-type]
             pending_timeout_s=self._settings.checkpoint_pending_timeout_s,
         )
+        if self._store is not None:  # granted objects never reported (services/storage_sweep.py)
+            storage_sweep.sweep_grants(self._factory, self._store)
         # Slots of crashed holders are reclaimed and their waiters served even when no request comes.
         upload_slots.maintenance(self._factory, self._settings)

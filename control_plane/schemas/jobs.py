@@ -6,7 +6,7 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from control_plane.schemas.goodput import GoodputOut, StragglerOut
 from control_plane.schemas.limits import TEXT_LINE
@@ -14,6 +14,7 @@ from control_plane.schemas.plans import JobModelIn, JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.tenants import TENANT_NAME
 from control_plane.schemas.uploads import CheckpointUploadOut
+from trainyard.protocol.agent import MAX_COMMAND_ITEM_CHARS, MAX_COMMAND_ITEMS, CommandItem
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES, job_env_bytes, job_env_problem
 from trainyard.protocol.interpreters import python_path_problem
 from trainyard.protocol.layout import APPLIED_KINDS, Layout
@@ -125,10 +126,22 @@ class JobSubmit(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     num_nodes: int = Field(ge=1, le=4096, description="Nodes the job spans (one torchrun each).")
     gpus_per_node: int = Field(ge=1, le=64, description="GPUs (workers) per node.")
-    entrypoint: str = Field(
+    entrypoint: str | None = Field(
+        default=None,
         min_length=1,
         max_length=1024,
-        description="Python module (run as `torchrun -m MODULE`) or a path to a `.py` file.",
+        description="Python module (run as `torchrun -m MODULE`) or a path to a `.py` file. Give either this "
+        "or `command`.",
+    )
+    command: list[CommandItem] | None = Field(
+        default=None, min_length=1, max_length=MAX_COMMAND_ITEMS,
+        description=f"The job's own command (argv, not a shell line), run once on every node in place of "
+        f"Trainyard's torchrun: a shell script, a launcher of its own, `python -m torch.distributed.run` with its "
+        f"own flags. It gets the node rank, node count, processes per node, the rendezvous address and port "
+        f"(docs/writing-jobs.md, \"Jobs that bring their own launcher\"). argv[0]: a name looked up on PATH on "
+        f"the node (as the job's uid), an absolute path, or a path relative to the job's code. 1 to "
+        f"{MAX_COMMAND_ITEMS} items of 1 to {MAX_COMMAND_ITEM_CHARS} characters, no NUL. Not with "
+        f"`entrypoint`, `args` or `restartable`.",
     )
     args: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] = Field(
         default_factory=list, max_length=MAX_ARGS,
@@ -182,6 +195,9 @@ class JobSubmit(BaseModel):
         "The script runs its loop with worker_runtime.run_restartable: when a peer fails, the workers on healthy "
         "nodes stay alive and are handed over to the next attempt on the same GPUs (restarting in process), "
         "and only the failed node's ranks start cold. Default: every worker starts cold after a failure."))
+    retry_same_exception: bool = Field(default=False, description=(
+        "Retry an attempt that failed with the same exception, at the same step, as the attempt before it. "
+        "Default: such a failure ends the job (it would fail the same way again), with a reason that says so."))
 
     @field_validator("gpu_kind")
     @classmethod
@@ -234,9 +250,24 @@ class JobSubmit(BaseModel):
             raise ValueError(problem)
         return v
 
+    @model_validator(mode="after")
+    def _entrypoint_or_command(self) -> JobSubmit:
+        # Either torchrun runs the job's Python entrypoint, or the job's command runs in its place.
+        if self.command is not None:
+            if self.entrypoint is not None or self.args:
+                raise ValueError("give either `command` or `entrypoint` (with `args`), not both: a command is run "
+                                 "in place of torchrun and the entrypoint")
+            if self.restartable:
+                raise ValueError("a `command` job cannot be `restartable`: its processes are its own launcher's")
+        elif self.entrypoint is None:
+            raise ValueError("give `entrypoint` (a Python module or .py file run by torchrun) or `command` (argv)")
+        return self
+
     @field_validator("entrypoint")
     @classmethod
-    def _entrypoint(cls, v: str) -> str:
+    def _entrypoint(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
         v = v.strip()
         if not v:
             raise ValueError("entrypoint must name a Python module or a .py file")
@@ -327,8 +358,10 @@ class JobOut(BaseModel):
     state: str = Field(description="One of: " + ", ".join(JOB_STATES))
     num_nodes: int
     gpus_per_node: int
-    entrypoint: str
+    entrypoint: str = Field(description="Empty for a `command` job.")
     args: list[str]
+    command: list[str] | None = Field(default=None, description="The job's own command (argv); null: torchrun "
+                                      "runs `entrypoint`.")
     env: dict[str, str]
     checkpoint: dict[str, Any]
     max_failures: int
@@ -346,6 +379,8 @@ class JobOut(BaseModel):
     python: str | None = Field(default=None, description="The interpreter its workers run with, if not the agent's.")
     requirements: str | None = Field(default=None, description="The requirements installed for its workers, if any.")
     restartable: bool = Field(default=False, description="Its healthy workers restart in process after a failure.")
+    retry_same_exception: bool = Field(
+        default=False, description="An exception raised again at the same step is retried (default: the job fails).")
     progress: JobProgress
     split: SplitOut = Field(description="The measured split of a step next to the plan's prediction.")
     result: dict[str, Any] | None

@@ -44,6 +44,7 @@ from control_plane.services.states import (
     set_job_state,
 )
 from trainyard.protocol.agent import AttemptStatusReport
+from trainyard.protocol.exits import message_step
 
 WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
 NODE_ORDER = PART_ORDER
@@ -184,14 +185,17 @@ def end_attempt(session: Session, attempt: Attempt, *, outcome: str, reason: str
 
 def fail_attempt(
     session: Session, job: Job, attempt: Attempt, reason: str, *, node_id: uuid.UUID | None = None,
-    kind: str = "other",
+    kind: str = "other", message: str | None = None,
 ) -> None:
     """End a failed attempt, count the failure, and move the job on (recover or fail).
 
     ``node_id`` is the node blamed for the failure (its worker died first, its torchrun failed, or
-    it was lost): a node blamed twice by one job is avoided for that job (scheduler/allocate.py).
-    ``kind`` classifies it (trainyard.protocol.exits.FAILURE_KINDS); a script that cannot start
-    (``start_error``) fails the job at once: another attempt would fail the same way.
+    it was lost): a node blamed twice by one job for failures of a node's kind (NODE_FAULT_KINDS)
+    is avoided for that job (scheduler/allocate.py). ``kind`` classifies it
+    (trainyard.protocol.exits.FAILURE_KINDS); a script that cannot start (``start_error``) fails
+    the job at once: another attempt would fail the same way. So does an exception (``message``:
+    the failed worker's, naming the step) that the attempt before ended with too, unless the job
+    has ``retry_same_exception``.
     """
     if not end_attempt(session, attempt, outcome="failed", reason=reason):
         return
@@ -202,6 +206,12 @@ def fail_attempt(
     job.failures = (job.failures or 0) + 1
     if kind == "start_error":
         set_job_state(session, job, "failed", f"the script cannot start, so it is not retried: {reason}",
+                      failure_kind=kind)
+        return
+    if not job.retry_same_exception and _repeats_the_last_failure(session, attempt, kind, message):
+        set_job_state(session, job, "failed",
+                      f"attempt {attempt.number} failed with the same exception at the same step as attempt "
+                      f"{attempt.number - 1}, so it is not retried (retry_same_exception: true retries it): {reason}",
                       failure_kind=kind)
         return
     if job.failures > job.max_failures:
@@ -226,6 +236,22 @@ def fail_attempt(
             "recovering",
             f"attempt {attempt.number} failed ({reason}); recovery {job.failures} of {job.max_failures}",
         )
+
+
+def _repeats_the_last_failure(session: Session, attempt: Attempt, kind: str, message: str | None) -> bool:
+    """The attempt before this one failed with this exception too, at the same step: a third try
+    would fail the same way (issue 26). Only a message that names its step (worker_runtime's
+    TrainLoop adds it: trainyard.protocol.exits.message_step) is compared: the same exception at
+    another step may be the data's or a race's, and is retried."""
+    if kind != "exception" or not message or message_step(message) is None:
+        return False
+    before = session.scalar(select(Attempt.id).where(
+        Attempt.job_id == attempt.job_id, Attempt.number == attempt.number - 1, Attempt.failure_kind == "exception"))
+    if before is None:
+        return False
+    same = select(Worker.id).where(Worker.attempt_id == before, Worker.exit_cause == "exception",
+                                   Worker.exit_message == message)
+    return session.scalar(same.limit(1)) is not None
 
 
 def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> list[uuid.UUID]:
@@ -634,6 +660,8 @@ class _Verdict:
     """A starting attempt whose every worker runs (or ran)."""
     succeeded: bool
     """Every node exited with code 0."""
+    message: str | None = None
+    """The failed worker's own message (its exception, and the step), when a worker failed."""
 
 
 def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
@@ -658,7 +686,7 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
         plain = f"exited with code {first.exit_code}"  # a plain exit's message says no more than this
         said = f": {first.exit_message}" if first.exit_message and first.exit_message != plain else ""
         return _Verdict((f"rank {first.rank} on {name} {plain}{said}", first.node_id,
-                         first.exit_cause or "exit_code"), False, False)
+                         first.exit_cause or "exit_code"), False, False, first.exit_message)
     bad = session.execute(
         select(AttemptNode)
         .where(AttemptNode.attempt_id == attempt.id,
@@ -674,7 +702,8 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
                         False, False)
     all_running = attempt.state == "starting" and (session.scalar(
         select(func.count()).select_from(Worker)
-        .where(Worker.attempt_id == attempt.id, Worker.state.in_(("running", "exited")))) or 0) >= attempt.num_gpus
+        .where(Worker.attempt_id == attempt.id, Worker.state.in_(("running", "exited")))) or 0) >= _workers_expected(
+            session, attempt)
     # A node part may already be "gone" (released) when the last node's exit report arrives.
     unfinished = session.scalar(
         select(func.count()).select_from(AttemptNode)
@@ -684,6 +713,14 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
     if not all_running and unfinished:
         return None
     return _Verdict(None, all_running, not unfinished)
+
+
+def _workers_expected(session: Session, attempt: Attempt) -> int:
+    """The workers an attempt's parts report: every rank under torchrun; one per node for a
+    ``command`` job, whose part is its own launcher's and is reported as a whole (the node's first
+    rank: node_agent/launcher.py, command_argv)."""
+    command, nodes = session.execute(select(Job.command, Job.num_nodes).where(Job.id == attempt.job_id)).one()
+    return nodes if command else attempt.num_gpus
 
 
 def _consequence_pending(session: Session, attempt: Attempt, failed: tuple[Any, ...]) -> bool:
@@ -707,7 +744,7 @@ def _decide(session: Session, job: Job, attempt: Attempt) -> None:
         return
     if verdict.failure is not None:
         reason, node_id, kind = verdict.failure
-        fail_attempt(session, job, attempt, reason, node_id=node_id, kind=kind)
+        fail_attempt(session, job, attempt, reason, node_id=node_id, kind=kind, message=verdict.message)
         return
     world = attempt.num_gpus
     if verdict.all_running:

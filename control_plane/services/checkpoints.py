@@ -38,7 +38,7 @@ from control_plane import failpoints
 from control_plane.clock import now
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
-from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
+from control_plane.models import Attempt, AttemptNode, Checkpoint, CheckpointShard, Job, Node
 from control_plane.services import events, progress
 from control_plane.services.fencing import authorize_report, check_own_ranks
 from control_plane.services.memtier_facts import restored_tiers
@@ -46,6 +46,7 @@ from control_plane.services.states import (
     CHECKPOINT,
     CHECKPOINT_COLLECTED,
     CHECKPOINT_TERMINAL,
+    NODE_UNREACHABLE,
     set_checkpoint_state,
 )
 from trainyard.protocol import keys
@@ -464,6 +465,14 @@ def maintenance(factory: sessionmaker[Session], store: ObjectStore | None, *, pe
                 hopeless.append((c, "superseded by a newer committed checkpoint before all shards arrived"))
             elif attempt is not None and attempt.outcome is not None and attempt.state == "ended":
                 hopeless.append((c, f"attempt {attempt.number} ended before all shards arrived"))
+            elif attempt is not None and attempt.outcome is not None and job is not None and (
+                    job.current_attempt_id != c.attempt_id or _lost_nodes(s, attempt)):
+                # Decided, and it can never be committed: a newer attempt is the job's current one
+                # (a commit needs its own to be), or a node it needs shards of is lost. Aborted now,
+                # not after pending_timeout_s: until then it showed as pending (issue 26).
+                lost = _lost_nodes(s, attempt)
+                why = f" (node {', '.join(lost)} lost)" if lost else ""
+                hopeless.append((c, f"attempt {attempt.number} {attempt.outcome} before all shards arrived{why}"))
             elif age > pending_timeout_s:
                 hopeless.append((c, f"incomplete after {pending_timeout_s:g}s ({shards}/{c.world_size} shards)"))
         for c, reason in hopeless:
@@ -474,6 +483,14 @@ def maintenance(factory: sessionmaker[Session], store: ObjectStore | None, *, pe
     for cid in ready:
         commit_ready(factory, store, cid)
     _delete_objects(factory, store)
+
+
+def _lost_nodes(session: Session, attempt: Attempt) -> list[str]:
+    """The names of the attempt's unreachable nodes that still hold a part of it."""
+    return list(session.scalars(
+        select(Node.name).join(AttemptNode, AttemptNode.node_id == Node.id)
+        .where(AttemptNode.attempt_id == attempt.id, AttemptNode.released_at.is_(None),
+               Node.state.in_(NODE_UNREACHABLE)).order_by(Node.name)))
 
 
 def _retention(session: Session) -> None:

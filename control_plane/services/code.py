@@ -9,9 +9,8 @@ by guessing its hash."""
 
 from __future__ import annotations
 
-import hashlib
-import io
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import select
@@ -35,7 +34,7 @@ def code_key(tenant: str, sha256: str) -> str:
     return f"code/{tenant}/{sha256}.tar.gz"
 
 
-def _store(store: Any) -> Any:
+def require_store(store: Any) -> Any:
     if store is None:
         raise NoStorage("code shipping needs S3 (TRAINYARD_S3_ENDPOINT): install the code on the nodes instead")
     return store
@@ -43,11 +42,11 @@ def _store(store: Any) -> Any:
 
 def find(store: Any, tenant: str, sha256: str) -> dict[str, Any] | None:
     """The archive's reference when it was uploaded for ``tenant``."""
-    info = _store(store).stat(code_key(tenant, sha256))
+    info = require_store(store).stat(code_key(tenant, sha256))
     return None if info is None else {"sha256": sha256, "size_bytes": int(info.size)}
 
 
-def _tenant(principal: Principal, tenant: str | None) -> str:
+def owner_tenant(principal: Principal, tenant: str | None) -> str:
     """The caller's tenant; an admin may name another (as when submitting on a team's behalf)."""
     try:
         return authz.submit_tenant(principal, tenant)
@@ -56,29 +55,11 @@ def _tenant(principal: Principal, tenant: str | None) -> str:
 
 
 def get(store: Any, principal: Principal, sha256: str, tenant: str | None = None) -> dict[str, Any]:
-    owner = _tenant(principal, tenant)
+    owner = owner_tenant(principal, tenant)
     found = find(store, owner, sha256)
     if found is None:
         raise NotFound(f"no code {sha256} uploaded for tenant {owner}")
     return found
-
-
-def upload(store: Any, principal: Principal, sha256: str, data: bytes,
-           tenant: str | None = None) -> tuple[dict[str, Any], bool]:
-    """Store an archive under its hash for the caller's tenant (an admin's: ``tenant``); (its
-    reference, whether it is new)."""
-    owner = _tenant(principal, tenant)
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != sha256:
-        raise Unprocessable(f"the body's sha256 is {digest}, not {sha256}: the upload was cut or changed",
-                            field="sha256")
-    if not data.startswith(b"\x1f\x8b"):
-        raise Unprocessable("the body is not a gzip archive (trainyard run packs a tar.gz)", field="body")
-    existing = find(store, owner, sha256)
-    if existing is not None:
-        return existing, False
-    _store(store).put_object(code_key(owner, sha256), io.BytesIO(data), length=len(data))
-    return {"sha256": sha256, "size_bytes": len(data)}, True
 
 
 def for_job(store: Any, tenant: str, sha256: str) -> dict[str, Any]:
@@ -90,8 +71,9 @@ def for_job(store: Any, tenant: str, sha256: str) -> dict[str, Any]:
     return found
 
 
-def fetch_for_node(session: Session, node: Node, attempt_id: uuid.UUID, store: Any) -> tuple[bytes, str]:
-    """The archive of a live attempt's job, for a node that runs a part of it; (bytes, sha256)."""
+def fetch_for_node(session: Session, node: Node, attempt_id: uuid.UUID, store: Any) -> tuple[Iterator[bytes], str]:
+    """The archive of a live attempt's job, for a node that runs a part of it: (its bytes, a chunk
+    at a time as S3 sends them, never the whole archive in memory; its sha256)."""
     row = session.execute(
         select(Job.tenant, Job.code).join(Attempt, Attempt.job_id == Job.id)
         .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
@@ -103,4 +85,16 @@ def fetch_for_node(session: Session, node: Node, attempt_id: uuid.UUID, store: A
     tenant, code = row
     if not code:
         raise NotFound(f"the job of attempt {attempt_id} ships no code")
-    return _store(store).get_bytes(code_key(tenant, code["sha256"])), str(code["sha256"])
+    body = require_store(store).get_object(code_key(tenant, code["sha256"]))  # opened here: errors come before 200
+    return _chunks(body), str(code["sha256"])
+
+
+def _chunks(body: Any, size: int = 2**20) -> Iterator[bytes]:
+    try:
+        while chunk := body.read(size):
+            yield chunk
+    finally:
+        body.close()
+        release = getattr(body, "release_conn", None)
+        if release:
+            release()

@@ -130,8 +130,9 @@ def submit(
         num_nodes=body.num_nodes,
         gpus_per_node=body.gpus_per_node,
         gpu_kinds=body.gpu_kinds(),
-        entrypoint=body.entrypoint,
+        entrypoint=body.entrypoint or "",  # '' for a command job (the column is not null)
         args=body.args,
+        command=body.command,
         env=body.env,
         # when_busy only when it is not the default: the stored block stays what older versions wrote.
         checkpoint=_checkpoint_block(body),
@@ -146,6 +147,7 @@ def submit(
         python=body.python,
         requirements=body.requirements,
         restartable=body.restartable,
+        retry_same_exception=body.retry_same_exception,
         idempotency_key=idempotency_key,
         request_hash=digest,
         created_at=now(),

@@ -50,6 +50,7 @@ def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | 
         rdzv_port=attempt.rdzv_port,
         entrypoint=job.entrypoint,
         args=list(job.args),
+        command=list(job.command) if job.command else None,
         env=dict(job.env),
         checkpoint=_checkpoint(job, attempt),
         layout=Layout.model_validate(job.layout) if job.layout else None,

@@ -2,7 +2,8 @@
 (trainyard/protocol/grants.py says what; docs/security.md, "Checkpoint storage", why).
 
 Workers hold no storage credential. Every URL is for one object and one method, expires after
-``storage_grant_ttl_s``, and is signed here with the credentials only the control plane holds.
+``storage_grant_ttl_s``, and is signed here with the credentials only the control plane holds. A PUT also signs its
+``Content-Length``: the size granted, bounded by storage_bounds.py, is the only size S3 accepts.
 The key is never taken from the request as is: it must parse as exactly the key the layout gives
 (trainyard.protocol.keys.parse_key), so nothing outside the job's prefix, and no ``..``, is ever
 signed. PUT URLs sign ``If-None-Match: *``: S3 refuses to overwrite any object with them, so a
@@ -22,6 +23,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import now
 from control_plane.errors import Conflict, Forbidden, NotFound, Unprocessable
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
+from control_plane.services import storage_bounds
 from control_plane.services.fencing import authorize_report
 from control_plane.settings import Settings
 from trainyard.protocol import keys
@@ -63,7 +65,11 @@ def grant(session: Session, node: Node, attempt_id: uuid.UUID, req: StorageReque
         # Another job's object, a listing, or a key the layout does not spell: nothing to sign.
         raise Forbidden(f"{req.key!r} is not a checkpoint object of job {job.id}")
     if req.method == "PUT":
+        size = req.size_bytes or 0
+        storage_bounds.check_put(session, job, attempt, named.step, size, settings)  # first: it bounds the step
         _check_put(session, job, attempt, req, named)
+        storage_bounds.record(session, job, attempt, step=named.step, rank=req.rank, key=req.key, size_bytes=size,
+                              upload_id=req.upload_id)
         session.commit()
         return _put_grants(signer, req, settings)
     _check_readable(session, job, attempt, named)
@@ -121,7 +127,8 @@ def _put_grants(signer: Signer, req: StorageRequest, settings: Settings) -> Stor
     if size <= part:
         if req.upload_id is not None:
             raise Unprocessable(f"an object of {size} bytes is uploaded with one PUT, not in parts")
-        return StorageGrants(grants=[_signed(signer, GrantAction.put, "PUT", req.key, ttl, headers=CREATE_ONLY)])
+        return StorageGrants(grants=[_signed(signer, GrantAction.put, "PUT", req.key, ttl,
+                                             headers={**CREATE_ONLY, **_length(size)})])
     parts = math.ceil(size / part)
     if parts > MAX_PARTS:
         raise Unprocessable(f"an object of {size} bytes needs {parts} parts of {part} bytes; S3 allows {MAX_PARTS}")
@@ -131,13 +138,19 @@ def _put_grants(signer: Signer, req: StorageRequest, settings: Settings) -> Stor
     upload = {"uploadId": req.upload_id}
     grants = [
         _signed(signer, GrantAction.upload_part, "PUT", req.key, ttl, query={**upload, "partNumber": str(n)},
-                part_number=n)
+                headers=_length(min(part, size - (n - 1) * part)), part_number=n)
         for n in range(1, parts + 1)
     ]
     grants.append(_signed(signer, GrantAction.complete_upload, "POST", req.key, ttl, query=upload,
                           headers=CREATE_ONLY))
     grants.append(_signed(signer, GrantAction.abort_upload, "DELETE", req.key, ttl, query=upload))
     return StorageGrants(grants=grants, part_size_bytes=part)
+
+
+def _length(size: int) -> dict[str, str]:
+    # Signed, so S3 refuses a body of any other size (a 403: the signature no longer matches): the
+    # size the control plane bounded is the size that can be stored (storage_bounds.py).
+    return {"Content-Length": str(size)}
 
 
 def _signed(signer: Signer, action: GrantAction, method: str, key: str, ttl: int, *,

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from sqlalchemy import and_, func, select, tuple_
 from sqlalchemy.orm import Session, selectinload
 
+from control_plane.clock import now
 from control_plane.models import (
     Attempt,
     AttemptNode,
@@ -114,6 +115,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 gpus_per_node=job.gpus_per_node,
                 entrypoint=job.entrypoint,
                 args=list(job.args),
+                command=list(job.command) if job.command else None,
                 env=dict(job.env),
                 checkpoint={**job.checkpoint, "memory_tier": memory_tier_on(job)},
                 max_failures=job.max_failures,
@@ -128,6 +130,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
                 python=job.python,
                 requirements=job.requirements,
                 restartable=job.restartable,
+                retry_same_exception=job.retry_same_exception,
                 progress=JobProgress(step=now_at.step, loss=now_at.loss, updated_at=now_at.at,
                                      total_steps=now_at.total, metrics=metrics,
                                      steps_per_s=round(now_at.rate, 4) if now_at.rate else None,
@@ -252,21 +255,50 @@ def _waiting_for(session: Session, jobs: list[Job], attempts: dict[uuid.UUID, At
                                    f"the job needs {job.num_gpus}")
             res = held.get(job.id)
             if res is not None:
-                start = res.earliest_start.isoformat() if res.earliest_start else \
-                    "unknown (a job it waits for has no time limit)"
-                reasons.append(f"reservation on nodes {', '.join(res.nodes)}, earliest start {start}")
+                reasons.append(_reservation_reason(job, res, caps))
             if not reasons:
                 reasons.append("its turn: it fits now and jobs ahead of it in the queue go first")
+            if job.state == "recovering" and attempt is not None:
+                reasons = _recovery_reasons(attempt) + reasons
         elif job.state == "starting" and attempt is not None:
             reasons = [f"node {p.node.name} to launch node rank {p.node_rank}"
                        for p in attempt.nodes if p.state in PART_UNLAUNCHED and p.released_at is None]
             reasons = reasons or ["every worker to report running"]
+            if attempt.number > 1:  # the job is starting its recovery: say so (issue 26)
+                reasons[0] = f"recovery (attempt {attempt.number}): {reasons[0]}"
         elif job.state == "cancelling" and attempt is not None:
             reasons = [f"node {p.node.name} to confirm its workers stopped"
                        for p in attempt.nodes if p.released_at is None and p.node.state not in NODE_UNREACHABLE]
         if reasons:
             out[job.id] = "; ".join(reasons)
     return out
+
+
+def _recovery_reasons(failed: Attempt) -> list[str]:
+    """A recovering job's first words: which attempt failed and how, and the nodes of that attempt
+    that are lost and so still hold its GPUs (until they return or are removed)."""
+    kind = f" ({failed.failure_kind})" if failed.failure_kind else ""
+    out = [f"a new attempt: attempt {failed.number} failed{kind}"]
+    out += [f"node {p.node.name} ({p.node.state}) to return or be removed: it still holds attempt "
+            f"{failed.number}'s GPUs" for p in failed.nodes
+            if p.released_at is None and p.node.state in NODE_UNREACHABLE]
+    return out
+
+
+def _reservation_reason(job: Job, res: ReservationOut, caps: list[_NodeCap]) -> str:
+    """A reservation in words; an earliest start that has passed is said to have passed, with what
+    the job still waits for on the reserved nodes (a lost node, GPUs still in use): never a stale time."""
+    held = f"reservation on nodes {', '.join(res.nodes)}"
+    if res.earliest_start is None:
+        return f"{held}, earliest start unknown (a job it waits for has no time limit)"
+    if res.earliest_start > now():
+        return f"{held}, earliest start {res.earliest_start.isoformat()}"
+    blocking = [_why_not(n) if n.state != "ready" or not n.schedulable
+                else f"{n.name} ({n.free} of {n.total} GPUs free)"
+                for n in caps if n.name in res.nodes
+                and (n.state != "ready" or not n.schedulable or n.free < job.gpus_per_node)]
+    return (f"{held}: its estimated start has passed; waiting for "
+            + (", ".join(blocking) if blocking else "the next scheduling pass"))
 
 
 def _kinds_out(kinds: list[str] | None) -> str | list[str] | None:

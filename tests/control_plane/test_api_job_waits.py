@@ -147,3 +147,58 @@ def test_a_job_that_ended_shows_releasing_until_its_nodes_give_its_gpus_back(cli
     view = get_job(client, job["id"])
     assert view["leases_held"] == 0 and view["releasing"] is False
     assert client.get("/v1/cluster", headers=ADMIN).json()["capacity"]["gpus_releasing"] == 0
+
+
+# --- issue 26: a recovering job says why and what for; nothing it shows is stale ---
+
+def test_a_job_recovering_from_a_lost_node_says_why_and_its_pending_checkpoint_is_aborted(clock, app, client,
+                                                                                          schedule):
+    from control_plane.services import checkpoints
+    from control_plane.services.checkpoints import checkpoint_prefix
+
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
+    job = submit(client, num_nodes=2, gpus_per_node=1, max_failures=3)
+    assert schedule() == 1
+    specs = _specs(agents, job["id"])
+    _run(agents, specs)
+    # Rank 0's shard of step 20 arrived; rank 1's never will: node-2 is lost.
+    spec = specs["node-1"]
+    shard = {"rank": 0, "step": 20, "world_size": 2, "key": f"{checkpoint_prefix(job['id'], 20, 1)}/rank-00000.pt",
+             "size_bytes": 4, "sha256": "0" * 64}
+    r = client.post(f"/v1/agent/attempts/{spec['attempt_id']}/shards", headers=agents[0].headers,
+                    json={"fencing_token": spec["fencing_token"], "node_rank": 0, "shards": [shard]})
+    assert r.status_code == 200, r.text
+    agents[0].alive = [spec["attempt_id"]]
+    _lose(app, clock, agents[1], healthy=[agents[0]])
+    view = get_job(client, job["id"])
+    assert view["state"] == "recovering"
+    why = view["waiting_for"]
+    assert why.startswith("a new attempt: attempt 1 failed (node_lost)"), why
+    assert "node node-2 (lost) to return or be removed: it still holds attempt 1's GPUs" in why
+    assert "needs 2 nodes with 1 GPUs, the cluster has 1 such nodes that take work (also node-2 lost)" in why
+
+    checkpoints.maintenance(app.state.session_factory, None, pending_timeout_s=600.0)
+    [ckpt] = client.get(f"/v1/jobs/{job['id']}/checkpoints", headers=ADMIN).json()["items"]
+    assert ckpt["state"] == "aborted", ckpt
+    events = client.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}, headers=ADMIN).json()["items"]
+    assert any("attempt 1 failed before all shards arrived (node node-2 lost)" in e["message"] for e in events)
+
+
+def test_a_reservation_whose_earliest_start_passed_says_what_it_still_waits_for():
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    from control_plane.schemas.scheduling import ReservationOut
+    from control_plane.services.views import _NodeCap, _reservation_reason
+
+    t = datetime.now(UTC)
+    res = ReservationOut(job_id="j", job_name="big", nodes=["node-1", "node-2"], earliest_start=t - timedelta(hours=1),
+                         first_earliest_start=t - timedelta(hours=2), held_gpus=1, idle_gpu_seconds=0.0, since=t)
+    caps = [_NodeCap("node-1", "ready", True, False, "h100", 2, 2),
+            _NodeCap("node-2", "lost", True, False, "h100", 2, 0),
+            _NodeCap("node-3", "ready", True, False, "h100", 2, 1)]
+    said = _reservation_reason(SimpleNamespace(gpus_per_node=2), res, caps)  # type: ignore[arg-type]
+    assert said == "reservation on nodes node-1, node-2: its estimated start has passed; waiting for node-2 lost"
+    later = res.model_copy(update={"earliest_start": t + timedelta(hours=1)})
+    assert _reservation_reason(SimpleNamespace(gpus_per_node=2), later, caps).endswith(  # type: ignore[arg-type]
+        f"earliest start {later.earliest_start.isoformat()}")  # type: ignore[union-attr]

@@ -139,3 +139,82 @@ def test_a_part_whose_shim_was_killed_is_a_signal_by_torchruns_account(client, s
                  error="torchrun exited with 1: ...] failed (exitcode: -9) local_rank: 0 (pid: 15824) of binary")
     (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["failure_kind"] == "signal" and "exitcode: -9" in attempt["end_reason"]
+
+
+# --- issue 26: a job's own exception is its own, and one that comes back at the same step ends it ---
+
+def _next_attempt(agent: FakeAgentSession, schedule, before: dict) -> dict:
+    """The processes of ``before`` are gone (the agent lists none), a pass schedules the recovery."""
+    agent.heartbeat([])
+    schedule()
+    return next(s for s in agent.heartbeat()["assignments"] if s["attempt_id"] != before["attempt_id"])
+
+
+def test_the_same_exception_at_the_same_step_twice_fails_the_job_with_a_reason_that_says_so(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1, max_failures=5)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    said = "ValueError: bad batch (train.py line 9) in step 5"
+    _exit(agent, spec, "exception", said)
+    assert get_job(client, job["id"])["state"] == "recovering"
+    spec = _next_attempt(agent, schedule, spec)
+    _exit(agent, spec, "exception", said)
+    after = get_job(client, job["id"])
+    assert after["state"] == "failed" and after["failures"] == 2
+    assert "same exception at the same step as attempt 1, so it is not retried" in after["end_reason"]
+    assert "rank 0 on node-1 exited with code 1: " + said in after["end_reason"]
+
+
+def test_the_same_exception_is_retried_at_another_step_or_when_the_job_asks(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1, max_failures=5)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    _exit(agent, spec, "exception", "ValueError: bad batch (train.py line 9) in step 5")
+    spec = _next_attempt(agent, schedule, spec)
+    _exit(agent, spec, "exception", "ValueError: bad batch (train.py line 9) in step 7")
+    assert get_job(client, job["id"])["state"] == "recovering"
+    # Without a step (not a TrainLoop) nothing says it would come back: retried.
+    spec = _next_attempt(agent, schedule, spec)
+    _exit(agent, spec, "exception", "ValueError: bad batch (train.py line 9)")
+    spec = _next_attempt(agent, schedule, spec)
+    _exit(agent, spec, "exception", "ValueError: bad batch (train.py line 9)")
+    assert get_job(client, job["id"])["state"] == "recovering"
+
+    other = submit(client, name="retries", num_nodes=1, max_failures=5, retry_same_exception=True)
+    assert get_job(client, other["id"])["retry_same_exception"] is True
+    client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN)
+    agent.heartbeat([])
+    schedule()
+    spec = next(s for s in agent.heartbeat()["assignments"] if s["job_id"] == other["id"])
+    for _ in range(2):
+        _exit(agent, spec, "exception", "ValueError: bad batch (train.py line 9) in step 5")
+        assert get_job(client, other["id"])["state"] == "recovering"
+        spec = _next_attempt(agent, schedule, spec)
+
+
+def test_a_jobs_own_exceptions_never_make_it_avoid_its_only_node_but_signals_do(client, schedule):
+    agent = FakeAgentSession(client, "node-1", 2)
+    job = submit(client, num_nodes=1, max_failures=3)
+    schedule()
+    (spec,) = agent.heartbeat()["assignments"]
+    for step in (5, 6, 7):  # three different exceptions: each retried on the one node there is
+        _exit(agent, spec, "exception", f"ValueError: bad batch (train.py line 9) in step {step}")
+        assert get_job(client, job["id"])["state"] == "recovering"
+        spec = _next_attempt(agent, schedule, spec)
+    assert spec["job_id"] == job["id"]
+
+    killed = submit(client, name="killed", num_nodes=1, max_failures=3)
+    client.post(f"/v1/jobs/{job['id']}/cancel", headers=ADMIN)
+    agent.heartbeat([])
+    schedule()
+    spec = next(s for s in agent.heartbeat()["assignments"] if s["job_id"] == killed["id"])
+    for _ in range(2):
+        _exit(agent, spec, "signal", "killed by SIGKILL (the kernel's OOM killer, or an operator)")
+        agent.heartbeat([])
+        schedule()
+        assignments = [s for s in agent.heartbeat()["assignments"] if s["attempt_id"] != spec["attempt_id"]]
+        spec = assignments[0] if assignments else spec
+    after = get_job(client, killed["id"])
+    assert after["state"] == "failed" and "without node-1, which failed it twice" in after["end_reason"]

@@ -132,3 +132,55 @@ def test_login_run_ps_describe_logs_cancel_nodes_tenants(settings, tmp_path, mon
         config.chmod(0o644)
         code, out, err = _run(["ps"], capsys)
         assert code == 1 and "readable by others" in err
+
+
+def test_following_a_job_shows_its_failures_and_recoveries_and_ps_names_a_recovery(settings, tmp_path, monkeypatch,
+                                                                                    capsys):
+    # Issue 26: `logs -f` (and `run -f`, the same code) prints a line when an attempt fails, with its
+    # cause, when a recovery starts and from which checkpoint step it resumes; `ps` says recovering.
+    app = create_app(settings)
+    monkeypatch.setenv("TRAINYARD_CONFIG", str(tmp_path / "trainyard.json"))
+    monkeypatch.setenv("TRAINYARD_TOKEN", ADMIN_TOKEN)
+    monkeypatch.delenv("TRAINYARD_TOKEN_FILE", raising=False)
+    with serve(app) as url, httpx.Client(base_url=url) as http:
+        monkeypatch.setenv("TRAINYARD_URL", url)
+        agent = FakeAgentSession(http, "node-1", 2)  # type: ignore[arg-type]
+        spec_file = tmp_path / "job.yaml"
+        spec_file.write_text(JOB_YAML + "max_failures: 3\n")
+        code, out, err = _run(["run", str(spec_file)], capsys)
+        assert code == 0, err
+        app.state.loops.schedule_once()
+        (spec,) = agent.heartbeat()["assignments"]
+
+        def fail(spec: dict, message: str) -> None:
+            workers = workers_for(spec, "exited", 1)
+            workers[0].update(cause="exception", message=message)
+            assert agent.status(spec, "exited", exit_code=1, workers=workers).status_code == 200
+
+        fail(spec, "ValueError: bad batch (train.py line 9) in step 15")
+        agent.heartbeat([])
+        app.state.loops.schedule_once()
+        spec = next(s for s in agent.heartbeat()["assignments"] if s["attempt_id"] != spec["attempt_id"])
+        code, out, err = _run(["ps"], capsys)
+        row = next(line for line in out.splitlines() if "demo" in line)
+        assert "recovering" in row and "starting" not in row, out
+        assert "WAITING FOR" in out and "recovery (attempt 2): node node-1 to launch node rank 0" in out, out
+
+        r = http.post(f"/v1/agent/attempts/{spec['attempt_id']}/events", headers=agent.headers, json={
+            "fencing_token": spec["fencing_token"], "node_rank": 0,
+            "events": [{"rank": 0, "kind": "checkpoint.restored", "message": "restored", "data": {"step": 10}}]})
+        assert r.status_code == 200, r.text
+        agent.status(spec, "running", workers=workers_for(spec, "running"))
+        fail(spec, "ValueError: bad batch (train.py line 9) in step 15")  # again at step 15: not retried
+
+        code, out, err = _run(["logs", "demo", "-f"], capsys)
+        assert code == 1, err
+        said = [line for line in err.splitlines() if line.startswith("trainyard: ")]
+        assert said == [
+            "trainyard: attempt 1 failed (rank 0 on node-1 exited with code 1: ValueError: bad batch (train.py "
+            "line 9) in step 15); recovery 1 of 3",
+            "trainyard: recovery: attempt 2 allocated 2 GPUs on 1 nodes",
+            "trainyard: recovery: attempt 2 resumes from checkpoint step 10 (next step 11)",
+            "trainyard: recovered: attempt 2: all 2 workers running",
+        ], err
+        assert "job demo failed" in err and "same exception at the same step as attempt 1" in err

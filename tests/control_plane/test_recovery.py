@@ -105,8 +105,9 @@ def test_a_node_that_failed_a_job_twice_is_avoided(client, schedule, three_nodes
         used.append(name)
         if len(used) < 3:
             # Fail it twice on the node it gets: the recovery goes back to its last attempt's node
-            # as long as it may (whichever node that is: placement never depends on names).
-            _fail(by_name[name], spec)
+            # as long as it may (whichever node that is: placement never depends on names). A
+            # worker killed by a signal: a node's kind of failure (an exception would not count).
+            _fail(by_name[name], spec, code=-9)
             by_name[name].heartbeat([])
     assert used[0] == used[1] and used[2] != used[0]
 
@@ -118,7 +119,7 @@ def test_a_job_that_only_fits_on_a_twice_failed_node_fails(client, schedule):
     for _ in range(2):
         assert schedule() == 1
         specs = _assignments(agents)
-        _fail(agents[0], specs["node-1"])
+        _fail(agents[0], specs["node-1"], code=-9)  # a node's kind of failure (NODE_FAULT_KINDS)
         for a in agents:
             a.heartbeat([])
     assert schedule() == 0

@@ -103,6 +103,11 @@ def test_a_login_form_from_another_site_is_refused(client):
     login_csrf(client)  # this browser has a form of its own, but the attacker cannot know its value
     other = client.post("/ui/login", data={"token": ADMIN_TOKEN, "csrf": "0" * 32}, follow_redirects=False)
     assert other.status_code == 422 and UI_COOKIE not in client.cookies
+    # Over HTTPS the form's cookie is a __Host- one, which no sibling domain can plant (cookie tossing).
+    form = client.get("https://testserver/ui/login")
+    cookie = form.headers["set-cookie"]
+    assert cookie.startswith(f"__Host-{LOGIN_COOKIE}=") and "Secure" in cookie and "Path=/;" in cookie, cookie
+    assert "Domain" not in cookie
 
 
 def test_logout_ends_the_session_on_the_server_and_a_revoked_token_ends_its_sessions(client):

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,62 @@ def attack_shipped_code(work_dir: str, victim_worker_dir: str, victim_code_sha: 
             lambda: read_existing(f"{victim_worker_dir}/code/{VICTIM_CODE_FILE}"))
 
 
+# -- Storage grants (issue 23, finding 7): asked through the worker runtime's own client ----------
+def storage_attacks(ctx: WorkerContext, victim_job: str) -> list[threading.Thread]:
+    """Grants it should not get, and more bytes than granted: each must be refused by the control
+    plane (GrantRefused) or by S3 (the signed Content-Length); anything else (a timeout, an agent
+    that cannot answer) is recorded as not blocked, so it cannot pass for a refusal. They run at
+    once, in threads, beside the other attacks (each is a round trip to the control plane: run one
+    after another they made the hostile job outlast its victim); join the threads returned."""
+    import urllib3
+
+    from trainyard.protocol import keys
+    from worker_runtime.checkpoint.presigned import AgentGrants, GrantRefused
+
+    grants = AgentGrants(agent_url=ctx.agent_url, attempt_id=ctx.attempt_id, fencing_token=ctx.fencing_token,
+                         rank=ctx.rank, agent_socket=ctx.agent_socket, wait_s=2)
+    own = keys.job_checkpoint_prefix(ctx.job_id)
+
+    def refused(key: str, size: int) -> Any:
+        def ask() -> str:
+            started = time.monotonic()
+            try:
+                grants.grants("PUT", key, size_bytes=size)
+            except GrantRefused as exc:
+                return f"blocked: HTTP {exc.status} in {time.monotonic() - started:.2f} s"
+            except OSError as exc:
+                return f"not refused: {type(exc).__name__} in {time.monotonic() - started:.2f} s"
+            return "got through: granted"
+        return ask
+
+    def overfill() -> str:
+        started = time.monotonic()
+        [put] = grants.grants("PUT", keys.shard_key(own, 1, ctx.attempt_number, ctx.rank), size_bytes=8).grants
+        body = b"\0" * 2**20
+        headers = {**put.headers, "Content-Length": str(len(body))}  # 1 MiB, where 8 bytes were granted
+        try:
+            status = urllib3.PoolManager(retries=False, cert_reqs="CERT_NONE", timeout=10).request(
+                "PUT", put.url, body=body, headers=headers).status
+        except urllib3.exceptions.HTTPError as exc:  # S3 refused and closed before reading the body
+            return f"blocked: {type(exc).__name__} in {time.monotonic() - started:.2f} s"
+        took = f"in {time.monotonic() - started:.2f} s"
+        return f"got through: S3 answered {status}" if status < 300 else f"blocked: S3 answered {status} {took}"
+
+    tries: list[tuple[str, Any]] = [
+        ("ask a storage grant for a far-future step",
+         refused(keys.shard_key(own, 50_000_000, ctx.attempt_number, ctx.rank), 8)),
+        ("ask a storage grant for a 300 GiB shard",
+         refused(keys.shard_key(own, 1, ctx.attempt_number, ctx.rank), 300 * 2**30)),
+        ("ask a storage grant for the other job's shard",
+         refused(keys.shard_key(keys.job_checkpoint_prefix(victim_job), 1, 1, 0), 8)),
+        ("write more bytes than its storage grant allows", overfill),
+    ]
+    threads = [threading.Thread(target=attempt, args=t) for t in tries]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def main() -> None:
     victim_job = sys.argv[1]
     ctx = WorkerContext.from_env()
@@ -209,6 +266,7 @@ def main() -> None:
     victim_attempt = flag(victim_args, "--rdzv-id") or "?"
     work_dir = flag(agent_args, "--work-dir") or "."
     victim_worker_dir = str(Path(flag(victim_args, "--log-dir") or ".").parent)
+    storage = storage_attacks(ctx, victim_job)
 
     attempt("read /proc/1/environ", lambda: read("/proc/1/environ"))
     attempt("read the agent's environment", lambda: read(f"/proc/{agent}/environ"))
@@ -253,6 +311,8 @@ def main() -> None:
     attempt("post a NaN progress report", lambda: post_number(b"NaN"))
     attempt("post an infinite progress report (1e999)", lambda: post_number(b"1e999"))
     attempt("flood its agent's memory tier with 32 PUTs announcing 4 GiB each", lambda: flood_memory_tier(agent))
+    for thread in storage:
+        thread.join()
     escapee = escape()
     print(json.dumps({"uid": os.getuid(), "attacks": attacks, "escapee": escapee}), flush=True)
     if ctx.is_main:

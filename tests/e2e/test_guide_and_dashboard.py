@@ -138,6 +138,11 @@ def _guide(cluster: Cluster, data_dir: Path, tmp_path: Path, monkeypatch: pytest
     assert len(attempts) == 2 and attempts[0]["failure_kind"] == "signal", attempts[0]
     assert attempts[1]["restored_from_step"] >= 25 and attempts[1]["recovery"]["to_first_step_s"] > 0
     assert job["progress"]["total_steps"] == steps and job["progress"]["step"] == steps
+    # Issue 26: the followed log said, as it happened, that attempt 1 failed and why, and where the
+    # recovery resumed (stderr lines between the log's).
+    assert "trainyard: attempt 1 failed (" in err and "); recovery 1 of 3" in err, err
+    resumed = f"trainyard: recovery: attempt 2 resumes from checkpoint step {attempts[1]['restored_from_step']}"
+    assert resumed in err, err
 
     stdout, stderr = reference.communicate(timeout=300)
     assert reference.returncode == 0, stderr[-2000:]

@@ -54,6 +54,11 @@ ATTACKS = {
     "post a NaN progress report",
     "post an infinite progress report (1e999)",
     "flood its agent's memory tier with 32 PUTs announcing 4 GiB each",
+    # storage grants (issue 23, finding 7)
+    "ask a storage grant for a far-future step",
+    "ask a storage grant for a 300 GiB shard",
+    "ask a storage grant for the other job's shard",
+    "write more bytes than its storage grant allows",
 }
 
 

@@ -4,6 +4,7 @@ and the worker's restore through it, over real HTTP (unix sockets and TCP)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import io
 import json
@@ -21,10 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node_agent.launcher import AttemptPaths, NodeContext, torchrun_command, worker_env
-from node_agent.local_api import LocalApi
-from node_agent.memstore import ShardRefused, ShardStore
+from node_agent.local_api import LocalApi, LocalApiLimits
+from node_agent.memstore import ShardRefused, ShardStore, job_owner
 from node_agent.memtier import AttemptMemory, MemoryTier
-from node_agent.memtier_peer import PeerServer, serving
+from node_agent.memtier_peer import PeerLimits, PeerServer, serving
 from tests.conftest import S3Bucket
 from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec
@@ -178,8 +179,9 @@ def sockets() -> Iterator[Path]:
         yield Path(directory)
 
 
-def agent_api(sockets: Path, name: str, tier: MemoryTier, parts: dict[str, AttemptMemory | None]) -> LocalApi:
-    api = LocalApi(memory=tier)
+def agent_api(sockets: Path, name: str, tier: MemoryTier, parts: dict[str, AttemptMemory | None],
+              limits: LocalApiLimits | None = None) -> LocalApi:
+    api = LocalApi(memory=tier, limits=limits)
     for attempt_id, mem in parts.items():
         api.reports.register(attempt_id, f"fence-{attempt_id}")
         api.open(attempt_id, sockets / f"{name}-{attempt_id}.sock", memory=mem)
@@ -448,6 +450,8 @@ def _worker_ctx(api: LocalApi, attempt: str, restore_from: dict[str, object] | N
 
 
 def _rss() -> int:
+    # The test's own garbage first: a refused put's traceback cycle holds the shard the test made.
+    gc.collect()
     return int(psutil.Process().memory_info().rss)
 
 
@@ -525,3 +529,136 @@ def _status_of_nowait(sock: socket.socket) -> int | None:
     finally:
         sock.settimeout(10)
     return int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else None
+
+
+# --- answers left unread (issue 23 review, finding 4) ---
+
+_SHARD = 40 << 20
+"""Over glibc's largest mmap threshold (32 MiB): every copy of a shard is its own mapping, so the
+agent's RSS shows each copy held and none freed."""
+_SHARE = 4 * _SHARD
+"""The attacker's share at its agent: a budget of 2 x _SHARE, two jobs served."""
+_SLOW = LocalApiLimits(request_timeout_s=60)
+"""An unread answer is held up to request_timeout_s (+ its size at 50 MiB/s): longer than the test."""
+
+
+def _ask(path: Path, attempt_id: str, digest: str, which: str) -> socket.socket:
+    """A GET of a shard on the attempt's own socket, whose answer is never read (but its status line)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(str(path))
+    sock.sendall(f"GET /v1/local/attempts/{attempt_id}/memory/0/{digest}?tier={which} HTTP/1.1\r\nHost: agent\r\n"
+                 f"{TOKEN_HEADER}: fence-{attempt_id}\r\n\r\n".encode())
+    return sock
+
+
+def _ask_peer(port: int, job_id: str, digest: str) -> socket.socket:
+    """A GET on a memory port with the job's grant (an agent that runs one of its parts), never read."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(f"GET /v1/peer/jobs/{job_id}/shards/0/{digest} HTTP/1.1\r\nHost: peer\r\n"
+                 f"Authorization: Bearer {memory_grant(KEY, job_id)}\r\n\r\n".encode())
+    return sock
+
+
+def _status_line(sock: socket.socket) -> int | None:
+    """The answer's status, reading no more than its first few KiB (the rest stays unread)."""
+    got = b""
+    with contextlib.suppress(OSError):
+        while b"\r\n" not in got and (chunk := sock.recv(4096)):
+            got += chunk
+    return int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else None
+
+
+def _victim_still_served(victim: AgentMemory) -> None:
+    data = secrets.token_bytes(2 << 20)
+    assert victim.put(1, sha(data), data)
+    assert victim.get(1, sha(data), "local") == data
+
+
+def test_a_worker_leaving_local_answers_unread_while_it_saves_again_holds_at_most_its_share(sockets: Path) -> None:
+    """Each round the attacker saves a new shard of rank 0 (the store keeps two per rank: older ones
+    are evicted) and asks for the newest without reading the answer. Uncounted, every held answer
+    kept an evicted shard alive (10 x 40 MiB). Counted against its share: four answers are held,
+    then its own saves and GETs are refused (503, S3 only); the victim saves and restores."""
+    tier = MemoryTier(2 * _SHARE, grant_key=KEY)
+    api = agent_api(sockets, "u", tier, {"att-v": memory("job-v"), "att-e": memory("job-e")}, _SLOW)
+    victim, evil = worker(api, "att-v"), worker(api, "att-e")
+    path = api.socket_of("att-e")
+    assert path is not None
+    held: list[socket.socket] = []
+    try:
+        _victim_still_served(victim)
+        before = _rss()
+        saved: list[str] = []
+        answers: list[int | None] = []
+        for _ in range(10):  # one at a time: each answer is held (or refused) before the next save
+            shard = secrets.token_bytes(_SHARD)
+            if evil.put(0, sha(shard), shard):
+                saved.append(sha(shard))
+            del shard
+            held.append(_ask(path, "att-e", saved[-1], "local"))
+            answers.append(_status_line(held[-1]))
+        assert answers == [200] * 4 + [503] * 6, answers
+        assert len(saved) == 4  # the fifth save found its in-flight share taken by its own answers
+        assert tier.inflight_held == _SHARE
+        assert tier.store.job_bytes(job_owner("job-e"), "job-e") == 2 * _SHARD  # two evicted, still held
+        # Four shards of 40 MiB held, evicted or not: 160 MiB (+ the store's rank-0 pair, the same
+        # buffers): 211 MiB measured; uncounted, all ten were held (510 MiB measured before this fix).
+        grown = _rss() - before
+        assert grown < _SHARE + (96 << 20), f"{grown >> 20} MiB"
+        _victim_still_served(victim)
+    finally:
+        for sock in held:
+            sock.close()
+        assert _eventually(lambda: tier.inflight_held == 0, timeout=30)  # released once the send fails
+        api.stop()
+        tier.stop()
+
+
+def test_a_worker_leaving_peer_answers_unread_holds_at_most_its_share_and_the_peer_port_counts_its_own(
+        sockets: Path) -> None:
+    """A GET with ?tier=peer makes the agent fetch a fresh copy from the peer each time: uncounted
+    once received, ten unread answers held ten copies. Now each copy stays under the reservation it
+    was received under until the worker takes it: four are held, the rest refused (503). The peer's
+    memory port counts its own unread answers the same way (a host with the job's grant)."""
+    peer_tier = MemoryTier(2 * _SHARE, grant_key=KEY)  # serves job-e only there: its share is the budget
+    with serving(peer_tier, limits=PeerLimits(request_timeout_s=60)) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        tier = MemoryTier(2 * _SHARE, grant_key=KEY, peer_timeout_s=30)
+        api = agent_api(sockets, "p", tier, {"att-v": memory("job-v"), "att-e": memory("job-e", peer_url=url)},
+                        _SLOW)
+        victim, evil = worker(api, "att-v"), worker(api, "att-e")
+        path = api.socket_of("att-e")
+        assert path is not None
+        held: list[socket.socket] = []
+        try:
+            _victim_still_served(victim)
+            shard = secrets.token_bytes(_SHARD)
+            digest = sha(shard)
+            assert evil.put(0, digest, shard)
+            del shard
+            assert tier.wait_pushed(30) and peer_tier.store.get(job_owner("job-e"), "job-e", digest) is not None
+            before = _rss()
+            answers: list[int | None] = []
+            for _ in range(10):  # one at a time: each fetch is over before the next is asked
+                held.append(_ask(path, "att-e", digest, "peer"))
+                answers.append(_status_line(held[-1]))
+            assert answers == [200] * 4 + [503] * 6, answers
+            assert tier.inflight_held == _SHARE
+            # Four copies of 40 MiB: 160 MiB measured; uncounted, ten were held (400 MiB measured before this fix).
+            grown = _rss() - before
+            assert grown < _SHARE + (96 << 20), f"{grown >> 20} MiB"
+            _victim_still_served(victim)
+
+            unread = [_ask_peer(server.port, "job-e", digest) for _ in range(10)]
+            held += unread
+            # Its in-flight budget there is the whole budget (it is the only job the peer serves):
+            # eight answers; which eight is the threads' race.
+            assert sorted(_status_line(sock) or 0 for sock in unread) == [200] * 8 + [503] * 2
+            assert peer_tier.inflight_held == 2 * _SHARE
+        finally:
+            for sock in held:
+                sock.close()
+            assert _eventually(lambda: tier.inflight_held == 0 and peer_tier.inflight_held == 0, timeout=30)
+            api.stop()
+            tier.stop()

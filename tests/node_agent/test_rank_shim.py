@@ -130,6 +130,13 @@ def test_worker_dies_with_the_shim(tmp_path: Path, spawned: list[subprocess.Pope
     ("def main(:\n", "start_error", "SyntaxError"),
     ("def main():\n    raise ValueError('lr must be positive')\nmain()\n", "exception",
      "ValueError: lr must be positive (train.py line 2)"),
+    # Issue 26: what a TrainLoop rank under torch.distributed prints: TrainLoop's line naming the
+    # step, then torch's "[rank0]: " before every line of the traceback.
+    ("import sys, traceback\ndef main():\n    raise ValueError('bad batch')\n"
+     "try:\n    main()\nexcept ValueError:\n"
+     "    print('trainyard: step 5 raised ValueError', file=sys.stderr, flush=True)\n"
+     "    sys.stderr.write(''.join('[rank0]: ' + line for line in traceback.format_exc().splitlines(True)))\n"
+     "    sys.exit(1)\n", "exception", "ValueError: bad batch (train.py line 3) in step 5"),
 ])
 def test_a_failed_worker_is_classified_from_its_own_stderr(spawned, tmp_path: Path, source: str, kind: str,
                                                            said: str) -> None:

@@ -129,3 +129,51 @@ def test_a_loop_resumed_at_the_end_of_an_epoch_goes_on_with_the_next_one():
                                                    "shuffle": True, "epoch": 0, "consumed": 32}}
     assert [step for step, _ in uninterrupted] == list(range(1, 8))
     assert run(end_of_epoch) == uninterrupted[4:]
+
+
+# --- issue 26: a stopped loop logs no traceback; a failing step is named ---
+
+_SLEEPY_JOB = """
+import time, torch
+from torch.utils.data import TensorDataset
+from worker_runtime import TrainLoop
+with TrainLoop(total_steps=100000, log_every=1) as loop:
+    model = loop.register("model", torch.nn.Linear(4, 1))
+    data = loop.data_loader(TensorDataset(torch.randn(64, 4)), batch_size=4, num_workers=2, persistent_workers=True)
+    for step, (x,) in loop.steps(data):
+        model(x).sum().backward()
+        if step == 2:
+            print("ready", flush=True)
+        time.sleep(0.01)
+"""
+
+
+def test_sigterm_to_every_process_several_times_exits_143_without_a_traceback(tmp_path):
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_SLEEPY_JOB)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        # The agent signals every process of the attempt (the DataLoader's workers too: they die of
+        # it, torch's way), and the rank shim forwards torchrun's SIGTERM and its own.
+        children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                       text=True).stdout.split()]
+        assert len(children) >= 2  # the DataLoader's workers
+        for pid in (proc.pid, *children, proc.pid, proc.pid):
+            with contextlib.suppress(ProcessLookupError):  # done already: nothing left to stop
+                os.kill(pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # 143, not -15: a later SIGTERM did not kill the process in the middle of its unwinding.
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "SystemExit" not in err, err

@@ -62,6 +62,11 @@ from trainyard.protocol.uploads import UploadStats
 
 AGENT_API_PREFIX = "/v1/agent"
 MAX_LOG_CHUNK_CHARS = 1024 * 1024
+MAX_COMMAND_ITEMS = 256
+"""The most items a job's ``command`` (argv) may have."""
+MAX_COMMAND_ITEM_CHARS = 4096
+"""The longest one item of a job's ``command`` may be."""
+CommandItem = Annotated[str, Field(min_length=1, max_length=MAX_COMMAND_ITEM_CHARS, pattern=r"^[^\x00]*$")]
 """A log chunk's text (the agent reads 64 KiB at a time: node_agent/logs.py)."""
 
 
@@ -243,6 +248,11 @@ class LaunchSpec(_Wire):
     rdzv_port: int = Field(description="Port owned by this attempt alone.")
     entrypoint: str = Field(description="A Python module (run with -m) or a path to a .py file.")
     args: list[str] = Field(default_factory=list)
+    command: list[CommandItem] | None = Field(
+        default=None, min_length=1, max_length=MAX_COMMAND_ITEMS,
+        description="The job's own command (argv), run once per node in place of torchrun, as the part's uid in "
+        "its cgroup, under node_agent.rank_shim (its exit is the part's); argv[0] is looked up after the uid "
+        "switch. None: torchrun runs `entrypoint`.")
     env: dict[str, str] = Field(default_factory=dict)
     checkpoint: dict[str, Any] = Field(default_factory=dict)
     layout: Layout | None = Field(

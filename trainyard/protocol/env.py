@@ -62,7 +62,20 @@ explicit rank and world size instead of torchrun's env://; set only for restarta
 ENV_NNODES: Final = "TRAINYARD_NNODES"
 """The attempt's node count, set with ENV_RENDEZVOUS: torchrun then runs per node as a local supervisor
 only (``--standalone``), and the rank shim sets the global RANK (node rank x local world size + local
-rank) and WORLD_SIZE (``global_rank``)."""
+rank) and WORLD_SIZE (``global_rank``). Also set for a ``command`` job (no ENV_RENDEZVOUS there)."""
+
+# --- A `command` job's contract (LaunchSpec.command; docs/writing-jobs.md, "Jobs that bring their
+# own launcher"): what the job's own launcher needs to start the node's processes itself. ---
+ENV_NPROC_PER_NODE: Final = "TRAINYARD_NPROC_PER_NODE"
+"""Processes (GPUs) per node of a ``command`` job: its launcher's ``--nproc-per-node``."""
+ENV_WORLD_SIZE: Final = "TRAINYARD_WORLD_SIZE"
+"""nnodes x nproc-per-node of a ``command`` job."""
+ENV_MASTER_ADDR: Final = "TRAINYARD_MASTER_ADDR"
+"""Node rank 0's address: where a ``command`` job's rendezvous (torchrun's static store) listens."""
+ENV_MASTER_PORT: Final = "TRAINYARD_MASTER_PORT"
+"""The attempt's own port on node rank 0, for the rendezvous of a ``command`` job's launcher."""
+ENV_LOCAL_ADDR: Final = "TRAINYARD_LOCAL_ADDR"
+"""This node's address (torchrun's ``--local-addr``), given to a ``command`` job."""
 
 
 def global_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
@@ -113,7 +126,7 @@ WORKER_ENV: Final = frozenset({
     ENV_JOB_ID, ENV_JOB_NAME, ENV_ATTEMPT_ID, ENV_ATTEMPT_NUMBER, ENV_FENCING_TOKEN, ENV_AGENT_URL,
     ENV_AGENT_SOCKET, ENV_NODE_RANK, ENV_NODE_NAME, ENV_NODE_ID, ENV_DEVICE, ENV_CHECKPOINT, ENV_RESTORE_FROM,
     ENV_LAYOUT, ENV_STATUS_DIR, ENV_JOB_ENV, *STORAGE_ENV.values(), ENV_CHECKPOINT_PREFIX, ENV_RENDEZVOUS,
-    ENV_NNODES,
+    ENV_NNODES, ENV_NPROC_PER_NODE, ENV_WORLD_SIZE, ENV_MASTER_ADDR, ENV_MASTER_PORT, ENV_LOCAL_ADDR,
 })
 """Every variable above: what an agent may give a worker, all of it under PREFIX."""
 

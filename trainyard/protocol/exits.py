@@ -9,7 +9,8 @@ Kinds (``FAILURE_KINDS``):
 - ``out_of_memory``: a CUDA/torch out-of-memory error or Python's MemoryError.
 - ``collective_timeout``: a collective or NCCL/gloo operation timed out or its peer went away
   (usually the consequence of another rank's failure: that rank ended first and is blamed).
-- ``exception``: another uncaught Python exception; the message is its type and text.
+- ``exception``: another uncaught Python exception; the message is its type and text, where it was
+  raised and, when worker_runtime's TrainLoop ran it, the step (``... in step 5``: FAILED_STEP).
 - ``signal``: killed by a signal (SIGKILL: the kernel's OOM killer or an operator).
 - ``exit_code``: a non-zero exit without a traceback.
 """
@@ -22,6 +23,12 @@ import signal
 FAILURE_KINDS = ("start_error", "out_of_memory", "collective_timeout", "exception", "signal", "exit_code",
                  "node_lost", "launch_error", "time_limit", "other")
 """What an attempt's failure_kind may be (the last four are decided by the control plane)."""
+
+NODE_FAULT_KINDS = frozenset({"signal", "node_lost", "launch_error", "collective_timeout", "other"})
+"""The failures a node may be blamed for (its processes killed, the node lost or its agent silent, a
+peer unreachable, anything unexplained): a node blamed twice by one job is avoided for that job.
+The others (start_error, exception, out_of_memory, exit_code, time_limit) are the job's own: they
+would happen on any node, so they never count against the one they happened on."""
 
 TAIL_BYTES = 16 * 1024
 """How much of a worker's stderr is read to classify its exit."""
@@ -38,7 +45,22 @@ _COLLECTIVE = re.compile(r"Watchdog caught collective operation timeout|Timed ou
                          r"NCCL (?:error|timeout|communicator was aborted)|ncclSystemError|ncclInternalError|"
                          r"DistBackendError|Connection closed by peer|Connection reset by peer|"
                          r"collective operation timeout|ProcessGroup\w* .*timed out", re.IGNORECASE)
+# torch.distributed prefixes what a rank prints once its process group exists ("[rank0]: Traceback").
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+FAILED_STEP = re.compile(r"^trainyard: step (?P<step>\d+) raised ")
+"""The line worker_runtime.TrainLoop prints to stderr when an exception leaves a step (failed_step_line)."""
 MAX_MESSAGE = 400
+
+
+def failed_step_line(step: int, error: BaseException) -> str:
+    """What TrainLoop prints before the traceback of an exception raised in ``step`` (FAILED_STEP)."""
+    return f"trainyard: step {step} raised {type(error).__name__}"
+
+
+def message_step(message: str) -> int | None:
+    """The step a classified message names (``... in step N``), if any."""
+    found = re.search(r" in step (\d+)$", message)
+    return int(found.group(1)) if found else None
 
 
 def is_collective_failure(message: str) -> bool:
@@ -52,7 +74,7 @@ def classify(exit_code: int, stderr_tail: str) -> tuple[str, str]:
         name = _signal_name(-exit_code)
         why = " (the kernel's OOM killer, or an operator)" if -exit_code == signal.SIGKILL else ""
         return "signal", f"killed by {name}{why}"
-    lines = [line.rstrip() for line in stderr_tail.splitlines() if line.strip()]
+    lines = [_RANK_PREFIX.sub("", line.rstrip()) for line in stderr_tail.splitlines() if line.strip()]
     for line in reversed(lines[-20:]):
         found = _NOT_STARTED.match(line)
         if found:
@@ -71,7 +93,19 @@ def classify(exit_code: int, stderr_tail: str) -> tuple[str, str]:
         return "out_of_memory", message + where
     if _COLLECTIVE.search(message) or any(_COLLECTIVE.search(line) for line in lines[-40:]):
         return "collective_timeout", message + where
-    return "exception", message + where
+    return "exception", message + where + _step_of(lines)
+
+
+def _step_of(lines: list[str]) -> str:
+    # TrainLoop prints its FAILED_STEP line just before the exception leaves the script, so the
+    # last one before the last traceback is this exception's.
+    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")),
+                default=len(lines))
+    for line in reversed(lines[:start]):
+        found = FAILED_STEP.match(line)
+        if found:
+            return f" in step {found.group('step')}"
+    return ""
 
 
 def _last_exception(lines: list[str]) -> tuple[str, str, list[tuple[str, str, str]]] | None:

@@ -7,10 +7,12 @@ Imports no torch, so the control plane uses it too (to verify shards and write m
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, BinaryIO
+from xml.sax.saxutils import escape
 
 from trainyard.protocol.s3tls import split_endpoint, tls_context
 from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError, Pace
@@ -168,6 +170,55 @@ class S3Storage:
         return presign(method=method, endpoint=cfg.public_endpoint or cfg.endpoint, bucket=self.bucket, key=key,
                        access_key=cfg.access_key, secret_key=cfg.secret_key, region=cfg.region or "us-east-1",
                        expires_s=expires_s, secure=cfg.secure, headers=headers, query=query, now=now)
+
+    # An upload in parts driven by the caller, one part at a time (the control plane streams a code
+    # archive through it: the object appears, whole, only at complete_upload, so an upload whose
+    # hash turns out wrong is aborted and never seen). Signed here (sigv4.py) with this client's
+    # credentials, as the SDK's own multipart calls are private.
+    def _signed(self, method: str, key: str, query: dict[str, str], body: bytes = b"") -> Any:
+        from worker_runtime.checkpoint.sigv4 import presign
+
+        cfg = self.config
+        url = presign(method=method, endpoint=cfg.endpoint, bucket=self.bucket, key=key, access_key=cfg.access_key,
+                      secret_key=cfg.secret_key, region=cfg.region or "us-east-1", expires_s=300, secure=cfg.secure,
+                      query=query)
+        return self._http.request(method, url, body=body, headers={"Content-Length": str(len(body))}, retries=False)
+
+    def start_upload(self, key: str) -> str:
+        resp = self._signed("POST", key, {"uploads": ""})
+        found = re.search(rb"<UploadId>([^<]+)</UploadId>", resp.data) if resp.status == 200 else None
+        if found is None:
+            raise OSError(f"create upload {key}: HTTP {resp.status} {resp.data[:300]!r}")
+        return found[1].decode()
+
+    def upload_part(self, key: str, upload_id: str, number: int, data: bytes) -> str:
+        """Part ``number`` (1-10,000; at least 5 MiB but for the last); its ETag."""
+        resp = self._signed("PUT", key, {"uploadId": upload_id, "partNumber": str(number)}, data)
+        if resp.status != 200 or not resp.headers.get("ETag"):
+            raise OSError(f"upload part {number} of {key}: HTTP {resp.status} {resp.data[:300]!r}")
+        return str(resp.headers["ETag"])
+
+    def complete_upload(self, key: str, upload_id: str, etags: list[str]) -> None:
+        parts = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{escape(etag)}</ETag></Part>"
+                        for n, etag in enumerate(etags, start=1))
+        resp = self._signed("POST", key, {"uploadId": upload_id},
+                            f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode())
+        # S3 may answer 200 with an error document when the completion fails late.
+        if resp.status != 200 or b"<Error>" in resp.data:
+            raise OSError(f"complete upload {key}: HTTP {resp.status} {resp.data[:300]!r}")
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort an upload in parts (its parts are deleted); one already completed or aborted is no
+        error (the control plane's storage sweep, services/storage_sweep.py)."""
+        resp = self._signed("DELETE", key, {"uploadId": upload_id})
+        if resp.status >= 300 and resp.status != 404:  # 404: NoSuchUpload, nothing left to abort
+            raise OSError(f"abort upload {key}: HTTP {resp.status} {resp.data[:300]!r}")
+
+    def list_objects_modified(self, prefix: str) -> Iterator[tuple[str, datetime | None]]:
+        """Every object under ``prefix`` with when it was last written."""
+        for obj in self._client.list_objects(self.bucket, prefix=prefix, recursive=True):
+            if obj.object_name and not obj.is_dir:
+                yield obj.object_name, obj.last_modified
 
     def list_keys(self, prefix: str) -> Iterator[str]:
         for obj in self.list_objects(prefix):
