@@ -214,6 +214,7 @@ class Agent(HeartbeatLoop, ReportLoop):
             shutdown_timeout_s=math.ceil(config.stop_grace_s),
             node_name=config.name,
             env_passthrough=config.worker_env_passthrough,
+            allowed_pythons=tuple(str(p) for p in config.allowed_pythons),
         )
         if config.standbys:
             self._standbys = self._standby_pool(self._node)

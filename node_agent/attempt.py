@@ -35,7 +35,7 @@ from pydantic import ValidationError
 
 from node_agent import processes, safe_files
 from node_agent.code import CodeUnavailable, ShippedCode, unpack
-from node_agent.envs import EnvBuildFailed, EnvCache
+from node_agent.envs import EnvBuildFailed, EnvCache, kill_build
 from node_agent.isolation import Confinement, Isolation, hidden_paths, make_worker_dir
 from node_agent.launcher import AttemptPaths, NodeContext, start_torchrun
 from node_agent.logs import LogTailer
@@ -88,6 +88,10 @@ class AttemptRun:
         own): no torchrun yet."""
         self._unpacking: subprocess.Popen[bytes] | None = None
         """The process unpacking its code (as its uid), while it runs: a stop kills it."""
+        self._building = False
+        """Its venv is being probed or built as its uid, in its cgroup (or it waits for another's
+        build): a stop kills the build's processes, and the part stays alive (its uid leased) until
+        the build has returned."""
         self.env_key: str | None = None
         """The cached venv it runs in (held until it is done: node_agent/envs.py)."""
         self.stop_reason: str | None = None
@@ -308,30 +312,38 @@ class AttemptRun:
     def _prepare_then_start(self, envs: EnvCache, node: NodeContext, cwd: Path | None) -> None:
         assert self.spec.requirements is not None
         started = time.monotonic()
+        with self._lock:
+            if self.stop_reason is not None:
+                self.preparing = False
+                return
+            self._building = True
         try:
-            key, python = envs.acquire(self.spec.requirements, node.python, self._builder(node.python))
+            key, python = envs.acquire(self.spec.requirements, node.python, self._builder(node),
+                                       cancelled=lambda: self.stop_reason is not None)
         except EnvBuildFailed as exc:
             self.log.error("requirements_failed", error=str(exc))
             with self._lock:
-                self.preparing = False
+                self.preparing = self._building = False
                 if self.stop_reason is None:
                     self.error, self.error_kind = str(exc), "start_error"
-                    self.torchrun_done, self.alive = True, False
+                self.torchrun_done, self.alive = True, False
                 self._persist()
             return
         except Exception as exc:  # never a part left launching for ever
             self.log.exception("requirements_env_failed")
             with self._lock:
-                self.preparing = False
+                self.preparing = self._building = False
                 if self.stop_reason is None:
                     self.error = f"could not prepare the job's requirements: {exc}"
-                    self.torchrun_done, self.alive = True, False
+                self.torchrun_done, self.alive = True, False
                 self._persist()
             return
         with self._lock:
-            self.preparing = False
-            if self.stop_reason is not None:  # stopped meanwhile: nothing to start, and done already
+            self.preparing = self._building = False
+            if self.stop_reason is not None:  # stopped meanwhile: nothing to start
                 envs.release(key)
+                self.torchrun_done, self.alive = True, False
+                self._persist()
                 return
             self.env_key = key
             self.log.info("requirements_ready", env=key[:12], seconds=round(time.monotonic() - started, 2))
@@ -351,16 +363,24 @@ class AttemptRun:
                 return
             self._started(proc)
 
-    def _builder(self, python: str) -> Confinement | None:
-        """Who probes ``python`` and builds the venv: the part's own uid (never root), seeing what its
-        workers will see and the interpreter's installation; None: the agent itself (no uid pool)."""
+    def _builder(self, node: NodeContext) -> Confinement | None:
+        """Who probes ``node.python`` and builds the venv: the part's own uid (never root), in its
+        cgroup, seeing what its workers will see; None: the agent itself (no uid pool). An
+        installation below a private directory is exposed only when it is the agent's own (in the
+        part's ``expose`` already) or one the operator listed (``--allowed-python``): a job naming
+        a root-owned /root/x/bin/tool must not get /root/x shown to its uid."""
         confinement = self.confinement
         if confinement.uid is None:
             return None
-        # The installation as named (a venv's) and as its links resolve (the base interpreter's).
-        installations = [os.path.dirname(os.path.dirname(p)) for p in (python, os.path.realpath(python))]
+        python = node.python
+        listed = {os.path.normpath(p) for p in node.allowed_pythons}
+        installations = []
+        if os.path.normpath(python) in listed:
+            # The installation as named (a venv's) and as its links resolve (the base interpreter's).
+            installations = [os.path.dirname(os.path.dirname(p)) for p in (python, os.path.realpath(python))]
         expose = tuple(dict.fromkeys((*confinement.expose, *hidden_paths(installations))))
-        return Confinement(uid=confinement.uid, gid=confinement.gid, expose=expose)
+        # Everything else of the part's confinement (its cgroup, and whatever limits it carries) as is.
+        return dataclasses.replace(confinement, expose=expose, lease=None)
 
     @classmethod
     def failed(
@@ -520,11 +540,18 @@ class AttemptRun:
             self.log.info("attempt_stopping", reason=reason)
             if self.preparing:
                 # Nothing runs yet but the unpacking of its code (killed: its uid is given back
-                # once the part is done); the venv's build goes on for whoever else wants it.
+                # once the part is done) or the build of its venv.
                 if self._unpacking is not None:
                     self._unpacking.kill()
                     self._unpacking.wait()
-                self.stopped, self.torchrun_done, self.alive = True, True, False
+                self.stopped, self.torchrun_done = True, True
+                if self._building and self.confinement.uid is not None:
+                    # Killed (another part wanting the venv builds it again), and the uid kept until
+                    # the build has returned: given back while pip or the seal still worked on the
+                    # venv it owns, the next part to lease it could change what is sealed as root.
+                    kill_build(self.confinement)
+                else:
+                    self.alive = False
                 self._persist()
                 return
             self._refresh(processes.scan())

@@ -12,20 +12,26 @@ The venv is made with ``--without-pip`` and a ``.pth`` file that adds the interp
 directories after the venv's: the workers see torch, trainyard and pip from the node, and the
 job's packages first. This works whether the node's interpreter is a system Python or itself a
 venv (``--system-site-packages`` would see only the base interpreter's packages). pip runs with
-``--only-binary :all:`` (installing wheels runs none of their code) and the agent's environment
-(PIP_INDEX_URL and the rest apply).
+``--only-binary :all:`` (installing wheels runs none of their code; the requirement lines name
+packages, never a URL or a path, which pip would build from source: trainyard/protocol/requirements.py)
+and an allow-listed part of the agent's environment (``build_env``: PATH, the locale, the proxy and
+CA variables and the operator's PIP_* settings; never TRAINYARD_* or anything else of the agent's).
 
 Nothing of the build runs as root (docs/security.md, "Interpreters and venvs"): where the agent has
 a uid pool, the interpreter probe, ``python -m venv`` and pip run as the part's own uid
-(``build_as``), through the confine wrapper, in a venv directory and a scratch directory that uid
-owns; pip then reads ``--find-links`` and ``file://`` paths only as that uid could. Root then checks
-the result without executing anything in it (node_agent/venv_checks.py: the interpreter links and
-``pyvenv.cfg`` as ``python -m venv`` made them, nothing setuid or special) and gives the tree to
-root, read-only to everyone: worker uids can read and run it, never change it. The requirements
+(``build_as``), through the confine wrapper and in the part's cgroup, in a venv directory and a
+scratch directory that uid owns; pip then reads ``--find-links`` paths only as that uid could. After
+each step every process left in the part's cgroup or of its uid is killed (a daemon the build left
+behind), and the tree is checked only once none is left; the part keeps its uid until its build has
+returned, a stop included (node_agent/attempt.py). Root then checks the result without executing
+anything in it (node_agent/venv_checks.py: the interpreter links and ``pyvenv.cfg`` as ``python -m
+venv`` made them, no other link, nothing setuid or special), never following a link the uid left,
+and gives the tree to root, read-only to everyone: worker uids can read and run it, never change it. The requirements
 text (index URLs may carry tokens) lives only in the scratch directory, removed after the build,
 and the cache's root is 0711: a worker can run a venv whose key it knows, not list or read the
 others. An agent that is not root (no pool) builds as itself. A venv is complete once its marker
-(``trainyard-env.json``) exists; a directory without one is a build that died and is rebuilt.
+(``trainyard-env.json``, a small regular file of root's, created by root after the seal) exists; a
+directory without one is a build that died and is rebuilt.
 
 The cache keeps at most ``max_count`` venvs and ``max_bytes``: past either, the least recently used
 that no live attempt holds are removed (``evictions``, a pure policy).
@@ -39,13 +45,20 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import stat
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import psutil
+
+from node_agent import safe_files
 from node_agent.isolation import Confinement, hidden_paths
 from node_agent.venv_checks import VenvTampered, changed, seal, shape
 from trainyard.protocol.requirements import requirement_lines
@@ -61,6 +74,19 @@ PINNED_FROM_NODE = ("torch",)
 """Packages of the node's interpreter that a job's requirements may not replace."""
 ERROR_LINES = 6
 """Lines of pip's output kept in the reason an install failed."""
+MARKER_LIMIT = 4096
+"""The most a marker may hold: it is read without following a link and no further than this."""
+OUTPUT_LIMIT = 256 * 1024
+"""The most of a build step's output read back (its tail), whatever the step wrote."""
+REAP_TIMEOUT_S = 10.0
+"""How long the processes a build step left behind may take to die after SIGKILL."""
+LOCK_POLL_S = 0.2
+"""How often a part waiting for another's build of the same venv looks whether it was stopped."""
+BUILD_ENV_NAMES = ("PATH", "LANG", "LANGUAGE", "TZ", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
+                   "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "SSL_CERT_FILE", "SSL_CERT_DIR",
+                   "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+"""The agent's variables the probe, ``python -m venv`` and pip see (with LC_*, and PIP_* for pip:
+the operator's pip settings); nothing else of the agent's (its join token, its cloud credentials)."""
 PROBE = """
 import json, site, sys, sysconfig
 from importlib import metadata
@@ -79,6 +105,55 @@ print(json.dumps({"version": sys.version, "prefix": sys.prefix, "site": dirs, "p
 
 class EnvBuildFailed(RuntimeError):
     """The job's requirements could not be installed (one line: the reason the attempt fails with)."""
+
+
+def build_env(agent_env: Mapping[str, str], *, home: str, pip: bool) -> dict[str, str]:
+    """The environment of a build step: an allow-list of the agent's (BUILD_ENV_NAMES, LC_*, and for
+    pip PIP_*), HOME and TMPDIR the build's own, and pip never asking."""
+    prefixes = ("LC_", "PIP_") if pip else ("LC_",)
+    env = {k: v for k, v in agent_env.items() if k in BUILD_ENV_NAMES or k.startswith(prefixes)}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.update(HOME=home, TMPDIR=home)
+    if pip:
+        env["PIP_NO_INPUT"] = "1"
+    return env
+
+
+def _build_processes(build_as: Confinement) -> list[psutil.Process]:
+    """The live processes of the build's uid (every one is the part's: the uid is leased to it)."""
+    found = []
+    for proc in psutil.process_iter(["uids", "status"]):
+        uids = proc.info.get("uids")
+        if uids is not None and proc.info.get("status") != psutil.STATUS_ZOMBIE and build_as.uid in uids:
+            found.append(proc)
+    return found
+
+
+def kill_build(build_as: Confinement) -> list[int]:
+    """SIGKILL every process of the part's cgroup and of its uid, once; the pids found alive."""
+    left: set[int] = set()
+    if build_as.cgroup is not None:
+        build_as.cgroup.kill()
+        left |= build_as.cgroup.pids()
+    if build_as.uid is not None:
+        for proc in _build_processes(build_as):
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)  # psutil checks it is still that process
+                left.add(proc.pid)
+    return sorted(left)
+
+
+def end_build(build_as: Confinement | None, timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
+    """Kill what a build step left behind (a daemon: setsid and a double fork leave neither the
+    cgroup nor the uid) until none is left; the pids still alive after ``timeout_s`` ([]: none)."""
+    if build_as is None:
+        return []  # built as the agent itself: nothing tells its processes from the agent's
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = kill_build(build_as)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)  # the kernel delivers SIGKILL asynchronously: poll until the deadline
 
 
 @dataclass(frozen=True)
@@ -156,15 +231,15 @@ class EnvCache:
         if known is not None:
             return known
         code = PROBE.replace("NAMES", repr(PINNED_FROM_NODE))
+        asked = f"ask the interpreter {python} about its packages"
+        output = _run(_as(build_as, [python, "-I", "-c", code]), asked, 60, build_env(os.environ, home="/", pip=False),
+                      build_as, merge=False)
         try:
-            done = subprocess.run(_as(build_as, [python, "-I", "-c", code]), capture_output=True, timeout=60,
-                                  check=False, cwd="/", stdin=subprocess.DEVNULL)
-            facts = json.loads(done.stdout) if done.returncode == 0 else None
-        except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
-            raise EnvBuildFailed(f"the interpreter {python} cannot be asked about its packages: {exc}") from exc
+            facts = json.loads(output)
+        except ValueError as exc:
+            raise EnvBuildFailed(f"could not {asked}: {exc}") from exc
         if not isinstance(facts, dict):
-            raise EnvBuildFailed(f"the interpreter {python} cannot be asked about its packages: "
-                                 f"{_tail(done.stderr.decode(errors='replace'), 1)}")
+            raise EnvBuildFailed(f"could not {asked}: it printed no facts")
         found = Interpreter(path=python, version=facts["version"], prefix=facts["prefix"],
                             site=tuple(facts["site"]), pins=tuple(sorted(facts["pins"].items())), lib=facts["lib"])
         with self._lock:
@@ -183,11 +258,13 @@ class EnvCache:
 
     # --- use ---
 
-    def acquire(self, requirements: str, python: str, build_as: Confinement | None = None) -> tuple[str, str]:
+    def acquire(self, requirements: str, python: str, build_as: Confinement | None = None,
+                cancelled: Callable[[], bool] | None = None) -> tuple[str, str]:
         """The venv for these requirements on ``python``, built if it is not there: (its key, its
         python). The caller holds it until ``release(key)``: it is not evicted meanwhile.
-        ``build_as``: the unprivileged uid (and what it must see) that probes and builds; None: the
-        agent itself (an agent that is not root)."""
+        ``build_as``: the unprivileged uid (and what it must see, its cgroup) that probes and builds;
+        None: the agent itself (an agent that is not root). ``cancelled``: whether the part was
+        stopped meanwhile (then no build starts, and no wait for another's goes on)."""
         if build_as is not None and build_as.uid is None:
             build_as = None
         key, interpreter, constraints = self.key(requirements, python, build_as)
@@ -195,13 +272,17 @@ class EnvCache:
         # Worker uids run the venvs' pythons by their paths, but cannot list which venvs exist.
         os.chmod(self.root, 0o711)
         venv = self.root / key
-        with self._key_lock(key):
+        with self._key_lock(key, cancelled=cancelled) as locked:
+            if not locked:
+                raise EnvBuildFailed("the part was stopped while another built its venv")
             with self._lock:
                 self._users[key] = self._users.get(key, 0) + 1
             try:
-                if not (venv / MARKER).is_file():
+                if not _complete(venv):
+                    if cancelled is not None and cancelled():
+                        raise EnvBuildFailed("the part was stopped before its venv was built")
                     self._build(venv, requirements, interpreter, constraints, build_as)
-                os.utime(venv / MARKER)  # last used
+                os.utime(venv / MARKER, follow_symlinks=False)  # last used
             except BaseException:
                 self.release(key)
                 raise
@@ -230,25 +311,32 @@ class EnvCache:
         """The complete venvs of the cache."""
         found = []
         for marker in self.root.glob(f"*/{MARKER}"):
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                facts = json.loads(marker.read_text())
-                found.append(CachedEnv(key=marker.parent.name, last_used=marker.stat().st_mtime,
+            # Never through a link, nor past a small limit (a venv a uid left half-built is no proof).
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                facts = json.loads(safe_files.read_file(marker.parent, MARKER, limit=MARKER_LIMIT, owner=os.geteuid()))
+                found.append(CachedEnv(key=marker.parent.name, last_used=marker.lstat().st_mtime,
                                        size_bytes=int(facts["size_bytes"])))
         return found
 
     # --- build and evict ---
 
     @contextlib.contextmanager
-    def _key_lock(self, key: str, *, wait: bool = True) -> Iterator[bool]:
+    def _key_lock(self, key: str, *, wait: bool = True, cancelled: Callable[[], bool] | None = None) -> Iterator[bool]:
+        """Hold the key's lock (True), or False when it is held elsewhere and ``wait`` is False, or
+        ``cancelled()`` turned true while waiting for it."""
         locks = self.root / ".locks"
         locks.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(locks / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait and cancelled is None else fcntl.LOCK_NB))
+                    break
+                except BlockingIOError:
+                    if not wait or (cancelled is not None and cancelled()):
+                        yield False
+                        return
+                    time.sleep(LOCK_POLL_S)  # a flock cannot be waited for and interrupted at once
             yield True
         finally:
             os.close(fd)  # and the lock with it
@@ -274,32 +362,34 @@ class EnvCache:
             # Below a private directory (a 0700 work dir's parent), the uid gets both, writable, in
             # its own mount namespace.
             writable = hidden_paths([str(venv), str(scratch)])
-            env = {"HOME": str(scratch), "TMPDIR": str(scratch)}
             _run(_as(build_as, [interpreter.path, "-I", "-m", "venv", "--without-pip", str(venv)], writable),
-                 "create the virtualenv", 120, env)
+                 "create the virtualenv", 120, build_env(os.environ, home=str(scratch), pip=False), build_as)
             made = shape(venv)
-            site = venv / "lib" / interpreter.lib / "site-packages"
             # addsitedir (not a bare path): the node's own .pth files (editable installs) apply too.
             # Written by root into the uid's directory: never through a link it could have left.
-            if site.is_symlink() or not site.is_dir():
-                raise VenvTampered(f"the venv's {site.relative_to(venv)} is not a directory")
-            fd = os.open(site / "_trainyard_node.pth", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "w") as f:
-                f.write("".join(f"import site; site.addsitedir({d!r})\n" for d in interpreter.site))
+            text = "".join(f"import site; site.addsitedir({d!r})\n" for d in interpreter.site)
+            try:
+                safe_files.create_file(venv, "lib", interpreter.lib, "site-packages", "_trainyard_node.pth",
+                                       data=text.encode(), mode=0o644)
+            except OSError as exc:
+                raise VenvTampered(f"the venv's site-packages is not a plain directory: {exc}") from exc
             _run(_as(build_as, [str(venv / "bin" / "python"), "-I", "-m", "pip", "install",
                                 "--disable-pip-version-check", "--no-input", "--only-binary", ":all:",
                                 "-r", str(scratch / "requirements.txt"), "-c", str(scratch / "constraints.txt")],
                      writable),
-                 "install the job's requirements", self.build_timeout_s, env)
-            # Nothing of the build runs any more: what the uid left is checked and sealed as is.
+                 "install the job's requirements", self.build_timeout_s,
+                 build_env(os.environ, home=str(scratch), pip=True), build_as)
+            # Nothing of the build runs any more (_run killed what it left): checked and sealed as is.
             size = seal(venv, owner=0 if build_as is not None else None)
             tampered = changed(made, venv)
             if tampered is not None:
                 raise VenvTampered(tampered)
             facts = {"python": interpreter.path, "size_bytes": size, "build_s": round(time.monotonic() - started, 3)}
-            marker = venv / MARKER
-            marker.write_text(json.dumps(facts))
-            marker.chmod(0o644)
+            try:
+                # Created, never opened: a name the build left there (a link to /etc/shadow) is refused.
+                safe_files.create_file(venv, MARKER, data=json.dumps(facts).encode(), mode=0o644)
+            except FileExistsError as exc:
+                raise VenvTampered(f"the job's requirements left a {MARKER} in the venv") from exc
         except VenvTampered as exc:
             shutil.rmtree(venv, ignore_errors=True)
             raise EnvBuildFailed(f"the venv built for the job's requirements is refused: {exc}") from exc
@@ -325,23 +415,52 @@ def _as(build_as: Confinement | None, command: list[str], writable: tuple[str, .
     return command if build_as is None else build_as.wrap(command, writable=writable)
 
 
-def _run(command: list[str], what: str, timeout_s: float, extra_env: dict[str, str] | None = None) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "TRAINYARD_", "VIRTUAL_ENV"))}
-    program = command[command.index("--") + 1:] if "--" in command else command
+def _complete(venv: Path) -> bool:
+    """The venv's marker is there: a regular file of the agent's user (root's), not a link."""
     try:
-        done = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=timeout_s, env={**env, **(extra_env or {}), "PIP_NO_INPUT": "1"}, check=False,
-                              cwd="/")
-    except subprocess.TimeoutExpired as exc:
-        raise EnvBuildFailed(f"could not {what} within {timeout_s:g}s: "
-                             f"{_tail((exc.output or b'').decode(errors='replace'))}") from exc
-    except OSError as exc:
-        raise EnvBuildFailed(f"could not {what}: {exc}") from exc
-    if done.returncode != 0:
-        module = program[program.index("-m") + 1] if "-m" in program else program[0]
-        raise EnvBuildFailed(f"could not {what} ({Path(module).name} "
-                             f"exit {done.returncode}): "
-                             f"{_tail(done.stdout.decode(errors='replace'))}")
+        info = os.lstat(venv / MARKER)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+
+
+def _run(command: list[str], what: str, timeout_s: float, env: dict[str, str], build_as: Confinement | None,
+         *, merge: bool = True) -> bytes:
+    """Run one build step as ``build_as``; its output (stdout, with stderr when ``merge``). Whatever
+    it left running is killed before this returns (end_build). The output goes to files of root's,
+    not pipes: a daemon holding a pipe open would keep a reader waiting until the timeout."""
+    program = command[command.index("--") + 1:] if "--" in command else command
+    module = Path(program[program.index("-m") + 1] if "-m" in program else program[0]).name
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        code: int | None = None
+        try:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=out if merge else err, env=env, cwd="/")
+        except OSError as exc:
+            raise EnvBuildFailed(f"could not {what}: {exc}") from exc
+        try:
+            code = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        finally:
+            left = end_build(build_as)
+        output, errors = _read_tail(out), _read_tail(err)
+    if left:
+        raise EnvBuildFailed(f"could not {what}: processes {left[:5]} of its uid survived SIGKILL")
+    if code is None:
+        raise EnvBuildFailed(f"could not {what} within {timeout_s:g}s: {_tail(output.decode(errors='replace'))}")
+    if code != 0:
+        said = (output if merge else errors).decode(errors="replace")
+        raise EnvBuildFailed(f"could not {what} ({module} exit {code}): {_tail(said, ERROR_LINES if merge else 1)}")
+    return output
+
+
+def _read_tail(file: Any) -> bytes:
+    """At most OUTPUT_LIMIT bytes of the end of what a step wrote to ``file``."""
+    size = file.seek(0, os.SEEK_END)
+    file.seek(max(0, size - OUTPUT_LIMIT))
+    return bytes(file.read(OUTPUT_LIMIT))
 
 
 def _tail(output: str, lines: int = ERROR_LINES) -> str:

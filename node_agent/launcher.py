@@ -130,6 +130,9 @@ class NodeContext:
     standby_dir: str | None = None
     """Where this agent's warm standbys listen (TRAINYARD_STANDBY_DIR for the rank shims), when it
     keeps any (``--standbys``)."""
+    allowed_pythons: tuple[str, ...] = ()
+    """The interpreters the operator listed (``--allowed-python``): a job's venv build may see their
+    installations when they are below a private directory (node_agent/attempt.py, _builder)."""
     cwd: str = field(default_factory=os.getcwd)
     """Relative entrypoint paths and top-level modules resolve against this directory, as if the
     job had been started by hand where the agent was started."""

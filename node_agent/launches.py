@@ -60,8 +60,6 @@ class Launches:
                 f"{spec.nproc_per_node} processes per node"
             )
         # The control plane refuses these at submit; a spec from elsewhere is refused here too.
-        if spec.requirements is not None and (refused := requirements_problem(spec.requirements)) is not None:
-            return f"the job's requirements are refused: {refused}"
         if spec.command and (spec.restartable or spec.adopts):
             # A command job's processes are its own launcher's: none is parked or handed over.
             return "a command job cannot restart in process (restartable)"
@@ -88,6 +86,14 @@ class Launches:
             return None
         return interpreter_problem(spec.python, (str(p) for p in self.config.allowed_pythons))
 
+    def requirements_refusal(self, spec: LaunchSpec) -> str | None:
+        """Why the job's requirements may not be installed here (trainyard/protocol/requirements.py),
+        or None. Refused at submit already; a spec from elsewhere is refused here too, as a
+        start_error: the same requirements would be refused on every node."""
+        if spec.requirements is None or (refused := requirements_problem(spec.requirements)) is None:
+            return None
+        return f"the job's requirements are refused: {refused}"
+
     def start(self, spec: LaunchSpec, node: NodeContext, gpus: list[GpuInfo], *,
               code: ShippedCode | None = None) -> AttemptRun | None:
         """Launch ``spec`` (or record why it cannot run); None when it was launched here before.
@@ -101,7 +107,7 @@ class Launches:
         kind: AgentErrorKind | None = None
         try:
             problem = self.problem(spec, gpus)
-            if problem is None and (problem := self.interpreter_refusal(spec)) is not None:
+            if problem is None and (problem := self.requirements_refusal(spec) or self.interpreter_refusal(spec)):
                 kind = "start_error"
         except OSError as exc:
             problem = f"could not check the node for this attempt: {exc}"

@@ -75,6 +75,28 @@ def read_file(root: Path, *parts: str, limit: int, owner: int | None = None) -> 
     return data
 
 
+def create_file(root: Path, *parts: str, data: bytes, mode: int) -> None:
+    """Create root/parts... as a new regular file of ``mode`` holding ``data``, in a directory
+    reached from ``root`` without following a link. Whatever is already there under that name (a
+    link to /etc/shadow, a FIFO) is never opened: FileExistsError."""
+    if not parts or parts[-1] in ("", ".", "..") or "/" in parts[-1]:
+        raise UnsafeFile(f"refusing file name {parts[-1] if parts else ''!r}")
+    directory = _walk(root, parts[:-1])
+    try:
+        # O_EXCL with O_CREAT fails on any existing name, a dangling link included.
+        fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                     dir_fd=directory)
+    finally:
+        os.close(directory)
+    try:
+        os.fchmod(fd, mode)  # whatever the umask
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
 def list_dir(root: Path, *parts: str) -> list[str]:
     """The names in root/parts (no link followed); [] when it cannot be read."""
     try:

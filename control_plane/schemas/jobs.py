@@ -189,7 +189,8 @@ class JobSubmit(BaseModel):
         "A pip requirements file (its text): each node installs it, from wheels only, into a virtualenv "
         "cached per content hash (of the requirements, the interpreter and the node's constraints) that "
         "sees the interpreter's own packages (torch included); the workers run in it. No -r, -c, -e, "
-        "--no-binary or --only-binary lines. `trainyard run` reads a job file's `requirements_file`."))
+        "--no-binary or --only-binary lines; packages by name only (no URL, path or 'name @ url'). "
+        "`trainyard run` reads a job file's `requirements_file`."))
     restartable: bool = Field(default=False, description=(
         "The script runs its loop with worker_runtime.run_restartable: when a peer fails, the workers on healthy "
         "nodes stay alive and are handed over to the next attempt on the same GPUs (restarting in process), "

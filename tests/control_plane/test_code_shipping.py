@@ -92,7 +92,9 @@ def test_requirements_travel_to_the_nodes_and_an_install_that_fails_is_not_retri
     says start_error, and the job fails at once with that reason instead of being retried."""
     agent = FakeAgentSession(client, "node-1", 1)
     for bad, said in (("-r other.txt\n", "-r other.txt"), ("--no-bin :all:\nfoo\n", "--no-bin"),
-                      ("# nothing\n", "name no package"), ("foo\0\n", "plain text")):
+                      ("# nothing\n", "name no package"), ("foo\0\n", "plain text"),
+                      ("evilpkg @ file:///srv/evilpkg-1.0.tar.gz\n", "never a URL, a path or 'name @ url'"),
+                      ("https://attacker/evilpkg-1.0.tar.gz\n", "never a URL")):
         r = client.post("/v1/jobs", json=job_body(num_nodes=1, requirements=bad), headers=ADMIN)
         assert r.status_code == 422 and said in r.json()["detail"], r.text
     requirements = "--no-index\n--find-links /srv/wheels\ntinypkg==1.0  # the job's own\n"

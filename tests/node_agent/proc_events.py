@@ -34,6 +34,8 @@ class Exec:
     """Read as the event arrived (None: the process had gone or changed again)."""
     uid_when_read: int | None
     """The process's uid when cmdline was read: the cmdline is the exec's only while it is ``uid``."""
+    environ: dict[str, str] | None = None
+    """Its environment, read with the cmdline (None: it could not be)."""
 
 
 @dataclass
@@ -123,16 +125,18 @@ class ProcRecorder:
         return bad
 
 
-def _read(pid: int) -> tuple[list[str] | None, int | None]:
+def _read(pid: int) -> tuple[list[str] | None, int | None, dict[str, str] | None]:
     try:
         with open(f"/proc/{pid}/status") as f:
             uid = next(int(line.split()[2]) for line in f if line.startswith("Uid:"))
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             args = f.read().split(b"\0")
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = [item.decode(errors="replace").partition("=") for item in f.read().split(b"\0") if item]
         with open(f"/proc/{pid}/status") as f:
             again = next(int(line.split()[2]) for line in f if line.startswith("Uid:"))
     except (OSError, StopIteration, ValueError):
-        return None, None
+        return None, None, None
     if again != uid:
-        return None, None
-    return [a.decode(errors="replace") for a in args if a], uid
+        return None, None, None
+    return [a.decode(errors="replace") for a in args if a], uid, {k: v for k, _, v in pairs}

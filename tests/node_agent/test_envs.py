@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -45,9 +46,17 @@ def test_the_key_is_the_content_that_decides_the_venv() -> None:
 def test_requirements_that_read_files_or_build_from_source_are_refused() -> None:
     assert requirements_problem("--no-index\n-f /srv/wheels\nnumpy==2.0\n") is None
     for text in ("-r base.txt", "-rbase.txt", "--requirement=base.txt", "-c c.txt", "-e .", "--editable=git+x",
-                 "--no-binary :all:", "--no-bin :all:", "--only-binary=none"):
+                 "--no-binary :all:", "--no-bin :all:", "--only-binary=none",
+                 # pip builds these from source, --only-binary :all: or not (issue 23 review, finding 1)
+                 "evilpkg @ file:///tmp/evilpkg-1.0.tar.gz", "evilpkg@https://attacker/evilpkg-1.0.tar.gz",
+                 "evilpkg[x] @ https://a/e.whl", "https://attacker/evilpkg-1.0.tar.gz", "file:///srv/e.tar.gz",
+                 "./evilpkg", "/srv/evilpkg", "evilpkg-1.0.tar.gz", "evilpkg-1.0-py3-none-any.whl", "e.zip",
+                 "git+https://attacker/e", "evilpkg ${HOME}"):
         assert requirements_problem(f"numpy\n{text}\n") is not None, text
     assert "no package" in (requirements_problem("# only a comment\n") or "")
+    for text in ("numpy==2.0", "torch>=2; python_version<'3.12'", "foo[bar,baz]>=1.0,<2", "Foo.Bar_baz~=1.2.*",
+                 "x (>=1.0)", "tinypkg==1.0 --hash=sha256:abc", "--index-url https://u:t@host/simple", "pkg===1.0+l"):
+        assert requirements_problem(f"{text}\n") is None, text
 
 
 def _env(key: str, used: float, size: int = 10) -> CachedEnv:
@@ -151,15 +160,16 @@ class GatedCache(EnvCache):
         super().__init__(*args, **kwargs)
         self.asked, self.go = threading.Event(), threading.Event()
 
-    def acquire(self, requirements: str, python: str, build_as: Confinement | None = None) -> tuple[str, str]:
+    def acquire(self, requirements: str, python: str, build_as: Confinement | None = None,
+                cancelled: Callable[[], bool] | None = None) -> tuple[str, str]:
         self.asked.set()
         assert self.go.wait(60)
-        return super().acquire(requirements, python, build_as)
+        return super().acquire(requirements, python, build_as, cancelled)
 
 
 def test_a_part_stopped_while_its_venv_builds_never_starts(launcher: Launcher, tmp_path: Path, wheels: Path) -> None:
-    """The build runs beside the part (launching, stoppable); stopped meanwhile, the part is done at
-    once, and when the build ends nothing starts and the venv is not held."""
+    """The build runs beside the part (launching, stoppable); stopped before its build began, the
+    part is done at once, and no build starts for it later: nothing starts, no venv is held."""
     cache = GatedCache(tmp_path / "envs")
     spec = make_spec(nproc_per_node=1, gpu_indices=[0],
                      requirements=f"--no-index\n--find-links {wheels}\ntinypkg==1.0\n")
@@ -171,6 +181,5 @@ def test_a_part_stopped_while_its_venv_builds_never_starts(launcher: Launcher, t
     run.request_stop("cancelled")
     assert run.finished and run.report(None, None).state == NodeAttemptState.stopped
     cache.go.set()
-    wait_for(lambda: cache.cached(), 60, what="the venv's build to end")
-    wait_for(lambda: not run.preparing, 10, what="the build thread to end")
-    assert run.pid is None and run.env_key is None and not cache.in_use()
+    wait_for(lambda: not run.preparing, 30, what="the build thread to end")
+    assert run.pid is None and run.env_key is None and not cache.in_use() and cache.cached() == []
