@@ -199,6 +199,18 @@ def attack_shipped_code(work_dir: str, victim_worker_dir: str, victim_code_sha: 
             else "not tried: no hash given")
     attempt("read the other attempt's unpacked code",
             lambda: read_existing(f"{victim_worker_dir}/code/{VICTIM_CODE_FILE}"))
+    attempt("list the node's venv cache (other tenants' requirements) or plant one",
+            lambda: list_or_plant_envs(work_dir))
+
+
+def list_or_plant_envs(work_dir: str) -> str:
+    """The venvs of every tenant's requirements sit in WORK_DIR/envs (0711: runnable by key, not
+    listable); where no job has built one yet, planting that directory would poison later builds."""
+    try:
+        return str(os.listdir(f"{work_dir}/envs")[:0])
+    except FileNotFoundError:
+        os.mkdir(f"{work_dir}/envs")
+        return "got through: planted the venv cache"
 
 
 # -- Storage grants (issue 23, finding 7): asked through the worker runtime's own client ----------

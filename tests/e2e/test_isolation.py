@@ -54,6 +54,7 @@ ATTACKS = {
     "post a NaN progress report",
     "post an infinite progress report (1e999)",
     "flood its agent's memory tier with 32 PUTs announcing 4 GiB each",
+    "list the node's venv cache (other tenants' requirements) or plant one",
     # storage grants (issue 23, finding 7)
     "ask a storage grant for a far-future step",
     "ask a storage grant for a 300 GiB shard",
