@@ -107,7 +107,7 @@ def test_the_guides_example_then_the_dashboard(guide_cluster, tmp_path, monkeypa
     started = time.monotonic()
     _requirements_and_cluster_commands(cluster, tmp_path, capsys)
     print(f"\nrequirements and cluster commands: {time.monotonic() - started:.1f}s")
-    _dashboard(cluster, tmp_path)
+    _dashboard(cluster, tmp_path, data_dir, capsys)
 
 
 def _guide(cluster: Cluster, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -251,7 +251,7 @@ def _requirements_and_cluster_commands(cluster: Cluster, tmp_path: Path, capsys:
              what="the GPUs to be released")
 
 
-def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
+def _dashboard(cluster: Cluster, tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     need(chromium is not None, "the dashboard test needs Debian's chromium (scripts/system-deps.sh installs it)")
     from playwright import sync_api
@@ -304,6 +304,7 @@ def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
         page.screenshot(path=str(shots / "cluster.png"), full_page=True)
 
         _api_pages(cluster, page, shots)
+        _failure_and_recovery(cluster, page, shots, job, data_dir, capsys)
 
         page.goto(f"{cluster.url}/ui/jobs/{job['id']}")
         page.on("dialog", lambda dialog: dialog.accept())
@@ -318,7 +319,31 @@ def _dashboard(cluster: Cluster, tmp_path: Path) -> None:
         browser.close()
     print(f"\ndashboard screenshots: {shots}")
     assert sorted(p.name for p in shots.iterdir()) == ["cancelled.png", "cluster.png", "docs.png", "job.png",
-                                                        "jobs.png", "nodes.png", "redoc.png"]
+                                                        "jobs.png", "nodes.png", "recovered.png", "redoc.png"]
+
+
+def _failure_and_recovery(cluster: Cluster, page: Any, shots: Path, job: dict[str, Any], data_dir: Path,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    """What a person looks for on the job's page when a worker dies (issue 26): the failed attempt
+    with its cause, then the recovery and the step it resumed from, with no error in the console."""
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    cluster.wait_for("a committed checkpoint", lambda: cluster.get(
+        f"/v1/jobs/{job['id']}/checkpoints", params={"state": "committed"})["items"], 120)
+    code, _, err = _cli(["dev", "node", "kill-workers", "node-2", "--data-dir", str(data_dir)], capsys)
+    assert code == 0, err
+    cluster.wait_for("the second attempt training", lambda: [
+        a for a in cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]
+        if a["number"] == 2 and a["progress_step"] is not None], 180)
+    page.goto(f"{cluster.url}/ui/jobs/{job['id']}")
+    timeline = page.locator("ol.timeline")
+    timeline.locator("li", has_text="#2").wait_for()
+    first = timeline.locator("li", has_text="#1").inner_text()
+    assert "failed" in first and "[signal] rank" in first, first  # the cause, as it was
+    second = timeline.locator("li", has_text="#2").inner_text()
+    assert "restored step" in second and "recovery from #1" in second, second  # where it resumed
+    page.screenshot(path=str(shots / "recovered.png"), full_page=True)
+    assert errors == [], errors
 
 
 def _api_pages(cluster: Cluster, page: Any, shots: Path) -> None:
