@@ -99,6 +99,7 @@ def _plain_torchrun(reaper: ProcessReaper, steps: int) -> subprocess.Popen[str]:
                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.timeout(600)  # the guide, the requirements, the dashboard, /docs and a recovery in the browser
 def test_the_guides_example_then_the_dashboard(guide_cluster, tmp_path, monkeypatch, capsys, process_reaper):
     """One test, one cluster: pytest-xdist's worksteal may give two tests of a module to two workers,
     each of which would start its own cluster."""
