@@ -133,6 +133,7 @@ def _hogs_stopped_at_their_limits(cluster: Any, hogs: dict[str, dict[str, Any]])
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="workers run as uids of their own only under a root agent")
 @pytest.mark.parametrize("cluster", [{"env": PART_LIMITS}], indirect=True)
+@pytest.mark.timeout(600)  # a victim, a hostile job, a bomb, two hogs and the planted interpreters, one after another
 def test_a_hostile_job_cannot_touch_the_node_or_a_job_beside_it(cluster, reference_result):
     need(NOT_ISOLATED not in cluster.log.read_text(), "dev up could not use its uid pool here (its log says why)")
     # Long enough (24 s) to still be training when the hostile job and the bomb beside it are done.
