@@ -431,7 +431,7 @@ class AttemptRun:
                 run.error = run.error or "the node rebooted while the attempt ran"
         run.error, run.stop_reason = state.get("error"), state.get("stop_reason")
         kind, env_key = state.get("error_kind"), state.get("env_key")
-        run.error_kind = kind if kind in ("start_error", "launch_error") else None
+        run.error_kind = kind if kind in ("start_error", "launch_error", "resource_limit") else None
         run.env_key = env_key if isinstance(env_key, str) else None
         run.stopped = bool(state.get("stopped"))
         run.exit_code, run.final_acked = state.get("exit_code"), bool(state.get("final_acked"))
@@ -654,6 +654,7 @@ class AttemptRun:
         if reason is None:
             return False
         self.limit_hit = self.error = reason
+        self.error_kind = "resource_limit"  # the cause, whatever its workers' exits say (they were killed for it)
         self.log.warning("attempt_limit_hit", reason=reason)
         # At once and without a grace: a fork bomb or a filler would use it to go on. With a cgroup,
         # cgroup.kill needs no look at the process table, which a fork bomb makes slow to read.

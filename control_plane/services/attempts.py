@@ -716,6 +716,16 @@ class _Verdict:
 def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
     """Aggregates over the attempt's parts and workers (not every row: a 1,024-rank attempt has 1,024
     workers); None when there is nothing to decide."""
+    # A part stopped at one of its resource limits is the cause, whatever its workers' exits say: the
+    # kernel or its agent killed them for it (a memory hog's worker reads "killed by SIGKILL").
+    limited = session.execute(
+        select(AttemptNode.node_rank, AttemptNode.error, AttemptNode.node_id)
+        .where(AttemptNode.attempt_id == attempt.id, AttemptNode.error_kind == "resource_limit")
+        .order_by(AttemptNode.node_rank).limit(1)).one_or_none()
+    if limited is not None:
+        name = session.scalar(select(Node.name).where(Node.id == limited.node_id))
+        return _Verdict((f"node rank {limited.node_rank} on {name}: {limited.error}", limited.node_id,
+                         "resource_limit"), False, False)
     failed = (Worker.attempt_id == attempt.id, Worker.state == "exited", Worker.exit_code.is_not(None),
               Worker.exit_code != 0)
     # A script that cannot start is the cause wherever it shows; then a rank's own failure before a

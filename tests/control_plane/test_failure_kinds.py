@@ -218,3 +218,24 @@ def test_a_jobs_own_exceptions_never_make_it_avoid_its_only_node_but_signals_do(
         spec = assignments[0] if assignments else spec
     after = get_job(client, killed["id"])
     assert after["state"] == "failed" and "without node-1, which failed it twice" in after["end_reason"]
+
+
+def test_a_part_stopped_at_its_resource_limit_names_the_limit_not_its_killed_worker(client, schedule):
+    """A memory hog's worker is killed by the kernel (SIGKILL) and its agent stops the part at its
+    cgroup limit, reporting both at once: the attempt's reason is the limit (resource_limit, the job's
+    own failure: never counted against the node), not 'killed by SIGKILL'."""
+    a, b = FakeAgentSession(client, "node-1", 1), FakeAgentSession(client, "node-2", 1)
+    job = submit(client, num_nodes=2, gpus_per_node=1, max_failures=0)
+    schedule()
+    specs = {agent.name: agent.heartbeat()["assignments"][0] for agent in (a, b)}
+    for agent in (a, b):
+        agent.status(specs[agent.name], "running", workers=workers_for(specs[agent.name], "running"))
+    killed = workers_for(specs["node-2"], "exited", -9)
+    killed[0].update(cause="signal", message="killed by SIGKILL (the kernel's OOM killer, or an operator)")
+    limit = "out of memory: cgroup limit 2 GiB (the kernel killed 1 process of the part)"
+    r = b.status(specs["node-2"], "exited", exit_code=1, workers=killed, error=limit, error_kind="resource_limit")
+    assert r.status_code == 200, r.text
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failure_kind"] == "resource_limit" and attempt["failed_node"] == "node-2", attempt
+    assert limit in attempt["end_reason"] and "SIGKILL" not in attempt["end_reason"]
+    assert limit in get_job(client, job["id"])["end_reason"]

@@ -442,7 +442,7 @@ class RankSummary(_Wire):
     ranks: list[RankStat] = Field(default_factory=list, max_length=MAX_NODE_RANKS)
 
 
-AgentErrorKind = Literal["start_error", "launch_error"]
+AgentErrorKind = Literal["start_error", "launch_error", "resource_limit"]
 """The failure kinds an agent may name for its part's error (trainyard.protocol.exits)."""
 
 

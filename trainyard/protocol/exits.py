@@ -13,6 +13,8 @@ Kinds (``FAILURE_KINDS``):
   raised and, when worker_runtime's TrainLoop ran it, the step (``... in step 5``: FAILED_STEP).
 - ``signal``: killed by a signal (SIGKILL: the kernel's OOM killer or an operator).
 - ``exit_code``: a non-zero exit without a traceback.
+- ``resource_limit``: the part hit one of its resource limits (memory, pids, /dev/shm, work
+  directory: node_agent/limits.py), named in the reason; the job's own, never the node's.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import re
 import signal
 
 FAILURE_KINDS = ("start_error", "out_of_memory", "collective_timeout", "exception", "signal", "exit_code",
-                 "node_lost", "launch_error", "time_limit", "other")
+                 "node_lost", "launch_error", "time_limit", "other", "resource_limit")
 """What an attempt's failure_kind may be (the last four are decided by the control plane)."""
 
 NODE_FAULT_KINDS = frozenset({"signal", "node_lost", "launch_error", "collective_timeout", "other"})
 """The failures a node may be blamed for (its processes killed, the node lost or its agent silent, a
 peer unreachable, anything unexplained): a node blamed twice by one job is avoided for that job.
-The others (start_error, exception, out_of_memory, exit_code, time_limit) are the job's own: they
+The others (start_error, exception, out_of_memory, exit_code, time_limit, resource_limit) are the job's own: they
 would happen on any node, so they never count against the one they happened on."""
 
 TAIL_BYTES = 16 * 1024
