@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ import structlog
 from node_agent.agent import Agent
 from node_agent.attempt import AttemptRun
 from node_agent.client import StaleAttempt
+from node_agent.code import CodeUnavailable, ShippedCode
 from node_agent.config import AgentConfig
 from node_agent.handover import Handovers
 from node_agent.isolation import Isolation
@@ -27,7 +29,7 @@ from node_agent.launches import Launches
 from node_agent.local_api import LocalApi
 from node_agent.memtier import MemoryTier
 from tests.node_agent.helpers import make_spec
-from trainyard.protocol.agent import AssignmentRef, NodeAttemptState
+from trainyard.protocol.agent import AssignmentRef, CodeRef, NodeAttemptState
 from trainyard.protocol.env import global_rank
 from trainyard.protocol.memtier import LOCAL_MEMORY_KIND, TOKEN_HEADER, MemoryTierSpec
 from trainyard.protocol.restart import NextAssignmentAnswer
@@ -249,7 +251,7 @@ def test_a_spec_never_starts_on_gpus_a_live_part_holds_and_a_claimed_part_is_not
 
     new = make_spec(attempt_id="att-new", attempt_number=2, restartable=True, adopts=old.attempt_id)
     agent._launched_at[new.attempt_id] = time.monotonic()
-    agent._launch(new, None, "no code here: the part fails at once, but only once its GPUs are free")
+    agent._launch(new, _no_code(agent))  # the part fails at once, but only once its GPUs are free
     assert new.attempt_id not in agent._runs and new.attempt_id in agent._pending  # old still holds GPUs 0, 1
     agent._launch_pending()
     assert new.attempt_id not in agent._runs
@@ -291,13 +293,20 @@ def test_a_parked_part_stays_parked_across_an_agent_restart_with_its_own_deadlin
     assert late._runs[run.attempt_id].stopping and not late._runs[run.attempt_id].parked
 
 
+def _no_code(agent: Agent) -> ShippedCode:
+    """Code whose fetch fails: a part that gets this far fails at once (in its own thread)."""
+    def fetch(into: BinaryIO, most: int, deadline: float) -> None:
+        raise CodeUnavailable("no code here")
+    return ShippedCode(ref=CodeRef(sha256="0" * 64, size_bytes=1), work_dir=agent.config.work_dir, fetch=fetch)
+
+
 def test_a_pending_part_no_longer_assigned_is_forgotten(tmp_path: Path, process_reaper) -> None:
     agent = _agent(tmp_path)
     old = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-busy", restartable=True))
     _hold(agent, old)
     new = make_spec(attempt_id="att-waiting", attempt_number=2, restartable=True)
     agent._launched_at[new.attempt_id] = time.monotonic()
-    agent._launch(new, None, "no code")
+    agent._launch(new, _no_code(agent))
     assert new.attempt_id in agent._pending
     agent._launched_at.pop(new.attempt_id)
     agent._launch_pending()
