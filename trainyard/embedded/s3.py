@@ -12,6 +12,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -96,6 +97,11 @@ _PORTS_CHOSEN = (*_PORT_FLAGS, "s3.port", "admin.port")
 # The admin server's worker dials admin.port + 10000 for gRPC whatever -admin.port.grpc says
 # (weed 4.x), so the admin port is chosen with that port free too.
 _GRPC_PORT_OFFSET = 10000
+_HANDED_OUT: set[int] = set()
+"""Ports chosen by the live servers of this process: weed binds some of its ports only seconds after
+it starts (the admin's gRPC port among them), so a second server chosen meanwhile saw them free and
+could take one (a test starting two servers at once did, once in a full run)."""
+_HANDED_OUT_LOCK = threading.Lock()
 
 
 class EmbeddedS3:
@@ -174,6 +180,8 @@ class EmbeddedS3:
         self._remove_sockets()
         if proc is not None:
             self._pidfile.unlink(missing_ok=True)
+        with _HANDED_OUT_LOCK:
+            _HANDED_OUT.difference_update(self.ports.values())
 
     def __enter__(self) -> Self:
         return self
@@ -227,19 +235,23 @@ class EmbeddedS3:
 
         def usable(name: str, port: int) -> bool:
             taken = set(ports.values()) | {p + _GRPC_PORT_OFFSET for n, p in ports.items() if n == "admin.port"}
+            taken |= _HANDED_OUT
             needed = [port, port + _GRPC_PORT_OFFSET] if name == "admin.port" else [port]
             return all(0 < q <= 65535 and q not in taken and port_is_free(q, self.host) for q in needed)
 
-        for name in _PORTS_CHOSEN:
-            if name in ports:
-                continue
-            reused = [previous[name]] if name in previous else []
-            fresh = (free_port(self.host) for _ in range(200))
-            port = next((c for c in itertools.chain(reused, fresh) if usable(name, c)), None)
-            if port is None:
-                raise EmbeddedError(f"no free port for SeaweedFS {name}")
-            ports[name] = port
-        ports["admin.port.grpc"] = ports["admin.port"] + _GRPC_PORT_OFFSET
+        with _HANDED_OUT_LOCK:
+            _HANDED_OUT.difference_update(self.ports.values())  # a restart may take its own ports again
+            for name in _PORTS_CHOSEN:
+                if name in ports:
+                    continue
+                reused = [previous[name]] if name in previous else []
+                fresh = (free_port(self.host) for _ in range(200))
+                port = next((c for c in itertools.chain(reused, fresh) if usable(name, c)), None)
+                if port is None:
+                    raise EmbeddedError(f"no free port for SeaweedFS {name}")
+                ports[name] = port
+            ports["admin.port.grpc"] = ports["admin.port"] + _GRPC_PORT_OFFSET
+            _HANDED_OUT.update(ports.values())
         self.ports = ports
         self.port = ports["s3.port"]
 
