@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import grp
-import hashlib
 import os
 import pwd
 import shutil
@@ -42,6 +41,7 @@ from node_agent.confine_exec import blocked_ancestor
 from node_agent.limits import LimitOptions, PartLimits, format_size
 from node_agent.part_limits import WORKER_OOM_SCORE_ADJ, PartLimiter, node_resources, protect_agent
 from node_agent.processes import uids_alive
+from node_agent.short_tmp import short_tmp
 
 CONFINE_EXEC = str(Path(__file__).resolve().with_name("confine_exec.py"))
 AGENT_PYTHON = sys.executable
@@ -517,13 +517,6 @@ def _limiter(options: LimitOptions | None, cgroups: CgroupTree | None, run_dir: 
 # directory under /tmp, named by a hash of its worker directory (found again for the cleanup),
 # inside a directory of the agent's own that nobody else may create entries in.
 
-SHORT_TMP_PARENT = Path("/tmp")
-
-
-def short_tmp(worker: Path) -> Path:
-    """The short TMPDIR of the part whose worker directory is ``worker`` (it may not exist)."""
-    digest = hashlib.sha256(str(worker.absolute()).encode()).hexdigest()[:12]
-    return SHORT_TMP_PARENT / f"trainyard-{os.geteuid()}" / digest
 
 
 def make_short_tmp(worker: Path, uid: int | None, gid: int | None) -> Path | None:

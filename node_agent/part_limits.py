@@ -32,6 +32,7 @@ from node_agent.limits import (
     shm_reason,
     work_dir_reason,
 )
+from node_agent.short_tmp import short_tmp
 
 AGENT_OOM_SCORE_ADJ = -1000
 """The agent is never the OOM killer's choice: it is what stops a part that went over."""
@@ -166,6 +167,12 @@ class PartLimiter:
             return shm_reason(limits)
         if limits.work_dir is not None and worker_dir is not None:
             used, files = disk_used(worker_dir, limits.work_dir)
+            # Its TMPDIR, where it is a short directory of its own outside the worker directory (a
+            # DataLoader's sockets must fit in 108 bytes: isolation.py), counts against the same cap.
+            tmp = short_tmp(worker_dir)
+            if used <= limits.work_dir and tmp.is_dir() and not tmp.is_symlink():
+                more, more_files = disk_used(tmp, limits.work_dir - used)
+                used, files = used + more, files + more_files
             if used > limits.work_dir:
                 return work_dir_reason(limits, used)
             if files > MAX_WORK_DIR_FILES:
