@@ -24,6 +24,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,12 +169,16 @@ runpy.run_path("train_minimal.py", run_name="__main__")
 
 
 def _requirements_and_cluster_commands(cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    make_wheel(tmp_path / "wheels", "tinypkg", "1.0", "MARK = 'hello'\n")
+    # pip runs as the part's uid (issue 23): a --find-links folder must be one that uid can read, which
+    # pytest's private tmp_path is not.
+    wheels = Path(tempfile.mkdtemp(prefix="trainyard-e2e-guide-wheels-", dir="/tmp"))
+    wheels.chmod(0o755)
+    make_wheel(wheels, "tinypkg", "1.0", "MARK = 'hello'\n")
     job_dir = tmp_path / "reqjob"
     job_dir.mkdir()
     shutil.copy(ROOT / "examples" / "train_minimal.py", job_dir)
     (job_dir / "train.py").write_text(TRAIN_WITH_REQUIREMENT)
-    index = f"--no-index\n--find-links {tmp_path / 'wheels'}\n"
+    index = f"--no-index\n--find-links {wheels}\n"
     (job_dir / "requirements.txt").write_text(f"{index}tinypkg==1.0\n")
     (job_dir / "bad.txt").write_text(f"{index}tinypkg==9.9\n")
     common = "workdir: .\nentrypoint: train.py\ngpus_per_node: 1\nmax_failures: 3\n"
@@ -197,6 +202,7 @@ def _requirements_and_cluster_commands(cluster: Cluster, tmp_path: Path, capsys:
     assert code == 0, err
     job_id = out.strip()
     cluster.wait_for("reqs running", lambda: (cluster.job(job_id)["progress"]["step"] or 0) >= 5, 120)
+    shutil.rmtree(wheels, ignore_errors=True)  # installed: every node built its venv
     code, out, err = _cli(["logs", "reqs"], capsys)
     said = [line for line in out.splitlines() if "tinypkg says hello from" in line]
     assert code == 0 and len(said) == 2 and all("/envs/" in line for line in said), out[-2000:]
