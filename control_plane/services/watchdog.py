@@ -80,6 +80,10 @@ def _who(silent: list[_Silent], every: list[_Silent]) -> tuple[str, uuid.UUID | 
     return "no rank summary arrived from its nodes", None, []
 
 
+FINISHING_TIMEOUT_S = 120.0
+"""The least hang timeout of an attempt that reported its job's last step (total_steps)."""
+
+
 def fail_hung(session: Session, settings: Settings) -> list[uuid.UUID]:
     """Fail every running attempt whose step has not advanced within its hang timeout; returns them."""
     at = now()
@@ -88,21 +92,30 @@ def fail_hung(session: Session, settings: Settings) -> list[uuid.UUID]:
     # Each node's reports advance its own part (status reports never write the attempt row): the
     # attempt advanced when any of its parts did, and the slowest part's step time sets the timeout.
     parts = (select(AttemptNode.attempt_id, func.max(AttemptNode.step_advanced_at).label("advanced_at"),
-                    func.max(AttemptNode.step_time_s).label("step_time"))
+                    func.max(AttemptNode.step_time_s).label("step_time"),
+                    func.max(AttemptNode.progress_step).label("step"),
+                    func.max(AttemptNode.progress_total).label("total"))
              .where(AttemptNode.step_advanced_at.is_not(None))
              .group_by(AttemptNode.attempt_id).subquery())
     rows = session.execute(
-        select(Attempt.id, parts.c.advanced_at, parts.c.step_time, Job.watchdog, stall.c.stall)
+        select(Attempt.id, parts.c.advanced_at, parts.c.step_time, Job.watchdog, stall.c.stall, parts.c.step,
+               parts.c.total)
         .join(parts, parts.c.attempt_id == Attempt.id)
         .join(Job, Job.id == Attempt.job_id)
         .outerjoin(stall, stall.c.job_id == Attempt.job_id)
         .where(Attempt.state == "running", Attempt.outcome.is_(None))
     ).all()
     failed: list[uuid.UUID] = []
-    for attempt_id, advanced_at, step_time, watchdog, longest_stall in rows:
+    for attempt_id, advanced_at, step_time, watchdog, longest_stall, last_step, total in rows:
         timeout = hang_timeout_s(step_time_s=step_time, longest_stall_s=longest_stall,
                                  floor_s=settings.hang_timeout_min_s, multiplier=settings.hang_step_multiplier,
                                  override_s=_override(watchdog, "hang_timeout_s"))
+        if total is not None and last_step is not None and last_step >= total:
+            # The job took its last step: no step will advance again, and what is left (the last
+            # save's upload, the result, the processes' exit) is not a step. A frozen end is still
+            # caught, later; the e2e watchdog test's recovered attempt was failed as hung at step
+            # 240 of 240 while it uploaded its last checkpoint on a loaded machine.
+            timeout = max(timeout, FINISHING_TIMEOUT_S)
         if (at - advanced_at).total_seconds() <= timeout:
             continue
         locked = lock_attempt(session, attempt_id)

@@ -275,3 +275,24 @@ def test_an_attempt_that_took_a_step_is_the_hang_watchdogs_even_without_a_step_t
     (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["end_reason"].startswith("hung: step 1 has not advanced for 100.0s (hang timeout 30s"), attempt
     assert _events(client, job["id"], "attempt.not_started") == []
+
+
+def test_an_attempt_at_its_last_step_is_given_time_to_finish_not_failed_as_hung(clock, app, client, running):
+    """After its last step an attempt uploads its last checkpoint, sends its result and exits: no step
+    advances any more, which is not a hang (the e2e watchdog test's second attempt was failed as hung
+    at step 240 of 240 on a loaded machine); a frozen end is still caught, at FINISHING_TIMEOUT_S."""
+    from control_plane.services.watchdog import FINISHING_TIMEOUT_S
+
+    job, specs, agents = running()
+    for step in (90, 100):
+        for n in agents:
+            agents[n].status(specs[n], "running", workers=workers_for(specs[n], "running"), progress={
+                "step": step, "loss": 1.0, "at": "2026-12-02T12:00:00Z", "total_steps": 100},
+                ranks=_ranks(specs[n], step=step))
+        clock.advance(1.0)
+    clock.advance(40)  # past the 30 s floor: an attempt in mid-run would be hung by now
+    assert app.state.loops.watchdog_once() == 0
+    clock.advance(FINISHING_TIMEOUT_S)
+    assert app.state.loops.watchdog_once() == 1
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["end_reason"].startswith("hung: step 100 has not advanced")

@@ -343,11 +343,12 @@ def _failure_and_recovery(cluster: Cluster, page: Any, shots: Path, job: dict[st
         a for a in cluster.get(f"/v1/jobs/{job['id']}/attempts")["items"]
         if a["number"] == 2 and a["progress_step"] is not None], 180)
     page.goto(f"{cluster.url}/ui/jobs/{job['id']}")
-    timeline = page.locator("ol.timeline")
-    timeline.locator("li", has_text="#2").wait_for()
-    first = timeline.locator("li", has_text="#1").inner_text()
+    items = page.locator("ol.timeline > li")
+    wait_for(lambda: items.count() >= 2, 30, what="two attempts on the job's page")
+    texts = [items.nth(i).inner_text() for i in range(items.count())]
+    first = next(t for t in texts if t.startswith("#1"))  # #2's text names #1 too ("recovery from #1")
+    second = next(t for t in texts if t.startswith("#2"))
     assert "failed" in first and "[signal] rank" in first, first  # the cause, as it was
-    second = timeline.locator("li", has_text="#2").inner_text()
     assert "restored step" in second and "recovery from #1" in second, second  # where it resumed
     page.screenshot(path=str(shots / "recovered.png"), full_page=True)
     assert errors == [], errors
