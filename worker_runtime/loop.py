@@ -296,7 +296,9 @@ class TrainLoop:
             # Printed before the traceback (the exception leaves the script after this): the rank
             # shim's classification adds the step to the failure's message, and the control plane
             # stops retrying an exception that comes back at the same step (docs/writing-jobs.md).
-            print(failed_step_line(self._step_in_progress, exc), file=sys.stderr, flush=True)
+            # One write, newline included: another thread's line must not land inside it.
+            sys.stderr.write(failed_step_line(self._step_in_progress, exc) + "\n")
+            sys.stderr.flush()
         try:
             if self.checkpoints is not None:
                 # Drains the upload in flight: the last checkpoint is reported before the result.

@@ -49,7 +49,7 @@ _COLLECTIVE = re.compile(r"Watchdog caught collective operation timeout|Timed ou
                          r"collective operation timeout|ProcessGroup\w* .*timed out", re.IGNORECASE)
 # torch.distributed prefixes what a rank prints once its process group exists ("[rank0]: Traceback").
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
-FAILED_STEP = re.compile(r"^trainyard: step (?P<step>\d+) raised ")
+FAILED_STEP = re.compile(r"trainyard: step (?P<step>\d+) raised ")
 """The line worker_runtime.TrainLoop prints to stderr when an exception leaves a step (failed_step_line)."""
 MAX_MESSAGE = 400
 
@@ -104,7 +104,13 @@ def _step_of(lines: list[str]) -> str:
     start = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")),
                 default=len(lines))
     for line in reversed(lines[:start]):
-        found = FAILED_STEP.match(line)
+        found = FAILED_STEP.search(line)
+        if found:
+            return f" in step {found.group('step')}"
+    # Once a process group exists, torch relays the rank's stderr with its "[rankN]: " prefix, and
+    # under load the line can land after the traceback it came before (2 full runs in 3 saw it).
+    for line in lines[start:]:
+        found = FAILED_STEP.search(line)
         if found:
             return f" in step {found.group('step')}"
     return ""
