@@ -36,6 +36,7 @@ from node_agent.limits import (
     part_limits,
 )
 from node_agent.part_limits import AGENT_OOM_SCORE_ADJ, WORKER_OOM_SCORE_ADJ, disk_used
+from tests.helpers import need
 from tests.node_agent.helpers import Launcher, make_spec, wait_finished, wait_for
 from trainyard.protocol.agent import NodeAttemptState
 
@@ -213,8 +214,8 @@ def _attack(sandbox: Path, launcher: Launcher, script: str, options: LimitOption
     isolation, notes = Isolation.configure(UidRange(UID, UID + 3), sandbox / "run", use_cgroups=True,
                                            cwd=str(code), limits=options, gpus=1, work_dir=sandbox)
     assert isolation.limiter is not None, notes
-    if isolation.limiter.tree is None:  # runs here (root, hybrid cgroups); elsewhere the log line says why not
-        pytest.skip(f"no cgroup limits on this machine: {notes}")
+    # Runs here and in CI (root, hybrid cgroups); elsewhere it skips, saying why (CI fails instead).
+    need(isolation.limiter.tree is not None, f"no cgroup limits on this machine: {notes}")
     # Lowering it takes CAP_SYS_RESOURCE, which some containers (this one) drop: then the log says so.
     refused = f"cannot set the agent's oom_score_adj to {AGENT_OOM_SCORE_ADJ}"
     assert (Path("/proc/self/oom_score_adj").read_text().strip() == str(AGENT_OOM_SCORE_ADJ)
@@ -310,8 +311,7 @@ def test_a_rank_started_in_a_warm_standby_is_under_its_parts_limits(tmp_path: Pa
     isolation, notes = Isolation.configure(None, tmp_path / "run", use_cgroups=True, cwd=os.getcwd(),
                                            limits=LimitOptions(pids=300), gpus=1, work_dir=tmp_path)
     assert isolation.limiter is not None and isolation.cgroups is not None, notes
-    if isolation.limiter.tree is None:
-        pytest.skip(f"no cgroup limits on this machine: {notes}")
+    need(isolation.limiter.tree is not None, f"no cgroup limits on this machine: {notes}")
     confinement = isolation.confine("standby-limits", f"att-{os.getpid()}", 0, lambda: set(), gpus=1)
     assert confinement.cgroup is not None and confinement.limit_groups is not None
     spawned: list[subprocess.Popen[bytes]] = []
