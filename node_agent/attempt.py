@@ -293,15 +293,19 @@ class AttemptRun:
             self.preparing = False
             if self.stop_reason is not None:
                 return
-            try:
-                proc = start_torchrun(self.spec, node, self.paths, self.confinement, cwd=cwd)
-            except OSError as exc:
-                self.log.error("launch_failed", error=str(exc))
-                self.error = f"could not start torchrun: {exc}"
-                self.torchrun_done, self.alive = True, False
-                self._persist()
-                return
-            self._started(proc)
+            self._start_locked(node, cwd)
+
+    def _start_locked(self, node: NodeContext, cwd: Path | None) -> None:
+        """Start torchrun (the caller holds the lock), or record why it could not start."""
+        try:
+            proc = start_torchrun(self.spec, node, self.paths, self.confinement, cwd=cwd)
+        except OSError as exc:
+            self.log.error("launch_failed", error=str(exc))
+            self.error = f"could not start torchrun: {exc}"
+            self.torchrun_done, self.alive = True, False
+            self._persist()
+            return
+        self._started(proc)
 
     def _unpack_started(self, proc: subprocess.Popen[bytes]) -> None:
         with self._lock:
@@ -352,16 +356,7 @@ class AttemptRun:
                 # parent): exposed read-only in the part's mount namespace, as the interpreter is.
                 hidden = hidden_paths([str(Path(python).parent.parent)])
                 self.confinement.expose = tuple(dict.fromkeys((*self.confinement.expose, *hidden)))
-            try:
-                proc = start_torchrun(self.spec, dataclasses.replace(node, python=python), self.paths,
-                                      self.confinement, cwd=cwd)
-            except OSError as exc:
-                self.log.error("launch_failed", error=str(exc))
-                self.error = f"could not start torchrun: {exc}"
-                self.torchrun_done, self.alive = True, False
-                self._persist()
-                return
-            self._started(proc)
+            self._start_locked(dataclasses.replace(node, python=python), cwd)
 
     def _builder(self, node: NodeContext) -> Confinement | None:
         """Who probes ``node.python`` and builds the venv: the part's own uid (never root), in its

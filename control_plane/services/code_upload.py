@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 from anyio import CancelScope, to_thread
 
 from control_plane.authz import Principal
-from control_plane.errors import Conflict, TooMany, Unprocessable
+from control_plane.errors import Conflict, Unprocessable
 from control_plane.services.code import code_key, find, owner_tenant, require_store
+from control_plane.services.gates import PrincipalGate
 from control_plane.settings import Settings
 
 PART_BYTES = 8 * 2**20
@@ -40,33 +40,12 @@ class CodeQuotaBytes(CodeQuota):
     status = 413
 
 
-class UploadGate:
+class UploadGate(PrincipalGate):
     """Code uploads in flight, per principal, on this replica."""
 
     def __init__(self, per_principal: int) -> None:
-        self.per_principal = per_principal
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def acquire(self, principal: str) -> None:
-        with self._lock:
-            held = self._held.get(principal, 0)
-            if held >= self.per_principal:
-                raise TooMany(f"principal {principal} already has {held} code uploads in flight "
-                              "(code_uploads_per_principal); retry when one has finished", retry_after_s=5)
-            self._held[principal] = held + 1
-
-    def release(self, principal: str) -> None:
-        with self._lock:
-            held = self._held.get(principal, 0) - 1
-            if held > 0:
-                self._held[principal] = held
-            else:
-                self._held.pop(principal, None)
-
-    def held(self, principal: str) -> int:
-        with self._lock:
-            return self._held.get(principal, 0)
+        super().__init__(per_principal, what="code uploads in flight", setting="code_uploads_per_principal",
+                         advice="retry when one has finished")
 
 
 def declared_length(header: str | None) -> int | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -14,8 +13,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.authz import same_secret
 from control_plane.db import rowcount, session_scope
-from control_plane.errors import Forbidden, StaleAttempt, TooMany
+from control_plane.errors import Forbidden, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, Job, LogChunk, Node
+from control_plane.services.gates import PrincipalGate
 from control_plane.services.states import JOB_TERMINAL
 from trainyard.protocol.agent import LogBatch
 
@@ -103,35 +103,14 @@ class LogQuery:
     prefix: bool = True
 
 
-class Followers:
+class Followers(PrincipalGate):
     """Logs followed at once, per principal, on this replica (settings.log_followers_per_principal).
     A follower holds no thread and no connection while it waits, but it does hold a socket and a
     poll: the cap keeps one principal from taking a replica's polls."""
 
     def __init__(self, per_principal: int) -> None:
-        self.per_principal = per_principal
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def acquire(self, principal: str) -> None:
-        with self._lock:
-            held = self._held.get(principal, 0)
-            if held >= self.per_principal:
-                raise TooMany(f"principal {principal} already follows {held} logs on this replica "
-                              f"(log_followers_per_principal); stop one or retry later", retry_after_s=5)
-            self._held[principal] = held + 1
-
-    def release(self, principal: str) -> None:
-        with self._lock:
-            held = self._held.get(principal, 0) - 1
-            if held > 0:
-                self._held[principal] = held
-            else:
-                self._held.pop(principal, None)
-
-    def held(self, principal: str) -> int:
-        with self._lock:
-            return self._held.get(principal, 0)
+        super().__init__(per_principal, what="followed logs", setting="log_followers_per_principal",
+                         advice="stop one or retry later")
 
 
 def _read_once(factory: sessionmaker[Session], query: LogQuery, after: int) -> tuple[list[tuple[LogChunk, int]], bool]:
