@@ -6,7 +6,7 @@
   parses errors as well as answers.
 - ``/openapi/agent.json``: the node agents' side (``/v1/agent``), kept out of the users' document
   and its pages: nobody writes a client for it but the agent (trainyard/protocol/agent.py).
-- ``/docs`` (Swagger UI, from the ``swagger-ui-bundle`` package) and ``/redoc`` (vendored under
+- ``/docs`` (Swagger UI 5, from the ``swagger-ui-bundle-v2`` package) and ``/redoc`` (vendored under
   control_plane/static/redoc) load every asset from this server: an air-gapped cluster shows them.
 """
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,3 +19,14 @@ def launcher(tmp_path: Path) -> Iterator[Launcher]:
         yield launcher
     finally:
         launcher.cleanup()
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory a worker uid can reach (a pytest tmp_path is 0700): wheels, code, worker dirs."""
+    base = Path(tempfile.mkdtemp(prefix="trainyard-open-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

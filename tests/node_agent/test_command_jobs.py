@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,17 +37,6 @@ exit 3
 def _node(cwd: Path) -> NodeContext:
     return NodeContext(local_addr="127.0.0.2", agent_url="http://127.0.0.1:9", virtual=True, join_timeout_s=60,
                        shutdown_timeout_s=2, monitor_interval_s=0.2, cwd=str(cwd))
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory a worker uid can reach (a pytest tmp_path is 0700): the job's code, worker dirs."""
-    base = Path(tempfile.mkdtemp(prefix="command-", dir="/tmp"))
-    try:
-        base.chmod(0o755)
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @contextlib.contextmanager

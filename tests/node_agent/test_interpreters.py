@@ -87,17 +87,6 @@ print("mark", tinypkg.MARK, "uid", os.getuid(), flush=True)
 """
 
 
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory a worker uid can reach (a pytest tmp_path is 0700): wheels, code, worker dirs."""
-    base = Path(tempfile.mkdtemp(prefix="interp-", dir="/tmp"))
-    try:
-        base.chmod(0o755)
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def _lease(uid: int, locks: Path) -> Iterator[Confinement]:
     lease = UidPool(UidRange(uid, uid), locks).lease(processes.uids_alive)
