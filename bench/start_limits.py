@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node_agent.attempt import AttemptRun  # noqa: E402
-from node_agent.isolation import Isolation, UidRange  # noqa: E402
+from node_agent.isolation import Isolation, UidRange, worker_tmp  # noqa: E402
 from node_agent.launcher import AttemptPaths, NodeContext  # noqa: E402
 from node_agent.limits import LimitOptions  # noqa: E402
 from tests.helpers import rendezvous_port  # noqa: E402
@@ -65,7 +65,7 @@ def _start(isolation: Isolation, work: Path, code: Path, number: int) -> tuple[f
     confinement = isolation.confine("bench", spec.attempt_id, 0, lambda: set(), gpus=1)
     confined = time.time() - started
     run = AttemptRun.launch(spec, node, paths, stop_grace_s=2.0, confinement=confinement)
-    marker = paths.worker / "tmp" / "first-step"
+    marker = worker_tmp(paths.worker) / "first-step"  # the part's TMPDIR (a short one of its own since issue 24)
     try:
         deadline = time.monotonic() + 300
         while not marker.exists():
