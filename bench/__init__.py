@@ -1,1 +1,1 @@
-"""One script per figure the project promises (docs/operations.md); run each as ``python bench/NAME.py``."""
+"""One script per figure the project measures (docs/benchmarks.md); run each as ``python bench/NAME.py``."""

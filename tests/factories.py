@@ -13,7 +13,7 @@ ADMIN_TOKEN = "test-admin-token"
 JOIN_TOKEN = "test-join-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
-# The README's submit body, defined once as the API schema's example.
+# The demo's submit body (scripts/demo.sh), defined once as the API schema's example.
 TINY_GPT: dict[str, Any] = SUBMIT_EXAMPLE
 
 

@@ -117,7 +117,7 @@ ATTEMPT: dict[str, State] = {
     "stopping": _s("ended", exit=Exit(
         "each node confirms its processes gone (its final status report, or the heartbeat that stops "
         "listing it), and the release that completes the gang ends it in the same transaction (never "
-        "an attempt that holds nothing and is not ended: issue 31); a lost node's part waits for the "
+        "an attempt that holds nothing and is not ended); a lost node's part waits for the "
         "node to return",
         settings=("node_lost_timeout_s",), message="attempt status report, heartbeat",
         operator="DELETE /v1/nodes/{id}")),

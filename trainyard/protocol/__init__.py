@@ -1,5 +1,5 @@
 """The wire contract: what the control plane, the node agent and the worker runtime say to each
-other, in one package all three import (docs/architecture.md, "Parts and who talks to whom").
+other, in one package all three import (docs/architecture.md, "Components and who talks to whom").
 
 - ``agent``: the agent API's messages (control plane <-> agent) and the agent's local API
   (agent <-> workers); pydantic.
