@@ -21,7 +21,7 @@ TEST_WORKERS ?= 2
 help:
 	@echo "make venv       create $(VENV) and install trainyard[dev] (pinned by constraints.txt)"
 	@echo "make test       system packages where it can (scripts/system-deps.sh), ruff, mypy, import contracts, then the whole pytest suite (real PostgreSQL and S3, no GPU needed)"
-	@echo "make lint       ruff, mypy and the import contracts (lint-imports)"
+	@echo "make lint       ruff, mypy, the import contracts (lint-imports) and scripts/check_imports.py (no cycles)"
 	@echo "make demo       a 2-node dev cluster on this machine, running one tiny-gpt job end to end"
 	@echo "make clean      remove caches and .trainyard/ (demo data); distclean also removes $(VENV)"
 
@@ -42,12 +42,14 @@ test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy $(PACKAGES)
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_imports.py
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy $(PACKAGES)
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_imports.py
 
 demo: venv
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainyard.embedded import EmbeddedS3  # noqa: E402
+from trainyard.storage.s3 import S3Config, S3Storage  # noqa: E402
 from worker_runtime import CheckpointManager, TrainState, WorkerContext  # noqa: E402
-from worker_runtime.checkpoint.s3 import S3Config, S3Storage  # noqa: E402
 
 
 class Blob:

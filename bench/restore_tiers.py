@@ -35,10 +35,10 @@ from node_agent.memtier_peer import serving  # noqa: E402
 from trainyard.embedded import EmbeddedS3  # noqa: E402
 from trainyard.protocol.keys import MANIFEST_FORMAT  # noqa: E402
 from trainyard.protocol.memtier import memory_grant  # noqa: E402
+from trainyard.storage.s3 import S3Config, S3Storage  # noqa: E402
 from worker_runtime import WorkerContext  # noqa: E402
 from worker_runtime.checkpoint.memtier import AgentMemory  # noqa: E402
 from worker_runtime.checkpoint.restore import _download, fetch_shard  # noqa: E402
-from worker_runtime.checkpoint.s3 import S3Config, S3Storage  # noqa: E402
 
 KEY = "bench/rank-00000.pt"
 

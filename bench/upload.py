@@ -154,10 +154,10 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
     )
     from trainyard.protocol.grants import StorageRequest
     from trainyard.simulate import ControlPlane
+    from trainyard.storage.s3 import S3Config, S3Storage
     from worker_runtime import CheckpointManager, WorkerContext
     from worker_runtime.checkpoint.notify import CheckpointReporter
     from worker_runtime.checkpoint.presigned import AgentGrants, PresignedStorage
-    from worker_runtime.checkpoint.s3 import S3Config, S3Storage
     from worker_runtime.state import TrainState
 
     s3, link = ctx["s3"], ctx["link"]
@@ -450,7 +450,7 @@ def protocol_at_scale(args: argparse.Namespace, ctx: dict[str, Any]) -> ScaleOut
 
 
 def foreground_alone(ctx: dict[str, Any], seconds: float = 4.0) -> float:
-    from worker_runtime.checkpoint.s3 import S3Config, S3Storage
+    from trainyard.storage.s3 import S3Config, S3Storage
 
     s3, link = ctx["s3"], ctx["link"]
     fg = Foreground(S3Storage(S3Config(endpoint=link.endpoint, bucket=s3.bucket, access_key=s3.access_key,

@@ -48,7 +48,8 @@ from control_plane.services.logs import Followers
 from control_plane.services.metrics import Exporter
 from control_plane.settings import Settings
 from control_plane.wakeups import SLOT_CHANNEL, Busy, Wakeups
-from trainyard.protocol.s3tls import tls_failure
+from trainyard.protocol.s3tls import read_ca_pem, tls_failure
+from trainyard.storage.s3 import S3Config, S3Storage
 
 log = structlog.get_logger("trainyard.app")
 
@@ -229,7 +230,6 @@ def object_store(settings: Settings):  # type: ignore[no-untyped-def]
     workers' URLs): the only holder of the credentials."""
     if not settings.s3_endpoint:
         return None
-    from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 
     config = S3Config(endpoint=settings.s3_endpoint, bucket=settings.s3_bucket, access_key=settings.s3_access_key,
                       secret_key=settings.s3_secret_key, secure=settings.s3_secure, region=settings.s3_region,
@@ -244,7 +244,6 @@ def worker_storage(settings: Settings) -> dict[str, Any]:
     if not settings.s3_endpoint:
         return {}
     if settings.s3_ca_file:  # public, and small (s3tls.MAX_CA_PEM_BYTES): workers verify S3 with it
-        from trainyard.protocol.s3tls import read_ca_pem
 
         return {"access": "presigned", "ca_pem": read_ca_pem(settings.s3_ca_file)}
     return {"access": "presigned"}

@@ -105,6 +105,12 @@ class Node(Base):
     def effective_labels(self) -> dict[str, str]:
         return {**(self.labels or {}), **(self.label_overrides or {})}
 
+    def domain(self, topology_label: str) -> str:
+        """The node's topology domain: its value of the topology label ('' without one; labels are
+        at most 253 characters, the columns that hold a domain 255: a longer one stored before the
+        limit is cut)."""
+        return (self.effective_labels.get(topology_label) or "")[:255] if topology_label else ""
+
 
 class Tenant(Base):
     """A team sharing the cluster. Jobs of a tenant without a row get weight 1 and no quota."""

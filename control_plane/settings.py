@@ -7,7 +7,10 @@ from functools import lru_cache
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from control_plane import failpoints
+from trainyard.protocol.agent import AGENT_BACKOFF_S, agent_request_timeout_s
 from trainyard.protocol.env import MAX_JOB_ENV_BYTES
+from trainyard.protocol.s3tls import read_ca_pem, split_endpoint
 
 
 class Settings(BaseSettings):
@@ -282,7 +285,6 @@ class Settings(BaseSettings):
     @property
     def agent_request_timeout_s(self) -> float:
         """What agents registered here use as their per-try request timeout (trainyard/protocol/agent.py)."""
-        from trainyard.protocol.agent import agent_request_timeout_s
 
         return agent_request_timeout_s(self.heartbeat_interval_s, self.node_lost_timeout_s)
 
@@ -319,7 +321,6 @@ class Settings(BaseSettings):
 
     def _check_s3(self) -> None:
         """An https:// (or http://) endpoint sets s3_secure; a CA file must load (s3tls.read_ca_pem)."""
-        from trainyard.protocol.s3tls import read_ca_pem, split_endpoint
 
         for name in ("s3_endpoint", "s3_worker_endpoint"):
             endpoint, secure = split_endpoint(getattr(self, name))
@@ -335,7 +336,6 @@ class Settings(BaseSettings):
 
     def _check_timeouts(self) -> None:
         """Each timeout fits inside the next (docs/architecture.md, "Time and timeouts")."""
-        from trainyard.protocol.agent import AGENT_BACKOFF_S
 
         if self.heartbeat_interval_s + AGENT_BACKOFF_S >= self.node_lost_timeout_s:
             raise ValueError(
@@ -367,7 +367,6 @@ class Settings(BaseSettings):
         self._check_s3()
         if self.rdzv_port_min > self.rdzv_port_max:
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
-        from control_plane import failpoints
 
         failpoints.configure(self.failpoints)
         reserve = self.recovery_reserve_nodes

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from trainyard.protocol.exits import failed_step_line
+from worker_runtime.checkpoint.kept import KeptSave
 from worker_runtime.checkpoint.manager import ERROR_DRAIN_S, CheckpointManager
 from worker_runtime.context import WorkerContext
 from worker_runtime.data import ResumableSampler
@@ -54,7 +55,6 @@ from worker_runtime.distributed import (
 )
 from worker_runtime.grads import PendingGrads
 from worker_runtime.reporting import Reporter, StaleAttemptError
-from worker_runtime.restart import MemoryTier
 from worker_runtime.state import RngState, Stateful, StepCounter, TrainState
 from worker_runtime.streams import INEXACT_EVENT, SeededSamples, StreamWatch, mix, quiet_iter
 
@@ -70,7 +70,7 @@ class TrainLoop:
     (and the loss synchronised). ``ctx`` defaults to the environment."""
 
     def __init__(self, *, total_steps: int, seed: int = 0, log_every: int = 10, timeout_s: float = 300.0,
-                 ctx: WorkerContext | None = None, memory: MemoryTier | None = None) -> None:
+                 ctx: WorkerContext | None = None, memory: KeptSave | None = None) -> None:
         if total_steps < 1 or log_every < 1:
             raise ValueError("total_steps and log_every must be >= 1")
         self.total_steps = total_steps

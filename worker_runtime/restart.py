@@ -19,7 +19,7 @@ the attempt it belonged to, for its part of the next attempt (AgentAssignments; 
 ``next-assignment`` kind of the local API). Given one, it adopts the new attempt id, token, ranks
 and restore plan, joins the new attempt's fenced rendezvous (distributed.fenced_store) and runs
 the attempt again: the interpreter, torch and the CUDA context survive, and the restore reads this
-rank's own in-memory copy of the planned step (MemoryTier) when it holds exactly that step for
+rank's own in-memory copy of the planned step (KeptSave) when it holds exactly that step for
 exactly this rank, and storage otherwise. Without an assignment (no handover, an agent that does
 not offer one, the wait timed out) the original error is raised, as without this wrapper, and the
 agent starts the next attempt's part cold. docs/architecture.md, "In-process restart".
@@ -43,8 +43,10 @@ from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.exits import is_collective_failure
 from trainyard.protocol.restart import NEXT_ASSIGNMENT, Assignment, LocalNextAssignment, NextAssignmentAnswer
 from worker_runtime.agent_http import agent_client
+from worker_runtime.checkpoint.kept import KeptSave
 from worker_runtime.context import WorkerContext
 from worker_runtime.distributed import StaleRendezvousError, abort_distributed
+from worker_runtime.loop import TrainLoop
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,36 +54,6 @@ T = TypeVar("T")
 HANDOVER_WAIT_S = 120.0
 """How long a parked rank waits for its agent's answer before it gives up and exits (the agent then
 starts the next attempt's part cold)."""
-
-
-class MemoryTier:
-    """This rank's latest saved state, kept in host memory beside the upload (one copy per rank).
-
-    Only used for a restore whose planned checkpoint (step and the attempt that saved it), rank and
-    world size are exactly the kept ones: the plan lists committed checkpoints only, so a kept save
-    the plan names is the state that checkpoint holds, and every other rank restores the same step
-    from storage.
-    """
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-        self._key: tuple[int, int, int] | None = None
-        self._state: dict[str, Any] | None = None
-
-    def keep(self, step: int, *, attempt_number: int, rank: int, world_size: int, state: dict[str, Any]) -> None:
-        """``state``: a host copy nobody else mutates (the saved one), saved by ``attempt_number``."""
-        self.step, self._key, self._state = step, (attempt_number, rank, world_size), state
-
-    def get(self, step: int, *, attempt_number: Any, rank: int, world_size: int) -> dict[str, Any] | None:
-        """A fresh host copy of the kept state when it is exactly ``step`` as saved by ``attempt_number``
-        (the plan's candidate says which attempt saved it), of ``rank`` in ``world_size``."""
-        if self._state is None or self.step != step or self._key != (attempt_number, rank, world_size):
-            return None
-        from worker_runtime.checkpoint.snapshot import host_copy
-
-        # A copy: optimizers adopt the tensors they load, and update them in place afterwards.
-        copied: dict[str, Any] = host_copy(self._state)
-        return copied
 
 
 class AssignmentSource(Protocol):
@@ -152,7 +124,7 @@ def context_for(ctx: WorkerContext, assignment: Assignment) -> WorkerContext:
     )
 
 
-def restartable(attempt: Callable[[WorkerContext, MemoryTier], T], *, assignments: AssignmentSource | None = None,
+def restartable(attempt: Callable[[WorkerContext, KeptSave], T], *, assignments: AssignmentSource | None = None,
                 handover_wait_s: float = HANDOVER_WAIT_S, ctx: WorkerContext | None = None) -> T:
     """Run ``attempt(ctx, memory)``, one attempt of this rank, again in this process for each next
     attempt this rank is handed after a peer failure (module docstring); what the attempt that
@@ -167,7 +139,7 @@ def restartable(attempt: Callable[[WorkerContext, MemoryTier], T], *, assignment
     """
     source = assignments or AgentAssignments()
     ctx = ctx or WorkerContext.from_env()
-    memory = MemoryTier()
+    memory = KeptSave()
     while True:
         try:
             return attempt(ctx, memory)
@@ -196,11 +168,9 @@ def run_restartable(train: Callable[[Any], T], *, assignments: AssignmentSource 
     """Run ``train(loop)`` in a TrainLoop (``loop_options``: its keyword arguments), restarting it in
     this process for each next attempt this rank is handed after a peer failure (``restartable``).
     Returns what ``train`` returns in the attempt that completes."""
-    from worker_runtime.loop import TrainLoop
-
     attempts = 0
 
-    def one_attempt(ctx: WorkerContext, memory: MemoryTier) -> T:
+    def one_attempt(ctx: WorkerContext, memory: KeptSave) -> T:
         nonlocal attempts
         restarts, attempts = attempts, attempts + 1
         # The loop joins the group on entry, and leaves it to ``restartable`` on a peer failure (its

@@ -18,8 +18,9 @@ from control_plane.clock import now
 from control_plane.errors import Forbidden, IdempotencyMismatch, InvalidState, NotFound, TooMany, Unprocessable
 from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
-from control_plane.services import code, events, pages, plans
+from control_plane.services import attempts, code, events, pages, plans
 from control_plane.services.states import ATTEMPT_HOLDING, JOB, JOB_TERMINAL, can_transition, set_job_state
+from control_plane.services.tenants import check_quota, max_priority
 from trainyard.protocol.env import job_env_bytes
 from trainyard.protocol.layout import Layout
 
@@ -103,7 +104,6 @@ def submit(
         )
         if existing is not None:
             return _same_request(existing, digest), False
-    from control_plane.services.tenants import check_quota, max_priority  # tenants imports this module
 
     try:
         tenant = authz.submit_tenant(principal, body.tenant)
@@ -262,7 +262,6 @@ def list_jobs(
 
 def cancel(session: Session, job_id: uuid.UUID, principal: Principal) -> Job:
     """Cancel a job: at once if nothing runs, else stop every process first (cancelling)."""
-    from control_plane.services import attempts  # attempts imports this module
 
     job = get_visible_job(session, job_id, principal, for_update=True)
     if job.state in TERMINAL:

@@ -30,7 +30,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode, Job, Node
-from control_plane.services.upload_slots import domain_of
 from trainyard.protocol.memtier import memory_grant
 
 MAX_SOURCES = 4
@@ -74,7 +73,7 @@ class Peers:
         self.session = session
         self.topology_label = topology_label
         rows = session.scalars(select(Node).where(Node.state == "ready", Node.memory_port.is_not(None))).all()
-        self.nodes = {n.id: PeerNode(n.id, domain_of(n, topology_label),
+        self.nodes = {n.id: PeerNode(n.id, n.domain(topology_label),
                                      peer_url(n.address, n.memory_port or 0, bool(n.memory_tls)), n.token_hash)
                       for n in rows}
         self._keys = {node.url: node.key for node in self.nodes.values()}

@@ -37,7 +37,7 @@ restore that fell back from it has already read it)."""
 
 
 class Signer(Protocol):
-    """What signs URLs (worker_runtime.checkpoint.s3.S3Storage.presign)."""
+    """What signs URLs (trainyard.storage.s3.S3Storage.presign)."""
 
     def presign(self, method: str, key: str, *, expires_s: int, headers: dict[str, str] | None = None,
                 query: dict[str, str] | None = None, now: datetime | None = None) -> str: ...

@@ -67,12 +67,6 @@ def slot_key(attempt_id: uuid.UUID | str, rank: int, step: int) -> str:
     return f"{attempt_id}/{rank}/{step}"
 
 
-def domain_of(node: Node, topology_label: str) -> str:
-    """The node's topology domain: its value of the topology label ('' without one; labels are at
-    most 253 characters, the column holds 255: a longer one stored before the limit is cut)."""
-    return (node.effective_labels.get(topology_label) or "")[:255] if topology_label else ""
-
-
 async def ask_and_wait(factory: sessionmaker[Session], waits: wakeups.Wakeups, passes: PassRunner | None,
                        token: str, attempt_id: uuid.UUID, req: SlotRequest, settings: Settings) -> SlotAnswer:
     """A slot request as a long poll: granted at once if it can be, else answered when a grant
@@ -171,7 +165,7 @@ def _create(s: Session, node: Node, job_id: uuid.UUID, attempt_id: uuid.UUID, re
     direct = _grants_directly(limits)
     values: dict[str, Any] = dict(
         id=uuid.uuid4(), job_id=job_id, attempt_id=attempt_id, node_id=node.id, rank=req.rank, step=req.step,
-        label=domain_of(node, settings.topology_label), size_bytes=req.size_bytes, requested_at=t,
+        label=node.domain(settings.topology_label), size_bytes=req.size_bytes, requested_at=t,
         state="granted" if direct else "waiting", granted_at=t if direct else None,
         expires_at=t + timedelta(seconds=settings.upload_slot_ttl_s) if direct
         else _queue_expiry(t, settings, min(req.wait_s, settings.upload_slot_poll_s)))

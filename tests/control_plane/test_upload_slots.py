@@ -411,7 +411,7 @@ def test_a_workers_presigned_upload_keeps_to_its_slots_rate_in_one_put_and_in_pa
 
     from control_plane.app import object_store
     from tests.control_plane.test_storage_grants import Job as GrantedJob
-    from worker_runtime.checkpoint.pacing import CHUNK, Pacer
+    from trainyard.storage.pacing import CHUNK, Pacer
 
     job = GrantedJob(storage_client, "paced", nodes=1, gpus=1)
     store = object_store(storage_client.app.state.settings)

@@ -31,9 +31,9 @@ from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec
 from trainyard.protocol.keys import MANIFEST_FORMAT
 from trainyard.protocol.memtier import TIER_HEADER, TOKEN_HEADER, MemoryTierSpec, chunks, fill, memory_grant
+from trainyard.storage.s3 import S3Config, S3Storage
 from worker_runtime.checkpoint.memtier import AgentMemory
 from worker_runtime.checkpoint.restore import fetch_shard
-from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.context import WorkerContext
 
 KEY = "k" * 64

@@ -20,11 +20,11 @@ from tests.helpers import ProcessReaper, free_port
 from tests.worker_runtime.fake_agent import FakeAgent, manifest_from_shards
 from tests.worker_runtime.torchrun import run_torchrun
 from trainyard.protocol.keys import MANIFEST_FORMAT, shard_key
+from trainyard.storage.s3 import S3Config, S3Storage
 from worker_runtime import CheckpointManager, Reporter, WorkerContext
 from worker_runtime.checkpoint.manager import CheckpointUnavailableError
 from worker_runtime.checkpoint.notify import CheckpointReporter
 from worker_runtime.checkpoint.restore import Problem, agree, describe, fetch_shard
-from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.examples.tiny_gpt import Config, Trainer
 from worker_runtime.state import DataPosition, StepCounter, TrainState
 

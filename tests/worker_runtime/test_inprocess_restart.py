@@ -38,10 +38,10 @@ from trainyard.protocol.restart import (
     rendezvous_verifier,
 )
 from worker_runtime import WorkerContext
+from worker_runtime.checkpoint.kept import KeptSave
 from worker_runtime.distributed import StaleRendezvousError
 from worker_runtime.restart import (
     AgentAssignments,
-    MemoryTier,
     context_for,
     is_peer_failure,
     restartable,
@@ -90,7 +90,7 @@ def test_assignment_messages_refuse_what_cannot_be_joined():
 
 
 def test_the_memory_tier_serves_only_its_own_save_rank_and_world_and_never_aliases():
-    tier = MemoryTier()
+    tier = KeptSave()
     assert tier.get(4, attempt_number=0, rank=0, world_size=2) is None
     tier.keep(4, attempt_number=1, rank=1, world_size=2, state={"model": {"w": torch.ones(3)}})
     assert tier.get(3, attempt_number=1, rank=1, world_size=2) is None  # another step: another state
@@ -217,7 +217,7 @@ def test_any_attempt_function_restarts_with_the_new_context_and_one_memory_acros
     ctx = WorkerContext(job_id=JOB, attempt_id="att-0", fencing_token="tok-0", device="cpu")
     seen: list[tuple[str, int]] = []
 
-    def attempt(ctx: WorkerContext, memory: MemoryTier) -> str:
+    def attempt(ctx: WorkerContext, memory: KeptSave) -> str:
         seen.append((ctx.attempt_id, id(memory)))
         if ctx.attempt_number < 2:
             raise dist.DistBackendError("Connection reset by peer")

@@ -1,4 +1,4 @@
-"""Our SigV4 presigner (worker_runtime/checkpoint/sigv4.py) signs what the MinIO SDK signs, and
+"""Our SigV4 presigner (trainyard/storage/sigv4.py) signs what the MinIO SDK signs, and
 more: the S3 server's verdicts on its URLs are in tests/control_plane/test_storage_grants.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from minio import Minio
 
-from worker_runtime.checkpoint.sigv4 import presign
+from trainyard.storage.sigv4 import presign
 
 WHEN = datetime(2026, 12, 4, 17, 30, 5, tzinfo=UTC)
 

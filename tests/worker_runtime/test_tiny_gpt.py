@@ -11,8 +11,8 @@ from tests.helpers import ProcessReaper
 from tests.worker_runtime.fake_agent import manifest_from_shards, serve_fake_agent
 from tests.worker_runtime.torchrun import run_torchrun
 from trainyard.protocol.layout import METRIC_COMM_BYTES, METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S
+from trainyard.storage.s3 import S3Config, S3Storage
 from worker_runtime import Reporter, WorkerContext
-from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 from worker_runtime.examples.tiny_gpt import Config, Trainer
 
 TINY_GPT_20 = ["worker_runtime.examples.tiny_gpt", "--steps", "20", "--log-every", "5"]

@@ -16,8 +16,8 @@ from tests.conftest import S3Bucket
 from tests.helpers import free_port
 from tests.worker_runtime.fake_agent import GRANTED, FakeAgent
 from tests.worker_runtime.test_checkpoint_manager import SMALL, _ctx, _raw, _storage_env
+from trainyard.storage.pacing import Pacer, paced_chunks
 from worker_runtime import CheckpointManager, WorkerContext
-from worker_runtime.checkpoint.pacing import Pacer, paced_chunks
 from worker_runtime.checkpoint.slots import UploadSlots
 from worker_runtime.examples.tiny_gpt import Trainer
 from worker_runtime.state import TrainState

@@ -61,7 +61,7 @@ class CheckpointStorage(Protocol):
 
 
 class Pace(Protocol):
-    """How fast an upload may send (worker_runtime/checkpoint/pacing.py: the rate of an upload slot)."""
+    """How fast an upload may send (trainyard/storage/pacing.py: the rate of an upload slot)."""
 
     def take(self, n: int) -> None:
         """Block until ``n`` more bytes may be sent."""

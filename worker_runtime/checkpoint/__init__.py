@@ -1,9 +1,9 @@
-"""Checkpoints: the storage seam, its S3 implementation, and the manager a training loop uses.
+"""Checkpoints: the storage seam and the manager a training loop uses.
 
 - this module: :class:`CheckpointStorage`, the Protocol an object store (S3 / MinIO / SeaweedFS)
   implements (defined by the wire contract, ``trainyard/protocol/storage.py``); tests can use any
   object with these methods. Imports no torch.
-- ``s3``: :class:`S3Storage` (the MinIO SDK), shared with the control plane.
+- ``trainyard/storage/s3.py`` (not here): :class:`S3Storage` (the MinIO SDK), shared with the control plane.
 - ``manager``: :class:`CheckpointManager`, which saves a :class:`worker_runtime.state.TrainState`
   shard per rank and restores from the control plane's plan (two-phase checkpoints,
   docs/architecture.md); ``restore`` and ``notify`` are its parts.

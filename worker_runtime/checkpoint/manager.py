@@ -51,7 +51,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,8 @@ import torch.distributed as dist
 from trainyard.protocol.agent import CHECKPOINT_AUTO_FIRST_STEPS
 from trainyard.protocol.keys import job_checkpoint_prefix, shard_key
 from trainyard.protocol.storage import CheckpointStorage, ObjectInfo, PacedStorage
+from trainyard.storage.pacing import Pacer
+from worker_runtime.checkpoint.kept import KeptSave
 from worker_runtime.checkpoint.memtier import AgentMemory
 from worker_runtime.checkpoint.notify import (
     FALLBACK,
@@ -70,7 +72,7 @@ from worker_runtime.checkpoint.notify import (
     CheckpointReporter,
     ShardSink,
 )
-from worker_runtime.checkpoint.pacing import Pacer
+from worker_runtime.checkpoint.presigned import AgentGrants, PresignedStorage
 from worker_runtime.checkpoint.restore import (
     TIER_CODES,
     Fetched,
@@ -87,9 +89,6 @@ from worker_runtime.checkpoint.snapshot import host_copy
 from worker_runtime.context import WorkerContext
 from worker_runtime.distributed import device_of
 from worker_runtime.state import TrainState
-
-if TYPE_CHECKING:
-    from worker_runtime.restart import MemoryTier
 
 log = logging.getLogger(__name__)
 _STORAGE_VARS = "TRAINYARD_STORAGE_ACCESS or TRAINYARD_S3_*"
@@ -151,7 +150,6 @@ def storage_from_context(ctx: WorkerContext, *, timeout_s: float = 10.0, retries
     minutes.
     """
     if ctx.storage.get("access") == "presigned" and ctx.agent_url:
-        from worker_runtime.checkpoint.presigned import AgentGrants, PresignedStorage
 
         source = AgentGrants(agent_url=ctx.agent_url, attempt_id=ctx.attempt_id, fencing_token=ctx.fencing_token,
                              rank=ctx.rank, agent_socket=ctx.agent_socket)
@@ -159,7 +157,7 @@ def storage_from_context(ctx: WorkerContext, *, timeout_s: float = 10.0, retries
                                 ca_file=ctx.storage.get("ca_file"), ca_pem=ctx.storage.get("ca_pem"))
     if not (ctx.storage.get("endpoint") and ctx.storage.get("bucket")):
         return None
-    from worker_runtime.checkpoint.s3 import S3Config, S3Storage
+    from trainyard.storage.s3 import S3Config, S3Storage  # deferred: a worker given presigned grants never loads minio
 
     return S3Storage(S3Config.from_mapping(dict(ctx.storage)), timeout_s=timeout_s, retries=retries)
 
@@ -186,7 +184,7 @@ class CheckpointManager:
         async_upload: bool = True,
         upload_delay_s: float = 0.0,
         slots: UploadSlots | None = None,
-        memory: MemoryTier | None = None,
+        memory: KeptSave | None = None,
         agent_memory: AgentMemory | None | bool = True,
     ) -> None:
         interval = interval_steps if interval_steps is not None else ctx.checkpoint.get("interval_steps")

@@ -33,8 +33,8 @@ from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.grants import GrantAction, LocalStorageRequest, StorageGrant, StorageGrants
 from trainyard.protocol.s3tls import tls_context, tls_failure
 from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError, Pace
+from trainyard.storage.pacing import paced_chunks
 from worker_runtime.agent_http import socket_client
-from worker_runtime.checkpoint.pacing import paced_chunks
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class PresignedStorage:
 
     def put_object_paced(self, key: str, data: BinaryIO, *, length: int, pace: Pace) -> ObjectInfo:
         """``put_object`` whose bytes leave no faster than ``pace`` releases them (an upload slot's
-        rate, worker_runtime/checkpoint/pacing.py): each body is streamed chunk by chunk as it is
+        rate, trainyard/storage/pacing.py): each body is streamed chunk by chunk as it is
         released, not read at that rate and then sent in one burst."""
         return self._put(key, data, length, pace)
 

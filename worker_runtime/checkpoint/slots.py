@@ -32,8 +32,8 @@ import httpx
 
 from trainyard.protocol.env import LOCAL_API_PREFIX
 from trainyard.protocol.uploads import SLOT_WAIT_MAX_S, SlotUse
+from trainyard.storage.pacing import Pacer
 from worker_runtime.agent_http import agent_client
-from worker_runtime.checkpoint.pacing import Pacer
 from worker_runtime.context import WorkerContext
 
 log = logging.getLogger(__name__)

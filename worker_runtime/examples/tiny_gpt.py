@@ -38,7 +38,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,11 +61,9 @@ from worker_runtime import (
     shutdown_distributed,
     weights_sha256,
 )
+from worker_runtime.checkpoint.kept import KeptSave
 from worker_runtime.examples.tiny_gpt_model import MarkovCorpus, TinyGPT
 from worker_runtime.layouts import LayoutError, apply_layout
-
-if TYPE_CHECKING:
-    from worker_runtime.restart import MemoryTier
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,7 +303,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 
 def train(cfg: Config, ctx: WorkerContext, reporter: Reporter,
-          memory: MemoryTier | None = None) -> dict[str, Any] | None:
+          memory: KeptSave | None = None) -> dict[str, Any] | None:
     """Restore (if planned), train, drain the last checkpoint upload; the result, or None if stale.
 
     Its own function so that the trainer, its DDP module and the checkpoint manager holding its
@@ -344,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.use_deterministic_algorithms(True)
     try:
         if cfg.restartable:
-            from worker_runtime.restart import restartable  # only a restartable run needs it
+            from worker_runtime.restart import restartable  # deferred: only a restartable run needs it
 
             return restartable(lambda attempt_ctx, memory: run_attempt(cfg, attempt_ctx, memory), ctx=ctx)
         return run_attempt(cfg, ctx)
@@ -352,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutdown_distributed()
 
 
-def run_attempt(cfg: Config, ctx: WorkerContext, memory: MemoryTier | None = None) -> int:
+def run_attempt(cfg: Config, ctx: WorkerContext, memory: KeptSave | None = None) -> int:
     """One attempt of this rank: join its process group, train, report; the exit status. The group
     is left as it is on an error (main, or the in-process restart, takes it down)."""
     init_distributed(ctx, timeout=300)

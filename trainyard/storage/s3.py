@@ -16,6 +16,8 @@ from xml.sax.saxutils import escape
 
 from trainyard.protocol.s3tls import split_endpoint, tls_context
 from trainyard.protocol.storage import ObjectInfo, ObjectNotFoundError, Pace
+from trainyard.storage.pacing import paced_chunks
+from trainyard.storage.sigv4 import presign
 
 PART_SIZE = 16 * 1024 * 1024
 
@@ -108,10 +110,9 @@ class S3Storage:
 
     def put_object_paced(self, key: str, data: BinaryIO, *, length: int, pace: Pace) -> ObjectInfo:
         """One PUT whose body is sent chunk by chunk as ``pace`` releases it (the rate of an upload
-        slot: worker_runtime/checkpoint/pacing.py), so the bytes leave at that rate rather than being
+        slot: trainyard/storage/pacing.py), so the bytes leave at that rate rather than being
         read at it and then sent in one burst (the SDK reads a whole part into memory first). The
         request is signed in its URL (a presigned PUT, unsigned payload), which lets the body stream."""
-        from worker_runtime.checkpoint.pacing import paced_chunks
 
         url = self._client.presigned_put_object(self.bucket, key, expires=timedelta(hours=1))
         # No retry: a streamed body cannot be sent again (the caller fails the save, as for any error).
@@ -164,7 +165,6 @@ class S3Storage:
                 query: dict[str, str] | None = None, now: datetime | None = None) -> str:
         """A URL that allows ``method`` on ``key`` (with exactly ``headers``) for ``expires_s``
         seconds from ``now`` (default: the wall clock), to whoever holds it (sigv4.presign; offline)."""
-        from worker_runtime.checkpoint.sigv4 import presign
 
         cfg = self.config
         return presign(method=method, endpoint=cfg.public_endpoint or cfg.endpoint, bucket=self.bucket, key=key,
@@ -176,7 +176,6 @@ class S3Storage:
     # hash turns out wrong is aborted and never seen). Signed here (sigv4.py) with this client's
     # credentials, as the SDK's own multipart calls are private.
     def _signed(self, method: str, key: str, query: dict[str, str], body: bytes = b"") -> Any:
-        from worker_runtime.checkpoint.sigv4 import presign
 
         cfg = self.config
         url = presign(method=method, endpoint=cfg.endpoint, bucket=self.bucket, key=key, access_key=cfg.access_key,
