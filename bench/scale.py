@@ -5,7 +5,7 @@
     .venv/bin/python bench/scale.py --agents 250 --ranks 512,1024 --repeat 3    # job figures, medians
 
 Starts embedded PostgreSQL and S3 (SeaweedFS) in a temporary directory, a ``trainyard server``
-subprocess on them, and ``--agents`` simulated agents (trainyard/simulate.py) in this process, each
+subprocess on them, and ``--agents`` simulated agents (trainyard/dev/fleet.py) in this process, each
 speaking the real agent protocol over HTTP with 8 GPU slots each: heartbeats at the interval the
 control plane tells them (it grows with the fleet: heartbeat_target_rate_per_s, ``--target-rate``) and a
 long poll open (``--protocol fixed``: a heartbeat every ``--interval`` seconds, the protocol before). Then:
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainyard.simulate import (  # noqa: E402
+from trainyard.dev.fleet import (  # noqa: E402
     ControlPlane,
     Fleet,
     JobFigures,

@@ -145,6 +145,7 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
     from node_agent.local_api import BASE_URL, LocalApi
     from node_agent.relay import Outbox, Relay
     from node_agent.upload_slots import SlotRelay
+    from trainyard.dev.fleet import ControlPlane
     from trainyard.protocol.agent import (
         AttemptStatusReport,
         HeartbeatRequest,
@@ -153,7 +154,6 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
         WorkerStatus,
     )
     from trainyard.protocol.grants import StorageRequest
-    from trainyard.simulate import ControlPlane
     from trainyard.storage.s3 import S3Config, S3Storage
     from worker_runtime import CheckpointManager, WorkerContext
     from worker_runtime.checkpoint.notify import CheckpointReporter
@@ -404,7 +404,7 @@ def protocol_at_scale(args: argparse.Namespace, ctx: dict[str, Any]) -> ScaleOut
     import httpx
     import psycopg
 
-    from trainyard.simulate import ControlPlane
+    from trainyard.dev.fleet import ControlPlane
 
     per_node, racks = 8, 8
     cp = ControlPlane(ctx["pg_url"], ctx["s3"], admin_token="bench-admin", join_token="bench-join",
@@ -481,8 +481,8 @@ def main() -> int:
         parser.error("--ranks must be a multiple of --nodes, and --nodes at least 2")
 
     from control_plane.db import run_migrations
+    from trainyard.dev.fleet import S3Target
     from trainyard.embedded import EmbeddedPostgres, EmbeddedS3
-    from trainyard.simulate import S3Target
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

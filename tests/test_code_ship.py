@@ -1,4 +1,4 @@
-"""Packing a job's workdir (trainyard/code_ship.py): .gitignore files apply below their folder,
+"""Packing a job's workdir (trainyard/cli/code_ship.py): .gitignore files apply below their folder,
 .git and caches stay out, and the archive is reproducible (the same files, the same sha256)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.api_client import ApiError
-from trainyard.code_ship import files_of, pack
+from trainyard.cli.api_client import ApiError
+from trainyard.cli.code_ship import files_of, pack
 
 
 def _tree(root: Path) -> None:
@@ -57,7 +57,7 @@ def test_a_link_out_of_the_workdir_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_job_files_requirements_file_becomes_its_requirements(tmp_path: Path) -> None:
-    from trainyard.cli_jobs import load_spec
+    from trainyard.cli.jobs import load_spec
 
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "requirements.txt").write_text("tinypkg==1.0\n")

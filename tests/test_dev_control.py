@@ -18,8 +18,8 @@ import pytest
 from tests.helpers import ProcessReaper, wait_for
 from trainyard.cli import main
 from trainyard.dev import DevCluster, DevConfig
-from trainyard.dev_control import ControlError, ask
-from trainyard.dev_processes import Child, stop_children
+from trainyard.dev.control import ControlError, ask
+from trainyard.dev.processes import Child, stop_children
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from control_plane.api import ui
-from trainyard import job_view
+from trainyard.cli import job_view
 from trainyard.protocol.display import duration
 
 

@@ -28,12 +28,12 @@ from node_agent.agent import Agent, AgentConfig
 from node_agent.client import ControlPlaneClient, ControlPlaneUnavailable, StaleAttempt, TlsMismatch
 from tests.factories import ADMIN, ADMIN_TOKEN, JOIN_TOKEN
 from tests.helpers import ProcessReaper, free_port, wait_for
-from trainyard.certs import ensure_server_tls
 from trainyard.cli import main
+from trainyard.cli.tls import client_context
+from trainyard.dev.certs import ensure_server_tls
 from trainyard.protocol.agent import GpuInfo, RegisterRequest
 from trainyard.protocol.grants import StorageRequest
 from trainyard.protocol.memtier import memory_grant_key
-from trainyard.tls import client_context
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -120,8 +120,8 @@ def test_the_cli_ships_a_workdir_once_says_so_and_names_the_limit(settings, s3_b
     the way out."""
     from tests.control_plane.helpers import serve
     from tests.factories import ADMIN_TOKEN
-    from trainyard import code_ship
-    from trainyard.api_client import Api, ApiError
+    from trainyard.cli import code_ship
+    from trainyard.cli.api_client import Api, ApiError
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     work = tmp_path / "w"

@@ -80,7 +80,7 @@ def test_the_example_job_file_is_a_valid_command_job_whose_script_is_shipped_exe
     from pathlib import Path
 
     from control_plane.schemas.jobs import JobSubmit
-    from trainyard.cli_jobs import load_spec
+    from trainyard.cli.jobs import load_spec
 
     examples = Path(__file__).resolve().parents[2] / "examples"
     body, workdir = load_spec(examples / "command.yaml")

@@ -22,7 +22,7 @@ from control_plane.app import create_app
 from control_plane.http_deadlines import BodyIdleTimeout, uvicorn_options
 from control_plane.settings import Settings
 from tests.factories import ADMIN_TOKEN
-from trainyard.certs import ServerTls, ensure_server_tls
+from trainyard.dev.certs import ServerTls, ensure_server_tls
 
 UVICORN_DEFAULT_KEEP_ALIVE_S = 5.0
 

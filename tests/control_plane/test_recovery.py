@@ -16,7 +16,7 @@ from control_plane.services import metrics, nodes
 from control_plane.services.recovery_budget import PHASES
 from tests.control_plane.test_ui_pages import login_csrf
 from tests.factories import ADMIN, ADMIN_TOKEN, FakeAgentSession, job_body, workers_for
-from trainyard import job_view
+from trainyard.cli import job_view
 from trainyard.protocol.agent import HeartbeatRequest
 
 

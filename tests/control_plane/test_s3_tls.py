@@ -1,5 +1,5 @@
 """S3 over HTTPS with a private CA (issue 11, finding 4), on a real control plane, PostgreSQL and a
-SeaweedFS serving its S3 API with a certificate from a CA of the test's own (trainyard.certs, the
+SeaweedFS serving its S3 API with a certificate from a CA of the test's own (trainyard.dev.certs, the
 dev cluster's CA code).
 
 The operator gives the CA once (TRAINYARD_S3_CA_FILE): the control plane verifies S3 with it
@@ -27,7 +27,7 @@ from control_plane.app import create_app
 from control_plane.settings import Settings
 from node_agent.launcher import AttemptPaths, NodeContext, worker_env
 from tests.control_plane.test_storage_grants import Job
-from trainyard.certs import ensure_server_tls
+from trainyard.dev.certs import ensure_server_tls
 from trainyard.embedded.s3 import EmbeddedS3, S3Endpoint
 from trainyard.protocol.agent import LaunchSpec
 from trainyard.protocol.env import ENV_S3_CA_PEM

@@ -17,8 +17,8 @@ import pytest
 
 from tests.e2e.harness import Cluster, LiveCluster, live_cluster
 from tests.helpers import ProcessReaper
+from trainyard.cli.tls import client_context
 from trainyard.embedded import free_port
-from trainyard.tls import client_context
 
 ROOT = Path(__file__).resolve().parents[2]
 

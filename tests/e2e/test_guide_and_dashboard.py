@@ -36,8 +36,8 @@ import pytest
 from tests.e2e.harness import Cluster
 from tests.helpers import ProcessReaper, make_wheel, need, pid_gone, wait_for
 from trainyard.cli import main
+from trainyard.cli.tls import client_context
 from trainyard.embedded import free_port
-from trainyard.tls import client_context
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

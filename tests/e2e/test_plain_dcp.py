@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.code_ship import pack
+from trainyard.cli.code_ship import pack
 
 pytestmark = pytest.mark.e2e
 ENDED = {"succeeded", "failed", "cancelled"}

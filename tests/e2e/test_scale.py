@@ -11,7 +11,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from trainyard.simulate import ControlPlane, Fleet, JobFigures, S3Target, job_scenario
+from trainyard.dev.fleet import ControlPlane, Fleet, JobFigures, S3Target, job_scenario
 
 
 async def _run(cp: ControlPlane, s3: S3Target) -> tuple[JobFigures, JobFigures, Fleet]:

@@ -19,7 +19,7 @@ import pytest
 from node_agent.memstore import job_owner
 from node_agent.memtier import AttemptMemory, MemoryTier
 from node_agent.memtier_peer import PeerLimits, PeerServer, serving
-from trainyard.certs import ensure_server_tls
+from trainyard.dev.certs import ensure_server_tls
 from trainyard.protocol.memtier import memory_grant
 
 KEY = "k" * 64

@@ -1,14 +1,14 @@
 """``trainyard dev up``: a whole cluster on this machine, in the foreground.
 
 Order of start: PostgreSQL (embedded unless a URL is given), S3 (embedded ``weed mini`` unless an
-endpoint is given), migrations, a local CA and the server certificate (trainyard/certs.py), the
+endpoint is given), migrations, a local CA and the server certificate (trainyard/dev/certs.py), the
 control plane over HTTPS (``python -m trainyard server --tls-cert ...``; plain HTTP with
 ``--insecure-http``), one agent per node (``python -m trainyard agent --ca-file ...``, node i at
 127.0.0.(i+1) with virtual GPU slots). Stop is the reverse, on Ctrl-C, SIGTERM, or when the
 control plane, PostgreSQL or S3 dies (then the exit status is 1). A node agent that dies is
 reported and the cluster keeps running (the control plane declares the node lost and recovers its
 jobs); ``trainyard dev node kill|kill-workers|restart NODE`` acts on a node of the running cluster
-(trainyard/dev_control.py).
+(trainyard/dev/control.py).
 
 The parts: config.py (DevConfig), services.py (PostgreSQL, S3, migrations), nodes.py (the agents),
 cluster.py (DevCluster: the order of start and stop, the control plane), base.py (what they share).
@@ -24,7 +24,7 @@ Layout of the data dir::
                        above DIR lets other users through; else under the temporary directory)
     DIR/dev-up.lock    held while a ``dev up`` runs on DIR; DIR/dev-up.pids its children
     DIR/admin.token    the admin token (0600): trainyard login URL --token-file DIR/admin.token
-    DIR/control/       requests to the running ``dev up`` (trainyard/dev_control.py)
+    DIR/control/       requests to the running ``dev up`` (trainyard/dev/control.py)
 """
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from trainyard.certs import ServerTls
+from trainyard.cli.tls import client_context
+from trainyard.dev.certs import ServerTls
 from trainyard.dev.config import SECRET_ENV, DevConfig, DevError, _Interrupted
-from trainyard.dev_processes import Child, descendants, exit_code, record_pid
+from trainyard.dev.processes import Child, descendants, exit_code, record_pid
 from trainyard.embedded import EmbeddedPostgres, EmbeddedS3, has_exited
-from trainyard.tls import client_context
 
 
 class ClusterBase:

@@ -12,12 +12,12 @@ import subprocess
 import threading
 import time
 
-from trainyard import dev_control
-from trainyard.certs import ensure_server_tls
+from trainyard.dev import control as dev_control
+from trainyard.dev.certs import ensure_server_tls
 from trainyard.dev.config import NOT_ISOLATED, READY_MARKER, DevError
 from trainyard.dev.nodes import NodeAgents, _own_dir, _PoolCheck
+from trainyard.dev.processes import Child, exit_code, kill_all, kill_leftovers, stop_children
 from trainyard.dev.services import EmbeddedServices
-from trainyard.dev_processes import Child, exit_code, kill_all, kill_leftovers, stop_children
 from trainyard.embedded import has_exited, port_is_free, signal_group
 
 

@@ -13,11 +13,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-from trainyard import dev_control
-from trainyard.certs import ensure_server_tls
+from trainyard.dev import control as dev_control
 from trainyard.dev.base import ClusterBase
+from trainyard.dev.certs import ensure_server_tls
 from trainyard.dev.config import DevError
-from trainyard.dev_processes import descendants, is_training, kill_all
+from trainyard.dev.processes import descendants, is_training, kill_all
 from trainyard.embedded import signal_group
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from trainyard.dev.base import ClusterBase
 from trainyard.dev.config import DevError
-from trainyard.dev_processes import s3_credentials
+from trainyard.dev.processes import s3_credentials
 from trainyard.embedded import EmbeddedError, EmbeddedPostgres, EmbeddedS3
 from trainyard.protocol.s3tls import split_endpoint, tls_context, tls_failure
 

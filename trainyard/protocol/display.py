@@ -1,4 +1,4 @@
-"""How durations read to a person: one format for the CLI (trainyard/job_view.py) and the dashboard
+"""How durations read to a person: one format for the CLI (trainyard/cli/job_view.py) and the dashboard
 (control_plane/api/ui.py), so that a job's age or ETA reads the same in both."""
 
 from __future__ import annotations

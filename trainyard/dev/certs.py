@@ -5,7 +5,7 @@ A production cluster uses certificates from its own CA (docs/security.md, "TLS")
 same thing at the scale of one machine. The CA's key stays in its directory (mode 0600) and the
 CA is kept across runs, so agents and users who trust ``ca.pem`` keep trusting the cluster; the
 server certificate is issued again whenever it would expire soon or names other hosts. What a
-client trusts is trainyard/tls.py.
+client trusts is trainyard/cli/tls.py.
 """
 
 from __future__ import annotations

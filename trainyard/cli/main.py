@@ -14,8 +14,9 @@ from typing import Annotated, Any
 
 import typer
 
-from trainyard import cli_access, cli_jobs
-from trainyard.api_client import ApiError
+from trainyard.cli import access as cli_access
+from trainyard.cli import jobs as cli_jobs
+from trainyard.cli.api_client import ApiError
 
 app = typer.Typer(
     name="trainyard",
@@ -302,7 +303,7 @@ def plan(
 
     from rich.console import Console
 
-    from trainyard.plan_view import parse_counts, parse_layout, render
+    from trainyard.cli.plan_view import parse_counts, parse_layout, render
 
     try:
         counts = parse_counts(gpus) if gpus else None
@@ -357,7 +358,7 @@ def simulate(
     from control_plane.errors import Unprocessable
     from control_plane.schemas.simulations import SimulationIn
     from control_plane.services.simulations import simulate as run_simulation
-    from trainyard.simulate_view import render
+    from trainyard.cli.simulate_view import render
 
     fields = {"nodes": nodes, "node_mtbf_h": node_mtbf_h, "interruptions": interruptions, "days": days,
               "work_h": work_h, "interval_s": interval_s, "blocking_s": blocking_s, "background_s": background_s,
@@ -380,7 +381,7 @@ def _api_post(url: str, token: str, path: str, body: dict[str, Any]) -> Any:
     """POST to the control plane; any failure is one line (the problem+json detail when there is one)."""
     import httpx
 
-    from trainyard.tls import cli_context, untrusted
+    from trainyard.cli.tls import cli_context, untrusted
 
     try:
         response = httpx.post(url.rstrip("/") + path, json=body, timeout=30.0, verify=cli_context(),
@@ -482,7 +483,7 @@ DevDataDir = Annotated[Path, typer.Option(help="The data dir of the running `tra
 
 
 def _dev_node(action: str, node: str, data_dir: Path) -> None:
-    from trainyard.dev_control import ControlError, ask
+    from trainyard.dev.control import ControlError, ask
 
     try:
         typer.echo(ask(data_dir.expanduser().resolve(), action, node), err=True)

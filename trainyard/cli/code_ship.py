@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from trainyard.api_client import Api, ApiError
+from trainyard.cli.api_client import Api, ApiError
 
 MAX_FILES = 100_000
 UPLOAD_CHUNK = 1 << 20
@@ -205,12 +205,12 @@ def _upload(api: Api, sha256: str, data: bytes, tenant: str | None, say: Callabl
     except httpx.HTTPError as err:
         raise api.unreachable(err, "cannot upload the workdir to") from err
     if response.status_code == 413:
-        from trainyard.api_client import problem_detail
+        from trainyard.cli.api_client import problem_detail
 
         raise ApiError(f"the packed workdir is {_mb(len(data))}, over what the control plane takes for code "
                        f"({problem_detail(response)}); leave big files out with a .trainyardignore (gitignore "
                        "syntax) or ship data through storage, not code", 413)
     if response.status_code >= 400:
-        from trainyard.api_client import problem_detail
+        from trainyard.cli.api_client import problem_detail
 
         raise ApiError(f"{response.status_code}: {problem_detail(response)}", response.status_code)

@@ -17,8 +17,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from trainyard import job_view
-from trainyard.api_client import Api, ApiError, Format, OutputFormat, TokenFile, Url, read_token_file, save_config
+from trainyard.cli import job_view
+from trainyard.cli.api_client import Api, ApiError, Format, OutputFormat, TokenFile, Url, read_token_file, save_config
 
 nodes_app = typer.Typer(help="Nodes: list them, cordon, drain, uncordon (operators).", invoke_without_command=True)
 tenants_app = typer.Typer(help="Tenants: their weights, quotas and GPUs in use (operators).",
@@ -118,7 +118,7 @@ def run(
         body["name"] = name
     api = Api.from_options(url, token_file)
     if workdir is not None:
-        from trainyard.code_ship import ship
+        from trainyard.cli.code_ship import ship
 
         body["code"] = ship(api, workdir, body.get("tenant"))
     job = api.post("/v1/jobs", body, headers={"Idempotency-Key": idempotency_key or str(uuid.uuid4())})

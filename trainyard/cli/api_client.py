@@ -5,7 +5,7 @@ Where the URL and the token come from, first found wins:
 
 - URL: ``--url``, ``TRAINYARD_URL``, the config file, https://127.0.0.1:8000.
 - the CA its certificate is verified with: ``TRAINYARD_CA_FILE``, the config file, else the
-  system's trust store (trainyard/tls.py).
+  system's trust store (trainyard/cli/tls.py).
 - token: ``--token-file`` / ``TRAINYARD_TOKEN_FILE``, ``TRAINYARD_TOKEN``, the config file. Never
   an argument: other users of the machine see command lines in the process table.
 
@@ -119,7 +119,7 @@ def resolve_token(token_file: Path | None) -> str:
 
 def verify_context() -> Any:
     """What the control plane's certificate is verified with (an ssl.SSLContext)."""
-    from trainyard.tls import CA_FILE_ENV, client_context
+    from trainyard.cli.tls import CA_FILE_ENV, client_context
 
     return client_context(os.environ.get(CA_FILE_ENV) or load_config().get("ca_file") or None)
 
@@ -154,13 +154,13 @@ class Api:
     @property
     def verify(self) -> Any:
         if self.ca_file is not None:
-            from trainyard.tls import client_context
+            from trainyard.cli.tls import client_context
 
             return client_context(self.ca_file)
         return verify_context()
 
     def unreachable(self, exc: BaseException, doing: str = "cannot reach") -> ApiError:
-        from trainyard.tls import untrusted
+        from trainyard.cli.tls import untrusted
 
         return ApiError(f"{doing} the control plane at {self.url}: {untrusted(exc) or exc or type(exc).__name__}")
 

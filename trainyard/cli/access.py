@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from trainyard import api_client
+from trainyard.cli import api_client
 
 principals_app = typer.Typer(help="Principals (people, CI systems) with a tenant and a role.", no_args_is_help=True)
 tokens_app = typer.Typer(help="API tokens: create (shown once), list, revoke.", no_args_is_help=True)
@@ -65,7 +65,7 @@ def call(url: str | None, token_file: Path | None, method: str, path: str, body:
          params: dict[str, Any] | None = None) -> Any:
     import httpx
 
-    from trainyard.tls import untrusted
+    from trainyard.cli.tls import untrusted
 
     token = read_secret(token_file, "TRAINYARD_TOKEN")
     url = api_client.resolve_url(url)
@@ -92,7 +92,7 @@ def _listing(doc: Any, output: api_client.OutputFormat, columns: tuple[tuple[str
     """A listing on stdout: a table for people, or the API's JSON with ``--output json``."""
     from rich.console import Console
 
-    from trainyard import job_view
+    from trainyard.cli import job_view
 
     if output is api_client.OutputFormat.json:
         print(json.dumps(doc, indent=2))
