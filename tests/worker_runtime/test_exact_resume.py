@@ -11,8 +11,10 @@ epoch boundary or just after a commit, it restores the checkpoint just taken; ki
 save's start and its commit, the one before. So resuming from each of the checkpoints at steps 3
 (mid epoch, mid accumulation window) and 6 (an epoch boundary: 48 samples, 8 a step) covers each
 kind of kill point (the checkpoints of steps 9 and 12 are two more of the same kinds): two resumes a
-case (one for spawned workers: each imports torch). The cases run in-process with one rank; the
-multi-rank layouts (DDP, HSDP, PowerSGD) are test_tiny_gpt.py's four-rank torchrun test.
+case (one for spawned workers: each imports torch). The cases run in-process with one rank. Under
+torchrun: the dropout job with DDP on 2 ranks, and ``train_layout`` (the same kind of job, with a
+LayerNorm, under the layout the job asks for: FSDP2, DDP and HSDP with accumulation) on 2 and 4
+ranks. torch.compile is bench/exact_resume.py's case: a cold inductor compile costs tens of seconds.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tests.conftest import S3Bucket
 from tests.helpers import ProcessReaper
 from tests.worker_runtime.fake_agent import FakeAgent, manifest_from_shards, serve_fake_agent
 from tests.worker_runtime.torchrun import run_torchrun
-from worker_runtime import TrainLoop, WorkerContext, weights_sha256
+from worker_runtime import TrainLoop, WorkerContext, apply_layout, weights_sha256
 
 JOB = "job-exact"
 PREFIX = f"jobs/{JOB}/checkpoints"
@@ -286,6 +288,116 @@ def test_two_ranks_under_torchrun_resume_the_dropout_job_exactly(process_reaper:
     # 48 samples over 2 ranks, 8 each a step: an epoch is 3 steps, so 14 steps cross 4 epoch boundaries.
     assert resumed["losses"] == {s: v for s, v in first["losses"].items() if int(s) > 6}
     assert resumed["sha"] == first["sha"]
+
+
+class Blocks(nn.Module):
+    """The dropout MLP as a user writes it for sharding: blocks in a ModuleList (what apply_layout's
+    FSDP2 shards one by one, then the root), a LayerNorm, dropout after each block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([
+            nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Dropout(0.2)),
+            nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.2)),
+        ])
+        self.head = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def train_layout(ctx: WorkerContext) -> dict[str, Any]:
+    """The user's script under the job's layout (``ctx.layout``), applied the documented way
+    (docs/planner.md: ``apply_layout``; TrainLoop's own ``ddp`` is plain DDP only). Every rank
+    returns its own losses; the weights' sha256 is over the gathered full parameters."""
+    torch.manual_seed(1000 + ctx.attempt_number)
+    random.seed(2000 + ctx.attempt_number)
+    np.random.seed(3000 + ctx.attempt_number)
+    losses: dict[int, float] = {}
+    with TrainLoop(total_steps=STEPS, seed=5, log_every=5, ctx=ctx) as loop:
+        torch.manual_seed(0)
+        model = loop.register("model", Blocks())
+        parallel = apply_layout(model, loop.ctx)  # DDP, FSDP2 or HSDP: before the optimizer
+        for name, extra in parallel.extra_state.items():
+            loop.register(name, extra, per_rank=True)
+        optimizer = loop.register("optimizer", torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        schedule = loop.register("schedule", torch.optim.lr_scheduler.StepLR(optimizer, 4, 0.5))
+        # A global batch of 8 whatever the ranks: an epoch (48 samples) is 6 steps.
+        data = loop.data_loader(Points(), batch_size=8 // ctx.world_size)
+        parallel.settle(torch.zeros(1, 8))  # DDP's buckets (FSDP2: nothing)
+        accum = parallel.accum_steps
+        for step, (x, y) in loop.steps(data):
+            micro = (step - 1) % accum  # the checkpoints of steps 3 and 9 cut a window of 2
+            with parallel.micro_step(micro):
+                loss = F.cross_entropy(parallel.module(x), y)
+                (loss / accum).backward()
+            if micro == accum - 1:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                schedule.step()
+            losses[step] = loss.item()
+            loop.log(loss=loss)
+        result = {"losses": losses, "sha": weights_sha256(model), "restored": loop.restored_step}
+        del parallel  # a DDP wrapper before the process group
+        return result
+
+
+LAYOUT_LAUNCHES: dict[str, tuple[int, int, dict[str, dict[str, Any]]]] = {
+    # ranks, "nodes" of consecutive ranks (hsdp's default shard group: one node's ranks), and the
+    # cases run one after the other in that launch: torchrun's start costs seconds, each attempt
+    # one or two (rank 0 looks for unregistered state at its first step and first save). Step 3 is
+    # mid epoch (and mid window with accumulation), step 6 an epoch boundary; each kind of point is
+    # resumed under FSDP2 by hsdp-accum, and an epoch boundary under DDP by
+    # test_two_ranks_under_torchrun_resume_the_dropout_job_exactly, so the 2-rank cases resume
+    # from step 3 only.
+    "2-ranks": (2, 1, {
+        "fsdp": {"layout": {"kind": "fsdp"}, "resume_from": [3]},
+        "ddp-accum": {"layout": {"kind": "ddp", "grad_accum_steps": 2}, "resume_from": [3]},  # DDP's no_sync grads
+    }),
+    "4-ranks-2-nodes": (4, 2, {
+        "hsdp-accum": {"layout": {"kind": "hsdp", "grad_accum_steps": 2}, "resume_from": [3, 6]},
+    }),
+}
+
+
+@pytest.mark.parametrize("launch", list(LAYOUT_LAUNCHES))
+def test_a_resumed_user_job_matches_the_unbroken_run_under_each_layout(
+        launch: str, process_reaper: ProcessReaper, s3_bucket: S3Bucket) -> None:
+    """``train_layout`` under each layout the runtime applies, multi-rank under torchrun: FSDP2 on 2
+    ranks, DDP with accumulation on 2, HSDP (2 replicas x a shard group of 2, one per "node") with
+    accumulation on 4; tp_dp is planned only (apply_layout refuses it: test_layouts.py). For each,
+    the reference, then the resumes of its ``resume_from`` in the same launch
+    (layout_resume_worker.py). Every rank's loss at every step after the resume point and the
+    gathered weights must be bit-identical, and nothing is reported as escaping the checkpoint."""
+    ranks, nodes, cases = LAYOUT_LAUNCHES[launch]
+    with serve_fake_agent() as agent:
+        env = {"TRAINYARD_AGENT_URL": agent.url, "TRAINYARD_DEVICE": "cpu", "TRAINYARD_JOB_ID": "job-layout",
+               "TRAINYARD_ATTEMPT_ID": "att-0", "TRAINYARD_FENCING_TOKEN": "tok-0",
+               "TRAINYARD_CHECKPOINT": json.dumps({"interval_steps": 3}),
+               "TRAINYARD_S3_ENDPOINT": s3_bucket.endpoint, "TRAINYARD_S3_ACCESS_KEY": s3_bucket.access_key,
+               "TRAINYARD_S3_SECRET_KEY": s3_bucket.secret_key, "TRAINYARD_S3_BUCKET": s3_bucket.bucket,
+               "TRAINYARD_S3_SECURE": "0", "LAYOUT_TEST_NODES": str(nodes), "LAYOUT_TEST_CASES": json.dumps(cases)}
+        out, stdout = run_torchrun(process_reaper, ["tests.worker_runtime.layout_resume_worker"], env, nproc=ranks)
+        shards, inexact = agent.shards(), agent.events("resume.inexact")
+    assert sorted(out) == sorted(cases), stdout
+    for name, ran in out.items():
+        resume_from = cases[name]["resume_from"]
+        # The plans the worker built from S3 are what the control plane would commit from the reports.
+        mine = [s for s in shards if s["fencing_token"] == f"tok-{name}-0"]
+        for plan, step in zip(ran["plans"], resume_from, strict=True):
+            expected = manifest_from_shards(mine, job_id=f"job-layout-{name}", attempt_id="att-0",
+                                            attempt_number=0, step=step, world_size=ranks, num_nodes=nodes)
+            assert plan["candidates"][0]["shards"] == expected["shards"], name
+        for rank, (reference, *resumed) in enumerate(ran["ranks"]):
+            assert reference["restored"] is None and sorted(map(int, reference["losses"])) == list(range(1, STEPS + 1))
+            for result, step in zip(resumed, resume_from, strict=True):
+                where = f"{name}, rank {rank}, resumed from step {step}"
+                assert result["restored"] == step, where
+                assert result["losses"] == {s: v for s, v in reference["losses"].items() if int(s) > step}, where
+                assert result["sha"] == reference["sha"], where
+    assert inexact == [], inexact
 
 
 if __name__ == "__main__":  # a rank under torchrun (the test above)

@@ -3,6 +3,7 @@ the layouts under torchrun are in test_tiny_gpt.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,9 @@ from trainyard.protocol.layout import METRIC_COMM_BYTES, METRIC_COMM_S, METRIC_C
 from worker_runtime import WorkerContext
 from worker_runtime.comm_meter import METRIC_COMM_BUSY_S, CommMeter
 from worker_runtime.examples.tiny_gpt_model import TinyGPT
-from worker_runtime.layouts import LayoutError, apply_layout, default_units, mesh_shape
+from worker_runtime.grads import PendingGrads
+from worker_runtime.layouts import LayoutError, ParallelModel, apply_layout, default_units, mesh_shape
+from worker_runtime.state import TrainState
 
 
 def test_context_reads_the_layout() -> None:
@@ -141,3 +144,48 @@ def test_ddp_takes_the_layouts_bucket_size_and_compression(one_rank_group: Worke
     small, _ = one_step(Layout(ddp_bucket_mb=4 * params / 4 / 2**20))  # about a quarter of it
     assert buckets == 1 and small >= 4
     assert one_step(Layout(compression="fp16"))[0] == 1
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16"])
+def test_fsdp2_gradients_of_a_cut_accumulation_window_are_checkpointed(one_rank_group: WorkerContext,
+                                                                       compression: str) -> None:
+    """With sync off FSDP2 accumulates each rank's gradients unsharded (in its reduce dtype with
+    compression), not in ``param.grad``: a checkpoint inside the window must still hold them, and
+    a new process (its unsharded parameters not yet all-gathered) must get them back (issue 24)."""
+    layout = Layout(kind="fsdp", grad_accum_steps=2, compression=compression)  # type: ignore[arg-type]
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    def build() -> tuple[ParallelModel, torch.optim.Optimizer, TrainState]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        parallel = apply_layout(model, one_rank_group, layout, units=[model[0]])
+        state = TrainState()
+        state.register("model", model)
+        optimizer = state.register("optimizer", torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        state.register("grads", PendingGrads(state), per_rank=True).watch()
+        return parallel, optimizer, state
+
+    def micro_step(parallel: ParallelModel, index: int) -> None:
+        with parallel.micro_step(index):
+            parallel.module(batches[index]).square().mean().backward()
+
+    def weights(parallel: ParallelModel) -> list[torch.Tensor]:
+        return [p.full_tensor() for p in parallel.model.parameters()]  # type: ignore[attr-defined]
+
+    parallel, optimizer, state = build()
+    micro_step(parallel, 0)
+    buffer = io.BytesIO()
+    torch.save(state.state_dict(), buffer)
+    micro_step(parallel, 1)
+    optimizer.step()
+    expected = weights(parallel)
+
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert saved["grads"]["grads"] == {}  # nothing in param.grad: FSDP2 holds the window
+    assert len(saved["grads"]["fsdp"]["unsharded" if compression == "none" else "accumulated"]) == 4
+    resumed, optimizer, state = build()
+    state.load_state_dict(saved)
+    micro_step(resumed, 1)
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(expected, weights(resumed), strict=True))
