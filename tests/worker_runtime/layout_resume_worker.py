@@ -26,8 +26,8 @@ import torch.distributed as dist
 from tests.worker_runtime.test_exact_resume import train_layout
 from trainyard.protocol.keys import manifest_key, shard_key
 from trainyard.protocol.layout import Layout
+from trainyard.storage.s3 import S3Config, S3Storage
 from worker_runtime import WorkerContext
-from worker_runtime.checkpoint.s3 import S3Config, S3Storage
 
 TIMEOUT = timedelta(seconds=60)
 
