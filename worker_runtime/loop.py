@@ -54,6 +54,7 @@ from worker_runtime.distributed import (
     shutdown_distributed,
 )
 from worker_runtime.grads import PendingGrads
+from worker_runtime.layouts import LayoutError
 from worker_runtime.reporting import Reporter, StaleAttemptError
 from worker_runtime.state import RngState, Stateful, StepCounter, TrainState
 from worker_runtime.streams import INEXACT_EVENT, SeededSamples, StreamWatch, mix, quiet_iter
@@ -158,7 +159,18 @@ class TrainLoop:
     def ddp(self, model: torch.nn.Module, *example: torch.Tensor) -> torch.nn.Module:
         """``model`` wrapped in DistributedDataParallel when there are several ranks (itself when
         not). With an ``example`` input, DDP's gradient buckets are settled first, so that a resumed
-        run sums gradients in the same order as the uninterrupted one (settle_ddp_buckets)."""
+        run sums gradients in the same order as the uninterrupted one (settle_ddp_buckets).
+
+        Refused (LayoutError, before the first step) when the job asks for a layout that plain DDP
+        is not: FSDP2, HSDP, tensor parallel or compressed gradients would otherwise be dropped in
+        silence, and the job would train with another memory footprint than the one it was planned
+        and admitted for. Such a job applies its layout with ``apply_layout(model, loop.ctx)``."""
+        layout = self.ctx.layout
+        if layout.kind != "ddp" or layout.compression != "none":
+            asked = layout.kind if layout.kind != "ddp" else f"ddp with {layout.compression} compression"
+            raise LayoutError(f"the job asks for layout {asked}, and loop.ddp() applies plain DistributedDataParallel: "
+                              "apply the job's layout with worker_runtime.apply_layout(model, loop.ctx) "
+                              "(docs/writing-jobs.md, 'Layouts')")
         if not is_distributed():
             return model
         from torch.nn.parallel import DistributedDataParallel

@@ -177,3 +177,19 @@ def test_sigterm_to_every_process_several_times_exits_143_without_a_traceback(tm
     # 143, not -15: a later SIGTERM did not kill the process in the middle of its unwinding.
     assert proc.returncode == 143, err
     assert "Traceback" not in err and "Exception ignored" not in err and "SystemExit" not in err, err
+
+
+@pytest.mark.parametrize("layout", [{"kind": "fsdp"}, {"kind": "hsdp"}, {"kind": "ddp", "compression": "powersgd"}])
+def test_loop_ddp_refuses_a_job_whose_layout_is_not_plain_ddp(layout: dict[str, Any]) -> None:
+    """A job submitted with an FSDP2 layout whose script calls loop.ddp() would train unsharded (and
+    not fit the memory it was planned for): refused before the first step, naming the remedy."""
+    from trainyard.protocol.layout import Layout
+    from worker_runtime import LayoutError
+
+    with TrainLoop(total_steps=1, ctx=WorkerContext(layout=Layout(**layout))) as loop:
+        with pytest.raises(LayoutError, match=r"apply_layout\(model, loop.ctx\)"):
+            loop.ddp(nn.Linear(2, 2))
+    plain = TrainLoop(total_steps=1, ctx=WorkerContext(layout=Layout(kind="ddp", ddp_bucket_mb=5)))
+    with plain as loop:
+        model = nn.Linear(2, 2)
+        assert loop.ddp(model) is model  # one rank: nothing to wrap
