@@ -2,7 +2,7 @@
 
 A status report shares the job and attempt rows (fencing) and writes only its own node's part, its
 workers and its progress; whatever it may change of the attempt or the job is settled after it
-committed, under the exclusive locks (services/attempts.py ``apply_status``, ``settle``). Before,
+committed, under the exclusive locks (services/runs/attempts.py ``apply_status``, ``settle``). Before,
 every report locked the job row exclusively to write progress to it, so a job's 128 nodes reported
 one at a time.
 """
@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from control_plane.models import Node
-from control_plane.services import attempts
+from control_plane.services.runs import attempts
 from tests.control_plane.helpers import get_job
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 from tests.helpers import in_parallel

@@ -16,19 +16,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
 from control_plane.models import Attempt, Node
-from control_plane.services import (
-    attempts,
-    checkpoints,
-    events,
-    intervals,
-    metrics,
-    nodes,
-    parking,
-    progress,
-    recovery_budget,
-    specs,
-    views,
-)
+from control_plane.services import events
+from control_plane.services.checkpoints import checkpoints
+from control_plane.services.cluster import nodes, specs
+from control_plane.services.read import metrics, views
+from control_plane.services.runs import attempts, intervals, parking, progress, recovery_budget
 from control_plane.settings import Settings
 from trainyard.protocol.agent import (
     AssignmentRef,
@@ -142,9 +134,9 @@ class StatusAnswer:
     stop: bool
     released: bool
     checkpoint_interval_steps: int | None = None
-    """For a job whose checkpoint interval is 'auto': the interval chosen now (services/intervals.py)."""
+    """For a job whose checkpoint interval is 'auto': the interval chosen now (services/runs/intervals.py)."""
     handover_ok: bool = False
-    """The part told to stop may be parked for a handover (services/parking.py)."""
+    """The part told to stop may be parked for a handover (services/runs/parking.py)."""
 
 
 def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport,
@@ -154,7 +146,7 @@ def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: A
     the attempt under its exclusive locks (attempts.settle) and commit that; then release the part
     a final report asked to release (attempts.release_reported) and commit that. A final report that
     released the last GPUs of a gang schedules at once, as a heartbeat would. The answer carries
-    the checkpoint interval the platform chose for an 'auto' job (services/intervals.py). The report
+    the checkpoint interval the platform chose for an 'auto' job (services/runs/intervals.py). The report
     that brings a recovering attempt's first step closes the recovery: its phases are observed and
     checked against ``budgets`` (the cluster's recovery budgets, under the job's own)."""
     if report.state in (NodeAttemptState.exited, NodeAttemptState.stopped):

@@ -26,10 +26,13 @@ from control_plane.clock import now
 from control_plane.db import reload
 from control_plane.errors import Forbidden, InvalidState
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node, Worker
-from control_plane.services import events, intervals, memtier, parking, progress, specs
-from control_plane.services.checkpoints import restore_plan
-from control_plane.services.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
+from control_plane.services import events
+from control_plane.services.checkpoints import memtier
+from control_plane.services.checkpoints.checkpoints import restore_plan
+from control_plane.services.cluster import specs
 from control_plane.services.locks import attempt_order, lock_attempts, lock_part, lock_parts
+from control_plane.services.runs import intervals, parking, progress
+from control_plane.services.runs.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
 from control_plane.services.states import (
     JOB_ACTIVE,
     JOB_TERMINAL,
@@ -85,7 +88,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
     admit hundreds of gangs, so attempts, parts and leases go in as three bulk INSERTs. The jobs
     must be locked by the caller and waiting; each moves to ``starting``. Returns the attempt ids.
     ``adopts``: per job, per node, the earlier attempt whose parked part there the new part takes
-    over (services/handover.py released its leases first, in this transaction).
+    over (services/runs/handover.py released its leases first, in this transaction).
     """
     adopts = adopts or {}
     if not allocations:
@@ -127,7 +130,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
             part = {"id": uuid.uuid4(), "attempt_id": attempt_id, "node_id": node.id, "node_rank": node_rank,
                     "gpu_indices": list(indices), "desired": "run", "state": "assigned", "memory": memory[node_rank],
                     "adopts_attempt_id": adopts.get(job.id, {}).get(node.id)}
-            # Its spec never changes from now on: versioned once (services/specs.py).
+            # Its spec never changes from now on: versioned once (services/cluster/specs.py).
             part["spec_version"] = specs.launch_spec(job, SimpleNamespace(**attempt_rows[-1]),
                                                      SimpleNamespace(**part), None).version
             part_rows.append(part)
@@ -515,7 +518,7 @@ def apply_status(
         part.error = report.error
         part.error_kind = report.error_kind
     _merge_workers(session, attempt, part, report)
-    # Progress only moves forward within a part; the views take the furthest part (services/progress.py).
+    # Progress only moves forward within a part; the views take the furthest part (services/runs/progress.py).
     if report.progress is not None and (part.progress_step is None or report.progress.step >= part.progress_step):
         _advance(part, report.progress.step, t)  # before merge: it compares with the step before
         first = part.first_progress_at is None
@@ -555,7 +558,7 @@ PARKED = "parked"
 
 
 def _check_parkable(job: Job, attempt: Attempt, part: AttemptNode) -> None:
-    """Only a part its agent was allowed to park (services/parking.py) may be parked: any other is
+    """Only a part its agent was allowed to park (services/runs/parking.py) may be parked: any other is
     never held back from stopping (its GPUs would stay leased to workers nobody should hand
     anything to)."""
     why = parking.refusal(job, attempt, part)
