@@ -42,7 +42,7 @@ from control_plane.scheduler.policy import (
 )
 from control_plane.services.cluster import reservations, tenants
 from control_plane.services.read import metrics
-from control_plane.services.runs import attempts, handover
+from control_plane.services.runs import allocation, attempts, handover
 from control_plane.services.runs.limits import ONE_SECOND
 from control_plane.services.states import ATTEMPT_HOLDING, ATTEMPT_LIVE, JOB_WAITING, set_job_state
 from control_plane.settings import Settings
@@ -513,7 +513,7 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
         job = locked[p.job_id]
         metrics.QUEUE_WAIT.labels(kind="recovery" if job.state == "recovering" else "first").observe(
             max((t - job.updated_at).total_seconds(), 0.0))
-    attempts.create_attempts(session, [
+    allocation.create_attempts(session, [
         (locked[p.job_id], [(nodes[node_id], ix) for node_id, ix in p.nodes],
          _pick_port(used_ports, nodes[p.nodes[0][0]].address, settings, seed + i))
         for i, p in enumerate(admitted)
