@@ -26,7 +26,7 @@ baselines place by first fit (the first GPU kind that holds the job, the fullest
   kind could use then, which a pass could have avoided, and the others, which only preemption
   could undo).
 
-What is real: nodes register through ``services.nodes.register``; every scheduling pass is
+What is real: nodes register through ``services.cluster.nodes.register``; every scheduling pass is
 ``scheduler.allocate.schedule_pass`` (advisory lock, queue and capacity reads, the pure policy,
 bulk attempt/lease inserts, reservation accounting) on an embedded PostgreSQL, timed by the wall
 clock, with the ``PendingCache`` the control plane's scheduler loop keeps between passes (the first
@@ -75,8 +75,9 @@ from control_plane.models import Attempt, AttemptNode, Job, Node  # noqa: E402
 from control_plane.models import Reservation as ReservationRow  # noqa: E402
 from control_plane.scheduler.allocate import PendingCache, schedule_pass  # noqa: E402
 from control_plane.scheduler.model import Mode, PlacementRule  # noqa: E402
-from control_plane.services import attempts, limits, nodes, reservations  # noqa: E402
-from control_plane.services.jobs import set_job_state  # noqa: E402
+from control_plane.services.cluster import nodes, reservations  # noqa: E402
+from control_plane.services.runs import attempts, limits  # noqa: E402
+from control_plane.services.runs.jobs import set_job_state  # noqa: E402
 from control_plane.settings import Settings  # noqa: E402
 from trainyard.embedded import EmbeddedPostgres, PostgresAdmin  # noqa: E402
 from trainyard.protocol.agent import GpuInfo, RegisterRequest  # noqa: E402

@@ -42,10 +42,11 @@ from control_plane.http_deadlines import BodyIdleTimeout
 from control_plane.limits_http import BodyLimit
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
-from control_plane.services import goodput, upload_slots
-from control_plane.services.code_upload import UploadGate
-from control_plane.services.logs import Followers
-from control_plane.services.metrics import Exporter
+from control_plane.services.checkpoints import upload_slots
+from control_plane.services.read import goodput
+from control_plane.services.read.metrics import Exporter
+from control_plane.services.runs.code_upload import UploadGate
+from control_plane.services.runs.logs import Followers
 from control_plane.settings import Settings
 from control_plane.wakeups import SLOT_CHANNEL, Busy, Wakeups
 from trainyard.protocol.s3tls import read_ca_pem, tls_failure

@@ -43,9 +43,9 @@ BOOTSTRAP_ADMIN = "admin"
 USER_TOKEN_PREFIX = "tyt_"
 """API tokens of principals (``tyt_`` + 43 url-safe characters): recognizable by secret scanners."""
 JOIN_TOKEN_PREFIX = "tyj_"
-"""Bootstrap tokens for agents (control_plane/services/join_tokens.py)."""
+"""Bootstrap tokens for agents (control_plane/services/access/join_tokens.py)."""
 NODE_TOKEN_PREFIX = "tyn_"
-"""Node credentials (control_plane/services/nodes.py)."""
+"""Node credentials (control_plane/services/cluster/nodes.py)."""
 
 
 @dataclass(frozen=True)

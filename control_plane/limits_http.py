@@ -43,7 +43,7 @@ class BodyLimit:
             await self.app(scope, receive, send)  # the server delivers no more than it declares
             return
         # No Content-Length (chunked): counted as the app reads it, never buffered here (a code
-        # archive streams to storage: services/code_upload.py). Past the limit the app is told the
+        # archive streams to storage: services/runs/code_upload.py). Past the limit the app is told the
         # client went away, and the caller gets the 413 instead of whatever the app then answers.
         seen = 0
         over = False

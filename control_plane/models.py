@@ -184,10 +184,10 @@ class Job(Base):
     watchdog: Mapped[dict[str, Any] | None] = mapped_column(
         JSONB, doc="schemas/jobs.py WatchdogSettings: the job's hang timeout and straggler overrides; NULL: defaults.")
     checkpoint_auto: Mapped[dict[str, Any] | None] = mapped_column(
-        JSONB, doc="The platform's checkpoint interval for interval_steps 'auto' (services/intervals.py), "
+        JSONB, doc="The platform's checkpoint interval for interval_steps 'auto' (services/runs/intervals.py), "
         "with its inputs.")
     code: Mapped[dict[str, Any] | None] = mapped_column(
-        JSONB, doc="The shipped code (sha256, size_bytes: services/code.py); NULL: the nodes' own.")
+        JSONB, doc="The shipped code (sha256, size_bytes: services/runs/code.py); NULL: the nodes' own.")
     python: Mapped[str | None] = mapped_column(Text, doc="Interpreter on the nodes for its workers; NULL: the agent's.")
     requirements: Mapped[str | None] = mapped_column(
         Text, doc="A pip requirements file each node installs into a cached venv for its workers; NULL: none.")
@@ -200,7 +200,7 @@ class Job(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     memory_secret: Mapped[str | None] = mapped_column(
         String(64), doc="Authenticates its agents to each other for the in-memory checkpoint tier "
-        "(services/memtier.py); set at its first allocation, never shown, never given to workers.")
+        "(services/checkpoints/memtier.py); set at its first allocation, never shown, never given to workers.")
     request_hash: Mapped[str | None] = mapped_column(String(64), doc="sha256 of the submit body.")
     current_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), ForeignKey("attempts.id", use_alter=True, ondelete="SET NULL")
@@ -296,13 +296,14 @@ class AttemptNode(Base):
     reported_at: Mapped[datetime | None] = _ts()
     released_at: Mapped[datetime | None] = _ts(doc="When its processes were confirmed gone.")
     spec_version: Mapped[str | None] = mapped_column(
-        String(64), doc="Its launch spec's version, fixed at allocation (services/specs.py); NULL before 0014.")
+        String(64), doc="Its launch spec's version, fixed at allocation (services/cluster/specs.py); NULL before 0014.")
     memory: Mapped[dict[str, Any] | None] = mapped_column(
-        JSONB, doc="Its in-memory checkpoint tier, fixed at allocation (services/memtier.py): peer_url (the agent "
-        "keeping a copy of its shards) and sources (where the previous attempt's copies may be); NULL: off.")
+        JSONB, doc="Its in-memory checkpoint tier, fixed at allocation (services/checkpoints/memtier.py): "
+        "peer_url (the agent keeping a copy of its shards) and sources (where the previous attempt's copies may "
+        "be); NULL: off.")
     # Progress is kept per part, written by the node's own status reports (which never write the job
     # or the attempt row, so a job's nodes report at once); the views derive the attempt's and the
-    # job's progress from it (services/progress.py).
+    # job's progress from it (services/runs/progress.py).
     progress_step: Mapped[int | None] = mapped_column(Integer, doc="Last step this node reported.")
     progress_loss: Mapped[float | None] = mapped_column(Float)
     progress_at: Mapped[datetime | None] = _ts(doc="When the workers reported that step (the node's clock).")
@@ -316,7 +317,7 @@ class AttemptNode(Base):
     initialized_at: Mapped[datetime | None] = _ts(
         doc="When every rank of the node had initialised its process group (as received_at: an age). NULL: not "
         "reported (a script without the runtime's init_distributed, or an older agent).")
-    # The hang watchdog's clock, per part for the same reason (services/watchdog.py takes the
+    # The hang watchdog's clock, per part for the same reason (services/runs/watchdog.py takes the
     # attempt's latest advance over its parts).
     step_advanced_at: Mapped[datetime | None] = _ts(
         doc="When progress_step last grew (the control plane's clock).")
@@ -404,8 +405,9 @@ class Checkpoint(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     shards_received: Mapped[int] = mapped_column(
         Integer, server_default=text("0"),
-        doc="Shards recorded so far, counted after each report commits (services/checkpoints.py count_arrivals): "
-            "tells a report its step is complete without counting the shards.",
+        doc="Shards recorded so far, counted after each report commits "
+            "(services/checkpoints/checkpoints.py count_arrivals): tells a report its step is complete without "
+            "counting the shards.",
     )
     created_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
     committed_at: Mapped[datetime | None] = _ts()
@@ -442,7 +444,7 @@ sixth run on a connection, then matches no index)."""
 
 class UploadSlot(Base):
     """A checkpoint upload slot: one rank's lease on a share of the shared links for one shard
-    (docs/architecture.md, "Checkpoint upload slots"; the pure policy is services/upload_policy.py).
+    (docs/architecture.md, "Checkpoint upload slots"; the pure policy is services/checkpoints/upload_policy.py).
 
     At most one open (waiting or granted) slot per (attempt, rank, step): asking again polls or
     renews it. ``seq`` orders the waiters (first come, first served). A slot counts against the
@@ -608,7 +610,7 @@ class ApiToken(Base):
 
 
 class UiSession(Base):
-    """A dashboard login (services/ui_sessions.py): the browser's cookie holds a random secret of
+    """A dashboard login (services/access/ui_sessions.py): the browser's cookie holds a random secret of
     its own, never an API token, stored here as its sha256; logging out revokes it."""
 
     __tablename__ = "ui_sessions"
@@ -626,7 +628,7 @@ class UiSession(Base):
 
 
 class JoinToken(Base):
-    """A bootstrap token an agent registers with (services/join_tokens.py): it expires, and it is
+    """A bootstrap token an agent registers with (services/access/join_tokens.py): it expires, and it is
     single-use unless created with more uses. One bound to a node name may also re-claim that
     registered node (an operator vouches for the machine)."""
 
@@ -649,9 +651,9 @@ class JoinToken(Base):
 
 
 class StoragePutGrant(Base):
-    """An object a worker was granted to create (services/storage_grants.py, issue 23 finding 7):
+    """An object a worker was granted to create (services/checkpoints/storage_grants.py, issue 23 finding 7):
     one row per shard key, kept until the object is owned by a checkpoint (its shard was reported)
-    or deleted by the storage sweep (services/storage_sweep.py) once its attempt has ended, so a
+    or deleted by the storage sweep (services/checkpoints/storage_sweep.py) once its attempt has ended, so a
     granted object that was never reported does not stay in storage for ever."""
 
     __tablename__ = "storage_put_grants"

@@ -290,7 +290,7 @@ class Settings(BaseSettings):
 
     @property
     def recovery_budgets(self) -> dict[str, float | None]:
-        """Phase -> the cluster's budget in seconds (services/recovery_budget.py PHASES)."""
+        """Phase -> the cluster's budget in seconds (services/runs/recovery_budget.py PHASES)."""
         prefix = "recovery_budget_"
         return {name[len(prefix):-2]: getattr(self, name) for name in type(self).model_fields
                 if name.startswith(prefix)}

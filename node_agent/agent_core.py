@@ -110,7 +110,7 @@ class AgentCore:
 
     def _stop_or_park(self, run: AttemptRun, reason: str, *, handover_ok: bool | None) -> None:
         """Stop ``run`` as the control plane asked, unless the stop allows a handover (``handover_ok``:
-        a restartable job recovering from another node's failure, services/parking.py) and every
+        a restartable job recovering from another node's failure, services/runs/parking.py) and every
         worker of the part runs: then it is parked (node_agent/handover.py) for the next attempt to
         take over, and stopped only if none does within handover_timeout_s (the supervise loop).
         ``handover_ok`` None: the answer did not say (a parked part stays parked; any other stops)."""

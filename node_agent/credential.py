@@ -2,7 +2,7 @@
 
 With it, a restarted agent registers its node again without a join token: join tokens expire or
 are single-use, and a registered node is re-claimed only with its own credential or a join token
-an operator bound to its name (control_plane/services/join_tokens.py). Workers never see it:
+an operator bound to its name (control_plane/services/access/join_tokens.py). Workers never see it:
 it is not in their environment, and i11's per-attempt users cannot read the work dir's files.
 """
 

@@ -9,7 +9,7 @@ import uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.services.checkpoints import checkpoint_prefix
+from control_plane.services.checkpoints.checkpoints import checkpoint_prefix
 from trainyard.protocol import keys
 from worker_runtime import WorkerContext
 from worker_runtime.checkpoint.manager import CheckpointManager
@@ -31,7 +31,7 @@ def test_a_workers_shard_key_is_where_the_control_plane_looks() -> None:
                         local_rank=1, device="cpu")
     manager = CheckpointManager(ctx, TrainState(), storage=None)
     key = manager.shard_key(40)
-    # services/checkpoints.py refuses a shard outside this prefix and deletes a checkpoint by it.
+    # services/checkpoints/checkpoints.py refuses a shard outside this prefix and deletes a checkpoint by it.
     assert key.startswith(checkpoint_prefix(job_id, 40, 3) + "/")
     assert key == keys.shard_key(keys.job_checkpoint_prefix(job_id), 40, 3, 1)
 

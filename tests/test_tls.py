@@ -245,7 +245,7 @@ def test_an_agent_with_a_node_certificate_serves_its_memory_port_over_tls(
         with socket.create_connection(("127.0.0.2", agent.memory_port), timeout=5) as raw, \
                 client_context(https_server.ca_file).wrap_socket(raw, server_hostname="127.0.0.2") as tls:
             assert tls.version() is not None  # the cluster's CA vouches for the node's certificate
-        # Registered as such: its peers are handed an https:// URL (services/memtier.py).
+        # Registered as such: its peers are handed an https:// URL (services/checkpoints/memtier.py).
         engine = sqlalchemy.create_engine(fresh_database_url)
         try:
             with engine.connect() as conn:

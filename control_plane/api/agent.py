@@ -1,6 +1,6 @@
 """/v1/agent: the node agents' side of the wire contract (trainyard/protocol/agent.py).
 
-Thin routes over services/agent_protocol.py, which owns each message's transaction."""
+Thin routes over services/cluster/agent_protocol.py, which owns each message's transaction."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from control_plane.api.deps import (
 )
 from control_plane.api.jobs import ERRORS
 from control_plane.errors import Unauthorized
-from control_plane.services import agent_protocol, code, logs, nodes, storage_grants, upload_slots
+from control_plane.services.checkpoints import storage_grants, upload_slots
+from control_plane.services.cluster import agent_protocol, nodes
+from control_plane.services.runs import code, logs
 from trainyard.protocol.agent import (
     AGENT_API_PREFIX,
     AttemptStatusAck,

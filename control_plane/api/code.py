@@ -1,4 +1,4 @@
-"""/v1/code: archives of code that jobs run in (services/code.py), uploaded once per content hash."""
+"""/v1/code: archives of code that jobs run in (services/runs/code.py), uploaded once per content hash."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from control_plane.api.deps import CodeUpload, RuntimeDep, SettingsDep, Transact
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.jobs import CodeOut
 from control_plane.schemas.tenants import TENANT_NAME
-from control_plane.services import code, code_upload
-from control_plane.services.code_upload import declared_length
+from control_plane.services.runs import code, code_upload
+from control_plane.services.runs.code_upload import declared_length
 
 router = APIRouter(prefix="/v1/code", tags=["jobs"], route_class=TransactionRoute)
 

@@ -21,7 +21,8 @@ from control_plane import authz
 from control_plane.authz import Principal
 from control_plane.errors import Forbidden, Unauthorized
 from control_plane.models import Node
-from control_plane.services import nodes, principals, ui_sessions
+from control_plane.services.access import principals, ui_sessions
+from control_plane.services.cluster import nodes
 from control_plane.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="API token of a principal (tyt_...), the bootstrap admin token, "
@@ -35,7 +36,7 @@ def get_settings(request: Request) -> Settings:
 @dataclass(frozen=True)
 class Runtime:
     """What routes need besides the session, read once per request from the app: scheduler
-    wake-ups (``services.agent_protocol.Wakeups``), checkpoint storage, and the session factory
+    wake-ups (``services.cluster.agent_protocol.Wakeups``), checkpoint storage, and the session factory
     and engine for work that outlives the request's transaction (log follow, readiness)."""
 
     loops: Any
@@ -52,13 +53,13 @@ class Runtime:
     slot_wakeups: Any = None
     """control_plane.wakeups.Wakeups: the long polls for checkpoint upload slots (app.slot_wakeups)."""
     slot_passes: Any = None
-    """services.upload_slots.PassRunner: this replica's upload-slot grant passes (app.slot_passes)."""
+    """services.checkpoints.upload_slots.PassRunner: this replica's upload-slot grant passes (app.slot_passes)."""
     metrics: Any = None
-    """services.metrics.Exporter: what GET /metrics answers (app.metrics)."""
+    """services.read.metrics.Exporter: what GET /metrics answers (app.metrics)."""
     log_followers: Any = None
-    """services.logs.Followers: followed logs per principal on this replica (app.log_followers)."""
+    """services.runs.logs.Followers: followed logs per principal on this replica (app.log_followers)."""
     code_uploads: Any = None
-    """services.code_upload.UploadGate: code uploads in flight per principal on this replica."""
+    """services.runs.code_upload.UploadGate: code uploads in flight per principal on this replica."""
 
     def wake_scheduler(self) -> None:
         self.loops.wake_scheduler()
@@ -191,7 +192,7 @@ class Allow:
 
 
 UI_COOKIE = "trainyard_session"
-"""The dashboard's session cookie: a session's own secret (services/ui_sessions.py), never an API
+"""The dashboard's session cookie: a session's own secret (services/access/ui_sessions.py), never an API
 token (HttpOnly, SameSite=Strict)."""
 LOGIN_COOKIE = "trainyard_login"
 """A random value the login form is tied to (login CSRF: another site cannot log a browser in)."""

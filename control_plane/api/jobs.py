@@ -1,4 +1,4 @@
-"""/v1/jobs: thin routes over services.jobs and the read views. Members and viewers see their own
+"""/v1/jobs: thin routes over services.runs.jobs and the read views. Members and viewers see their own
 tenant's jobs only; another tenant's job is 404 to them (control_plane/authz.py)."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from control_plane.schemas.jobs import (
 )
 from control_plane.schemas.limits import INT32_MAX, INT64_MAX
 from control_plane.schemas.tenants import TENANT_NAME
-from control_plane.services import jobs, logs, views
+from control_plane.services.read import views
+from control_plane.services.runs import jobs, logs
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=TransactionRoute)
 

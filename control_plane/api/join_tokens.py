@@ -9,7 +9,7 @@ from fastapi import APIRouter, status
 from control_plane.api.deps import JoinTokensManage, SessionDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.principals import JoinTokenCreated, JoinTokenIn, JoinTokenOut
-from control_plane.services import join_tokens
+from control_plane.services.access import join_tokens
 
 router = APIRouter(prefix="/v1/join-tokens", tags=["cluster"], route_class=TransactionRoute)
 

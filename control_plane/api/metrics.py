@@ -1,4 +1,4 @@
-"""GET /metrics: Prometheus text format (services/metrics.py; docs/operations.md, "Metrics")."""
+"""GET /metrics: Prometheus text format (services/read/metrics.py; docs/operations.md, "Metrics")."""
 
 from __future__ import annotations
 

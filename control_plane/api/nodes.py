@@ -9,7 +9,8 @@ from fastapi import APIRouter
 from control_plane.api.deps import ClusterRead, NodesManage, NodesRead, RuntimeDep, SessionDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.nodes import ClusterOut, NodeLabelsIn, NodeOut
-from control_plane.services import cluster, nodes, views
+from control_plane.services.cluster import nodes
+from control_plane.services.read import cluster, views
 
 router = APIRouter(prefix="/v1", tags=["cluster"], route_class=TransactionRoute)
 

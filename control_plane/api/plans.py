@@ -1,4 +1,4 @@
-"""/v1/plans: the layout planner (docs/planner.md), a thin route over services.plans."""
+"""/v1/plans: the layout planner (docs/planner.md), a thin route over services.read.plans."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from control_plane.api.deps import PlansCreate, SessionDep, SettingsDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.plans import PlanOut, PlanRequest
-from control_plane.services import plans
+from control_plane.services.read import plans
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], route_class=TransactionRoute)
 

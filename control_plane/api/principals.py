@@ -19,7 +19,7 @@ from control_plane.schemas.principals import (
     TokenOut,
     WhoAmI,
 )
-from control_plane.services import principals
+from control_plane.services.access import principals
 
 router = APIRouter(prefix="/v1", tags=["access"], route_class=TransactionRoute)
 

@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from control_plane.api.deps import SimulationsCreate
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.simulations import SimulationIn, SimulationOut
-from control_plane.services import simulations
+from control_plane.services.read import simulations
 
 router = APIRouter(prefix="/v1/simulations", tags=["simulations"])
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Path
 from control_plane.api.deps import RuntimeDep, SessionDep, TenantsManage, TenantsRead, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.tenants import TENANT_NAME, TenantIn, TenantOut
-from control_plane.services import tenants
+from control_plane.services.cluster import tenants
 
 router = APIRouter(prefix="/v1/tenants", tags=["tenants"], route_class=TransactionRoute)
 

@@ -1,8 +1,8 @@
 """/ui: the dashboard. Server-rendered pages whose live parts htmx re-fetches (fragments), behind
 the same tokens and policies as the API (api/deps.py UiAllow: the session cookie holds a server-side
-session's secret (services/ui_sessions.py), HttpOnly and SameSite=Strict; a cancel also needs the
+session's secret (services/access/ui_sessions.py), HttpOnly and SameSite=Strict; a cancel also needs the
 page's CSRF token, and the login form one of its own). Read models in
-services/dashboard.py; templates in control_plane/ui/templates."""
+services/read/dashboard.py; templates in control_plane/ui/templates."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ from control_plane.api.deps import (
     csrf_token,
 )
 from control_plane.authz import Principal
-from control_plane.services import cluster, dashboard, jobs, ui_sessions
+from control_plane.services.access import ui_sessions
+from control_plane.services.read import cluster, dashboard
+from control_plane.services.runs import jobs
 from trainyard.protocol.display import duration, printable
 
 router = APIRouter(prefix="/ui", tags=["ui"], route_class=TransactionRoute, include_in_schema=False)
@@ -95,7 +97,7 @@ def login(request: Request, session: SessionDep, settings: SettingsDep,
           token: Annotated[str, Form(max_length=512)] = "",
           next: Annotated[str, Form(max_length=512)] = "/ui",
           csrf: Annotated[str, Form(max_length=128)] = "") -> Response:
-    """Check the token and open a session (services/ui_sessions.py) whose secret the cookie keeps
+    """Check the token and open a session (services/access/ui_sessions.py) whose secret the cookie keeps
     (HttpOnly: no script reads it; SameSite=Strict: no other site's page sends it)."""
     nonce = request.cookies.get(_login_cookie(request))
     if not nonce or not authz.same_secret(csrf, csrf_token(nonce)):

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query
 from control_plane.api.deps import NodesRead, SessionDep, SettingsDep, TransactionRoute
 from control_plane.api.jobs import ERRORS
 from control_plane.schemas.uploads import UploadSlotsOut
-from control_plane.services import upload_slots
+from control_plane.services.checkpoints import upload_slots
 
 router = APIRouter(prefix="/v1/upload-slots", tags=["uploads"], route_class=TransactionRoute)
 

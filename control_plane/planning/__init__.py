@@ -2,7 +2,7 @@
 throughput of each parallel layout on each GPU count, before a job starts.
 
 Pure functions over the standard library and the wire contract (trainyard.protocol): the service
-(control_plane/services/plans.py) reads the cluster and calls them; tests pin the formulas.
+(control_plane/services/read/plans.py) reads the cluster and calls them; tests pin the formulas.
 """
 
 from control_plane.planning.catalog import GPU_KINDS, find_gpu_kind, read_labels

@@ -40,8 +40,10 @@ from control_plane.scheduler.policy import (
     decide,
     place,
 )
-from control_plane.services import attempts, handover, metrics, reservations, tenants
-from control_plane.services.limits import ONE_SECOND
+from control_plane.services.cluster import reservations, tenants
+from control_plane.services.read import metrics
+from control_plane.services.runs import allocation, attempts, handover
+from control_plane.services.runs.limits import ONE_SECOND
 from control_plane.services.states import ATTEMPT_HOLDING, ATTEMPT_LIVE, JOB_WAITING, set_job_state
 from control_plane.settings import Settings
 from trainyard.protocol.exits import NODE_FAULT_KINDS
@@ -149,7 +151,7 @@ def cluster_state(session: Session, at: datetime, *, label_key: str | None = Non
         .order_by(Node.name)
     ).all()
     # What holds GPUs, per node: released at the attempt's allocation + its job's time limit
-    # (services/limits.py stops it then), at once if it is already stopping, never without a limit.
+    # (services/runs/limits.py stops it then), at once if it is already stopping, never without a limit.
     ends = case(
         (Attempt.outcome.is_not(None), literal(at, DateTime(timezone=True))),
         (Job.time_limit_s.is_not(None),
@@ -464,7 +466,7 @@ class PlannedHandover:
 def _admit(session: Session, settings: Settings, placements: list[Placement],
            nodes: dict[str, NodeRef], handovers: dict[str, PlannedHandover] | None = None) -> list[Placement]:
     """Create the attempts of the placements whose jobs are still waiting (locked, re-checked); a
-    handover's job first takes its parked parts over (services/handover.py; nodes, then jobs, then
+    handover's job first takes its parked parts over (services/runs/handover.py; nodes, then jobs, then
     parts: the lock order), or is left for the next pass if one of them is no longer parked."""
     handovers = handovers or {}
     if not placements:
@@ -511,7 +513,7 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
         job = locked[p.job_id]
         metrics.QUEUE_WAIT.labels(kind="recovery" if job.state == "recovering" else "first").observe(
             max((t - job.updated_at).total_seconds(), 0.0))
-    attempts.create_attempts(session, [
+    allocation.create_attempts(session, [
         (locked[p.job_id], [(nodes[node_id], ix) for node_id, ix in p.nodes],
          _pick_port(used_ports, nodes[p.nodes[0][0]].address, settings, seed + i))
         for i, p in enumerate(admitted)
@@ -521,7 +523,7 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
 
 def _account(session: Session, at: datetime, decision: Decision, admitted: list[Placement],
              state: ClusterState) -> None:
-    """Write the pass's holds and their idle cost (services/reservations.py)."""
+    """Write the pass's holds and their idle cost (services/cluster/reservations.py)."""
     kind_of = {n.node_id: n.gpu_kind for n in state.capacity}
     served: Counter[str] = Counter(kind_of[p.nodes[0][0]] for p in admitted if p.from_reserve)
     reservations.record(

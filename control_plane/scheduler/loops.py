@@ -21,18 +21,10 @@ from control_plane import clock
 from control_plane.clock import now
 from control_plane.db import session_scope
 from control_plane.scheduler.allocate import PASS_LOCK_BUSY, PendingCache, schedule_pass
-from control_plane.services import (
-    attempts,
-    checkpoints,
-    intervals,
-    limits,
-    metrics,
-    nodes,
-    retention,
-    storage_sweep,
-    upload_slots,
-    watchdog,
-)
+from control_plane.services.checkpoints import checkpoints, storage_sweep, upload_slots
+from control_plane.services.cluster import nodes
+from control_plane.services.read import metrics
+from control_plane.services.runs import attempts, intervals, limits, retention, watchdog
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.loops")
@@ -164,7 +156,7 @@ class Loops:
 
     def watchdog_once(self) -> int:
         """Fail hung attempts (recovered like any failure), name stragglers, reset 'auto' checkpoint
-        intervals (services/watchdog.py, services/intervals.py); each in its own transactions."""
+        intervals (services/runs/watchdog.py, services/runs/intervals.py); each in its own transactions."""
         if now() < self._not_before:
             return 0  # after a start, progress reports need time to reach us again
         with session_scope(self._factory) as session:
@@ -180,11 +172,11 @@ class Loops:
         return len(hung)
 
     def retention_once(self) -> tuple[int, int]:
-        """Delete logs and events past their retention (services/retention.py)."""
+        """Delete logs and events past their retention (services/runs/retention.py)."""
         st = self._settings
         done = retention.apply(self._factory, log_days=st.log_retention_days, event_days=st.event_retention_days,
                                batch=st.retention_batch)
-        # Code archives no job needs any more (services/storage_sweep.py); after the rows, so an
+        # Code archives no job needs any more (services/checkpoints/storage_sweep.py); after the rows, so an
         # unreachable S3 holds up nothing else.
         storage_sweep.sweep_code(self._factory, self._store, unreferenced_days=st.code_unreferenced_days)
         return done
@@ -194,7 +186,7 @@ class Loops:
             self._factory, self._store,  # type: ignore[arg-type]
             pending_timeout_s=self._settings.checkpoint_pending_timeout_s,
         )
-        if self._store is not None:  # granted objects never reported (services/storage_sweep.py)
+        if self._store is not None:  # granted objects never reported (services/checkpoints/storage_sweep.py)
             storage_sweep.sweep_grants(self._factory, self._store)
         # Slots of crashed holders are reclaimed and their waiters served even when no request comes.
         upload_slots.maintenance(self._factory, self._settings)

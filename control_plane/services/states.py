@@ -13,7 +13,7 @@ Each entity has one mutator (``set_job_state``, ``set_attempt_state``, ``advance
 ``set_node_state``, ``set_checkpoint_state``, ``move_upload_slots``): the only writers of its
 ``state`` column. A mutator
 refuses a transition the table does not allow and records an event. (A checkpoint's commit point,
-``pending -> committed``, is one conditional UPDATE in services/checkpoints.py ``commit_ready``,
+``pending -> committed``, is one conditional UPDATE in services/checkpoints/checkpoints.py ``commit_ready``,
 checked against ``CHECKPOINT``.) docs/architecture.md, "Job and attempt states", shows the tables
 (rendered by ``render_markdown``; the test checks the doc against it).
 """
@@ -147,7 +147,7 @@ PART: dict[str, State] = {
         settings=("node_lost_timeout_s",), message="attempt status report")),
     # A restartable job's healthy part told to stop: its workers stay alive, its leases held, until a
     # scheduling pass hands them over to the next attempt (``gone`` by the handed_over transition,
-    # services/handover.py) or its agent's handover timeout stops them as usual.
+    # services/runs/handover.py) or its agent's handover timeout stops them as usual.
     "parked": _s("exited", "stopped", "gone", exit=Exit(
         "a scheduling pass that places the job's next attempt on its exact GPUs hands it over (gone); else its "
         "agent stops the workers after its handover timeout and reports it stopped; a lost node fails it",
@@ -191,7 +191,7 @@ NODE_UNREACHABLE = ("lost", "removed")
 """Node states with no timeout exit, on purpose (see above); no job state is in this position."""
 
 
-# -- Checkpoints (two-phase commit: services/checkpoints.py, docs/architecture.md) ---------------
+# -- Checkpoints (two-phase commit: services/checkpoints/checkpoints.py, docs/architecture.md) ---------------
 
 CHECKPOINT: dict[str, State] = {
     "pending": _s("committed", "aborted", exit=Exit(
@@ -216,7 +216,7 @@ CHECKPOINT_COLLECTED = ("unusable", "aborted", "deleted")
 assert set(CHECKPOINT_COLLECTED) == CHECKPOINT_TERMINAL
 
 
-# -- Upload slots (leases on the shared links: services/upload_slots.py, docs/architecture.md) ---
+# -- Upload slots (leases on the shared links: services/checkpoints/upload_slots.py, docs/architecture.md) ---
 
 UPLOAD_SLOT: dict[str, State] = {
     "waiting": _s("granted", "released", "expired", exit=Exit(

@@ -6,7 +6,7 @@ until it returns); a job that ended shows ``releasing`` while its nodes still ho
 from __future__ import annotations
 
 from control_plane.db import session_scope
-from control_plane.services import nodes
+from control_plane.services.cluster import nodes
 from tests.control_plane.helpers import get_job, nodes_of, submit
 from tests.factories import ADMIN, FakeAgentSession, job_body, reregister_node, workers_for
 
@@ -153,8 +153,8 @@ def test_a_job_that_ended_shows_releasing_until_its_nodes_give_its_gpus_back(cli
 
 def test_a_job_recovering_from_a_lost_node_says_why_and_its_pending_checkpoint_is_aborted(clock, app, client,
                                                                                           schedule):
-    from control_plane.services import checkpoints
-    from control_plane.services.checkpoints import checkpoint_prefix
+    from control_plane.services.checkpoints import checkpoints
+    from control_plane.services.checkpoints.checkpoints import checkpoint_prefix
 
     agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
     job = submit(client, num_nodes=2, gpus_per_node=1, max_failures=3)
@@ -189,7 +189,7 @@ def test_a_reservation_whose_earliest_start_passed_says_what_it_still_waits_for(
     from types import SimpleNamespace
 
     from control_plane.schemas.scheduling import ReservationOut
-    from control_plane.services.views import _NodeCap, _reservation_reason
+    from control_plane.services.read.views import _NodeCap, _reservation_reason
 
     t = datetime.now(UTC)
     res = ReservationOut(job_id="j", job_name="big", nodes=["node-1", "node-2"], earliest_start=t - timedelta(hours=1),

@@ -66,7 +66,7 @@ def test_the_idempotency_hash_is_blind_to_fields_left_at_their_default():
     """A retry across an upgrade that added a job field (with a default) is the same request, and
     so is one that spells out a default: neither may be refused as a different body (409)."""
     from control_plane.schemas.jobs import JobSubmit
-    from control_plane.services.jobs import _request_hash
+    from control_plane.services.runs.jobs import _request_hash
 
     class LaterJobSubmit(JobSubmit):
         a_field_added_later: int = 0

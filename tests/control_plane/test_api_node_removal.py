@@ -5,7 +5,7 @@ cannot be removed (it would be back within a heartbeat, under the same id, witho
 from __future__ import annotations
 
 from control_plane.db import session_scope
-from control_plane.services import nodes
+from control_plane.services.cluster import nodes
 from tests.factories import ADMIN, FakeAgentSession, register_node, reregister_node
 
 

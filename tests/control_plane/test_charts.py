@@ -8,7 +8,7 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from control_plane.services.progress import SAMPLE_MIN_S, SAMPLE_S, sample_interval_s
+from control_plane.services.runs.progress import SAMPLE_MIN_S, SAMPLE_S, sample_interval_s
 from control_plane.ui.charts import line_chart
 
 

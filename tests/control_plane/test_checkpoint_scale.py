@@ -19,8 +19,8 @@ from sqlalchemy import event, select, text
 
 from control_plane.app import create_app, object_store
 from control_plane.models import Checkpoint, Node
-from control_plane.services import checkpoints
-from control_plane.services.checkpoints import checkpoint_prefix
+from control_plane.services.checkpoints import checkpoints
+from control_plane.services.checkpoints.checkpoints import checkpoint_prefix
 from control_plane.settings import Settings
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 from trainyard.protocol.agent import ShardReport

@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 
 from control_plane.app import create_app, object_store
 from control_plane.db import make_engine, make_session_factory
-from control_plane.services import checkpoints
-from control_plane.services.checkpoints import checkpoint_prefix
+from control_plane.services.checkpoints import checkpoints
+from control_plane.services.checkpoints.checkpoints import checkpoint_prefix
 from control_plane.settings import Settings
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 from tests.helpers import in_parallel

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from control_plane.app import create_app, object_store
 from control_plane.clock import wall
-from control_plane.services.code import code_key
+from control_plane.services.runs.code import code_key
 from control_plane.settings import Settings
 from tests.control_plane.helpers import serve
 from tests.factories import ADMIN, FakeAgentSession, job_body

@@ -113,7 +113,7 @@ def test_a_long_history_is_charted_from_evenly_spread_samples(app, client, sched
 
     from control_plane.db import session_scope
     from control_plane.models import ProgressSample
-    from control_plane.services import progress
+    from control_plane.services.runs import progress
 
     FakeAgentSession(client, "node-1", 2)
     job = submit(client, num_nodes=1)

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from control_plane.app import create_app
 from control_plane.clock import now
 from control_plane.db import session_scope
-from control_plane.services import reservations
+from control_plane.services.cluster import reservations
 from control_plane.settings import Settings
 from tests.control_plane.helpers import finish, get_job, nodes_of, submit
 from tests.factories import ADMIN, FakeAgentSession, register_node, reregister_node, workers_for

@@ -11,8 +11,8 @@ from sqlalchemy import select
 
 from control_plane.db import session_scope
 from control_plane.models import AttemptNode, Event, GpuLease
-from control_plane.services import handover
 from control_plane.services.locks import lock_job
+from control_plane.services.runs import handover
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 
 
@@ -163,8 +163,8 @@ def _fail_with(app, job_id: str, node_id: str, *, hung: bool = False, kind: str 
     """The job's current attempt fails as the watchdog (hung) or a worker's exit would fail it."""
     from control_plane.clock import now
     from control_plane.models import Job
-    from control_plane.services import attempts
-    from control_plane.services.fencing import lock_attempt
+    from control_plane.services.runs import attempts
+    from control_plane.services.runs.fencing import lock_attempt
     with session_scope(app.state.session_factory) as s:
         current = s.get(Job, uuid.UUID(job_id)).current_attempt_id
         locked = lock_attempt(s, current)

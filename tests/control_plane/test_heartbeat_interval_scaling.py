@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from control_plane.db import session_scope
 from control_plane.models import Node
-from control_plane.services import nodes
+from control_plane.services.cluster import nodes
 from control_plane.settings import Settings
 from tests.factories import FakeAgentSession
 from trainyard.protocol.agent import AGENT_BACKOFF_S, AGENT_TRIES, agent_request_timeout_s

@@ -8,8 +8,8 @@ import uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.services.memtier import PeerNode, choose_peer, peer_url
-from control_plane.services.memtier_facts import restored_tiers
+from control_plane.services.checkpoints.memtier import PeerNode, choose_peer, peer_url
+from control_plane.services.checkpoints.memtier_facts import restored_tiers
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 from trainyard.protocol.memtier import memory_grant, memory_grant_key
 

@@ -12,8 +12,9 @@ from control_plane import clock
 from control_plane.db import session_scope
 from control_plane.models import Node
 from control_plane.scheduler.loops import Loops
-from control_plane.services import metrics, nodes
-from control_plane.services.recovery_budget import PHASES
+from control_plane.services.cluster import nodes
+from control_plane.services.read import metrics
+from control_plane.services.runs.recovery_budget import PHASES
 from tests.control_plane.test_ui_pages import login_csrf
 from tests.factories import ADMIN, ADMIN_TOKEN, FakeAgentSession, job_body, workers_for
 from trainyard.cli import job_view

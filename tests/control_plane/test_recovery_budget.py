@@ -1,4 +1,4 @@
-"""The recovery split and its budgets (services/recovery_budget.py): pure, so unit tests and
+"""The recovery split and its budgets (services/runs/recovery_budget.py): pure, so unit tests and
 hypothesis properties, no database."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.services import recovery_budget as rb
+from control_plane.services.runs import recovery_budget as rb
 from control_plane.settings import Settings
 
 T0 = datetime(2026, 12, 5, 3, 0, tzinfo=UTC)

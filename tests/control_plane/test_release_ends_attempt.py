@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from control_plane.models import Node
-from control_plane.services import nodes
+from control_plane.services.cluster import nodes
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 from tests.helpers import in_parallel
 from trainyard.protocol.agent import HeartbeatRequest

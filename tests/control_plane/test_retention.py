@@ -7,7 +7,7 @@ from sqlalchemy import func, select, update
 
 from control_plane.db import session_scope
 from control_plane.models import Event, LogChunk
-from control_plane.services import retention
+from control_plane.services.runs import retention
 from tests.factories import ADMIN, FakeAgentSession, job_body
 
 

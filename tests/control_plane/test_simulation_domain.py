@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from control_plane.errors import Unprocessable
 from control_plane.schemas.simulations import SimulationIn, SimulationOut
-from control_plane.services.simulations import simulate
+from control_plane.services.read.simulations import simulate
 from tests.factories import ADMIN
 
 ISSUE_28 = {"blocking_s": 26993.83016630085, "node_mtbf_h": 5e-324, "days": None, "work_h": 5e-324,

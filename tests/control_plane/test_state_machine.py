@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
-from control_plane.services.jobs import TERMINAL, TRANSITIONS, can_transition
+from control_plane.services.runs.jobs import TERMINAL, TRANSITIONS, can_transition
 from tests.factories import TINY_GPT, job_body
 
 

@@ -2,7 +2,7 @@
 
 A status report shares the job and attempt rows (fencing) and writes only its own node's part, its
 workers and its progress; whatever it may change of the attempt or the job is settled after it
-committed, under the exclusive locks (services/attempts.py ``apply_status``, ``settle``). Before,
+committed, under the exclusive locks (services/runs/status_reports.py ``apply_status``, ``settle``). Before,
 every report locked the job row exclusively to write progress to it, so a job's 128 nodes reported
 one at a time.
 """
@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from control_plane.models import Node
-from control_plane.services import attempts
+from control_plane.services.runs import status_reports
 from tests.control_plane.helpers import get_job
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 from tests.helpers import in_parallel
@@ -59,7 +59,7 @@ def test_a_report_held_open_does_not_block_the_other_nodes_reports(client):
     try:
         # Node 0's report, merged and not committed: its transaction holds what a report holds.
         node0 = held.get(Node, uuid.UUID(agents[0].node_id))
-        attempts.apply_status(held, node0, uuid.UUID(specs[0]["attempt_id"]),
+        status_reports.apply_status(held, node0, uuid.UUID(specs[0]["attempt_id"]),
                               _report(specs[0], "running", progress=_progress(7, 0.7)))
         holder = held.scalar(text("SELECT pg_backend_pid()"))
         done: list[int] = []
@@ -98,13 +98,13 @@ def _concurrently(client: TestClient, agents: list[FakeAgentSession], reports: l
     def send(i: int) -> None:
         session = client.app.state.session_factory()
         try:
-            merged = attempts.apply_status(session, session.get(Node, uuid.UUID(agents[i].node_id)),
+            merged = status_reports.apply_status(session, session.get(Node, uuid.UUID(agents[i].node_id)),
                                            uuid.UUID(attempt_id), reports[i])
             with contextlib.suppress(threading.BrokenBarrierError):
                 inside.wait(timeout=2.0)  # every report in its transaction, unless one waits for another
             session.commit()
             if merged.settle:
-                attempts.settle(session, uuid.UUID(attempt_id), reports[i].result)
+                status_reports.settle(session, uuid.UUID(attempt_id), reports[i].result)
                 session.commit()
         finally:
             session.close()

@@ -7,8 +7,8 @@ import uuid
 from sqlalchemy import select
 
 from control_plane.models import Attempt, AttemptNode, Job
-from control_plane.services import attempts, limits
-from control_plane.services.jobs import set_job_state
+from control_plane.services.runs import attempts, limits
+from control_plane.services.runs.jobs import set_job_state
 from tests.control_plane.helpers import get_job, submit
 from tests.factories import ADMIN, FakeAgentSession, workers_for
 

@@ -1,4 +1,4 @@
-"""The upload-slot policy (control_plane/services/upload_policy.py), pure: hand cases, then
+"""The upload-slot policy (control_plane/services/checkpoints/upload_policy.py), pure: hand cases, then
 hypothesis properties over random streams of arrivals, releases, crashes and lease expiries,
 simulated with the rules the service applies (a slot counts while granted, unexpired and of a
 current attempt)."""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.services.upload_policy import Slot, SlotLimits, full_labels, grantable, node_rate
+from control_plane.services.checkpoints.upload_policy import Slot, SlotLimits, full_labels, grantable, node_rate
 
 
 def _s(seq: int, label: str = "r1", node: str = "n1") -> Slot:

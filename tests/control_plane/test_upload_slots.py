@@ -1,4 +1,4 @@
-"""Checkpoint upload slots on real PostgreSQL (services/upload_slots.py, docs/architecture.md
+"""Checkpoint upload slots on real PostgreSQL (services/checkpoints/upload_slots.py, docs/architecture.md
 "Checkpoint upload slots"): the cluster-wide and per-domain limits hold while the ranks of a job ask
 at once through two control-plane replicas; a release wakes the oldest waiter that fits, held in a
 long poll by the other replica; a stale attempt gets 409 and no slot, and the slots of an attempt
@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 
 from control_plane.app import create_app
 from control_plane.models import UPLOAD_SLOTS_OPEN_SQL
+from control_plane.services.checkpoints.upload_policy import Slot, SlotLimits, grantable
 from control_plane.services.states import UPLOAD_SLOT_OPEN
-from control_plane.services.upload_policy import Slot, SlotLimits, grantable
 from control_plane.settings import Settings
 from tests.control_plane.helpers import serve
 from tests.factories import ADMIN, JOIN_TOKEN, job_body, workers_for

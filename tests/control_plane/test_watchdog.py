@@ -281,7 +281,7 @@ def test_an_attempt_at_its_last_step_is_given_time_to_finish_not_failed_as_hung(
     """After its last step an attempt uploads its last checkpoint, sends its result and exits: no step
     advances any more, which is not a hang (the e2e watchdog test's second attempt was failed as hung
     at step 240 of 240 on a loaded machine); a frozen end is still caught, at FINISHING_TIMEOUT_S."""
-    from control_plane.services.watchdog import FINISHING_TIMEOUT_S
+    from control_plane.services.runs.watchdog import FINISHING_TIMEOUT_S
 
     job, specs, agents = running()
     for step in (90, 100):

@@ -154,8 +154,8 @@ def manifest_from_shards(
     num_nodes: int = 1,
 ) -> dict[str, Any]:
     """The manifest the control plane would commit from these shard reports (``_manifest`` in
-    control_plane/services/checkpoints.py), checking what ``record_shards`` checks."""
-    from control_plane.services.checkpoints import checkpoint_prefix
+    control_plane/services/checkpoints/checkpoints.py), checking what ``record_shards`` checks."""
+    from control_plane.services.checkpoints.checkpoints import checkpoint_prefix
 
     prefix = checkpoint_prefix(job_id, step, attempt_number)
     mine = {s["rank"]: s for s in shards if s["step"] == step}

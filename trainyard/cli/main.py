@@ -357,7 +357,7 @@ def simulate(
 
     from control_plane.errors import Unprocessable
     from control_plane.schemas.simulations import SimulationIn
-    from control_plane.services.simulations import simulate as run_simulation
+    from control_plane.services.read.simulations import simulate as run_simulation
     from trainyard.cli.simulate_view import render
 
     fields = {"nodes": nodes, "node_mtbf_h": node_mtbf_h, "interruptions": interruptions, "days": days,

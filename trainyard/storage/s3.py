@@ -208,7 +208,7 @@ class S3Storage:
 
     def abort_upload(self, key: str, upload_id: str) -> None:
         """Abort an upload in parts (its parts are deleted); one already completed or aborted is no
-        error (the control plane's storage sweep, services/storage_sweep.py)."""
+        error (the control plane's storage sweep, services/checkpoints/storage_sweep.py)."""
         resp = self._signed("DELETE", key, {"uploadId": upload_id})
         if resp.status >= 300 and resp.status != 404:  # 404: NoSuchUpload, nothing left to abort
             raise OSError(f"abort upload {key}: HTTP {resp.status} {resp.data[:300]!r}")

@@ -31,7 +31,7 @@ from worker_runtime.context import WorkerContext
 
 log = logging.getLogger(__name__)
 
-# Kinds the control plane turns into checkpoint facts (control_plane/services/checkpoints.py).
+# Kinds the control plane turns into checkpoint facts (control_plane/services/checkpoints/checkpoints.py).
 RESTORED = "checkpoint.restored"
 FALLBACK = "checkpoint.fallback"
 SAVE_FAILED = "checkpoint.save_failed"

@@ -15,7 +15,10 @@ from control_plane.clock import now
 from control_plane.models import Job, LogChunk
 from control_plane.schemas.jobs import AttemptOut, CheckpointOut, EventOut, JobOut, ProgressSampleOut
 from control_plane.schemas.nodes import NodeOut
-from control_plane.services import events, jobs, logs, nodes, progress, views
+from control_plane.services import events
+from control_plane.services.cluster import nodes
+from control_plane.services.read import views
+from control_plane.services.runs import jobs, logs, progress
 from control_plane.services.states import JOB_TERMINAL
 from control_plane.ui.charts import line_chart
 

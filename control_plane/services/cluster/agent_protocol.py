@@ -16,19 +16,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane import failpoints
 from control_plane.models import Attempt, Node
-from control_plane.services import (
-    attempts,
-    checkpoints,
-    events,
-    intervals,
-    metrics,
-    nodes,
-    parking,
-    progress,
-    recovery_budget,
-    specs,
-    views,
-)
+from control_plane.services import events
+from control_plane.services.checkpoints import checkpoints
+from control_plane.services.cluster import nodes, specs
+from control_plane.services.read import metrics, views
+from control_plane.services.runs import attempts, intervals, parking, progress, recovery_budget, status_reports
 from control_plane.settings import Settings
 from trainyard.protocol.agent import (
     AssignmentRef,
@@ -142,38 +134,38 @@ class StatusAnswer:
     stop: bool
     released: bool
     checkpoint_interval_steps: int | None = None
-    """For a job whose checkpoint interval is 'auto': the interval chosen now (services/intervals.py)."""
+    """For a job whose checkpoint interval is 'auto': the interval chosen now (services/runs/intervals.py)."""
     handover_ok: bool = False
-    """The part told to stop may be parked for a handover (services/parking.py)."""
+    """The part told to stop may be parked for a handover (services/runs/parking.py)."""
 
 
 def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: AttemptStatusReport,
                   wakeups: Wakeups, *, budgets: Mapping[str, float | None] | None = None) -> StatusAnswer:
-    """Merge an attempt status report (attempts.apply_status, which shares the job and the attempt
+    """Merge an attempt status report (status_reports.apply_status, which shares the job and the attempt
     with the other nodes' reports) and commit it; then, if it may have decided something, settle
-    the attempt under its exclusive locks (attempts.settle) and commit that; then release the part
-    a final report asked to release (attempts.release_reported) and commit that. A final report that
+    the attempt under its exclusive locks (status_reports.settle) and commit that; then release the part
+    a final report asked to release (status_reports.release_reported) and commit that. A final report that
     released the last GPUs of a gang schedules at once, as a heartbeat would. The answer carries
-    the checkpoint interval the platform chose for an 'auto' job (services/intervals.py). The report
+    the checkpoint interval the platform chose for an 'auto' job (services/runs/intervals.py). The report
     that brings a recovering attempt's first step closes the recovery: its phases are observed and
     checked against ``budgets`` (the cluster's recovery budgets, under the job's own)."""
     if report.state in (NodeAttemptState.exited, NodeAttemptState.stopped):
         failpoints.hit("agent.final_status")  # a slow final status (fault tests)
     ended_before = attempts.ended_count(session)
     session.info.pop("first_step_at", None)
-    merged = attempts.apply_status(session, node, attempt_id, report)
+    merged = status_reports.apply_status(session, node, attempt_id, report)
     session.commit()
-    if session.info.pop(attempts.PARKED, False):
+    if session.info.pop(status_reports.PARKED, False):
         wakeups.wake_scheduler()  # the next attempt may take the parked part over now
     attempt = merged.attempt
     if merged.settle:
-        attempt = attempts.settle(session, attempt_id, report.result) or attempt
+        attempt = status_reports.settle(session, attempt_id, report.result) or attempt
         session.commit()
     released = merged.released
     if merged.release:
         # After settle: a verdict this report completes is taken first, and the release of the
         # gang's last part then ends the attempt in its own transaction (attempts.release_parts).
-        released = attempts.release_reported(session, merged.part.id)
+        released = status_reports.release_reported(session, merged.part.id)
         session.commit()
     interval = intervals.current_steps(session, attempt)
     _observe_recovery(session, attempt, session.info.pop("first_step_at", None), budgets)

@@ -1,5 +1,5 @@
 """Which waiting upload slots to grant, and at what byte rate: a pure policy (standard library only;
-services/upload_slots.py reads the rows, asks here, and writes the answer).
+services/checkpoints/upload_slots.py reads the rows, asks here, and writes the answer).
 
 A slot counts against two limits: the cluster's (``cluster``) and its topology domain's
 (``per_label``: the value of the scheduler's topology label on the uploading node; nodes without

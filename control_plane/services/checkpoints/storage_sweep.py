@@ -4,7 +4,7 @@ archives no job needs any more are deleted.
 
 A granted key leaves the table once its step is decided or its attempt has ended:
 - its checkpoint was committed (or later found unusable): the checkpoint owns the object, and
-  checkpoint retention (services/checkpoints.py) deletes it with the checkpoint;
+  checkpoint retention (services/checkpoints/checkpoints.py) deletes it with the checkpoint;
 - its checkpoint was aborted or deleted: checkpoint retention deletes the whole step prefix; the
   sweep deletes the key too (idempotent), so the order of the two does not matter;
 - no checkpoint and the attempt has ended: nobody ever reported it; the sweep deletes it.

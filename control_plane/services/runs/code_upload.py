@@ -19,8 +19,8 @@ from anyio import CancelScope, to_thread
 
 from control_plane.authz import Principal
 from control_plane.errors import Conflict, Unprocessable
-from control_plane.services.code import code_key, find, owner_tenant, require_store
-from control_plane.services.gates import PrincipalGate
+from control_plane.services.access.gates import PrincipalGate
+from control_plane.services.runs.code import code_key, find, owner_tenant, require_store
 from control_plane.settings import Settings
 
 PART_BYTES = 8 * 2**20

@@ -53,9 +53,12 @@ from control_plane.schemas.nodes import GpuOut, NodeOut
 from control_plane.schemas.plans import JobPlanOut
 from control_plane.schemas.scheduling import ReservationOut
 from control_plane.schemas.uploads import CheckpointUploadOut
-from control_plane.services import events, goodput, pages, progress, recovery_budget, reservations, tenants, watchdog
-from control_plane.services.memtier import memory_tier_on
-from control_plane.services.nodes import scheduling_state
+from control_plane.services import events, pages
+from control_plane.services.checkpoints.memtier import memory_tier_on
+from control_plane.services.cluster import reservations, tenants
+from control_plane.services.cluster.nodes import scheduling_state
+from control_plane.services.read import goodput
+from control_plane.services.runs import progress, recovery_budget, watchdog
 from control_plane.services.states import JOB_ACTIVE, JOB_TERMINAL, JOB_WAITING, NODE_UNREACHABLE, PART_UNLAUNCHED
 from trainyard.protocol.layout import METRIC_COMM_S, METRIC_COMPUTE_S, METRIC_STEP_S, Layout
 

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from control_plane.authz import BOOTSTRAP_ADMIN, Principal, Role, hash_token, same_secret
 from control_plane.clock import now
 from control_plane.models import UiSession
-from control_plane.services import principals
+from control_plane.services.access import principals
 
 SESSION_S = 12 * 3600
 """The longest a dashboard session lives (the token it was opened with may end it sooner)."""

@@ -1,6 +1,6 @@
 """What a worker may be granted to write, bounded (issue 23, finding 7; docs/security.md, "Storage
 bounds"): a shard no larger than a shard of this job can be, only for the attempt's current save,
-and every granted key recorded so that one never reported is deleted (services/storage_sweep.py).
+and every granted key recorded so that one never reported is deleted (services/checkpoints/storage_sweep.py).
 
 Without these a worker of any job could ask for a 5 TiB object at every step number it liked and
 fill the bucket that every tenant's checkpoints share. The size is signed into the URL

@@ -16,7 +16,7 @@ from control_plane.goodput.accounting import AttemptFacts, Breakdown, JobFacts, 
 from control_plane.models import Attempt, AttemptNode, Checkpoint, GpuLease, Job, Worker
 from control_plane.schemas.goodput import ClusterGoodputOut, GoodputOut
 from control_plane.schemas.scheduling import SchedulingOut
-from control_plane.services import reservations
+from control_plane.services.cluster import reservations
 
 
 def _facts(session: Session, jobs: list[Job]) -> dict[uuid.UUID, JobFacts]:
@@ -24,7 +24,7 @@ def _facts(session: Session, jobs: list[Job]) -> dict[uuid.UUID, JobFacts]:
         return {}
     t = now()
     ids = [j.id for j in jobs]
-    # Progress lives on the parts (services/progress.py): an attempt's is its parts' furthest.
+    # Progress lives on the parts (services/runs/progress.py): an attempt's is its parts' furthest.
     parts = (select(AttemptNode.attempt_id, func.min(AttemptNode.first_progress_at).label("first_progress_at"),
                     func.max(AttemptNode.step_advanced_at).label("step_advanced_at"),
                     func.max(AttemptNode.progress_at).label("progress_at"),

@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session
 from control_plane.clock import now
 from control_plane.models import Gpu, GpuLease, Job, Node
 from control_plane.schemas.nodes import CapacityOut, ClusterOut, QueuedJobOut
-from control_plane.services import goodput, reservations, tenants
+from control_plane.services.cluster import reservations, tenants
+from control_plane.services.read import goodput
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING
 
 QUEUE_STATES = JOB_WAITING

@@ -1,6 +1,6 @@
 """Checkpoint upload slots: leases on the shared links, granted first come, first served within a
 cluster-wide limit and a limit per topology domain, paced by a byte budget per node
-(docs/architecture.md, "Checkpoint upload slots"; the pure policy is services/upload_policy.py).
+(docs/architecture.md, "Checkpoint upload slots"; the pure policy is services/checkpoints/upload_policy.py).
 
 Scale (1,024 ranks asking at once): a request is fenced like a shard report, sharing the job and
 attempt rows (``FOR SHARE``: the ranks of a job never wait for each other) and writing only its own
@@ -39,10 +39,11 @@ from control_plane.db import session_scope
 from control_plane.errors import NotFound, StaleAttempt, Unprocessable
 from control_plane.models import UPLOAD_SLOTS_OPEN_SQL, Attempt, Job, Node, UploadSlot
 from control_plane.schemas.uploads import SlotLimitsOut, UploadSlotOut, UploadSlotsOut
-from control_plane.services import events, nodes
-from control_plane.services.fencing import authorize_report, check_own_ranks
+from control_plane.services import events
+from control_plane.services.checkpoints.upload_policy import Slot, SlotLimits, full_labels, grantable, node_rate
+from control_plane.services.cluster import nodes
+from control_plane.services.runs.fencing import authorize_report, check_own_ranks
 from control_plane.services.states import UPLOAD_SLOT_OPEN, move_upload_slots
-from control_plane.services.upload_policy import Slot, SlotLimits, full_labels, grantable, node_rate
 from control_plane.settings import Settings
 from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotRequest
 

@@ -3,7 +3,7 @@ tier"): which peer agent keeps a copy of each part's shards, and where a new att
 find the previous attempt's copies.
 
 Decided once, at allocation, and stored with the part (``attempt_nodes.memory``): a part's spec
-never changes afterwards (services/specs.py). The peer is another node whose agent serves the tier,
+never changes afterwards (services/cluster/specs.py). The peer is another node whose agent serves the tier,
 on another failure domain (the scheduler's topology label) when one exists, else any other such
 node: a copy on the same rack dies with the rack. Among the candidates the choice is spread by a
 hash of the job and node rank, so one node is not every node's peer. The job's memory secret is

@@ -18,9 +18,11 @@ from control_plane.clock import now
 from control_plane.errors import Forbidden, IdempotencyMismatch, InvalidState, NotFound, TooMany, Unprocessable
 from control_plane.models import Attempt, Gpu, Job, Node
 from control_plane.schemas.jobs import JOB_STATES, JobSubmit
-from control_plane.services import attempts, code, events, pages, plans
+from control_plane.services import events, pages
+from control_plane.services.cluster.tenants import check_quota, max_priority
+from control_plane.services.read import plans
+from control_plane.services.runs import attempts, code
 from control_plane.services.states import ATTEMPT_HOLDING, JOB, JOB_TERMINAL, can_transition, set_job_state
-from control_plane.services.tenants import check_quota, max_priority
 from trainyard.protocol.env import job_env_bytes
 from trainyard.protocol.layout import Layout
 
@@ -87,7 +89,7 @@ def submit(
 ) -> tuple[Job, bool]:
     """Create a queued job for the principal's tenant (an admin may name another). Returns (job,
     created); a retried submit returns the first job. A job with a model block is planned first
-    (services/plans.py): refused when its layout does not fit, queued with a warning event for each
+    (services/read/plans.py): refused when its layout does not fit, queued with a warning event for each
     way fewer GPUs would do better. Shipped code must have been uploaded for the job's tenant: checked
     in the object ``store`` first, before any transaction."""
     check_env_size(body, max_env_bytes)

@@ -24,8 +24,9 @@ from control_plane.clock import now
 from control_plane.db import rowcount
 from control_plane.goodput.rules import RankTiming, Straggler, hang_timeout_s, stragglers
 from control_plane.models import Attempt, AttemptNode, Checkpoint, Job, LogChunk, Node
-from control_plane.services import attempts, events, progress
-from control_plane.services.fencing import lock_attempt
+from control_plane.services import events
+from control_plane.services.runs import attempts, progress
+from control_plane.services.runs.fencing import lock_attempt
 from control_plane.settings import Settings
 from trainyard.protocol.agent import RANK_SILENT_AFTER_S
 

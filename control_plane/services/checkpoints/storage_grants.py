@@ -23,8 +23,8 @@ from sqlalchemy.orm import Session
 from control_plane.clock import now
 from control_plane.errors import Conflict, Forbidden, NotFound, Unprocessable
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
-from control_plane.services import storage_bounds
-from control_plane.services.fencing import authorize_report
+from control_plane.services.checkpoints import storage_bounds
+from control_plane.services.runs.fencing import authorize_report
 from control_plane.settings import Settings
 from trainyard.protocol import keys
 from trainyard.protocol.grants import MAX_PARTS, GrantAction, StorageGrant, StorageGrants, StorageRequest

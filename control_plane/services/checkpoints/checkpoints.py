@@ -39,9 +39,10 @@ from control_plane.clock import now
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, Checkpoint, CheckpointShard, Job, Node
-from control_plane.services import events, progress
-from control_plane.services.fencing import authorize_report, check_own_ranks
-from control_plane.services.memtier_facts import restored_tiers
+from control_plane.services import events
+from control_plane.services.checkpoints.memtier_facts import restored_tiers
+from control_plane.services.runs import progress
+from control_plane.services.runs.fencing import authorize_report, check_own_ranks
 from control_plane.services.states import (
     CHECKPOINT,
     CHECKPOINT_COLLECTED,

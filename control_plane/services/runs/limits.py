@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.models import Attempt, Job
-from control_plane.services.attempts import end_attempt
+from control_plane.services.runs.attempts import end_attempt
 from control_plane.services.states import ATTEMPT_LIVE, JOB_ACTIVE, set_job_state
 
 ONE_SECOND = literal_column("interval '1 second'", Interval)

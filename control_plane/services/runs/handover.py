@@ -23,9 +23,10 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.models import Attempt, AttemptNode, GpuLease, Job
-from control_plane.services import events, parking
-from control_plane.services.attempts import RELEASED_ATTEMPTS, end_if_released
+from control_plane.services import events
 from control_plane.services.locks import lock_attempts, lock_parts
+from control_plane.services.runs import parking
+from control_plane.services.runs.attempts import RELEASED_ATTEMPTS, end_if_released
 from control_plane.services.states import PART_PARKED, advance_part
 
 
@@ -39,7 +40,7 @@ class ParkedPart:
 
 def parked_parts(session: Session, job_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, dict[str, ParkedPart]]:
     """Per job, its parked parts by node id (text, as the policy names nodes): only parts of the job's
-    current attempt, once that attempt failed, that may still be handed over (services/parking.py:
+    current attempt, once that attempt failed, that may still be handed over (services/runs/parking.py:
     never the blamed node's, nor after a hang, a cancel or a time limit)."""
     ids = sorted(set(job_ids))
     if not ids:
@@ -63,7 +64,7 @@ def take_over(session: Session, job: Job, adopted: Mapping[str, ParkedPart],
     the new attempt's leases are inserted. The caller holds the nodes and the job (services/locks.py);
     the parts are locked here. False (nothing changed) if any of them is no longer parked on exactly
     those GPUs (its agent's handover timeout stopped it meanwhile) or may no longer be handed over
-    (services/parking.py, under the locks now): the job is not admitted this pass, and the next
+    (services/runs/parking.py, under the locks now): the job is not admitted this pass, and the next
     one places it afresh."""
     part_ids = [a.part_id for a in adopted.values()]
     # Their attempts before the parts (the lock order), so that the hand-over of an old attempt's

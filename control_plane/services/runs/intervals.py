@@ -87,7 +87,7 @@ def _costs(session: Session, job_id: uuid.UUID) -> tuple[float | None, float | N
 
 def update(session: Session, settings: Settings) -> list[uuid.UUID]:
     """Recompute the interval of every running 'auto' job; returns the jobs whose interval changed."""
-    # Each part measures its node's step time (services/attempts.py ``_advance``); the slowest sets the pace.
+    # Each part measures its node's step time (services/runs/status_reports.py ``_advance``); the slowest sets the pace.
     step_time = func.max(AttemptNode.step_time_s)
     rows = session.execute(
         select(Attempt.job_id, step_time, Job.num_nodes, Job.checkpoint_auto)

@@ -21,7 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.models import Attempt, AttemptNode, Job
-from control_plane.services import parking
+from control_plane.services.runs import parking
 from control_plane.services.states import ATTEMPT_LIVE
 from trainyard.protocol.agent import AssignmentRef, CodeRef, KnownAssignment, LaunchSpec
 from trainyard.protocol.keys import job_checkpoint_prefix
@@ -69,7 +69,7 @@ def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | 
 
 
 def _memory(job: Job, part: Any) -> MemoryTierSpec | None:
-    """The part's in-memory checkpoint tier (services/memtier.py), or None where it is off."""
+    """The part's in-memory checkpoint tier (services/checkpoints/memtier.py), or None where it is off."""
     block = getattr(part, "memory", None)
     if not block or not job.memory_secret:
         return None
@@ -156,7 +156,7 @@ def answer(session: Session, node_id: uuid.UUID, known: list[KnownAssignment] | 
             refs.append(AssignmentRef(attempt_id=attempt_id, desired="run", version=mine))
         elif spec is not None:
             full.append(spec.model_copy(update={"storage": _spec_storage(spec)}))
-    # A stop says whether the part may be parked for a handover (services/parking.py): the agent
+    # A stop says whether the part may be parked for a handover (services/runs/parking.py): the agent
     # parks only then, and stops anything else at once.
     ok = parking.handover_ok(session, node_id, held) if held else set()
     refs.extend(AssignmentRef(attempt_id=a, desired="stop", version=v, handover_ok=a in ok)

@@ -14,9 +14,12 @@ from control_plane.authz import NODE_TOKEN_PREFIX, hash_token
 from control_plane.clock import now
 from control_plane.errors import InvalidState, NotFound, StaleAgent, Unauthorized
 from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
-from control_plane.services import attempts, events, join_tokens, specs
-from control_plane.services.fencing import lock_attempt
+from control_plane.services import events
+from control_plane.services.access import join_tokens
+from control_plane.services.cluster import specs
 from control_plane.services.locks import lock_node, lock_part
+from control_plane.services.runs import attempts
+from control_plane.services.runs.fencing import lock_attempt
 from control_plane.services.states import ATTEMPT_HOLDING, PART_DONE, PART_STARTED, set_node_state
 from control_plane.settings import Settings
 from trainyard.protocol.agent import (
@@ -41,7 +44,7 @@ def register(session: Session, req: RegisterRequest, credential: str, *,
     """Register (or re-register) a node by name; returns it and a fresh node credential.
 
     ``credential`` is the node's own current credential (an agent registering again), or a join
-    token (services/join_tokens.py says which join token may register which name). A registered
+    token (services/access/join_tokens.py says which join token may register which name). A registered
     node is never handed to whoever asks: only its own credential, or a join token an operator
     bound to its name, re-claims it.
 
@@ -155,7 +158,7 @@ def _refuse_stale_instance(session: Session, token: str) -> None:
 
 def heartbeat(session: Session, node: Node, req: HeartbeatRequest) -> Node:
     """Record liveness and confirm stopped attempts; returns the node as locked (what to answer is
-    services/specs.py ``answer``)."""
+    services/cluster/specs.py ``answer``)."""
     node = lock_node(session, node.id) or node  # reloaded: the seq checks below read the locked row
     if node.agent_instance == req.agent_instance and req.seq <= node.heartbeat_seq:
         # A delayed or duplicated heartbeat: it carries older truth than what we have. The agent's
@@ -256,7 +259,7 @@ def desired_change(factory: sessionmaker[Session], token: str, node_id: str,
                    known: list[KnownAssignment]) -> tuple[list[LaunchSpec], list[AssignmentRef]] | None:
     """Authenticate a long poll (``POST /v1/agent/wait``) and say whether the node's desired state
     differs from the specs its agent holds (``known``): a new or changed assignment, or a stop. The
-    answer a heartbeat would give when it does (services/specs.py ``answer``), None when not. In
+    answer a heartbeat would give when it does (services/cluster/specs.py ``answer``), None when not. In
     its own short transaction, so the wait that follows holds no connection; every check
     authenticates again, so a wait that outlives its credential (another instance registered)
     answers nothing of the node."""

@@ -15,7 +15,7 @@ from control_plane.authz import same_secret
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Forbidden, StaleAttempt
 from control_plane.models import Attempt, AttemptNode, Job, LogChunk, Node
-from control_plane.services.gates import PrincipalGate
+from control_plane.services.access.gates import PrincipalGate
 from control_plane.services.states import JOB_TERMINAL
 from trainyard.protocol.agent import LogBatch
 

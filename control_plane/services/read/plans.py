@@ -1,6 +1,6 @@
 """Plans: read what the cluster says about its hardware (GPU kinds, memory, node labels), call the
 pure planner (control_plane/planning), and render its rows. Used by POST /v1/plans and at job submit
-(services/jobs.py)."""
+(services/runs/jobs.py)."""
 
 from __future__ import annotations
 
