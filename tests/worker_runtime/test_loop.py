@@ -186,9 +186,9 @@ def test_loop_ddp_refuses_a_job_whose_layout_is_not_plain_ddp(layout: dict[str, 
     from trainyard.protocol.layout import Layout
     from worker_runtime import LayoutError
 
-    with TrainLoop(total_steps=1, ctx=WorkerContext(layout=Layout(**layout))) as loop:
-        with pytest.raises(LayoutError, match=r"apply_layout\(model, loop.ctx\)"):
-            loop.ddp(nn.Linear(2, 2))
+    with (TrainLoop(total_steps=1, ctx=WorkerContext(layout=Layout(**layout))) as loop,
+          pytest.raises(LayoutError, match=r"apply_layout\(model, loop.ctx\)")):
+        loop.ddp(nn.Linear(2, 2))
     plain = TrainLoop(total_steps=1, ctx=WorkerContext(layout=Layout(kind="ddp", ddp_bucket_mb=5)))
     with plain as loop:
         model = nn.Linear(2, 2)
