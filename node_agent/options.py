@@ -20,12 +20,12 @@ from typing import Any, NoReturn
 
 import structlog
 
-from node_agent.code import CodeLimits
 from node_agent.config import MAX_STANDBYS, AgentConfig, read_join_token
+from node_agent.confinement.isolation import IsolationError, UidRange
+from node_agent.confinement.limits import limit_options
 from node_agent.gpus import NoGpusError
-from node_agent.isolation import IsolationError, UidRange
-from node_agent.limits import limit_options
-from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
+from node_agent.link.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
+from node_agent.part.code import CodeLimits
 from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
 
 PROG = "trainyard agent"

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node_agent.config import AgentConfig
-from node_agent.outbox import DROPPED_EVENT, MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE, Outbox
+from node_agent.link.outbox import DROPPED_EVENT, MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE, Outbox
 from trainyard.protocol.agent import ShardInfo, WorkerEvent
 
 SHA = "0" * 64
