@@ -2,7 +2,7 @@
 
 For a state of about 2 GB per rank (``--size-mb``), in one run, through the real code paths: the
 worker runtime's restore (``fetch_shard``: fetch, sha256 against the manifest, ``torch.load``)
-asking a real agent local API over its unix socket (node_agent/local_api.py, memtier.py), which
+asking a real agent local API over its unix socket (node_agent/local/api.py, memtier/tier.py), which
 serves its own memory (``local``) or fetches from a peer agent over TCP (``peer``); and the same
 restore reading S3 (an embedded SeaweedFS, the same S3 client workers use) with the tier off.
 Baselines of the same bytes in the same run: a plain in-memory copy (the floor of any restore from
@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node_agent.local_api import LocalApi  # noqa: E402
-from node_agent.memtier import AttemptMemory, MemoryTier  # noqa: E402
-from node_agent.memtier_peer import serving  # noqa: E402
+from node_agent.local.api import LocalApi  # noqa: E402
+from node_agent.memtier.peer import serving  # noqa: E402
+from node_agent.memtier.tier import AttemptMemory, MemoryTier  # noqa: E402
 from trainyard.embedded import EmbeddedS3  # noqa: E402
 from trainyard.protocol.keys import MANIFEST_FORMAT  # noqa: E402
 from trainyard.protocol.memtier import memory_grant  # noqa: E402

@@ -2,7 +2,7 @@
 ``import torch`` done, cold against warm standbys, in one run.
 
 Two launches, each measured cold (the rank shim starts a new interpreter) and warm (the shim hands
-the rank to a standby of node_agent/standby_pool.py that imported torch beforehand):
+the rank to a standby of node_agent/ranks/standby_pool.py that imported torch beforehand):
 - ``shim``: one rank shim, as torchrun starts it for a rank (from its exec to the script's lines);
 - ``torchrun``: ``torchrun --nproc-per-node 2`` with the shim, from its start to the last rank's
   line (torchrun's own start, which imports torch, is in both).
@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node_agent.launcher import NodeContext, node_env, standby_env  # noqa: E402
-from node_agent.standby_pool import StandbyPool  # noqa: E402
+from node_agent.part.commands import NodeContext, node_env, standby_env  # noqa: E402
+from node_agent.ranks.standby_pool import StandbyPool  # noqa: E402
 from trainyard.protocol.env import ENV_JOB_ENV, ENV_STANDBY_DIR, ENV_STATUS_DIR  # noqa: E402
 
 SCRIPT = """\
@@ -55,7 +55,7 @@ def _launch(mode: str, work: Path, env: dict[str, str], standby_dir: Path | None
     env = {**env, ENV_STATUS_DIR: str(out / "status"), ENV_JOB_ENV: json.dumps({"BENCH_OUT": str(out)})}
     if standby_dir is not None:
         env[ENV_STANDBY_DIR] = str(standby_dir)
-    shim = ["-m", "node_agent.rank_shim", "file", str(work / "script.py")]
+    shim = ["-m", "node_agent.ranks.shim", "file", str(work / "script.py")]
     if mode == "shim":
         command = [sys.executable, *shim]
         env.update(RANK="0", LOCAL_RANK="0", OMP_NUM_THREADS="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")

@@ -1,7 +1,7 @@
 """Resource limits per part (issue 23, finding 6): a normal job's start, from the agent's launch to
 the first training step, with and without limits, in one run.
 
-Each round launches a one-rank part the way the agent does (node_agent/launches.py: a pool uid, the
+Each round launches a one-rank part the way the agent does (node_agent/part/parts.py: a pool uid, the
 part's cgroup, ``AttemptRun.launch``: torchrun, the rank shim, the script) twice, once by an agent
 configured with the default limits (memory, pids and cpu cgroups, a /dev/shm tmpfs, the agent
 watching the work directory) and once with ``--no-part-limits``; the order alternates. Timed: from
@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node_agent.attempt import AttemptRun  # noqa: E402
-from node_agent.isolation import Isolation, UidRange, worker_tmp  # noqa: E402
-from node_agent.launcher import AttemptPaths, NodeContext  # noqa: E402
-from node_agent.limits import LimitOptions  # noqa: E402
+from node_agent.confinement.isolation import Isolation, UidRange, worker_tmp  # noqa: E402
+from node_agent.confinement.limits import LimitOptions  # noqa: E402
+from node_agent.part.attempt import AttemptRun  # noqa: E402
+from node_agent.part.commands import AttemptPaths, NodeContext  # noqa: E402
 from tests.helpers import rendezvous_port  # noqa: E402
 from trainyard.protocol.agent import LaunchSpec  # noqa: E402
 

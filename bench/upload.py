@@ -4,8 +4,8 @@
                                                                       [--link-mb-s 24]
 
 Real parts: embedded PostgreSQL and S3 (SeaweedFS), a ``trainyard server`` subprocess, and per
-simulated node the agent's own local API, slot relay and shard relay (node_agent/local_api.py,
-upload_slots.py, relay.py) registered with the control plane as a node (labels ``rack=r1``,
+simulated node the agent's own local API, slot relay and shard relay (node_agent/local/api.py,
+link/upload_slots.py, link/relay.py) registered with the control plane as a node (labels ``rack=r1``,
 ``rack=r2``: the first half of the nodes, then the second). Each rank is a thread running the worker
 runtime's CheckpointManager (slot wait, paced upload, shard report) on a TrainState of
 ``--shard-mb``; every rank saves the same step at once. The shared link is a TCP proxy in front
@@ -141,10 +141,10 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, ctx: di
     import httpx
     import torch
 
-    from node_agent.client import ControlPlaneClient
-    from node_agent.local_api import BASE_URL, LocalApi
-    from node_agent.relay import Outbox, Relay
-    from node_agent.upload_slots import SlotRelay
+    from node_agent.link.client import ControlPlaneClient
+    from node_agent.link.relay import Outbox, Relay
+    from node_agent.link.upload_slots import SlotRelay
+    from node_agent.local.api import BASE_URL, LocalApi
     from trainyard.dev.fleet import ControlPlane
     from trainyard.protocol.agent import (
         AttemptStatusReport,

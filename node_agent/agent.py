@@ -2,23 +2,23 @@
 
 Five loops run on their own threads under a monitor (which restarts a loop that died):
 
-- heartbeat (agent_heartbeat.py): (re-)register when needed, send a heartbeat listing the attempts
+- heartbeat (loops/heartbeat.py): (re-)register when needed, send a heartbeat listing the attempts
   with live processes or a final status not yet acknowledged, reconcile against the desired state
   in the answer: launch what is assigned and was never launched here, stop what runs and is no
   longer assigned.
-- wait (agent_desired.py): a long poll that learns of a changed desired state at once, and the
+- wait (loops/desired.py): a long poll that learns of a changed desired state at once, and the
   reconciling both loops share.
-- supervise (agent_supervise.py): look at local processes and rank files; escalate stops from
+- supervise (loops/supervise.py): look at local processes and rank files; escalate stops from
   SIGTERM to SIGKILL.
-- report (agent_report.py): send each attempt's status when it changes (and every
+- report (loops/report.py): send each attempt's status when it changes (and every
   status_interval_s), ship new log bytes, and send the final status and last bytes after the end
   until acknowledged. The final status waits until the attempt's queued shards and events are
   delivered: a checkpoint reported just before the exit reaches the control plane before the
   attempt is seen to end.
-- relay (agent_report.py): forward the checkpoint shards and events workers post to the local API,
+- relay (loops/report.py): forward the checkpoint shards and events workers post to the local API,
   in order, as soon as they are queued (relay.py).
 
-This module keeps the lifecycle (start, stop, the loops' threads); agent_core.py declares the
+This module keeps the lifecycle (start, stop, the loops' threads); loops/state.py declares the
 state they share.
 
 The loops touch the network only through the client, and every local fact can be recomputed from
@@ -42,26 +42,26 @@ from types import FrameType
 
 import structlog
 
-from node_agent.agent_core import PendingLaunch
-from node_agent.agent_heartbeat import HeartbeatLoop
-from node_agent.agent_report import ReportLoop
-from node_agent.attempt import AttemptRun
-from node_agent.client import ControlPlaneClient
 from node_agent.config import AgentConfig
+from node_agent.confinement.isolation import Isolation, IsolationError, private_dir, reachable_by_others
 from node_agent.gpus import GpuSource, gpu_source
-from node_agent.handover import Handovers
-from node_agent.isolation import Isolation, IsolationError, private_dir, reachable_by_others
-from node_agent.launcher import NodeContext, standby_env
-from node_agent.launches import Launches
-from node_agent.local_api import BASE_URL, MAX_SOCKET_PATH, LocalApi, LocalReports
-from node_agent.memtier import MemoryTier
-from node_agent.memtier_peer import PeerServer
-from node_agent.orphans import OrphanSweeper
-from node_agent.outbox import Outbox
-from node_agent.relay import Relay
-from node_agent.standby_pool import STANDBY_SOCKET_NAME_MAX, StandbyPool, directory_name, remove_stale
-from node_agent.supervise_wake import SuperviseWakeups
-from node_agent.upload_slots import SlotRelay
+from node_agent.link.client import ControlPlaneClient
+from node_agent.link.outbox import Outbox
+from node_agent.link.relay import Relay
+from node_agent.link.upload_slots import SlotRelay
+from node_agent.local.api import BASE_URL, MAX_SOCKET_PATH, LocalApi, LocalReports
+from node_agent.local.handover import Handovers
+from node_agent.loops.heartbeat import HeartbeatLoop
+from node_agent.loops.report import ReportLoop
+from node_agent.loops.state import PendingLaunch
+from node_agent.loops.wake import SuperviseWakeups
+from node_agent.memtier.peer import PeerServer
+from node_agent.memtier.tier import MemoryTier
+from node_agent.part.attempt import AttemptRun
+from node_agent.part.commands import NodeContext, standby_env
+from node_agent.part.parts import Parts
+from node_agent.ranks.orphans import OrphanSweeper
+from node_agent.ranks.standby_pool import STANDBY_SOCKET_NAME_MAX, StandbyPool, directory_name, remove_stale
 from trainyard.protocol.agent import (
     AttemptStatusReport,
     GpuInfo,
@@ -136,11 +136,11 @@ class Agent(HeartbeatLoop, ReportLoop):
         self._launched_at: dict[str, float] = {}
         self._api: LocalApi | None = None
         self.memory: MemoryTier | None = None
-        """The in-memory checkpoint tier (memtier.py); None when off (memory_tier_mb 0) or its port
+        """The in-memory checkpoint tier (memtier/tier.py); None when off (memory_tier_mb 0) or its port
         could not be bound."""
         self.memory_port: int | None = None
         self._peer_server: PeerServer | None = None
-        self._launches: Launches | None = None
+        self._parts: Parts | None = None
         self.isolation: Isolation | None = None
         self._node: NodeContext | None = None
         self._standbys: StandbyPool | None = None
@@ -189,9 +189,9 @@ class Agent(HeartbeatLoop, ReportLoop):
         self._start_memory_tier()
         self._api = LocalApi(self.reports, self.outbox, grants=self._storage_grants, slots=self.slots,
                              memory=self.memory, handovers=self.handovers)
-        self._launches = Launches(config, self._api, self.isolation, self.log)
+        self._parts = Parts(config, self._api, self.isolation, self.log)
         if self.isolation.isolated:
-            for what, directory in (("--worker-root", config.workers_dir), ("--run-dir", self._launches.sockets_dir)):
+            for what, directory in (("--worker-root", config.workers_dir), ("--run-dir", self._parts.sockets_dir)):
                 blocked = reachable_by_others(directory)
                 if blocked is not None:
                     raise IsolationError(
@@ -231,7 +231,7 @@ class Agent(HeartbeatLoop, ReportLoop):
         self._threads["monitor"].start()
 
     def _standby_pool(self, node: NodeContext) -> StandbyPool:
-        """The warm standbys of ``--standbys`` (node_agent/standby.py). Without cgroups or a uid pool
+        """The warm standbys of ``--standbys`` (node_agent/ranks/standby.py). Without cgroups or a uid pool
         the agent finds an attempt's processes by the variables they started with, which a standby
         (started before the attempt) does not have: refused, rather than workers it cannot see."""
         assert self.isolation is not None

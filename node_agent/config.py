@@ -8,11 +8,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node_agent import credential
-from node_agent.code import CodeLimits
-from node_agent.isolation import UidRange
-from node_agent.limits import LimitOptions
-from node_agent.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
+from node_agent.confinement.isolation import UidRange
+from node_agent.confinement.limits import LimitOptions
+from node_agent.link import credential
+from node_agent.link.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
+from node_agent.part.code import CodeLimits
 from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
 
 MAX_STANDBYS = 64
@@ -45,7 +45,7 @@ class AgentConfig:
     system's trust store."""
     join_token: str = ""
     """A join token (an operator's ``trainyard join-tokens create``) for the first registration; later
-    registrations use the node credential kept in work_dir (node_agent/credential.py). Read from a
+    registrations use the node credential kept in work_dir (node_agent/link/credential.py). Read from a
     file or TRAINYARD_JOIN_TOKEN (read_join_token), never from the command line."""
     name: str
     """Node name, unique in the cluster; re-registering a name keeps its node id."""
@@ -60,7 +60,7 @@ class AgentConfig:
     and never relaunches one."""
     worker_uids: UidRange | None = None
     """Pool of uids (and gids of the same numbers) to run attempts as, one per attempt part
-    (node_agent/isolation.py). Needs root. None: workers run as the agent's own user (logged loudly:
+    (node_agent/confinement/isolation.py). Needs root. None: workers run as the agent's own user (logged loudly:
     they are then not isolated from the agent or from each other)."""
     worker_root: Path | None = None
     """Where each attempt part's worker directory (its cwd, HOME, TMPDIR, logs) is made; every
@@ -73,12 +73,12 @@ class AgentConfig:
     """Track each attempt part's processes in a cgroup v2 of its own where the hierarchy is
     writable (else by uid, or by markers)."""
     standbys: int = 0
-    """Warm standby processes to keep (node_agent/standby.py): interpreters with torch imported, no
+    """Warm standby processes to keep (node_agent/ranks/standby.py): interpreters with torch imported, no
     job state, no CUDA context, each of which a new attempt's rank may become instead of starting
     cold. One per GPU is the natural number. 0: off. Needs workers tracked by cgroup or uid."""
     worker_env_passthrough: tuple[str, ...] = ()
     """Variables of the agent's environment to give workers besides the built-in allow-list
-    (node_agent/launcher.py, PASSTHROUGH_ENV)."""
+    (node_agent/part/commands.py, PASSTHROUGH_ENV)."""
     labels: dict[str, str] = field(default_factory=dict)
     """Topology labels sent at registration, e.g. {"rack": "r1"}."""
     stop_grace_s: float = 5.0
@@ -102,7 +102,7 @@ class AgentConfig:
     logs, rank status files and state could not be written, and it would fail later with a reason
     nobody can read. It fails at once instead, saying the disk is full."""
     pip_constraints: Path | None = None
-    """A pip constraints file applied to every job's requirements (node_agent/envs.py); the node's
+    """A pip constraints file applied to every job's requirements (node_agent/part/envs.py); the node's
     own torch is always pinned besides."""
     env_cache_max_count: int = 8
     """Venvs of jobs' requirements kept in work_dir/envs; past this (or env_cache_max_gb), the least
@@ -113,25 +113,25 @@ class AgentConfig:
     """A job's requirements that take longer to install fail its attempt (start_error)."""
     code_max_bytes: int = CodeLimits.max_bytes
     """A job's shipped code: its archive's download, and its unpacked files together, each at most
-    this (node_agent/code.py); over it the job fails (start_error)."""
+    this (node_agent/part/code.py); over it the job fails (start_error)."""
     code_max_entries: int = CodeLimits.max_entries
     """A job's shipped code: files, directories and links in its archive, at most."""
     code_timeout_s: float = CodeLimits.timeout_s
     """A job's shipped code: its download, then its unpacking, each at most this long."""
     allowed_pythons: tuple[Path, ...] = ()
     """Interpreters a job may name as its ``python`` besides the agent's own and those root owns with
-    no directory above them writable by anyone else (node_agent/interpreters.py). A job naming any
+    no directory above them writable by anyone else (node_agent/confinement/interpreters.py). A job naming any
     other fails at once (start_error), never retried."""
 
     outbox_max_items: int = MAX_ITEMS_PER_NODE
     """The most shards and events the agent holds for the control plane, over every attempt of the
-    node (each attempt has a budget of its own as well: node_agent/outbox.py). Past it the attempt
+    node (each attempt has a budget of its own as well: node_agent/link/outbox.py). Past it the attempt
     holding the most loses its oldest events, then shards, and an event says so."""
     outbox_max_bytes: int = MAX_BYTES_PER_NODE
     """The same budget in bytes (of the items' JSON)."""
 
     memory_tier_mb: int = DEFAULT_BUDGET_MB
-    """Host memory (MiB) for checkpoint shards of the in-memory tier (node_agent/memtier.py): the
+    """Host memory (MiB) for checkpoint shards of the in-memory tier (node_agent/memtier/tier.py): the
     latest two shards of each local rank and the copies peers push here, oldest evicted first. 0: the
     tier is off on this node (no memory port is registered; workers hand nothing over)."""
     memory_port: int = 0
@@ -152,7 +152,7 @@ class AgentConfig:
         return CodeLimits(max_bytes=self.code_max_bytes, max_entries=self.code_max_entries,
                           timeout_s=self.code_timeout_s)
     limits: LimitOptions = field(default_factory=LimitOptions)
-    """Each attempt part's resource limits (node_agent/limits.py): derived from its share of the
+    """Each attempt part's resource limits (node_agent/confinement/limits.py): derived from its share of the
     node's GPUs unless set here (``--part-memory-limit`` etc.); ``enabled=False``: none."""
 
     def __post_init__(self) -> None:

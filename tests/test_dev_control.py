@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from node_agent.ranks.entry_points import RANK_SHIM, names
 from tests.helpers import ProcessReaper, wait_for
 from trainyard.cli import main
 from trainyard.dev import DevCluster, DevConfig
@@ -35,11 +36,13 @@ def test_a_dead_agent_is_reported_and_nodes_are_killed_and_restarted_on_request(
     out = io.StringIO()
     cluster = DevCluster(config, out)
     cluster.logs_dir.mkdir(parents=True)
-    # node-1's "agent" runs a "rank shim" (named so) with a worker under it: what kill-workers ends.
+    # node-1's "agent" runs two "rank shims" (named so: one by the shim's module name, one by its
+    # earlier name, as an earlier agent's workers are) with a worker under each: what kill-workers ends.
     shim = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']);"
             " time.sleep(300)")
-    agent_with_worker = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
-                         f"'-c', {shim!r}, 'node_agent.rank' + '_shim']); time.sleep(300)"]
+    agent_with_worker = [sys.executable, "-c", "import subprocess, sys, time; "
+                         f"[subprocess.Popen([sys.executable, '-c', {shim!r}, name]) for name in {names(RANK_SHIM)!r}];"
+                         " time.sleep(300)"]
     cluster.control_planes = [_child(process_reaper, "control-plane", cluster.logs_dir)]
     cluster.agents = [_child(process_reaper, "node-1", cluster.logs_dir, agent_with_worker),
                       _child(process_reaper, "node-2", cluster.logs_dir)]
@@ -54,8 +57,8 @@ def test_a_dead_agent_is_reported_and_nodes_are_killed_and_restarted_on_request(
 
         import psutil
 
-        wait_for(lambda: len(psutil.Process(cluster.agents[0].proc.pid).children(recursive=True)) == 2, 10)
-        assert "killed 1 training process" in ask(tmp_path, "kill-workers", "node-1", timeout_s=10)
+        wait_for(lambda: len(psutil.Process(cluster.agents[0].proc.pid).children(recursive=True)) == 4, 10)
+        assert "killed 2 training process" in ask(tmp_path, "kill-workers", "node-1", timeout_s=10)
         assert cluster.agents[0].proc.poll() is None  # the agent lives on
         assert "killed its agent" in ask(tmp_path, "kill", "node-1", timeout_s=10)
         assert cluster.agents[0].proc.wait(10) is not None

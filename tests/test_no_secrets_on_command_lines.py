@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from node_agent.__main__ import build_parser
+from node_agent.options import build_parser
 from trainyard.cli import app
 
 SECRET_LIKE = re.compile(r"token|secret|passw(or)?d|key|credential|auth|cookie", re.IGNORECASE)

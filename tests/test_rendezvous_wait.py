@@ -45,7 +45,7 @@ def test_gives_up_at_its_timeout() -> None:
 def test_torchruns_join_timeout_is_what_the_wait_left_of_it() -> None:
     """A host that never listens is noticed after one join timeout, not the wait's and then
     torchrun's own in full; the store keeps a floor for its later operations."""
-    from node_agent.torchrun_entry import MIN_RDZV_TIMEOUT_S, with_timeout_left
+    from node_agent.ranks.torchrun_entry import MIN_RDZV_TIMEOUT_S, with_timeout_left
 
     rest = ["--nnodes", "2", "--rdzv-conf", "timeout=300", "train.py", "--rdzv-conf", "timeout=9"]
     assert with_timeout_left(rest, 120.7) == ["--nnodes", "2", "--rdzv-conf", "timeout=120", "train.py",

@@ -25,7 +25,7 @@ import pytest
 import sqlalchemy
 
 from node_agent.agent import Agent, AgentConfig
-from node_agent.client import ControlPlaneClient, ControlPlaneUnavailable, StaleAttempt, TlsMismatch
+from node_agent.link.client import ControlPlaneClient, ControlPlaneUnavailable, StaleAttempt, TlsMismatch
 from tests.factories import ADMIN, ADMIN_TOKEN, JOIN_TOKEN
 from tests.helpers import ProcessReaper, free_port, wait_for
 from trainyard.cli import main

@@ -1,5 +1,5 @@
 """HTTP clients for the node agent's local API: over the attempt's unix socket when the agent gave
-one (TRAINYARD_AGENT_SOCKET, node_agent/local_api.py), else to the URL itself."""
+one (TRAINYARD_AGENT_SOCKET, node_agent/local/api.py), else to the URL itself."""
 
 from __future__ import annotations
 

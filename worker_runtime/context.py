@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-# Set by the node agent for every worker process (node_agent/launcher.py, worker_env).
+# Set by the node agent for every worker process (node_agent/part/commands.py, worker_env).
 from trainyard.protocol.env import (
     ENV_AGENT_SOCKET,
     ENV_AGENT_URL,
@@ -76,7 +76,7 @@ class WorkerContext:
     """The control plane's rank of this node in the attempt (what the agent reports under)."""
     group_rank: int = 0
     """torchrun's rank of this node. The agent pins it to node_rank (static rendezvous,
-    node_agent/launcher.py); under another launcher (a c10d rendezvous sorts nodes by address)
+    node_agent/part/commands.py); under another launcher (a c10d rendezvous sorts nodes by address)
     it may differ. Global ranks derive from it, never from node_rank."""
     local_world_size: int = 1
     device: Device = "cpu"

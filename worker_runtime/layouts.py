@@ -15,7 +15,7 @@
   members of its ModuleLists, unless ``units`` says otherwise), then the root.
 - ``hsdp``: FSDP2 over a 2-D mesh (replicate, shard); the shard dimension is ``shard_size``
   consecutive ranks, by default the ranks of one node. Node ranks follow the control plane's
-  order and torchrun numbers ranks node by node (node_agent/launcher.py), so a shard group stays
+  order and torchrun numbers ranks node by node (node_agent/part/commands.py), so a shard group stays
   inside a node and only the replicas' all-reduce crosses nodes.
 - ``tp_dp``: planned only; refused here with LayoutError.
 

@@ -23,7 +23,7 @@ from control_plane.scheduler.pass_base import PassBase
 def rank_order(nodes: Sequence[NodeState]) -> list[NodeState]:
     """The node ranks of a gang: the nodes of one topology domain adjacent (the largest domain
     first, nodes without a label last), by name inside a domain. torchrun numbers ranks node by
-    node in this order (node_agent/launcher.py), so a ring all-reduce crosses between domains as
+    node in this order (node_agent/part/commands.py), so a ring all-reduce crosses between domains as
     few times as possible and a layout's inner mesh dimension never leaves a node. (Which nodes a
     gang gets never depends on names; only the numbering of the chosen ones does.)"""
     sizes: dict[str | None, int] = {}

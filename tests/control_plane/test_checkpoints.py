@@ -246,7 +246,7 @@ def _recover(client: TestClient, agents: list[FakeAgentSession]) -> list[dict]:
 def test_the_restore_plan_does_not_grow_with_the_world_size(s3_client, tmp_path):
     """512 ranks (8 nodes x 64): the plan that reaches every worker as TRAINYARD_RESTORE_FROM, and
     the heartbeat that carries it, are as small as for 1 rank; workers read the manifest from S3."""
-    from node_agent.launcher import AttemptPaths, NodeContext, worker_env
+    from node_agent.part.commands import AttemptPaths, NodeContext, worker_env
     from trainyard.protocol.agent import LaunchSpec
 
     store = object_store(s3_client.app.state.settings)

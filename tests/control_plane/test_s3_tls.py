@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 
 from control_plane.app import create_app
 from control_plane.settings import Settings
-from node_agent.launcher import AttemptPaths, NodeContext, worker_env
+from node_agent.part.commands import AttemptPaths, NodeContext, worker_env
 from tests.control_plane.test_storage_grants import Job
 from trainyard.dev.certs import ensure_server_tls
 from trainyard.embedded.s3 import EmbeddedS3, S3Endpoint

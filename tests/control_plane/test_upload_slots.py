@@ -333,9 +333,9 @@ def test_a_worker_waits_for_its_slot_through_its_agent(settings: Settings) -> No
     SlotRelay -> the control plane): a worker waits in a long poll until another's release, a worker
     with a wrong token is refused by its agent, and a stale attempt's worker gets no slot while its
     agent is told to stop it."""
-    from node_agent.client import ControlPlaneClient, RetryPolicy
-    from node_agent.local_api import BASE_URL, LocalApi
-    from node_agent.upload_slots import SlotRelay
+    from node_agent.link.client import ControlPlaneClient, RetryPolicy
+    from node_agent.link.upload_slots import SlotRelay
+    from node_agent.local.api import BASE_URL, LocalApi
     from trainyard.protocol.agent import AttemptStatusReport, HeartbeatRequest, RegisterRequest
     from worker_runtime import WorkerContext
     from worker_runtime.checkpoint.slots import UploadSlots

@@ -73,7 +73,7 @@ def victim_torchrun(victim_job: str, agent: int) -> tuple[int, list[str]]:
                 continue
             args = cmdline(int(entry.name))
             rdzv = flag(args, "--rdzv-id")
-            if "node_agent.torchrun_entry" in args and rdzv and rdzv != mine:
+            if "node_agent.ranks.torchrun_entry" in args and rdzv and rdzv != mine:
                 with contextlib.suppress(OSError, ValueError):
                     if parent(int(entry.name)) == agent:
                         return int(entry.name), args
@@ -303,11 +303,11 @@ def main() -> None:
     attempt("write the other attempt's rank status", write_rank_status)
     attempt("add a rank status file to the other attempt", lambda: create(f"{victim_worker_dir}/status/rank-9.json"))
     attempt("read the other attempt's logs", lambda: str(os.listdir(f"{victim_worker_dir}/logs")[:0]))
-    import node_agent.rank_shim
+    import node_agent.ranks.shim
 
-    attempt("overwrite the rank shim every later job runs", lambda: open_for_writing(node_agent.rank_shim.__file__))
+    attempt("overwrite the rank shim every later job runs", lambda: open_for_writing(node_agent.ranks.shim.__file__))
     attempt("plant a module where later jobs import from",
-            lambda: create(str(Path(node_agent.rank_shim.__file__).with_name("hostile_plant.py"))))
+            lambda: create(str(Path(node_agent.ranks.shim.__file__).with_name("hostile_plant.py"))))
     attempt("signal the other attempt's torchrun", lambda: os.kill(victim_pid, 0) or "got through: allowed")
     if os.environ.get("TRAINYARD_AGENT_SOCKET"):
         sockets = Path(os.environ["TRAINYARD_AGENT_SOCKET"]).parent

@@ -41,7 +41,7 @@ def test_two_node_tiny_gpt_succeeds_with_a_result(cluster):
     assert {n["node_name"] for n in attempt["nodes"]} == {"node-1", "node-2"}
     workers = [w for n in attempt["nodes"] for w in n["workers"]]
     assert sorted(w["rank"] for w in workers) == [0, 1, 2, 3]
-    # A node's ranks are contiguous, in node-rank order (node_agent/launcher.py).
+    # A node's ranks are contiguous, in node-rank order (node_agent/part/commands.py).
     assert {n["node_rank"]: sorted(w["rank"] for w in n["workers"]) for n in attempt["nodes"]} == {0: [0, 1], 1: [2, 3]}
     assert all(w["exit_code"] == 0 and w["pid"] for w in workers)
 

@@ -30,3 +30,16 @@ def open_dir() -> Iterator[Path]:
         yield base
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def keep_logging() -> Iterator[None]:
+    """The agent's command line configures structlog for the process (its level, printing to the
+    stderr of the moment: a capture that pytest closes later); put the configuration back after."""
+    import structlog
+
+    saved = structlog.get_config()
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)

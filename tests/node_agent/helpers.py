@@ -11,9 +11,9 @@ import uuid
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from node_agent.attempt import AttemptRun, attempt_paths
-from node_agent.code import CodeLimits, ShippedCode
-from node_agent.launcher import NodeContext
+from node_agent.part.attempt import AttemptRun, attempt_paths
+from node_agent.part.code import CodeLimits, ShippedCode
+from node_agent.part.commands import NodeContext
 from tests.helpers import free_port, rendezvous_port, wait_for
 from trainyard.protocol.agent import CodeRef, LaunchSpec
 
@@ -79,7 +79,7 @@ class Launcher:
         return run
 
     def launch_with_code(self, spec: LaunchSpec, archive: Path, node: NodeContext | None = None) -> AttemptRun:
-        """Launch as the agent does for a job with shipped code (node_agent/code.py)."""
+        """Launch as the agent does for a job with shipped code (node_agent/part/code.py)."""
         node = node or self.node()
         paths = attempt_paths(self.tmp_path / f"node-{node.local_addr}", spec.attempt_id)
         run = AttemptRun.launch(spec, node, paths, stop_grace_s=2.0, code=local_code(archive, self.tmp_path / "cache"))

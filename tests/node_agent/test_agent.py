@@ -19,8 +19,9 @@ from typing import Any
 import psutil
 import pytest
 
-from node_agent import credential, processes
 from node_agent.agent import Agent, AgentConfig
+from node_agent.confinement import processes
+from node_agent.link import credential
 from tests.node_agent import worker_client
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import free_port, make_spec, wait_for, write_script
@@ -464,9 +465,9 @@ def test_request_timeout_is_derived_from_the_registered_heartbeat_settings(agent
 def test_standbys_need_tracked_workers_and_the_idle_ones_go_with_the_agent(
     agents: Agents, plane: FakeControlPlane, tmp_path: Path
 ) -> None:
-    """--standbys (node_agent/standby_pool.py): refused where the agent could find an attempt's
+    """--standbys (node_agent/ranks/standby_pool.py): refused where the agent could find an attempt's
     processes only by the variables they started with; else kept warm, and killed at stop."""
-    from node_agent.isolation import IsolationError
+    from node_agent.confinement.isolation import IsolationError
 
     run = Path(tempfile.mkdtemp(prefix="sb-", dir="/tmp"))  # short: unix socket paths hold 107 bytes
     with pytest.raises(IsolationError, match="--standbys needs workers tracked by cgroup v2 or by uid"):

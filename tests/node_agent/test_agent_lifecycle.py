@@ -14,10 +14,12 @@ import psutil
 import pytest
 
 from node_agent.agent import Agent
-from node_agent.attempt import AttemptRun, attempt_paths
+from node_agent.part.attempt import AttemptRun, attempt_paths
+from node_agent.ranks.entry_points import OLD_NAMES, RANK_SHIM, TORCHRUN_ENTRY, started_as
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import make_spec, wait_for
-from tests.node_agent.test_agent import NODE, SLEEPER, Agents, agents, plane, wait_state  # noqa: F401
+from tests.node_agent.test_agent import NODE, SLEEPER, Agents, agents, attempt_pids, plane, wait_state  # noqa: F401
+from trainyard.dev.processes import is_training
 from trainyard.protocol.agent import LaunchSpec, LocalAttempt, NodeAttemptState
 
 __all__ = ["agents", "plane"]
@@ -75,6 +77,59 @@ def test_adopted_attempt_with_a_failed_rank_names_it(agents: Agents, plane: Fake
     final = wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
     assert final.exit_code not in (0, None)
     assert final.error is not None and "rank 1 exited with 3" in final.error
+
+
+@pytest.mark.parametrize("module", sorted(OLD_NAMES))
+def test_each_earlier_module_name_runs_the_module(module: str) -> None:
+    """What an earlier agent, or a torchrun it started, may still start by name after an upgrade
+    moved the module (node_agent/ranks/entry_points.py): the alias runs the module itself."""
+    for old in OLD_NAMES[module]:
+        done = subprocess.run([sys.executable, "-m", old], capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and done.stderr.startswith(f"usage: python -m {module} "), done.stderr
+        assert started_as([sys.executable, "-m", old, "x"], module, within=4)
+        assert not started_as([sys.executable, "x", "-m", old], module, within=2)
+
+
+def test_an_upgraded_agent_adopts_workers_started_under_the_old_module_names(
+    agents: Agents, plane: FakeControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent upgrade across the move of the agent's modules into folders: the earlier agent
+    started torchrun as ``-m node_agent.torchrun_entry`` and its ranks as ``-m node_agent.rank_shim``
+    (here: the same launch with the names it had), whose torchrun starts the shims by that name after
+    the move (the aliases at the old names run them). The new agent adopts the part, sees its workers
+    and reports their exits exactly; what recognises the processes by their command line (the dev
+    cluster's kill-workers) finds them under either name."""
+    from node_agent.part import commands
+
+    old_entry, old_shim = OLD_NAMES[TORCHRUN_ENTRY][0], OLD_NAMES[RANK_SHIM][0]
+    assert (old_entry, old_shim) == ("node_agent.torchrun_entry", "node_agent.rank_shim")
+    with monkeypatch.context() as earlier:
+        earlier.setattr(commands, "TORCHRUN_ENTRY", old_entry)
+        earlier.setattr(commands, "RANK_SHIM", old_shim)
+        first = agents.start(keep_workers_on_exit=True)
+        go = agents.tmp_path / "go-upgrade"
+        spec = agents.spec("wait.py", WAIT_THEN_EXIT, args=[str(go), "3"])
+        plane.assign(NODE, spec)
+        wait_state(plane, spec.attempt_id, NodeAttemptState.running)
+        first.stop()  # the workers stay
+    procs = [psutil.Process(pid) for pid in attempt_pids(spec.attempt_id)]
+    cmdlines = [proc.cmdline() for proc in procs]
+    torchruns = [c for c in cmdlines if started_as(c, TORCHRUN_ENTRY, within=4)]
+    shims = [c for c in cmdlines if started_as(c, RANK_SHIM, within=4)]
+    assert len(torchruns) == 1 and old_entry in torchruns[0] and TORCHRUN_ENTRY not in torchruns[0]
+    assert len(shims) == 2 and all(old_shim in c and RANK_SHIM not in c for c in shims), cmdlines
+    workers = [proc for proc in procs if is_training(proc)]
+    assert len(workers) == 2  # each the child of a shim started by its old name
+
+    second = agents.start()  # the new agent
+    run = second.run(spec.attempt_id)
+    assert run is not None and run.adopted and run.alive
+    wait_for(lambda: {proc.pid for proc in procs} <= set(run.watched_pids()), what="the adopted part's processes")
+    go.touch()
+    final = wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
+    assert [(w.rank, w.exit_code) for w in final.workers] == [(0, 0), (1, 3)]
+    assert final.error is not None and "rank 1 exited with 3" in final.error
+    assert not run.alive and all(not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE for proc in procs)
 
 
 QUICK = "import sys\nprint('done', flush=True)\nsys.exit(0)\n"

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from node_agent.agent_report import ReportLoop, _without_ranks
-from node_agent.attempt import AttemptRun
-from node_agent.client import ControlPlaneClient, RequestRejected
-from node_agent.local_api import LocalReports
+from node_agent.link.client import ControlPlaneClient, RequestRejected
+from node_agent.local.api import LocalReports
+from node_agent.loops.report import ReportLoop, _without_ranks
+from node_agent.part.attempt import AttemptRun
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import make_spec
 from tests.node_agent.test_agent import Agents, agents, plane, wait_state  # noqa: F401
@@ -35,8 +35,8 @@ def test_one_attempts_broken_report_never_stops_the_others(agents: Agents, plane
     bad, good = (make_spec(nproc_per_node=1, gpu_indices=[0]) for _ in range(2))
     runs = []
     for spec in (bad, good):  # the broken one first: the loop meets it before the other every round
-        assert agent._launches is not None
-        paths = agent._launches.paths(spec.attempt_id, spec.node_rank)
+        assert agent._parts is not None
+        paths = agent._parts.paths(spec.attempt_id, spec.node_rank)
         runs.append(AttemptRun.failed(spec, paths, "could not run it here", stop_grace_s=1.0, create_dir=False))
     runs[0].report = _unencodable  # type: ignore[method-assign]
     with agent._runs_lock:

@@ -22,9 +22,9 @@ from typing import BinaryIO
 
 import pytest
 
-from node_agent.attempt import AttemptRun, attempt_paths
-from node_agent.code import CodeLimits, CodeUnavailable, ShippedCode, cached_archive, unpack
-from node_agent.isolation import Confinement, make_worker_dir, worker_paths
+from node_agent.confinement.isolation import Confinement, make_worker_dir, worker_paths
+from node_agent.part.attempt import AttemptRun, attempt_paths
+from node_agent.part.code import CodeLimits, CodeUnavailable, ShippedCode, cached_archive, unpack
 from tests.node_agent.helpers import Launcher, local_code, make_spec, read_log, wait_finished, wait_for
 from trainyard.protocol.agent import CodeRef
 

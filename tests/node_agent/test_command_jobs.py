@@ -1,4 +1,4 @@
-"""A job's own command in place of torchrun (issue 26 item 7; node_agent/launcher.py, command_argv):
+"""A job's own command in place of torchrun (issue 26 item 7; node_agent/part/commands.py, command_argv):
 it runs only through the confine wrapper as the part's uid (nothing of it as root: the kernel's proc
 connector records every exec), argv[0] is resolved after the switch (a path relative to the job's
 code, a name on the uid's PATH), it gets the environment contract and the job's env, its exit is the
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from node_agent import processes
-from node_agent.attempt import AttemptRun
-from node_agent.isolation import CONFINE_EXEC, Confinement, UidPool, UidRange, worker_paths
-from node_agent.launcher import AttemptPaths, NodeContext, command_argv, command_env
+from node_agent.confinement import processes
+from node_agent.confinement.isolation import CONFINE_EXEC, Confinement, UidPool, UidRange, worker_paths
+from node_agent.part.attempt import AttemptRun
+from node_agent.part.commands import AttemptPaths, NodeContext, command_argv, command_env
 from tests.node_agent.helpers import make_spec, read_log, wait_finished, wait_for
 from tests.node_agent.proc_events import ProcRecorder
 from trainyard.protocol.agent import NodeAttemptState, WorkerState
@@ -56,7 +56,7 @@ def test_the_contract_is_in_the_commands_environment_and_argv_is_left_to_the_uid
     paths = AttemptPaths(tmp_path / "attempt")
     argv = command_argv(spec, node, paths)
     # One rank shim runs the command; a relative argv[0] is made absolute against the code, never opened.
-    assert argv[1:6] == ["-m", "node_agent.rank_shim", "--log-dir", str(paths.log_dir), "command"]
+    assert argv[1:6] == ["-m", "node_agent.ranks.shim", "--log-dir", str(paths.log_dir), "command"]
     assert argv[6:] == [str(tmp_path / "scripts/run.sh"), "--flag"]
     bare = command_argv(spec.model_copy(update={"command": ["bash", "x.sh"]}), node, paths)
     assert bare[6:] == ["bash", "x.sh"]  # a name: looked up on PATH by the shim, as the job's uid

@@ -1,4 +1,4 @@
-"""Jobs' requirements on a node (node_agent/envs.py): the venv's key says what it is built from and
+"""Jobs' requirements on a node (node_agent/part/envs.py): the venv's key says what it is built from and
 nothing else; eviction is least recently used, within a count and a size, never of a venv in use;
 the real cache (real pip, a local wheel, no network) builds a key once however many attempts ask at
 once, builds another for changed requirements, leaves the tree read-only to other users, sees the
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent.attempt import AttemptRun, attempt_paths
-from node_agent.envs import MARKER, CachedEnv, EnvBuildFailed, EnvCache, Interpreter, env_key, evictions
-from node_agent.isolation import Confinement
+from node_agent.confinement.isolation import Confinement
+from node_agent.part.attempt import AttemptRun, attempt_paths
+from node_agent.part.envs import MARKER, CachedEnv, EnvBuildFailed, EnvCache, Interpreter, env_key, evictions
 from tests.helpers import in_parallel, make_wheel, wait_for
 from tests.node_agent.helpers import Launcher, make_spec
 from trainyard.protocol.agent import NodeAttemptState

@@ -18,16 +18,16 @@ import pytest
 import structlog
 
 from node_agent.agent import Agent
-from node_agent.attempt import AttemptRun
-from node_agent.client import StaleAttempt
-from node_agent.code import CodeUnavailable, ShippedCode
 from node_agent.config import AgentConfig
-from node_agent.handover import Handovers
-from node_agent.isolation import Isolation
-from node_agent.launcher import AttemptPaths, NodeContext
-from node_agent.launches import Launches
-from node_agent.local_api import LocalApi
-from node_agent.memtier import MemoryTier
+from node_agent.confinement.isolation import Isolation
+from node_agent.link.client import StaleAttempt
+from node_agent.local.api import LocalApi
+from node_agent.local.handover import Handovers
+from node_agent.memtier.tier import MemoryTier
+from node_agent.part.attempt import AttemptRun
+from node_agent.part.code import CodeUnavailable, ShippedCode
+from node_agent.part.commands import AttemptPaths, NodeContext
+from node_agent.part.parts import Parts
 from tests.node_agent.helpers import make_spec
 from trainyard.protocol.agent import AssignmentRef, CodeRef, NodeAttemptState
 from trainyard.protocol.env import global_rank
@@ -191,7 +191,7 @@ def _agent(tmp_path: Path, api: LocalApi | None = None) -> Agent:
                               address="127.0.0.2", virtual_gpus=2, work_dir=tmp_path / "agent",
                               stop_grace_s=0.5, handover_timeout_s=30.0))
     agent.isolation = Isolation(pool=None, cgroups=None)
-    agent._launches = Launches(agent.config, api or LocalApi(handovers=agent.handovers), agent.isolation, agent.log)
+    agent._parts = Parts(agent.config, api or LocalApi(handovers=agent.handovers), agent.isolation, agent.log)
     agent._node = NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env={"PATH": "/bin"})
     return agent
 
@@ -325,7 +325,7 @@ def test_a_taken_over_part_keeps_its_memory_tier(tmp_path: Path, sockets: Path, 
         old = _parked_run(tmp_path, process_reaper, old_spec)
         config = AgentConfig(control_plane_url="http://127.0.0.1:9", join_token="j", name="n1", address="127.0.0.2",
                              virtual_gpus=2, work_dir=tmp_path / "agent")
-        launches = Launches(config, api, Isolation(pool=None, cgroups=None), structlog.get_logger())
+        launches = Parts(config, api, Isolation(pool=None, cgroups=None), structlog.get_logger())
         run = launches.take_over(new_spec, old)
         assert run is not None
         api.reports.register(new_spec.attempt_id, new_spec.fencing_token)
@@ -345,11 +345,11 @@ def test_a_chain_of_handovers_closes_every_earlier_socket_and_entry_when_its_las
     """Finding 7: after 1 -> 2 -> 3, attempt 1's socket (a listener thread, a file, a connection slot)
     and its handover entry go with the last part, not never."""
     agent = _agent(tmp_path)
-    assert agent._launches is not None
-    api = agent._launches.api
+    assert agent._parts is not None
+    api = agent._parts.api
     first = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-c1", restartable=True),
                         attempts=agent.config.work_dir / "attempts")
-    api.open(first.attempt_id, agent._launches.paths(first.attempt_id, 0).socket or Path())
+    api.open(first.attempt_id, agent._parts.paths(first.attempt_id, 0).socket or Path())
     _hold(agent, first)
     run = first
     for n in (2, 3):

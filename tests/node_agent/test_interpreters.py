@@ -1,5 +1,5 @@
 """Nothing a job supplies runs as root (issue 23, findings 1 and 2): which interpreters a job may
-name (node_agent/interpreters.py, and at submit trainyard/protocol/interpreters.py), a whole part
+name (node_agent/confinement/interpreters.py, and at submit trainyard/protocol/interpreters.py), a whole part
 with requirements whose every process is recorded by the kernel's proc connector (none but the
 agent's own confine wrapper ever ran as uid 0: not the interpreter probe, not ``python -m venv``,
 not pip, not torchrun), and a wheel that replaces the venv's interpreter, refused."""
@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import structlog
 
-from node_agent import processes
-from node_agent.attempt import AttemptRun
-from node_agent.envs import EnvBuildFailed, EnvCache
-from node_agent.interpreters import interpreter_problem
-from node_agent.isolation import CONFINE_EXEC, Confinement, UidPool, UidRange, worker_paths
-from node_agent.launcher import AttemptPaths, NodeContext
+from node_agent.confinement import processes
+from node_agent.confinement.interpreters import interpreter_problem
+from node_agent.confinement.isolation import CONFINE_EXEC, Confinement, UidPool, UidRange, worker_paths
+from node_agent.part.attempt import AttemptRun
+from node_agent.part.commands import AttemptPaths, NodeContext
+from node_agent.part.envs import EnvBuildFailed, EnvCache
 from tests.helpers import make_wheel_with
 from tests.node_agent.helpers import make_spec, read_log, wait_finished
 from tests.node_agent.proc_events import ProcRecorder
@@ -126,7 +126,7 @@ def test_no_process_of_a_job_with_requirements_runs_as_root(tmp_path: Path, open
 
     started = [e.cmdline for e in recorder.execs if e.uid != 0 and e.cmdline]
     said = [" ".join(c) for c in started]
-    for what in ("import json, site, sys", "-m venv", "-m pip install", "node_agent.torchrun_entry", "train.py"):
+    for what in ("import json, site, sys", "-m venv", "-m pip install", "node_agent.ranks.torchrun_entry", "train.py"):
         assert any(what in line for line in said), (what, said)  # seen: the probe, the venv, pip, torchrun
     assert {e.uid for e in recorder.execs} == {0, UID}
     assert recorder.root_execs_not_wrappers(CONFINE_EXEC) == []
@@ -177,7 +177,7 @@ def test_an_interpreter_this_node_does_not_allow_fails_the_part_at_once(tmp_path
     tests/control_plane/test_code_shipping.py), and the file never runs. Listed by the operator, it
     may run."""
     from node_agent.config import AgentConfig
-    from node_agent.launches import Launches
+    from node_agent.part.parts import Parts
 
     shared = trusted_dir / "shared"
     shared.mkdir()
@@ -188,7 +188,7 @@ def test_an_interpreter_this_node_does_not_allow_fails_the_part_at_once(tmp_path
     config = AgentConfig(control_plane_url="http://127.0.0.1:9", join_token="j", name="n", address="127.0.0.2",
                          virtual_gpus=1, work_dir=tmp_path / "agent", run_dir=tmp_path / "run")
     # Neither the workers' API nor the isolation is reached: the part is refused before either.
-    launches = Launches(config, api=None, isolation=None, log=structlog.get_logger())  # type: ignore[arg-type]
+    launches = Parts(config, api=None, isolation=None, log=structlog.get_logger())  # type: ignore[arg-type]
     spec = make_spec(nproc_per_node=1, gpu_indices=[0], python=str(python))
     node = NodeContext(local_addr="127.0.0.2", agent_url="http://127.0.0.1:9", virtual=True, cwd=str(tmp_path))
     run = launches.start(spec, node, [GpuInfo(index=0, uuid="virtual-n-0", kind="virtual-cpu", memory_mb=0)])

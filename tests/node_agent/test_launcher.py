@@ -12,9 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from node_agent import processes
-from node_agent.attempt import AttemptRun
-from node_agent.launcher import (
+from node_agent.confinement import processes
+from node_agent.part.attempt import AttemptRun
+from node_agent.part.commands import (
     AttemptPaths,
     NodeContext,
     entrypoint_kind,
@@ -67,14 +67,14 @@ def test_command_line(tmp_path: Path) -> None:
     paths = AttemptPaths(tmp_path)
     cmd = torchrun_command(spec, node, paths)
     # torchrun through the agent's entry: node rank 1 waits for node rank 0's store to listen first.
-    assert cmd[1:7] == ["-m", "node_agent.torchrun_entry", "--wait-for", "127.0.0.2:29999", "--wait-s", "300"]
+    assert cmd[1:7] == ["-m", "node_agent.ranks.torchrun_entry", "--wait-for", "127.0.0.2:29999", "--wait-s", "300"]
     assert cmd[7] == "--"
     joined = " ".join(cmd)
     assert "--nnodes 2 --nproc-per-node 2 --node-rank 1 --rdzv-backend static" in joined
     assert f"--rdzv-endpoint 127.0.0.2:29999 --rdzv-id {spec.attempt_id}" in joined
     assert "--rdzv-conf timeout=300 --local-addr 127.0.0.3 --max-restarts 0" in joined
-    assert cmd[cmd.index("node_agent.rank_shim") :] == [
-        "node_agent.rank_shim",
+    assert cmd[cmd.index("node_agent.ranks.shim") :] == [
+        "node_agent.ranks.shim",
         "--log-dir",
         str(tmp_path / "worker" / "logs"),
         "file",
@@ -84,7 +84,7 @@ def test_command_line(tmp_path: Path) -> None:
     ]
     host_cmd = torchrun_command(make_spec(node_rank=0, nnodes=2, entrypoint="pkg.mod"), node, paths)
     assert host_cmd[host_cmd.index("--node-rank") + 1] == "0"
-    assert host_cmd[1:4] == ["-m", "node_agent.torchrun_entry", "--"]  # the host waits for nobody
+    assert host_cmd[1:4] == ["-m", "node_agent.ranks.torchrun_entry", "--"]  # the host waits for nobody
     assert host_cmd[-2:] == ["module", "pkg.mod"]
 
 

@@ -18,11 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.attempt import AttemptRun
-from node_agent.cgroups import AGENT_LEAF, LimitGroups, _move_to_leaf, cgroup1_dirs
-from node_agent.isolation import Confinement, Isolation, UidRange, worker_paths
-from node_agent.launcher import AttemptPaths
-from node_agent.limits import (
+from node_agent.confinement.cgroups import AGENT_LEAF, LimitGroups, _move_to_leaf, cgroup1_dirs
+from node_agent.confinement.isolation import Confinement, Isolation, UidRange, worker_paths
+from node_agent.confinement.limits import (
     GiB,
     LimitEvents,
     LimitOptions,
@@ -35,7 +33,9 @@ from node_agent.limits import (
     parse_size,
     part_limits,
 )
-from node_agent.part_limits import AGENT_OOM_SCORE_ADJ, WORKER_OOM_SCORE_ADJ, disk_used
+from node_agent.confinement.part_limits import AGENT_OOM_SCORE_ADJ, WORKER_OOM_SCORE_ADJ, disk_used
+from node_agent.part.attempt import AttemptRun
+from node_agent.part.commands import AttemptPaths
 from tests.helpers import need
 from tests.node_agent.helpers import Launcher, make_spec, wait_finished, wait_for
 from trainyard.protocol.agent import NodeAttemptState
@@ -82,25 +82,25 @@ def test_operators_override_each_limit_and_can_turn_them_off() -> None:
         limit_options(memory="lots")
 
 
-def test_both_agent_command_lines_take_the_limit_options(tmp_path: Path) -> None:
-    import typer.main
-
-    from node_agent.__main__ import build_parser, parse_args
-    from trainyard.cli import app
+@pytest.mark.usefixtures("keep_logging")
+def test_the_agent_command_line_takes_the_limit_options(tmp_path: Path) -> None:
+    """``trainyard agent`` and ``python -m node_agent`` parse with one table (node_agent/options.py;
+    tests/node_agent/test_command_line.py compares them)."""
+    from node_agent.options import build_parser, parse_args
 
     names = {"--part-memory-limit", "--memory-reserve", "--part-pids-max", "--part-cpus", "--part-shm-size",
-             "--part-work-dir-size", "--no-part-limits"}
-    argparse_names = {o for action in build_parser()._actions for o in action.option_strings}
-    command = typer.main.get_command(app)
-    agent = command.commands["agent"]  # type: ignore[attr-defined]
-    click_names = {o for param in agent.params for o in (*param.opts, *param.secondary_opts)}
-    assert names <= argparse_names and names <= click_names, (names - argparse_names, names - click_names)
+             "--part-work-dir-size", "--no-part-limits", "--part-limits"}
+    table = {o for action in build_parser()._actions for o in action.option_strings}
+    assert names <= table, names - table
     token = tmp_path / "token"
     token.write_text("t\n")
     parsed = parse_args(["--control-plane", "http://127.0.0.1:1", "--name", "n", "--address", "127.0.0.1",
                          "--join-token-file", str(token), "--work-dir", str(tmp_path), "--part-memory-limit", "48G",
                          "--part-pids-max", "512", "--part-cpus", "2.5", "--memory-reserve", "0"])
     assert parsed.limits == LimitOptions(memory=48 * GiB, pids=512, cpus=2.5, reserve=0)
+    off = parse_args(["--control-plane", "http://127.0.0.1:1", "--name", "n", "--address", "127.0.0.1",
+                      "--join-token-file", str(token), "--work-dir", str(tmp_path), "--no-part-limits"])
+    assert not off.limits.enabled
 
 
 def test_a_limit_hit_is_named_in_the_reason() -> None:

@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from node_agent.isolation import Confinement, worker_paths
-from node_agent.local_api import LocalApi, LocalApiLimits
-from node_agent.outbox import DROPPED_EVENT, Outbox
+from node_agent.confinement.isolation import Confinement, worker_paths
+from node_agent.link.outbox import DROPPED_EVENT, Outbox
+from node_agent.local.api import LocalApi, LocalApiLimits
 from tests.helpers import wait_for
 from trainyard.protocol.agent import ShardInfo, WorkerEvent
 from trainyard.protocol.grants import LocalStorageRequest
@@ -300,7 +300,7 @@ def test_every_rank_of_a_part_may_wait_for_a_slot_and_the_part_still_reports(soc
 
 
 def test_constant_time_token_check_is_on_bytes() -> None:
-    from node_agent.local_api import LocalReports
+    from node_agent.local.api import LocalReports
 
     reports = LocalReports()
     reports.register("a", "t\u00f6ken")

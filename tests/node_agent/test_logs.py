@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from node_agent.logs import LogTailer, complete_utf8_prefix
+from node_agent.part.logs import LogTailer, complete_utf8_prefix
 
 
 def write(root: Path, rank: int, stream: str, data: bytes) -> None:

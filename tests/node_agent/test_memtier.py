@@ -21,11 +21,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent.launcher import AttemptPaths, NodeContext, torchrun_command, worker_env
-from node_agent.local_api import LocalApi, LocalApiLimits
-from node_agent.memstore import ShardRefused, ShardStore, job_owner
-from node_agent.memtier import AttemptMemory, MemoryTier
-from node_agent.memtier_peer import PeerLimits, PeerServer, serving
+from node_agent.local.api import LocalApi, LocalApiLimits
+from node_agent.memtier.peer import PeerLimits, PeerServer, serving
+from node_agent.memtier.store import ShardRefused, ShardStore, job_owner
+from node_agent.memtier.tier import AttemptMemory, MemoryTier
+from node_agent.part.commands import AttemptPaths, NodeContext, torchrun_command, worker_env
 from tests.conftest import S3Bucket
 from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec

@@ -1,5 +1,5 @@
 """The memory port against hosts that are not well-behaved peers: connection floods, slow senders,
-huge announced bodies (node_agent/memtier_peer.py), over real TCP on loopback addresses (each
+huge announced bodies (node_agent/memtier/peer.py), over real TCP on loopback addresses (each
 127.0.0.N stands for another host); and over real TLS with a node certificate from the cluster's CA."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from node_agent.memstore import job_owner
-from node_agent.memtier import AttemptMemory, MemoryTier
-from node_agent.memtier_peer import PeerLimits, PeerServer, serving
+from node_agent.memtier.peer import PeerLimits, PeerServer, serving
+from node_agent.memtier.store import job_owner
+from node_agent.memtier.tier import AttemptMemory, MemoryTier
 from trainyard.dev.certs import ensure_server_tls
 from trainyard.protocol.memtier import memory_grant
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node_agent.config import AgentConfig
-from node_agent.outbox import DROPPED_EVENT, MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE, Outbox
+from node_agent.link.outbox import DROPPED_EVENT, MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE, Outbox
 from trainyard.protocol.agent import ShardInfo, WorkerEvent
 
 SHA = "0" * 64
@@ -104,13 +104,14 @@ def test_node_budget_holds_and_no_attempt_within_its_share_loses_an_item(
     assert outbox.usage() == (0, 0)
 
 
+@pytest.mark.usefixtures("keep_logging")
 def test_the_agent_takes_the_node_budget_from_its_config(tmp_path: object) -> None:
     base = {"control_plane_url": "http://127.0.0.1:1", "join_token": "t", "name": "n", "address": "127.0.0.1"}
     config = AgentConfig(**base, work_dir=tmp_path)  # type: ignore[arg-type]
     assert (config.outbox_max_items, config.outbox_max_bytes) == (MAX_ITEMS_PER_NODE, MAX_BYTES_PER_NODE)
     with pytest.raises(ValueError, match="outbox_max_items"):
         AgentConfig(**base, work_dir=tmp_path, outbox_max_items=1)  # type: ignore[arg-type]
-    from node_agent.__main__ import parse_args
+    from node_agent.options import parse_args
 
     token = tmp_path / "token"  # type: ignore[operator]
     token.write_text("t\n")

@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
-from node_agent import rank_shim
+from node_agent.ranks import shim as rank_shim
 from tests.node_agent.helpers import REPO_ROOT, wait_for, write_script
 from trainyard.protocol import agent as contract
 from trainyard.protocol import env as protocol_env
@@ -43,7 +43,7 @@ def start_shim(
         TRAINYARD_ATTEMPT_ID="shim-test",
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "node_agent.rank_shim", "--log-dir", str(tmp_path / "logs"), *args],
+        [sys.executable, "-m", "node_agent.ranks.shim", "--log-dir", str(tmp_path / "logs"), *args],
         env=env,
         cwd=tmp_path,
         start_new_session=True,

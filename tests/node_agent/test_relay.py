@@ -8,9 +8,9 @@ from http import HTTPStatus
 
 import pytest
 
-from node_agent.client import ControlPlaneClient, RetryPolicy, StaleAttempt
-from node_agent.outbox import Outbox
-from node_agent.relay import Relay
+from node_agent.link.client import ControlPlaneClient, RetryPolicy, StaleAttempt
+from node_agent.link.outbox import Outbox
+from node_agent.link.relay import Relay
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from trainyard.protocol.agent import GpuInfo, RegisterRequest, ShardInfo, WorkerEvent
 

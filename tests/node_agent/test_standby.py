@@ -18,11 +18,11 @@ from typing import Any
 import psutil
 import pytest
 
-from node_agent import standby_wire
-from node_agent.cgroups import CgroupTree
-from node_agent.isolation import Confinement, UidRange, worker_paths
-from node_agent.standby_claim import claim
-from node_agent.standby_pool import StandbyPool
+from node_agent.confinement.cgroups import CgroupTree
+from node_agent.confinement.isolation import Confinement, UidRange, worker_paths
+from node_agent.ranks import standby_wire
+from node_agent.ranks.standby_claim import claim
+from node_agent.ranks.standby_pool import StandbyPool
 from tests.node_agent.helpers import REPO_ROOT, wait_for, write_script
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
@@ -53,7 +53,7 @@ def start_standby(spawned: list[subprocess.Popen[bytes]], directory: Path, name:
                   env: dict[str, str] | None = None) -> Path:
     directory.mkdir(exist_ok=True)
     socket = directory / f"{name}{standby_wire.SOCKET_SUFFIX}"
-    command = [sys.executable, "-m", "node_agent.standby", "--socket", str(socket), "--parent", str(os.getpid()),
+    command = [sys.executable, "-m", "node_agent.ranks.standby", "--socket", str(socket), "--parent", str(os.getpid()),
                "--preload", "json", *flags]
     spawned.append(subprocess.Popen(command, env={**BASE_ENV, "LEFT_BY_THE_STANDBY": "1", **(env or {})},
                                     start_new_session=True, stdout=subprocess.DEVNULL))
@@ -69,7 +69,7 @@ def run_shim(spawned: list[subprocess.Popen[bytes]], tmp_path: Path, *args: str,
            "TRAINYARD_JOB_ENV": json.dumps(job_env or {"FROM_THE_JOB": "yes"})}
     if standbys is not None:
         env["TRAINYARD_STANDBY_DIR"] = str(standbys)
-    command = [sys.executable, "-m", "node_agent.rank_shim", "--log-dir", str(tmp_path / "logs"), *args]
+    command = [sys.executable, "-m", "node_agent.ranks.shim", "--log-dir", str(tmp_path / "logs"), *args]
     proc = subprocess.Popen([*(wrap or []), *command], env=env, cwd=tmp_path, start_new_session=True)
     spawned.append(proc)
     return proc
@@ -103,7 +103,7 @@ def test_a_rank_runs_in_a_standby_once_with_its_exact_exit_code_and_a_cold_start
     warm = json.loads(json.dumps(report(warm_dir)).replace(str(warm_dir), str(cold_dir)))  # the one difference
     assert "standby" not in record(cold_dir) and record(warm_dir)["standby"] is True
     assert record(warm_dir)["exit_code"] == 3 and record(warm_dir)["pid"] == warm["pid"]
-    assert "node_agent.standby" in warm["ppid_cmd"]  # it did run in the standby
+    assert "node_agent.ranks.standby" in warm["ppid_cmd"]  # it did run in the standby
     # Exactly what a cold start sees: nothing of the standby's environment, fds or path.
     assert warm["env"] == cold["env"] and "LEFT_BY_THE_STANDBY" not in warm["env"]
     assert warm["env"]["FROM_THE_JOB"] == "yes" and "TRAINYARD_STANDBY_DIR" not in warm["env"]
@@ -346,7 +346,7 @@ def test_what_the_preloaded_modules_cached_of_the_standbys_environment_is_not_th
     socket = standbys / f"t{standby_wire.SOCKET_SUFFIX}"
     standbys.mkdir()
     spawned.append(subprocess.Popen(
-        [sys.executable, "-m", "node_agent.standby", "--socket", str(socket), "--parent", str(os.getpid()),
+        [sys.executable, "-m", "node_agent.ranks.standby", "--socket", str(socket), "--parent", str(os.getpid()),
          "--preload", "asks_tmp"],
         env={**BASE_ENV, "PYTHONPATH": f"{REPO_ROOT}:{tmp_path / 'mods'}", "TMPDIR": str(tmp_path / "standby-tmp")},
         start_new_session=True))

@@ -1,4 +1,4 @@
-"""node_agent/supervise_wake.py: a watched process's exit and a file renamed into a watched
+"""node_agent/loops/wake.py: a watched process's exit and a file renamed into a watched
 directory wake supervision; nothing else does, and a link is never followed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.supervise_wake import SuperviseWakeups
+from node_agent.loops.wake import SuperviseWakeups
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_a_link_in_place_of_the_directory_is_not_watched(
 def test_at_most_max_pids_are_held_first_come_first(
         woken: tuple[SuperviseWakeups, threading.Event], monkeypatch: pytest.MonkeyPatch) -> None:
     wakeups, _ = woken
-    monkeypatch.setattr("node_agent.supervise_wake.MAX_PIDS", 2)
+    monkeypatch.setattr("node_agent.loops.wake.MAX_PIDS", 2)
     mine = [os.getpid(), os.getppid(), 1]
     wakeups.watch_pids(mine)
     assert wakeups.watched_pids == set(mine[:2])

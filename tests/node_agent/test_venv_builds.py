@@ -1,5 +1,5 @@
 """What a venv's build may do as the part's uid, and what root then does with it (issue 23 review,
-findings 1, 2, 3 and 5b; node_agent/envs.py, venv_checks.py, attempt.py).
+findings 1, 2, 3 and 5b; node_agent/part/envs.py, venv_checks.py, attempt.py).
 
 The build's own code is played by an interpreter the operator could have installed (root-owned, in
 a root-owned directory): a shell wrapper around the node's Python that, as the part's uid, does what
@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 import structlog
 
-from node_agent import processes
-from node_agent.attempt import AttemptRun
-from node_agent.cgroups import CgroupTree
-from node_agent.envs import EnvBuildFailed, EnvCache, end_build
-from node_agent.isolation import Confinement, UidPool, UidRange, worker_paths
-from node_agent.launcher import AttemptPaths, NodeContext
-from node_agent.safe_files import create_file
-from node_agent.venv_checks import VenvTampered, seal
+from node_agent.confinement import processes
+from node_agent.confinement.cgroups import CgroupTree
+from node_agent.confinement.isolation import Confinement, UidPool, UidRange, worker_paths
+from node_agent.confinement.safe_files import create_file
+from node_agent.part.attempt import AttemptRun
+from node_agent.part.commands import AttemptPaths, NodeContext
+from node_agent.part.envs import EnvBuildFailed, EnvCache, end_build
+from node_agent.part.venv_checks import VenvTampered, seal
 from tests.helpers import make_wheel_with, wait_for
 from tests.node_agent.helpers import make_spec
 from tests.node_agent.proc_events import ProcRecorder
@@ -164,12 +164,12 @@ def test_requirements_that_pip_would_build_from_source_fail_the_part_at_once(tmp
     """A spec from elsewhere than the control plane (which answers 422): the agent refuses the line
     as a start_error (never retried) and runs nothing for it."""
     from node_agent.config import AgentConfig
-    from node_agent.launches import Launches
+    from node_agent.part.parts import Parts
 
     config = AgentConfig(control_plane_url="http://127.0.0.1:9", join_token="j", name="n", address="127.0.0.2",
                          virtual_gpus=1, work_dir=tmp_path / "agent", run_dir=tmp_path / "run")
     # Neither the workers' API nor the isolation is reached: the part is refused before either.
-    launches = Launches(config, api=None, isolation=None, log=structlog.get_logger())  # type: ignore[arg-type]
+    launches = Parts(config, api=None, isolation=None, log=structlog.get_logger())  # type: ignore[arg-type]
     spec = make_spec(nproc_per_node=1, gpu_indices=[0], requirements="evilpkg @ file:///etc/passwd\n")
     node = NodeContext(local_addr="127.0.0.2", agent_url="http://127.0.0.1:9", virtual=True, cwd=str(tmp_path))
     run = launches.start(spec, node, [GpuInfo(index=0, uuid="virtual-n-0", kind="virtual-cpu", memory_mb=0)])

@@ -1,6 +1,6 @@
 """A fake node agent: the local API on a real socket, recording what workers send.
 
-Like the real one (node_agent/local_api.py) it answers progress and result with 200, shards and
+Like the real one (node_agent/local/api.py) it answers progress and result with 200, shards and
 events with 202 (queued), ``shards?wait=1`` with the control plane's ShardAck, ``upload-slot``
 with ``slot_answer`` (by default a slot granted at once, unpaced, as with no limit configured) and
 its ``release`` with ``{"released": true}``. A status queued in ``statuses`` or set in ``always``

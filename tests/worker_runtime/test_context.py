@@ -36,8 +36,8 @@ def test_worker_runtime_reads_the_contracts_names() -> None:
 
 
 def test_the_launchers_env_round_trips_through_the_worker_context(tmp_path: Path) -> None:
-    """What node_agent/launcher.py gives a worker is what worker_runtime/context.py reads."""
-    from node_agent.launcher import AttemptPaths, NodeContext, worker_env
+    """What node_agent/part/commands.py gives a worker is what worker_runtime/context.py reads."""
+    from node_agent.part.commands import AttemptPaths, NodeContext, worker_env
     from tests.node_agent.helpers import make_spec
     from trainyard.protocol.agent import RestoreCandidate, RestorePlan
     from trainyard.protocol.keys import job_checkpoint_prefix, manifest_key

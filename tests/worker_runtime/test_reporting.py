@@ -192,7 +192,7 @@ def test_reports_go_over_the_attempts_unix_socket() -> None:
     import tempfile
     from pathlib import Path
 
-    from node_agent.local_api import BASE_URL, LocalApi
+    from node_agent.local.api import BASE_URL, LocalApi
 
     with tempfile.TemporaryDirectory(prefix="rs-", dir="/tmp") as directory:
         api = LocalApi()

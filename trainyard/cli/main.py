@@ -132,139 +132,15 @@ def migrate(
     typer.echo("database schema is up to date")
 
 
-@app.command()
-def agent(
-    control_plane: Annotated[str, typer.Option(help="Control-plane URL, e.g. https://10.0.0.1:8000.")],
-    name: Annotated[str, typer.Option(help="Node name, unique in the cluster.")],
-    address: Annotated[str, typer.Option(help="Address other nodes reach this node at.")],
-    virtual_gpus: Annotated[
-        int | None,
-        typer.Option(min=0, help="Offer this many CPU-only virtual GPU slots instead of discovering NVIDIA GPUs."),
-    ] = None,
-    work_dir: Annotated[
-        Path | None,
-        typer.Option(help="Agent state directory. Default: ./.trainyard/agent-NAME.", show_default=False),
-    ] = None,
-    label: Annotated[list[str] | None, typer.Option(help="Topology label k=v (repeatable).")] = None,
-    worker_uids: Annotated[
-        str | None,
-        typer.Option(help="Run each attempt as its own uid from this pool, e.g. 20000-20063 (needs root). "
-                     "Without it workers run as the agent's user, not isolated.", show_default=False),
-    ] = None,
-    worker_root: Annotated[
-        Path | None, typer.Option(help="Worker directories. Default: WORK_DIR/workers.", show_default=False)
-    ] = None,
-    run_dir: Annotated[
-        Path | None,
-        typer.Option(help="Sockets and uid locks, shared by the machine's agents. Default: /run/trainyard.",
-                     show_default=False),
-    ] = None,
-    cgroups: Annotated[bool, typer.Option(help="Track each attempt in a cgroup v2 where writable.")] = True,
-    standbys: Annotated[int, typer.Option(
-        min=0, max=64, help="Warm standby processes (torch imported, no CUDA) that ranks start in instead of "
-        "cold; one per GPU is natural. Needs cgroup v2 or --worker-uids. Default 0: off.")] = 0,
-    worker_env: Annotated[
-        list[str] | None, typer.Option(help="A variable of the agent's environment to give workers (repeatable).")
-    ] = None,
-    allowed_python: Annotated[list[Path] | None, typer.Option(
-        help="An interpreter jobs may name as their python besides root-owned ones no one else can write "
-        "(repeatable).", show_default=False)] = None,
-    join_token_file: Annotated[Path | None, typer.Option(
-        help="File holding a join token (default: the TRAINYARD_JOIN_TOKEN variable). Needed for the first "
-        "registration only: the agent keeps its node credential in its work dir.", show_default=False)] = None,
-    ca_file: Annotated[
-        Path | None,
-        typer.Option(help="PEM file of the CA that signed the control plane's certificate. Default: the system's "
-                     "trust store.", envvar="TRAINYARD_CA_FILE", show_default=False),
-    ] = None,
-    outbox_max_items: Annotated[int, typer.Option(
-        min=2, help="Shards and events held for the control plane, over every attempt of the node.")] = 50_000,
-    outbox_max_mb: Annotated[float, typer.Option(min=0.001, help="The same budget in MiB.")] = 64.0,
-    handover_timeout: Annotated[float, typer.Option(
-        min=0.001, help="Seconds a restartable job's parked workers wait to be taken over by its next attempt "
-        "before they are stopped (and started cold).")] = 60.0,
-    memory_tier_mb: Annotated[int, typer.Option(
-        min=0, envvar="TRAINYARD_AGENT_MEMORY_TIER_MB",
-        help="Host memory for checkpoint shards (the in-memory tier: this node's ranks' latest shards and "
-        "its peers' copies); 0 turns the tier off.")] = 4096,
-    memory_port: Annotated[int, typer.Option(
-        min=0, max=65535, help="TCP port peer agents reach the memory tier on, at --address; 0: any free port.")] = 0,
-    memory_tls_cert: Annotated[Path | None, typer.Option(
-        help="PEM certificate of this node (for --address, signed by the cluster's CA): the memory port speaks "
-        "TLS, and peers are reached over TLS only, verified against --ca-file. Needs --memory-tls-key.",
-        envvar="TRAINYARD_AGENT_MEMORY_TLS_CERT", show_default=False)] = None,
-    memory_tls_key: Annotated[Path | None, typer.Option(
-        help="PEM private key of --memory-tls-cert.", envvar="TRAINYARD_AGENT_MEMORY_TLS_KEY",
-        show_default=False)] = None,
-    memory_plain_http: Annotated[bool, typer.Option(
-        "--memory-plain-http", help="Without --memory-tls-cert, serve the memory port in plain HTTP (a trusted "
-        "network only: shards and job grants cross it in clear). Without either the tier is off.")] = False,
-    part_limits: Annotated[bool, typer.Option(
-        help="Resource limits on each attempt part (memory, pids, CPU, /dev/shm, work dir; docs/operations.md).")
-    ] = True,
-    part_memory_limit: Annotated[str | None, typer.Option(
-        help="Memory per part, e.g. 48G. Default: the part's share of the node's GPUs of the node's memory "
-        "less --memory-reserve.", envvar="TRAINYARD_AGENT_PART_MEMORY_LIMIT", show_default=False)] = None,
-    memory_reserve: Annotated[str | None, typer.Option(
-        help="Memory no part's share includes (the agent, the system). Default: 2G.",
-        envvar="TRAINYARD_AGENT_MEMORY_RESERVE", show_default=False)] = None,
-    part_pids_max: Annotated[int | None, typer.Option(
-        min=1, help="Processes and threads per part. Default: 4096 per GPU.", envvar="TRAINYARD_AGENT_PART_PIDS_MAX",
-        show_default=False)] = None,
-    part_cpus: Annotated[float | None, typer.Option(
-        min=0.01, help="A hard cap in CPUs of time per part. Default: none (a CPU weight of 100 per GPU).",
-        show_default=False)] = None,
-    part_shm_size: Annotated[str | None, typer.Option(
-        help="Size of each part's /dev/shm. Default: half its memory limit.", envvar="TRAINYARD_AGENT_PART_SHM_SIZE",
-        show_default=False)] = None,
-    part_work_dir_size: Annotated[str | None, typer.Option(
-        help="Disk each part's work directory may hold. Default: its GPU share of the file system.",
-        show_default=False)] = None,
-) -> None:
+@app.command(add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                                     "allow_interspersed_args": False})
+def agent(ctx: typer.Context) -> int:
     """Run a node agent: register with the control plane and run the attempts it assigns."""
-    labels = _parse_labels(label or [])
-    from node_agent.agent import AgentConfig, IsolationError, run_agent
-    from node_agent.config import read_join_token
-    from node_agent.isolation import UidRange
-    from node_agent.limits import limit_options
+    # The agent's own option table parses every argument (node_agent/options.py): `python -m
+    # node_agent` is the same command, so an option cannot exist in one and not the other.
+    from node_agent.options import main as agent_main
 
-    try:
-        uids = UidRange.parse(worker_uids) if worker_uids else None
-        limits = limit_options(enabled=part_limits, memory=part_memory_limit, reserve=memory_reserve,
-                               pids=part_pids_max, cpus=part_cpus, shm=part_shm_size, work_dir=part_work_dir_size)
-        config = AgentConfig(
-            control_plane_url=control_plane,
-            ca_file=ca_file,
-            join_token=read_join_token(join_token_file),
-            name=name,
-            address=address,
-            virtual_gpus=virtual_gpus,
-            work_dir=work_dir if work_dir is not None else Path(".trainyard") / f"agent-{name}",
-            labels=labels,
-            stop_grace_s=5.0,
-            handover_timeout_s=handover_timeout,
-            worker_uids=uids,
-            worker_root=worker_root,
-            run_dir=run_dir,
-            cgroups=cgroups,
-            standbys=standbys,
-            worker_env_passthrough=tuple(worker_env or ()),
-            allowed_pythons=tuple(allowed_python or ()),
-            outbox_max_items=outbox_max_items,
-            outbox_max_bytes=int(outbox_max_mb * 2**20),
-            memory_tier_mb=memory_tier_mb,
-            memory_port=memory_port,
-            memory_tls_cert=memory_tls_cert,
-            memory_tls_key=memory_tls_key,
-            memory_plain_http=memory_plain_http,
-            limits=limits,
-        )
-    except ValueError as exc:
-        raise CliError(str(exc)) from exc
-    try:
-        run_agent(config)
-    except IsolationError as exc:
-        raise CliError(str(exc), code=2) from exc
+    return agent_main(list(ctx.args), prog="trainyard agent")
 
 
 @app.command()
@@ -508,16 +384,6 @@ def dev_node_kill_workers(node: str, data_dir: DevDataDir = Path(".trainyard/dev
 def dev_node_restart(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -> None:
     """Start a killed node's agent again, on its work dir."""
     _dev_node("restart", node, data_dir)
-
-
-def _parse_labels(items: list[str]) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise CliError(f"--label must look like key=value, got {item!r}")
-        labels[key.strip()] = value.strip()
-    return labels
 
 
 def _first_line(exc: BaseException) -> str:

@@ -68,9 +68,9 @@ class DevConfig:
     """node name -> the control-plane URL its agent uses instead of its replica's (fault tests put
     a proxy there)."""
     standbys: int = 0
-    """Warm standby processes per agent (``--standbys``, node_agent/standby.py); 0: none."""
+    """Warm standby processes per agent (``--standbys``, node_agent/ranks/standby.py); 0: none."""
     worker_uids: str | None = DEV_WORKER_UIDS if os.geteuid() == 0 else None
-    """The agents' worker uid pool (node_agent/isolation.py): by default, as root, every attempt
+    """The agents' worker uid pool (node_agent/confinement/isolation.py): by default, as root, every attempt
     runs as a uid of its own like in production; None: workers run as the agents' user (also what
     ``start`` falls back to, saying NOT_ISOLATED, where the pool cannot be used on this machine)."""
 

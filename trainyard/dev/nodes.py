@@ -23,7 +23,7 @@ from trainyard.embedded import signal_group
 
 class _PoolCheck:
     """Whether the agents' worker uid pool works on this machine, found in a thread of its own:
-    the agent's own start check (node_agent/isolation.py), run as root, with the agents' cwd. A
+    the agent's own start check (node_agent/confinement/isolation.py), run as root, with the agents' cwd. A
     ``dev up`` where it fails (no mount namespaces for a Python in a private /root, say) runs its
     workers unisolated and says so, rather than not starting at all."""
 
@@ -35,7 +35,7 @@ class _PoolCheck:
 
     def _run(self) -> None:
         from node_agent.config import default_run_dir
-        from node_agent.isolation import Isolation, UidRange
+        from node_agent.confinement.isolation import Isolation, UidRange
 
         try:
             Isolation.configure(UidRange.parse(self._uids), default_run_dir(), use_cgroups=False, cwd=os.getcwd())

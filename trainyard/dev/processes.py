@@ -79,11 +79,14 @@ def is_training(proc: Any) -> bool:
         parent = proc.parent().cmdline()
     except Exception:
         return False
-    # The shim's own command line starts "python [-u] -m node_agent.rank_shim"; torchrun's names
-    # the shim too, but as its entrypoint, after "-m node_agent.torchrun_entry" (or, started by
+    # The shim's own command line starts "python [-u] -m node_agent.ranks.shim" (or its earlier name,
+    # for workers an earlier agent started: node_agent/ranks/entry_points.py); torchrun's names the
+    # shim too, but as its entrypoint, after "-m node_agent.ranks.torchrun_entry" (or, started by
     # hand, "-m torch.distributed.run").
-    torchrun = {"torch.distributed.run", "node_agent.torchrun_entry"}
-    return "node_agent.rank_shim" in parent[:4] and not torchrun & set(parent)
+    from node_agent.ranks.entry_points import RANK_SHIM, TORCHRUN_ENTRY, names
+
+    torchrun = {"torch.distributed.run", *names(TORCHRUN_ENTRY)}
+    return bool(set(names(RANK_SHIM)) & set(parent[:4])) and not torchrun & set(parent)
 
 
 def kill_all(procs: list[Any]) -> None:

@@ -67,7 +67,7 @@ MAX_COMMAND_ITEMS = 256
 MAX_COMMAND_ITEM_CHARS = 4096
 """The longest one item of a job's ``command`` may be."""
 CommandItem = Annotated[str, Field(min_length=1, max_length=MAX_COMMAND_ITEM_CHARS, pattern=r"^[^\x00]*$")]
-"""A log chunk's text (the agent reads 64 KiB at a time: node_agent/logs.py)."""
+"""A log chunk's text (the agent reads 64 KiB at a time: node_agent/part/logs.py)."""
 
 
 class _Wire(BaseModel):
@@ -125,7 +125,7 @@ class RegisterRequest(_Wire):
 
 
 AGENT_TRIES = 3
-"""Tries of one agent request, the first included (node_agent/client.py, RetryPolicy)."""
+"""Tries of one agent request, the first included (node_agent/link/client.py, RetryPolicy)."""
 AGENT_BACKOFF_S = 0.6
 """The longest total wait between those tries (jittered 0.2 s, then 0.4 s)."""
 
@@ -251,7 +251,7 @@ class LaunchSpec(_Wire):
     command: list[CommandItem] | None = Field(
         default=None, min_length=1, max_length=MAX_COMMAND_ITEMS,
         description="The job's own command (argv), run once per node in place of torchrun, as the part's uid in "
-        "its cgroup, under node_agent.rank_shim (its exit is the part's); argv[0] is looked up after the uid "
+        "its cgroup, under node_agent.ranks.shim (its exit is the part's); argv[0] is looked up after the uid "
         "switch. None: torchrun runs `entrypoint`.")
     env: dict[str, str] = Field(default_factory=dict)
     checkpoint: dict[str, Any] = Field(default_factory=dict)

@@ -1,8 +1,8 @@
 """The environment a node agent gives every worker process, one name each (standard library only).
 
-The agent sets these (node_agent/launcher.py, ``worker_env``) besides torchrun's own RANK,
+The agent sets these (node_agent/part/commands.py, ``worker_env``) besides torchrun's own RANK,
 WORLD_SIZE, ...; the worker runtime reads them (worker_runtime/context.py, ``WorkerContext``); the
-rank shim and the agent's process table read some back (node_agent/rank_shim.py, processes.py).
+rank shim and the agent's process table read some back (node_agent/ranks/shim.py, confinement/processes.py).
 This module imports nothing beyond the standard library, so the rank shim can import it cheaply.
 """
 
@@ -19,7 +19,7 @@ and jobs may not set any (control_plane/schemas/jobs.py)."""
 ENV_JOB_ID: Final = "TRAINYARD_JOB_ID"
 ENV_JOB_NAME: Final = "TRAINYARD_JOB_NAME"
 ENV_ATTEMPT_ID: Final = "TRAINYARD_ATTEMPT_ID"
-"""Also the marker by which the agent finds every process of an attempt (node_agent/processes.py)."""
+"""Also the marker by which the agent finds every process of an attempt (node_agent/confinement/processes.py)."""
 ENV_ATTEMPT_NUMBER: Final = "TRAINYARD_ATTEMPT_NUMBER"
 ENV_FENCING_TOKEN: Final = "TRAINYARD_FENCING_TOKEN"
 """Authenticates a worker's reports to the agent's local API (a stale attempt gets 409)."""
@@ -29,7 +29,7 @@ ENV_AGENT_SOCKET set (the agent's case) it only names the host of the requests; 
 to that socket."""
 ENV_AGENT_SOCKET: Final = "TRAINYARD_AGENT_SOCKET"
 """Path of the unix socket the agent serves this attempt's local API on: one per attempt, which
-only the attempt's own uid may connect to (node_agent/local_api.py)."""
+only the attempt's own uid may connect to (node_agent/local/api.py)."""
 LOCAL_API_PREFIX: Final = "/v1/local"
 """The local API's paths under ENV_AGENT_URL: ``<url>/v1/local/attempts/<attempt id>/<kind>``."""
 ENV_NODE_RANK: Final = "TRAINYARD_NODE_RANK"
@@ -48,12 +48,12 @@ ENV_RESTORE_FROM: Final = "TRAINYARD_RESTORE_FROM"
 ENV_LAYOUT: Final = "TRAINYARD_LAYOUT"
 """JSON of the job's parallel layout (trainyard.protocol.layout.Layout); absent: plain DDP."""
 ENV_STATUS_DIR: Final = "TRAINYARD_STATUS_DIR"
-"""Where the rank shim writes ``rank-<r>.json`` (node_agent/rank_shim.py)."""
+"""Where the rank shim writes ``rank-<r>.json`` (node_agent/ranks/shim.py)."""
 ENV_JOB_ENV: Final = "TRAINYARD_JOB_ENV"
 """JSON object of the job's own ``env``: the rank shim applies it to the training process only, so
 none of it reaches torchrun or the shim (a job's PET_*, LD_PRELOAD or PATH cannot change them)."""
 ENV_STANDBY_DIR: Final = "TRAINYARD_STANDBY_DIR"
-"""Where the agent's warm standby processes listen (node_agent/standby.py), when it keeps any: the
+"""Where the agent's warm standby processes listen (node_agent/ranks/standby.py), when it keeps any: the
 rank shim hands its rank to one of them instead of a cold start. Never seen by the training process."""
 
 ENV_RENDEZVOUS: Final = "TRAINYARD_RENDEZVOUS"
@@ -90,7 +90,7 @@ def global_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
 # Checkpoint storage. Under an agent a worker gets only ENV_STORAGE_ACCESS and the prefix: it reads
 # and writes through presigned URLs (trainyard/protocol/grants.py) and holds no credential. The
 # TRAINYARD_S3_* variables are for a script run outside Trainyard with storage of its own; an agent
-# never sets them (node_agent/launcher.py).
+# never sets them (node_agent/part/commands.py).
 ENV_STORAGE_ACCESS: Final = "TRAINYARD_STORAGE_ACCESS"
 """``presigned``: checkpoint storage exists, reached through URLs the agent obtains per object."""
 ENV_S3_ENDPOINT: Final = "TRAINYARD_S3_ENDPOINT"

@@ -14,7 +14,7 @@ Kinds (``FAILURE_KINDS``):
 - ``signal``: killed by a signal (SIGKILL: the kernel's OOM killer or an operator).
 - ``exit_code``: a non-zero exit without a traceback.
 - ``resource_limit``: the part hit one of its resource limits (memory, pids, /dev/shm, work
-  directory: node_agent/limits.py), named in the reason; the job's own, never the node's.
+  directory: node_agent/confinement/limits.py), named in the reason; the job's own, never the node's.
 """
 
 from __future__ import annotations

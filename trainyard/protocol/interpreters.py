@@ -1,9 +1,9 @@
 """Which interpreter a job may name as its ``python``: the part of the rule that can be known at submit.
 
 The agent starts a job's interpreter only after its confine wrapper has switched to the attempt's
-uid (node_agent/confine_exec.py), and only when its own rule allows the path (an operator's
+uid (node_agent/confinement/confine_exec.py), and only when its own rule allows the path (an operator's
 ``--allowed-python`` list, or a file that root owns and no one else can write, every directory above
-it included: node_agent/interpreters.py). A path in a place every user can write (``/tmp``,
+it included: node_agent/confinement/interpreters.py). A path in a place every user can write (``/tmp``,
 ``/dev/shm``...) or a user's home can never pass that rule, so it is refused at submit already (a
 422 naming the field) instead of failing on a node. Standard library only.
 """

@@ -10,7 +10,7 @@ imports first is chance. So a client first waits here, with a plain connect ever
 the port accepts, and only then creates its TCPStore, which connects at its first try. The probe
 sends nothing: the host sees a connection that closes at once, as after a client's own failed try.
 
-Standard library only (node_agent.torchrun_entry runs it while torch imports).
+Standard library only (node_agent.ranks.torchrun_entry runs it while torch imports).
 """
 
 from __future__ import annotations

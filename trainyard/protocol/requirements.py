@@ -1,5 +1,5 @@
 """A job's requirements: a pip requirements file, shipped as text with the job and installed by each
-agent into a cached virtualenv (node_agent/envs.py). Standard library only.
+agent into a cached virtualenv (node_agent/part/envs.py). Standard library only.
 
 Checked the same way at submit (422) and by the agent (a launch error): the text must stand alone
 (no ``-r``/``-c`` naming files on the user's machine) and install from wheels only (no ``-e``, no

@@ -1,6 +1,6 @@
 """A rank's latest saved state kept in its own process (host memory), for an in-process restart
 (worker_runtime/restart.py): the restore of the next attempt reads it instead of storage when the
-plan names exactly that save. Not the agent's memory tier (node_agent/memtier.py,
+plan names exactly that save. Not the agent's memory tier (node_agent/memtier/tier.py,
 worker_runtime/checkpoint/memtier.py), which holds shards in the agent, across processes."""
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def apply_status(
     if report.ranks is not None and report.ranks.ranks and _own_ranks(session, part, report):
         part.ranks, part.ranks_at = report.ranks.model_dump(mode="json"), t
     release = report.processes_alive is False and part.state in PART_DONE and part.released_at is None
-    # Global rank 0 reports the result. The agent pins torchrun's node order (node_agent/launcher.py)
+    # Global rank 0 reports the result. The agent pins torchrun's node order (node_agent/part/commands.py)
     # so it runs on node rank 0, but another launcher may put it elsewhere: the part that holds
     # worker rank 0 (as reported, checked by _merge_workers) is the one. settle publishes it.
     if report.result is not None and job.result is None and not _holds_rank_zero(session, part):
@@ -352,7 +352,7 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
 def _workers_expected(session: Session, attempt: Attempt) -> int:
     """The workers an attempt's parts report: every rank under torchrun; one per node for a
     ``command`` job, whose part is its own launcher's and is reported as a whole (the node's first
-    rank: node_agent/launcher.py, command_argv)."""
+    rank: node_agent/part/commands.py, command_argv)."""
     command, nodes = session.execute(select(Job.command, Job.num_nodes).where(Job.id == attempt.job_id)).one()
     return nodes if command else attempt.num_gpus
 
