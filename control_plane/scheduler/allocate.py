@@ -535,7 +535,7 @@ def _account(session: Session, at: datetime, decision: Decision, admitted: list[
             for r in decision.reservations
         ],
         reserve=[
-            reservations.ReserveHold(gpu_kind=h.gpu_kind, node_ids=[uuid.UUID(n) for n in h.node_ids],
+            reservations.ReserveRecord(gpu_kind=h.gpu_kind, node_ids=[uuid.UUID(n) for n in h.node_ids],
                                      idle_gpus=h.idle_gpus, served=served[h.gpu_kind])
             for h in decision.recovery_reserve
         ],

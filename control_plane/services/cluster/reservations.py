@@ -36,8 +36,10 @@ class JobHold:
 
 
 @dataclass(frozen=True)
-class ReserveHold:
-    """The recovery reserve of a GPU kind after a pass."""
+class ReserveRecord:
+    """What a pass records of the recovery reserve of a GPU kind: the policy's decision
+    (scheduler/model.py ``ReserveHold``, string ids) with database ids and the jobs it served.
+    A separate class because services may not import the scheduler (the layers contract)."""
 
     gpu_kind: str
     node_ids: list[uuid.UUID]
@@ -82,7 +84,7 @@ def record(
     *,
     at: datetime,
     holds: Iterable[JobHold],
-    reserve: Iterable[ReserveHold],
+    reserve: Iterable[ReserveRecord],
     started: set[uuid.UUID],
     waiting: Collection[str],
 ) -> None:
