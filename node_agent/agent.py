@@ -1,25 +1,29 @@
 """The node agent: registers the node, runs what the control plane assigns, reports what happens.
 
-Five loops run on their own threads under a monitor (which restarts a loop that died):
+``Agent`` composes one state (``AgentState``, loops/state.py: what the loops share) and five loops,
+each an object over that state with one entry point (``step``: one pass, returning the seconds until
+the next), run on threads of their own under a monitor (which restarts a loop that died):
 
-- heartbeat (loops/heartbeat.py): (re-)register when needed, send a heartbeat listing the attempts
-  with live processes or a final status not yet acknowledged, reconcile against the desired state
-  in the answer: launch what is assigned and was never launched here, stop what runs and is no
-  longer assigned.
-- wait (loops/desired.py): a long poll that learns of a changed desired state at once, and the
-  reconciling both loops share.
-- supervise (loops/supervise.py): look at local processes and rank files; escalate stops from
-  SIGTERM to SIGKILL.
-- report (loops/report.py): send each attempt's status when it changes (and every
+- heartbeat (``HeartbeatLoop``, loops/heartbeat.py): (re-)register when needed, send a heartbeat
+  listing the attempts with live processes or a final status not yet acknowledged, and apply the
+  desired state in the answer.
+- wait (``DesiredState``, loops/desired.py): a long poll that learns of a changed desired state at
+  once; and applying an answer (``reconcile``, the heartbeat's too): launch what is assigned and was
+  never launched here, stop what runs and is no longer assigned.
+- supervise (``SuperviseLoop``, loops/supervise.py): look at local processes and rank files;
+  escalate stops from SIGTERM to SIGKILL; sweep orphans; start parts held while their GPUs were busy.
+- report (``ReportLoop``, loops/report.py): send each attempt's status when it changes (and every
   status_interval_s), ship new log bytes, and send the final status and last bytes after the end
   until acknowledged. The final status waits until the attempt's queued shards and events are
   delivered: a checkpoint reported just before the exit reaches the control plane before the
   attempt is seen to end.
-- relay (loops/report.py): forward the checkpoint shards and events workers post to the local API,
-  in order, as soon as they are queued (relay.py).
+- relay (``RelayLoop``, loops/report.py): forward the checkpoint shards and events workers post to
+  the local API, in order, as soon as they are queued (link/relay.py).
 
-This module keeps the lifecycle (start, stop, the loops' threads); loops/state.py declares the
-state they share.
+What one loop needs of another is handed to it when the agent is built (the heartbeat gets the
+desired state and the supervisor's orphan sweep, the supervisor the desired state's pending
+launches), never found through inheritance. This module keeps the lifecycle (start, stop, the loops'
+threads).
 
 The loops touch the network only through the client, and every local fact can be recomputed from
 the processes and files, so a control-plane outage only delays reports: workers keep running,
@@ -27,7 +31,6 @@ status is level-triggered (the latest is resent), logs resume from the acknowled
 shards and events wait in memory.
 The protocol (attempts, fencing, leases) is in docs/architecture.md.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -39,6 +42,7 @@ import time
 import uuid
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import structlog
 
@@ -47,13 +51,13 @@ from node_agent.confinement.isolation import Isolation, IsolationError, private_
 from node_agent.gpus import GpuSource, gpu_source
 from node_agent.link.client import ControlPlaneClient
 from node_agent.link.outbox import Outbox
-from node_agent.link.relay import Relay
-from node_agent.link.upload_slots import SlotRelay
 from node_agent.local.api import BASE_URL, MAX_SOCKET_PATH, LocalApi, LocalReports
 from node_agent.local.handover import Handovers
+from node_agent.loops.desired import DesiredState
 from node_agent.loops.heartbeat import HeartbeatLoop
-from node_agent.loops.report import ReportLoop
-from node_agent.loops.state import PendingLaunch
+from node_agent.loops.report import RelayLoop, ReportLoop
+from node_agent.loops.state import LOOPS, AgentState
+from node_agent.loops.supervise import SuperviseLoop
 from node_agent.loops.wake import SuperviseWakeups
 from node_agent.memtier.peer import PeerServer
 from node_agent.memtier.tier import MemoryTier
@@ -62,10 +66,6 @@ from node_agent.part.commands import NodeContext, standby_env
 from node_agent.part.parts import Parts
 from node_agent.ranks.orphans import OrphanSweeper
 from node_agent.ranks.standby_pool import STANDBY_SOCKET_NAME_MAX, StandbyPool, directory_name, remove_stale
-from trainyard.protocol.agent import (
-    AttemptStatusReport,
-    GpuInfo,
-)
 
 __all__ = ["Agent", "AgentConfig", "IsolationError", "run_agent"]
 
@@ -75,95 +75,80 @@ EXIT_SUPERSEDED = 3
 """Exit status of an agent that stopped because another instance registered as its node."""
 
 
-class Agent(HeartbeatLoop, ReportLoop):
+class Agent:
+    """One node's agent: its state (``state``, loops/state.py) and its loops, each an object with one
+    entry point (``step``), composed here and run on threads of their own under a monitor."""
+
     def __init__(self, config: AgentConfig, *, gpus: GpuSource | None = None) -> None:
-        self.config = config
-        self.instance = uuid.uuid4().hex
-        self.log = log.bind(node=config.name)
-        self._stop_event = threading.Event()
-        self.client = ControlPlaneClient(
+        stop = threading.Event()
+        client = ControlPlaneClient(
             config.control_plane_url,
             join_token=config.join_token,
             timeout_s=config.http_timeout_s,
-            stop=self._stop_event,
+            stop=stop,
             ca_file=str(config.ca_file) if config.ca_file is not None else None,
         )
-        self.client.on_stale_agent = self._superseded
-        self.superseded: str | None = None
-        """Why this agent stopped: another instance registered as this node (409 stale-agent)."""
-        self.epoch = 0
-        self.orphans = OrphanSweeper(grace_s=config.stop_grace_s, log=self.log)
-        self._next_orphan_scan = 0.0
-        # A part whose ranks all initialised reports it at once: the recovery's rendezvous phase ends
-        # there, and the control plane closes the recovery at the first step (which may come from
-        # another node's report within a moment).
-        self.reports = LocalReports(on_ready=lambda: self._wake("report"))
-        self.handovers = Handovers()
-        self.outbox = Outbox(node_max_items=config.outbox_max_items, node_max_bytes=config.outbox_max_bytes)
-        self.relay = Relay(
-            self.outbox,
-            self.client,
-            target=self._relay_target,
-            on_stale=self._relay_stale,
-            on_unauthorized=self._need_register_set,
+        client.on_stale_agent = self._superseded
+        node_log = log.bind(node=config.name)
+        self.state = state = AgentState(
+            config=config,
+            instance=uuid.uuid4().hex,
+            log=node_log,
+            client=client,
+            gpu_source=gpus or gpu_source(config.virtual_gpus, config.name),
+            outbox=Outbox(node_max_items=config.outbox_max_items, node_max_bytes=config.outbox_max_bytes),
+            # A part whose ranks all initialised reports it at once: the recovery's rendezvous phase
+            # ends there, and the control plane closes the recovery at the first step (which may
+            # come from another node's report within a moment).
+            reports=LocalReports(on_ready=lambda: state.wake("report")),
+            handovers=Handovers(),
+            orphans=OrphanSweeper(grace_s=config.stop_grace_s, log=node_log),
+            stop_event=stop,
         )
-        self.slots = SlotRelay(self.client, target=self._relay_target, on_stale=self._relay_stale,
-                               on_unauthorized=self._need_register_set)
-        self._gpu_source = gpus or gpu_source(config.virtual_gpus, config.name)
-        self.gpus: list[GpuInfo] = []
-        self.node_id: str | None = None
-        self.registered = threading.Event()
-        self._need_register = threading.Event()
-        self._need_register.set()
-        self._register_failures = 0
-        self._refused_reports: dict[str, AttemptStatusReport] = {}
-        """attempt id -> the status report the control plane refused (4xx): not sent again as is."""
-        self._heartbeat_interval_s = 1.0
-        self._seq = 0
-        self._runs: dict[str, AttemptRun] = {}
-        self._known: set[str] = set()
-        self._pending: dict[str, PendingLaunch] = {}
-        """Specs whose GPUs a live part of this node still holds: started once it is gone."""
-        # Spec versions this agent holds (reported in each heartbeat, so unchanged specs are not
-        # resent) and the storage access of the registration (LaunchSpec.storage has the prefix);
-        # never a credential: workers get presigned URLs through _storage_grants.
-        self._versions: dict[str, str] = {}
-        self._storage: dict[str, object] = {}
-        self._runs_lock = threading.Lock()
-        # Answers come from two loops (heartbeat, long poll): applied one at a time, and an answer
-        # never stops an attempt launched after its request left (_reconcile).
-        self._reconcile_lock = threading.Lock()
-        self._launched_at: dict[str, float] = {}
-        self._api: LocalApi | None = None
-        self.memory: MemoryTier | None = None
-        """The in-memory checkpoint tier (memtier/tier.py); None when off (memory_tier_mb 0) or its port
-        could not be bound."""
-        self.memory_port: int | None = None
-        self._peer_server: PeerServer | None = None
-        self._parts: Parts | None = None
-        self.isolation: Isolation | None = None
-        self._node: NodeContext | None = None
-        self._standbys: StandbyPool | None = None
-        self._supervise_wakeups: SuperviseWakeups | None = None
-        self._threads: dict[str, threading.Thread] = {}
+        self.desired = DesiredState(state)
+        self.supervision = SuperviseLoop(state, launch_pending=self.desired.launch_pending)
+        self.heartbeat = HeartbeatLoop(state, self.desired, sweep_orphans=self.supervision.sweep_orphans)
+        self.reporting = ReportLoop(state)
+        self.relaying = RelayLoop(state)
         self._loops: dict[str, Callable[[], float]] = {
-            "heartbeat": self._heartbeat_step,
-            "supervise": self._supervise_step,
-            "report": self._report_step,
-            "relay": self._relay_step,
-            "wait": self._wait_step,
+            "heartbeat": self.heartbeat.step,
+            "wait": self.desired.step,
+            "supervise": self.supervision.step,
+            "report": self.reporting.step,
+            "relay": self.relaying.step,
         }
-        self._heartbeat_done = threading.Event()  # set after each answered heartbeat
-        self._wakes = {name: threading.Event() for name in self._loops}
+        assert set(self._loops) == set(LOOPS) == set(state.wakes)
+        self._peer_server: PeerServer | None = None
+        self._threads: dict[str, threading.Thread] = {}
         self._lifecycle = threading.Lock()
         self._started = False
         self._stopped = False
+
+    @property
+    def config(self) -> AgentConfig:
+        return self.state.config
+
+    @property
+    def log(self) -> Any:
+        return self.state.log
+
+    @property
+    def superseded(self) -> str | None:
+        """Why this agent stopped: another instance registered as this node (409 stale-agent)."""
+        return self.state.superseded
+
+    def runs(self) -> list[AttemptRun]:
+        return self.state.runs()
+
+    def run(self, attempt_id: str) -> AttemptRun | None:
+        return self.state.run(attempt_id)
 
     # --- lifecycle ---
 
     def local_api_socket(self, attempt_id: str) -> str | None:
         """The local API's socket of one attempt part this agent serves (TRAINYARD_AGENT_SOCKET)."""
-        path = None if self._api is None else self._api.socket_of(attempt_id)
+        state = self.state
+        path = None if state.api is None else state.api.socket_of(attempt_id)
         return None if path is None else str(path)
 
     def start(self) -> None:
@@ -171,15 +156,16 @@ class Agent(HeartbeatLoop, ReportLoop):
         API sockets again), start the loops. Returns at once: registration happens in the
         background, retried until it succeeds. Raises IsolationError when the configured isolation
         cannot be had."""
+        state = self.state
         with self._lifecycle:
             if self._started or self._stopped:
                 return
             self._started = True
         config = self.config
-        self.gpus = self._gpu_source.discover()
-        self.isolation, notes = Isolation.configure(
+        state.gpus = state.gpu_source.discover()
+        state.isolation, notes = Isolation.configure(
             config.worker_uids, config.runtime_dir, use_cgroups=config.cgroups, cwd=os.getcwd(),
-            limits=config.limits, gpus=len(self.gpus), work_dir=config.workers_dir,
+            limits=config.limits, gpus=len(state.gpus), work_dir=config.workers_dir,
         )
         for note in notes:
             self.log.info("isolation", detail=note)
@@ -187,11 +173,11 @@ class Agent(HeartbeatLoop, ReportLoop):
         private_dir(config.work_dir, 0o711)
         private_dir(config.workers_dir, 0o711)
         self._start_memory_tier()
-        self._api = LocalApi(self.reports, self.outbox, grants=self._storage_grants, slots=self.slots,
-                             memory=self.memory, handovers=self.handovers)
-        self._parts = Parts(config, self._api, self.isolation, self.log)
-        if self.isolation.isolated:
-            for what, directory in (("--worker-root", config.workers_dir), ("--run-dir", self._parts.sockets_dir)):
+        state.api = LocalApi(state.reports, state.outbox, grants=self.relaying.storage_grants,
+                             slots=self.relaying.slots, memory=state.memory, handovers=state.handovers)
+        state.parts = Parts(config, state.api, state.isolation, self.log)
+        if state.isolation.isolated:
+            for what, directory in (("--worker-root", config.workers_dir), ("--run-dir", state.parts.sockets_dir)):
                 blocked = reachable_by_others(directory)
                 if blocked is not None:
                     raise IsolationError(
@@ -206,10 +192,10 @@ class Agent(HeartbeatLoop, ReportLoop):
                 "can read the agent's environment and files and signal other jobs' processes; "
                 "configure a worker uid pool (docs/security.md)",
             )
-        self._node = NodeContext(
+        state.node = NodeContext(
             local_addr=config.address,
             agent_url=BASE_URL,
-            virtual=self._gpu_source.virtual,
+            virtual=state.gpu_source.virtual,
             join_timeout_s=config.rdzv_join_timeout_s,
             shutdown_timeout_s=math.ceil(config.stop_grace_s),
             node_name=config.name,
@@ -217,14 +203,14 @@ class Agent(HeartbeatLoop, ReportLoop):
             allowed_pythons=tuple(str(p) for p in config.allowed_pythons),
         )
         if config.standbys:
-            self._standbys = self._standby_pool(self._node)
-            self._node = dataclasses.replace(self._node, standby_dir=str(self._standbys.directory))
-        self._adopt_existing()
-        self._supervise_wakeups = SuperviseWakeups(lambda: self._wake("supervise"))
+            state.standbys = self._standby_pool(state.node)
+            state.node = dataclasses.replace(state.node, standby_dir=str(state.standbys.directory))
+        self.supervision.adopt_existing()
+        state.supervise_wakeups = SuperviseWakeups(lambda: state.wake("supervise"))
         if self.config.control_plane_url.startswith("http://"):
             self.log.warning("control_plane_not_https", url=self.config.control_plane_url,
                              risk="the join token and node credentials cross the network unencrypted")
-        self.log.info("agent_started", gpus=len(self.gpus), instance=self.instance)
+        self.log.info("agent_started", gpus=len(state.gpus), instance=state.instance)
         for name in self._loops:
             self._start_loop(name)
         self._threads["monitor"] = threading.Thread(target=self._monitor, name="agent-monitor", daemon=True)
@@ -234,8 +220,9 @@ class Agent(HeartbeatLoop, ReportLoop):
         """The warm standbys of ``--standbys`` (node_agent/ranks/standby.py). Without cgroups or a uid pool
         the agent finds an attempt's processes by the variables they started with, which a standby
         (started before the attempt) does not have: refused, rather than workers it cannot see."""
-        assert self.isolation is not None
-        if self.isolation.cgroups is None and self.isolation.pool is None:
+        state = self.state
+        assert state.isolation is not None
+        if state.isolation.cgroups is None and state.isolation.pool is None:
             raise IsolationError(
                 "--standbys needs workers tracked by cgroup v2 or by uid (--worker-uids): without either the "
                 "agent could not find the processes of an attempt whose ranks run in standbys"
@@ -248,11 +235,11 @@ class Agent(HeartbeatLoop, ReportLoop):
             # A standby could not bind its socket: it would die at once and the pool turn itself off.
             raise IsolationError(f"standby sockets under {directory} would be up to {longest} bytes, over the "
                                  f"{MAX_SOCKET_PATH} a unix socket path may have: use a shorter --run-dir")
-        if self.isolation.isolated and reachable_by_others(directory.parent) is not None:
+        if state.isolation.isolated and reachable_by_others(directory.parent) is not None:
             raise IsolationError(f"worker uids cannot reach {directory}: choose a --run-dir every worker uid can reach")
         pool = StandbyPool(
             size=self.config.standbys, directory=directory, python=node.python, env=standby_env(node), cwd="/",
-            uids=self.config.worker_uids, cgroup_base=self.isolation.cgroups.base if self.isolation.cgroups else None,
+            uids=self.config.worker_uids, cgroup_base=state.isolation.cgroups.base if state.isolation.cgroups else None,
             log=self.log,
         )
         self.log.info("standbys", count=pool.size, directory=str(directory))
@@ -262,43 +249,45 @@ class Agent(HeartbeatLoop, ReportLoop):
         """Stop the loops, then (unless keep_workers_on_exit) the workers: SIGTERM, SIGKILL after
         stop_grace_s, SIGKILL for everything left at `timeout`. Tells the control plane nothing:
         it learns from the missing heartbeats. Idempotent."""
+        state = self.state
         with self._lifecycle:
             if self._stopped:
                 return
             self._stopped = True
         deadline = time.monotonic() + (self.config.stop_grace_s + 10.0 if timeout is None else timeout)
-        with self._runs_lock:  # after this, the heartbeat loop launches nothing more
-            self._stop_event.set()
-        self._wake(*self._loops)
-        self.outbox.wake()
+        with state.runs_lock:  # after this, the heartbeat loop launches nothing more
+            state.stop_event.set()
+        state.wake(*self._loops)
+        state.outbox.wake()
         for thread in self._threads.values():
             # An in-flight request may hold a loop for up to http_timeout_s; its thread is a daemon.
             thread.join(max(0.0, min(1.0, deadline - time.monotonic())))
-        if not self.config.keep_workers_on_exit or self.superseded is not None:
+        if not self.config.keep_workers_on_exit or state.superseded is not None:
             # A superseded agent's workers belong to no one the control plane trusts: stop them.
-            self._stop_all_workers(deadline)
-        lost = self.outbox.close()  # releases workers waiting on a shard
+            self.supervision.stop_all_workers(deadline)
+        lost = state.outbox.close()  # releases workers waiting on a shard
         if lost:
             self.log.warning("outbox_items_lost_at_shutdown", items=lost)
-        if self._api is not None:
-            self._api.stop()
-        if self._supervise_wakeups is not None:
-            self._supervise_wakeups.close()
-        if self._standbys is not None:
-            self._standbys.close()  # the idle ones; those ranks took are their attempts' processes
+        if state.api is not None:
+            state.api.stop()
+        if state.supervise_wakeups is not None:
+            state.supervise_wakeups.close()
+        if state.standbys is not None:
+            state.standbys.close()  # the idle ones; those ranks took are their attempts' processes
         if self._peer_server is not None:
             self._peer_server.stop()
-        if self.memory is not None:
-            self.memory.stop()
-        for run in self.runs():
+        if state.memory is not None:
+            state.memory.stop()
+        for run in state.runs():
             if run.confinement.lease is not None:
                 run.confinement.lease.close()  # as at exit: the next instance claims the uids of what it adopts
-        self.client.close()
+        state.client.close()
         self.log.info("agent_stopped")
 
     def _start_memory_tier(self) -> None:
         """Serve the in-memory checkpoint tier to peers at address:memory_port. A port that cannot be
         bound leaves the tier off (logged): it only ever makes restores faster."""
+        state = self.state
         config = self.config
         if config.memory_tier_mb <= 0:
             return
@@ -319,19 +308,20 @@ class Agent(HeartbeatLoop, ReportLoop):
             self.log.error("memory_tier_off", reason=f"cannot serve peers at {config.address}:{config.memory_port}: "
                            f"{exc}")
             return
-        self.memory, self.memory_port = tier, self._peer_server.port
-        self.log.info("memory_tier_on", budget_mb=config.memory_tier_mb, port=self.memory_port, tls=tls is not None)
+        state.memory, state.memory_port = tier, self._peer_server.port
+        self.log.info("memory_tier_on", budget_mb=config.memory_tier_mb, port=state.memory_port, tls=tls is not None)
 
     def _superseded(self, exc: Exception) -> None:
         """Another agent instance registered as this node: the newer one wins. Stop launching, stop
         the workers and exit; never register again (two agents would take the node in turns)."""
+        state = self.state
         with self._lifecycle:
-            if self.superseded is not None or self._stopped:
+            if state.superseded is not None or self._stopped:
                 return
-            self.superseded = str(exc)
-        self.log.error("agent_superseded_stopping", reason=str(exc), instance=self.instance, epoch=self.epoch)
-        with self._runs_lock:
-            self._stop_event.set()  # nothing more is launched
+            state.superseded = str(exc)
+        self.log.error("agent_superseded_stopping", reason=str(exc), instance=state.instance, epoch=state.epoch)
+        with state.runs_lock:
+            state.stop_event.set()  # nothing more is launched
         threading.Thread(target=self.stop, name="agent-superseded-stop", daemon=True).start()
 
     def _start_loop(self, name: str) -> None:
@@ -340,9 +330,10 @@ class Agent(HeartbeatLoop, ReportLoop):
         thread.start()
 
     def _run_loop(self, name: str) -> None:
+        state = self.state
         step = self._loops[name]
         failures = 0
-        while not self._stop_event.is_set():
+        while not state.stop_event.is_set():
             try:
                 wait = step()
                 failures = 0
@@ -350,23 +341,17 @@ class Agent(HeartbeatLoop, ReportLoop):
                 failures += 1
                 self.log.exception("loop_failed", loop=name, failures=failures)
                 wait = min(30.0, 0.5 * 2 ** min(failures, 6))
-            wake = self._wakes[name]
+            wake = state.wakes[name]
             wake.wait(wait)  # stop() sets every wake event too
             wake.clear()
 
     def _monitor(self) -> None:
-        while not self._stop_event.wait(1.0):
+        state = self.state
+        while not state.stop_event.wait(1.0):
             for name in self._loops:
-                if not self._threads[name].is_alive() and not self._stop_event.is_set():
+                if not self._threads[name].is_alive() and not state.stop_event.is_set():
                     self.log.error("loop_died_restarting", loop=name)
                     self._start_loop(name)
-
-    # --- supervise loop ---
-
-    # --- relay loop ---
-
-
-
 
 
 def run_agent(config: AgentConfig) -> None:

@@ -142,9 +142,9 @@ def test_an_agent_with_another_ca_never_registers(https_server: Server, tmp_path
     try:
         for agent in agents.values():
             agent.start()
-        assert agents["right-ca"].registered.wait(30)
-        wait_for(lambda: agents["wrong-ca"]._register_failures >= 2, 30, what="two refused registrations")
-        assert not agents["wrong-ca"].registered.is_set()
+        assert agents["right-ca"].state.registered.wait(30)
+        wait_for(lambda: agents["wrong-ca"].heartbeat._register_failures >= 2, 30, what="two refused registrations")
+        assert not agents["wrong-ca"].state.registered.is_set()
     finally:
         for agent in agents.values():
             agent.stop(timeout=5)
@@ -238,11 +238,12 @@ def test_an_agent_with_a_node_certificate_serves_its_memory_port_over_tls(
     agent = Agent(AgentConfig(**base, memory_tls_cert=node.cert_file, memory_tls_key=node.key_file))  # type: ignore[arg-type]
     try:
         agent.start()
-        assert agent.registered.wait(30) and agent.memory_port is not None
-        assert agent.memory is not None and agent.memory.require_tls
+        assert agent.state.registered.wait(30) and agent.state.memory_port is not None
+        assert agent.state.memory is not None and agent.state.memory.require_tls
         # Its port accepts the grants the control plane derives from its credential (issue 23, finding 9).
-        assert agent.client.node_token and agent.memory.grant_key == memory_grant_key(agent.client.node_token)
-        with socket.create_connection(("127.0.0.2", agent.memory_port), timeout=5) as raw, \
+        token = agent.state.client.node_token
+        assert token and agent.state.memory.grant_key == memory_grant_key(token)
+        with socket.create_connection(("127.0.0.2", agent.state.memory_port), timeout=5) as raw, \
                 client_context(https_server.ca_file).wrap_socket(raw, server_hostname="127.0.0.2") as tls:
             assert tls.version() is not None  # the cluster's CA vouches for the node's certificate
         # Registered as such: its peers are handed an https:// URL (services/checkpoints/memtier.py).
@@ -250,7 +251,7 @@ def test_an_agent_with_a_node_certificate_serves_its_memory_port_over_tls(
         try:
             with engine.connect() as conn:
                 row = conn.execute(sqlalchemy.text("SELECT memory_port, memory_tls FROM nodes WHERE name = 'tls-node'"))
-                assert tuple(row.one()) == (agent.memory_port, True)
+                assert tuple(row.one()) == (agent.state.memory_port, True)
         finally:
             engine.dispose()
     finally:
@@ -263,11 +264,13 @@ def test_without_a_node_certificate_the_memory_port_is_plain_http_only_when_the_
             "virtual_gpus": 1, "work_dir": tmp_path / "agent", "memory_tier_mb": 1}
     off = Agent(AgentConfig(**base))  # type: ignore[arg-type]
     off._start_memory_tier()
-    assert off.memory is None and off.memory_port is None  # registered without a memory port: no peer for anyone
+    # Registered without a memory port: no peer for anyone.
+    assert off.state.memory is None and off.state.memory_port is None
     plain = Agent(AgentConfig(**base, memory_plain_http=True))  # type: ignore[arg-type]
     plain._start_memory_tier()
     try:
-        assert plain.memory is not None and plain.memory_port is not None and not plain.memory.require_tls
+        memory = plain.state.memory
+        assert memory is not None and plain.state.memory_port is not None and not memory.require_tls
     finally:
         assert plain._peer_server is not None
         plain._peer_server.stop()

@@ -1,11 +1,13 @@
 """The agent's report and relay loops, and the storage grants it forwards for workers.
 
-- report: send each attempt's status when it changes (and every status_interval_s), ship new log
-  bytes, and send the final status and last bytes after the end until acknowledged. The final
-  status waits until the attempt's queued shards and events are delivered: a checkpoint reported
-  just before the exit reaches the control plane before the attempt is seen to end.
-- relay: forward the checkpoint shards and events workers post to the local API, in order, as
-  soon as they are queued (relay.py).
+- report (``ReportLoop``): send each attempt's status when it changes (and every
+  status_interval_s), ship new log bytes, and send the final status and last bytes after the end
+  until acknowledged. The final status waits until the attempt's queued shards and events are
+  delivered: a checkpoint reported just before the exit reaches the control plane before the
+  attempt is seen to end.
+- relay (``RelayLoop``): forward the checkpoint shards, events and upload-slot requests workers
+  post to the local API, in order, as soon as they are queued (link/relay.py, link/upload_slots.py),
+  and their requests for storage grants.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from node_agent.link.client import (
     StaleAttempt,
     Unauthorized,
 )
-from node_agent.loops.state import AgentCore
+from node_agent.link.relay import Relay
+from node_agent.link.upload_slots import SlotRelay
+from node_agent.loops.state import AgentState
 from node_agent.part.attempt import AttemptRun
 from trainyard.protocol.agent import (
     AttemptStatusReport,
@@ -33,74 +37,58 @@ _REPORT_INTERVAL_S = 0.5
 _LOG_BATCHES_PER_ROUND = 4
 _FINAL_STATES = (NodeAttemptState.exited, NodeAttemptState.stopped)
 
-STALE_PARKED_GRACE_S = 5.0
-"""How long a parked part whose attempt turned stale waits for the spec that takes it over (with two
-heartbeat intervals more: the long poll brings it within milliseconds, a heartbeat within one)."""
 
+class ReportLoop:
+    def __init__(self, state: AgentState) -> None:
+        self.state = state
 
-class ReportLoop(AgentCore):
-    def _report_step(self) -> float:
-        if self._need_register.is_set() or self.client.node_token is None:
+    def step(self) -> float:
+        """One pass of the loop over every part; the seconds until the next."""
+        state = self.state
+        if state.need_register.is_set() or state.client.node_token is None:
             return _REPORT_INTERVAL_S
-        for run in self.runs():
+        for run in state.runs():
             if run.stale or run.done:
                 continue
             try:
                 self._report_status(run)
-                if not run.stale and not self._need_register.is_set():
+                if not run.stale and not state.need_register.is_set():
                     self._ship_logs(run)
             except Exception:
                 # One attempt's bad report (a value its worker sent that cannot be encoded, say) must
                 # never stop the reports of the others; it is tried again next round.
                 run.log.exception("report_failed")
-                run.next_try_at = time.monotonic() + self.config.status_interval_s
+                run.next_try_at = time.monotonic() + state.config.status_interval_s
         return _REPORT_INTERVAL_S
 
-    def _fenced_off(self, run: AttemptRun, exc: StaleAttempt) -> None:
-        run.log.warning("attempt_stale", error=str(exc))
-        run.stale = True
-        self.reports.unregister(run.attempt_id)
-        self._refused_reports.pop(run.attempt_id, None)
-        dropped = self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, f"stale attempt: {exc}")
-        if dropped:
-            run.log.warning("outbox_dropped_stale", items=dropped)
-        if run.parked and self.handovers.parked(run.attempt_id):
-            # The job's next attempt exists. It took this part over (its spec may reach this agent a
-            # moment after this answer: stopping now would kill the workers just handed over), or it
-            # runs elsewhere: then the handover timeout, cut short here, stops the part.
-            self.handovers.shorten(run.attempt_id, STALE_PARKED_GRACE_S + 2 * self._heartbeat_interval_s)
-            self._wake("heartbeat")
-            return
-        run.request_stop("stale: the control plane fenced this attempt off")
-        self._wake("supervise")
-
     def _report_status(self, run: AttemptRun) -> None:
+        state = self.state
         now = time.monotonic()
         finished = run.finished  # before the report: a final report must describe a finished run
         if finished and run.final_acked:
             return
-        report = run.report(*self.reports.snapshot(run.attempt_id), self.reports.rank_summary(run.attempt_id))
+        report = run.report(*state.reports.snapshot(run.attempt_id), state.reports.rank_summary(run.attempt_id))
         report = self._with_timings(run, report, now)
-        if finished and run.attempt_id not in self.orphans.alive:
+        if finished and run.attempt_id not in state.orphans.alive:
             # The process table has nothing of it left: the control plane releases its GPUs on this
             # report, a heartbeat sooner than the one that stops listing it.
             report = report.model_copy(update={"processes_alive": False})
-        if report.state in _FINAL_STATES and self.outbox.pending(run.attempt_id):
+        if report.state in _FINAL_STATES and state.outbox.pending(run.attempt_id):
             return  # the relay delivers the attempt's last shards and events first
         # The rank summary rides on the periodic report (its silences change at every look): a
         # 128-node job would otherwise send a report per node per step.
         due = (_without_ranks(report) != _without_ranks(run.last_report)
-               or now - run.last_sent_at >= self.config.status_interval_s)
-        refused = self._refused_reports.get(run.attempt_id)
+               or now - run.last_sent_at >= state.config.status_interval_s)
+        refused = state.refused_reports.get(run.attempt_id)
         if not due or now < run.next_try_at or _without_ranks(refused) == _without_ranks(report):
             return
         try:
-            ack = self.client.report_status(run.attempt_id, report)
+            ack = state.client.report_status(run.attempt_id, report)
         except StaleAttempt as exc:
-            self._fenced_off(run, exc)
+            state.fence_off(run, exc)
             return
         except Unauthorized:
-            self._need_register.set()
+            state.need_register.set()
             return
         except RequestRejected as exc:
             if finished:
@@ -108,39 +96,40 @@ class ReportLoop(AgentCore):
                 # attempt stops being listed as pending and the control plane decides without it.
                 run.log.error("final_status_rejected", error=str(exc))
                 run.mark_final_acked()
-                self._wake("heartbeat")  # its GPUs are released by the heartbeat that no longer lists it
+                state.wake("heartbeat")  # its GPUs are released by the heartbeat that no longer lists it
                 return
             # Refused for what it says (a 4xx other than fencing): the same report would be refused
             # forever. Dropped, said once in the log; the next report that differs goes out.
             run.log.error("status_report_dropped", error=str(exc))
             if report.state == NodeAttemptState.parked and run.parked:
-                self._unpark(run, f"the control plane refused the park: {exc}")  # nobody will take it over
-            self._refused_reports[run.attempt_id] = report
+                state.unpark(run, f"the control plane refused the park: {exc}")  # nobody will take it over
+            state.refused_reports[run.attempt_id] = report
             run.last_report, run.last_sent_at = report, now
             return
         except ControlPlaneUnavailable as exc:
             run.log.warning("status_report_failed", error=str(exc))
-            run.next_try_at = now + min(self.config.status_interval_s, 2.0)
+            run.next_try_at = now + min(state.config.status_interval_s, 2.0)
             return
         run.last_report, run.last_sent_at = report, now
-        self.reports.set_checkpoint_interval(run.attempt_id, ack.checkpoint_interval_steps)
+        state.reports.set_checkpoint_interval(run.attempt_id, ack.checkpoint_interval_steps)
         if finished:
             run.mark_final_acked()
             if not ack.released:
-                self._wake("heartbeat")  # an older control plane: the heartbeat confirms the release
+                state.wake("heartbeat")  # an older control plane: the heartbeat confirms the release
         elif ack.stop:
-            self._stop_or_park(run, "the control plane asked", handover_ok=ack.handover_ok)
+            state.stop_or_park(run, "the control plane asked", handover_ok=ack.handover_ok)
 
     def _with_timings(self, run: AttemptRun, report: AttemptStatusReport, now: float) -> AttemptStatusReport:
         """The part's received and initialised instants, as ages at ``now`` by this agent's monotonic
         clock (the control plane puts them on its own clock: this node's wall clock may be off)."""
-        initialized = self.reports.initialized_at(run.attempt_id, run.spec.nproc_per_node)
+        initialized = self.state.reports.initialized_at(run.attempt_id, run.spec.nproc_per_node)
         return report.model_copy(update={
             "received_s_ago": None if run.received_at is None else round(max(0.0, now - run.received_at), 4),
             "initialized_s_ago": None if initialized is None else round(max(0.0, now - initialized), 4),
         })
 
     def _ship_logs(self, run: AttemptRun) -> None:
+        state = self.state
         final = run.finished
         for _ in range(_LOG_BATCHES_PER_ROUND):  # bounded, so one chatty attempt starves no other
             batch = run.tailer.next_batch(final=final)
@@ -154,12 +143,12 @@ class ReportLoop(AgentCore):
                 chunks=[pending.chunk for pending in batch],
             )
             try:
-                self.client.send_logs(run.attempt_id, body)
+                state.client.send_logs(run.attempt_id, body)
             except StaleAttempt as exc:
-                self._fenced_off(run, exc)
+                state.fence_off(run, exc)
                 return
             except Unauthorized:
-                self._need_register.set()
+                state.need_register.set()
                 return
             except ControlPlaneUnavailable as exc:
                 run.log.warning("log_shipping_failed", error=str(exc))
@@ -169,22 +158,36 @@ class ReportLoop(AgentCore):
                 run.log.error("log_batch_dropped", error=str(exc), chunks=len(batch))
             run.tailer.acknowledge(batch)
 
-    def _relay_step(self) -> float:
-        if self._need_register.is_set() or self.client.node_token is None:
+class RelayLoop:
+    def __init__(self, state: AgentState) -> None:
+        self.state = state
+        self.relay = Relay(state.outbox, state.client, target=self.target, on_stale=self.stale,
+                           on_unauthorized=state.need_register.set)
+        """Shards and events, in order (link/relay.py)."""
+        self.slots = SlotRelay(state.client, target=self.target, on_stale=self.stale,
+                               on_unauthorized=state.need_register.set)
+        """Upload-slot requests (link/upload_slots.py), which the local API forwards at once."""
+
+    def step(self) -> float:
+        """One pass of the loop: forward what is queued; the seconds until the next."""
+        state = self.state
+        if state.need_register.is_set() or state.client.node_token is None:
             return _REPORT_INTERVAL_S  # items stay queued
         # Sleeps on the outbox rather than the stop event, so that a new item goes out at once.
-        self.outbox.wait(self.relay.step())
+        state.outbox.wait(self.relay.step())
         return 0.0
 
-    def _relay_target(self, attempt_id: str) -> tuple[str, int] | None:
-        run = self.run(attempt_id)
+    def target(self, attempt_id: str) -> tuple[str, int] | None:
+        """Whom a relayed request about ``attempt_id`` speaks for: its fencing token and node rank."""
+        run = self.state.run(attempt_id)
         if run is None or run.stale:
             return None
         return run.spec.fencing_token, run.spec.node_rank
 
-    def _relay_stale(self, attempt_id: str, exc: StaleAttempt) -> None:
+    def stale(self, attempt_id: str, exc: StaleAttempt) -> None:
         """A worker's relayed request (a shard, an event, an upload slot) was refused as stale."""
-        run = self.run(attempt_id)
+        state = self.state
+        run = state.run(attempt_id)
         if run is None or run.stale:
             return
         if not run.parked and run.parkable():
@@ -195,31 +198,33 @@ class ReportLoop(AgentCore):
             # report itself fences it off as before).
             run.log.info("relay_refused_stale_asking_for_stop", error=str(exc))
             run.last_sent_at = run.next_try_at = float("-inf")
-            self._wake("report")
-            self._wake("heartbeat")
+            state.wake("report")
+            state.wake("heartbeat")
             return
-        self._fenced_off(run, exc)
+        state.fence_off(run, exc)
 
-    def _storage_grants(self, attempt_id: str, body: LocalStorageRequest) -> tuple[HTTPStatus, dict[str, Any]]:
+    def storage_grants(self, attempt_id: str, body: LocalStorageRequest) -> tuple[HTTPStatus, dict[str, Any]]:
         """Forward a worker's request for presigned checkpoint URLs (trainyard/protocol/grants.py)
         with this node's credential and the attempt's node rank; the control plane's answer."""
-        run = self.run(attempt_id)
+        state = self.state
+        run = state.run(attempt_id)
         if run is None or run.stale:
             return HTTPStatus.CONFLICT, {"detail": f"attempt {attempt_id} is not running here"}
         request = StorageRequest(**body.model_dump(), node_rank=run.spec.node_rank)
         try:
-            grants = self.client.storage_grants(attempt_id, request)
+            grants = state.client.storage_grants(attempt_id, request)
         except StaleAttempt as exc:
             return HTTPStatus.CONFLICT, {"detail": str(exc), "type": exc.problem_type}
         except RequestRejected as exc:  # 403, 404, 422: the worker's to know; a garbled answer: 502
             status = exc.status if exc.status is not None and 400 <= exc.status < 500 else HTTPStatus.BAD_GATEWAY
             return HTTPStatus(status), {"detail": str(exc), "type": exc.problem_type}
         except Unauthorized:
-            self._need_register.set()
+            state.need_register.set()
             return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "the agent is registering again; retry"}
         except ControlPlaneUnavailable as exc:
             return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": f"the control plane is unreachable: {exc}"}
         return HTTPStatus.OK, grants.model_dump(mode="json")
+
 
 def _without_ranks(report: AttemptStatusReport | None) -> AttemptStatusReport | None:
     """What makes a report new: not its rank summary, nor its ages (which grow at every look), only

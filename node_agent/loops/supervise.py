@@ -1,60 +1,99 @@
-"""The agent's supervision of its runs: look at local processes and rank files, escalate stops
-from SIGTERM to SIGKILL, sweep this node's orphaned processes, adopt the attempts an earlier
-instance left in the work dir, and stop every worker at shutdown."""
+"""The supervise loop: look at local processes and rank files, escalate stops from SIGTERM to
+SIGKILL, sweep this node's orphaned processes; and, for the agent's lifecycle, adopt the parts an
+earlier instance left in the work dir and stop every worker at shutdown."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 
 from node_agent.confinement import processes
-from node_agent.loops.state import AgentCore
+from node_agent.loops.state import AgentState
 from node_agent.part.attempt import AttemptRun
 
 _ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned workers of its node
 
-class SuperviseLoop(AgentCore):
-    def _launch_pending(self) -> None:
-        """Start the specs kept pending while a live part held their GPUs (agent_desired.DesiredState,
-        the mixin that owns them; Agent combines both)."""
-        raise NotImplementedError
-    def _adopt_existing(self) -> None:
-        assert self._parts is not None
-        seen, runs = self._parts.adopt_all()
-        self._known |= seen  # whatever their state: never launched again
+
+class SuperviseLoop:
+    def __init__(self, state: AgentState, *, launch_pending: Callable[[], None]) -> None:
+        self.state = state
+        self.launch_pending = launch_pending
+        """Start the parts held while a live part had their GPUs (the desired state's,
+        loops/desired.py): after a pass, some may be free."""
+        self._next_orphan_scan = 0.0
+
+    def step(self) -> float:
+        """One pass of the loop; the seconds until the next."""
+        state = self.state
+        runs = state.runs()
         for run in runs:
-            self._runs[run.attempt_id] = run
+            run.enforce_limits()  # before the scan below, which a part's fork bomb slows down
+        scan_orphans = bool(state.orphans.alive) or time.monotonic() >= self._next_orphan_scan
+        table = processes.scan() if runs or scan_orphans else None  # one scan of the process table for all
+        if table is not None:
+            self.sweep_orphans(table)
+            self._next_orphan_scan = time.monotonic() + _ORPHAN_SCAN_S
+        timeout_s = state.config.handover_timeout_s
+        for attempt_id in state.handovers.expired():
+            parked = state.run(attempt_id)
+            if parked is not None and parked.parked:
+                state.unpark(parked, f"not taken over within {timeout_s:g}s: the next attempt starts it cold")
+            else:
+                state.handovers.give_up(attempt_id, f"not taken over within {timeout_s:g}s")
+        for run in runs:
+            try:
+                self._supervise(run, table)
+            except Exception:  # one attempt's trouble must not stop the others being supervised
+                run.log.exception("supervise_failed")
+        if state.pending:
+            self.launch_pending()  # a part whose GPUs a run held that is gone now
+        if state.standbys is not None and not state.stop_event.is_set():
+            state.standbys.refill()  # a fresh standby for each that a rank took
+        return state.config.poll_interval_s
+
+    def adopt_existing(self) -> None:
+        """Take back the parts an earlier instance left in the work dir (part/parts.py)."""
+        state = self.state
+        assert state.parts is not None
+        seen, runs = state.parts.adopt_all()
+        state.known |= seen  # whatever their state: never launched again
+        for run in runs:
+            state.by_id[run.attempt_id] = run
             if run.spec.restartable:
-                self.handovers.register(run.attempt_id, run.spec.fencing_token, node_rank=run.spec.node_rank,
-                                        nproc=run.spec.nproc_per_node)
+                state.handovers.register(run.attempt_id, run.spec.fencing_token, node_rank=run.spec.node_rank,
+                                         nproc=run.spec.nproc_per_node)
                 if run.parked and run.parked_until is not None:
                     # Parked by the previous instance: the same deadline (the supervise loop stops it
                     # at once if it passed), never a fresh one.
-                    self.handovers.park(run.attempt_id, max(0.0, run.parked_until - time.time()))
+                    state.handovers.park(run.attempt_id, max(0.0, run.parked_until - time.time()))
             if run.spec.version:
-                self._versions[run.attempt_id] = run.spec.version
-            self.reports.register(run.attempt_id, run.spec.fencing_token)
+                state.versions[run.attempt_id] = run.spec.version
+            state.reports.register(run.attempt_id, run.spec.fencing_token)
 
-    def _sweep_orphans(self, table: processes.ProcessTable) -> None:
+    def sweep_orphans(self, table: processes.ProcessTable) -> None:
         """Stop this node's processes that no attempt of this instance owns (node_agent/ranks/orphans.py);
         their attempts are never launched by this instance."""
-        # Listed before the owned attempts are read: a launch makes its cgroup and joins _runs under
-        # the lock, so every cgroup listed here belongs to an attempt that is in _runs by then.
-        tree = self.isolation.cgroups if self.isolation is not None else None
-        cgroups = tree.parts(self.node_id) if tree is not None and self.node_id is not None else None
-        with self._runs_lock:  # after the scan: a launch that the scan saw is in _runs by now
-            owned = set(self._runs)
+        state = self.state
+        # Listed before the owned attempts are read: a launch makes its cgroup and joins by_id under
+        # the lock, so every cgroup listed here belongs to an attempt that is in by_id by then.
+        tree = state.isolation.cgroups if state.isolation is not None else None
+        cgroups = tree.parts(state.node_id) if tree is not None and state.node_id is not None else None
+        with state.runs_lock:  # after the scan: a launch that the scan saw is in by_id by now
+            owned = set(state.by_id)
             # Processes taken over from a parked part still carry the attempt they started for.
-            owned |= {run.marker[0] for run in self._runs.values() if run.marker is not None}
-        before = self.orphans.alive
-        new = self.orphans.sweep(table, owned, cgroups)
-        with self._runs_lock:
-            self._known |= new
-        if self.orphans.alive != before:
-            self._wake("heartbeat")
+            owned |= {run.marker[0] for run in state.by_id.values() if run.marker is not None}
+        before = state.orphans.alive
+        new = state.orphans.sweep(table, owned, cgroups)
+        with state.runs_lock:
+            state.known |= new
+        if state.orphans.alive != before:
+            state.wake("heartbeat")
 
-    def _stop_all_workers(self, deadline: float) -> None:
-        runs = [run for run in self.runs() if run.alive]
+    def stop_all_workers(self, deadline: float) -> None:
+        """Stop every part's processes: SIGTERM, SIGKILL at ``deadline`` (the agent's shutdown)."""
+        state = self.state
+        runs = [run for run in state.runs() if run.alive]
         for run in runs:
             run.request_stop("agent shutting down")
         while time.monotonic() < deadline:
@@ -62,7 +101,7 @@ class SuperviseLoop(AgentCore):
                 run.poll()
             if not any(run.alive for run in runs):
                 return
-            time.sleep(self.config.poll_interval_s)
+            time.sleep(state.config.poll_interval_s)
         for run in runs:
             run.kill_now()
         end = time.monotonic() + 2.0
@@ -72,40 +111,14 @@ class SuperviseLoop(AgentCore):
                 run.poll()
         left = [run.attempt_id for run in runs if run.alive]
         if left:
-            self.log.error("workers_left_running", attempts=left)
-
-    def _supervise_step(self) -> float:
-        runs = self.runs()
-        for run in runs:
-            run.enforce_limits()  # before the scan below, which a part's fork bomb slows down
-        scan_orphans = bool(self.orphans.alive) or time.monotonic() >= self._next_orphan_scan
-        table = processes.scan() if runs or scan_orphans else None  # one scan of the process table for all
-        if table is not None:
-            self._sweep_orphans(table)
-            self._next_orphan_scan = time.monotonic() + _ORPHAN_SCAN_S
-        for attempt_id in self.handovers.expired():
-            parked = self.run(attempt_id)
-            if parked is not None and parked.parked:
-                self._unpark(parked, f"not taken over within {self.config.handover_timeout_s:g}s: "
-                             "the next attempt starts it cold")
-            else:
-                self.handovers.give_up(attempt_id, f"not taken over within {self.config.handover_timeout_s:g}s")
-        for run in runs:
-            try:
-                self._supervise(run, table)
-            except Exception:  # one attempt's trouble must not stop the others being supervised
-                run.log.exception("supervise_failed")
-        if self._pending:
-            self._launch_pending()  # a part whose GPUs a run held that is gone now
-        if self._standbys is not None and not self._stop_event.is_set():
-            self._standbys.refill()  # a fresh standby for each that a rank took
-        return self.config.poll_interval_s
+            state.log.error("workers_left_running", attempts=left)
 
     def _supervise(self, run: AttemptRun, table: processes.ProcessTable | None) -> None:
+        state = self.state
         before = run.signature()
         run.poll(table)
         after = run.signature()
-        wakeups = self._supervise_wakeups
+        wakeups = state.supervise_wakeups
         if wakeups is not None and run.alive and not run.preparing:
             # The next rank file or exit wakes this loop at once (loops/wake.py).
             wakeups.watch_dir(run.paths.status_dir)
@@ -115,23 +128,23 @@ class SuperviseLoop(AgentCore):
             # once (a failure is decided, or the GPUs are released, a period sooner). When the
             # last process went, the final report (processes_alive false) releases the GPUs; the
             # heartbeat is woken as well only when that report cannot go out now (a fenced-off
-            # run, shards still queued before it) or did not release them (_report_status).
+            # run, shards still queued before it) or did not release them (loops/report.py).
             gone = before[0] and not after[0]
             beat = after[0] != before[0] and (
-                not gone or run.stale or self.outbox.pending(run.attempt_id) > 0)
-            self._wake("report", *(("heartbeat",) if beat else ()))
+                not gone or run.stale or state.outbox.pending(run.attempt_id) > 0)
+            state.wake("report", *(("heartbeat",) if beat else ()))
         if not run.alive and (run.done or run.stale):
             if run.stale:
                 run.mark_done()  # nothing more to tell about a fenced-off attempt
-            with self._runs_lock:
-                self._runs.pop(run.attempt_id, None)
+            with state.runs_lock:
+                state.by_id.pop(run.attempt_id, None)
             if wakeups is not None:
                 wakeups.forget_dir(run.paths.status_dir)
-            self.reports.unregister(run.attempt_id)
-            self.handovers.forget(run.attempt_id)
+            state.reports.unregister(run.attempt_id)
+            state.handovers.forget(run.attempt_id)
             for earlier in run.handed_over_from():
-                self.handovers.forget(earlier)
-            self._refused_reports.pop(run.attempt_id, None)
-            self.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
-            if self._parts is not None:
-                self._parts.finish(run)
+                state.handovers.forget(earlier)
+            state.refused_reports.pop(run.attempt_id, None)
+            state.outbox.drop(run.attempt_id, HTTPStatus.CONFLICT, "the attempt ended")
+            if state.parts is not None:
+                state.parts.finish(run)

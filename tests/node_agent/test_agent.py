@@ -172,7 +172,7 @@ def test_registers_late_control_plane_and_reregisters_after_401(agents: Agents) 
     # The agent starts before its control plane exists: it keeps trying.
     port = free_port()
     agent = agents.start(control_plane_url=f"http://127.0.0.1:{port}")
-    assert not agent.registered.wait(0.5)
+    assert not agent.state.registered.wait(0.5)
     late = FakeControlPlane(port=port).start()
     try:
         wait_for(lambda: late.registrations, what="registration")
@@ -185,7 +185,7 @@ def test_registers_late_control_plane_and_reregisters_after_401(agents: Agents) 
         wait_for(lambda: len(late.registrations) == 2, what="re-registration after 401")
         seq_before = late.last_heartbeat(NODE).seq  # type: ignore[union-attr]
         wait_for(lambda: late.last_heartbeat(NODE).seq > seq_before, what="heartbeats again")  # type: ignore[union-attr]
-        assert agent.node_id == late.node_ids[NODE]
+        assert agent.state.node_id == late.node_ids[NODE]
     finally:
         agent.stop(timeout=5)
         late.stop()
@@ -195,13 +195,13 @@ def test_a_restarted_agent_registers_with_its_kept_credential(agents: Agents, pl
     """Issue 11, finding 2: the join token is for the first registration only (it expires or is
     single-use); the agent keeps its node credential in its work dir, 0600, and uses it after."""
     first = agents.start()
-    wait_for(lambda: first.registered.is_set(), what="registration")
+    wait_for(lambda: first.state.registered.is_set(), what="registration")
     kept = agents.tmp_path / "agent" / credential.CREDENTIAL_FILE
     assert kept.stat().st_mode & 0o777 == 0o600
     assert kept.read_text().strip() in plane.tokens and plane.registered_with == ["join"]
     first.stop(timeout=5)
     second = agents.start(join_token="")  # no join token any more
-    wait_for(lambda: second.registered.is_set(), what="registration with the credential")
+    wait_for(lambda: second.state.registered.is_set(), what="registration with the credential")
     assert plane.registered_with == ["join", "credential"]
     assert kept.read_text().strip() in plane.tokens  # the new credential, kept again
     second.stop(timeout=5)
@@ -267,7 +267,7 @@ def test_unassigned_attempt_is_stopped(agents: Agents, plane: FakeControlPlane) 
     assert len(pids) == 3  # torchrun, shim, worker
     # An answer to a request that left before the attempt arrived (the long poll and the heartbeat
     # are read at different moments) may predate its assignment: its silence stops nothing.
-    agent._reconcile([], [], sent_at=before)
+    agent.desired.reconcile([], [], sent_at=before)
     run = agent.run(spec.attempt_id)
     assert run is not None and not run.stopping and run.alive
     plane.assign(NODE)
@@ -340,8 +340,8 @@ def test_shards_and_events_are_relayed_in_order_across_an_outage(agents: Agents,
     assert wait_for(lambda: read_json(out.with_suffix(".last")), what="the last posts") == [202, 202]
     run = agent.run(spec.attempt_id)
     assert run is not None
-    wait_for(lambda: run.finished and agent.relay.failed_sends > 0, what="the worker's exit during the outage")
-    assert agent.outbox.pending(spec.attempt_id) == 2
+    wait_for(lambda: run.finished and agent.relaying.relay.failed_sends > 0, what="the worker's exit during the outage")
+    assert agent.state.outbox.pending(spec.attempt_id) == 2
     plane.down = False
     wait_state(plane, spec.attempt_id, NodeAttemptState.exited)
     arrived = plane.arrived(spec.attempt_id)
@@ -399,7 +399,7 @@ def test_restarted_agent_adopts_and_outage_keeps_workers(agents: Agents, plane: 
     assert status == 200
     run = second.run(spec.attempt_id)
     assert run is not None and run.adopted and run.alive
-    instance_hb = lambda: [hb for _, hb in plane.heartbeats if hb.agent_instance == second.instance]  # noqa: E731
+    instance_hb = lambda: [hb for _, hb in plane.heartbeats if hb.agent_instance == second.state.instance]  # noqa: E731
     wait_for(lambda: len(instance_hb()) >= 3, what="heartbeats of the new agent")
     assert {a.attempt_id for a in instance_hb()[-1].attempts} == {spec.attempt_id}
     assert attempt_pids(spec.attempt_id) == pids  # adopted, not relaunched
@@ -407,7 +407,8 @@ def test_restarted_agent_adopts_and_outage_keeps_workers(agents: Agents, plane: 
     plane.down = True  # an outage: workers keep running, the agent keeps trying
     count = plane.status_count(spec.attempt_id)
     seq = instance_hb()[-1].seq
-    wait_for(lambda: second.run(spec.attempt_id) and second._seq > seq + 3, what="heartbeats during the outage")
+    wait_for(lambda: second.run(spec.attempt_id) and second.heartbeat._seq > seq + 3,
+             what="heartbeats during the outage")
     assert attempt_pids(spec.attempt_id) == pids
     plane.down = False
     wait_for(lambda: plane.status_count(spec.attempt_id) > count, what="reports after the outage")
@@ -456,10 +457,10 @@ def test_request_timeout_is_derived_from_the_registered_heartbeat_settings(agent
     from trainyard.protocol.agent import agent_request_timeout_s
 
     agent = agents.start()
-    assert agent.registered.wait(20)
+    assert agent.state.registered.wait(20)
     expected = agent_request_timeout_s(plane.heartbeat_interval_s, 10.0)
-    assert agent.client.heartbeat_timeout.read == pytest.approx(expected)
-    assert expected * agent.client.retry.attempts < 10.0
+    assert agent.state.client.heartbeat_timeout.read == pytest.approx(expected)
+    assert expected * agent.state.client.retry.attempts < 10.0
 
 
 def test_standbys_need_tracked_workers_and_the_idle_ones_go_with_the_agent(
@@ -478,10 +479,11 @@ def test_standbys_need_tracked_workers_and_the_idle_ones_go_with_the_agent(
     with pytest.raises(IsolationError, match="use a shorter --run-dir"):
         agents.start(standbys=2, run_dir=deep, work_dir=tmp_path / "deep")
     agent = agents.start(standbys=2, run_dir=run)
-    assert agent.isolation is not None and agent.isolation.cgroups is not None  # this machine (and CI) have one
-    assert agent._standbys is not None and agent._node is not None
-    directory = agent._standbys.directory
-    assert agent._node.standby_dir == str(directory) and directory.parent == run / "standby"
+    isolation = agent.state.isolation
+    assert isolation is not None and isolation.cgroups is not None  # this machine (and CI) have one
+    assert agent.state.standbys is not None and agent.state.node is not None
+    directory = agent.state.standbys.directory
+    assert agent.state.node.standby_dir == str(directory) and directory.parent == run / "standby"
     wait_for(lambda: len(list(directory.glob("*.sock"))) == 2, timeout=60, what="two warm standbys")
     pids = {p.pid for p in psutil.process_iter(["cmdline"]) if str(directory) in " ".join(p.info["cmdline"] or [])}
     assert len(pids) == 2

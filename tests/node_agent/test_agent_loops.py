@@ -31,16 +31,16 @@ def _unencodable(*_: Any) -> AttemptStatusReport:
 
 def test_one_attempts_broken_report_never_stops_the_others(agents: Agents, plane: FakeControlPlane) -> None:
     agent = agents.start()
-    assert agent.registered.wait(20)
+    assert agent.state.registered.wait(20)
     bad, good = (make_spec(nproc_per_node=1, gpu_indices=[0]) for _ in range(2))
     runs = []
     for spec in (bad, good):  # the broken one first: the loop meets it before the other every round
-        assert agent._parts is not None
-        paths = agent._parts.paths(spec.attempt_id, spec.node_rank)
+        assert agent.state.parts is not None
+        paths = agent.state.parts.paths(spec.attempt_id, spec.node_rank)
         runs.append(AttemptRun.failed(spec, paths, "could not run it here", stop_grace_s=1.0, create_dir=False))
     runs[0].report = _unencodable  # type: ignore[method-assign]
-    with agent._runs_lock:
-        agent._runs.update({run.attempt_id: run for run in runs})
+    with agent.state.runs_lock:
+        agent.state.by_id.update({run.attempt_id: run for run in runs})
     final = wait_state(plane, good.attempt_id, NodeAttemptState.exited, timeout=15)
     assert final.error == "could not run it here"
     assert plane.last_status(bad.attempt_id) is None  # still trying, alone
@@ -78,7 +78,7 @@ def test_a_report_carries_its_parts_ages_and_the_first_that_says_initialised_is_
     reports = LocalReports(on_ready=lambda: woken.append(True))  # the agent wakes its report loop
     reports.register(spec.attempt_id, spec.fencing_token)
     run = SimpleNamespace(attempt_id=spec.attempt_id, spec=spec, received_at=100.0)
-    loop = SimpleNamespace(reports=reports)
+    loop = SimpleNamespace(state=SimpleNamespace(reports=reports))
     base = AttemptStatusReport(fencing_token=spec.fencing_token, node_rank=0, state=NodeAttemptState.running)
     before = ReportLoop._with_timings(loop, run, base, 102.5)  # type: ignore[arg-type]
     assert before.received_s_ago == 2.5 and before.initialized_s_ago is None

@@ -190,15 +190,16 @@ def _agent(tmp_path: Path, api: LocalApi | None = None) -> Agent:
     agent = Agent(AgentConfig(control_plane_url="http://127.0.0.1:9", join_token="j", name="n1",
                               address="127.0.0.2", virtual_gpus=2, work_dir=tmp_path / "agent",
                               stop_grace_s=0.5, handover_timeout_s=30.0))
-    agent.isolation = Isolation(pool=None, cgroups=None)
-    agent._parts = Parts(agent.config, api or LocalApi(handovers=agent.handovers), agent.isolation, agent.log)
-    agent._node = NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env={"PATH": "/bin"})
+    agent.state.isolation = Isolation(pool=None, cgroups=None)
+    state = agent.state
+    state.parts = Parts(agent.config, api or LocalApi(handovers=state.handovers), state.isolation, agent.log)
+    state.node = NodeContext(local_addr="127.0.0.2", agent_url="http://a:1", virtual=True, base_env={"PATH": "/bin"})
     return agent
 
 
 def _hold(agent: Agent, run: AttemptRun) -> None:
-    agent._runs[run.attempt_id] = run
-    agent.handovers.register(run.attempt_id, run.spec.fencing_token, node_rank=run.spec.node_rank,
+    agent.state.by_id[run.attempt_id] = run
+    agent.state.handovers.register(run.attempt_id, run.spec.fencing_token, node_rank=run.spec.node_rank,
                              nproc=run.spec.nproc_per_node)
 
 
@@ -214,20 +215,20 @@ def test_the_agent_parks_only_a_stop_that_allows_a_handover_and_stops_a_parked_p
     agent = _agent(tmp_path)
     cancelled = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-a", restartable=True))
     _hold(agent, cancelled)
-    agent._reconcile([], _stop(cancelled.attempt_id, False))
+    agent.desired.reconcile([], _stop(cancelled.attempt_id, False))
     assert not cancelled.parked and cancelled.stopping
-    assert not agent.handovers.parked(cancelled.attempt_id)
+    assert not agent.state.handovers.parked(cancelled.attempt_id)
 
     healthy = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-b", restartable=True,
                                                               gpu_indices=[0, 1]))
     _hold(agent, healthy)
-    agent._reconcile([], _stop(healthy.attempt_id, True))
-    assert healthy.parked and not healthy.stopping and agent.handovers.parked(healthy.attempt_id)
-    agent._reconcile([], [])  # an answer that names it no more says nothing new: still parked
+    agent.desired.reconcile([], _stop(healthy.attempt_id, True))
+    assert healthy.parked and not healthy.stopping and agent.state.handovers.parked(healthy.attempt_id)
+    agent.desired.reconcile([], [])  # an answer that names it no more says nothing new: still parked
     assert healthy.parked and not healthy.stopping
-    agent._stop_or_park(healthy, "the control plane asked", handover_ok=False)  # e.g. cancelled meanwhile
+    agent.state.stop_or_park(healthy, "the control plane asked", handover_ok=False)  # e.g. cancelled meanwhile
     assert not healthy.parked and healthy.stopping
-    answer = agent.handovers.answer(healthy.attempt_id, healthy.spec.fencing_token, 0, 0.0)
+    answer = agent.state.handovers.answer(healthy.attempt_id, healthy.spec.fencing_token, 0, 0.0)
     assert answer is not None and answer.state == "stop"
 
 
@@ -239,30 +240,31 @@ def test_a_spec_never_starts_on_gpus_a_live_part_holds_and_a_claimed_part_is_not
     agent = _agent(tmp_path)
     old = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-old", restartable=True))
     _hold(agent, old)
-    agent._stop_or_park(old, "the control plane asked", handover_ok=True)
+    agent.state.stop_or_park(old, "the control plane asked", handover_ok=True)
     assert old.parked
-    assert agent.handovers.claim(old.attempt_id) and not agent.handovers.claim(old.attempt_id)
-    assert agent.handovers.give_up(old.attempt_id, "deadline") is False and agent.handovers.expired() == []
-    agent._unpark(old, "stop order")
+    assert agent.state.handovers.claim(old.attempt_id) and not agent.state.handovers.claim(old.attempt_id)
+    assert agent.state.handovers.give_up(old.attempt_id, "deadline") is False and agent.state.handovers.expired() == []
+    agent.state.unpark(old, "stop order")
     assert old.parked and not old.stopping  # the claim holds: nothing told its workers to stop
-    agent.handovers.release(old.attempt_id)
-    agent._unpark(old, "not taken over")
+    agent.state.handovers.release(old.attempt_id)
+    agent.state.unpark(old, "not taken over")
     assert not old.parked and old.stopping
 
     new = make_spec(attempt_id="att-new", attempt_number=2, restartable=True, adopts=old.attempt_id)
-    agent._launched_at[new.attempt_id] = time.monotonic()
-    agent._launch(new, _no_code(agent))  # the part fails at once, but only once its GPUs are free
-    assert new.attempt_id not in agent._runs and new.attempt_id in agent._pending  # old still holds GPUs 0, 1
-    agent._launch_pending()
-    assert new.attempt_id not in agent._runs
+    agent.state.launched_at[new.attempt_id] = time.monotonic()
+    agent.desired.launch(new, _no_code(agent))  # the part fails at once, but only once its GPUs are free
+    # old still holds GPUs 0, 1
+    assert new.attempt_id not in agent.state.by_id and new.attempt_id in agent.state.pending
+    agent.desired.launch_pending()
+    assert new.attempt_id not in agent.state.by_id
     old.kill_now()
     deadline = time.monotonic() + 10
     while old.alive and time.monotonic() < deadline:
         old.poll()
         time.sleep(0.05)
     assert not old.alive
-    agent._launch_pending()
-    assert new.attempt_id in agent._runs and not agent._pending
+    agent.desired.launch_pending()
+    assert new.attempt_id in agent.state.by_id and not agent.state.pending
 
 
 def test_a_parked_part_stays_parked_across_an_agent_restart_with_its_own_deadline(
@@ -274,23 +276,23 @@ def test_a_parked_part_stays_parked_across_an_agent_restart_with_its_own_deadlin
     run = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-p", restartable=True),
                       attempts=agent.config.work_dir / "attempts")
     _hold(agent, run)
-    agent._stop_or_park(run, "the control plane asked", handover_ok=True)
+    agent.state.stop_or_park(run, "the control plane asked", handover_ok=True)
     assert run.parked and run.parked_until is not None
 
     again = _agent(tmp_path)
-    again._adopt_existing()
-    adopted = again._runs[run.attempt_id]
+    again.supervision.adopt_existing()
+    adopted = again.state.by_id[run.attempt_id]
     assert adopted.parked and adopted.parked_until == run.parked_until
     assert adopted.report(None, None).state == NodeAttemptState.parked
-    assert again.handovers.parked(run.attempt_id) and again.handovers.expired() == []
+    assert again.state.handovers.parked(run.attempt_id) and again.state.handovers.expired() == []
 
     state = json.loads(run.paths.state_file.read_text())
     run.paths.state_file.write_text(json.dumps({**state, "parked_until": time.time() - 1}))
     late = _agent(tmp_path)
-    late._adopt_existing()
-    assert late.handovers.expired() == [run.attempt_id]  # its deadline passed while no agent ran
-    late._supervise_step()
-    assert late._runs[run.attempt_id].stopping and not late._runs[run.attempt_id].parked
+    late.supervision.adopt_existing()
+    assert late.state.handovers.expired() == [run.attempt_id]  # its deadline passed while no agent ran
+    late.supervision.step()
+    assert late.state.by_id[run.attempt_id].stopping and not late.state.by_id[run.attempt_id].parked
 
 
 def _no_code(agent: Agent) -> ShippedCode:
@@ -305,12 +307,12 @@ def test_a_pending_part_no_longer_assigned_is_forgotten(tmp_path: Path, process_
     old = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-busy", restartable=True))
     _hold(agent, old)
     new = make_spec(attempt_id="att-waiting", attempt_number=2, restartable=True)
-    agent._launched_at[new.attempt_id] = time.monotonic()
-    agent._launch(new, _no_code(agent))
-    assert new.attempt_id in agent._pending
-    agent._launched_at.pop(new.attempt_id)
-    agent._launch_pending()
-    assert not agent._pending and new.attempt_id not in agent._runs
+    agent.state.launched_at[new.attempt_id] = time.monotonic()
+    agent.desired.launch(new, _no_code(agent))
+    assert new.attempt_id in agent.state.pending
+    agent.state.launched_at.pop(new.attempt_id)
+    agent.desired.launch_pending()
+    assert not agent.state.pending and new.attempt_id not in agent.state.by_id
 
 
 def test_a_taken_over_part_keeps_its_memory_tier(tmp_path: Path, sockets: Path, process_reaper) -> None:
@@ -345,21 +347,21 @@ def test_a_chain_of_handovers_closes_every_earlier_socket_and_entry_when_its_las
     """Finding 7: after 1 -> 2 -> 3, attempt 1's socket (a listener thread, a file, a connection slot)
     and its handover entry go with the last part, not never."""
     agent = _agent(tmp_path)
-    assert agent._parts is not None
-    api = agent._parts.api
+    assert agent.state.parts is not None
+    api = agent.state.parts.api
     first = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-c1", restartable=True),
                         attempts=agent.config.work_dir / "attempts")
-    api.open(first.attempt_id, agent._parts.paths(first.attempt_id, 0).socket or Path())
+    api.open(first.attempt_id, agent.state.parts.paths(first.attempt_id, 0).socket or Path())
     _hold(agent, first)
     run = first
     for n in (2, 3):
-        agent._stop_or_park(run, "peer failed", handover_ok=True)
+        agent.state.stop_or_park(run, "peer failed", handover_ok=True)
         spec = make_spec(attempt_id=f"att-c{n}", attempt_number=n, restartable=True, adopts=run.attempt_id)
-        agent._launched_at[spec.attempt_id] = time.monotonic()
-        agent._launch(spec)
-        run = agent._runs[spec.attempt_id]
+        agent.state.launched_at[spec.attempt_id] = time.monotonic()
+        agent.desired.launch(spec)
+        run = agent.state.by_id[spec.attempt_id]
         assert run.pid == first.pid
-        agent.handovers.register(spec.attempt_id, spec.fencing_token, node_rank=0, nproc=2)
+        agent.state.handovers.register(spec.attempt_id, spec.fencing_token, node_rank=0, nproc=2)
     assert run.handed_over_from() == ["att-c1", "att-c2"]
     assert all(api.socket_of(a) is not None for a in ("att-c1", "att-c2", "att-c3"))
     run.kill_now()
@@ -368,12 +370,12 @@ def test_a_chain_of_handovers_closes_every_earlier_socket_and_entry_when_its_las
         run.poll()
         time.sleep(0.05)
     run.mark_done()
-    agent._supervise(run, None)
+    agent.supervision._supervise(run, None)
     try:
         assert all(api.socket_of(a) is None for a in ("att-c1", "att-c2", "att-c3"))
     finally:
         api.stop()
-    assert all(agent.handovers.answer(a, f"fence-{a}", 0, 0.0) is None for a in ("att-c1", "att-c2", "att-c3"))
+    assert all(agent.state.handovers.answer(a, f"fence-{a}", 0, 0.0) is None for a in ("att-c1", "att-c2", "att-c3"))
 
 
 def test_a_relay_refused_as_stale_asks_the_control_plane_before_stopping_a_part_it_may_hand_over(
@@ -386,14 +388,14 @@ def test_a_relay_refused_as_stale_asks_the_control_plane_before_stopping_a_part_
     stale = StaleAttempt("attempt 1 already ended (failed); no upload slot", status=409)
     kept = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-kept", restartable=True))
     _hold(agent, kept)
-    agent._relay_stale(kept.attempt_id, stale)
+    agent.relaying.stale(kept.attempt_id, stale)
     assert not kept.stale and not kept.stopping and kept.last_sent_at == float("-inf")
-    agent._stop_or_park(kept, "the control plane asked", handover_ok=True)  # what the report's answer says
+    agent.state.stop_or_park(kept, "the control plane asked", handover_ok=True)  # what the report's answer says
     assert kept.parked and not kept.stopping
 
     plain = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-plain", restartable=True,
                                                             gpu_indices=[0, 1]))
     plain.spec = plain.spec.model_copy(update={"restartable": False})
     _hold(agent, plain)
-    agent._relay_stale(plain.attempt_id, stale)
+    agent.relaying.stale(plain.attempt_id, stale)
     assert plain.stale and plain.stopping

@@ -202,7 +202,7 @@ class SimAgent:
         return resp
 
     async def wait_loop(self, stop: asyncio.Event) -> None:
-        """The real agent's long poll (node_agent/agent.py _wait_step): a 'changed' answer carries the
+        """The real agent's long poll (node_agent/loops/desired.py, DesiredState.step): a 'changed' answer carries the
         node's desired state, applied at once (``fleet.wait_answers``; else it wakes the heartbeat
         loop, and the next wait starts once that heartbeat brought the new versions)."""
         await asyncio.sleep(random.uniform(0, 1.0))
@@ -344,7 +344,7 @@ class SimAgent:
                 self.fleet.server_errors.append(f"{self.name} heartbeat: {type(exc).__name__}")
             except httpx.HTTPError as exc:
                 self.fleet.errors.append(f"{self.name}: {type(exc).__name__}: {exc}")
-            # Jittered like the real agent's (node_agent/agent.py HEARTBEAT_JITTER).
+            # Jittered like the real agent's (node_agent/loops/desired.py HEARTBEAT_JITTER).
             period = self.interval_s * (random.uniform(0.8, 1.0) if self.fleet.follow_interval else 1.0)
             wait = max(0.0, period - (time.monotonic() - started))
             stopped, woken = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.woken.wait())
