@@ -43,9 +43,15 @@ class ReportLoop(AgentCore):
         if self._need_register.is_set() or self.client.node_token is None:
             return _REPORT_INTERVAL_S
         for run in self.runs():
-            if run.stale or run.done:
+            if run.done:
                 continue
             try:
+                if run.stale:
+                    # Fenced off: no more status, but the last lines its ranks wrote before the stop
+                    # still go (a failed attempt's last words), until its files are read to the end.
+                    if not run.parked and not run.logs_closed and not self._need_register.is_set():
+                        self._ship_logs(run)
+                    continue
                 self._report_status(run)
                 if not run.stale and not self._need_register.is_set():
                     self._ship_logs(run)
@@ -147,6 +153,9 @@ class ReportLoop(AgentCore):
             if not batch:
                 if final and run.final_acked:
                     run.mark_done()
+                elif final and run.stale:
+                    run.logs_closed = True  # every byte shipped: supervision may finish it now
+                    self._wake("supervise")
                 return
             body = LogBatch(
                 fencing_token=run.spec.fencing_token,
@@ -156,6 +165,9 @@ class ReportLoop(AgentCore):
             try:
                 self.client.send_logs(run.attempt_id, body)
             except StaleAttempt as exc:
+                if run.stale:
+                    run.logs_closed = True  # refused even under its own token: nothing more is taken
+                    return
                 self._fenced_off(run, exc)
                 return
             except Unauthorized:
