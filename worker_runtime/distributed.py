@@ -172,14 +172,24 @@ def settle_ddp_buckets(ddp: torch.nn.Module, *example: torch.Tensor) -> None:
     are chunked for the ring all-reduce, hence the order in which more than two ranks' values are
     summed: without this, the first step after a restore sums in another order than the
     uninterrupted run did at that step, and a resumed run with three or more ranks ends a few ulps
-    away from it. The example batch changes no state (no optimizer step, no data consumed; a model
-    without dropout draws no random numbers).
+    away from it. The example batch changes no state: no optimizer step, no data consumed, and the
+    module's buffers (BatchNorm's running statistics) and the random streams its forward draws from
+    (dropout) are put back as they were. Without that, a script that restores its checkpoint
+    (``loop.restore()``) before wrapping the model would move the restored state before its first
+    step, and its resumed run would not be exact.
     """
-    out = ddp(*example)
-    loss = out.float().sum() * 0.0
-    loss.backward()
+    module = getattr(ddp, "module", ddp)
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = sorted({b.device.index or 0 for b in module.parameters() if b.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):  # the CPU stream, and the CUDA streams the model is on
+        out = ddp(*example)
+        loss = out.float().sum() * 0.0
+        loss.backward()
     for p in ddp.parameters():
         p.grad = None
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
 
 
 def device_of(ctx: WorkerContext) -> torch.device:

@@ -48,9 +48,15 @@ class ReportLoop:
         if state.need_register.is_set() or state.client.node_token is None:
             return _REPORT_INTERVAL_S
         for run in state.runs():
-            if run.stale or run.done:
+            if run.done:
                 continue
             try:
+                if run.stale:
+                    # Fenced off: no more status, but the last lines its ranks wrote before the stop
+                    # still go (a failed attempt's last words), until its files are read to the end.
+                    if not run.parked and not run.logs_closed and not state.need_register.is_set():
+                        self._ship_logs(run)
+                    continue
                 self._report_status(run)
                 if not run.stale and not state.need_register.is_set():
                     self._ship_logs(run)
@@ -136,6 +142,9 @@ class ReportLoop:
             if not batch:
                 if final and run.final_acked:
                     run.mark_done()
+                elif final and run.stale:
+                    run.logs_closed = True  # every byte shipped: supervision may finish it now
+                    state.wake("supervise")
                 return
             body = LogBatch(
                 fencing_token=run.spec.fencing_token,
@@ -145,6 +154,9 @@ class ReportLoop:
             try:
                 state.client.send_logs(run.attempt_id, body)
             except StaleAttempt as exc:
+                if run.stale:
+                    run.logs_closed = True  # refused even under its own token: nothing more is taken
+                    return
                 state.fence_off(run, exc)
                 return
             except Unauthorized:

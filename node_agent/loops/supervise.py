@@ -13,6 +13,9 @@ from node_agent.loops.state import AgentState
 from node_agent.part.attempt import AttemptRun
 
 _ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned workers of its node
+STALE_LOGS_DRAIN_S = 10.0
+"""How long an ended, fenced-off part's last log lines may take to go out (normally one report
+round, half a second) before its worker directory is removed all the same."""
 
 
 class SuperviseLoop:
@@ -133,6 +136,16 @@ class SuperviseLoop:
             beat = after[0] != before[0] and (
                 not gone or run.stale or state.outbox.pending(run.attempt_id) > 0)
             state.wake("report", *(("heartbeat",) if beat else ()))
+        if not run.alive and run.stale and not run.done and not (run.logs_closed or run.parked):
+            # Fenced off and ended: its last log lines go out first (the report loop ships them),
+            # for a bounded time; its worker directory, which holds them, is removed after.
+            now = time.monotonic()
+            if run.logs_deadline is None:
+                run.logs_deadline = now + STALE_LOGS_DRAIN_S
+                state.wake("report")
+            if now < run.logs_deadline:
+                return
+            run.log.warning("stale_logs_not_shipped", waited_s=STALE_LOGS_DRAIN_S)
         if not run.alive and (run.done or run.stale):
             if run.stale:
                 run.mark_done()  # nothing more to tell about a fenced-off attempt

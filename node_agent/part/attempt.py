@@ -108,6 +108,12 @@ class AttemptRun:
         self.stale = False
         self.final_acked = False
         self.done = False
+        self.logs_closed = False
+        """Fenced off (stale): every byte of its logs was shipped, or the control plane refused them.
+        Until then its last lines still go (a superseded attempt's logs are accepted under its own
+        token), and its worker directory, which holds them, is kept."""
+        self.logs_deadline: float | None = None
+        """Fenced off and ended: when the agent stops waiting for its last log lines to go out."""
         self.last_report: AttemptStatusReport | None = None
         self.last_sent_at = 0.0
         self.next_try_at = 0.0

@@ -42,6 +42,29 @@ def test_a_worker_cannot_post_a_control_plane_event(gang):
     assert not [k for k in kinds if k in ("checkpoint.committed", "checkpoint.aborted", "checkpoint.deleted")]
 
 
+def test_every_checkpoint_event_the_worker_runtime_sends_is_taken_under_its_own_name(gang):
+    """A worker's ``checkpoint.skipped`` and ``checkpoint.upload_unslotted`` were refused (422) as
+    control-plane kinds: the local API dropped them and the worker logged "events report not
+    delivered" (found by tests/e2e/test_user_resume.py). Every kind notify.py sends is the worker's."""
+    from trainyard.protocol.agent import LocalEvent
+    from worker_runtime.checkpoint import notify
+
+    sent = {v for k, v in vars(notify).items() if k.isupper() and isinstance(v, str) and v.startswith("checkpoint.")}
+    assert {"checkpoint.skipped", "checkpoint.upload_unslotted"} <= sent
+    client, job, specs = gang
+    agent, spec = specs[0]
+    # Not checkpoint.restored: it stands for a restore (and sets the attempt's restored step).
+    kinds = sorted(sent - {"checkpoint.restored"})
+    for kind in kinds:
+        LocalEvent(fencing_token=spec["fencing_token"], rank=0, kind=kind, message="m")  # the agent's local API
+        r = client.post(f"/v1/agent/attempts/{spec['attempt_id']}/events", headers=agent.headers, json={
+            "fencing_token": spec["fencing_token"], "node_rank": 0,
+            "events": [{"rank": 0, "kind": kind, "message": kind, "data": {"step": 10}}]})
+        assert r.status_code == 200, (kind, r.text)
+    recorded = {e["kind"] for e in _events(client, job)}
+    assert {"checkpoint.skipped", "checkpoint.upload_unslotted"} <= recorded, recorded
+
+
 def test_a_node_reports_only_its_own_ranks_and_only_rank_0_sets_the_result(gang):
     client, job, specs = gang
     (a, sa), (b, sb) = specs[0], specs[1]

@@ -120,15 +120,19 @@ class TcpProxy:
 
     def _connect_upstream(self) -> socket.socket:
         if self.unix is None:
-            return socket.create_connection(self.target, timeout=5)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(5)
-            sock.connect(self.unix)
-            sock.settimeout(None)  # an idle pooled database connection is not a dead one
-        except OSError:
-            sock.close()
-            raise
+            sock = socket.create_connection(self.target, timeout=5)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(5)
+                sock.connect(self.unix)
+            except OSError:
+                sock.close()
+                raise
+        # The timeout is the connect's only: an idle pooled connection (a database's, S3's) is not a
+        # dead one. With it, a connection idle for 5 s was dropped here, and its client, not told,
+        # lost the next request it sent on it ("Remote end closed connection without response").
+        sock.settimeout(None)
         return sock
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
@@ -140,22 +144,38 @@ class TcpProxy:
             pass
         finally:
             for s in (src, dst):
-                self._drop(s, reset=False)
+                self._drop(s)
 
-    def _drop(self, sock: socket.socket, *, reset: bool) -> None:
+    def _drop(self, sock: socket.socket) -> None:
+        """End a connection that ended at one side: FIN to the other."""
         with self._lock:
+            if sock not in self._conns:
+                return  # ended already (by the other pump, or reset by cut() or heal())
             self._conns.discard(sock)
+        # close() alone does not end a connection while the other pump thread is blocked in recv()
+        # on it (the kernel keeps the socket until that call returns): the peer would learn of it
+        # only when it next sent something, and that request would be lost. shutdown() sends the
+        # FIN and wakes that recv().
         with contextlib.suppress(OSError):
-            if reset:  # RST rather than FIN: the client sees the connection break, not end
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
             sock.close()
+
+    def _reset_all(self) -> None:
+        """RST rather than FIN on every open connection: its client sees it break, not end."""
+        with self._lock:
+            conns = list(self._conns)
+            self._conns.clear()  # the pumps woken below leave them alone (_drop)
+        for sock in conns:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                sock.shutdown(socket.SHUT_RD)  # wakes a pump's recv(); sends nothing
+            with contextlib.suppress(OSError):
+                sock.close()  # the RST (SO_LINGER 0), once no recv() holds the socket
 
     def cut(self) -> None:
         self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for sock in conns:
-            self._drop(sock, reset=True)
+        self._reset_all()
 
     def restore(self) -> None:
         self._listener = self._listen(self.port)
@@ -165,10 +185,7 @@ class TcpProxy:
         self._blackholed.set()
 
     def heal(self) -> None:
-        with self._lock:
-            conns = list(self._conns)
-        for sock in conns:
-            self._drop(sock, reset=True)
+        self._reset_all()
         self._blackholed.clear()
 
     def close(self) -> None:

@@ -68,6 +68,9 @@ class FakeControlPlane:
         self.senders: dict[str, set[tuple[str, int]]] = defaultdict(set)
         """(fencing token, node rank) of the shard and event batches received."""
         self.stale: set[str] = set()
+        self.superseded: set[str] = set()
+        """Attempts the control plane replaced: everything gets a fencing 409 but their logs, which
+        are accepted under the attempt's own token (control_plane/services/logs.py), as for real."""
         self.stale_shards: set[str] = set()
         self.refused_stale: dict[str, int] = defaultdict(int)
         """Attempts whose shards and events get a fencing 409 (status reports are still accepted)."""
@@ -188,7 +191,7 @@ class FakeControlPlane:
             if match is None:
                 return 404, {"title": "Not Found", "status": 404}
             attempt_id, kind = match.groups()
-            if attempt_id in self.stale:
+            if attempt_id in self.stale or (attempt_id in self.superseded and kind != "logs"):
                 return 409, {"title": "Conflict", "status": 409, "detail": "stale attempt"}
             if kind in ("shards", "events"):
                 return self._checkpoint_report(attempt_id, kind, body)

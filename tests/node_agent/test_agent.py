@@ -309,6 +309,43 @@ def test_stale_attempt_is_stopped_and_no_longer_reported(agents: Agents, plane: 
     assert plane.last_status(spec.attempt_id).state == NodeAttemptState.running  # type: ignore[union-attr]
 
 
+LAST_WORDS = """
+import signal, sys, time
+def bye(*_):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent, torchrun and the shim each send one
+    print('last words', flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+print('started', flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_superseded_attempts_last_log_lines_are_shipped_before_its_directory_goes(
+        agents: Agents, plane: FakeControlPlane) -> None:
+    """A part fenced off (its attempt replaced after a failure) stopped shipping its logs at once:
+    what its ranks wrote from then on, their last words before the stop included, was never sent,
+    and its worker directory, which held it, was removed (found by tests/e2e/test_user_resume.py:
+    the surviving rank's last steps were missing from ``trainyard logs --attempt N``). The control
+    plane keeps a replaced attempt's logs; the agent now ships them to the end, then forgets it."""
+    agent = agents.start()
+    spec = agents.spec("words.py", LAST_WORDS, nproc_per_node=1, gpu_indices=[0])
+    plane.assign(NODE, spec)
+    wait_state(plane, spec.attempt_id, NodeAttemptState.running)
+    wait_for(lambda: "started" in plane.log_text(spec.attempt_id, 0, 0, "stdout"), what="the first line")
+    run = agent.run(spec.attempt_id)
+    assert run is not None
+    worker_dir = run.paths.worker
+    pids = attempt_pids(spec.attempt_id)
+    plane.superseded.add(spec.attempt_id)  # still assigned: the 409 to its status report stops it
+    wait_for(lambda: gone(pids), timeout=15, what="the replaced attempt's processes to go")
+    wait_for(lambda: agent.run(spec.attempt_id) is None, timeout=15, what="the agent to forget it")
+    assert plane.log_text(spec.attempt_id, 0, 0, "stdout") == "started\nlast words\n"
+    wait_for(lambda: not worker_dir.exists(), timeout=5, what="its worker directory to be removed")
+    assert plane.last_status(spec.attempt_id).state == NodeAttemptState.running  # type: ignore[union-attr]
+
+
 # What an old control plane sent: the root keys. Workers get presigned URLs instead (issue 11,
 # finding 3): whatever the spec says, no credential reaches a worker or the agent's state.
 STORAGE = {"endpoint": "127.0.0.1:9000", "bucket": "ckpts", "access_key": "AK", "secret_key": "s3cr3t-value",

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from tests.worker_runtime.fake_agent import FakeAgent
 from worker_runtime import WorkerContext, device_of, init_distributed, is_distributed, shutdown_distributed
-from worker_runtime.distributed import tell_ready
+from worker_runtime.distributed import settle_ddp_buckets, tell_ready
 
 
 @pytest.fixture
@@ -47,6 +47,33 @@ def test_single_rank_gloo_group(monkeypatch: pytest.MonkeyPatch, restore_threads
     shutdown_distributed()
     shutdown_distributed()
     assert not is_distributed()
+
+
+def test_settling_ddp_buckets_changes_no_state(monkeypatch: pytest.MonkeyPatch, restore_threads: None) -> None:
+    """The example pass of ``loop.ddp(model, example)`` left BatchNorm's running statistics updated
+    and the torch stream advanced by dropout's draw: harmless when the restore comes after it (as in
+    ``loop.steps``), but a script that calls ``loop.restore()`` first resumed from a moved state."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    assert init_distributed(WorkerContext(device="cpu"), timeout=30) is True
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(8, 1))
+    ddp = DistributedDataParallel(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stream = torch.get_rng_state()
+    settle_ddp_buckets(ddp, torch.randn(3, 4, generator=torch.Generator().manual_seed(1)))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k],
+                                                                                                       after[k])]
+    assert torch.equal(torch.get_rng_state(), stream)
+    assert all(p.grad is None for p in model.parameters())
+    del ddp
 
 
 def test_a_managed_rank_tells_its_agent_once_its_group_is_initialised(

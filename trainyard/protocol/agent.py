@@ -618,17 +618,20 @@ class ShardAck(_Wire):
 
 WORKER_CHECKPOINT_EVENTS = frozenset({
     "checkpoint.restored", "checkpoint.fallback", "checkpoint.save_failed", "checkpoint.restore_failed",
+    "checkpoint.skipped", "checkpoint.upload_unslotted",
 })
-"""The only checkpoint.* kinds a worker may send: facts about its own restore and saves. The others
-(checkpoint.committed, .aborted, .deleted, ...) are the control plane's to write. Any other kind
-is stored as ``worker.<kind>``, so it cannot pass for a control-plane event either."""
+"""The only checkpoint.* kinds a worker may send: facts about its own restore and saves (every kind
+worker_runtime/checkpoint/notify.py sends). The others (checkpoint.committed, .aborted, .deleted,
+...) are the control plane's to write. Any other kind is stored as ``worker.<kind>``, so it cannot
+pass for a control-plane event either."""
 
 
 class WorkerEvent(_Wire):
     rank: Int32 = Field(description="Global rank of the worker, 0 to 2,147,483,647.")
     kind: str = Field(pattern=r"^[a-z][a-z0-9_.]*$", max_length=64,
                       description="checkpoint.restored, checkpoint.fallback, checkpoint.save_failed, "
-                      "checkpoint.restore_failed, or a kind of the worker's own (stored as worker.<kind>)")
+                      "checkpoint.restore_failed, checkpoint.skipped, checkpoint.upload_unslotted, or a kind of "
+                      "the worker's own (stored as worker.<kind>)")
     message: Text = Field(max_length=MAX_MESSAGE_CHARS)
     data: JsonDocument = Field(default_factory=dict)
     at: datetime | None = None
