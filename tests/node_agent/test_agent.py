@@ -271,10 +271,10 @@ def test_unassigned_attempt_is_stopped(agents: Agents, plane: FakeControlPlane) 
     run = agent.run(spec.attempt_id)
     assert run is not None and not run.stopping and run.alive
     plane.assign(NODE)
-    final = wait_state(plane, spec.attempt_id, NodeAttemptState.stopped, timeout=10)
+    final = wait_state(plane, spec.attempt_id, NodeAttemptState.stopped, timeout=30)
     assert gone(pids)
     assert final.workers[0].state == WorkerState.exited
-    wait_for(lambda: plane.heartbeat_attempts(NODE) == set(), timeout=5, what="heartbeats without it")
+    wait_for(lambda: plane.heartbeat_attempts(NODE) == set(), timeout=15, what="heartbeats without it")
     wait_for(lambda: "sleeping" in plane.log_text(spec.attempt_id, 0, 0, "stdout"), what="the last log bytes")
 
 
