@@ -11,9 +11,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainyard-installed
 PACKAGES := control_plane node_agent worker_runtime trainyard bench
-# pytest-xdist workers for `make test`. The suite waits on real processes about half the time (one
-# session kept 0.9 of 2 cores busy), so two workers, each with its own PostgreSQL and S3, fit it
-# into the 20-minute budget; TEST_WORKERS=0 runs it in one process.
+# pytest-xdist workers for `make test`, each with its own PostgreSQL and S3. The suite waits on real
+# processes much of the time: one session kept 0.9 of 2 cores busy, two about 1.5. A third was
+# slower on the 2-core development machine, and its saturated cores delayed agents' heartbeats until
+# nodes were declared lost (docs/benchmarks.md, "make test"); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
 .PHONY: help venv test lint demo clean distclean
