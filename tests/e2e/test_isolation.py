@@ -144,11 +144,15 @@ def test_a_hostile_job_cannot_touch_the_node_or_a_job_beside_it(cluster, referen
                                      max_failures=0, code={"sha256": code_sha}))
     cluster.wait_for("the victim training", lambda: (cluster.job(victim["id"])["progress"]["step"] or 0) > 0,
                      timeout=120, every=0.2)
-    bomb = _submit_bomb(cluster)
-    hogs = _submit_hogs(cluster)
+    # The hostile job first: it needs the victim's torchrun on its node, so it takes one of the two free
+    # slots now. The hogs and the bomb queue for the other (and for the hostile job's, once it ends);
+    # submitted before it, they held it back until the victim had finished on a loaded machine (CI,
+    # stop 33: "the victim job's torchrun never showed on this node").
     hostile = cluster.submit(job_body(name="hostile", entrypoint="tests/e2e/hostile_job.py",
                                       args=[victim["id"], code_sha],
                                       num_nodes=1, gpus_per_node=1, checkpoint={}, max_failures=0))
+    hogs = _submit_hogs(cluster)
+    bomb = _submit_bomb(cluster)
     escapee = None
     try:
         done = cluster.wait_state(hostile["id"], ENDED, timeout=120)
