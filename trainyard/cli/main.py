@@ -7,6 +7,7 @@ exit status, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -387,6 +388,12 @@ def dev_node_restart(node: str, data_dir: DevDataDir = Path(".trainyard/dev")) -
 
 
 def _first_line(exc: BaseException) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":  # pydantic's: say what is wrong, not its title
+        with contextlib.suppress(Exception):
+            return "; ".join(
+                (f"{'.'.join(str(p) for p in e['loc'])}: " if e.get("loc") else "")
+                + str(e["msg"]).removeprefix("Value error, ") for e in errors())
     text = str(exc).strip()
     return " ".join(text.split()) if len(text) < 300 else text.splitlines()[0]
 
