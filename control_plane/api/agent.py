@@ -1,6 +1,11 @@
 """/v1/agent: the node agents' side of the wire contract (trainyard/protocol/agent.py).
 
-Thin routes over services/cluster/agent_protocol.py, which owns each message's transaction."""
+Thin routes over services/cluster/agent_protocol.py, which owns each message's transaction.
+
+A route authenticates the node's credential (``NodeToken``: no database) in its own transaction, as
+its first statement: a dependency doing it (``NodeIdentity``) ran in a thread of its own and had to end
+its transaction before the endpoint's thread began, which cost every agent request a second
+transaction, a connection checkout and a thread hand-off (bench/request_cost.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,6 @@ from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
 from control_plane.api.deps import (
-    NodeIdentity,
     NodeToken,
     RegisterCredential,
     RuntimeDep,
@@ -61,9 +65,11 @@ def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, 
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse, responses=ERRORS)
-def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, settings: SettingsDep,
+def heartbeat(body: HeartbeatRequest, token: NodeToken, session: SessionDep, settings: SettingsDep,
               runtime: RuntimeDep) -> HeartbeatResponse:
-    answer = agent_protocol.heartbeat_and_schedule(session, node, body, runtime.worker_storage, runtime, settings)
+    node = nodes.authenticate(session, token, lock=True)  # first in the lock order, as nodes.heartbeat wants it
+    answer = agent_protocol.heartbeat_and_schedule(session, node, body, runtime.worker_storage, runtime, settings,
+                                                   locked=True)
     return HeartbeatResponse(node_id=str(node.id), node_state=answer.node_state, assignments=answer.assignments,
                              unchanged=answer.unchanged, heartbeat_interval_s=answer.heartbeat_interval_s)
 
@@ -88,8 +94,9 @@ async def wait(body: WaitRequest, token: NodeToken, settings: SettingsDep, runti
 
 
 @router.post("/attempts/{attempt_id}/status", response_model=AttemptStatusAck, responses=ERRORS)
-def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeIdentity,
+def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, token: NodeToken,
                    session: SessionDep, runtime: RuntimeDep, settings: SettingsDep) -> AttemptStatusAck:
+    node = nodes.authenticate(session, token)
     answer = agent_protocol.report_status(session, node, attempt_id, body, runtime,
                                           budgets=settings.recovery_budgets)
     return AttemptStatusAck(attempt_state=answer.attempt_state, stop=answer.stop, released=answer.released,
@@ -98,14 +105,16 @@ def attempt_status(attempt_id: uuid.UUID, body: AttemptStatusReport, node: NodeI
 
 
 @router.post("/attempts/{attempt_id}/logs", response_model=LogAck, responses=ERRORS)
-def attempt_logs(attempt_id: uuid.UUID, body: LogBatch, node: NodeIdentity, session: SessionDep) -> LogAck:
+def attempt_logs(attempt_id: uuid.UUID, body: LogBatch, token: NodeToken, session: SessionDep) -> LogAck:
+    node = nodes.authenticate(session, token)
     return LogAck(accepted=logs.append(session, node, attempt_id, body))
 
 
 @router.post("/attempts/{attempt_id}/shards", response_model=ShardAck, responses=ERRORS)
-def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity, session: SessionDep,
+def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, token: NodeToken, session: SessionDep,
                    runtime: RuntimeDep) -> ShardAck:
     """Phase 1 of a checkpoint; when the last shard of a step arrives, phase 2 commits it."""
+    node = nodes.authenticate(session, token)
     steps = agent_protocol.report_shards(session, node, attempt_id, body, runtime.object_store,
                                          runtime.session_factory)
     return ShardAck(accepted=len(body.shards), committed_steps=steps)
@@ -113,24 +122,27 @@ def attempt_shards(attempt_id: uuid.UUID, body: ShardReport, node: NodeIdentity,
 
 @router.get("/attempts/{attempt_id}/code", response_class=Response, summary="The job's shipped code",
             responses={200: {"content": {"application/gzip": {}}}, **ERRORS})
-def attempt_code(attempt_id: uuid.UUID, node: NodeIdentity, session: SessionDep, runtime: RuntimeDep) -> Response:
+def attempt_code(attempt_id: uuid.UUID, token: NodeToken, session: SessionDep, runtime: RuntimeDep) -> Response:
     """The tar.gz of a live attempt's job's code (CodeRef in its LaunchSpec), for a node of that attempt;
     409 for an attempt that is not live or not the node's."""
+    node = nodes.authenticate(session, token)
     chunks, sha256 = code.fetch_for_node(session, node, attempt_id, runtime.object_store)
     return StreamingResponse(chunks, media_type="application/gzip", headers={"X-Content-SHA256": sha256})
 
 
 @router.post("/attempts/{attempt_id}/events", response_model=WorkerEventAck, responses=ERRORS)
-def attempt_events(attempt_id: uuid.UUID, body: WorkerEventBatch, node: NodeIdentity,
+def attempt_events(attempt_id: uuid.UUID, body: WorkerEventBatch, token: NodeToken,
                    session: SessionDep) -> WorkerEventAck:
+    node = nodes.authenticate(session, token)
     return WorkerEventAck(accepted=agent_protocol.report_events(session, node, attempt_id, body))
 
 
 @router.post("/attempts/{attempt_id}/storage", response_model=StorageGrants, responses=ERRORS)
-def attempt_storage(attempt_id: uuid.UUID, body: StorageRequest, node: NodeIdentity, session: SessionDep,
+def attempt_storage(attempt_id: uuid.UUID, body: StorageRequest, token: NodeToken, session: SessionDep,
                     settings: SettingsDep, runtime: RuntimeDep) -> StorageGrants:
     """Presigned URLs for the checkpoint objects a worker of the attempt may read or write
     (trainyard/protocol/grants.py); workers hold no storage credential."""
+    node = nodes.authenticate(session, token)
     return storage_grants.grant(session, node, attempt_id, body, runtime.object_store, settings)
 
 
@@ -145,9 +157,10 @@ async def upload_slot(attempt_id: uuid.UUID, body: SlotRequest, token: NodeToken
 
 
 @router.post("/attempts/{attempt_id}/upload-slots/release", response_model=SlotReleased, responses=ERRORS)
-def release_upload_slot(attempt_id: uuid.UUID, body: SlotRelease, node: NodeIdentity, session: SessionDep,
+def release_upload_slot(attempt_id: uuid.UUID, body: SlotRelease, token: NodeToken, session: SessionDep,
                         settings: SettingsDep, runtime: RuntimeDep) -> SlotReleased:
     """The upload ended (or failed, or its worker stopped waiting): the slot goes to the next waiter."""
+    node = nodes.authenticate(session, token)
     released = upload_slots.release_and_grant(session, node, attempt_id, body, runtime.session_factory, settings,
                                               runtime.slot_passes)
     return SlotReleased(released=released)

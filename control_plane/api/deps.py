@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -20,7 +20,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane import authz
 from control_plane.authz import Principal
 from control_plane.errors import Forbidden, Unauthorized
-from control_plane.models import Node
 from control_plane.services.access import principals, ui_sessions
 from control_plane.services.cluster import nodes
 from control_plane.settings import Settings
@@ -79,7 +78,10 @@ def get_runtime(request: Request) -> Runtime:
                    code_uploads=getattr(state, "code_uploads", None))
 
 
-def get_session(request: Request) -> Iterator[Session]:
+async def get_session(request: Request) -> AsyncIterator[Session]:
+    """The request's session. Async: making a session touches no database, and the endpoint ends its
+    transaction in its own thread (TransactionRoute), so closing it here does no I/O either; a sync
+    generator cost every request two more thread hand-offs (its start and its end, bench/request_cost.py)."""
     session = request.app.state.session_factory()
     try:
         yield session
@@ -150,7 +152,7 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 # -- Who is calling: every route declares one policy (control_plane/authz.py) -----------------------
 #
 # A route's policy is the ``policy`` attribute of one of its dependencies (``route_policy``):
-# ``Allow`` for principals' tokens, ``NodeGuard`` for node credentials, ``RegisterGuard`` for
+# ``Allow`` for principals' tokens, ``NodeCredential`` for node credentials, ``RegisterGuard`` for
 # registration, ``PUBLIC`` for health checks. tests/control_plane/test_authz_matrix.py fails for a
 # route without one and calls every route as every role.
 
@@ -236,31 +238,19 @@ class UiAllow(Allow):
         return principal
 
 
-class NodeGuard:
-    """Authenticate a node credential (policy ``agent``)."""
-
-    policy = authz.policy("agent")
-
-    def __call__(self, creds: Credentials, session: SessionDep) -> Node:
-        try:
-            node = nodes.authenticate(session, _token(creds))
-        except BaseException:
-            end_transaction(session, ok=False)
-            raise
-        # The endpoint runs in another thread: end the transaction (and release its connection)
-        # before waiting for it. It commits, as the endpoint's commit would have, whatever
-        # authenticating wrote.
-        session.commit()
-        return node
-
-
 class NodeCredential:
-    """The bearer token of a long poll, unverified here (no database): the service checks it."""
+    """A node credential, checked here only for its form (no database): the agent route authenticates
+    it as the first statement of its own transaction (api/agent.py), and a long poll's service checks
+    it. A token that cannot be a node's (a principal's, a join token) is 401 here, before the body
+    is read."""
 
     policy = authz.policy("agent")
 
     async def __call__(self, creds: Credentials) -> str:
-        return _token(creds)
+        token = _token(creds)
+        if nodes.node_id_of(token) is None:
+            raise Unauthorized("not a node credential: register the agent for one")
+        return token
 
 
 class RegisterGuard:
@@ -362,7 +352,6 @@ UiJobsRead = _ui("jobs.read")
 UiJobsCancel = _ui("jobs.cancel")
 UiClusterRead = _ui("cluster.read")
 UiNodesRead = _ui("nodes.read")
-NodeIdentity = Annotated[Node, Depends(NodeGuard())]
 NodeToken = Annotated[str, Depends(NodeCredential())]
 RegisterCredential = Annotated[str, Depends(RegisterGuard())]
 

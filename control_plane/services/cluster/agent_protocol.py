@@ -67,22 +67,23 @@ class HeartbeatAnswer:
 
 def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
                            storage: dict[str, object] | None, wakeups: Wakeups,
-                           settings: Settings) -> HeartbeatAnswer:
-    """Record a heartbeat and answer with the node's desired attempts.
+                           settings: Settings, *, locked: bool = False) -> HeartbeatAnswer:
+    """Record a heartbeat and answer with the node's desired attempts (``locked``: the caller
+    authenticated the node with its row locked, nodes.authenticate).
 
     When the heartbeat released the last GPUs of a gang (perhaps the last ones a recovering job
     waits for), a scheduling pass runs now, in its own transaction, and the answer carries its
     result rather than leaving it to the next heartbeat: that is a heartbeat interval off every
     recovery."""
     with metrics.HEARTBEAT.time():
-        return _heartbeat_and_schedule(session, node, req, storage, wakeups, settings)
+        return _heartbeat_and_schedule(session, node, req, storage, wakeups, settings, locked)
 
 
 def _heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
                             storage: dict[str, object] | None, wakeups: Wakeups,
-                            settings: Settings) -> HeartbeatAnswer:
+                            settings: Settings, locked: bool) -> HeartbeatAnswer:
     released_before, ended_before = _released(session), attempts.ended_count(session)
-    node = nodes.heartbeat(session, node, req)
+    node = nodes.heartbeat(session, node, req, locked=locked)
     full, unchanged = specs.answer(session, node.id, req.known, storage)
     interval = nodes.tell_interval(session, node, settings)
     state = node.state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import time
 import uuid
 from datetime import datetime, timedelta
 from itertools import groupby
@@ -109,6 +110,7 @@ def register(session: Session, req: RegisterRequest, credential: str, *,
                           agent_instance=instance, agent_epoch=node.agent_epoch)
     _sync_gpus(session, node, req)
     session.commit()
+    forget_registered_count()
     return node, token
 
 
@@ -128,8 +130,13 @@ def _sync_gpus(session: Session, node: Node, req: RegisterRequest) -> None:
             session.delete(g)
 
 
-def authenticate(session: Session, token: str) -> Node:
-    node = session.scalar(select(Node).where(Node.token_hash == hash_token(token)))
+def authenticate(session: Session, token: str, *, lock: bool = False) -> Node:
+    """The node a credential names. ``lock``: its row locked as ``lock_node`` does and loaded afresh
+    (a heartbeat: one statement, not a read then a lock)."""
+    stmt = select(Node).where(Node.token_hash == hash_token(token))
+    if lock:
+        stmt = stmt.with_for_update(key_share=True).execution_options(populate_existing=True)
+    node = session.scalar(stmt)
     if node is None:
         _refuse_stale_instance(session, token)
     if node is None or node.state == "removed":
@@ -156,10 +163,12 @@ def _refuse_stale_instance(session: Session, token: str) -> None:
     )
 
 
-def heartbeat(session: Session, node: Node, req: HeartbeatRequest) -> Node:
+def heartbeat(session: Session, node: Node, req: HeartbeatRequest, *, locked: bool = False) -> Node:
     """Record liveness and confirm stopped attempts; returns the node as locked (what to answer is
-    services/cluster/specs.py ``answer``)."""
-    node = lock_node(session, node.id) or node  # reloaded: the seq checks below read the locked row
+    services/cluster/specs.py ``answer``). ``locked``: the caller locked and reloaded it
+    (``authenticate(lock=True)``)."""
+    if not locked:
+        node = lock_node(session, node.id) or node  # reloaded: the seq checks below read the locked row
     if node.agent_instance == req.agent_instance and req.seq <= node.heartbeat_seq:
         # A delayed or duplicated heartbeat: it carries older truth than what we have. The agent's
         # retry of its latest one (the same seq: the first try's answer was lost) still proves it
@@ -230,9 +239,28 @@ def _to_release(session: Session, node: Node, c: Row[uuid.UUID, uuid.UUID, str, 
     return None
 
 
-def registered_nodes(session: Session) -> int:
-    """Nodes whose agents heartbeat (or should): every node not removed."""
-    return int(session.scalar(select(func.count()).select_from(Node).where(Node.state != "removed")) or 0)
+REGISTERED_TTL_S = 2.0
+"""How long a replica reuses its count of registered nodes (tell_interval): a count per heartbeat was one
+statement in eight of every heartbeat (bench/request_cost.py). A registration or removal on this
+replica counts again at once; another replica's, within this long."""
+_registered: dict[int, tuple[float, int]] = {}  # engine -> (when counted, monotonic; the count)
+
+
+def registered_nodes(session: Session, *, fresh: bool = False) -> int:
+    """Nodes whose agents heartbeat (or should): every node not removed (counted at most every
+    REGISTERED_TTL_S by this replica unless ``fresh``)."""
+    key, t = id(session.get_bind()), time.monotonic()
+    cached = _registered.get(key)
+    if not fresh and cached is not None and t - cached[0] < REGISTERED_TTL_S:
+        return cached[1]
+    count = int(session.scalar(select(func.count()).select_from(Node).where(Node.state != "removed")) or 0)
+    _registered[key] = (t, count)
+    return count
+
+
+def forget_registered_count() -> None:
+    """A node was registered or removed here: the next heartbeat counts again."""
+    _registered.clear()
 
 
 def tell_interval(session: Session, node: Node, settings: Settings) -> float:
@@ -371,6 +399,7 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
                                   kind="node_lost")
     released = attempts.release_parts(session, [part.id for part, _, _ in parts])
     session.commit()
+    forget_registered_count()
     attempts.finish_released(session, released)  # after the commit: see finish_released
     session.commit()
     return node

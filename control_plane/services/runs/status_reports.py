@@ -48,6 +48,9 @@ class StatusMerged:
 
     attempt: Attempt
     part: AttemptNode
+    job: Job
+    """Held so that the session keeps it (its identity map holds objects weakly): the answer's
+    checkpoint interval reads it without another transaction (intervals.current_steps)."""
     released: bool
     """The part's GPUs were released before this report."""
     release: bool
@@ -112,8 +115,8 @@ def apply_status(
         or any(w.exit_code not in (0, None) for w in report.workers)
         or (attempt.state == "starting" and part.state == "running")
         or (part.state in PART_STARTED and _failure_undecided(session, attempt.id))))
-    return StatusMerged(attempt=attempt, part=part, released=part.released_at is not None, release=release,
-                        settle=settle)
+    return StatusMerged(attempt=attempt, part=part, job=job, released=part.released_at is not None,
+                        release=release, settle=settle)
 
 
 def release_reported(session: Session, part_id: uuid.UUID) -> bool:
