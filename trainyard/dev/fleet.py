@@ -222,6 +222,18 @@ class SimAgent:
     def wait_http(self) -> httpx.AsyncClient:
         return self.fleet.client(self.index, "waits")
 
+    @property
+    def heartbeat_http(self) -> httpx.AsyncClient:
+        """The heartbeats' own connections, as the real agent's heartbeat loop has (a client of its
+        thread): a heartbeat never waits for a connection behind the workers' requests."""
+        return self.fleet.client(self.index, "heartbeats")
+
+    @property
+    def saves_http(self) -> httpx.AsyncClient:
+        """The workers' checkpoint requests (the real agent relays them on pooled clients, one per
+        request in flight)."""
+        return self.fleet.client(self.index, "saves")
+
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
 
@@ -274,8 +286,8 @@ class SimAgent:
             self.fleet.requests["heartbeat"] += 1
             t0 = time.perf_counter()
             try:
-                r = await self.http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers(),
-                                         timeout=httpx.Timeout(timeout, connect=min(timeout, 3.0)))
+                r = await self.heartbeat_http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers(),
+                                                   timeout=httpx.Timeout(timeout, connect=min(timeout, 3.0)))
             except httpx.TimeoutException:
                 if self.try_timeout_s is None or attempt == tries - 1:
                     raise
@@ -358,13 +370,13 @@ class SimAgent:
             self.fleet.errors.append(f"{self.name}: {task.exception()!r}")
 
     async def _post(self, path: str, body: dict[str, Any], *, timeout: float = 60.0,
-                    kind: str | None = None) -> httpx.Response:
+                    kind: str | None = None, http: httpx.AsyncClient | None = None) -> httpx.Response:
         """POST with the real agent's persistence: 5xx and transport errors are retried (level-triggered
         reports make that safe) and counted in ``fleet.server_errors``; any other answer is returned."""
         for attempt in range(20):
             self.fleet.requests[kind or path.rsplit("/", 1)[-1]] += 1
             try:
-                r = await self.http.post(path, json=body, headers=self._headers(), timeout=timeout)
+                r = await (http or self.http).post(path, json=body, headers=self._headers(), timeout=timeout)
             except httpx.TransportError as exc:
                 self.fleet.server_errors.append(f"{self.name} {path}: {type(exc).__name__}")
             else:
@@ -502,8 +514,9 @@ class Fleet:
         url = self.cp.urls[index % max(1, min(self.replicas, len(self.cp.urls)))]
         key = (index // self.AGENTS_PER_CLIENT, kind, url)
         if key not in self._clients:
+            most = self.AGENTS_PER_CLIENT * (2 * self.gpus_per_node if kind == "saves" else 2)
             self._clients[key] = httpx.AsyncClient(base_url=url, timeout=60.0, verify=self.verify, limits=httpx.Limits(
-                max_connections=self.AGENTS_PER_CLIENT * 2, max_keepalive_connections=self.AGENTS_PER_CLIENT * 2))
+                max_connections=most, max_keepalive_connections=most))
         return self._clients[key]
 
     def route(self, replicas: int) -> None:

@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -100,6 +101,15 @@ class _Runner:
         target = Endpoints(list(config["urls"]), config["admin_token"], config["join_token"], config.get("ca_file"))
         self.fleet = Fleet(target, None, gpus_per_node=int(config.get("gpus_per_node", 8)),
                            agent_timeouts=bool(config.get("agent_timeouts", True)))
+        self.lags: list[tuple[str, float]] = []
+        """(phase, seconds) the fleet's event loop was late by, sampled every 0.1 s: a fleet that
+        cannot keep up measures its own delay, not the control plane's."""
+
+    async def watch_lag(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(0.1)
+            self.lags.append((self.fleet.phase, time.monotonic() - t0 - 0.1))
 
     async def handle(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         fleet = self.fleet
@@ -137,8 +147,10 @@ class _Runner:
             await fleet.cancel(str(args["job_id"]))
             return {}
         if op == "samples":
-            return {"heartbeats": [[s.phase, s.latency_s, s.timed_out] for a in fleet.agents for s in a.samples
+            return {"heartbeats": [[s.phase, s.latency_s, s.timed_out, s.at] for a in fleet.agents for s in a.samples
                                    if s.kind == "heartbeat"],
+                    "loop_lags": [[phase, lag] for phase, lag in self.lags if lag > 0.05],
+                    "loop_lag_samples": len(self.lags),
                     "requests": dict(fleet.requests), "heartbeat_timeouts": fleet.heartbeat_timeouts,
                     "errors": fleet.errors[:20], "error_count": len(fleet.errors),
                     "server_errors": fleet.server_errors[:20], "server_error_count": len(fleet.server_errors)}
@@ -160,6 +172,7 @@ async def _serve() -> None:
     if config is None:
         return
     runner = _Runner(config)
+    watching = asyncio.ensure_future(runner.watch_lag())
     try:
         while (message := await read()) is not None:
             op = str(message.pop("op", ""))
@@ -171,6 +184,7 @@ async def _serve() -> None:
             except Exception as exc:  # one failed command is the bench's to report; the fleet goes on
                 answer({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     finally:
+        watching.cancel()
         await runner.fleet.close()
 
 

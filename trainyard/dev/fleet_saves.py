@@ -84,6 +84,12 @@ def _info(spec: dict[str, Any], step: int, rank: int, key: str, data: bytes, wai
             "blocking_s": 0.0, "background_s": round(time.monotonic() - started, 6)}
 
 
+async def _send(agent: SimAgent, path: str, body: dict[str, Any], *, kind: str,
+                timeout: float = 60.0) -> httpx.Response:
+    """A worker's request relayed by its agent (counted as ``kind``, retried on 5xx as the agent's)."""
+    return await agent._post(path, body, timeout=timeout, kind=kind, http=agent.saves_http)
+
+
 def _json(r: httpx.Response, what: str) -> dict[str, Any]:
     if r.status_code >= 400:
         raise RuntimeError(f"{what}: HTTP {r.status_code} {r.text[:300]}")
@@ -114,7 +120,7 @@ class _Commit:
 
 async def _report(agent: SimAgent, run: SimRun, shards: list[dict[str, Any]], commit: _Commit) -> None:
     body = {"fencing_token": run.spec["fencing_token"], "node_rank": run.spec["node_rank"], "shards": shards}
-    r = await agent._post(f"{AGENT}/attempts/{run.attempt_id}/shards", body, timeout=120.0, kind="shards")
+    r = await _send(agent, f"{AGENT}/attempts/{run.attempt_id}/shards", body, timeout=120.0, kind="shards")
     commit.acked(_json(r, f"{agent.name}: shard report"))
 
 
@@ -154,13 +160,13 @@ async def _per_rank(agent: SimAgent, run: SimRun, step: int, size: int, s3: http
         started = time.monotonic()
         while True:  # worker_runtime/checkpoint/slots.py acquire
             ask = {**fenced, "rank": rank, "step": step, "size_bytes": len(data), "wait_s": SLOT_WAIT_S}
-            answer = _json(await agent._post(f"{base}/upload-slots", ask, timeout=SLOT_WAIT_S + 10, kind="slot"),
+            answer = _json(await _send(agent, f"{base}/upload-slots", ask, timeout=SLOT_WAIT_S + 10, kind="slot"),
                            f"{agent.name}: upload slot of rank {rank}")
             if answer["state"] == "granted":
                 break
             await asyncio.sleep(float(answer.get("retry_after_s") or 0.0))
         waited = time.monotonic() - started
-        grants = _json(await agent._post(f"{base}/storage", {**fenced, "rank": rank, "method": "PUT", "key": key,
+        grants = _json(await _send(agent, f"{base}/storage", {**fenced, "rank": rank, "method": "PUT", "key": key,
                                                              "size_bytes": len(data)}, kind="grant"),
                        f"{agent.name}: PUT grant of rank {rank}")
         put_started = time.monotonic()
@@ -169,7 +175,7 @@ async def _per_rank(agent: SimAgent, run: SimRun, step: int, size: int, s3: http
         commit.uploaded()
         relay.add(_info(spec, step, rank, key, data, waited, put_s, started))
         release = {**fenced, "rank": rank, "step": step, "ok": True, "uploaded_bytes": len(data), "upload_s": put_s}
-        _json(await agent._post(f"{base}/upload-slots/release", release, kind="release"),
+        _json(await _send(agent, f"{base}/upload-slots/release", release, kind="release"),
               f"{agent.name}: slot release of rank {rank}")
 
     sending = asyncio.ensure_future(relay.send(spec["nproc_per_node"]))
@@ -205,7 +211,7 @@ async def _per_node(agent: SimAgent, run: SimRun, step: int, size: int, s3: http
     while waiting or releases:
         asks = [{"rank": rank, "step": step, "size_bytes": len(data)} for rank, (data, _) in waiting.items()]
         body = {**fenced, "wait_s": SLOT_WAIT_S if asks else 0.0, "asks": asks, "releases": releases}
-        r = await agent._post(f"{base}/upload-slots/batch", body, timeout=SLOT_WAIT_S + 10, kind="slot-batch")
+        r = await _send(agent, f"{base}/upload-slots/batch", body, timeout=SLOT_WAIT_S + 10, kind="slot-batch")
         if r.status_code in (404, 405):
             raise BatchUnavailable(f"POST {base}/upload-slots/batch: HTTP {r.status_code}")
         answers = _json(r, f"{agent.name}: slot batch")["answers"]
@@ -218,7 +224,7 @@ async def _per_node(agent: SimAgent, run: SimRun, step: int, size: int, s3: http
         waited = time.monotonic() - started
         requests = [{"rank": a["rank"], "method": "PUT", "key": waiting[a["rank"]][1],
                      "size_bytes": len(waiting[a["rank"]][0]), "upload_id": None} for a in granted]
-        r = await agent._post(f"{base}/storage/batch", {**fenced, "requests": requests}, kind="grant-batch")
+        r = await _send(agent, f"{base}/storage/batch", {**fenced, "requests": requests}, kind="grant-batch")
         if r.status_code in (404, 405):
             raise BatchUnavailable(f"POST {base}/storage/batch: HTTP {r.status_code}")
         grants = _json(r, f"{agent.name}: grant batch")["answers"]
