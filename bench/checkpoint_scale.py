@@ -130,8 +130,14 @@ def run(args: argparse.Namespace, fleet: FleetProcess, meter: Meter) -> list[Rou
                 step += 100
                 started = time.monotonic()
                 before = meter.read()
-                answer = fleet.call("checkpoint", job_id=job_id, attempt=attempt, step=step, mode=mode,
-                                    phase=f"ckpt-{mode}-{replicas}")
+                try:
+                    answer = fleet.call("checkpoint", job_id=job_id, attempt=attempt, step=step, mode=mode,
+                                        phase=f"ckpt-{mode}-{replicas}")
+                except RuntimeError as exc:  # e.g. nodes declared lost: the attempt is gone, and the run
+                    saves.unavailable = f"failed: {exc}"
+                    say(saves.unavailable)
+                    rounds.append(r)
+                    return rounds
                 after = meter.read()
                 if "unavailable" in answer:
                     saves.unavailable = answer["unavailable"]
@@ -261,6 +267,10 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, choices=[1, 2], default=1,
                         help="2: the same measurements again with the agents split over two replicas")
     parser.add_argument("--http", action="store_true", help="plain HTTP instead of HTTPS")
+    parser.add_argument("--node-lost-timeout", type=float, default=None,
+                        help="the control plane's node_lost_timeout_s (default: its default, 10 s at the shortest "
+                        "interval; a node told a longer one gets as much more). Longer: the figures of a control "
+                        "plane too slow to keep its nodes, instead of a failed attempt")
     parser.add_argument("--data-dir", type=Path, default=None, help="keep the databases and logs here")
     args = parser.parse_args()
     if set(args.modes) - {"rank", "node"}:
@@ -286,7 +296,12 @@ def main() -> int:
             s3 = S3Target(s3_server.endpoint, "scale", s3_server.secret_key, "trainyard")
             admin, join = secrets.token_urlsafe(12), secrets.token_urlsafe(12)
             for i in range(args.replicas):
-                cp = ControlPlane(pg.url, s3, admin_token=admin, join_token=join,
+                env = ({"TRAINYARD_NODE_LOST_TIMEOUT_S": f"{args.node_lost_timeout:g}",
+                        # it must outlast the longest node-lost timeout (settings.py checks it)
+                        "TRAINYARD_ATTEMPT_LAUNCH_TIMEOUT_S": f"{args.node_lost_timeout + 60:g}",
+                        "TRAINYARD_CHECKPOINT_PENDING_TIMEOUT_S": f"{max(600.0, args.node_lost_timeout + 90):g}"}
+                       if args.node_lost_timeout else {})
+                cp = ControlPlane(pg.url, s3, admin_token=admin, join_token=join, env=env,
                                   log_path=data / f"control-plane-{i}.log", tls_dir=None if args.http else data / "tls")
                 cps.append(cp)
                 say(f"starting control plane {i} at {cp.url} (log: {cp.log_path})")
