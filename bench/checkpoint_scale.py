@@ -134,7 +134,8 @@ def run(args: argparse.Namespace, fleet: FleetProcess, meter: Meter) -> list[Rou
                     answer = fleet.call("checkpoint", job_id=job_id, attempt=attempt, step=step, mode=mode,
                                         phase=f"ckpt-{mode}-{replicas}")
                 except RuntimeError as exc:  # e.g. nodes declared lost: the attempt is gone, and the run
-                    saves.unavailable = f"failed: {exc}"
+                    saves.unavailable = f"failed after {time.monotonic() - started:.0f}s: {exc}"
+                    saves.cpu.append(tuple(b - a for a, b in zip(before, meter.read(), strict=True)))  # type: ignore[arg-type]
                     say(saves.unavailable)
                     rounds.append(r)
                     return rounds
@@ -191,7 +192,12 @@ def report(args: argparse.Namespace, rounds: list[Round], seen: dict[str, Any]) 
     for r in rounds:
         for s in r.saves:
             if s.unavailable or not s.figures:
-                print(f"{r.replicas:>8} {s.mode:>8}   not measured: {s.unavailable or 'no checkpoint'}")
+                print(f"{r.replicas:>8} {s.mode:>8}   not measured: {(s.unavailable or 'no checkpoint')[:300]}")
+                if s.cpu:  # it failed: what its heartbeats went through until then
+                    p50, p99, count, late = _hb(hb, f"ckpt-{s.mode}-{r.replicas}")
+                    print(f"{'':>18}until it failed: control plane {s.cpu[-1][0]:.1f} CPU-s, PostgreSQL "
+                          f"{s.cpu[-1][1]:.1f}, fleet {s.cpu[-1][2]:.1f}; {count} heartbeat tries, p50 "
+                          f"{p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, late/timed out {late}")
                 continue
             med = statistics.median
             row = {
