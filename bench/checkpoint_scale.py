@@ -101,6 +101,7 @@ class Saves:
 class Round:
     replicas: int
     idle_cpu_per_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    idle_requests_per_s: float = 0.0
     saves: list[Saves] = field(default_factory=list)
     recovery_all_s: float = float("nan")
 
@@ -119,9 +120,10 @@ def run(args: argparse.Namespace, fleet: FleetProcess, meter: Meter) -> list[Rou
         time.sleep(1.5 * interval)
         r = Round(replicas)
         fleet.call("phase", name=f"idle-{replicas}")
-        before, t0 = meter.read(), time.monotonic()
+        before, t0, sent = meter.read(), time.monotonic(), fleet.call("requests")["requests"]
         time.sleep(args.idle)
         after, elapsed = meter.read(), time.monotonic() - t0
+        r.idle_requests_per_s = (sum(fleet.call("requests")["requests"].values()) - sum(sent.values())) / elapsed
         r.idle_cpu_per_s = tuple((b - a) / elapsed for a, b in zip(before, after, strict=True))  # type: ignore[assignment]
         for mode in args.modes:
             saves = Saves(replicas, mode)
@@ -184,8 +186,9 @@ def report(args: argparse.Namespace, rounds: list[Round], seen: dict[str, Any]) 
     print()
     print(f"Checkpoints of a {args.nodes * args.gpus}-rank job on {args.nodes} nodes x {args.gpus} GPUs, "
           f"one every {args.every:g}s, 256-byte shards; per checkpoint (median of {args.checkpoints}):")
-    head = (f"{'replicas':>8} {'protocol':>8} {'ckpt req':>9} {'all req':>8} {'cp CPU-s':>9} {'pg CPU-s':>9} "
-            f"{'fleet CPU-s':>11} {'begin->commit s':>16} {'upload->commit s':>17} {'hb p50/p99 ms':>15} "
+    head = (f"{'replicas':>8} {'protocol':>8} {'ckpt req':>9} {'all req':>8} {'cp CPU-s':>9} {'own':>6} "
+            f"{'pg CPU-s':>9} {'fleet CPU-s':>11} {'begin->commit s':>16} {'upload->commit s':>17} "
+            f"{'hb p50/p99 ms':>15} "
             f"{'hb late/timed out':>17} {'fleet lag s':>11}")
     print(head)
     table: dict[tuple[int, str], dict[str, float]] = {}
@@ -200,7 +203,13 @@ def report(args: argparse.Namespace, rounds: list[Round], seen: dict[str, Any]) 
                           f"{p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, late/timed out {late}")
                 continue
             med = statistics.median
+            # The control plane's CPU for the checkpoint's own requests: its CPU meanwhile less what the
+            # other requests (heartbeats, long polls) cost at the idle window's CPU per request.
+            per_request = r.idle_cpu_per_s[0] / r.idle_requests_per_s if r.idle_requests_per_s else 0.0
+            own = [c[0] - per_request * sum(n for k, n in f["requests"].items() if k not in CHECKPOINT_KINDS)
+                   for c, f in zip(s.cpu, s.figures, strict=True)]
             row = {
+                "own": med(own),
                 "ckpt": med(sum(f["requests"].get(k, 0) for k in CHECKPOINT_KINDS) for f in s.figures),
                 "all": med(sum(f["requests"].values()) for f in s.figures),
                 "cp": med(c[0] for c in s.cpu), "pg": med(c[1] for c in s.cpu), "fleet": med(c[2] for c in s.cpu),
@@ -212,7 +221,8 @@ def report(args: argparse.Namespace, rounds: list[Round], seen: dict[str, Any]) 
             row.update(p50=p50, p99=p99, timeouts=timeouts)
             table[(r.replicas, s.mode)] = row
             print(f"{r.replicas:>8} {s.mode:>8} {row['ckpt']:>9.0f} {row['all']:>8.0f} {row['cp']:>9.2f} "
-                  f"{row['pg']:>9.2f} {row['fleet']:>11.2f} {row['dur']:>16.2f} {row['commit']:>17.2f} "
+                  f"{row['own']:>6.2f} {row['pg']:>9.2f} {row['fleet']:>11.2f} {row['dur']:>16.2f} "
+                  f"{row['commit']:>17.2f} "
                   f"{f'{p50 * 1000:.0f}/{p99 * 1000:.0f}':>15} {timeouts:>17} "
                   f"{_lag(seen['loop_lags'], f'ckpt-{s.mode}-{r.replicas}'):>11.2f}")
     print()
@@ -227,7 +237,8 @@ def report(args: argparse.Namespace, rounds: list[Round], seen: dict[str, Any]) 
         rank, node = table.get((replicas, "rank")), table.get((replicas, "node"))
         if rank and node:
             print(f"{replicas} replica(s), per node / per rank: requests {_ratio(node['ckpt'], rank['ckpt'])}, "
-                  f"control-plane CPU {_ratio(node['cp'], rank['cp'])}, PostgreSQL CPU "
+                  f"control-plane CPU {_ratio(node['cp'], rank['cp'])} (its own {_ratio(node['own'], rank['own'])}), "
+                  f"PostgreSQL CPU "
                   f"{_ratio(node['pg'], rank['pg'])}, begin->commit {_ratio(node['dur'], rank['dur'])}, "
                   f"heartbeat p99 {_ratio(node['p99'], rank['p99'])}")
     for mode in args.modes:
@@ -252,7 +263,9 @@ def report(args: argparse.Namespace, rounds: list[Round], seen: dict[str, Any]) 
     print("ckpt req: the checkpoint's own requests (slots, grants, releases, shard reports, batches); all req:")
     print("every request the fleet sent meanwhile (heartbeats and long polls included). CPU-s: CPU seconds of")
     print("the control plane(s), PostgreSQL (every backend) and the fleet from a checkpoint's start to its commit")
-    print(f"(heartbeats included). hb late/timed out: heartbeat tries answered after the agent's {TIMEOUT_S:g} s")
+    print("(heartbeats included); own: the control plane's less the other requests at the idle window's CPU per")
+    print("request (an estimate of the checkpoint's own cost).")
+    print(f"hb late/timed out: heartbeat tries answered after the agent's {TIMEOUT_S:g} s")
     print("per-try timeout / tries that ran out of it (httpx bounds each phase of a try, as in the agent).")
     print("fleet lag: the longest the fleet's event loop was late (its own delay is in the latencies).")
     print("fail->every node: from the failure report until every node holds the recovery attempt.")

@@ -17,7 +17,8 @@ writes it). Commands, ``{"op": ..., ...}``:
 - ``phase`` ``name``: tag the heartbeats sent from now on;
 - ``fail`` ``job_id``, ``attempt``, ``nodes``: a rank exits with code 1; answered once every node holds
   the next attempt (``first_s``, ``all_s`` after the report);
-- ``cancel`` ``job_id``; ``samples``: every heartbeat try so far, request counts and errors;
+- ``cancel`` ``job_id``; ``requests``: the requests sent so far, by kind; ``samples``: every
+  heartbeat try so far, the fleet's event-loop lags, request counts and errors;
 - ``close``: the fleet stops and the process exits.
 """
 
@@ -119,6 +120,8 @@ class _Runner:
         if op == "route":
             fleet.route(int(args["replicas"]))
             return {"replicas": fleet.replicas}
+        if op == "requests":
+            return {"requests": dict(fleet.requests)}
         if op == "interval":
             return {"interval_s": fleet.longest_interval()}
         if op == "phase":
