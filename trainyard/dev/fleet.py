@@ -12,6 +12,10 @@ heartbeat every interval listing the attempts its "processes" run and the specs 
 status report with every worker running), stops what is no longer assigned (a final ``stopped``
 report, then the attempt drops out of its heartbeats), and on request reports checkpoint shards or
 a rank that exits with an error.
+
+Checkpoints through the real protocol, per rank or per node, with presigned URLs: fleet_saves.py.
+The fleet in a process of its own, driven over a pipe (bench/checkpoint_scale.py): fleet_proc.py.
+``upload_shards`` and ``checkpoint`` below skip the slots and grants (S3 credentials, reports only).
 """
 
 from __future__ import annotations
