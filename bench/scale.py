@@ -16,6 +16,9 @@ long poll open (``--protocol fixed``: a heartbeat every ``--interval`` seconds, 
    one checkpoint of one small shard per rank uploaded to S3 and reported by every node at once;
    a rank failure (exit code 1) and the recovery attempt assigned to every node; cancelled.
 
+A job that checkpoints while the fleet heartbeats, through the real per-rank protocol and the
+per-node batch one, with the fleet in its own process: bench/checkpoint_scale.py (issue 27).
+
 The simulated agents share the 2 cores with the control plane and PostgreSQL, so latencies include
 the client's own scheduling delay: they are upper bounds. Targets (issue 9): per-node payloads
 independent of world size; p99 heartbeat < 100 ms at 1,000 agents; 1,024-shard commit < 2 s; new

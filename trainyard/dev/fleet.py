@@ -12,6 +12,10 @@ heartbeat every interval listing the attempts its "processes" run and the specs 
 status report with every worker running), stops what is no longer assigned (a final ``stopped``
 report, then the attempt drops out of its heartbeats), and on request reports checkpoint shards or
 a rank that exits with an error.
+
+Checkpoints through the real protocol, per rank or per node, with presigned URLs: fleet_saves.py.
+The fleet in a process of its own, driven over a pipe (bench/checkpoint_scale.py): fleet_proc.py.
+``upload_shards`` and ``checkpoint`` below skip the slots and grants (S3 credentials, reports only).
 """
 
 from __future__ import annotations
@@ -26,16 +30,20 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
+from trainyard.cli.tls import client_context
+from trainyard.dev.certs import ensure_server_tls
 from trainyard.embedded import free_port
 from trainyard.embedded.processes import stop_process_group
+from trainyard.protocol.agent import AGENT_BACKOFF_S, AGENT_TRIES, agent_request_timeout_s
 from trainyard.protocol.keys import job_checkpoint_prefix, shard_key
 
 AGENT = "/v1/agent"
@@ -54,13 +62,51 @@ class S3Target:
         return Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False)
 
 
+class Target(Protocol):
+    """What the fleet needs of a control plane: where it listens (``urls``: every replica, the first
+    being ``url``), the tokens, and the CA its HTTPS certificate is verified with (None: HTTP)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def urls(self) -> list[str]: ...
+    @property
+    def admin_token(self) -> str: ...
+    @property
+    def join_token(self) -> str: ...
+    @property
+    def ca_file(self) -> str | None: ...
+
+
+def verify_for(target: Target) -> Any:
+    """httpx's ``verify`` for ``target``: its CA over HTTPS, the default otherwise."""
+    return client_context(target.ca_file) if target.ca_file else True
+
+
+@dataclass
+class Endpoints:
+    """A Target by value (what a fleet in another process is given)."""
+
+    urls: list[str]
+    admin_token: str
+    join_token: str
+    ca_file: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+
 class ControlPlane:
-    """``trainyard server`` as a subprocess (its own process group) on the given database and S3."""
+    """``trainyard server`` as a subprocess (its own process group) on the given database and S3;
+    HTTPS, as in production, with a certificate made in ``tls_dir`` (trainyard/dev/certs.py)."""
 
     def __init__(self, database_url: str, s3: S3Target, *, admin_token: str, join_token: str,
-                 log_path: Path, env: dict[str, str] | None = None) -> None:
+                 log_path: Path, env: dict[str, str] | None = None, tls_dir: Path | None = None) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = ensure_server_tls(tls_dir, ["127.0.0.1"]) if tls_dir is not None else None
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+        self.ca_file = str(self.tls.ca_file) if self.tls else None
         self.admin_token, self.join_token = admin_token, join_token
         self.log_path = log_path
         self._env = {
@@ -76,6 +122,10 @@ class ControlPlane:
         }
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def urls(self) -> list[str]:
+        return [self.url]
+
     def start(self, timeout_s: float = 60.0) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINYARD_")}
         env.update(self._env)
@@ -83,7 +133,8 @@ class ControlPlane:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "trainyard", "server", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--log-level", "warning"],
+                 "--log-level", "warning",
+                 *(["--tls-cert", str(self.tls.cert_file), "--tls-key", str(self.tls.key_file)] if self.tls else [])],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         deadline = time.monotonic() + timeout_s
@@ -91,7 +142,7 @@ class ControlPlane:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the control plane exited with {self.proc.returncode}; log: {self.log_path}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=2.0).status_code == 200:
+                if httpx.get(self.url + "/readyz", timeout=2.0, verify=verify_for(self)).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -136,11 +187,14 @@ class Sample:
     kind: str = "heartbeat"
     """heartbeat, or wait: a long poll's answer that carried the node's desired state (its latency
     is how long it was held open, not a figure)."""
+    timed_out: bool = False
+    """A heartbeat try that ran out of the agent's per-try timeout (its latency is that timeout)."""
 
 
 class SimAgent:
     def __init__(self, fleet: Fleet, index: int, gpus: int) -> None:
         self.fleet = fleet
+        self.index = index
         self.name = f"sim-{index:05d}"
         self.gpus = gpus
         self.address = f"127.1.{index // 250}.{index % 250 + 1}"
@@ -158,10 +212,31 @@ class SimAgent:
         """What the control plane told this agent (``fleet.follow_interval``), else the fleet's."""
         self.woken = asyncio.Event()  # set by the long poll: heartbeat now
         self.beat = asyncio.Event()  # set after each answered heartbeat
-        # Clients shared by a few agents each: one pool of thousands of connections costs the
-        # simulator more CPU per request than the control plane spends answering it (httpcore).
-        self.http = fleet.client(index, "requests")
-        self.wait_http = fleet.client(index, "waits")
+        self.try_timeout_s: float | None = None
+        """The real agent's per-try heartbeat timeout (``fleet.agent_timeouts``), from registration."""
+
+    # Clients shared by a few agents each: one pool of thousands of connections costs the simulator
+    # more CPU per request than the control plane spends answering it (httpcore). Each agent talks
+    # to the replica the fleet routes it to (``Fleet.route``).
+    @property
+    def http(self) -> httpx.AsyncClient:
+        return self.fleet.client(self.index, "requests")
+
+    @property
+    def wait_http(self) -> httpx.AsyncClient:
+        return self.fleet.client(self.index, "waits")
+
+    @property
+    def heartbeat_http(self) -> httpx.AsyncClient:
+        """The heartbeats' own connections, as the real agent's heartbeat loop has (a client of its
+        thread): a heartbeat never waits for a connection behind the workers' requests."""
+        return self.fleet.client(self.index, "heartbeats")
+
+    @property
+    def saves_http(self) -> httpx.AsyncClient:
+        """The workers' checkpoint requests (the real agent relays them on pooled clients, one per
+        request in flight)."""
+        return self.fleet.client(self.index, "saves")
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
@@ -170,11 +245,15 @@ class SimAgent:
         body = {"name": self.name, "address": self.address, "agent_version": "sim",
                 "gpus": [{"index": i, "uuid": f"virtual-{self.name}-{i}", "kind": "virtual-cpu", "memory_mb": 0}
                          for i in range(self.gpus)]}
+        self.fleet.requests["register"] += 1
         r = await self.fleet.http.post(f"{AGENT}/register", json=body,
                                        headers={"Authorization": f"Bearer {self.fleet.cp.join_token}"})
         r.raise_for_status()
         reg = r.json()
         self.token, self.storage = reg["node_token"], reg.get("storage", {})
+        if self.fleet.agent_timeouts:  # as node_agent/loops/heartbeat.py after registering
+            self.try_timeout_s = agent_request_timeout_s(float(reg["heartbeat_interval_s"]),
+                                                         float(reg["node_lost_timeout_s"]))
         if self.fleet.follow_interval:
             self.interval_s = float(reg.get("heartbeat_interval_s") or self.interval_s)
 
@@ -186,9 +265,7 @@ class SimAgent:
             body["known"] = [{"attempt_id": a, "version": v} for a, v in self.held.items()]
         sent_at = time.monotonic()
         phase = self.fleet.phase  # the phase it was sent in: legacy-ness is decided at send time
-        t0 = time.perf_counter()
-        r = await self.http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers())
-        latency = time.perf_counter() - t0
+        r, latency = await self._heartbeat_tries(body, phase)
         if r.status_code >= 500:
             self.fleet.server_errors.append(f"{self.name} heartbeat: HTTP {r.status_code}")
             return {}
@@ -200,6 +277,29 @@ class SimAgent:
         self._reconcile(resp, sent_at)
         self.beat.set()
         return resp
+
+    async def _heartbeat_tries(self, body: dict[str, Any], phase: str) -> tuple[httpx.Response, float]:
+        """One heartbeat; with ``fleet.agent_timeouts`` as the real agent sends it (node_agent/link/client.py):
+        up to AGENT_TRIES tries of ``try_timeout_s`` each, a jittered backoff between them. A try that
+        times out is a sample of its own (``timed_out``) and counted in ``fleet.heartbeat_timeouts``."""
+        tries = AGENT_TRIES if self.try_timeout_s is not None else 1
+        timeout = self.try_timeout_s if self.try_timeout_s is not None else 60.0
+        for attempt in range(tries):
+            if attempt:
+                await asyncio.sleep(AGENT_BACKOFF_S / 3 * attempt * random.uniform(0.5, 1.0))
+            self.fleet.requests["heartbeat"] += 1
+            t0 = time.perf_counter()
+            try:
+                r = await self.heartbeat_http.post(f"{AGENT}/heartbeat", json=body, headers=self._headers(),
+                                                   timeout=httpx.Timeout(timeout, connect=min(timeout, 3.0)))
+            except httpx.TimeoutException:
+                if self.try_timeout_s is None or attempt == tries - 1:
+                    raise
+                self.fleet.heartbeat_timeouts += 1
+                self.samples.append(Sample(time.monotonic(), time.perf_counter() - t0, 0, 0, phase, timed_out=True))
+                continue
+            return r, time.perf_counter() - t0
+        raise AssertionError("unreachable")
 
     async def wait_loop(self, stop: asyncio.Event) -> None:
         """The real agent's long poll (node_agent/loops/desired.py, DesiredState.step): a 'changed' answer carries the
@@ -214,6 +314,7 @@ class SimAgent:
             body = {"known": [{"attempt_id": a, "version": v} for a, v in self.held.items()], "timeout_s": timeout,
                     "answer": self.fleet.wait_answers and not self.legacy}
             sent_at = time.monotonic()
+            self.fleet.requests["wait"] += 1
             try:
                 r = await self.wait_http.post(f"{AGENT}/wait", json=body, headers=self._headers(),
                                               timeout=timeout + 30)
@@ -272,12 +373,14 @@ class SimAgent:
         if not task.cancelled() and task.exception() is not None:
             self.fleet.errors.append(f"{self.name}: {task.exception()!r}")
 
-    async def _post(self, path: str, body: dict[str, Any], *, timeout: float = 60.0) -> httpx.Response:
+    async def _post(self, path: str, body: dict[str, Any], *, timeout: float = 60.0,
+                    kind: str | None = None, http: httpx.AsyncClient | None = None) -> httpx.Response:
         """POST with the real agent's persistence: 5xx and transport errors are retried (level-triggered
         reports make that safe) and counted in ``fleet.server_errors``; any other answer is returned."""
         for attempt in range(20):
+            self.fleet.requests[kind or path.rsplit("/", 1)[-1]] += 1
             try:
-                r = await self.http.post(path, json=body, headers=self._headers(), timeout=timeout)
+                r = await (http or self.http).post(path, json=body, headers=self._headers(), timeout=timeout)
             except httpx.TransportError as exc:
                 self.fleet.server_errors.append(f"{self.name} {path}: {type(exc).__name__}")
             else:
@@ -340,6 +443,15 @@ class SimAgent:
             self.woken.clear()
             try:
                 await self.heartbeat()
+            except httpx.TimeoutException as exc:
+                if self.try_timeout_s is None:
+                    self.fleet.server_errors.append(f"{self.name} heartbeat: {type(exc).__name__}")
+                    continue
+                # Its last try ran out too (fleet.agent_timeouts): counted, and the loop goes on.
+                self.fleet.heartbeat_timeouts += 1
+                self.samples.append(Sample(time.monotonic(), self.try_timeout_s or 0.0, 0, 0, self.fleet.phase,
+                                           timed_out=True))
+                self.fleet.server_errors.append(f"{self.name} heartbeat: every try timed out")
             except httpx.TransportError as exc:
                 self.fleet.server_errors.append(f"{self.name} heartbeat: {type(exc).__name__}")
             except httpx.HTTPError as exc:
@@ -356,13 +468,26 @@ class SimAgent:
 class Fleet:
     """N simulated agents on one shared HTTP client, heartbeating concurrently until ``close()``."""
 
-    def __init__(self, cp: ControlPlane, s3: S3Target, *, gpus_per_node: int = 8, interval_s: float = 1.0,
-                 follow_interval: bool = True, long_poll: bool = True, wait_timeout_s: float = 25.0) -> None:
+    def __init__(self, cp: Target, s3: S3Target | None, *, gpus_per_node: int = 8, interval_s: float = 1.0,
+                 follow_interval: bool = True, long_poll: bool = True, wait_timeout_s: float = 25.0,
+                 agent_timeouts: bool = False) -> None:
         """``follow_interval``: each agent heartbeats at the interval the control plane tells it
         (it grows with the fleet), else every ``interval_s``; ``long_poll``: each agent keeps a
         ``POST /v1/agent/wait`` open and heartbeats when it returns 'changed'. Both off: the
-        protocol before the long poll (a fixed interval)."""
+        protocol before the long poll (a fixed interval). ``agent_timeouts``: heartbeats time out
+        and are tried again as the real agent's (else they wait up to 60 s). ``s3``: credentials for
+        ``upload_shards`` only (the protocol's checkpoints, trainyard/dev/fleet_saves.py, use
+        presigned URLs and need none)."""
         self.cp, self.s3 = cp, s3
+        self.verify = verify_for(cp)
+        self.agent_timeouts = agent_timeouts
+        self.requests: Counter[str] = Counter()
+        """Requests sent to the control plane, by kind (heartbeat, wait, status, shards, ...; the
+        admin API's are not counted)."""
+        self.heartbeat_timeouts = 0
+        """Heartbeat tries that ran out of the agent's per-try timeout (``agent_timeouts``)."""
+        self.replicas = 1
+        """Agent i talks to replica ``i % replicas`` of ``cp.urls`` (``route``)."""
         self.gpus_per_node = gpus_per_node
         self.interval_s = interval_s
         self.follow_interval = follow_interval
@@ -372,9 +497,9 @@ class Fleet:
         """Long polls ask for the desired state with a change (WaitRequest.answer), as the real agent."""
         self.waits = 0
         """Long polls answered."""
-        self.http = httpx.AsyncClient(base_url=cp.url, timeout=60.0,
+        self.http = httpx.AsyncClient(base_url=cp.url, timeout=60.0, verify=self.verify,
                                       limits=httpx.Limits(max_connections=4000, max_keepalive_connections=4000))
-        self._clients: dict[tuple[int, str], httpx.AsyncClient] = {}
+        self._clients: dict[tuple[int, str, str], httpx.AsyncClient] = {}
         self.admin = {"Authorization": f"Bearer {cp.admin_token}"}
         self.agents: list[SimAgent] = []
         self.phase = "start"
@@ -385,16 +510,23 @@ class Fleet:
         self._stop = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
         self._pool = ThreadPoolExecutor(16)
-        self._s3 = s3.client()
+        self._s3: Any = None
 
     AGENTS_PER_CLIENT = 32
 
     def client(self, index: int, kind: str) -> httpx.AsyncClient:
-        key = (index // self.AGENTS_PER_CLIENT, kind)
+        url = self.cp.urls[index % max(1, min(self.replicas, len(self.cp.urls)))]
+        key = (index // self.AGENTS_PER_CLIENT, kind, url)
         if key not in self._clients:
-            self._clients[key] = httpx.AsyncClient(base_url=self.cp.url, timeout=60.0, limits=httpx.Limits(
-                max_connections=self.AGENTS_PER_CLIENT * 2, max_keepalive_connections=self.AGENTS_PER_CLIENT * 2))
+            most = self.AGENTS_PER_CLIENT * (2 * self.gpus_per_node if kind == "saves" else 2)
+            self._clients[key] = httpx.AsyncClient(base_url=url, timeout=60.0, verify=self.verify, limits=httpx.Limits(
+                max_connections=most, max_keepalive_connections=most))
         return self._clients[key]
+
+    def route(self, replicas: int) -> None:
+        """From now on agent i talks to replica ``i % replicas`` (they share one database, so any
+        replica serves any agent); long polls already open end on their own."""
+        self.replicas = max(1, min(replicas, len(self.cp.urls)))
 
     async def grow(self, n: int) -> None:
         """Register agents up to ``n`` in all and start their heartbeat loops."""
@@ -471,7 +603,11 @@ class Fleet:
     # -- checkpoints and failures --------------------------------------------------------------------
 
     def _upload(self, key: str, data: bytes) -> None:
-        self._s3.put_object(self.s3.bucket, key, io.BytesIO(data), len(data))
+        s3 = self.s3
+        assert s3 is not None, "upload_shards needs the fleet's S3 credentials"
+        if self._s3 is None:
+            self._s3 = s3.client()
+        self._s3.put_object(s3.bucket, key, io.BytesIO(data), len(data))
 
     async def upload_shards(self, parts: list[tuple[SimAgent, SimRun]], step: int,
                             size: int = 256) -> dict[str, list[dict[str, Any]]]:
