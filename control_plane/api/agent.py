@@ -10,6 +10,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
 from control_plane.api.deps import (
+    ArrivedAt,
     NodeIdentity,
     NodeToken,
     RegisterCredential,
@@ -62,8 +63,9 @@ def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse, responses=ERRORS)
 def heartbeat(body: HeartbeatRequest, node: NodeIdentity, session: SessionDep, settings: SettingsDep,
-              runtime: RuntimeDep) -> HeartbeatResponse:
-    answer = agent_protocol.heartbeat_and_schedule(session, node, body, runtime.worker_storage, runtime, settings)
+              runtime: RuntimeDep, arrived_at: ArrivedAt) -> HeartbeatResponse:
+    answer = agent_protocol.heartbeat_and_schedule(session, node, body, runtime.worker_storage, runtime, settings,
+                                                   arrived_at)
     return HeartbeatResponse(node_id=str(node.id), node_state=answer.node_state, assignments=answer.assignments,
                              unchanged=answer.unchanged, heartbeat_interval_s=answer.heartbeat_interval_s)
 

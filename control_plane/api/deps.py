@@ -9,6 +9,7 @@ import hashlib
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -20,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane import authz
 from control_plane.authz import Principal
 from control_plane.errors import Forbidden, Unauthorized
+from control_plane.lanes import ARRIVED_AT
 from control_plane.models import Node
 from control_plane.services.access import principals, ui_sessions
 from control_plane.services.cluster import nodes
@@ -140,7 +142,15 @@ def get_agent_openapi(request: Request) -> dict[str, Any]:
     return document
 
 
+async def get_arrived_at(request: Request) -> datetime | None:
+    """When a liveness request reached this replica, before any queue (control_plane/lanes.py).
+    Async: it needs no thread."""
+    arrived: datetime | None = request.scope.get(ARRIVED_AT)
+    return arrived
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+ArrivedAt = Annotated[datetime | None, Depends(get_arrived_at)]
 AgentOpenApi = Annotated[dict[str, Any], Depends(get_agent_openapi)]
 SessionDep = Annotated[Session, Depends(get_session)]
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
