@@ -15,7 +15,9 @@ risked being declared lost. This ASGI middleware sorts each request by method an
   and for the GIL). Waiting costs an asyncio future, no thread and no connection. Past
   ``bookkeeping_queue_max`` waiting, or after ``bookkeeping_wait_s`` in the queue, the answer is 503
   problem+json with Retry-After; agents resend (node_agent/link/client.py, relay.py);
-- everything else (long polls that hold no thread, users' API) passes untouched.
+- everything else (long polls that hold no thread, users' API) passes untouched; the upload-slot
+  long poll, many per checkpoint, runs its transactions through the gate (``run_gated``), holding a
+  place only while one runs, never while it waits.
 
 ``GateBook`` is the gate's bookkeeping without asyncio (tests/control_plane/test_lanes.py checks its
 properties); ``Lanes`` drives it from the event loop. docs/architecture.md, "Liveness lane".
@@ -30,14 +32,20 @@ import re
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypeVar
 
+import anyio.to_thread
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane import clock
 from control_plane.errors import PROBLEM_JSON
 from control_plane.limits_http import drain
+from control_plane.wakeups import Busy
+
+T = TypeVar("T")
 
 ARRIVED_AT = "trainyard.arrived_at"
 """Scope key: the shared-clock instant (control_plane.clock.now) a liveness request arrived."""
@@ -231,6 +239,17 @@ class Lanes:
         finally:
             self._waiters.pop(ticket, None)
             self._wait_seconds += time.monotonic() - started
+
+    async def run_gated(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in a worker thread as bookkeeping: through the gate, holding its place only while
+        it runs. For work an ungated request does in threads between waits (the upload-slot long
+        poll's transactions); raises Busy (503 with Retry-After) where the gate refuses."""
+        if not await self.admit():
+            raise Busy("too many checkpoint and progress reports are waiting behind heartbeats")
+        try:
+            return await anyio.to_thread.run_sync(fn)
+        finally:
+            self.done()
 
     def done(self) -> None:
         """An admitted bookkeeping request answered."""

@@ -142,8 +142,9 @@ async def upload_slot(attempt_id: uuid.UUID, body: SlotRequest, token: NodeToken
     """A checkpoint upload slot, as a long poll (trainyard/protocol/uploads.py): granted, or waiting with
     the queue position after `wait_s`. Asking again for the same (rank, step) polls or renews it. Holds no
     thread and no database connection while it waits."""
+    gated = runtime.lanes.run_gated if runtime.lanes is not None else None  # its transactions are bookkeeping
     return await upload_slots.ask_and_wait(runtime.session_factory, runtime.slot_wakeups, runtime.slot_passes, token,
-                                           attempt_id, body, settings)
+                                           attempt_id, body, settings, gated)
 
 
 @router.post("/attempts/{attempt_id}/upload-slots/release", response_model=SlotReleased, responses=ERRORS)

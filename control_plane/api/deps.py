@@ -62,6 +62,8 @@ class Runtime:
     """services.runs.logs.Followers: followed logs per principal on this replica (app.log_followers)."""
     code_uploads: Any = None
     """services.runs.code_upload.UploadGate: code uploads in flight per principal on this replica."""
+    lanes: Any = None
+    """control_plane.lanes.Lanes: this replica's liveness lane and bookkeeping gate (app.lanes)."""
 
     def wake_scheduler(self) -> None:
         self.loops.wake_scheduler()
@@ -78,7 +80,7 @@ def get_runtime(request: Request) -> Runtime:
                    engine=state.engine, wakeups=getattr(state, "wakeups", None),
                    slot_wakeups=getattr(state, "slot_wakeups", None), slot_passes=getattr(state, "slot_passes", None),
                    metrics=getattr(state, "metrics", None), log_followers=getattr(state, "log_followers", None),
-                   code_uploads=getattr(state, "code_uploads", None))
+                   code_uploads=getattr(state, "code_uploads", None), lanes=getattr(state, "lanes", None))
 
 
 def get_session(request: Request) -> Iterator[Session]:

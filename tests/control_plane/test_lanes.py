@@ -185,3 +185,22 @@ def test_a_node_whose_heartbeat_waits_here_is_never_lost(interval: float, slack:
     previous_age = queued + interval  # how old the node's last record is now
     grace = lost_grace_s(local_oldest_s=queued, recent_lag_s=lag, cap_s=timeout)
     assert not previous_age > timeout + grace
+
+
+def test_the_slot_long_polls_transactions_go_through_the_gate() -> None:
+    from control_plane.wakeups import Busy
+
+    async def scenario() -> None:
+        lanes = Lanes(bookkeeping_concurrency=1, queue_max=1, wait_s=5)
+        ran: list[str] = []
+        ticket = lanes.liveness_arrived()
+        gated = asyncio.create_task(lanes.run_gated(lambda: ran.append("slot") or "answer"))
+        await asyncio.sleep(0.05)
+        assert ran == [] and lanes.figures().bookkeeping_queued == 1  # behind the heartbeat
+        with pytest.raises(Busy):  # the queue (1) is full: a 503 with Retry-After
+            await lanes.run_gated(lambda: "refused")
+        lanes.liveness_done(ticket)
+        assert await gated == "answer" and ran == ["slot"]
+        assert lanes.book.in_flight == 0  # its place is given back once its thread returns
+
+    _run(scenario())
