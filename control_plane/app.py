@@ -39,6 +39,7 @@ from control_plane.api.deps import api_routes, route_policy
 from control_plane.db import make_engine, make_session_factory
 from control_plane.errors import PROBLEM_JSON, TooMany, TrainyardError, Unauthorized
 from control_plane.http_deadlines import BodyIdleTimeout
+from control_plane.lanes import LaneMiddleware, Lanes
 from control_plane.limits_http import BodyLimit
 from control_plane.logging import configure_logging
 from control_plane.scheduler.loops import Loops
@@ -261,7 +262,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                          max_overflow=10, pool_timeout_s=settings.pool_timeout_s)
     factory = make_session_factory(engine)
     store = object_store(settings)
-    loops = Loops(factory, settings, store)
+    # Bookkeeping never takes every request thread: liveness keeps at least one (settings check it).
+    lanes = Lanes(bookkeeping_concurrency=max(1, min(settings.bookkeeping_concurrency, settings.api_threads - 1)),
+                  queue_max=settings.bookkeeping_queue_max, wait_s=settings.bookkeeping_wait_s)
+    loops = Loops(factory, settings, store, liveness_wait=lanes.oldest_liveness_s)
     wakeups = Wakeups(settings.database_url, max_waiters=settings.agent_wait_max)
     wakeups.install(factory)
     slot_wakeups = Wakeups(settings.database_url, max_waiters=settings.upload_slot_wait_max, channel=SLOT_CHANNEL)
@@ -314,7 +318,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wake_scheduler = loops.wake_scheduler
     app.state.object_store = store
     app.state.worker_storage = worker_storage(settings)
-    app.state.metrics = Exporter(factory, settings.metrics_cache_s, goodput.for_cluster)
+    app.state.lanes = lanes
+    app.state.metrics = Exporter(factory, settings.metrics_cache_s, goodput.for_cluster, lanes.figures)
     app.state.log_followers = Followers(settings.log_followers_per_principal)
     app.state.code_uploads = UploadGate(settings.code_uploads_per_principal)
     _install_error_handlers(app)
@@ -325,6 +330,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     openapi.install(app, API_DESCRIPTION)
     app.mount(docs.SWAGGER, StaticFiles(directory=swagger_ui_path()), name="swagger-ui")
     app.mount(docs.VENDOR, StaticFiles(directory=openapi.STATIC_DIR), name="vendor")
+    # Innermost: a request is put in its lane after the body checks, and right before its route.
+    app.add_middleware(LaneMiddleware, lanes=lanes)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes,
                        larger={"/v1/code/": settings.max_code_bytes})
     # Outside BodyLimit (added last), so that a chunked body BodyLimit reads is timed too.

@@ -97,6 +97,10 @@ class Node(Base):
         Float, doc="The heartbeat interval its agent was last told (it scales with the cluster); the monitor "
         "declares the node lost after this plus the configured slack. NULL: heartbeat_interval_s."
     )
+    heartbeat_lag_s: Mapped[float | None] = mapped_column(
+        Float, doc="How long its last heartbeat waited in the replica that took it, arrival to record (the "
+        "liveness lane, control_plane/lanes.py); monitors extend the lost timeout by the largest recent one."
+    )
     registered_at: Mapped[datetime] = _ts(nullable=False, server_default=func.now())
 
     gpus: Mapped[list[Gpu]] = relationship(back_populates="node", order_by="Gpu.index")

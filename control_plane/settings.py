@@ -200,6 +200,19 @@ class Settings(BaseSettings):
     api_threads: int = Field(
         40, ge=1, le=1000, description="Threads that run requests; the connection pool is sized to cover them."
     )
+    bookkeeping_concurrency: int = Field(
+        4, ge=1, le=64, description="Checkpoint and progress reports from agents (shards, events, logs, storage "
+        "grants, slot releases) one replica runs at once, and only while no heartbeat, registration or status "
+        "report is in flight: the liveness lane (docs/architecture.md). Less than api_threads."
+    )
+    bookkeeping_queue_max: int = Field(
+        1024, ge=0, le=1_000_000, description="Such reports one replica lets wait for the gate (no thread, no "
+        "connection); more are answered 503 with Retry-After and agents resend."
+    )
+    bookkeeping_wait_s: float = Field(
+        5.0, gt=0, description="Longest a report waits for the gate before it is answered 503 with Retry-After "
+        "(below the agents' 10 s request timeout, so the agent hears the answer)."
+    )
     db_pool_timeout_s: float = Field(
         2.0, gt=0, description="How long a request waits for a database connection before it is answered 503 "
         "(at most half the agents' request timeout, which is derived from the heartbeat settings)."
@@ -365,6 +378,8 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         self._check_timeouts()
         self._check_s3()
+        if self.bookkeeping_concurrency >= self.api_threads:
+            raise ValueError("bookkeeping_concurrency must be less than api_threads: liveness keeps the rest")
         if self.rdzv_port_min > self.rdzv_port_max:
             raise ValueError("rdzv_port_min must not exceed rdzv_port_max")
 

@@ -19,8 +19,8 @@ import asyncio
 import contextlib
 import threading
 import uuid
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol, TypeVar
 
 import anyio.to_thread
 import structlog
@@ -29,6 +29,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 log = structlog.get_logger("trainyard.wakeups")
 T = TypeVar("T")
+
+
+class RunInThread(Protocol):
+    """Runs a blocking function in a worker thread and awaits its result (anyio.to_thread.run_sync, or
+    the bookkeeping gate's ``Lanes.run_gated``)."""
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
 
 CHANNEL = "trainyard_node"
 SLOT_CHANNEL = "trainyard_upload_slot"
@@ -128,18 +135,21 @@ class Wakeups:
             self.remove(node_id, ev)
 
     async def wait_until(self, key: str, first: Callable[[], T | None], then: Callable[[], T],
-                         timeout_s: float) -> T:
+                         timeout_s: float, run: RunInThread | None = None) -> T:
         """A long poll on ``key``: the answer of ``first()`` (run in a worker thread, after the wait
         is registered, so no wake-up between the two is missed) if it has one, else that of
-        ``then()`` after a wake-up or after ``timeout_s``."""
+        ``then()`` after a wake-up or after ``timeout_s``. ``run`` runs each in a thread (default:
+        anyio's pool, unbounded by anything else; the upload-slot long poll passes the bookkeeping
+        gate's, control_plane/lanes.py)."""
+        in_thread: RunInThread = run or anyio.to_thread.run_sync
         ev = self.add(key)
         try:
-            answer = await anyio.to_thread.run_sync(first)
+            answer = await in_thread(first)
             if answer is not None:
                 return answer
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout_s)
-            return await anyio.to_thread.run_sync(then)
+            return await in_thread(then)
         finally:
             self.remove(key, ev)
 

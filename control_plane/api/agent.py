@@ -15,6 +15,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
 from control_plane.api.deps import (
+    ArrivedAt,
     NodeToken,
     RegisterCredential,
     RuntimeDep,
@@ -66,10 +67,10 @@ def register(body: RegisterRequest, session: SessionDep, settings: SettingsDep, 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse, responses=ERRORS)
 def heartbeat(body: HeartbeatRequest, token: NodeToken, session: SessionDep, settings: SettingsDep,
-              runtime: RuntimeDep) -> HeartbeatResponse:
+              runtime: RuntimeDep, arrived_at: ArrivedAt) -> HeartbeatResponse:
     node = nodes.authenticate(session, token, lock=True)  # first in the lock order, as nodes.heartbeat wants it
     answer = agent_protocol.heartbeat_and_schedule(session, node, body, runtime.worker_storage, runtime, settings,
-                                                   locked=True)
+                                                   arrived_at, locked=True)
     return HeartbeatResponse(node_id=str(node.id), node_state=answer.node_state, assignments=answer.assignments,
                              unchanged=answer.unchanged, heartbeat_interval_s=answer.heartbeat_interval_s)
 
@@ -152,8 +153,9 @@ async def upload_slot(attempt_id: uuid.UUID, body: SlotRequest, token: NodeToken
     """A checkpoint upload slot, as a long poll (trainyard/protocol/uploads.py): granted, or waiting with
     the queue position after `wait_s`. Asking again for the same (rank, step) polls or renews it. Holds no
     thread and no database connection while it waits."""
+    gated = runtime.lanes.run_gated if runtime.lanes is not None else None  # its transactions are bookkeeping
     return await upload_slots.ask_and_wait(runtime.session_factory, runtime.slot_wakeups, runtime.slot_passes, token,
-                                           attempt_id, body, settings)
+                                           attempt_id, body, settings, gated)
 
 
 @router.post("/attempts/{attempt_id}/upload-slots/release", response_model=SlotReleased, responses=ERRORS)

@@ -9,6 +9,7 @@ import hashlib
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -20,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane import authz
 from control_plane.authz import Principal
 from control_plane.errors import Forbidden, Unauthorized
+from control_plane.lanes import ARRIVED_AT
 from control_plane.services.access import principals, ui_sessions
 from control_plane.services.cluster import nodes
 from control_plane.settings import Settings
@@ -59,6 +61,8 @@ class Runtime:
     """services.runs.logs.Followers: followed logs per principal on this replica (app.log_followers)."""
     code_uploads: Any = None
     """services.runs.code_upload.UploadGate: code uploads in flight per principal on this replica."""
+    lanes: Any = None
+    """control_plane.lanes.Lanes: this replica's liveness lane and bookkeeping gate (app.lanes)."""
 
     def wake_scheduler(self) -> None:
         self.loops.wake_scheduler()
@@ -75,7 +79,7 @@ def get_runtime(request: Request) -> Runtime:
                    engine=state.engine, wakeups=getattr(state, "wakeups", None),
                    slot_wakeups=getattr(state, "slot_wakeups", None), slot_passes=getattr(state, "slot_passes", None),
                    metrics=getattr(state, "metrics", None), log_followers=getattr(state, "log_followers", None),
-                   code_uploads=getattr(state, "code_uploads", None))
+                   code_uploads=getattr(state, "code_uploads", None), lanes=getattr(state, "lanes", None))
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
@@ -142,7 +146,15 @@ def get_agent_openapi(request: Request) -> dict[str, Any]:
     return document
 
 
+async def get_arrived_at(request: Request) -> datetime | None:
+    """When a liveness request reached this replica, before any queue (control_plane/lanes.py).
+    Async: it needs no thread."""
+    arrived: datetime | None = request.scope.get(ARRIVED_AT)
+    return arrived
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+ArrivedAt = Annotated[datetime | None, Depends(get_arrived_at)]
 AgentOpenApi = Annotated[dict[str, Any], Depends(get_agent_openapi)]
 SessionDep = Annotated[Session, Depends(get_session)]
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]

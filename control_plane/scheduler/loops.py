@@ -35,8 +35,12 @@ class Loops:
     THREADS = len(NAMES)
     """Threads ``start`` runs, each holding at most one connection at a time."""
 
-    def __init__(self, factory: sessionmaker[Session], settings: Settings, store: object | None = None) -> None:
+    def __init__(self, factory: sessionmaker[Session], settings: Settings, store: object | None = None,
+                 liveness_wait: Callable[[], float] | None = None) -> None:
         self._factory = factory
+        # How long this replica's oldest unanswered heartbeat has waited (control_plane/lanes.py): the
+        # monitor declares no node lost whose heartbeat may be that one (services/cluster/lost_policy.py).
+        self._liveness_wait = liveness_wait or (lambda: 0.0)
         self._store = store
         self._settings = settings
         self._stop = threading.Event()
@@ -123,10 +127,12 @@ class Loops:
             bind = getattr(self._factory, "kw", {}).get("bind")
             if bind is not None:
                 clock.maybe_anchor(bind)  # liveness compares instants other replicas wrote
+            waited = self._liveness_wait()  # before the nodes are read: see mark_lost_nodes
             with session_scope(self._factory) as session:
                 lost = nodes.mark_lost_nodes(
                     session, timeout_s=self._settings.node_lost_timeout_s, not_before=self._not_before,
                     interval_s=self._settings.heartbeat_interval_s,  # a node told longer waits longer
+                    local_oldest_s=waited,
                 )
             with session_scope(self._factory) as session:
                 # After the lost nodes committed: a cancelling job whose release committed but was

@@ -66,6 +66,24 @@ class ControlPlaneError(Exception):
 class ControlPlaneUnavailable(ControlPlaneError):
     """The control plane could not be reached or failed (5xx), even after retries."""
 
+    retry_after_s: float | None = None
+    """What the last 503 said to wait (Retry-After), if it said: a busy replica's bookkeeping gate."""
+
+
+RETRY_AFTER_MAX_S = 10.0
+"""The longest Retry-After the client waits for between tries (a larger one is read as this)."""
+
+
+def retry_after(resp: httpx.Response) -> float | None:
+    """The seconds of a 503's Retry-After (delay-seconds only; an HTTP date is ignored)."""
+    if resp.status_code != 503:
+        return None
+    try:
+        seconds = float(resp.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return min(max(0.0, seconds), RETRY_AFTER_MAX_S) if seconds == seconds else None
+
 
 class Unauthorized(ControlPlaneError):
     """The control plane does not accept our credential (401): register (again)."""
@@ -217,7 +235,10 @@ class ControlPlaneClient:
             client.close()
 
     def _post(self, path: str, body: BaseModel, response: type[R], *, token: str | None,
-              timeout: httpx.Timeout | None = None, pooled: bool = False) -> R:
+              timeout: httpx.Timeout | None = None, pooled: bool = False, liveness: bool = False) -> R:
+        """``liveness``: a heartbeat or registration, which keeps its own short backoff (its tries
+        must end within the node-lost timeout) even when a 503 says Retry-After; other requests wait
+        at least what a 503 says before trying again."""
         if token is None:
             raise Unauthorized("not registered")
         node_call = token is not self.join_token
@@ -229,8 +250,14 @@ class ControlPlaneClient:
             raise RequestRejected(f"cannot encode the request to {path}: {exc}", status=422) from exc
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         last: str = ""
+        wait_at_least: float | None = None
         for attempt in range(self.retry.attempts):
-            if attempt and self._stop.wait(self.retry.delay(attempt - 1)):
+            delay = self.retry.delay(attempt - 1) if attempt else 0.0
+            if wait_at_least is not None and not liveness:
+                # A busy replica said when: wait that, spread over half as much again, so the agents
+                # it turned away together do not come back together.
+                delay = max(delay, wait_at_least * random.uniform(1.0, 1.5))
+            if attempt and self._stop.wait(delay):
                 break  # shutting down: give up now rather than after the backoff
             try:
                 with self._http(pooled=pooled) as http:
@@ -243,7 +270,9 @@ class ControlPlaneClient:
                 continue
             if resp.status_code >= 500:
                 last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                wait_at_least = retry_after(resp)
                 continue
+            wait_at_least = None
             if resp.status_code == 401:
                 raise Unauthorized(_detail(resp), status=401)
             if resp.status_code == 409 and _is_stale_agent(_problem_type(resp)):
@@ -267,7 +296,9 @@ class ControlPlaneClient:
                 return response.model_validate_json(resp.content)
             except ValidationError as exc:
                 raise RequestRejected(f"unexpected response to {path}: {exc}", status=resp.status_code) from exc
-        raise ControlPlaneUnavailable(f"{path}: {last or 'stopped'}")
+        unavailable = ControlPlaneUnavailable(f"{path}: {last or 'stopped'}")
+        unavailable.retry_after_s = wait_at_least
+        raise unavailable
 
     def register(self, request: RegisterRequest, credential: str | None = None) -> RegisterResponse:
         """With the node's own ``credential`` when there is one (it re-claims its registered node);
@@ -277,7 +308,7 @@ class ControlPlaneClient:
             raise Unauthorized("neither a node credential nor a join token to register with")
         for i, token in enumerate(tokens):
             try:
-                resp = self._post("/register", request, RegisterResponse, token=token)
+                resp = self._post("/register", request, RegisterResponse, token=token, liveness=True)
             except Unauthorized:
                 if i == len(tokens) - 1:
                     raise
@@ -289,7 +320,7 @@ class ControlPlaneClient:
 
     def heartbeat(self, request: HeartbeatRequest) -> HeartbeatResponse:
         return self._post("/heartbeat", request, HeartbeatResponse, token=self.node_token,
-                          timeout=self.heartbeat_timeout)
+                          timeout=self.heartbeat_timeout, liveness=True)
 
     def wait(self, request: WaitRequest) -> WaitResponse:
         """The long poll: answered when the node's desired state changes, or after ``timeout_s``."""

@@ -140,6 +140,8 @@ class Relay:
         except ControlPlaneUnavailable as exc:
             self.failed_sends += 1
             log.info("outbox_send_failed", attempt_id=attempt_id, kind=batch.kind, items=len(batch), error=str(exc))
+            if exc.retry_after_s:  # a busy replica said when (its bookkeeping gate): then, with jitter
+                return exc.retry_after_s * random.uniform(1.0, 1.5)
             return 0.0
         except RequestRejected as exc:
             self._rejected(batch, exc)

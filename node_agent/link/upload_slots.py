@@ -90,7 +90,8 @@ class SlotRelay:
         except ControlPlaneUnavailable as exc:
             log.info("upload_slot_control_plane_unavailable", attempt_id=attempt_id, what=what, error=str(exc))
             return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": f"the control plane cannot be reached: {exc}",
-                                                    "retry_after_s": UNAVAILABLE_RETRY_S}
+                                                    "retry_after_s": max(UNAVAILABLE_RETRY_S,
+                                                                         exc.retry_after_s or 0.0)}
         except RequestRejected as exc:
             # 422, not the upstream status: a worker must not read a refusal as "fenced off".
             return HTTPStatus.UNPROCESSABLE_ENTITY, {"detail": str(exc), "upstream_status": exc.status}

@@ -234,7 +234,10 @@ class RelayLoop:
             state.need_register.set()
             return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "the agent is registering again; retry"}
         except ControlPlaneUnavailable as exc:
-            return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": f"the control plane is unreachable: {exc}"}
+            answer: dict[str, Any] = {"detail": f"the control plane is unreachable: {exc}"}
+            if exc.retry_after_s:  # a busy replica said when: the worker hears it (local/api.py)
+                answer["retry_after_s"] = exc.retry_after_s
+            return HTTPStatus.SERVICE_UNAVAILABLE, answer
         return HTTPStatus.OK, grants.model_dump(mode="json")
 
 

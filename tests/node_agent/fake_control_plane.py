@@ -82,6 +82,9 @@ class FakeControlPlane:
         self.reject_status: set[str] = set()
         self.rejected: dict[str, int] = defaultdict(int)  # status reports answered 422, per attempt
         """Attempts whose status reports get a 422 (an answer: resending will not help)."""
+        self.busy_reports: dict[str, int] = {}
+        """Attempts whose shards and events get a 503 with this Retry-After (a busy bookkeeping gate)."""
+        self.busy_answered = 0
         self.down = False
         self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
@@ -212,6 +215,9 @@ class FakeControlPlane:
             return 200, LogAck(accepted=len(batch.chunks)).model_dump(mode="json")
 
     def _checkpoint_report(self, attempt_id: str, kind: str, body: bytes) -> tuple[int, dict[str, Any]]:
+        if attempt_id in self.busy_reports:
+            self.busy_answered += 1
+            return 503, {"title": "busy", "status": 503, "retry_after": self.busy_reports[attempt_id]}
         if attempt_id in self.stale_shards:
             self.refused_stale[attempt_id] += 1
             return 409, {"title": "Conflict", "status": 409, "detail": "stale attempt"}
@@ -276,6 +282,8 @@ class FakeControlPlane:
                 self.send_response(status)
                 ctype = "application/json" if status < 400 else "application/problem+json"
                 self.send_header("Content-Type", ctype)
+                if status == 503 and "retry_after" in payload:
+                    self.send_header("Retry-After", str(payload["retry_after"]))
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import pytest
 
-from node_agent.link.client import ControlPlaneClient, RetryPolicy, StaleAttempt
+from node_agent.link.client import ControlPlaneClient, ControlPlaneUnavailable, RetryPolicy, StaleAttempt
 from node_agent.link.outbox import Outbox
 from node_agent.link.relay import Relay
 from tests.node_agent.fake_control_plane import FakeControlPlane
-from trainyard.protocol.agent import GpuInfo, RegisterRequest, ShardInfo, WorkerEvent
+from trainyard.protocol.agent import GpuInfo, RegisterRequest, ShardInfo, ShardReport, WorkerEvent
 
 SHA = "cd" * 32
 
@@ -135,3 +136,37 @@ def test_unknown_attempt_and_401(setup: Setup) -> None:
     setup.outbox.put("att-1", "event", event("kept"))
     setup.relay.step()
     assert setup.unauthorized and setup.outbox.pending("att-1") == 1
+
+
+def test_a_busy_control_plane_is_asked_again_after_its_retry_after(setup: Setup) -> None:
+    """A 503 with Retry-After (the control plane's bookkeeping gate, control_plane/lanes.py): the relay
+    keeps the items and tries again no sooner than it was told, with jitter on top."""
+    setup.plane.busy_reports["att-1"] = 3
+    setup.outbox.put("att-1", "shard", shard(10, 0))
+    asked = time.monotonic()
+    setup.relay.step()
+    assert setup.plane.busy_answered == 1 and setup.relay.failed_sends == 1
+    assert 3.0 <= setup.relay._next_try_at["att-1"] - asked <= 4.6
+    setup.relay.step()
+    assert setup.plane.busy_answered == 1  # not before it is due
+    del setup.plane.busy_reports["att-1"]
+    setup.relay._next_try_at.clear()  # as if the wait had passed
+    setup.drain()
+    assert setup.plane.arrived("att-1") == ["shard:10:0"]
+
+
+def test_the_client_waits_out_a_retry_after_between_its_own_tries() -> None:
+    plane = FakeControlPlane().start()
+    client = ControlPlaneClient(plane.url, join_token=plane.join_token, retry=RetryPolicy(attempts=2), timeout_s=2)
+    try:
+        client.register(RegisterRequest(name="n", address="127.0.0.1",
+                                        gpus=[GpuInfo(index=0, uuid="u", kind="k", memory_mb=0)]))
+        plane.busy_reports["att-1"] = 1
+        began = time.monotonic()
+        with pytest.raises(ControlPlaneUnavailable) as raised:
+            client.report_shards("att-1", ShardReport(fencing_token="f", node_rank=0, shards=[shard(10, 0)]))
+        assert plane.busy_answered == 2 and time.monotonic() - began >= 1.0
+        assert raised.value.retry_after_s == 1.0
+    finally:
+        client.close()
+        plane.stop()

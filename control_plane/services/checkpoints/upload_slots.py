@@ -69,10 +69,12 @@ def slot_key(attempt_id: uuid.UUID | str, rank: int, step: int) -> str:
 
 
 async def ask_and_wait(factory: sessionmaker[Session], waits: wakeups.Wakeups, passes: PassRunner | None,
-                       token: str, attempt_id: uuid.UUID, req: SlotRequest, settings: Settings) -> SlotAnswer:
+                       token: str, attempt_id: uuid.UUID, req: SlotRequest, settings: Settings,
+                       run: wakeups.RunInThread | None = None) -> SlotAnswer:
     """A slot request as a long poll: granted at once if it can be, else answered when a grant
     pass (on any replica) grants it, or after ``wait_s`` (at most upload_slot_poll_s) with the
-    queue position. While it waits, this replica's runner keeps its queue place alive (``renew``)."""
+    queue position. While it waits, this replica's runner keeps its queue place alive (``renew``).
+    ``run``: how its transactions get a thread (the bookkeeping gate's, control_plane/lanes.py)."""
     def first() -> SlotAnswer | None:
         if req.wait_s <= 0:
             return ask(factory, token, attempt_id, req, settings, passes)
@@ -82,7 +84,7 @@ async def ask_and_wait(factory: sessionmaker[Session], waits: wakeups.Wakeups, p
         return poll(factory, token, attempt_id, req, settings, passes)
 
     wait_s = min(req.wait_s, settings.upload_slot_poll_s)
-    return await waits.wait_until(slot_key(attempt_id, req.rank, req.step), first, then, wait_s)
+    return await waits.wait_until(slot_key(attempt_id, req.rank, req.step), first, then, wait_s, run)
 
 
 def ask(factory: sessionmaker[Session], token: str, attempt_id: uuid.UUID, req: SlotRequest,

@@ -67,7 +67,8 @@ class HeartbeatAnswer:
 
 def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
                            storage: dict[str, object] | None, wakeups: Wakeups,
-                           settings: Settings, *, locked: bool = False) -> HeartbeatAnswer:
+                           settings: Settings, arrived_at: datetime | None = None, *,
+                           locked: bool = False) -> HeartbeatAnswer:
     """Record a heartbeat and answer with the node's desired attempts (``locked``: the caller
     authenticated the node with its row locked, nodes.authenticate).
 
@@ -75,15 +76,16 @@ def heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
     waits for), a scheduling pass runs now, in its own transaction, and the answer carries its
     result rather than leaving it to the next heartbeat: that is a heartbeat interval off every
     recovery."""
+    failpoints.hit("agent.heartbeat")  # a heartbeat held before it is recorded (test_liveness_lane.py)
     with metrics.HEARTBEAT.time():
-        return _heartbeat_and_schedule(session, node, req, storage, wakeups, settings, locked)
+        return _heartbeat_and_schedule(session, node, req, storage, wakeups, settings, arrived_at, locked)
 
 
 def _heartbeat_and_schedule(session: Session, node: Node, req: HeartbeatRequest,
                             storage: dict[str, object] | None, wakeups: Wakeups,
-                            settings: Settings, locked: bool) -> HeartbeatAnswer:
+                            settings: Settings, arrived_at: datetime | None, locked: bool) -> HeartbeatAnswer:
     released_before, ended_before = _released(session), attempts.ended_count(session)
-    node = nodes.heartbeat(session, node, req, locked=locked)
+    node = nodes.heartbeat(session, node, req, arrived_at, locked=locked)
     full, unchanged = specs.answer(session, node.id, req.known, storage)
     interval = nodes.tell_interval(session, node, settings)
     state = node.state
@@ -229,6 +231,7 @@ def report_shards(session: Session, node: Node, attempt_id: uuid.UUID, report: S
 
 def report_events(session: Session, node: Node, attempt_id: uuid.UUID, batch: WorkerEventBatch) -> int:
     """Fenced worker events (checkpoints.record_worker_events), committed."""
+    failpoints.hit("agent.events")  # slow bookkeeping (tests/control_plane/test_liveness_lane.py)
     accepted = checkpoints.record_worker_events(session, node, attempt_id, batch)
     session.commit()
     return accepted

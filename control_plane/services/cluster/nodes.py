@@ -18,6 +18,7 @@ from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
 from control_plane.services import events
 from control_plane.services.access import join_tokens
 from control_plane.services.cluster import specs
+from control_plane.services.cluster.lost_policy import lost_grace_s
 from control_plane.services.locks import lock_node, lock_part
 from control_plane.services.runs import attempts
 from control_plane.services.runs.fencing import lock_attempt
@@ -163,10 +164,16 @@ def _refuse_stale_instance(session: Session, token: str) -> None:
     )
 
 
-def heartbeat(session: Session, node: Node, req: HeartbeatRequest, *, locked: bool = False) -> Node:
+def heartbeat(session: Session, node: Node, req: HeartbeatRequest, arrived_at: datetime | None = None, *,
+              locked: bool = False) -> Node:
     """Record liveness and confirm stopped attempts; returns the node as locked (what to answer is
     services/cluster/specs.py ``answer``). ``locked``: the caller locked and reloaded it
-    (``authenticate(lock=True)``)."""
+    (``authenticate(lock=True)``).
+
+    ``arrived_at``: when the heartbeat reached this replica (control_plane/lanes.py stamps it before
+    any queue), recorded as the node's last heartbeat, and the time it waited since as
+    ``heartbeat_lag_s``: a heartbeat that waited here proves the node alive when it was sent, not
+    when its turn came (lost_policy.py)."""
     if not locked:
         node = lock_node(session, node.id) or node  # reloaded: the seq checks below read the locked row
     if node.agent_instance == req.agent_instance and req.seq <= node.heartbeat_seq:
@@ -174,17 +181,27 @@ def heartbeat(session: Session, node: Node, req: HeartbeatRequest, *, locked: bo
         # retry of its latest one (the same seq: the first try's answer was lost) still proves it
         # alive now.
         if req.seq == node.heartbeat_seq and node.state == "ready":
-            node.last_heartbeat_at = now()
+            _stamp(node, arrived_at)
         return node
     node.agent_instance = req.agent_instance
     node.heartbeat_seq = req.seq
-    node.last_heartbeat_at = now()
+    _stamp(node, arrived_at)
     if node.state == "lost":
         set_node_state(session, node, "ready", f"node {node.name} is back", kind="node.returned")
     alive = {a.attempt_id for a in req.attempts if a.processes_alive}
     _confirm_stopped(session, node, alive, {a.attempt_id for a in req.attempts})
     session.flush()
     return node
+
+
+def _stamp(node: Node, arrived_at: datetime | None) -> None:
+    t = now()
+    arrived = min(arrived_at, t) if arrived_at is not None else t
+    if node.last_heartbeat_at is None or arrived > node.last_heartbeat_at:
+        node.last_heartbeat_at = arrived  # never backwards: a retry may arrive before its first try is recorded
+    lag = round((t - arrived).total_seconds(), 3)
+    if node.heartbeat_lag_s != lag:
+        node.heartbeat_lag_s = lag
 
 
 def _confirm_stopped(session: Session, node: Node, alive: set[str], listed: set[str] | None = None) -> None:
@@ -304,12 +321,15 @@ def desired_change(factory: sessionmaker[Session], token: str, node_id: str,
 
 
 def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
-                    interval_s: float | None = None) -> list[Node]:
+                    interval_s: float | None = None, local_oldest_s: float = 0.0) -> list[Node]:
     """Declare nodes lost after missed heartbeats and fail the attempts running on them.
 
     ``timeout_s`` is the lost timeout at the base interval ``interval_s``; a node told a longer
     interval (``Node.heartbeat_interval_s``, tell_interval) gets that much longer. Without
-    ``interval_s`` every node gets ``timeout_s``.
+    ``interval_s`` every node gets ``timeout_s``. Every node gets longer still while heartbeats wait
+    in a replica (lost_policy.py): ``local_oldest_s``, how long the oldest liveness request still
+    unanswered on this replica has waited (read before the nodes are), and the largest
+    ``heartbeat_lag_s`` any replica recorded within the timeout.
 
     Their leases stay held: the GPUs are not given to anyone until the agent comes back and
     confirms its stale workers are stopped, or an operator removes the node.
@@ -317,12 +337,17 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
     t = now()
     if t < not_before:
         return []
-    cutoff = t - timedelta(seconds=timeout_s)
+    # Lags recorded within the timeout (a heartbeat is recorded its lag after its arrival).
+    recorded_at = Node.last_heartbeat_at + func.make_interval(0, 0, 0, 0, 0, 0, Node.heartbeat_lag_s)
+    recent_lag = session.scalar(select(func.max(Node.heartbeat_lag_s)).where(
+        Node.state != "removed", Node.heartbeat_lag_s > 0, recorded_at >= t - timedelta(seconds=timeout_s)))
+    grace = lost_grace_s(local_oldest_s=local_oldest_s, recent_lag_s=recent_lag, cap_s=timeout_s)
+    cutoff = t - timedelta(seconds=timeout_s + grace)
     stmt = select(Node).where(Node.state == "ready", Node.last_heartbeat_at < cutoff)
     if interval_s is not None:
         extra = func.greatest(0.0, func.coalesce(Node.heartbeat_interval_s, interval_s) - interval_s)
         stmt = stmt.where(Node.last_heartbeat_at < literal(t) - func.make_interval(
-            0, 0, 0, 0, 0, 0, literal(timeout_s) + extra))
+            0, 0, 0, 0, 0, 0, literal(timeout_s + grace) + extra))
     lost = session.scalars(
         stmt.order_by(Node.id)
         .with_for_update(key_share=True, skip_locked=True)
@@ -331,7 +356,7 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
     work: list[tuple[uuid.UUID, uuid.UUID, Node]] = []  # (job, attempt, node): locked in that order
     for node in lost:
         told = node.heartbeat_interval_s if interval_s is not None else None
-        waited = timeout_s + max(0.0, (told or 0.0) - (interval_s or 0.0)) if told else timeout_s
+        waited = grace + (timeout_s + max(0.0, (told or 0.0) - (interval_s or 0.0)) if told else timeout_s)
         set_node_state(session, node, "lost", f"node {node.name} missed heartbeats for {waited:g}s",
                        kind="node.lost")
         work += [(job_id, attempt_id, node) for attempt_id, job_id in session.execute(

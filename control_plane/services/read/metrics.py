@@ -162,13 +162,51 @@ class DatabaseCollector(Collector):
         return [jobs, queue, oldest, leases, nodes, checkpoints, failed, stragglers, seconds, ratio, idle, recoveries]
 
 
+class LaneCollector(Collector):
+    """This replica's request lanes (control_plane/lanes.py), read at scrape time: sum across replicas."""
+
+    def __init__(self, figures: Callable[[], Any]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[Any]:
+        f = self._figures()
+        in_flight = GaugeMetricFamily("trainyard_lane_in_flight", "Requests being served, by lane.", labels=["lane"])
+        in_flight.add_metric(["liveness"], f.liveness_in_flight)
+        in_flight.add_metric(["bookkeeping"], f.bookkeeping_in_flight)
+        yield in_flight
+        queued = GaugeMetricFamily("trainyard_lane_queued", "Requests waiting for their lane's gate.", labels=["lane"])
+        queued.add_metric(["liveness"], 0)  # liveness never waits for a gate
+        queued.add_metric(["bookkeeping"], f.bookkeeping_queued)
+        yield queued
+        yield GaugeMetricFamily("trainyard_lane_liveness_oldest_seconds",
+                                "How long the oldest unanswered liveness request has been here.",
+                                value=f.liveness_oldest_s)
+        total = CounterMetricFamily("trainyard_lane_requests", "Requests that entered each lane.", labels=["lane"])
+        total.add_metric(["liveness"], f.liveness_total)
+        total.add_metric(["bookkeeping"], f.bookkeeping_total)
+        yield total
+        waits = CounterMetricFamily("trainyard_lane_waits", "Requests that had to wait for their lane's gate.",
+                                    labels=["lane"])
+        waits.add_metric(["liveness"], 0)
+        waits.add_metric(["bookkeeping"], f.bookkeeping_waits)
+        yield waits
+        yield CounterMetricFamily("trainyard_lane_wait_seconds", "Time bookkeeping requests waited for the gate.",
+                                  value=f.bookkeeping_wait_seconds)
+        yield CounterMetricFamily("trainyard_lane_refused", "Bookkeeping requests answered 503 by the gate.",
+                                  value=f.bookkeeping_refused)
+
+
 class Exporter:
-    """What GET /metrics answers: this process's histograms and the database's figures."""
+    """What GET /metrics answers: this process's histograms, its lanes and the database's figures."""
 
     def __init__(self, factory: sessionmaker[Session], cache_s: float,
-                 cluster_goodput: Callable[[Session], Any]) -> None:
+                 cluster_goodput: Callable[[Session], Any], lanes: Callable[[], Any] | None = None) -> None:
         self._database = CollectorRegistry(auto_describe=False)
         self._database.register(DatabaseCollector(factory, cache_s, cluster_goodput))
+        self._lanes = CollectorRegistry(auto_describe=False)
+        if lanes is not None:
+            self._lanes.register(LaneCollector(lanes))
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(PROCESS) + generate_latest(self._database), CONTENT_TYPE_LATEST
+        body = generate_latest(PROCESS) + generate_latest(self._lanes) + generate_latest(self._database)
+        return body, CONTENT_TYPE_LATEST
