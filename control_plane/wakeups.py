@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, TypeVar
 
 import anyio.to_thread
@@ -79,22 +79,36 @@ class Wakeups:
     def add(self, node_id: str) -> asyncio.Event:
         """Register a wait before reading the node's state, so no change between the read and the
         wait is missed. Raises Busy beyond ``max_waiters``."""
+        return self.add_any([node_id])
+
+    def add_any(self, keys: Iterable[str]) -> asyncio.Event:
+        """One wait woken by a wake-up for any of ``keys`` (a batch of slot asks); it counts as one
+        against ``max_waiters`` (one request held open, whatever its keys). Raises Busy beyond it."""
         if self._count >= self.max_waiters:
             raise Busy(f"{self._count} long polls ({self.channel}) already wait on this replica")
         ev = asyncio.Event()
         with self._lock:
-            self._waiters.setdefault(node_id, set()).add(ev)
+            for key in keys:
+                self._waiters.setdefault(key, set()).add(ev)
         self._count += 1
         return ev
 
     def remove(self, node_id: str, ev: asyncio.Event) -> None:
-        waiters = self._waiters.get(node_id)
-        if waiters is not None and ev in waiters:
-            waiters.discard(ev)
+        self.remove_any([node_id], ev)
+
+    def remove_any(self, keys: Iterable[str], ev: asyncio.Event) -> None:
+        """End the wait ``ev`` registered for ``keys`` (``add_any``)."""
+        held = False
+        with self._lock:
+            for key in keys:
+                waiters = self._waiters.get(key)
+                if waiters is not None and ev in waiters:
+                    held = True
+                    waiters.discard(ev)
+                    if not waiters:
+                        del self._waiters[key]
+        if held:
             self._count -= 1
-            if not waiters:
-                with self._lock:
-                    del self._waiters[node_id]
 
     def keys(self) -> list[str]:
         """The keys waited on now (thread-safe)."""
@@ -132,16 +146,25 @@ class Wakeups:
         """A long poll on ``key``: the answer of ``first()`` (run in a worker thread, after the wait
         is registered, so no wake-up between the two is missed) if it has one, else that of
         ``then()`` after a wake-up or after ``timeout_s``."""
-        ev = self.add(key)
+        return await self.wait_any([key], first, then, timeout_s)
+
+    async def wait_any(self, keys: Collection[str], first: Callable[[], T | None], then: Callable[[], T],
+                       timeout_s: float) -> T:
+        """``wait_until`` on several keys at once: ``then()`` runs after a wake-up for any of them
+        (a batch of slot asks is answered when any of its slots is granted). Without keys it waits
+        for nothing: ``then()`` follows ``first()`` at once."""
+        keys = list(dict.fromkeys(keys))
+        ev = self.add_any(keys)
         try:
             answer = await anyio.to_thread.run_sync(first)
             if answer is not None:
                 return answer
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ev.wait(), timeout_s)
+            if keys:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ev.wait(), timeout_s)
             return await anyio.to_thread.run_sync(then)
         finally:
-            self.remove(key, ev)
+            self.remove_any(keys, ev)
 
     def _fire(self, node_ids: Iterable[str]) -> None:
         for node_id in node_ids:
