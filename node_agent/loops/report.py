@@ -7,7 +7,8 @@
   attempt is seen to end.
 - relay (``RelayLoop``): forward the checkpoint shards, events and upload-slot requests workers
   post to the local API, in order, as soon as they are queued (link/relay.py, link/upload_slots.py),
-  and their requests for storage grants.
+  and their requests for storage grants (link/storage_grants.py); the slot and storage requests of
+  the node's ranks that come together go as one request (link/batcher.py).
 """
 
 from __future__ import annotations
