@@ -13,6 +13,11 @@ grant sends ``NOTIFY trainyard_upload_slot`` with the slot's key, which wakes th
 on whichever replica holds it (control_plane/wakeups.py); the woken poll reads its answer in one
 transaction. Waiting holds no thread and no connection.
 
+A node's agent sends its ranks' asks and releases together (``batch_and_wait``): fenced once, the
+releases then the asks applied in one transaction (one read of the open slots, one insert of the
+new ones, the queue positions in one query), one long poll on all their keys; a single ask takes
+the same steps (``_fence``, ``_take``, ``_answers``) for one rank.
+
 A waiting slot stays queued while its rank is alive and asking: the replica holding its long poll
 renews its place (``renew``, every third of a lease, and in each of its passes) however long the
 answer takes under load; once its rank stops asking, it expires a lease later.
