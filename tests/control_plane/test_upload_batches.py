@@ -326,7 +326,7 @@ def test_an_8_rank_nodes_checkpoint_costs_a_few_requests_not_three_per_rank(sett
             node.client.sent.clear()
             assert node.checkpoint(20) == ["granted"] * Node.RANKS
             single = dict(node.client.sent)
-            print(f"limit {limit or 'none'}: one by one {single}")
+            print(f"slot limit {limit or 'none'}: one by one {single}")
             assert single["storage"] == single["upload-slots/release"] == Node.RANKS
             assert single["upload-slots"] >= Node.RANKS and sum(single.values()) >= 3 * Node.RANKS
             # Under a limit the waves of grants (8 ranks, 3 at a time) cost requests each, batched or
