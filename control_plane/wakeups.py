@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any, Protocol, TypeVar
 
 import anyio.to_thread
@@ -86,22 +86,36 @@ class Wakeups:
     def add(self, node_id: str) -> asyncio.Event:
         """Register a wait before reading the node's state, so no change between the read and the
         wait is missed. Raises Busy beyond ``max_waiters``."""
+        return self.add_any([node_id])
+
+    def add_any(self, keys: Iterable[str]) -> asyncio.Event:
+        """One wait woken by a wake-up for any of ``keys`` (a batch of slot asks); it counts as one
+        against ``max_waiters`` (one request held open, whatever its keys). Raises Busy beyond it."""
         if self._count >= self.max_waiters:
             raise Busy(f"{self._count} long polls ({self.channel}) already wait on this replica")
         ev = asyncio.Event()
         with self._lock:
-            self._waiters.setdefault(node_id, set()).add(ev)
+            for key in keys:
+                self._waiters.setdefault(key, set()).add(ev)
         self._count += 1
         return ev
 
     def remove(self, node_id: str, ev: asyncio.Event) -> None:
-        waiters = self._waiters.get(node_id)
-        if waiters is not None and ev in waiters:
-            waiters.discard(ev)
+        self.remove_any([node_id], ev)
+
+    def remove_any(self, keys: Iterable[str], ev: asyncio.Event) -> None:
+        """End the wait ``ev`` registered for ``keys`` (``add_any``)."""
+        held = False
+        with self._lock:
+            for key in keys:
+                waiters = self._waiters.get(key)
+                if waiters is not None and ev in waiters:
+                    held = True
+                    waiters.discard(ev)
+                    if not waiters:
+                        del self._waiters[key]
+        if held:
             self._count -= 1
-            if not waiters:
-                with self._lock:
-                    del self._waiters[node_id]
 
     def keys(self) -> list[str]:
         """The keys waited on now (thread-safe)."""
@@ -141,17 +155,26 @@ class Wakeups:
         ``then()`` after a wake-up or after ``timeout_s``. ``run`` runs each in a thread (default:
         anyio's pool, unbounded by anything else; the upload-slot long poll passes the bookkeeping
         gate's, control_plane/lanes.py)."""
+        return await self.wait_any([key], first, then, timeout_s, run)
+
+    async def wait_any(self, keys: Collection[str], first: Callable[[], T | None], then: Callable[[], T],
+                       timeout_s: float, run: RunInThread | None = None) -> T:
+        """``wait_until`` on several keys at once: ``then()`` runs after a wake-up for any of them
+        (a batch of slot asks is answered when any of its slots is granted). Without keys it waits
+        for nothing: ``then()`` follows ``first()`` at once."""
         in_thread: RunInThread = run or anyio.to_thread.run_sync
-        ev = self.add(key)
+        keys = list(dict.fromkeys(keys))
+        ev = self.add_any(keys)
         try:
             answer = await in_thread(first)
             if answer is not None:
                 return answer
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ev.wait(), timeout_s)
+            if keys:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ev.wait(), timeout_s)
             return await in_thread(then)
         finally:
-            self.remove(key, ev)
+            self.remove_any(keys, ev)
 
     def _fire(self, node_ids: Iterable[str]) -> None:
         for node_id in node_ids:

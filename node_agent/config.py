@@ -11,6 +11,7 @@ from pathlib import Path
 from node_agent.confinement.isolation import UidRange
 from node_agent.confinement.limits import LimitOptions
 from node_agent.link import credential
+from node_agent.link.batcher import WINDOW_S
 from node_agent.link.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 from node_agent.part.code import CodeLimits
 from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
@@ -129,6 +130,10 @@ class AgentConfig:
     holding the most loses its oldest events, then shards, and an event says so."""
     outbox_max_bytes: int = MAX_BYTES_PER_NODE
     """The same budget in bytes (of the items' JSON)."""
+    batch_window_s: float = WINDOW_S
+    """How long the workers' upload-slot and storage requests are gathered, after the first, into one
+    request to the control plane (node_agent/link/batcher.py); a batch holding a request of every
+    local rank goes at once. 0: only requests that arrive together are batched."""
 
     memory_tier_mb: int = DEFAULT_BUDGET_MB
     """Host memory (MiB) for checkpoint shards of the in-memory tier (node_agent/memtier/tier.py): the
@@ -189,6 +194,8 @@ class AgentConfig:
             raise ValueError(f"pip_constraints {self.pip_constraints} is not a readable file")
         if self.outbox_max_items < 2 or self.outbox_max_bytes < 1:
             raise ValueError("outbox_max_items must be >= 2 and outbox_max_bytes >= 1")
+        if not 0 <= self.batch_window_s <= 1:
+            raise ValueError("batch_window_s must be 0..1")
         if not 0 <= self.standbys <= MAX_STANDBYS:
             raise ValueError(f"standbys must be 0..{MAX_STANDBYS}")
         if self.memory_tier_mb < 0 or not 0 <= self.memory_port <= 65535:

@@ -24,6 +24,7 @@ from node_agent.config import MAX_STANDBYS, AgentConfig, read_join_token
 from node_agent.confinement.isolation import IsolationError, UidRange
 from node_agent.confinement.limits import limit_options
 from node_agent.gpus import NoGpusError
+from node_agent.link.batcher import WINDOW_S
 from node_agent.link.outbox import MAX_BYTES_PER_NODE, MAX_ITEMS_PER_NODE
 from node_agent.part.code import CodeLimits
 from trainyard.protocol.memtier import DEFAULT_BUDGET_MB
@@ -141,6 +142,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                        f"(default {MAX_ITEMS_PER_NODE})")
     relay.add_argument("--outbox-max-mb", type=_bounded(float, 0.001), default=MAX_BYTES_PER_NODE / 2**20,
                        help=f"the same budget in MiB (default {MAX_BYTES_PER_NODE / 2**20:g})")
+    relay.add_argument("--batch-window-ms", type=_bounded(float, 0, 1000), default=WINDOW_S * 1000,
+                       help="milliseconds the workers' upload-slot and storage requests are gathered into one request "
+                       f"to the control plane (default {WINDOW_S * 1000:g}; 0: only those that arrive together)")
 
     memory = p.add_argument_group("memory tier", "checkpoint shards kept in host memory (docs/operations.md)")
     memory.add_argument("--memory-tier-mb", type=_bounded(int, 0), **_env(
@@ -213,6 +217,7 @@ def config_from(args: argparse.Namespace) -> AgentConfig:
         code_timeout_s=args.code_timeout,
         outbox_max_items=args.outbox_max_items,
         outbox_max_bytes=int(args.outbox_max_mb * 2**20),
+        batch_window_s=args.batch_window_ms / 1000,
         memory_tier_mb=_memory_tier_mb(args.memory_tier_mb),
         memory_port=args.memory_port,
         memory_tls_cert=args.memory_tls_cert,

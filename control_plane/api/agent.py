@@ -45,8 +45,15 @@ from trainyard.protocol.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
-from trainyard.protocol.grants import StorageGrants, StorageRequest
-from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotReleased, SlotRequest
+from trainyard.protocol.grants import StorageBatchAnswer, StorageBatchRequest, StorageGrants, StorageRequest
+from trainyard.protocol.uploads import (
+    SlotAnswer,
+    SlotBatchAnswer,
+    SlotBatchRequest,
+    SlotRelease,
+    SlotReleased,
+    SlotRequest,
+)
 
 router = APIRouter(prefix=AGENT_API_PREFIX, tags=["agent"], route_class=TransactionRoute)
 
@@ -147,6 +154,15 @@ def attempt_storage(attempt_id: uuid.UUID, body: StorageRequest, token: NodeToke
     return storage_grants.grant(session, node, attempt_id, body, runtime.object_store, settings)
 
 
+@router.post("/attempts/{attempt_id}/storage/batch", response_model=StorageBatchAnswer, responses=ERRORS)
+def attempt_storage_batch(attempt_id: uuid.UUID, body: StorageBatchRequest, token: NodeToken, session: SessionDep,
+                          settings: SettingsDep, runtime: RuntimeDep) -> StorageBatchAnswer:
+    """Several workers' storage requests in one: each answered as `/storage` would (its grants, or
+    its refusal's status and detail), in order; a stale attempt refuses the whole batch (409)."""
+    node = nodes.authenticate(session, token)
+    return storage_grants.grant_batch(session, node, attempt_id, body, runtime.object_store, settings)
+
+
 @router.post("/attempts/{attempt_id}/upload-slots", response_model=SlotAnswer, responses=ERRORS)
 async def upload_slot(attempt_id: uuid.UUID, body: SlotRequest, token: NodeToken, settings: SettingsDep,
                       runtime: RuntimeDep) -> SlotAnswer:
@@ -166,3 +182,15 @@ def release_upload_slot(attempt_id: uuid.UUID, body: SlotRelease, token: NodeTok
     released = upload_slots.release_and_grant(session, node, attempt_id, body, runtime.session_factory, settings,
                                               runtime.slot_passes)
     return SlotReleased(released=released)
+
+
+@router.post("/attempts/{attempt_id}/upload-slots/batch", response_model=SlotBatchAnswer, responses=ERRORS)
+async def upload_slot_batch(attempt_id: uuid.UUID, body: SlotBatchRequest, token: NodeToken, settings: SettingsDep,
+                            runtime: RuntimeDep) -> SlotBatchAnswer:
+    """The upload-slot asks and releases of several of the node's ranks in one long poll
+    (trainyard/protocol/uploads.py): releases first, then the asks, answered in order once any is
+    granted or after `wait_s`. Fenced once for the whole batch. Holds no thread and no database
+    connection while it waits."""
+    gated = runtime.lanes.run_gated if runtime.lanes is not None else None  # its transactions are bookkeeping
+    return await upload_slots.batch_and_wait(runtime.session_factory, runtime.slot_wakeups, runtime.slot_passes,
+                                             token, attempt_id, body, settings, gated)

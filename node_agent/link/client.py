@@ -44,8 +44,15 @@ from trainyard.protocol.agent import (
     WorkerEventAck,
     WorkerEventBatch,
 )
-from trainyard.protocol.grants import StorageGrants, StorageRequest
-from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotReleased, SlotRequest
+from trainyard.protocol.grants import StorageBatchAnswer, StorageBatchRequest, StorageGrants, StorageRequest
+from trainyard.protocol.uploads import (
+    SlotAnswer,
+    SlotBatchAnswer,
+    SlotBatchRequest,
+    SlotRelease,
+    SlotReleased,
+    SlotRequest,
+)
 
 log = structlog.get_logger(__name__)
 R = TypeVar("R", bound=BaseModel)
@@ -143,6 +150,10 @@ def plain_http_hint(exc: httpx.TransportError, url: str) -> str:
 
 class RequestRejected(ControlPlaneError):
     """The control plane rejected the request (4xx other than 401/409); resending won't help."""
+
+
+NO_BATCH_PATH = (404, 405)
+"""What a control plane that predates a batch path answers it (RequestRejected.status)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,6 +400,19 @@ class ControlPlaneClient:
 
     def release_upload_slot(self, attempt_id: str, request: SlotRelease) -> SlotReleased:
         return self._post(f"/attempts/{attempt_id}/upload-slots/release", request, SlotReleased,
+                          token=self.node_token, pooled=True)
+
+    def upload_slot_batch(self, attempt_id: str, request: SlotBatchRequest) -> SlotBatchAnswer:
+        """Several ranks' upload-slot asks and releases (a long poll of up to ``request.wait_s``);
+        RequestRejected with a status in NO_BATCH_PATH from a control plane that predates it."""
+        held = request.wait_s + 10.0
+        return self._post(f"/attempts/{attempt_id}/upload-slots/batch", request, SlotBatchAnswer,
+                          token=self.node_token, timeout=httpx.Timeout(held, connect=min(held, 3.0)), pooled=True)
+
+    def storage_grants_batch(self, attempt_id: str, request: StorageBatchRequest) -> StorageBatchAnswer:
+        """Several workers' storage requests, each answered on its own (trainyard/protocol/grants.py);
+        RequestRejected with a status in NO_BATCH_PATH from a control plane that predates it."""
+        return self._post(f"/attempts/{attempt_id}/storage/batch", request, StorageBatchAnswer,
                           token=self.node_token, pooled=True)
 
 

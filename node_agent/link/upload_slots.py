@@ -5,7 +5,16 @@ Unlike shards and events (relay.py: queued, answered at once, sent later), a slo
 worker's question, so it is relayed as it comes, on the local API's request thread, and answered
 with the control plane's answer: a granted slot, or the queue position after a long poll. The agent
 adds what only it knows (the attempt's fencing token as the control plane issued it, its node rank)
-after checking the worker's token (local/api.py). What the worker gets:
+after checking the worker's token (local/api.py).
+
+The requests of the node's ranks that come together are relayed together (batcher.py): one
+``upload-slots/batch`` request for the asks gathered within a few milliseconds (a long poll,
+answered once any of them is granted: an ask still waiting is answered ``waiting`` and its worker
+asks again at once, as after any long poll), another for the releases, which never wait behind a
+long poll. Long polls and asks that must not wait (a renewal) are gathered apart, so a renewal never
+shortens another rank's poll. A control plane that answers the batch path 404 or 405 predates it:
+from then on this relay sends each request on its own (the single paths). What the worker gets,
+batched or not:
 
 - 200 and the SlotAnswer / SlotReleased;
 - 409 when the control plane says the attempt is stale (the agent then stops it, as for a refused
@@ -17,20 +26,31 @@ after checking the worker's token (local/api.py). What the worker gets:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from typing import Any
 
 import structlog
 
+from node_agent.link.batcher import WINDOW_S, Coalescer
 from node_agent.link.client import (
+    NO_BATCH_PATH,
     ControlPlaneClient,
     ControlPlaneUnavailable,
     RequestRejected,
     StaleAttempt,
     Unauthorized,
 )
-from trainyard.protocol.uploads import LocalSlotRelease, LocalSlotRequest, SlotRelease, SlotRequest
+from trainyard.protocol.uploads import (
+    LocalSlotRelease,
+    LocalSlotRequest,
+    SlotAsk,
+    SlotBatchRequest,
+    SlotRelease,
+    SlotReleased,
+    SlotReleaseItem,
+    SlotRequest,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +62,8 @@ Answer = tuple[HTTPStatus, dict[str, Any]]
 
 class SlotRelay:
     """``target(attempt_id)`` gives the attempt's (fencing token, node rank), or None when the agent
-    no longer runs it; ``on_stale`` is called on a fencing 409, ``on_unauthorized`` on a 401."""
+    no longer runs it; ``ranks(attempt_id)`` its ranks on this node (a batch of that many goes at
+    once); ``on_stale`` is called on a fencing 409 (once per batch), ``on_unauthorized`` on a 401."""
 
     def __init__(
         self,
@@ -51,13 +72,27 @@ class SlotRelay:
         target: Callable[[str], tuple[str, int] | None],
         on_stale: Callable[[str, StaleAttempt], None],
         on_unauthorized: Callable[[], None],
+        ranks: Callable[[str], int] | None = None,
+        window_s: float = WINDOW_S,
     ) -> None:
         self.client = client
         self._target = target
         self._on_stale = on_stale
         self._on_unauthorized = on_unauthorized
+        self._ranks = ranks or (lambda attempt_id: 0)
+        self.asks: Coalescer[tuple[str, bool], LocalSlotRequest, Answer | None] = Coalescer(
+            self._send_asks, window_s=window_s)
+        self.releases: Coalescer[str, LocalSlotRelease, Answer | None] = Coalescer(
+            self._send_releases, window_s=window_s)
+        self.batching = True
+        """False once the control plane answered the batch path 404 or 405 (it predates batches)."""
 
     def ask(self, attempt_id: str, body: LocalSlotRequest) -> Answer:
+        if self.batching:
+            answer = self.asks.submit((attempt_id, body.wait_s > 0), body, full_at=self._ranks(attempt_id))
+            if answer is not None:
+                return answer
+
         def send(token: str, node_rank: int) -> dict[str, Any]:
             request = SlotRequest(**body.model_dump(exclude={"fencing_token"}), fencing_token=token,
                                   node_rank=node_rank)
@@ -65,13 +100,63 @@ class SlotRelay:
         return self._relay(attempt_id, "upload_slot", send)
 
     def release(self, attempt_id: str, body: LocalSlotRelease) -> Answer:
+        if self.batching:
+            answer = self.releases.submit(attempt_id, body, full_at=self._ranks(attempt_id))
+            if answer is not None:
+                return answer
+
         def send(token: str, node_rank: int) -> dict[str, Any]:
             request = SlotRelease(**body.model_dump(exclude={"fencing_token"}), fencing_token=token,
                                   node_rank=node_rank)
             return self.client.release_upload_slot(attempt_id, request).model_dump(mode="json")
         return self._relay(attempt_id, "upload_slot_release", send)
 
-    def _relay(self, attempt_id: str, what: str, send: Callable[[str, int], dict[str, Any]]) -> Answer:
+    def _send_asks(self, key: tuple[str, bool], items: Sequence[LocalSlotRequest]) -> list[Answer | None]:
+        attempt_id, _long_poll = key
+
+        def send(token: str, node_rank: int) -> list[dict[str, Any]]:
+            request = SlotBatchRequest(
+                fencing_token=token, node_rank=node_rank, wait_s=min(item.wait_s for item in items),
+                asks=[SlotAsk(rank=item.rank, step=item.step, size_bytes=item.size_bytes) for item in items])
+            answer = self.client.upload_slot_batch(attempt_id, request)
+            if [(a.rank, a.step) for a in answer.answers] != [(a.rank, a.step) for a in request.asks]:
+                raise RequestRejected("the control plane's batch answer does not match its asks")
+            return [a.model_dump(mode="json", exclude={"rank", "step"}) for a in answer.answers]
+        return self._relay_batch(attempt_id, "upload_slot_batch", len(items), send)
+
+    def _send_releases(self, attempt_id: str, items: Sequence[LocalSlotRelease]) -> list[Answer | None]:
+        def send(token: str, node_rank: int) -> list[dict[str, Any]]:
+            request = SlotBatchRequest(
+                fencing_token=token, node_rank=node_rank, wait_s=0,
+                releases=[SlotReleaseItem(**item.model_dump(exclude={"fencing_token"})) for item in items])
+            answer = self.client.upload_slot_batch(attempt_id, request)
+            if len(answer.released) != len(items):
+                raise RequestRejected("the control plane's batch answer does not match its releases")
+            return [SlotReleased(released=released).model_dump(mode="json") for released in answer.released]
+        return self._relay_batch(attempt_id, "upload_slot_release_batch", len(items), send)
+
+    def _relay_batch(self, attempt_id: str, what: str, n: int,
+                     send: Callable[[str, int], list[dict[str, Any]]]) -> list[Answer | None]:
+        """Each item's answer; None for every item when the control plane has no batch path (each is
+        then relayed on its own)."""
+        answers: list[dict[str, Any]] = []
+
+        def collect(token: str, node_rank: int) -> dict[str, Any]:
+            answers.extend(send(token, node_rank))
+            return {}
+        try:
+            status, payload = self._relay(attempt_id, what, collect, fallback=True)
+        except _NoBatchPath:
+            log.warning("upload_slot_batches_unsupported", detail="the control plane predates batch paths; "
+                        "relaying each upload-slot request on its own")
+            self.batching = False
+            return [None] * n
+        if status != HTTPStatus.OK:
+            return [(status, payload)] * n
+        return [(HTTPStatus.OK, answer) for answer in answers]
+
+    def _relay(self, attempt_id: str, what: str, send: Callable[[str, int], dict[str, Any]], *,
+               fallback: bool = False) -> Answer:
         target = self._target(attempt_id)
         if target is None:
             return HTTPStatus.CONFLICT, {"detail": f"attempt {attempt_id} is not running here"}
@@ -93,5 +178,11 @@ class SlotRelay:
                                                     "retry_after_s": max(UNAVAILABLE_RETRY_S,
                                                                          exc.retry_after_s or 0.0)}
         except RequestRejected as exc:
+            if fallback and exc.status in NO_BATCH_PATH:
+                raise _NoBatchPath from exc
             # 422, not the upstream status: a worker must not read a refusal as "fenced off".
             return HTTPStatus.UNPROCESSABLE_ENTITY, {"detail": str(exc), "upstream_status": exc.status}
+
+
+class _NoBatchPath(Exception):
+    """The control plane answered a batch path 404 or 405: it predates batches."""

@@ -37,11 +37,13 @@ the control plane last set for an 'auto' job (its status answer). With ?wait=1 a
 control plane acknowledged the batch holding it (so the worker learns from `committed_steps` whether
 its step is committed): 409 if the control plane says the attempt is stale, 422 if it refused the
 shard, 504 if no answer came within `shard_wait_s` (the shard stays queued), 503 if it was dropped.
-Upload-slot requests are relayed to the control plane as they come (upload_slots.py); an agent
-built without a relay answers them 404 (the worker then uploads without a slot).
+Upload-slot requests are relayed to the control plane as they come (link/upload_slots.py), those of
+the node's ranks that come together in one request (link/batcher.py); an agent built without a
+relay answers them 404 (the worker then uploads without a slot).
 A storage request (presigned URLs for checkpoint objects, trainyard/protocol/grants.py) is
-forwarded to the control plane at once and answered with its answer: the grants, or its refusal
-(403, 404, 409, 422); 503 when it cannot be reached.
+forwarded to the control plane at once, gathered with the node's other ranks' the same way
+(link/storage_grants.py), and answered with its own answer: the grants, or its refusal (403, 404,
+409, 422); 503 when it cannot be reached.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@
   attempt is seen to end.
 - relay (``RelayLoop``): forward the checkpoint shards, events and upload-slot requests workers
   post to the local API, in order, as soon as they are queued (link/relay.py, link/upload_slots.py),
-  and their requests for storage grants.
+  and their requests for storage grants (link/storage_grants.py); the slot and storage requests of
+  the node's ranks that come together go as one request (link/batcher.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from node_agent.link.client import (
     Unauthorized,
 )
 from node_agent.link.relay import Relay
+from node_agent.link.storage_grants import GrantRelay
 from node_agent.link.upload_slots import SlotRelay
 from node_agent.loops.state import AgentState
 from node_agent.part.attempt import AttemptRun
@@ -31,7 +33,7 @@ from trainyard.protocol.agent import (
     LogBatch,
     NodeAttemptState,
 )
-from trainyard.protocol.grants import LocalStorageRequest, StorageRequest
+from trainyard.protocol.grants import LocalStorageRequest
 
 _REPORT_INTERVAL_S = 0.5
 _LOG_BATCHES_PER_ROUND = 4
@@ -177,8 +179,13 @@ class RelayLoop:
                            on_unauthorized=state.need_register.set)
         """Shards and events, in order (link/relay.py)."""
         self.slots = SlotRelay(state.client, target=self.target, on_stale=self.stale,
-                               on_unauthorized=state.need_register.set)
-        """Upload-slot requests (link/upload_slots.py), which the local API forwards at once."""
+                               on_unauthorized=state.need_register.set, ranks=self.ranks,
+                               window_s=state.config.batch_window_s)
+        """Upload-slot requests (link/upload_slots.py), which the local API forwards at once, a node's
+        together (link/batcher.py)."""
+        self.grants = GrantRelay(state.client, target=self.node_rank, on_unauthorized=state.need_register.set,
+                                 ranks=self.ranks, window_s=state.config.batch_window_s)
+        """Storage requests (link/storage_grants.py), the same way."""
 
     def step(self) -> float:
         """One pass of the loop: forward what is queued; the seconds until the next."""
@@ -218,27 +225,16 @@ class RelayLoop:
     def storage_grants(self, attempt_id: str, body: LocalStorageRequest) -> tuple[HTTPStatus, dict[str, Any]]:
         """Forward a worker's request for presigned checkpoint URLs (trainyard/protocol/grants.py)
         with this node's credential and the attempt's node rank; the control plane's answer."""
-        state = self.state
-        run = state.run(attempt_id)
-        if run is None or run.stale:
-            return HTTPStatus.CONFLICT, {"detail": f"attempt {attempt_id} is not running here"}
-        request = StorageRequest(**body.model_dump(), node_rank=run.spec.node_rank)
-        try:
-            grants = state.client.storage_grants(attempt_id, request)
-        except StaleAttempt as exc:
-            return HTTPStatus.CONFLICT, {"detail": str(exc), "type": exc.problem_type}
-        except RequestRejected as exc:  # 403, 404, 422: the worker's to know; a garbled answer: 502
-            status = exc.status if exc.status is not None and 400 <= exc.status < 500 else HTTPStatus.BAD_GATEWAY
-            return HTTPStatus(status), {"detail": str(exc), "type": exc.problem_type}
-        except Unauthorized:
-            state.need_register.set()
-            return HTTPStatus.SERVICE_UNAVAILABLE, {"detail": "the agent is registering again; retry"}
-        except ControlPlaneUnavailable as exc:
-            answer: dict[str, Any] = {"detail": f"the control plane is unreachable: {exc}"}
-            if exc.retry_after_s:  # a busy replica said when: the worker hears it (local/api.py)
-                answer["retry_after_s"] = exc.retry_after_s
-            return HTTPStatus.SERVICE_UNAVAILABLE, answer
-        return HTTPStatus.OK, grants.model_dump(mode="json")
+        return self.grants.forward(attempt_id, body)
+
+    def node_rank(self, attempt_id: str) -> int | None:
+        target = self.target(attempt_id)
+        return None if target is None else target[1]
+
+    def ranks(self, attempt_id: str) -> int:
+        """The attempt's ranks on this node: a batch of that many requests is complete."""
+        run = self.state.run(attempt_id)
+        return 0 if run is None else run.spec.nproc_per_node
 
 
 def _without_ranks(report: AttemptStatusReport | None) -> AttemptStatusReport | None:

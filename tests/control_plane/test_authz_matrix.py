@@ -56,6 +56,8 @@ def _call(client, method: str, path: str, headers: dict[str, str]):
         body = {"timeout_s": 0.05}
     if path.endswith("/upload-slots"):  # a long poll too: its service checks the credential
         body = {"fencing_token": "x", "node_rank": 0, "rank": 0, "step": 1, "size_bytes": 1, "wait_s": 0}
+    if path.endswith("/upload-slots/batch"):  # the same, for several ranks
+        body = {"fencing_token": "x", "node_rank": 0, "wait_s": 0, "asks": [{"rank": 0, "step": 1, "size_bytes": 1}]}
     kwargs = {"json": body} if method in ("POST", "PUT", "PATCH") else {}
     return client.request(method, path, headers=headers, **kwargs)
 

@@ -79,6 +79,11 @@ REQUESTS: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {
     ("POST", "/v1/agent/attempts/{attempt_id}/upload-slots"): (
         "node", {**REPORT, "rank": 0, "step": 10, "size_bytes": 1, "wait_s": 0}),
     ("POST", "/v1/agent/attempts/{attempt_id}/upload-slots/release"): ("node", {**REPORT, "rank": 0, "step": 10}),
+    ("POST", "/v1/agent/attempts/{attempt_id}/upload-slots/batch"): (
+        "node", {**REPORT, "wait_s": 0, "asks": [{"rank": 0, "step": 10, "size_bytes": 1}],
+                 "releases": [{"rank": 1, "step": 10}]}),
+    ("POST", "/v1/agent/attempts/{attempt_id}/storage/batch"): (
+        "node", {**REPORT, "requests": [{"rank": 0, "method": "GET", "key": "k"}]}),
 }
 
 

@@ -9,7 +9,10 @@ other, in one package all three import (docs/architecture.md, "Components and wh
 - ``memtier``: the in-memory checkpoint tier (worker -> agent -> peer agent).
 - ``limits``: the bounds of every value that crosses into the control plane.
 - ``storage``: the Protocol a checkpoint object store implements; standard library only.
-- ``uploads``: checkpoint upload slots (worker -> agent -> control plane) and a shard's upload figures.
+- ``uploads``: checkpoint upload slots (worker -> agent -> control plane, a node's ranks in one
+  batch) and a shard's upload figures.
+- ``grants``: storage grants, presigned URLs for a worker's own checkpoint objects (worker -> agent
+  -> control plane, a node's ranks in one batch).
 
 Only the standard library and pydantic are imported here (an import-linter contract in
 pyproject.toml checks it); this ``__init__`` imports nothing, so ``trainyard.protocol.env`` stays

@@ -8,6 +8,12 @@ credentials only it holds (offline: no request to S3):
 
 - ``POST /v1/local/attempts/{attempt_id}/storage``  LocalStorageRequest -> 200 StorageGrants
 - ``POST /v1/agent/attempts/{attempt_id}/storage``  StorageRequest (node token) -> 200 StorageGrants
+- ``POST /v1/agent/attempts/{attempt_id}/storage/batch``  StorageBatchRequest (node token) -> 200
+  StorageBatchAnswer: the requests of several of the node's ranks at once (the agent gathers its
+  workers' requests for a few milliseconds: node_agent/link/batcher.py), each answered as the single
+  path would, in order: one refused request does not refuse the others. A stale attempt (or a
+  fencing token that does not match) refuses the whole batch with 409. An agent whose control plane
+  answers this path 404 (an older one) uses the single path.
 
 What may be granted:
 
@@ -82,6 +88,23 @@ class StorageRequest(_Asked):
     node_rank: int = Field(ge=0, le=2**31 - 1, description="The node's rank in the attempt, 0 to 2,147,483,647.")
 
 
+BATCH_MAX = 4096
+"""Most requests one batch may carry (a node runs far fewer ranks)."""
+
+
+class StorageItem(_Asked):
+    """One rank's request in a batch (the batch carries the token and the node rank)."""
+
+
+class StorageBatchRequest(_Wire):
+    """Agent -> control plane (node token): several of its workers' requests of one attempt."""
+
+    fencing_token: str = _TOKEN
+    node_rank: int = Field(ge=0, le=2**31 - 1, description="The node's rank in the attempt, 0 to 2,147,483,647.")
+    requests: list[StorageItem] = Field(default_factory=list, max_length=BATCH_MAX,
+                                        description="The workers' requests; answered in this order.")
+
+
 class GrantAction(StrEnum):
     get = "get"
     put = "put"
@@ -108,3 +131,18 @@ class StorageGrants(_Wire):
     part_size_bytes: int | None = Field(
         default=None, ge=1, description="Uploads in parts: the size of every part but the last."
     )
+
+
+class StorageAnswer(_Wire):
+    """The answer to one request of a batch: what the single path would have answered."""
+
+    status: int = Field(description="200, or the HTTP status the single path would have refused it with "
+                        "(403, 404, 409, 422).")
+    grants: StorageGrants | None = Field(default=None, description="The grants (status 200).")
+    detail: str | None = Field(default=None, description="Why it was refused.")
+    type: str | None = Field(default=None, description="The refusal's problem type (RFC 9457), as the single "
+                             "path's problem+json would give it.")
+
+
+class StorageBatchAnswer(_Wire):
+    answers: list[StorageAnswer] = Field(default_factory=list, description="One per request, in order.")

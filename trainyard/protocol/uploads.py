@@ -19,6 +19,16 @@ Agent -> control plane (node credential), relayed as they come:
   granted or after ``wait_s`` with ``state: waiting``, the queue position and when to ask again.
   The same (attempt, rank, step) names one slot: asking again polls or renews it.
 - ``POST /v1/agent/attempts/{attempt_id}/upload-slots/release``  SlotRelease -> SlotReleased.
+- ``POST /v1/agent/attempts/{attempt_id}/upload-slots/batch``  SlotBatchRequest -> SlotBatchAnswer: the
+  asks and releases of several of the node's ranks in one request (the agent gathers its workers'
+  requests for a few milliseconds: node_agent/link/batcher.py), so a checkpoint costs the control
+  plane a few requests per node, not three per rank. Releases are applied first, so the capacity
+  they free serves the asks in the same grant pass. A long poll like the single ask: answered at
+  once when any ask is granted (or when there is no ask, or ``wait_s`` is 0), else when a grant pass
+  grants any of them, else after ``wait_s``, with every ask's answer (``waiting`` ones ask again).
+  Fenced once for the whole batch: a stale attempt is 409 and nothing in it is applied; a rank
+  outside the world or of another node is 422 / 403 for the whole batch. An agent whose control
+  plane answers this path 404 (an older one) uses the single paths above.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ from trainyard.protocol.limits import Int32, Int64
 
 SLOT_WAIT_MAX_S = 60.0
 """The longest one long poll for a slot may be asked to last."""
+BATCH_MAX = 4096
+"""Most asks, and most releases, one batch may carry (a node runs far fewer ranks)."""
 SECONDS_MAX = 1e9
 """Bound of the durations a worker reports (finite: NaN and infinities are refused)."""
 
@@ -100,6 +112,39 @@ SlotUse = Literal["granted", "bypassed", "none"]
 over its bound, the next save was due, or the slot service was unreachable; a
 ``checkpoint.upload_unslotted`` event says why), ``none`` (no slot service: a worker run without an
 agent, or an agent that predates slots)."""
+
+
+class SlotAsk(_SlotKey):
+    """One rank's ask in a batch: create, poll or renew the slot of (rank, step)."""
+
+    size_bytes: Int64 = Field(description="Bytes the worker is about to upload.")
+
+
+class SlotReleaseItem(_Release):
+    """One rank's release in a batch."""
+
+
+class SlotBatchRequest(_Wire):
+    fencing_token: Token
+    node_rank: Int32 = Field(description="The node's rank in the attempt (torchrun's node_rank), 0 to 2,147,483,647.")
+    wait_s: float = Field(default=20.0, ge=0, le=SLOT_WAIT_MAX_S,
+                          description="Longest this request may wait for any of its asks to be granted (a long "
+                          "poll); 0: answer now.")
+    asks: list[SlotAsk] = Field(default_factory=list, max_length=BATCH_MAX,
+                                description="Slots asked for, polled or renewed; answered in this order.")
+    releases: list[SlotReleaseItem] = Field(default_factory=list, max_length=BATCH_MAX,
+                                            description="Slots given back, applied before the asks.")
+
+
+class SlotBatchItem(SlotAnswer):
+    rank: Int32 = Field(description="The asking rank (as in its ask).")
+    step: Int32 = Field(description="The checkpoint's step (as in its ask).")
+
+
+class SlotBatchAnswer(_Wire):
+    answers: list[SlotBatchItem] = Field(default_factory=list, description="One per ask, in the asks' order.")
+    released: list[bool] = Field(default_factory=list, description="One per release, in the releases' order: "
+                                 "False when that slot was already released or had expired.")
 
 
 class UploadStats(_Wire):

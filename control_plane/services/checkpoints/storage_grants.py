@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -21,14 +22,26 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.clock import now
-from control_plane.errors import Conflict, Forbidden, NotFound, Unprocessable
+from control_plane.errors import Conflict, Forbidden, NotFound, TrainyardError, Unprocessable
 from control_plane.models import Attempt, Checkpoint, CheckpointShard, Job, Node
 from control_plane.services.checkpoints import storage_bounds
 from control_plane.services.runs.fencing import authorize_report
 from control_plane.settings import Settings
 from trainyard.protocol import keys
-from trainyard.protocol.grants import MAX_PARTS, GrantAction, StorageGrant, StorageGrants, StorageRequest
+from trainyard.protocol.grants import (
+    MAX_PARTS,
+    GrantAction,
+    StorageAnswer,
+    StorageBatchAnswer,
+    StorageBatchRequest,
+    StorageGrant,
+    StorageGrants,
+    StorageItem,
+    StorageRequest,
+)
 
+Asked = StorageRequest | StorageItem
+"""One request for grants: on its own, or one of a batch's."""
 CREATE_ONLY = {"If-None-Match": "*"}
 """Signed into every URL that creates an object: S3 answers 412 instead of overwriting one."""
 READABLE = ("committed", "unusable")
@@ -53,10 +66,59 @@ def grant(session: Session, node: Node, attempt_id: uuid.UUID, req: StorageReque
           settings: Settings) -> StorageGrants:
     """The URLs ``req`` may have, for a worker of ``node``'s part of the attempt; raises a domain
     error (403, 404, 409, 422) for anything else. Reads only; ends its transaction before signing."""
-    if signer is None:
-        raise StorageUnavailable("this control plane has no checkpoint storage (TRAINYARD_S3_ENDPOINT)")
+    signer = _storage(signer)
     job, attempt, _part = authorize_report(session, node, attempt_id, req.fencing_token, req.node_rank,
                                            exclusive=False)
+    sign = _checked(session, job, attempt, req, settings)
+    session.commit()
+    return sign(signer)
+
+
+def grant_batch(session: Session, node: Node, attempt_id: uuid.UUID, req: StorageBatchRequest,
+                signer: Signer | None, settings: Settings) -> StorageBatchAnswer:
+    """``grant`` for each of a batch's requests, fenced once and checked in one transaction: each
+    answered as the single path would (200 and its grants, or the status and detail of its
+    refusal), in order. Only a fencing failure (409, 403 for another node's part) or a control plane
+    without storage refuses the whole batch."""
+    signer = _storage(signer)
+    job, attempt, _part = authorize_report(session, node, attempt_id, req.fencing_token, req.node_rank,
+                                           exclusive=False)
+    checked: list[Callable[[Signer], StorageGrants] | TrainyardError] = []
+    for item in req.requests:
+        try:
+            # Every refusal is raised before the item writes anything (storage_bounds.record is its
+            # last step, and refuses before it writes): a refused item leaves the transaction as it was.
+            checked.append(_checked(session, job, attempt, item, settings))
+        except TrainyardError as exc:
+            checked.append(exc)
+    session.commit()
+    answers = []
+    for outcome in checked:
+        if isinstance(outcome, TrainyardError):
+            answers.append(_refused(outcome))
+            continue
+        try:
+            answers.append(StorageAnswer(status=200, grants=outcome(signer)))
+        except TrainyardError as exc:
+            answers.append(_refused(exc))
+    return StorageBatchAnswer(answers=answers)
+
+
+def _refused(exc: TrainyardError) -> StorageAnswer:
+    problem = exc.problem()
+    return StorageAnswer(status=exc.status, detail=exc.detail, type=problem["type"])
+
+
+def _storage(signer: Signer | None) -> Signer:
+    if signer is None:
+        raise StorageUnavailable("this control plane has no checkpoint storage (TRAINYARD_S3_ENDPOINT)")
+    return signer
+
+
+def _checked(session: Session, job: Job, attempt: Attempt, req: Asked,
+             settings: Settings) -> Callable[[Signer], StorageGrants]:
+    """Check one request (raising a domain error: 403, 404, 409, 422) and record a PUT's key; what
+    signs its URLs once the transaction is over."""
     if req.rank >= attempt.num_gpus:
         raise Forbidden(f"rank {req.rank} is outside attempt {attempt.number}'s world of {attempt.num_gpus}")
     prefix = keys.job_checkpoint_prefix(job.id)
@@ -70,20 +132,18 @@ def grant(session: Session, node: Node, attempt_id: uuid.UUID, req: StorageReque
         _check_put(session, job, attempt, req, named)
         storage_bounds.record(session, job, attempt, step=named.step, rank=req.rank, key=req.key, size_bytes=size,
                               upload_id=req.upload_id)
-        session.commit()
-        return _put_grants(signer, req, settings)
+        return lambda signer: _put_grants(signer, req, settings)
     _check_readable(session, job, attempt, named)
-    session.commit()
     wanted = [req.key]
     if named.rank is None:  # a manifest: the shards a restore of this rank reads come with it
         wanted += [keys.shard_key(prefix, named.step, named.attempt_number, r) for r in sorted({req.rank, 0})]
     elif named.rank not in (req.rank, 0):
         raise Forbidden(f"rank {req.rank} restores its own shard and rank 0's, not rank {named.rank}'s")
     ttl = settings.storage_grant_ttl_s
-    return StorageGrants(grants=[_signed(signer, GrantAction.get, "GET", key, ttl) for key in wanted])
+    return lambda signer: StorageGrants(grants=[_signed(signer, GrantAction.get, "GET", key, ttl) for key in wanted])
 
 
-def _check_put(session: Session, job: Job, attempt: Attempt, req: StorageRequest, named: keys.CheckpointObject) -> None:
+def _check_put(session: Session, job: Job, attempt: Attempt, req: Asked, named: keys.CheckpointObject) -> None:
     if named.rank is None:
         raise Forbidden("workers do not write manifests: the control plane's commit does")
     if named.attempt_number != attempt.number or named.rank != req.rank:
@@ -120,7 +180,7 @@ def _check_readable(session: Session, job: Job, attempt: Attempt, named: keys.Ch
                        f"of attempt {named.attempt_number}")
 
 
-def _put_grants(signer: Signer, req: StorageRequest, settings: Settings) -> StorageGrants:
+def _put_grants(signer: Signer, req: Asked, settings: Settings) -> StorageGrants:
     size = req.size_bytes or 0
     part = settings.storage_part_size_mb * 2**20
     ttl = settings.storage_grant_ttl_s

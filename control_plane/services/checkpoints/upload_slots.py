@@ -13,6 +13,11 @@ grant sends ``NOTIFY trainyard_upload_slot`` with the slot's key, which wakes th
 on whichever replica holds it (control_plane/wakeups.py); the woken poll reads its answer in one
 transaction. Waiting holds no thread and no connection.
 
+A node's agent sends its ranks' asks and releases together (``batch_and_wait``): fenced once, the
+releases then the asks applied in one transaction (one read of the open slots, one insert of the
+new ones, the queue positions in one query), one long poll on all their keys; a single ask takes
+the same steps (``_fence``, ``_take``, ``_answers``) for one rank.
+
 A waiting slot stays queued while its rank is alive and asking: the replica holding its long poll
 renews its place (``renew``, every third of a lease, and in each of its passes) however long the
 answer takes under load; once its rank stops asking, it expires a lease later.
@@ -24,12 +29,29 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 import structlog
-from sqlalchemy import ARRAY, Text, and_, any_, cast, delete, exists, func, not_, or_, select, text, true, update
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    Text,
+    and_,
+    any_,
+    cast,
+    delete,
+    exists,
+    func,
+    not_,
+    or_,
+    select,
+    text,
+    true,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -45,7 +67,16 @@ from control_plane.services.cluster import nodes
 from control_plane.services.runs.fencing import authorize_report, check_own_ranks
 from control_plane.services.states import UPLOAD_SLOT_OPEN, move_upload_slots
 from control_plane.settings import Settings
-from trainyard.protocol.uploads import SlotAnswer, SlotRelease, SlotRequest
+from trainyard.protocol.uploads import (
+    SlotAnswer,
+    SlotAsk,
+    SlotBatchAnswer,
+    SlotBatchItem,
+    SlotBatchRequest,
+    SlotRelease,
+    SlotReleaseItem,
+    SlotRequest,
+)
 
 log = structlog.get_logger("trainyard.upload_slots")
 
@@ -103,24 +134,8 @@ def _ask(factory: sessionmaker[Session], token: str, attempt_id: uuid.UUID, req:
     passes, not one each."""
     limits = limits_of(settings)
     with session_scope(factory) as s:
-        node = nodes.authenticate(s, token)
-        _job, attempt, part = authorize_report(s, node, attempt_id, req.fencing_token, req.node_rank,
-                                               exclusive=False)
-        if attempt.outcome is not None:
-            raise StaleAttempt(f"attempt {attempt.number} already ended ({attempt.outcome}); no upload slot")
-        if req.rank >= attempt.num_gpus:
-            raise Unprocessable(f"rank {req.rank} is outside attempt {attempt.number}'s world of {attempt.num_gpus}")
-        check_own_ranks(s, part, {req.rank})  # a node asks (and releases) only for its own ranks
-        slot = _open_slot(s, attempt_id, req.rank, req.step)
-        t = now()
-        wait_s = min(req.wait_s, settings.upload_slot_poll_s)
-        if slot is None:
-            slot = _create(s, node, attempt.job_id, attempt_id, req, limits, settings, t)
-        elif slot.state == "waiting":
-            slot.expires_at = _queue_expiry(t, settings, wait_s)
-        else:  # a renewal: the lease goes on, at the node's current share of its budget
-            slot.expires_at = t + timedelta(seconds=settings.upload_slot_ttl_s)
-            slot.rate_bytes_per_s = node_rate(limits, _holders(s, slot.node_id))
+        node, attempt = _fence(s, token, attempt_id, req.fencing_token, req.node_rank, {req.rank}, asking=True)
+        [slot] = _take(s, node, attempt, [req], req.wait_s, limits, settings)
         if slot.state != "waiting":
             return _answer(s, slot, settings, long_poll=req.wait_s > 0)
         slot_id = slot.id
@@ -129,6 +144,23 @@ def _ask(factory: sessionmaker[Session], token: str, attempt_id: uuid.UUID, req:
         passes.kick()
         return None
     return _pass_and_answer(factory, settings, passes, slot_id, long_poll=req.wait_s > 0)
+
+
+def _fence(s: Session, token: str, attempt_id: uuid.UUID, fencing_token: str, node_rank: int, ranks: set[int],
+           *, asking: bool) -> tuple[Node, Attempt]:
+    """The node of ``token``, speaking for ``ranks`` of its part of the attempt, fenced like a shard
+    report: 409 for a stale attempt (or, ``asking``, one that ended: no new slot), 422 for a rank
+    outside the world, 403 for another node's rank."""
+    node = nodes.authenticate(s, token)
+    _job, attempt, part = authorize_report(s, node, attempt_id, fencing_token, node_rank, exclusive=False)
+    if asking and attempt.outcome is not None:
+        raise StaleAttempt(f"attempt {attempt.number} already ended ({attempt.outcome}); no upload slot")
+    outside = sorted(r for r in ranks if r >= attempt.num_gpus)
+    if outside:
+        named = f"rank {outside[0]} is" if len(outside) == 1 else f"ranks {outside[:16]} are"
+        raise Unprocessable(f"{named} outside attempt {attempt.number}'s world of {attempt.num_gpus}")
+    check_own_ranks(s, part, ranks)  # a node asks (and releases) only for its own ranks
+    return node, attempt
 
 
 def poll(factory: sessionmaker[Session], token: str, attempt_id: uuid.UUID, req: SlotRequest,
@@ -147,39 +179,77 @@ def poll(factory: sessionmaker[Session], token: str, attempt_id: uuid.UUID, req:
 
 def _pass_and_answer(factory: sessionmaker[Session], settings: Settings, passes: PassRunner | None,
                      slot_id: uuid.UUID, *, long_poll: bool) -> SlotAnswer:
+    return _pass_and_answers(factory, settings, passes, [slot_id], long_poll=long_poll)[0]
+
+
+def _pass_and_answers(factory: sessionmaker[Session], settings: Settings, passes: PassRunner | None,
+                      slot_ids: Sequence[uuid.UUID], *, long_poll: bool) -> list[SlotAnswer]:
     """A grant pass if no other runs now (else this replica's runner is asked for one, which waits
-    its turn), and the slot's answer, in one transaction."""
+    its turn), and the slots' answers, in one transaction."""
     with session_scope(factory) as s:
         if passes is None:
             _locked_pass(s, limits_of(settings), settings, alive=(), blocking=True)
         elif not _locked_pass(s, limits_of(settings), settings, alive=passes.held(), blocking=False):
             passes.kick()
-        return _answer(s, s.get(UploadSlot, slot_id, populate_existing=True), settings, long_poll=long_poll)
+        slots = [s.get(UploadSlot, slot_id, populate_existing=True) for slot_id in slot_ids]
+        return _answers(s, slots, settings, long_poll=long_poll)
 
 
 def _open_slot(s: Session, attempt_id: uuid.UUID, rank: int, step: int) -> UploadSlot | None:
-    return s.scalar(select(UploadSlot).where(
-        UploadSlot.attempt_id == attempt_id, UploadSlot.rank == rank, UploadSlot.step == step,
-        UploadSlot.state.in_(UPLOAD_SLOT_OPEN)).with_for_update(key_share=True))
+    return _open_slots(s, attempt_id, [(rank, step)]).get((rank, step))
 
 
-def _create(s: Session, node: Node, job_id: uuid.UUID, attempt_id: uuid.UUID, req: SlotRequest,
-            limits: SlotLimits, settings: Settings, t: datetime) -> UploadSlot:
+def _open_slots(s: Session, attempt_id: uuid.UUID, keys: Collection[tuple[int, int]]) -> dict[tuple[int, int],
+                                                                                              UploadSlot]:
+    """The open slots of these (rank, step) of the attempt, locked in one order (by id, as the grant
+    pass's updates by id go), so two requests locking several never deadlock on each other."""
+    if not keys:
+        return {}
+    rows = s.scalars(select(UploadSlot).where(
+        UploadSlot.attempt_id == attempt_id, tuple_(UploadSlot.rank, UploadSlot.step).in_(sorted(set(keys))),
+        UploadSlot.state.in_(UPLOAD_SLOT_OPEN)).order_by(UploadSlot.id).with_for_update(key_share=True)
+        .execution_options(populate_existing=True))
+    return {(slot.rank, slot.step): slot for slot in rows}
+
+
+def _take(s: Session, node: Node, attempt: Attempt, asks: Sequence[SlotAsk | SlotRequest], wait_s: float,
+          limits: SlotLimits, settings: Settings) -> list[UploadSlot]:
+    """Create, poll or renew the slot of each ask (in order, a slot per (rank, step)): one read of
+    the open ones, one insert of the new ones; a waiter's queue place lasts its long poll, a holder's
+    lease goes on at the node's current share of its budget."""
+    t = now()
+    wait_s = min(wait_s, settings.upload_slot_poll_s)
+    found = _open_slots(s, attempt.id, [(a.rank, a.step) for a in asks])
+    new: dict[tuple[int, int], dict[str, Any]] = {}
     direct = _grants_directly(limits)
-    values: dict[str, Any] = dict(
-        id=uuid.uuid4(), job_id=job_id, attempt_id=attempt_id, node_id=node.id, rank=req.rank, step=req.step,
-        label=node.domain(settings.topology_label), size_bytes=req.size_bytes, requested_at=t,
-        state="granted" if direct else "waiting", granted_at=t if direct else None,
-        expires_at=t + timedelta(seconds=settings.upload_slot_ttl_s) if direct
-        else _queue_expiry(t, settings, min(req.wait_s, settings.upload_slot_poll_s)))
-    # A concurrent request for the same slot (a retry whose first answer was lost) inserts nothing.
-    # The index predicate goes as SQL text (UPLOAD_SLOTS_OPEN_SQL): bound parameters in it match no
-    # index once psycopg prepares the statement.
-    s.execute(pg_insert(UploadSlot).values(**values).on_conflict_do_nothing(
-        index_elements=["attempt_id", "rank", "step"], index_where=text(UPLOAD_SLOTS_OPEN_SQL)))
-    slot = _open_slot(s, attempt_id, req.rank, req.step)
-    assert slot is not None
-    return slot
+    label = node.domain(settings.topology_label)
+    for a in asks:
+        key = (a.rank, a.step)
+        if key in found or key in new:
+            continue
+        new[key] = dict(
+            id=uuid.uuid4(), job_id=attempt.job_id, attempt_id=attempt.id, node_id=node.id, rank=a.rank, step=a.step,
+            label=label, size_bytes=a.size_bytes, requested_at=t,
+            state="granted" if direct else "waiting", granted_at=t if direct else None,
+            expires_at=t + timedelta(seconds=settings.upload_slot_ttl_s) if direct
+            else _queue_expiry(t, settings, wait_s))
+    holders: int | None = None
+    for slot in found.values():
+        if slot.state == "waiting":
+            slot.expires_at = _queue_expiry(t, settings, wait_s)
+        else:  # a renewal: the lease goes on, at the node's current share of its budget
+            holders = _holders(s, slot.node_id) if holders is None else holders
+            slot.expires_at = t + timedelta(seconds=settings.upload_slot_ttl_s)
+            slot.rate_bytes_per_s = node_rate(limits, holders)
+    if new:
+        # A concurrent request for the same slot (a retry whose first answer was lost) inserts
+        # nothing. The index predicate goes as SQL text (UPLOAD_SLOTS_OPEN_SQL): bound parameters in
+        # it match no index once psycopg prepares the statement. Rows go in the asks' order: ``seq``
+        # keeps first come, first served within a batch.
+        s.execute(pg_insert(UploadSlot).values(list(new.values())).on_conflict_do_nothing(
+            index_elements=["attempt_id", "rank", "step"], index_where=text(UPLOAD_SLOTS_OPEN_SQL)))
+        found.update(_open_slots(s, attempt.id, list(new)))
+    return [found[(a.rank, a.step)] for a in asks]
 
 
 def _grants_directly(limits: SlotLimits) -> bool:
@@ -200,19 +270,34 @@ def _holders(s: Session, node_id: uuid.UUID) -> int:
 
 
 def _answer(s: Session, slot: UploadSlot | None, settings: Settings, *, long_poll: bool) -> SlotAnswer:
-    if slot is None or slot.state not in UPLOAD_SLOT_OPEN:
+    return _answers(s, [slot], settings, long_poll=long_poll)[0]
+
+
+def _answers(s: Session, slots: Sequence[UploadSlot | None], settings: Settings, *,
+             long_poll: bool) -> list[SlotAnswer]:
+    """Each slot's answer; the queue positions of the waiting ones in one query."""
+    if any(slot is None or slot.state not in UPLOAD_SLOT_OPEN for slot in slots):
         # Reclaimed between the request's two transactions: its attempt ended or stopped being current.
         raise StaleAttempt("the upload slot was reclaimed: its attempt ended or is no longer the job's current one")
     t = now()
-    position = 0
-    if slot.state == "waiting":
-        position = int(s.scalar(select(func.count()).where(UploadSlot.state == "waiting",
-                                                             UploadSlot.seq < slot.seq)) or 0)
-    return SlotAnswer(
-        slot_id=str(slot.id), state="granted" if slot.state == "granted" else "waiting", position=position,
+    open_ = [slot for slot in slots if slot is not None]
+    positions = _positions(s, sorted({slot.seq for slot in open_ if slot.state == "waiting"}))
+    return [SlotAnswer(
+        slot_id=str(slot.id), state="granted" if slot.state == "granted" else "waiting",
+        position=positions.get(slot.seq, 0) if slot.state == "waiting" else 0,
         retry_after_s=0.0 if long_poll or slot.state == "granted" else min(1.0, settings.upload_slot_poll_s),
         rate_bytes_per_s=slot.rate_bytes_per_s, ttl_s=max(0.001, (slot.expires_at - t).total_seconds()),
-        max_wait_s=settings.upload_slot_max_wait_s or None)
+        max_wait_s=settings.upload_slot_max_wait_s or None) for slot in open_]
+
+
+def _positions(s: Session, seqs: list[int]) -> dict[int, int]:
+    """Waiting slots ahead of each of these (by ``seq``), in one query."""
+    if not seqs:
+        return {}
+    asked = func.unnest(cast(seqs, ARRAY(BigInteger))).table_valued("seq").render_derived(name="asked")
+    ahead = (select(func.count()).where(UploadSlot.state == "waiting", UploadSlot.seq < asked.c.seq)
+             .correlate(asked).scalar_subquery())
+    return {int(seq): int(n or 0) for seq, n in s.execute(select(asked.c.seq, ahead))}
 
 
 def release_and_grant(session: Session, node: Node, attempt_id: uuid.UUID, req: SlotRelease,
@@ -222,17 +307,103 @@ def release_and_grant(session: Session, node: Node, attempt_id: uuid.UUID, req: 
     _job, _attempt, part = authorize_report(session, node, attempt_id, req.fencing_token, req.node_rank,
                                             exclusive=False)
     check_own_ranks(session, part, {req.rank})
-    t = now()
-    moved = move_upload_slots(session, and_(UploadSlot.attempt_id == attempt_id, UploadSlot.rank == req.rank,
-                                            UploadSlot.step == req.step), "released",
-                              ended_at=t, ok=req.ok, uploaded_bytes=req.uploaded_bytes, upload_s=req.upload_s)
+    [moved] = _release(session, attempt_id, [req])
     session.commit()
-    if moved and not _grants_directly(limits_of(settings)):  # otherwise nobody waits
-        if passes is not None:
-            passes.kick()  # releases that come together are served by one pass
-        else:
-            grant_pass(factory, settings)
-    return bool(moved)
+    if moved:
+        _hand_on(factory, settings, passes)
+    return moved
+
+
+def _release(s: Session, attempt_id: uuid.UUID, releases: Sequence[SlotRelease | SlotReleaseItem]) -> list[bool]:
+    """Release each (rank, step)'s open slot: whether it was open."""
+    t = now()
+    return [bool(move_upload_slots(s, and_(UploadSlot.attempt_id == attempt_id, UploadSlot.rank == r.rank,
+                                           UploadSlot.step == r.step), "released",
+                                   ended_at=t, ok=r.ok, uploaded_bytes=r.uploaded_bytes, upload_s=r.upload_s))
+            for r in releases]
+
+
+def _hand_on(factory: sessionmaker[Session], settings: Settings, passes: PassRunner | None) -> None:
+    """After a commit that freed capacity or queued waiters: a grant pass, by this replica's runner
+    (releases and requests that come together are served by one pass), or here without one."""
+    if _grants_directly(limits_of(settings)):
+        return  # nobody waits
+    if passes is not None:
+        passes.kick()
+    else:
+        grant_pass(factory, settings)
+
+
+async def batch_and_wait(factory: sessionmaker[Session], waits: wakeups.Wakeups, passes: PassRunner | None,
+                         token: str, attempt_id: uuid.UUID, req: SlotBatchRequest,
+                         settings: Settings, run: wakeups.RunInThread | None = None) -> SlotBatchAnswer:
+    """The asks and releases of several of a node's ranks, in one long poll (trainyard/protocol/uploads.py):
+    fenced once, the releases then the asks applied in one transaction; answered at once when any
+    ask is granted (or there is none, or ``wait_s`` is 0), else when a grant pass grants any of them
+    (a wake-up for any of their keys), else after ``wait_s``: each ask's answer, ``waiting`` with its
+    queue position. ``run``: how its transactions get a thread (the bookkeeping gate's, lanes.py)."""
+    released: list[bool] = []
+    long_poll = req.wait_s > 0
+
+    def first() -> SlotBatchAnswer | None:
+        done, answers = _batch(factory, token, attempt_id, req, settings, passes, defer=long_poll)
+        released.extend(done)
+        return None if answers is None else _batch_answer(req, answers, released)
+
+    def then() -> SlotBatchAnswer:
+        return _batch_answer(req, _poll_batch(factory, token, attempt_id, req, settings, passes), released)
+
+    keys = [slot_key(attempt_id, a.rank, a.step) for a in req.asks]
+    return await waits.wait_any(keys, first, then, min(req.wait_s, settings.upload_slot_poll_s), run)
+
+
+def _batch_answer(req: SlotBatchRequest, answers: list[SlotAnswer], released: list[bool]) -> SlotBatchAnswer:
+    return SlotBatchAnswer(answers=[SlotBatchItem(**answer.model_dump(), rank=a.rank, step=a.step)
+                                    for a, answer in zip(req.asks, answers, strict=True)], released=released)
+
+
+def _batch(factory: sessionmaker[Session], token: str, attempt_id: uuid.UUID, req: SlotBatchRequest,
+           settings: Settings, passes: PassRunner | None, *, defer: bool) -> tuple[list[bool], list[SlotAnswer] | None]:
+    """The batch's first phase: (each release's outcome, the asks' answers). With ``defer``, asks
+    that all wait are answered None (the long poll waits for a grant) and the runner is kicked."""
+    limits = limits_of(settings)
+    long_poll = req.wait_s > 0
+    with session_scope(factory) as s:
+        ranks = {a.rank for a in req.asks} | {r.rank for r in req.releases}
+        node, attempt = _fence(s, token, attempt_id, req.fencing_token, req.node_rank, ranks, asking=bool(req.asks))
+        released = _release(s, attempt_id, req.releases)
+        slots = _take(s, node, attempt, req.asks, req.wait_s, limits, settings)
+        waiting = [slot.id for slot in slots if slot.state == "waiting"]
+        answers = None
+        if not waiting or (long_poll and len(waiting) < len(slots)):
+            answers = _answers(s, slots, settings, long_poll=long_poll)
+        ids = [slot.id for slot in slots]
+    # Committed: a pass on any replica now sees the capacity released and the waiters.
+    if answers is not None or (defer and passes is not None):
+        if waiting or any(released):
+            _hand_on(factory, settings, passes)
+        return released, answers
+    return released, _pass_and_answers(factory, settings, passes, ids, long_poll=long_poll)
+
+
+def _poll_batch(factory: sessionmaker[Session], token: str, attempt_id: uuid.UUID, req: SlotBatchRequest,
+                settings: Settings, passes: PassRunner | None) -> list[SlotAnswer]:
+    """The end of a batch's long poll: every ask's answer in one transaction, the waiting ones' queue
+    places renewed (their ranks ask again at once). Should a slot be no longer open, the asks are
+    made anew, fenced (409 for a stale attempt); the releases are not applied again."""
+    keys = [(a.rank, a.step) for a in req.asks]
+    with session_scope(factory) as s:
+        found = _open_slots(s, attempt_id, keys)
+        if all(key in found for key in keys):
+            t = now()
+            for slot in found.values():
+                if slot.state == "waiting":
+                    slot.expires_at = _queue_expiry(t, settings, 0.0)
+            return _answers(s, [found[key] for key in keys], settings, long_poll=req.wait_s > 0)
+    _released, answers = _batch(factory, token, attempt_id, req.model_copy(update={"releases": []}), settings,
+                                passes, defer=False)
+    assert answers is not None
+    return answers
 
 
 def grant_pass(factory: sessionmaker[Session], settings: Settings, *, alive: Collection[str] = ()) -> int:
