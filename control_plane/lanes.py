@@ -10,11 +10,14 @@ risked being declared lost. This ASGI middleware sorts each request by method an
   and the health probes) is never held: it is counted, and its arrival time is stamped on the
   request (``ARRIVED_AT``), which the heartbeat records as the node's last heartbeat;
 - bookkeeping (every other agent POST under ``/v1/agent/attempts/{id}/``) passes a gate: at most
-  ``bookkeeping_concurrency`` in flight, and none admitted while any liveness request is in flight
-  (strict priority: a heartbeat competes with at most that many bookkeeping requests, for threads
-  and for the GIL). Waiting costs an asyncio future, no thread and no connection. Past
-  ``bookkeeping_queue_max`` waiting, or after ``bookkeeping_wait_s`` in the queue, the answer is 503
-  problem+json with Retry-After; agents resend (node_agent/link/client.py, relay.py);
+  ``bookkeeping_concurrency`` in flight, and while any liveness request is in flight only one
+  (a heartbeat competes with at most that many bookkeeping requests, for threads and for the GIL,
+  and a new one is let in beside it only when none runs). One, not none: on a saturated replica
+  liveness is nearly always in flight, and a gate that let nothing in beside it starved the
+  bookkeeping into 503s (a slot release lost, its lease left to expire: CI, stop 34). Waiting
+  costs an asyncio future, no thread and no connection. Past ``bookkeeping_queue_max`` waiting,
+  or after ``bookkeeping_wait_s`` in the queue, the answer is 503 problem+json with Retry-After;
+  agents resend (node_agent/link/client.py, relay.py);
 - everything else (long polls that hold no thread, users' API) passes untouched; the upload-slot
   long poll, many per checkpoint, runs its transactions through the gate (``run_gated``), holding a
   place only while one runs, never while it waits.
@@ -49,6 +52,9 @@ T = TypeVar("T")
 
 ARRIVED_AT = "trainyard.arrived_at"
 """Scope key: the shared-clock instant (control_plane.clock.now) a liveness request arrived."""
+
+BESIDE_LIVENESS = 1
+"""Bookkeeping requests that may run while liveness is in flight (the gate's floor: never none)."""
 
 RETRY_AFTER_S = 1
 """What a refused bookkeeping request is told to wait (agents add jitter)."""
@@ -100,8 +106,9 @@ class GateBook:
     """The gate's state, without clocks or asyncio: who is in flight, who waits, who goes next.
 
     Invariants (tests/control_plane/test_lanes.py): bookkeeping in flight never exceeds ``bound``;
-    no bookkeeping request is admitted while a liveness request is in flight; waiters are admitted
-    in arrival order; the queue never holds more than ``queue_max``."""
+    while a liveness request is in flight a bookkeeping request is admitted only when none is in
+    flight (``BESIDE_LIVENESS``); waiters are admitted in arrival order; the queue never holds more
+    than ``queue_max``."""
 
     bound: int
     queue_max: int
@@ -115,6 +122,10 @@ class GateBook:
             raise ValueError("the gate needs bound >= 1 and queue_max >= 0")
         self.waiting: deque[int] = deque()
 
+    def limit(self) -> int:
+        """How many bookkeeping requests may be in flight now."""
+        return self.bound if self.liveness == 0 else min(self.bound, BESIDE_LIVENESS)
+
     def liveness_arrived(self) -> None:
         self.liveness += 1
 
@@ -126,7 +137,7 @@ class GateBook:
 
     def bookkeeping_arrived(self, ticket: int) -> Admission:
         # Admitted at once only with nobody ahead of it: arrival order within the lane.
-        if not self.waiting and self.liveness == 0 and self.in_flight < self.bound:
+        if not self.waiting and self.in_flight < self.limit():
             self.in_flight += 1
             return Admission.ADMITTED
         if len(self.waiting) >= self.queue_max:
@@ -150,7 +161,7 @@ class GateBook:
 
     def _admit(self) -> list[int]:
         admitted: list[int] = []
-        while self.waiting and self.liveness == 0 and self.in_flight < self.bound:
+        while self.waiting and self.in_flight < self.limit():
             admitted.append(self.waiting.popleft())
             self.in_flight += 1
         return admitted

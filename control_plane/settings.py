@@ -202,7 +202,7 @@ class Settings(BaseSettings):
     )
     bookkeeping_concurrency: int = Field(
         4, ge=1, le=64, description="Checkpoint and progress reports from agents (shards, events, logs, storage "
-        "grants, slot releases) one replica runs at once, and only while no heartbeat, registration or status "
+        "grants, slot releases) one replica runs at once; one at a time while a heartbeat, registration or status "
         "report is in flight: the liveness lane (docs/architecture.md). Less than api_threads."
     )
     bookkeeping_queue_max: int = Field(

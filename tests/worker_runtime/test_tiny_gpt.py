@@ -156,6 +156,9 @@ def test_torchrun_resumes_from_s3_checkpoints_bit_identical(process_reaper: Proc
     assert resumed["restored_from_step"] == 10, stdout
     assert resumed["weights_sha256"] == first["weights_sha256"]
     assert resumed["final_loss"] == first["final_loss"]
+    # The restore's events (an upload without a slot, `checkpoint.upload_unslotted`, may come too on a
+    # loaded machine: the next save was due before the slot's answer; CI, stop 34).
+    events = [e for e in events if e["kind"] in ("checkpoint.fallback", "checkpoint.restored")]
     assert [(e["kind"], e["rank"], e["data"]["step"]) for e in events] == [
         ("checkpoint.fallback", 0, 15), ("checkpoint.restored", 0, 10)]
     assert events[0]["data"]["reason"] == "rank 1: shard sha256 differs from the manifest"

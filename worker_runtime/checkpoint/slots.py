@@ -38,6 +38,11 @@ from worker_runtime.context import WorkerContext
 
 log = logging.getLogger(__name__)
 
+RELEASE_TRIES = 4
+"""Tries of a slot release that the agent answers 503 (or cannot be reached): about 6 s at most."""
+RELEASE_RETRY_MAX_S = 2.0
+"""The longest wait between two of them, whatever Retry-After says."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SlotGrant:
@@ -154,15 +159,17 @@ class UploadSlots:
             return False
         body = {"fencing_token": self._ctx.fencing_token, "rank": self._ctx.rank, "step": step, "ok": ok,
                 "uploaded_bytes": uploaded_bytes, "upload_s": round(max(0.0, upload_s), 6)}
-        for attempt in range(2):
+        for attempt in range(RELEASE_TRIES):
             status, answer = self._post("upload-slot/release", body, self._timeout)
             if status == 200:
                 return True
-            if status not in (0, 503) or attempt:
+            if status not in (0, 503) or attempt == RELEASE_TRIES - 1:
                 log.info("upload slot of step %d not released (HTTP %d %s); its lease will expire",
                          step, status, answer.get("detail"))
                 return False
-            time.sleep(0.2)
+            # A busy control plane says when (its bookkeeping gate's Retry-After, relayed): a release
+            # given up early holds the slot from the other ranks until its lease expires.
+            time.sleep(min(RELEASE_RETRY_MAX_S, max(0.2, float(answer.get("retry_after_s") or 0.0))))
         return False
 
     def keep(self, step: int, size_bytes: int, grant: SlotGrant, pacer: Pacer) -> _Renewal:
