@@ -264,7 +264,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     store = object_store(settings)
     # Bookkeeping never takes every request thread: liveness keeps at least one (settings check it).
     lanes = Lanes(bookkeeping_concurrency=max(1, min(settings.bookkeeping_concurrency, settings.api_threads - 1)),
-                  queue_max=settings.bookkeeping_queue_max, wait_s=settings.bookkeeping_wait_s)
+                  queue_max=settings.bookkeeping_queue_max, wait_s=settings.bookkeeping_wait_s,
+                  gated=settings.bookkeeping_gate)
     loops = Loops(factory, settings, store, liveness_wait=lanes.oldest_liveness_s)
     wakeups = Wakeups(settings.database_url, max_waiters=settings.agent_wait_max)
     wakeups.install(factory)

@@ -187,8 +187,11 @@ class Lanes:
     """One replica's lanes, driven from its event loop; ``oldest_liveness_s`` and ``figures`` may be
     read from any thread (the monitor loop, /metrics)."""
 
-    def __init__(self, *, bookkeeping_concurrency: int, queue_max: int, wait_s: float) -> None:
+    def __init__(self, *, bookkeeping_concurrency: int, queue_max: int, wait_s: float, gated: bool = True) -> None:
         self.book = GateBook(bound=bookkeeping_concurrency, queue_max=queue_max)
+        self.gated = gated
+        """False (settings.bookkeeping_gate): bookkeeping is counted, never held; liveness is still stamped
+        and counted (the lost guard)."""
         self.wait_s = wait_s
         self._tickets = itertools.count()
         self._waiters: dict[int, asyncio.Future[None]] = {}
@@ -224,6 +227,8 @@ class Lanes:
     async def admit(self) -> bool:
         """Wait for the gate; False when refused (the queue is full or the wait ran out)."""
         self._bookkeeping_total += 1
+        if not self.gated:
+            return True
         ticket = next(self._tickets)
         admission = self.book.bookkeeping_arrived(ticket)
         if admission is Admission.ADMITTED:
@@ -264,7 +269,8 @@ class Lanes:
 
     def done(self) -> None:
         """An admitted bookkeeping request answered."""
-        self._wake(self.book.bookkeeping_done())
+        if self.gated:
+            self._wake(self.book.bookkeeping_done())
 
     def _wake(self, tickets: list[int]) -> None:
         for ticket in tickets:

@@ -48,7 +48,8 @@ def _running_attempt(http: httpx.Client, app: Any) -> tuple[FakeAgentSession, di
 def test_heartbeats_are_answered_while_bookkeeping_floods_and_the_excess_is_a_503(
         settings: Settings, held_failpoints: None) -> None:
     app = create_app(settings.model_copy(update={
-        "api_threads": 40, "bookkeeping_concurrency": 2, "bookkeeping_queue_max": 20, "bookkeeping_wait_s": 3.0}))
+        "api_threads": 40, "bookkeeping_gate": True, "bookkeeping_concurrency": 2, "bookkeeping_queue_max": 20,
+        "bookkeeping_wait_s": 3.0}))
     with serve(app) as server, httpx.Client(base_url=server, timeout=30) as http:
         agent, spec = _running_attempt(http, app)
         failpoints.configure(f"agent.events=sleep({EVENT_S})")
