@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import threading
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -56,6 +57,15 @@ def notify(session: Session, channel: str, keys: Iterable[uuid.UUID | str]) -> N
 def notify_nodes(session: Session, node_ids: Iterable[uuid.UUID | str]) -> None:
     """Wake the agents of these nodes once the session's transaction commits (on every replica)."""
     notify(session, CHANNEL, node_ids)
+
+
+_started: weakref.WeakSet[Wakeups] = weakref.WeakSet()  # this process's, for drain_all
+
+
+def drain_all() -> None:
+    """This replica is stopping: every long poll it holds answers now (see ``Wakeups.drain``)."""
+    for wakeups in list(_started):
+        wakeups.drain()
 
 
 class Busy(Exception):
@@ -169,7 +179,7 @@ class Wakeups:
             answer = await in_thread(first)
             if answer is not None:
                 return answer
-            if keys:
+            if keys and not self._stopping:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ev.wait(), timeout_s)
             return await in_thread(then)
@@ -215,9 +225,24 @@ class Wakeups:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self.run(), name=f"trainyard-wakeups-{self.channel}")
+        _started.add(self)
+
+    def drain(self) -> None:
+        """The replica is stopping: every wait answers now, as after a wake-up that changed nothing
+        the agent did not know, and a new wait does not block (any thread). The server calls it as
+        its shutdown begins (control_plane/http_deadlines.py, DrainingServer): the app's own shutdown
+        (``stop``) runs only once the requests in flight have ended, so without it a stopping
+        replica held every long poll for its whole grace period, then cancelled them with an error
+        each. The agents ask again, another replica or this one once it is back."""
+        self._stopping = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._fire_all)
 
     async def stop(self) -> None:
         self._stopping = True
+        _started.discard(self)
         self._fire_all()  # every wait answers now ("nothing changed")
         if self._task is not None:
             self._task.cancel()

@@ -153,3 +153,40 @@ def test_a_wait_that_asks_for_the_answer_carries_the_change_and_ignores_wake_ups
         stop.join(PROMPTLY_S)
         assert stop.result is not None and stop.result[1] == {
             "changed": True, "assignments": [], "unchanged": [{**known[0], "desired": "stop", "handover_ok": False}]}
+
+
+def test_a_stopping_server_answers_its_long_polls_instead_of_cancelling_them(settings: Settings) -> None:
+    """`trainyard server`'s shutdown (DrainingServer, with the production grace period): a wait in
+    flight is answered "nothing changed" (200), as a wake-up without a change would be. uvicorn
+    alone waits out its grace period, then cancels the request: the agent got no answer at all and
+    the replica logged an error for each held long poll."""
+    import socket
+
+    import uvicorn
+
+    from control_plane.http_deadlines import DrainingServer, uvicorn_options
+
+    app = create_app(settings)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                           **uvicorn_options(settings)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=base, timeout=30) as c:
+        auth = _register(c, "draining-1")
+    wait = _Wait(base, auth, [], timeout_s=60)
+    wait.start()
+    _waiting(app)
+    server.should_exit = True
+    thread.join(60)
+    wait.join(60)
+    assert not thread.is_alive() and wait.result is not None, "the long poll got no answer"
+    assert wait.result[:2] == (200, {"changed": False})
+    assert app.state.wakeups.waiting == 0

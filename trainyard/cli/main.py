@@ -68,7 +68,7 @@ def server(
     --tls-cert and --tls-key, plain HTTP without (then only behind a TLS-terminating proxy)."""
     import uvicorn
 
-    from control_plane.http_deadlines import uvicorn_options
+    from control_plane.http_deadlines import DrainingServer, uvicorn_options
     from control_plane.settings import Settings
 
     try:
@@ -76,7 +76,7 @@ def server(
     except ValueError as exc:
         raise CliError(f"invalid settings: {_first_line(exc)}") from exc
     certfile, keyfile = _check_tls(tls_cert, tls_key)
-    uvicorn.run(
+    config = uvicorn.Config(
         "control_plane.app:create_app",
         factory=True,
         host=host,
@@ -88,6 +88,7 @@ def server(
         ssl_keyfile=keyfile,
         **uvicorn_options(settings),
     )
+    DrainingServer(config).run()
 
 
 def _check_tls(cert: Path | None, key: Path | None) -> tuple[str | None, str | None]:
