@@ -23,6 +23,17 @@ def job_body(**overrides: Any) -> dict[str, Any]:
     return body
 
 
+STEPS_JOB = "tests/e2e/steps_job.py"
+
+
+def steps_body(steps: int, delay_s: float = 0.0, **overrides: Any) -> dict[str, Any]:
+    """A job that takes ``steps`` steps of ``delay_s`` and trains nothing (tests/e2e/steps_job.py), no
+    checkpoints unless given: for end-to-end tests whose subject is where, when and how jobs run,
+    not what they compute (a torch worker costs about 4 CPU-s to start on the 2-core test machine)."""
+    return job_body(**{"entrypoint": STEPS_JOB, "checkpoint": {},
+                       "args": ["--steps", str(steps), "--step-delay-s", str(delay_s)], **overrides})
+
+
 def register_body(name: str, gpus: int = 2, *, address: str | None = None, kind: str = "virtual-cpu",
                   labels: dict[str, str] | None = None, memory_port: int | None = None,
                   memory_tls: bool = False) -> dict[str, Any]:

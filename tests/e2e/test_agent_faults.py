@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.factories import job_body
+from tests.factories import job_body, steps_body
 
 pytestmark = pytest.mark.e2e
 ENDED = {"succeeded", "failed", "cancelled"}
@@ -16,8 +16,7 @@ def test_a_final_status_slower_than_the_vanish_timeout_still_succeeds(make_clust
     # Every final status takes 20 s to be taken in (a slow final commit), far past the 10 s after
     # which a silent part whose node no longer lists it is declared vanished; the heartbeats go on.
     cluster = make_cluster(nodes=1, settings={"TRAINYARD_FAILPOINTS": "agent.final_status=sleep(20)"})
-    job = cluster.submit(job_body(name="slow-final", args=["--steps", "6"], num_nodes=1, gpus_per_node=1,
-                                  max_failures=0))
+    job = cluster.submit(steps_body(6, name="slow-final", num_nodes=1, gpus_per_node=1, max_failures=0))
     done = cluster.wait_state(job["id"], ENDED, timeout=180)
     assert done["state"] == "succeeded", done["end_reason"]
     assert cluster.events(job["id"], "attempt.failed") == []

@@ -23,12 +23,12 @@ import pytest
 
 from node_agent.agent import EXIT_SUPERSEDED
 from tests.e2e.harness import LiveCluster
-from tests.factories import job_body
+from tests.factories import steps_body
 from tests.helpers import ProcessReaper
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-LONG = ["--steps", "4000", "--step-delay-s", "0.05"]  # runs far longer than either test
+LONG = {"steps": 4000, "delay_s": 0.05}  # runs far longer than either test (and trains nothing)
 
 
 def _marked(attempt_id: str) -> list[psutil.Process]:
@@ -81,7 +81,7 @@ def test_two_agents_with_one_name_the_newer_wins_and_the_older_stops(make_cluste
     cluster = make_cluster(nodes=1, gpus_per_node=1)
     first_dir = cluster.dev.config.data_dir / "nodes" / "node-1"
     first = cluster.dev.agent("node-1")
-    job = cluster.submit(job_body(name="fenced", args=LONG, num_nodes=1, gpus_per_node=1, max_failures=5))
+    job = cluster.submit(steps_body(**LONG, name="fenced", num_nodes=1, gpus_per_node=1, max_failures=5))
     attempt = _running_attempt(cluster, job["id"])
 
     second_dir = cluster.dev.config.data_dir / "nodes" / "node-1-second"
@@ -113,7 +113,7 @@ def test_restarted_agent_with_wiped_work_dir_stops_orphans_before_the_gpu_is_fre
 ):
     cluster = make_cluster(nodes=1, gpus_per_node=1)
     work_dir = cluster.dev.config.data_dir / "nodes" / "node-1"
-    job = cluster.submit(job_body(name="orphaned", args=LONG, num_nodes=1, gpus_per_node=1, max_failures=0))
+    job = cluster.submit(steps_body(**LONG, name="orphaned", num_nodes=1, gpus_per_node=1, max_failures=0))
     attempt = _running_attempt(cluster, job["id"])
     orphans = _marked(attempt)
     assert len(orphans) >= 2  # torchrun, the rank shim (and its worker)
@@ -122,7 +122,7 @@ def test_restarted_agent_with_wiped_work_dir_stops_orphans_before_the_gpu_is_fre
     cluster.dev.agent("node-1").send_signal(signal.SIGKILL)
     cluster.dev.agent("node-1").wait(10)
     shutil.rmtree(work_dir)
-    waiting = cluster.submit(job_body(name="waiting", args=["--steps", "5"], num_nodes=1, gpus_per_node=1))
+    waiting = cluster.submit(steps_body(5, name="waiting", num_nodes=1, gpus_per_node=1))
 
     log = tmp_path / "restarted-agent.log"
     _start_agent(cluster, process_reaper, work_dir, log)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from tests.factories import job_body
+from tests.factories import steps_body
 from tests.helpers import need
 
 pytestmark = pytest.mark.e2e
@@ -52,8 +52,8 @@ def test_a_replica_30s_ahead_declares_nobody_lost_and_enforces_no_limit_early(ma
                      timeout=60)
     lost_before = _node_lost_events(fresh_database_url)
 
-    job = cluster.submit(job_body(name="skewed", args=["--steps", "100000", "--step-delay-s", "0.05"],
-                                  num_nodes=2, gpus_per_node=1, time_limit_s=TIME_LIMIT_S, max_failures=0))
+    job = cluster.submit(steps_body(100000, 0.05, name="skewed", num_nodes=2, gpus_per_node=1,
+                                    time_limit_s=TIME_LIMIT_S, max_failures=0))
     reached = cluster.wait_state(job["id"], {"running", "failed", "succeeded", "cancelled"}, timeout=120)
     assert reached["state"] == "running", reached["end_reason"]  # not "node node-1 lost"
     # Past the skewed replica's startup grace (6 s) and the node-lost timeout (10 s), well inside the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from tests.factories import job_body
+from tests.factories import job_body, steps_body
 
 pytestmark = pytest.mark.e2e
 ENDED = {"succeeded", "failed", "cancelled"}
@@ -70,8 +70,9 @@ def test_cancel_stops_every_worker_and_releases_every_lease_within_15s(cluster):
 
 
 def test_gang_jobs_never_partially_allocated_and_second_waits_for_first(cluster):
-    big = cluster.submit(job_body(name="big", args=["--steps", "150"]))
-    small = cluster.submit(job_body(name="small", num_nodes=1, gpus_per_node=2, args=["--steps", "20"]))
+    # Jobs that take steps and train nothing: allocation is the subject.
+    big = cluster.submit(steps_body(150, 0.05, name="big"))
+    small = cluster.submit(steps_body(20, 0.05, name="small", num_nodes=1, gpus_per_node=2))
     first_allocation: dict[str, int] = {}
     seen_big_running = False
 

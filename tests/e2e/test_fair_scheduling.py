@@ -1,20 +1,21 @@
 """Head-of-line protection end to end: a 2-node job at the head and a stream of 1-GPU jobs on a
 3-node cluster (real agents, torchrun workers). The big job gets the nodes that drain soonest and
-starts when they have; the small jobs run elsewhere meanwhile; nothing is stopped to make room."""
+starts when they have; the small jobs run elsewhere meanwhile; nothing is stopped to make room.
+The jobs take steps and train nothing (tests/e2e/steps_job.py): placement is the subject."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.factories import job_body
+from tests.factories import steps_body
 
 pytestmark = pytest.mark.e2e
 ENDED = {"succeeded", "failed", "cancelled"}
 
 
 def _run(name: str, nodes: int, per: int, steps: int, delay: float, limit: int | None = None) -> dict:
-    return job_body(name=name, num_nodes=nodes, gpus_per_node=per, checkpoint={}, max_failures=0,
-                    args=["--steps", str(steps), "--step-delay-s", str(delay)], time_limit_s=limit)
+    return steps_body(steps, delay, name=name, num_nodes=nodes, gpus_per_node=per, max_failures=0,
+                      time_limit_s=limit)
 
 
 def _on(job: dict) -> set[str]:

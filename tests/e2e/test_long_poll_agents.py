@@ -4,7 +4,7 @@ long poll (POST /v1/agent/wait) wakes them, whichever replica scheduled or cance
 
 from __future__ import annotations
 
-from tests.factories import job_body
+from tests.factories import steps_body
 
 # Heartbeats every 60 s (jittered down to 48 s): a job that starts, or stops, within 30 s of the
 # change was woken, not heartbeat into it.
@@ -21,7 +21,7 @@ def test_agents_launch_and_stop_through_wake_ups_across_replicas(make_cluster):
     cluster = make_cluster(nodes=2, gpus_per_node=1, replicas=2, settings=LONG_INTERVAL)
     cluster.wait_for("both nodes ready", lambda: len([n for n in cluster.get("/v1/nodes") if n["state"] == "ready"])
                      == 2, timeout=60)
-    job = cluster.submit(job_body(num_nodes=2, gpus_per_node=1, args=["--steps", "1000000"], checkpoint={}))
+    job = cluster.submit(steps_body(1000000, 0.05, num_nodes=2, gpus_per_node=1))
     # Both agents launch the attempt well before their next heartbeat is due (the interval is 60 s).
     cluster.wait_for("both agents launched the attempt", lambda: all(
         "attempt_launched" in cluster.log_text(n) for n in ("node-1", "node-2")), timeout=PROMPTLY_S)

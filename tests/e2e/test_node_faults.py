@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.harness import LiveCluster
-from tests.factories import job_body
+from tests.factories import job_body, steps_body
 from tests.helpers import need
 
 pytestmark = pytest.mark.e2e
@@ -80,5 +80,5 @@ def test_full_disk_on_a_node_fails_the_attempt_with_the_reason_and_the_node_reco
                      timeout=60)
 
     (work_dir / "filler").unlink()  # room again: the same node runs the next job
-    again = cluster.submit(job_body(name="room-again", args=["--steps", "5"], num_nodes=1, gpus_per_node=1))
+    again = cluster.submit(steps_body(5, name="room-again", num_nodes=1, gpus_per_node=1))
     assert cluster.wait_state(again["id"], ENDED, timeout=120)["state"] == "succeeded"
