@@ -4,6 +4,9 @@ with a real control plane and real agents running real torchrun workers."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
+import json
 import os
 import secrets
 import sys
@@ -117,19 +120,31 @@ def _model_args(args: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def reference_result() -> Callable[[list[str]], dict[str, Any]]:
+def reference_result(tmp_path_factory: pytest.TempPathFactory) -> Callable[[list[str]], dict[str, Any]]:
     """tiny_gpt's result for ``args`` on 2 ranks under bare torchrun, with no failure: what any run
-    of the same arguments and world size must end with (computed once per argument list)."""
+    of the same arguments and world size must end with. Computed once per argument list for the
+    whole session: pytest-xdist's workers share it through a file beside their temp dirs (each
+    run costs about 12 CPU-s), one lock per argument list."""
     from tests.worker_runtime.torchrun import run_torchrun
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
     def get(args: list[str]) -> dict[str, Any]:
         key = tuple(_model_args(args))
         if key not in _reference:
-            reaper = ProcessReaper()
-            try:
-                _reference[key], _ = run_torchrun(reaper, ["worker_runtime.examples.tiny_gpt", *key],
-                                                  {"TRAINYARD_DEVICE": "cpu"})
-            finally:
-                reaper.reap()
+            name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+            stored = shared / f"tiny-gpt-reference-{name}.json"
+            with (shared / f"tiny-gpt-reference-{name}.lock").open("w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not stored.exists():
+                    reaper = ProcessReaper()
+                    try:
+                        result, _ = run_torchrun(reaper, ["worker_runtime.examples.tiny_gpt", *key],
+                                                 {"TRAINYARD_DEVICE": "cpu"})
+                    finally:
+                        reaper.reap()
+                    stored.write_text(json.dumps(result))
+                _reference[key] = json.loads(stored.read_text())
         return _reference[key]
     return get
