@@ -34,6 +34,7 @@ import httpx
 import pytest
 
 from tests.e2e.harness import Cluster
+from tests.factories import STEPS_JOB, steps_body
 from tests.helpers import ProcessReaper, make_wheel, need, pid_gone, wait_for
 from trainyard.cli import main
 from trainyard.cli.tls import client_context
@@ -163,8 +164,8 @@ import runpy, sys
 import tinypkg  # from the job's requirements, installed by the agent
 
 print(f"tinypkg says {tinypkg.MARK} from {tinypkg.__file__}", flush=True)
-sys.argv = ["train_minimal.py", *sys.argv[1:]]
-runpy.run_path("train_minimal.py", run_name="__main__")
+sys.argv = ["steps_job.py", *sys.argv[1:]]
+runpy.run_path("steps_job.py", run_name="__main__")  # takes steps, trains nothing
 """
 
 
@@ -176,7 +177,7 @@ def _requirements_and_cluster_commands(cluster: Cluster, tmp_path: Path, capsys:
     make_wheel(wheels, "tinypkg", "1.0", "MARK = 'hello'\n")
     job_dir = tmp_path / "reqjob"
     job_dir.mkdir()
-    shutil.copy(ROOT / "examples" / "train_minimal.py", job_dir)
+    shutil.copy(ROOT / STEPS_JOB, job_dir)
     (job_dir / "train.py").write_text(TRAIN_WITH_REQUIREMENT)
     index = f"--no-index\n--find-links {wheels}\n"
     (job_dir / "requirements.txt").write_text(f"{index}tinypkg==1.0\n")
@@ -184,7 +185,7 @@ def _requirements_and_cluster_commands(cluster: Cluster, tmp_path: Path, capsys:
     common = "workdir: .\nentrypoint: train.py\ngpus_per_node: 1\nmax_failures: 3\n"
     (job_dir / "bad.yaml").write_text(f"name: badreqs\nnum_nodes: 1\nrequirements_file: bad.txt\n{common}")
     (job_dir / "job.yaml").write_text(f"name: reqs\nnum_nodes: 2\nrequirements_file: requirements.txt\n{common}"
-                                      'args: ["--steps", "3000", "--step-time-s", "0.05"]\n')
+                                      'args: ["--steps", "3000", "--step-delay-s", "0.05"]\n')
 
     # Requirements that cannot install: failed at once, not retried, pip's reason in one line.
     code, out, err = _cli(["run", str(job_dir / "bad.yaml")], capsys)
@@ -232,13 +233,13 @@ def _requirements_and_cluster_commands(cluster: Cluster, tmp_path: Path, capsys:
         attempts = cluster.get(f"/v1/jobs/{job}/attempts")["items"]
         return attempts[-1]["nodes"][0]["node_name"] if attempts else None
 
-    one_gpu = {"num_nodes": 1, "gpus_per_node": 1, "entrypoint": "examples/train_minimal.py"}
-    probe = cluster.submit({**one_gpu, "name": "probe", "args": ["--steps", "60", "--step-time-s", "0.05"]})
+    one_gpu = {"num_nodes": 1, "gpus_per_node": 1}  # jobs that take steps and train nothing: placement matters here
+    probe = cluster.submit(steps_body(60, 0.05, name="probe", **one_gpu))
     cluster.wait_for("probe placed", lambda: node_of(probe["id"]), 60)
     assert node_of(probe["id"]) == "node-2"
     code, out, err = _cli(["nodes", "drain", "node-2"], capsys)
     assert code == 0 and "node-2: draining" in err, err
-    waiter = cluster.submit({**one_gpu, "name": "waiter", "args": ["--steps", "5"]})
+    waiter = cluster.submit(steps_body(5, name="waiter", **one_gpu))
     assert cluster.wait_state(probe["id"], ENDED, timeout=120)["state"] == "succeeded"  # drain let it finish
     cluster.wait_for("node-2 drained", lambda: [n for n in cluster.get("/v1/nodes")
                                                 if n["name"] == "node-2" and n["scheduling"] == "drained"], 30)
