@@ -259,7 +259,12 @@ class Agent:
             state.stop_event.set()
         state.wake(*self._loops)
         state.outbox.wake()
-        for thread in self._threads.values():
+        for name, thread in self._threads.items():
+            if name == "wait":
+                # Its long poll stays open until the control plane answers, and whatever the answer,
+                # the loop launches nothing once stop_event is set (DesiredState.reconcile): not
+                # waited for (a daemon), which took a second of every agent's stop.
+                continue
             # An in-flight request may hold a loop for up to http_timeout_s; its thread is a daemon.
             thread.join(max(0.0, min(1.0, deadline - time.monotonic())))
         if not self.config.keep_workers_on_exit or state.superseded is not None:
