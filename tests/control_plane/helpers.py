@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from fastapi import FastAPI
 
 from control_plane import clock
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
+from trainyard.embedded import free_port
 
 
 def submit(client, **body) -> dict:
@@ -40,22 +40,30 @@ def finish(agents: list[FakeAgentSession], job_id: str) -> None:
 
 
 @contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Run the app in a real server (uvicorn, in a thread of this process); yields its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                                        timeout_keep_alive=30, backlog=2048))
-    thread = threading.Thread(target=srv.run, daemon=True)
+def running(server: uvicorn.Server, *, must_stop: bool = False) -> Iterator[uvicorn.Server]:
+    """Run ``server`` in a thread of this process; yields once it has started and stops it at exit
+    (``must_stop``: fail if it has not stopped 30 s later)."""
+    thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
-    while not srv.started:
+    while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield server
     finally:
-        srv.should_exit = True
+        server.should_exit = True
         thread.join(30)
+        assert not (must_stop and thread.is_alive()), "uvicorn did not stop"
+
+
+@contextmanager
+def serve(app: FastAPI) -> Iterator[str]:
+    """Run the app in a real server (uvicorn, in a thread of this process); yields its base URL."""
+    port = free_port()
+    try:
+        with running(uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                   lifespan="on", timeout_keep_alive=30, backlog=2048))):
+            yield f"http://127.0.0.1:{port}"
+    finally:
         clock.reset()

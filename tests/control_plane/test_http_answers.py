@@ -8,7 +8,6 @@ import asyncio
 import http.client
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,8 +20,10 @@ from starlette.types import Message, Receive, Scope, Send
 from control_plane.app import create_app
 from control_plane.http_deadlines import BodyIdleTimeout, uvicorn_options
 from control_plane.settings import Settings
+from tests.control_plane.helpers import running
 from tests.factories import ADMIN_TOKEN
 from trainyard.dev.certs import ServerTls, ensure_server_tls
+from trainyard.embedded import free_port
 
 UVICORN_DEFAULT_KEEP_ALIVE_S = 5.0
 
@@ -30,24 +31,11 @@ UVICORN_DEFAULT_KEEP_ALIVE_S = 5.0
 @contextmanager
 def served(settings: Settings, tls: ServerTls | None = None) -> Iterator[int]:
     """The app in uvicorn (a thread of this process) with trainyard server's options; yields its port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     files = {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)} if tls else {}
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on", **uvicorn_options(settings), **files))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
+    with running(uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
+                                               lifespan="on", **uvicorn_options(settings), **files)), must_stop=True):
         yield port
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive()
 
 
 def _read_answer(sock: socket.socket, within_s: float) -> bytes:

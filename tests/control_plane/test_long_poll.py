@@ -13,8 +13,9 @@ import httpx
 
 from control_plane.app import create_app
 from control_plane.settings import Settings
-from tests.control_plane.helpers import serve
+from tests.control_plane.helpers import running, serve
 from tests.factories import ADMIN, JOIN_TOKEN, job_body
+from trainyard.embedded import free_port
 
 PROMPTLY_S = 15.0  # generous for a loaded machine; a wait that is never woken takes 60 s here
 
@@ -160,33 +161,22 @@ def test_a_stopping_server_answers_its_long_polls_instead_of_cancelling_them(set
     flight is answered "nothing changed" (200), as a wake-up without a change would be. uvicorn
     alone waits out its grace period, then cancels the request: the agent got no answer at all and
     the replica logged an error for each held long poll."""
-    import socket
-
     import uvicorn
 
     from control_plane.http_deadlines import DrainingServer, uvicorn_options
 
     app = create_app(settings)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                                           **uvicorn_options(settings)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
-    with httpx.Client(base_url=base, timeout=30) as c:
-        auth = _register(c, "draining-1")
-    wait = _Wait(base, auth, [], timeout_s=60)
-    wait.start()
-    _waiting(app)
-    server.should_exit = True
-    thread.join(60)
-    wait.join(60)
-    assert not thread.is_alive() and wait.result is not None, "the long poll got no answer"
+    with running(DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                               lifespan="on", **uvicorn_options(settings))), must_stop=True) as server:
+        with httpx.Client(base_url=base, timeout=30) as c:
+            auth = _register(c, "draining-1")
+        wait = _Wait(base, auth, [], timeout_s=60)
+        wait.start()
+        _waiting(app)
+        server.should_exit = True  # shutdown begins; the wait is answered (or, undrained, cancelled after 3 s)
+        wait.join(60)
+    assert wait.result is not None, "the long poll got no answer"
     assert wait.result[:2] == (200, {"changed": False})
     assert app.state.wakeups.waiting == 0
