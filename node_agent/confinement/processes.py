@@ -11,12 +11,20 @@ after torchrun or the agent died and they were reparented. A scan of this user's
 that variable, plus every member of the process groups those processes lead or share (children
 that scrubbed their environment), finds them all. The attempt counts as alive while that set is
 not empty; only then may the control plane reuse its GPUs.
+
+A process in an attempt cgroup (``trainyard/node-<node id>/<attempt id>.<node rank>``, any agent's on
+this machine) is that part's by its cgroup, which it cannot leave, and its environment is not read:
+reading ``/proc/<pid>/environ`` waits on the process's memory map lock, which a process that keeps
+forking holds most of the time. Beside a fork bomb held at its part's pids limit, a scan that read
+every environment took tens of seconds (a registration's, the supervise loop's, on every agent of
+the node); its processes' cgroup files read at once (bench/process_scan.py measures both).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 from collections import defaultdict
 from collections.abc import Iterable
@@ -25,7 +33,12 @@ from pathlib import Path
 
 import psutil
 
+from node_agent.confinement.cgroups import PARENT
 from trainyard.protocol.env import ENV_ATTEMPT_ID, ENV_NODE_ID, ENV_NODE_RANK
+
+_PART_CGROUP = re.compile(rf"/{PARENT}/node-(?P<node>[^/]+)/(?P<attempt>[^/]+)\.(?P<rank>\d+)(?:/|$)")
+"""A part's cgroup in the unified hierarchy (cgroups.CgroupTree), as /proc/<pid>/cgroup names it."""
+_PART_MARK = f"/{PARENT}/node-".encode()
 
 
 @dataclass
@@ -69,18 +82,44 @@ def scan() -> ProcessTable:
             table.started[proc.pid] = info["create_time"]
         try:
             pgid = os.getpgid(proc.pid)
-            env = proc.environ()
+            marker = part_of(proc.pid)
+            if marker is None:
+                env = proc.environ()
+                marker = (env.get(ENV_NODE_ID, ""), env.get(ENV_ATTEMPT_ID, ""), env.get(ENV_NODE_RANK, ""))
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
         table.pgid_of[proc.pid] = pgid
         table.by_pgid[pgid].add(proc.pid)
-        attempt_id = env.get(ENV_ATTEMPT_ID)
+        node_id, attempt_id, node_rank = marker
         if attempt_id:
             table.by_attempt[attempt_id].add(proc.pid)
-            table.by_part[(attempt_id, env.get(ENV_NODE_RANK, ""))].add(proc.pid)
-            if env.get(ENV_NODE_ID):
-                table.by_node[(env[ENV_NODE_ID], attempt_id)].add(proc.pid)
+            table.by_part[(attempt_id, node_rank)].add(proc.pid)
+            if node_id:
+                table.by_node[(node_id, attempt_id)].add(proc.pid)
     return table
+
+
+def part_of(pid: int) -> tuple[str, str, str] | None:
+    """(node id, attempt id, node rank) of the part whose cgroup holds ``pid``; None outside every
+    part's cgroup (or without cgroup v2). Raises ProcessLookupError when the process is gone. Called
+    for every process of every scan: bytes, and no regex unless the path names a part."""
+    try:
+        fd = os.open(f"/proc/{pid}/cgroup", os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise ProcessLookupError(pid) from exc
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 1 << 16)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if _PART_MARK not in data:
+        return None
+    own = next((line[3:] for line in data.splitlines() if line.startswith(b"0::")), b"")
+    match = _PART_CGROUP.search(own.decode(errors="replace"))
+    return (match["node"], match["attempt"], match["rank"]) if match else None
 
 
 def uids_alive() -> set[int]:

@@ -43,6 +43,7 @@ from node_agent.part.logs import LogTailer
 from tests.helpers import wait_for
 from tests.node_agent.helpers import make_spec
 from trainyard.protocol.agent import LaunchSpec
+from trainyard.protocol.env import ENV_ATTEMPT_ID, ENV_NODE_ID, ENV_NODE_RANK
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="switching uids needs root")
 UID = 20150  # the tests' own corner of the dev pool (trainyard.dev.DEV_WORKER_UIDS)
@@ -137,6 +138,37 @@ def test_the_cgroup_holds_escapees_and_one_kill_ends_them_all() -> None:
     finally:
         proc.kill()
         cgroup.signal(signal.SIGKILL)
+
+
+@root_only
+def test_a_process_in_a_parts_cgroup_is_that_parts_whatever_its_environment_says() -> None:
+    """The scan reads a confined process's part from its cgroup and never its environment (which
+    waits on the process's memory map lock: a fork bomb made each scan of every agent on its node take
+    half a minute, and a registration with it); a marker naming another attempt changes nothing.
+    A process outside every part's cgroup is still found by its marker."""
+    tree, _ = CgroupTree.detect()
+    assert tree is not None
+    attempt_id = f"att-cg{os.getpid()}"
+    cgroup = tree.for_part("node-scan", attempt_id, 3)
+    cgroup.create()
+    lie = {**os.environ, ENV_NODE_ID: "node-other", ENV_ATTEMPT_ID: "att-lie", ENV_NODE_RANK: "9"}
+    marked = {**os.environ, ENV_NODE_ID: "node-scan", ENV_ATTEMPT_ID: f"{attempt_id}-free", ENV_NODE_RANK: "0"}
+    confined = subprocess.Popen(["/bin/sh", "-c", f"echo $$ > {cgroup.path}/cgroup.procs && exec sleep 600"], env=lie)
+    free = subprocess.Popen(["sleep", "600"], env=marked)
+    try:
+        wait_for(lambda: confined.pid in cgroup.pids(), timeout=10, what="the process to join its cgroup")
+        assert processes.part_of(confined.pid) == ("node-scan", attempt_id, "3")
+        assert processes.part_of(free.pid) is None
+        table = processes.scan()
+        assert confined.pid in table.by_part[(attempt_id, "3")]
+        assert confined.pid in table.by_node[("node-scan", attempt_id)]
+        assert confined.pid not in table.by_attempt.get("att-lie", set())
+        assert free.pid in table.by_node[("node-scan", f"{attempt_id}-free")]
+    finally:
+        for proc in (confined, free):
+            proc.kill()
+            proc.wait(10)
+        wait_for(cgroup.remove, timeout=10, what="the cgroup to empty")
 
 
 def test_cgroup2_dir_is_found_in_mountinfo() -> None:
