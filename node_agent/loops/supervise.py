@@ -12,7 +12,9 @@ from node_agent.confinement import processes
 from node_agent.loops.state import AgentState
 from node_agent.part.attempt import AttemptRun
 
-_ORPHAN_SCAN_S = 5.0  # how often an agent with no attempt looks for orphaned workers of its node
+_ORPHAN_SCAN_S = 5.0
+"""How often an agent looks for orphaned workers of its node in the whole process table (each pass
+while some are being stopped; at once after each registration, loops/heartbeat.py)."""
 STALE_LOGS_DRAIN_S = 10.0
 """How long an ended, fenced-off part's last log lines may take to go out (normally one report
 round, half a second) before its worker directory is removed all the same."""
@@ -33,10 +35,14 @@ class SuperviseLoop:
         for run in runs:
             run.enforce_limits()  # before the scan below, which a part's fork bomb slows down
         scan_orphans = bool(state.orphans.alive) or time.monotonic() >= self._next_orphan_scan
-        table = processes.scan() if runs or scan_orphans else None  # one scan of the process table for all
-        if table is not None:
+        confined = self._confined_pids(runs)
+        table = None
+        if scan_orphans or (runs and confined is None):  # one scan of the process table for all
+            table = processes.scan()
             self.sweep_orphans(table)
             self._next_orphan_scan = time.monotonic() + _ORPHAN_SCAN_S
+        elif runs:
+            table = processes.scan(only=confined)  # every part in a cgroup: their processes alone
         timeout_s = state.config.handover_timeout_s
         for attempt_id in state.handovers.expired():
             parked = state.run(attempt_id)
@@ -54,6 +60,20 @@ class SuperviseLoop:
         if state.standbys is not None and not state.stop_event.is_set():
             state.standbys.refill()  # a fresh standby for each that a rank took
         return state.config.poll_interval_s
+
+    @staticmethod
+    def _confined_pids(runs: list[AttemptRun]) -> set[int] | None:
+        """The processes of these parts when every one has a cgroup (which is where a part's
+        processes are found, node_agent/part/attempt.py); None when some part has none."""
+        pids: set[int] = set()
+        for run in runs:
+            cgroup = run.confinement.cgroup
+            if cgroup is None:
+                return None
+            pids |= cgroup.pids()
+            if run.pid:
+                pids.add(run.pid)
+        return pids
 
     def adopt_existing(self) -> None:
         """Take back the parts an earlier instance left in the work dir (part/parts.py)."""
