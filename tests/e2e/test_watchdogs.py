@@ -27,7 +27,7 @@ SETTINGS = {
 def test_a_slow_rank_is_named_and_a_frozen_one_fails_its_attempt_as_hung(make_cluster):
     cluster = make_cluster(nodes=2, gpus_per_node=2, settings=SETTINGS)
     body = job_body(num_nodes=2, gpus_per_node=2, max_failures=2,
-                    args=["--steps", "240", "--step-delay-s", "0.05", "--slow-rank", "3", "--slow-busy-s", "0.05"],
+                    args=["--steps", "160", "--step-delay-s", "0.05", "--slow-rank", "3", "--slow-busy-s", "0.05"],
                     checkpoint={"interval_steps": "auto", "first_interval_steps": 20})
     job = cluster.submit(body)
     jid = job["id"]
