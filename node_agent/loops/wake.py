@@ -1,8 +1,9 @@
 """Wake the supervise loop when what it polls for happens, rather than at its next poll.
 
 Supervision (loops/supervise.py) learns of a worker's start and exit from its rank shim's file and
-of an attempt's end from the process table, every ``poll_interval_s`` (0.25 s: a scan of /proc costs
-tens of milliseconds on a busy node, so it cannot simply poll faster). Three of those moments are on
+of an attempt's end from its processes, every ``poll_interval_s`` (0.25 s: where parts have cgroups
+it reads only theirs, but without cgroups it scans all of /proc, tens of milliseconds on a busy node,
+so it cannot simply poll faster). Three of those moments are on
 a recovery's critical path: the failed worker's exit (detection), every process of the failed
 attempt gone on every node (its GPUs are released then, so the next attempt is placed then:
 decision) and every worker of the new attempt running (process start). Each cost half a poll on
