@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 import node_agent
 from node_agent.confinement.isolation import worker_tmp
 from node_agent.ranks.entry_points import RANK_SHIM, TORCHRUN_ENTRY
@@ -196,6 +198,15 @@ def _is_loopback(address: str) -> bool:
         return address == "localhost"
 
 
+def interface_of(address: str) -> str | None:
+    """The name of this machine's (this network namespace's) interface that holds ``address``; None
+    when none does (an address behind NAT, a name)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    return None
+
+
 def torchrun_command(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths) -> list[str]:
     kind = entrypoint_kind(spec.entrypoint)
     entrypoint = spec.entrypoint
@@ -276,6 +287,10 @@ def node_env(node: NodeContext) -> dict[str, str]:
     if _is_loopback(node.local_addr):
         # Several nodes may share this machine on 127.0.0.N; gloo must not pick an external NIC.
         env["GLOO_SOCKET_IFNAME"] = "lo"
+    elif (interface := interface_of(node.local_addr)) is not None:
+        # gloo otherwise takes the address the host name resolves to, which need not be the node's
+        # registered one (or exist at all: a node in a network namespace of its own, dev up --netns).
+        env["GLOO_SOCKET_IFNAME"] = interface
     # torchrun 2.x can hang at shutdown when workers share the rendezvous TCP store.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env

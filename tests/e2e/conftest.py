@@ -21,6 +21,7 @@ import pytest
 from tests.e2e.harness import Cluster, LiveCluster, live_cluster
 from tests.helpers import ProcessReaper
 from trainyard.cli.tls import client_context
+from trainyard.dev.netns import Topology
 from trainyard.embedded import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,11 +94,12 @@ def make_cluster(tmp_path: Path, fresh_database_url: str, s3_bucket: Any) -> Ite
     connections to the control plane the test can break."""
     with contextlib.ExitStack() as stack:
         def make(*, nodes: int = 3, gpus_per_node: int = 1, settings: dict[str, str] | None = None,
-                 proxy_s3: bool = False, replicas: int = 1, proxy_agents: tuple[str, ...] = ()) -> LiveCluster:
+                 proxy_s3: bool = False, replicas: int = 1, proxy_agents: tuple[str, ...] = (),
+                 network: Topology | None = None) -> LiveCluster:
             return stack.enter_context(live_cluster(
                 tmp_path, fresh_database_url, s3_bucket, nodes=nodes, gpus_per_node=gpus_per_node,
                 settings={**FAST_SETTINGS, **(settings or {})}, proxy_s3=proxy_s3, replicas=replicas,
-                proxy_agents=proxy_agents,
+                proxy_agents=proxy_agents, network=network,
             ))
         yield make
 

@@ -22,6 +22,7 @@ import psutil
 
 from tests.helpers import wait_for
 from trainyard.dev import DevCluster, DevConfig
+from trainyard.dev.netns import Topology
 
 
 @dataclass
@@ -247,11 +248,13 @@ class LiveCluster(Cluster):
 def live_cluster(
     tmp_path: Path, database_url: str, bucket: Any, *, nodes: int, gpus_per_node: int = 1,
     settings: dict[str, str] | None = None, proxy_s3: bool = False, replicas: int = 1,
-    proxy_agents: tuple[str, ...] = (),
+    proxy_agents: tuple[str, ...] = (), network: Topology | None = None,
 ) -> Iterator[LiveCluster]:
     """Start a dev cluster of ``nodes`` agents on ``database_url`` and ``bucket`` (through a
     cuttable proxy with ``proxy_s3``; the agents named in ``proxy_agents`` reach the control plane
-    through a proxy each); stop it, and every process it started, at the end."""
+    through a proxy each); stop it, and every process it started, at the end. ``network``: each node
+    in a network namespace of its own (trainyard/dev/netns.py; ``cluster.dev.network`` cuts links),
+    and an S3 of the cluster's own on the layout's host address, which the nodes can reach."""
     proxy = TcpProxy(bucket.endpoint) if proxy_s3 else None
     port = _free_port_run(replicas)
     agent_proxies = {}
@@ -261,8 +264,10 @@ def live_cluster(
     data_dir = tmp_path / "cluster"
     config = DevConfig(
         nodes=nodes, gpus_per_node=gpus_per_node, port=port, replicas=replicas, data_dir=data_dir, token="e2e-admin",
-        database_url=database_url, s3_endpoint=proxy.endpoint if proxy else bucket.endpoint,
-        s3_access_key=bucket.access_key, s3_secret_key=bucket.secret_key, s3_bucket=bucket.bucket,
+        database_url=database_url, network=network,
+        **({} if network is not None else {
+            "s3_endpoint": proxy.endpoint if proxy else bucket.endpoint, "s3_access_key": bucket.access_key,
+            "s3_secret_key": bucket.secret_key, "s3_bucket": bucket.bucket}),
         stop_grace_s=3.0, control_plane_env=settings or {},
         # TLS end to end through the proxy: the agent verifies the control plane's certificate
         # (it names 127.0.0.1, whatever the port).
@@ -278,7 +283,8 @@ def live_cluster(
         http = httpx.Client(base_url=config.api_url, headers={"Authorization": f"Bearer {dev.token}"}, timeout=30,
                             verify=dev.verify)
         yield LiveCluster(url=config.api_url, token=dev.token, http=http, log=dev.logs_dir, dev=dev,
-                          s3_proxy=proxy, s3=bucket, agent_proxies=agent_proxies, verify=dev.verify)
+                          s3_proxy=proxy, s3=bucket if network is None else None, agent_proxies=agent_proxies,
+                          verify=dev.verify)
     finally:
         if http is not None:
             http.close()

@@ -1,10 +1,11 @@
-"""Faults between processes that all stay up: a node's agent partitioned from the control plane
-(a proxy that blackholes its connections, so requests hang instead of failing), and PostgreSQL
+"""Faults between processes that all stay up: a node partitioned from the control plane on a real
+network (each node in a network namespace of its own, trainyard/dev/netns.py), and PostgreSQL
 restarted under a running job and in the middle of a commit. Every run ends with the weights of a
 run that never failed."""
 
 from __future__ import annotations
 
+import os
 import signal
 from collections import Counter
 
@@ -12,6 +13,7 @@ import pytest
 
 from tests.e2e.harness import LiveCluster
 from tests.factories import job_body
+from trainyard.dev.netns import Shape, Topology, parse_rate
 from trainyard.embedded import EmbeddedPostgres
 
 pytestmark = pytest.mark.e2e
@@ -22,16 +24,29 @@ def _held_by(cluster: LiveCluster, node: str) -> set[str | None]:
     return {g["attempt_id"] for g in cluster.node(node)["gpus"]}
 
 
-def test_partitioned_agent_is_lost_job_recovers_and_stale_workers_stop_after_heal(make_cluster, reference_result):
-    cluster = make_cluster(nodes=3, proxy_agents=("node-1", "node-2", "node-3"))
+# Two racks on real links (trainyard/dev/netns.py): node-1 and node-2 in rack r1, node-3 in r2.
+RACKS = Topology(racks=2, node_link=Shape(parse_rate("1gbit")), rack_uplink=Shape(parse_rate("200mbit")))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
+def test_partitioned_node_is_lost_job_recovers_and_stale_workers_stop_after_heal(make_cluster, reference_result):
+    """Each node in a network namespace of its own; the node of rank 1 is cut from the host side (the
+    control plane and S3) both ways by its routes, while its workers still reach the other node's."""
+    cluster = make_cluster(nodes=3, network=RACKS)
+    network = cluster.dev.network
+    assert network is not None
+    nodes = {n["name"]: n for n in cluster.get("/v1/nodes")}
+    assert {name: (n["address"], n["labels"].get("rack")) for name, n in nodes.items()} == {
+        f"node-{i}": (network.layout.node_address(i), f"r{network.layout.rack_of(i)}") for i in (1, 2, 3)}
     args = ["--steps", "160", "--step-delay-s", "0.05"]
     job = cluster.submit(job_body(name="partition", args=args, num_nodes=2, gpus_per_node=1,
                                   checkpoint={"interval_steps": 20}, max_failures=2))
     cluster.wait_for("a committed checkpoint", lambda: cluster.checkpoints(job["id"], "committed"), timeout=120)
     first = cluster.attempts(job["id"])[0]
+    assert {n["node_name"] for n in first["nodes"]} == {"node-1", "node-2"}  # the gang kept inside rack r1
     victim = next(n["node_name"] for n in first["nodes"] if n["node_rank"] == 1)
 
-    cluster.agent_proxies[victim].blackhole()
+    network.cut(int(victim.rsplit("-", 1)[1]))
     try:
         lost = cluster.wait_for(f"{victim} lost", lambda: cluster.node(victim)["state"] == "lost", timeout=60)
         assert lost
@@ -41,7 +56,7 @@ def test_partitioned_agent_is_lost_job_recovers_and_stale_workers_stop_after_hea
         # workers may still run for all the control plane knows.
         assert _held_by(cluster, victim) == {first["id"]}
     finally:
-        cluster.agent_proxies[victim].heal()
+        network.heal()
 
     assert done["result"]["weights_sha256"] == reference_result(args)["weights_sha256"]
     attempts = cluster.attempts(job["id"])

@@ -320,9 +320,20 @@ def dev_up(
     standbys: Annotated[int, typer.Option(
         min=0, max=64, help="Warm standby processes per agent (torch imported) that ranks start in instead of cold.",
     )] = 0,
+    netns: Annotated[bool, typer.Option(
+        "--netns", help="Root only: each node in a network namespace of its own, on bridges joined by links "
+        "with real limits (docs/operations.md, 'A rack layout on one machine').")] = False,
+    racks: Annotated[int, typer.Option(min=1, help="With --netns: racks, the nodes in contiguous blocks.")] = 1,
+    node_link: Annotated[str | None, typer.Option(
+        help="With --netns: each node's link rate, both ways (e.g. 10gbit).", show_default=False)] = None,
+    rack_uplink: Annotated[str | None, typer.Option(
+        help="With --netns: each rack's uplink rate, shared by its nodes (e.g. 1gbit).", show_default=False)] = None,
+    rack_delay_ms: Annotated[float, typer.Option(
+        min=0, help="With --netns: delay on each rack uplink (needs the kernel's netem).")] = 0.0,
 ) -> None:
     """Start Postgres, S3, the control plane and NODES agents in the foreground; Ctrl-C stops all."""
     from trainyard.dev import DevConfig, DevError, run_dev_up
+    from trainyard.dev.netns import Shape, Topology, parse_rate
 
     # Secrets from files or the environment, never arguments: other users see command lines.
     token = cli_access.read_secret(token_file, "TRAINYARD_TOKEN") if token_file else (
@@ -330,8 +341,19 @@ def dev_up(
     s3_secret_key = None
     if s3_secret_key_file is not None or (s3_endpoint and os.environ.get("TRAINYARD_S3_SECRET_KEY")):
         s3_secret_key = cli_access.read_secret(s3_secret_key_file, "TRAINYARD_S3_SECRET_KEY")
+    network = None
+    if netns:
+        try:
+            network = Topology(racks=racks,
+                               node_link=Shape(parse_rate(node_link) if node_link else None),
+                               rack_uplink=Shape(parse_rate(rack_uplink) if rack_uplink else None, rack_delay_ms))
+        except ValueError as exc:
+            raise CliError(str(exc)) from exc
+    elif racks != 1 or node_link or rack_uplink or rack_delay_ms:
+        raise CliError("--racks, --node-link, --rack-uplink and --rack-delay-ms go with --netns")
     try:
         config = DevConfig(
+            network=network,
             nodes=nodes,
             gpus_per_node=gpus_per_node,
             standbys=standbys,

@@ -18,6 +18,7 @@ from typing import IO, Any
 from trainyard.cli.tls import client_context
 from trainyard.dev.certs import ServerTls
 from trainyard.dev.config import SECRET_ENV, DevConfig, DevError, _Interrupted
+from trainyard.dev.netns import Network
 from trainyard.dev.processes import Child, descendants, exit_code, record_pid
 from trainyard.embedded import EmbeddedPostgres, EmbeddedS3, has_exited
 
@@ -37,6 +38,8 @@ class ClusterBase:
         """The CA and server certificate, once ``start`` made them (None over plain HTTP)."""
         self.control_planes: list[Child | None] = [None] * config.replicas
         self.agents: list[Child] = []
+        self.network: Network | None = None
+        """The nodes' network namespaces and links (``--netns``), built first and removed last."""
         self._control_plane_env: dict[str, str] = {}
         self._stop_requested = threading.Event()
         self._descendants: dict[tuple[int, float], Any] = {}
@@ -77,14 +80,15 @@ class ClusterBase:
         if self._stop_requested.is_set():
             raise _Interrupted
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Child:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str], prefix: list[str] | None = None) -> Child:
+        """Start ``python args`` (after ``prefix``: a node's network namespace) with its log."""
         log_path = self.logs_dir / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - closed in _stop_children
         # The user's secrets stay with dev up: each child gets only those given it in `env`.
         inherited = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
         full_env = {**inherited, **env, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
-            [self.config.python, *args],
+            [*(prefix or []), self.config.python, *args],
             env=full_env,
             stdin=subprocess.DEVNULL,
             stdout=log,

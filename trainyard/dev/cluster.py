@@ -15,6 +15,7 @@ import time
 from trainyard.dev import control as dev_control
 from trainyard.dev.certs import ensure_server_tls
 from trainyard.dev.config import NOT_ISOLATED, READY_MARKER, DevError
+from trainyard.dev.netns import NetnsError, Network, Shape
 from trainyard.dev.nodes import NodeAgents, _own_dir, _PoolCheck
 from trainyard.dev.processes import Child, exit_code, kill_all, kill_leftovers, stop_children
 from trainyard.dev.services import EmbeddedServices
@@ -32,6 +33,13 @@ class DevCluster(EmbeddedServices, NodeAgents):
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         (cfg.data_dir / "nodes").mkdir(parents=True, exist_ok=True)
         kill_leftovers(cfg.data_dir / "dev-up.pids", self._say)
+        if cfg.network is not None:
+            self._say(f"building the nodes' network: {cfg.nodes} namespace(s) in {cfg.network.racks} rack(s)")
+            try:
+                self.network = Network.up(cfg.nodes, cfg.network)
+            except NetnsError as exc:
+                raise DevError(str(exc)) from exc
+            cfg.host = self.network.layout.host_address  # what the nodes reach: the API and S3 listen there
         for port in range(cfg.port, cfg.port + cfg.replicas):
             if not port_is_free(port, cfg.host):
                 raise DevError(f"port {port} on {cfg.host} is already in use; choose another with --port")
@@ -74,7 +82,7 @@ class DevCluster(EmbeddedServices, NodeAgents):
             _own_dir(self._workers_tmp)
         for i in range(1, cfg.nodes + 1):
             self._make_join_token(f"node-{i}")
-            self.agents.append(self._spawn(f"node-{i}", self._agent_args(i), {}))
+            self.agents.append(self._spawn_agent(i))
         self._say(f"waiting for {cfg.nodes} node(s) to register")
         self._wait(f"{cfg.nodes} ready node(s)", self._nodes_ready)
 
@@ -144,6 +152,7 @@ class DevCluster(EmbeddedServices, NodeAgents):
             *([f"  CA:          {self.tls.ca_file}   (the API's certificate is signed by it)"] if self.tls else
               ["  plain HTTP:  --insecure-http; tokens cross the network in the clear"]),
             f"  logs:        {self.logs_dir}",
+            *self._network_lines(),
             "",
             "Try:",
             f"  trainyard login {url} --token-file {token_file}"
@@ -158,6 +167,21 @@ class DevCluster(EmbeddedServices, NodeAgents):
             f"{READY_MARKER} url={url} token={token}" + (f" ca={self.tls.ca_file}" if self.tls else ""),
         ]
         print("\n".join(lines), file=self.out, flush=True)
+
+    def _network_lines(self) -> list[str]:
+        """--netns: where each node is, and its links' limits."""
+        if self.network is None:
+            return []
+        lay, top = self.network.layout, self.network.layout.topology
+
+        def shape(link: Shape) -> str:
+            rate = f"{link.rate_bits / 1e9:g} Gbit/s" if link.rate_bits else "unshaped"
+            return rate + (f", {link.delay_ms:g} ms" if link.delay_ms else "")
+        lines = [f"  network:     namespaces {lay.prefix}-n1..{lay.nodes}, host side {lay.host_address} "
+                 f"(node links {shape(top.node_link)}; rack uplinks {shape(top.rack_uplink)})"]
+        lines += [f"               node-{i}  {lay.node_address(i)}  rack r{lay.rack_of(i)}  "
+                  f"(run in it: {' '.join(self.network.exec_prefix(i))} CMD)" for i in range(1, lay.nodes + 1)]
+        return lines
 
     def watch(self, interval: float = 0.25) -> int:
         """Until a stop is requested (0) or a part of the cluster dies (1)."""
@@ -214,6 +238,9 @@ class DevCluster(EmbeddedServices, NodeAgents):
                 thread.start()
             for thread in stoppers:
                 thread.join()
+        if self.network is not None:
+            self._say("removing the nodes' network")
+            self.network.down()
         with contextlib.suppress(OSError):
             (self.config.data_dir / "dev-up.pids").unlink()
         self._say("stopped")

@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainyard.dev.netns import Topology
 from trainyard.protocol.s3tls import read_ca_pem, split_endpoint
 
 READY_MARKER = "TRAINYARD_READY"
@@ -69,6 +70,10 @@ class DevConfig:
     a proxy there)."""
     standbys: int = 0
     """Warm standby processes per agent (``--standbys``, node_agent/ranks/standby.py); 0: none."""
+    network: Topology | None = None
+    """``--netns``: each node in a network namespace of its own, on bridges joined by links with these
+    limits (trainyard/dev/netns.py); the control plane and S3 listen on the layout's host address.
+    None: every node on this machine's loopback (127.0.0.(i+1))."""
     worker_uids: str | None = DEV_WORKER_UIDS if os.geteuid() == 0 else None
     """The agents' worker uid pool (node_agent/confinement/isolation.py): by default, as root, every attempt
     runs as a uid of its own like in production; None: workers run as the agents' user (also what
@@ -102,6 +107,13 @@ class DevConfig:
             raise ValueError("--s3-access-key/--s3-secret-key-file/--s3-ca-file only go with --s3-endpoint")
         if self.ready_timeout_s <= 0 or self.stop_grace_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.network is not None:
+            self.network.validate(self.nodes)
+            if self.host != "127.0.0.1":
+                raise ValueError("--host goes without --netns: the control plane listens on the layout's host address")
+            if self.s3_endpoint is not None and split_endpoint(self.s3_endpoint)[0].startswith(("127.", "localhost")):
+                raise ValueError("with --netns, --s3-endpoint must be reachable from the nodes' namespaces, "
+                                 "not a loopback address")
         bad = [k for k in self.control_plane_env if not k.startswith("TRAINYARD_")]
         if bad:
             raise ValueError(f"control-plane settings must be TRAINYARD_* variables, not {', '.join(bad)}")

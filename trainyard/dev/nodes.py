@@ -17,7 +17,7 @@ from trainyard.dev import control as dev_control
 from trainyard.dev.base import ClusterBase
 from trainyard.dev.certs import ensure_server_tls
 from trainyard.dev.config import DevError
-from trainyard.dev.processes import descendants, is_training, kill_all
+from trainyard.dev.processes import Child, descendants, is_training, kill_all
 from trainyard.embedded import signal_group
 
 
@@ -50,15 +50,24 @@ class _PoolCheck:
 class NodeAgents(ClusterBase):
     """One agent per node (node i at 127.0.0.(i+1), virtual GPU slots), started, restarted, killed."""
 
+    def node_address(self, i: int) -> str:
+        """Node ``i``'s address: in its namespace with --netns, else 127.0.0.(i+1)."""
+        return self.network.layout.node_address(i) if self.network is not None else f"127.0.0.{i + 1}"
+
+    def _spawn_agent(self, i: int) -> Child:
+        prefix = self.network.exec_prefix(i) if self.network is not None else None
+        return self._spawn(f"node-{i}", self._agent_args(i), {}, prefix)
+
     def _agent_args(self, i: int) -> list[str]:
         cfg = self.config
         name = f"node-{i}"
+        address = self.node_address(i)
         args = [
             "-m", "trainyard", "agent",
             "--control-plane", cfg.agent_control_plane.get(name) or cfg.replica_url((i - 1) % cfg.replicas),
             "--join-token-file", str(self.join_token_file(name)),
             "--name", name,
-            "--address", f"127.0.0.{i + 1}",
+            "--address", address,
             "--virtual-gpus", str(cfg.gpus_per_node),
             "--work-dir", str(cfg.data_dir / "nodes" / name),
             *(["--ca-file", str(self.tls.ca_file)] if self.tls else []),
@@ -66,7 +75,7 @@ class NodeAgents(ClusterBase):
         if self.tls:
             # The node's own certificate, from the cluster's CA: its memory port speaks TLS and its
             # peers verify it with the same --ca-file (docs/security.md, "TLS").
-            node_tls = ensure_server_tls(cfg.data_dir / "tls", [f"127.0.0.{i + 1}"], common_name=f"trainyard {name}",
+            node_tls = ensure_server_tls(cfg.data_dir / "tls", [address], common_name=f"trainyard {name}",
                                          stem=name)
             args += ["--memory-tls-cert", str(node_tls.cert_file), "--memory-tls-key", str(node_tls.key_file)]
         else:  # --insecure-http: the operator chose plain HTTP for the whole cluster
@@ -75,6 +84,8 @@ class NodeAgents(ClusterBase):
             args += ["--worker-uids", cfg.worker_uids, "--worker-root", str(self._worker_root(name))]
         if cfg.standbys:
             args += ["--standbys", str(cfg.standbys)]
+        if self.network is not None:  # the scheduler keeps a gang inside a rack when it can
+            args += ["--label", f"rack=r{self.network.layout.rack_of(i)}"]
         return args + list(cfg.agent_args)
 
     def _worker_root(self, name: str) -> Path:
@@ -127,7 +138,7 @@ class NodeAgents(ClusterBase):
         if old.proc.poll() is None:
             raise DevError(f"the agent of {name} still runs (pid {old.proc.pid})")
         old.log.close()
-        self.agents[index] = self._spawn(name, self._agent_args(int(name.rsplit("-", 1)[1])), {})
+        self.agents[index] = self._spawn_agent(int(name.rsplit("-", 1)[1]))
         return self.agents[index].proc
 
     def node_action(self, action: str, name: str) -> str:

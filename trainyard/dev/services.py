@@ -7,7 +7,7 @@ from __future__ import annotations
 from trainyard.dev.base import ClusterBase
 from trainyard.dev.config import DevError
 from trainyard.dev.processes import s3_credentials
-from trainyard.embedded import EmbeddedError, EmbeddedPostgres, EmbeddedS3
+from trainyard.embedded import LOOPBACK, EmbeddedError, EmbeddedPostgres, EmbeddedS3
 from trainyard.protocol.s3tls import split_endpoint, tls_context, tls_failure
 
 
@@ -45,6 +45,7 @@ class EmbeddedServices(ClusterBase):
         try:
             self.s3 = EmbeddedS3(
                 cfg.data_dir / "s3",
+                host=cfg.host if self.network is not None else LOOPBACK,  # --netns: where the nodes reach it
                 access_key=access,
                 secret_key=secret,
                 bucket=cfg.s3_bucket,
