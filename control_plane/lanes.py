@@ -14,7 +14,7 @@ risked being declared lost. This ASGI middleware sorts each request by method an
   (a heartbeat competes with at most that many bookkeeping requests, for threads and for the GIL,
   and a new one is let in beside it only when none runs). One, not none: on a saturated replica
   liveness is nearly always in flight, and a gate that let nothing in beside it starved the
-  bookkeeping into 503s (a slot release lost, its lease left to expire: CI, stop 34). Waiting
+  bookkeeping into 503s (a slot release lost, its lease left to expire, in a CI run). Waiting
   costs an asyncio future, no thread and no connection. Past ``bookkeeping_queue_max`` waiting,
   or after ``bookkeeping_wait_s`` in the queue, the answer is 503 problem+json with Retry-After;
   agents resend (node_agent/link/client.py, relay.py);

@@ -1,15 +1,20 @@
 """Run under torchrun by test_tiny_gpt: a run resumed from saved state at step k must end
-bit-identical to the uninterrupted run, under the layout of TRAINYARD_LAYOUT (DDP by default).
-Rank 0 prints both results and what the layout applied as one JSON line."""
+bit-identical to the uninterrupted run, under each layout of DDP_RESUME_LAYOUTS (a JSON object, name
+-> layout; null: plain DDP), one after the other in the same processes and process group (a torch
+worker costs seconds to start). Rank 0 prints, for each, both results and what the layout applied,
+as one JSON line."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import os
 from typing import Any
 
 import torch
 
+from trainyard.protocol.layout import Layout
 from worker_runtime import Reporter, WorkerContext, init_distributed, shutdown_distributed
 from worker_runtime.examples.tiny_gpt import Config, Trainer
 from worker_runtime.state import holds_dtensor
@@ -43,9 +48,11 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     init_distributed(ctx, timeout=60)
     try:
-        both = compare(ctx)
+        layouts = json.loads(os.environ["DDP_RESUME_LAYOUTS"])
+        results = {name: compare(dataclasses.replace(ctx, layout=Layout.model_validate(layout or {})))
+                   for name, layout in layouts.items()}
         if ctx.is_main:
-            print(json.dumps(both), flush=True)
+            print(json.dumps(results), flush=True)
     finally:
         shutdown_distributed()
 

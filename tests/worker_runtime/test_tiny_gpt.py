@@ -3,7 +3,6 @@ from __future__ import annotations
 import io
 import json
 
-import pytest
 import torch
 
 from tests.conftest import S3Bucket
@@ -91,30 +90,36 @@ def test_torchrun_is_deterministic_and_learns(process_reaper: ProcessReaper) -> 
     assert results == [{"fencing_token": "tok-7", "rank": 0, "result": first}]
 
 
-@pytest.mark.parametrize("layout", [
-    None,  # plain DDP
+FOUR_RANK_LAYOUTS: dict[str, dict[str, object] | None] = {
+    "ddp": None,  # plain DDP
     # FSDP2 over 2 replicas x 2 shards (DTensor state saved and loaded per rank), no sync on the
     # first micro-step.
-    {"kind": "hsdp", "shard_size": 2, "grad_accum_steps": 2},
+    "hsdp-accum": {"kind": "hsdp", "shard_size": 2, "grad_accum_steps": 2},
     # DDP's no_sync, and PowerSGD's error feedback, factors and RNG saved per rank.
-    {"kind": "ddp", "compression": "powersgd", "grad_accum_steps": 2},
-], ids=["ddp", "hsdp-accum", "ddp-powersgd-accum"])
-def test_resume_is_bit_identical_with_four_ranks(process_reaper: ProcessReaper,
-                                                 layout: dict[str, object] | None) -> None:
+    "ddp-powersgd-accum": {"kind": "ddp", "compression": "powersgd", "grad_accum_steps": 2},
+}
+
+
+def test_resume_is_bit_identical_with_four_ranks_under_each_layout(process_reaper: ProcessReaper) -> None:
     # With more than two ranks the order of the all-reduce sums matters: a resumed process must
     # reduce its first step in the same bucket layout as the uninterrupted one (settle_ddp_buckets).
-    env = {"TRAINYARD_LAYOUT": json.dumps(layout)} if layout else {}
-    both, stdout = run_torchrun(process_reaper, ["tests.worker_runtime.ddp_resume_worker"], env, nproc=4)
-    resumed, uninterrupted, applied = both["resumed"], both["uninterrupted"], both["applied"]
-    assert resumed["weights_sha256"] == uninterrupted["weights_sha256"], stdout
-    assert resumed["final_loss"] == uninterrupted["final_loss"]
-    assert (resumed["steps"], resumed["world_size"]) == (12, 4)
-    kind = (layout or {}).get("kind", "ddp")
-    if kind == "hsdp":  # each rank holds half of every parameter (a shard group of 2)
-        assert applied["local_numel"] < applied["numel"] * 0.6 and applied["wrapper"] == "FSDPTinyGPT"
-    else:
-        assert applied["local_numel"] == applied["numel"] and applied["wrapper"] == "DistributedDataParallel"
-    assert ("powersgd" in applied["state"]) == ((layout or {}).get("compression") == "powersgd")
+    # Every layout in one launch: four torch workers cost about 15 CPU-s to start.
+    env = {"DDP_RESUME_LAYOUTS": json.dumps(FOUR_RANK_LAYOUTS)}
+    out, stdout = run_torchrun(process_reaper, ["tests.worker_runtime.ddp_resume_worker"], env, nproc=4)
+    assert sorted(out) == sorted(FOUR_RANK_LAYOUTS), stdout
+    for name, layout in FOUR_RANK_LAYOUTS.items():
+        resumed, uninterrupted, applied = out[name]["resumed"], out[name]["uninterrupted"], out[name]["applied"]
+        assert resumed["weights_sha256"] == uninterrupted["weights_sha256"], name
+        assert resumed["final_loss"] == uninterrupted["final_loss"], name
+        assert (resumed["steps"], resumed["world_size"]) == (12, 4), name
+        kind = (layout or {}).get("kind", "ddp")
+        if kind == "hsdp":  # each rank holds half of every parameter (a shard group of 2)
+            assert applied["local_numel"] < applied["numel"] * 0.6 and applied["wrapper"] == "FSDPTinyGPT", name
+        else:
+            assert applied["local_numel"] == applied["numel"] and applied["wrapper"] == "DistributedDataParallel"
+        assert ("powersgd" in applied["state"]) == ((layout or {}).get("compression") == "powersgd"), name
+    # The layouts differ in what each one's uninterrupted run ends with (sharding changes the sums).
+    assert len({out[name]["uninterrupted"]["weights_sha256"] for name in FOUR_RANK_LAYOUTS}) >= 2
 
 
 def test_torchrun_resumes_from_s3_checkpoints_bit_identical(process_reaper: ProcessReaper, s3_bucket: S3Bucket) -> None:
