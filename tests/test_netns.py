@@ -185,9 +185,13 @@ def test_a_layout_whose_owner_died_is_removed_by_the_next_up(tmp_path: Path) -> 
     dead.wait()
     record.write_text(json.dumps({**json.loads(record.read_text()), "owner": dead.pid}))  # as if its run was killed
     assert leftovers(stale.layout.prefix)
+    other = Network.up(1, Topology(), run_dir=run_dir)  # this process, but started "earlier": a reused pid
+    other_record = run_dir / f"{other.layout.prefix}.json"
+    other_record.write_text(json.dumps({**json.loads(other_record.read_text()), "owner_started": 1.0}))
     fresh = Network.up(1, Topology(), run_dir=run_dir)
     try:
         assert leftovers(stale.layout.prefix) == [] and not record.exists()
+        assert leftovers(other.layout.prefix) == [] and not other_record.exists()
         assert remove_stale(run_dir) == []  # the live one is kept
         assert leftovers(fresh.layout.prefix)
     finally:

@@ -39,6 +39,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 RUN_DIR = Path("/run/trainyard-netns")
 MAX_NODES = 250
 TBF_LATENCY = "100ms"
@@ -189,9 +191,9 @@ class Layout:
             cmds += [["ip", "link", "del", self.uplink(rack)[0]], ["ip", "link", "del", self.rack_bridge(rack)]]
         return [*cmds, ["ip", "link", "del", self.core]]
 
-    def record(self, owner: int) -> dict[str, object]:
+    def record(self, owner: int, started: float | None) -> dict[str, object]:
         return {"prefix": self.prefix, "subnet": self.subnet, "nodes": self.nodes, "racks": self.topology.racks,
-                "owner": owner}
+                "owner": owner, "owner_started": started}
 
     @classmethod
     def from_record(cls, record: dict[str, object]) -> Layout:
@@ -229,14 +231,21 @@ def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[
     return done
 
 
-def _pid_alive(pid: int) -> bool:
+def _started(pid: int) -> float | None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _owner_alive(pid: int, started: float | None) -> bool:
+    """The process that built a layout still runs: that pid, not a zombie, started when recorded (a
+    pid reused after a crash must not keep a dead run's layout forever)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and (started is None or abs(proc.create_time() - started) < 0.01)
+    except psutil.Error:
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 LOCK = Path("/run/trainyard-netns.lock")
@@ -276,19 +285,21 @@ def remove_stale(run_dir: Path = RUN_DIR) -> list[str]:
         return _remove_stale(run_dir)
 
 
-def _records(run_dir: Path) -> Iterator[tuple[Path, Layout | None, int]]:
+def _records(run_dir: Path) -> Iterator[tuple[Path, Layout | None, int, float | None]]:
     for path in sorted(run_dir.glob("ty*.json")):
         try:
             record = json.loads(path.read_text())
-            yield path, Layout.from_record(record), int(record["owner"])
+            started = record.get("owner_started")
+            yield (path, Layout.from_record(record), int(record["owner"]),
+                   None if started is None else float(started))
         except (OSError, ValueError, KeyError, TypeError):
-            yield path, None, 0
+            yield path, None, 0, None
 
 
 def _remove_stale(run_dir: Path) -> list[str]:
     removed = []
-    for path, layout, owner in _records(run_dir):
-        if layout is not None and _pid_alive(owner):
+    for path, layout, owner, started in _records(run_dir):
+        if layout is not None and _owner_alive(owner, started):
             continue
         for cmd in layout.teardown() if layout is not None else []:
             _run(cmd, check=False)
@@ -322,7 +333,7 @@ class Network:
                              "have; shape rates only (tbf), or run on a kernel with netem")
         with _locked(run_dir):  # built under the lock: the next layout sees this one's addresses
             _remove_stale(run_dir)
-            taken = _taken_subnets() | {layout.subnet for _, layout, _ in _records(run_dir) if layout is not None}
+            taken = _taken_subnets() | {layout.subnet for _, layout, _, _ in _records(run_dir) if layout is not None}
             subnet = next((s for s in [*range(200, 255), *range(16, 200)] if s not in taken), None)
             if subnet is None:
                 raise NetnsError("no free 10.x.0.0/16 network on this machine for the layout")
@@ -330,7 +341,7 @@ class Network:
             prefix = "ty" + next(p for p in iter(lambda: secrets.token_hex(2), None)
                                  if not (run_dir / f"ty{p}.json").exists() and f"ty{p}" not in names)
             layout = Layout(prefix=prefix, subnet=subnet, nodes=nodes, topology=topology)
-            (run_dir / f"{prefix}.json").write_text(json.dumps(layout.record(os.getpid())))
+            (run_dir / f"{prefix}.json").write_text(json.dumps(layout.record(os.getpid(), _started(os.getpid()))))
             network = cls(layout, run_dir)
             network._up = True
             try:
