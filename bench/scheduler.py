@@ -71,7 +71,7 @@ from bench import mixed_cluster as mixed  # noqa: E402
 from control_plane.clock import use_clock  # noqa: E402
 from control_plane.db import make_engine, make_session_factory, run_migrations  # noqa: E402
 from control_plane.logging import configure_logging  # noqa: E402
-from control_plane.models import Attempt, AttemptNode, Job, Node  # noqa: E402
+from control_plane.models import Attempt, AttemptPart, Job, Node  # noqa: E402
 from control_plane.models import Reservation as ReservationRow  # noqa: E402
 from control_plane.scheduler.allocate import PendingCache, schedule_pass  # noqa: E402
 from control_plane.scheduler.model import Mode, PlacementRule  # noqa: E402
@@ -269,8 +269,8 @@ def finish(session: Session, attempt_ids: list[uuid.UUID]) -> None:
         select(Attempt).where(Attempt.id.in_(attempt_ids)).with_for_update())}
     jobs = {j.id: j for j in session.scalars(
         select(Job).where(Job.id.in_([a.job_id for a in found.values()])).with_for_update())}
-    parts: dict[uuid.UUID, list[AttemptNode]] = defaultdict(list)
-    for part in session.scalars(select(AttemptNode).where(AttemptNode.attempt_id.in_(attempt_ids))):
+    parts: dict[uuid.UUID, list[AttemptPart]] = defaultdict(list)
+    for part in session.scalars(select(AttemptPart).where(AttemptPart.attempt_id.in_(attempt_ids))):
         parts[part.attempt_id].append(part)
     for attempt_id in attempt_ids:
         attempt = found[attempt_id]

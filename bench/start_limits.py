@@ -2,7 +2,7 @@
 the first training step, with and without limits, in one run.
 
 Each round launches a one-rank part the way the agent does (node_agent/part/parts.py: a pool uid, the
-part's cgroup, ``AttemptRun.launch``: torchrun, the rank shim, the script) twice, once by an agent
+part's cgroup, ``Part.launch``: torchrun, the rank shim, the script) twice, once by an agent
 configured with the default limits (memory, pids and cpu cgroups, a /dev/shm tmpfs, the agent
 watching the work directory) and once with ``--no-part-limits``; the order alternates. Timed: from
 ``Isolation.confine`` (where the limits are set) to the script's first step done (a tiny model's
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node_agent.confinement.isolation import Isolation, UidRange, worker_tmp  # noqa: E402
 from node_agent.confinement.limits import LimitOptions  # noqa: E402
-from node_agent.part.attempt import AttemptRun  # noqa: E402
+from node_agent.part.attempt import Part  # noqa: E402
 from node_agent.part.commands import AttemptPaths, NodeContext  # noqa: E402
 from tests.helpers import rendezvous_port  # noqa: E402
 from trainyard.protocol.agent import LaunchSpec  # noqa: E402
@@ -64,7 +64,7 @@ def _start(isolation: Isolation, work: Path, code: Path, number: int) -> tuple[f
     started = time.time()
     confinement = isolation.confine("bench", spec.attempt_id, 0, lambda: set(), gpus=1)
     confined = time.time() - started
-    run = AttemptRun.launch(spec, node, paths, stop_grace_s=2.0, confinement=confinement)
+    run = Part.launch(spec, node, paths, stop_grace_s=2.0, confinement=confinement)
     marker = worker_tmp(paths.worker) / "first-step"  # the part's TMPDIR (a short one of its own since issue 24)
     try:
         deadline = time.monotonic() + 300

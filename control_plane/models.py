@@ -267,18 +267,18 @@ class Attempt(Base):
     failed_at: Mapped[datetime | None] = _ts()
     ended_at: Mapped[datetime | None] = _ts(doc="When every node confirmed its processes gone.")
 
-    nodes: Mapped[list[AttemptNode]] = relationship(
-        back_populates="attempt", order_by="AttemptNode.node_rank", foreign_keys="AttemptNode.attempt_id"
+    nodes: Mapped[list[AttemptPart]] = relationship(
+        back_populates="attempt", order_by="AttemptPart.node_rank", foreign_keys="AttemptPart.attempt_id"
     )
 
 
-class AttemptNode(Base):
+class AttemptPart(Base):
     """One node's part of an attempt: what the agent must run and what it reported."""
 
-    __tablename__ = "attempt_nodes"
+    __tablename__ = "attempt_parts"
     __table_args__ = (
-        UniqueConstraint("attempt_id", "node_rank", name="uq_attempt_nodes_attempt_rank"),
-        UniqueConstraint("attempt_id", "node_id", name="uq_attempt_nodes_attempt_node"),
+        UniqueConstraint("attempt_id", "node_rank", name="uq_attempt_parts_attempt_rank"),
+        UniqueConstraint("attempt_id", "node_id", name="uq_attempt_parts_attempt_node"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
@@ -341,7 +341,7 @@ class AttemptNode(Base):
     attempt: Mapped[Attempt] = relationship(back_populates="nodes", foreign_keys=[attempt_id])
     node: Mapped[Node] = relationship()
     workers: Mapped[list[Worker]] = relationship(
-        back_populates="attempt_node", order_by="Worker.rank"
+        back_populates="attempt_part", order_by="Worker.rank"
     )
 
 
@@ -351,8 +351,8 @@ class Worker(Base):
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True, default=new_id)
     attempt_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
-    attempt_node_id: Mapped[uuid.UUID] = mapped_column(
-        ForeignKey("attempt_nodes.id", ondelete="CASCADE"), index=True
+    attempt_part_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("attempt_parts.id", ondelete="CASCADE"), index=True
     )
     rank: Mapped[int] = mapped_column(Integer)
     local_rank: Mapped[int] = mapped_column(Integer)
@@ -364,7 +364,7 @@ class Worker(Base):
     started_at: Mapped[datetime | None] = _ts()
     ended_at: Mapped[datetime | None] = _ts()
 
-    attempt_node: Mapped[AttemptNode] = relationship(back_populates="workers")
+    attempt_part: Mapped[AttemptPart] = relationship(back_populates="workers")
 
 
 class GpuLease(Base):

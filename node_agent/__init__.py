@@ -6,7 +6,7 @@
 - ``loops/``: the agent's loops (heartbeat and desired state, supervision, reports) and their state.
 - ``link/``: the link to the control plane: the client, the node credential, the outbox and relay.
 - ``local/``: the workers' local API, one unix socket per attempt part.
-- ``part/``: one attempt part's life: its processes (``AttemptRun``), their command lines, setting
+- ``part/``: one attempt part's life: its processes (``Part``), their command lines, setting
   parts up, adopting them, handing them over; the job's code and venv.
 - ``ranks/``: the processes a part is made of (torchrun's entry, the rank shim, warm standbys) and
   finding them (process tables, orphans).

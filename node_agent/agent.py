@@ -61,7 +61,7 @@ from node_agent.loops.supervise import SuperviseLoop
 from node_agent.loops.wake import SuperviseWakeups
 from node_agent.memtier.peer import PeerServer
 from node_agent.memtier.tier import MemoryTier
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.commands import NodeContext, standby_env
 from node_agent.part.parts import Parts
 from node_agent.ranks.orphans import OrphanSweeper
@@ -137,10 +137,10 @@ class Agent:
         """Why this agent stopped: another instance registered as this node (409 stale-agent)."""
         return self.state.superseded
 
-    def runs(self) -> list[AttemptRun]:
+    def runs(self) -> list[Part]:
         return self.state.runs()
 
-    def run(self, attempt_id: str) -> AttemptRun | None:
+    def run(self, attempt_id: str) -> Part | None:
         return self.state.run(attempt_id)
 
     # --- lifecycle ---

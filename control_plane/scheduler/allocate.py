@@ -25,7 +25,7 @@ from sqlalchemy import DateTime, String, Text, and_, case, cast, exists, func, l
 from sqlalchemy.orm import Session
 
 from control_plane.clock import now
-from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
+from control_plane.models import Attempt, AttemptPart, Gpu, GpuLease, Job, Node
 from control_plane.scheduler import handover_policy
 from control_plane.scheduler.policy import (
     Decision,
@@ -224,9 +224,9 @@ def recovery_history(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UU
     kinds: dict[uuid.UUID, str] = {}
     if last:
         for attempt_id, node_id, kind in session.execute(
-            select(AttemptNode.attempt_id, AttemptNode.node_id, Gpu.kind)
-            .join(Gpu, Gpu.node_id == AttemptNode.node_id)
-            .where(AttemptNode.attempt_id.in_(list(last.values())), Gpu.index == AttemptNode.gpu_indices[1])
+            select(AttemptPart.attempt_id, AttemptPart.node_id, Gpu.kind)
+            .join(Gpu, Gpu.node_id == AttemptPart.node_id)
+            .where(AttemptPart.attempt_id.in_(list(last.values())), Gpu.index == AttemptPart.gpu_indices[1])
         ):
             last_nodes.setdefault(attempt_id, set()).add(str(node_id))
             kinds[attempt_id] = kind
@@ -245,9 +245,9 @@ def _stragglers_to_avoid(session: Session, job_ids: list[uuid.UUID]) -> dict[uui
     """Per attempt, its nodes named stragglers, for the jobs whose watchdog asks to avoid them
     (``avoid_stragglers``): the next recovery places the job elsewhere."""
     rows = session.execute(
-        select(AttemptNode.attempt_id, AttemptNode.node_id)
-        .join(Attempt, Attempt.id == AttemptNode.attempt_id).join(Job, Job.id == Attempt.job_id)
-        .where(Attempt.job_id.in_(job_ids), AttemptNode.straggler_named_at.is_not(None),
+        select(AttemptPart.attempt_id, AttemptPart.node_id)
+        .join(Attempt, Attempt.id == AttemptPart.attempt_id).join(Job, Job.id == Attempt.job_id)
+        .where(Attempt.job_id.in_(job_ids), AttemptPart.straggler_named_at.is_not(None),
                Job.watchdog["avoid_stragglers"].as_boolean().is_(True))
     ).all()
     out: dict[uuid.UUID, set[str]] = {}

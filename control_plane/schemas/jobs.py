@@ -439,7 +439,7 @@ class WorkerOut(BaseModel):
     message: str | None = Field(default=None, description="The worker's own words for it (the end of its stderr).")
 
 
-class AttemptNodeOut(BaseModel):
+class AttemptPartOut(BaseModel):
     node_id: str
     node_name: str
     node_rank: int
@@ -507,7 +507,7 @@ class AttemptOut(BaseModel):
     first_progress_at: datetime | None
     failed_at: datetime | None
     ended_at: datetime | None
-    nodes: list[AttemptNodeOut]
+    nodes: list[AttemptPartOut]
 
 
 class ProgressSampleOut(BaseModel):

@@ -3,7 +3,7 @@
 Every transaction that locks rows of several kinds takes them in this order, and rows of one kind
 in id order:
 
-    nodes -> jobs -> attempts -> attempt parts (attempt_nodes) -> checkpoints, leases
+    nodes -> jobs -> attempts -> attempt parts (attempt_parts) -> checkpoints, leases
 
 Rows are locked ``FOR NO KEY UPDATE`` to change them (a report that only reads the job and the
 attempt for its fencing check shares them ``FOR SHARE`` instead, and never upgrades): no
@@ -25,7 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane.db import reload
-from control_plane.models import Attempt, AttemptNode, Job, Node
+from control_plane.models import Attempt, AttemptPart, Job, Node
 
 
 def lock_node(session: Session, node_id: uuid.UUID) -> Node | None:
@@ -96,17 +96,17 @@ def lock_attempts(session: Session, attempt_ids: Iterable[uuid.UUID]) -> list[At
     return locked
 
 
-def lock_part(session: Session, part_id: uuid.UUID) -> AttemptNode:
+def lock_part(session: Session, part_id: uuid.UUID) -> AttemptPart:
     """Lock one attempt part (after its job and attempt, or after its node) and load it afresh."""
-    return reload(session, select(AttemptNode).where(AttemptNode.id == part_id).with_for_update(key_share=True)).one()
+    return reload(session, select(AttemptPart).where(AttemptPart.id == part_id).with_for_update(key_share=True)).one()
 
 
-def lock_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> list[AttemptNode]:
+def lock_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> list[AttemptPart]:
     """Lock attempt parts in id order and load them afresh (missing ids are skipped)."""
     ids = sorted(set(part_ids))
     if not ids:
         return []
-    return list(reload(session, select(AttemptNode).where(AttemptNode.id.in_(ids)).order_by(AttemptNode.id)
+    return list(reload(session, select(AttemptPart).where(AttemptPart.id.in_(ids)).order_by(AttemptPart.id)
                        .with_for_update(key_share=True)))
 
 

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.errors import InvalidState
-from control_plane.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Checkpoint, Job, Node, UploadSlot
+from control_plane.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptPart, Checkpoint, Job, Node, UploadSlot
 from control_plane.services import events
 
 
@@ -300,10 +300,10 @@ def set_attempt_state(session: Session, attempt: Attempt, new_state: str, reason
     return True
 
 
-def advance_part(session: Session, part: AttemptNode, new_state: str, *, job_id: uuid.UUID | None = None,
+def advance_part(session: Session, part: AttemptPart, new_state: str, *, job_id: uuid.UUID | None = None,
                  kind: str | None = None, **data: Any) -> bool:
     """Move a node's part of an attempt forward to ``new_state``; the only writer of
-    ``AttemptNode.state``. Reports merge monotonically: a state that is not higher than the
+    ``AttemptPart.state``. Reports merge monotonically: a state that is not higher than the
     current one (``PART_ORDER``) changes nothing and returns False. ``kind``: the event (default
     ``part.<state>``), e.g. ``part.handed_over`` for a parked part's move to ``gone``."""
     if new_state not in PART:

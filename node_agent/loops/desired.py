@@ -15,7 +15,7 @@ from node_agent.link.client import (
     Unauthorized,
 )
 from node_agent.loops.state import AgentState, PendingLaunch
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.code import CodeUnavailable, ShippedCode
 from trainyard.protocol.agent import (
     AssignmentRef,
@@ -168,7 +168,7 @@ class DesiredState:
         state.by_id[spec.attempt_id] = run
         state.wake("supervise")  # it watches the new part's rank files and torchrun from now on
 
-    def _take_over(self, spec: LaunchSpec) -> AttemptRun | None:
+    def _take_over(self, spec: LaunchSpec) -> Part | None:
         """The part ``spec`` adopts, relabelled as ``spec``'s and its parked workers told their new
         assignment (node_agent/local/handover.py); None when it is not parked here (the caller starts the
         part cold once the GPUs are free; a parked part it did not take is stopped). The part is

@@ -27,7 +27,7 @@ from node_agent.link.relay import Relay
 from node_agent.link.storage_grants import GrantRelay
 from node_agent.link.upload_slots import SlotRelay
 from node_agent.loops.state import AgentState
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from trainyard.protocol.agent import (
     AttemptStatusReport,
     LogBatch,
@@ -69,7 +69,7 @@ class ReportLoop:
                 run.next_try_at = time.monotonic() + state.config.status_interval_s
         return _REPORT_INTERVAL_S
 
-    def _report_status(self, run: AttemptRun) -> None:
+    def _report_status(self, run: Part) -> None:
         state = self.state
         now = time.monotonic()
         finished = run.finished  # before the report: a final report must describe a finished run
@@ -127,7 +127,7 @@ class ReportLoop:
         elif ack.stop:
             state.stop_or_park(run, "the control plane asked", handover_ok=ack.handover_ok)
 
-    def _with_timings(self, run: AttemptRun, report: AttemptStatusReport, now: float) -> AttemptStatusReport:
+    def _with_timings(self, run: Part, report: AttemptStatusReport, now: float) -> AttemptStatusReport:
         """The part's received and initialised instants, as ages at ``now`` by this agent's monotonic
         clock (the control plane puts them on its own clock: this node's wall clock may be off)."""
         initialized = self.state.reports.initialized_at(run.attempt_id, run.spec.nproc_per_node)
@@ -136,7 +136,7 @@ class ReportLoop:
             "initialized_s_ago": None if initialized is None else round(max(0.0, now - initialized), 4),
         })
 
-    def _ship_logs(self, run: AttemptRun) -> None:
+    def _ship_logs(self, run: Part) -> None:
         state = self.state
         final = run.finished
         for _ in range(_LOG_BATCHES_PER_ROUND):  # bounded, so one chatty attempt starves no other

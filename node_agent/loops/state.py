@@ -23,7 +23,7 @@ from node_agent.local.api import LocalApi, LocalReports
 from node_agent.local.handover import Handovers
 from node_agent.loops.wake import SuperviseWakeups
 from node_agent.memtier.tier import MemoryTier
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.code import ShippedCode
 from node_agent.part.commands import NodeContext
 from node_agent.part.parts import Parts
@@ -95,7 +95,7 @@ class AgentState:
 
     # The parts, under runs_lock.
     runs_lock: threading.Lock = field(default_factory=threading.Lock)
-    by_id: dict[str, AttemptRun] = field(default_factory=dict)
+    by_id: dict[str, Part] = field(default_factory=dict)
     """This agent's parts by attempt id: launched, taken over or adopted, until they are done."""
     known: set[str] = field(default_factory=set)
     """Every attempt this agent instance launched or found: never launched (again) by it."""
@@ -123,11 +123,11 @@ class AgentState:
     could not be bound."""
     memory_port: int | None = None
 
-    def runs(self) -> list[AttemptRun]:
+    def runs(self) -> list[Part]:
         with self.runs_lock:
             return list(self.by_id.values())
 
-    def run(self, attempt_id: str) -> AttemptRun | None:
+    def run(self, attempt_id: str) -> Part | None:
         with self.runs_lock:
             return self.by_id.get(attempt_id)
 
@@ -136,7 +136,7 @@ class AgentState:
         for name in names:
             self.wakes[name].set()
 
-    def stop_or_park(self, run: AttemptRun, reason: str, *, handover_ok: bool | None) -> None:
+    def stop_or_park(self, run: Part, reason: str, *, handover_ok: bool | None) -> None:
         """Stop ``run`` as the control plane asked, unless the stop allows a handover (``handover_ok``:
         a restartable job recovering from another node's failure, services/runs/parking.py) and every
         worker of the part runs: then it is parked (node_agent/local/handover.py) for the next attempt to
@@ -156,14 +156,14 @@ class AgentState:
         # has only torchrun left, which it kills rather than waiting out torchrun's own teardown.
         self.wake("supervise")
 
-    def unpark(self, run: AttemptRun, reason: str) -> None:
+    def unpark(self, run: Part, reason: str) -> None:
         """Stop a parked part now, unless a takeover already claimed it (node_agent/local/handover.py)."""
         if self.handovers.give_up(run.attempt_id, reason):
             run.set_parked(None)
             run.request_stop(reason)
             self.wake("supervise")
 
-    def fence_off(self, run: AttemptRun, exc: StaleAttempt) -> None:
+    def fence_off(self, run: Part, exc: StaleAttempt) -> None:
         """The control plane refused a report about ``run`` as stale: its attempt is over for this
         node. Its queued items are dropped and it is stopped (a parked one waits a little for the
         takeover that may be on its way)."""

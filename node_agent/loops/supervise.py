@@ -10,7 +10,7 @@ from http import HTTPStatus
 
 from node_agent.confinement import processes
 from node_agent.loops.state import AgentState
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 
 _ORPHAN_SCAN_S = 5.0
 """How often an agent looks for orphaned workers of its node in the whole process table (each pass
@@ -62,7 +62,7 @@ class SuperviseLoop:
         return state.config.poll_interval_s
 
     @staticmethod
-    def _confined_pids(runs: list[AttemptRun]) -> set[int] | None:
+    def _confined_pids(runs: list[Part]) -> set[int] | None:
         """The processes of these parts when every one has a cgroup (which is where a part's
         processes are found, node_agent/part/attempt.py); None when some part has none."""
         pids: set[int] = set()
@@ -136,7 +136,7 @@ class SuperviseLoop:
         if left:
             state.log.error("workers_left_running", attempts=left)
 
-    def _supervise(self, run: AttemptRun, table: processes.ProcessTable | None) -> None:
+    def _supervise(self, run: Part, table: processes.ProcessTable | None) -> None:
         state = self.state
         before = run.signature()
         run.poll(table)

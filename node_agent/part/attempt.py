@@ -1,6 +1,6 @@
 """This node's part of one attempt: its processes, its status report, its log tailer.
 
-Lifecycle of an AttemptRun (all transitions happen in `poll`, `request_stop` or at launch):
+Lifecycle of a Part (all transitions happen in `poll`, `request_stop` or at launch):
 
     launched --torchrun exits--> torchrun_done --group empty--> finished --final report acked
     and logs drained--> done
@@ -57,7 +57,7 @@ RANK_FILE_BYTES = 64 * 1024
 _RANK_FILE = re.compile(r"^rank-\d{1,9}\.json$")
 
 
-class AttemptRun:
+class Part:
     def __init__(
         self, spec: LaunchSpec, paths: AttemptPaths, *, stop_grace_s: float, confinement: Confinement | None = None
     ) -> None:
@@ -175,7 +175,7 @@ class AttemptRun:
             return len(running) == self.local_workers
 
     @classmethod
-    def take_over(cls, spec: LaunchSpec, paths: AttemptPaths, old: AttemptRun) -> AttemptRun:
+    def take_over(cls, spec: LaunchSpec, paths: AttemptPaths, old: Part) -> Part:
         """``spec``'s part made of ``old``'s parked processes (docs/architecture.md, "In-process
         restart"): the same torchrun, uid, cgroup and worker directory (status files, logs), its own
         attempt directory (``paths.root``, whose state.json records what it adopted) and socket.
@@ -211,7 +211,7 @@ class AttemptRun:
     def launch(
         cls, spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, stop_grace_s: float,
         confinement: Confinement | None = None, code: ShippedCode | None = None, envs: EnvCache | None = None,
-    ) -> AttemptRun:
+    ) -> Part:
         """Create the attempt's directories and start torchrun (confined as ``confinement`` says).
         A job with shipped code (``code``) gets it fetched and unpacked into the worker directory
         first (the workers then run there, as the attempt's uid), and a job with requirements its
@@ -387,7 +387,7 @@ class AttemptRun:
     def failed(
         cls, spec: LaunchSpec, paths: AttemptPaths, error: str, *, stop_grace_s: float, create_dir: bool = True,
         error_kind: AgentErrorKind | None = None,
-    ) -> AttemptRun:
+    ) -> Part:
         """An assigned attempt this node cannot run (reported as exited with `error`, of `error_kind`
         when known: start_error is never retried). Without `create_dir` (the directory cannot be
         made, or must not be touched) it lives in memory only: it is still reported, once per agent
@@ -403,7 +403,7 @@ class AttemptRun:
     @classmethod
     def adopt(
         cls, paths: AttemptPaths, *, stop_grace_s: float, isolation: Isolation | None = None
-    ) -> AttemptRun | None:
+    ) -> Part | None:
         """The attempt left by a previous agent in this directory, or None when it is done (or its
         state is unreadable: then there is nothing this agent could report or stop)."""
         try:

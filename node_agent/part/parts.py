@@ -1,9 +1,9 @@
 """This node's attempt parts as the agent sets them up (``Parts``): their directories, their
 confinement (a uid and a cgroup, confinement/isolation.py), their local API socket; starting them
-(an AttemptRun, with the command lines of commands.py), taking parked ones over, taking back the
+(a Part, with the command lines of commands.py), taking parked ones over, taking back the
 parts a previous agent left, and cleaning up after them.
 
-Every launch failure becomes the part's exit with the reason (AttemptRun.failed): the control plane
+Every launch failure becomes the part's exit with the reason (Part.failed): the control plane
 then fails the attempt at once instead of waiting for a part that never runs.
 """
 
@@ -21,7 +21,7 @@ from node_agent.confinement.interpreters import interpreter_problem
 from node_agent.confinement.isolation import Confinement, Isolation, IsolationError, private_dir, remove_worker_dir
 from node_agent.local.api import LocalApi
 from node_agent.memtier.tier import AttemptMemory
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.code import ShippedCode
 from node_agent.part.commands import AttemptPaths, NodeContext
 from node_agent.part.envs import EnvCache
@@ -99,14 +99,14 @@ class Parts:
         return f"the job's requirements are refused: {refused}"
 
     def start(self, spec: LaunchSpec, node: NodeContext, gpus: list[GpuInfo], *,
-              code: ShippedCode | None = None) -> AttemptRun | None:
+              code: ShippedCode | None = None) -> Part | None:
         """Launch ``spec`` (or record why it cannot run); None when it was launched here before.
         ``code``: the job's shipped code (fetched and unpacked in the part's own thread)."""
         paths = self.paths(spec.attempt_id, spec.node_rank)
         grace = self.config.stop_grace_s
         if not SAFE_ID.match(spec.attempt_id):
             self.log.error("attempt_id_rejected", attempt_id=spec.attempt_id)
-            return AttemptRun.failed(spec, paths, "attempt id not usable as a directory name on this node",
+            return Part.failed(spec, paths, "attempt id not usable as a directory name on this node",
                                      stop_grace_s=grace, create_dir=False)
         kind: AgentErrorKind | None = None
         try:
@@ -118,9 +118,9 @@ class Parts:
         if problem is not None:
             self.log.error("attempt_not_runnable", attempt_id=spec.attempt_id, problem=problem)
             try:
-                return AttemptRun.failed(spec, paths, problem, stop_grace_s=grace, error_kind=kind)
+                return Part.failed(spec, paths, problem, stop_grace_s=grace, error_kind=kind)
             except OSError:
-                return AttemptRun.failed(spec, paths, problem, stop_grace_s=grace, create_dir=False, error_kind=kind)
+                return Part.failed(spec, paths, problem, stop_grace_s=grace, create_dir=False, error_kind=kind)
         confinement = Confinement()
         try:
             confinement = self.isolation.confine(node.node_id or None, spec.attempt_id, spec.node_rank,
@@ -131,7 +131,7 @@ class Parts:
             reason = f"could not confine the attempt on this node: {exc}"
         else:
             try:
-                return AttemptRun.launch(spec, node, paths, stop_grace_s=grace, confinement=confinement,
+                return Part.launch(spec, node, paths, stop_grace_s=grace, confinement=confinement,
                                          code=code, envs=self.envs)
             except FileExistsError:
                 if paths.root.is_dir():
@@ -144,10 +144,10 @@ class Parts:
                 reason = f"could not create the attempt directory {paths.root}: {exc}"
         self._undo(spec.attempt_id, confinement)
         self.log.error("attempt_launch_failed", attempt_id=spec.attempt_id, error=reason)
-        return AttemptRun.failed(spec, paths, reason, stop_grace_s=grace, create_dir=False)
+        return Part.failed(spec, paths, reason, stop_grace_s=grace, create_dir=False)
 
-    def take_over(self, spec: LaunchSpec, old: AttemptRun) -> AttemptRun | None:
-        """``spec``'s part made of ``old``'s parked processes (AttemptRun.take_over), served on a socket
+    def take_over(self, spec: LaunchSpec, old: Part) -> Part | None:
+        """``spec``'s part made of ``old``'s parked processes (Part.take_over), served on a socket
         of its own for the same uid; None when that cannot be done (the caller starts it cold)."""
         paths = self.paths(spec.attempt_id, spec.node_rank)
         if not SAFE_ID.match(spec.attempt_id) or set(spec.gpu_indices) != set(old.spec.gpu_indices):
@@ -156,7 +156,7 @@ class Parts:
             # The same memory tier as a cold start of the part (its saves kept here and pushed to its peer).
             self.api.open(spec.attempt_id, paths.socket or Path(), uid=old.confinement.uid, gid=old.confinement.gid,
                           ranks=spec.nproc_per_node, memory=AttemptMemory.of(spec.job_id, spec.memory))
-            return AttemptRun.take_over(spec, paths, old)
+            return Part.take_over(spec, paths, old)
         except OSError as exc:
             self.api.close(spec.attempt_id)
             self.log.error("attempt_take_over_failed", attempt_id=spec.attempt_id, error=str(exc))
@@ -166,18 +166,18 @@ class Parts:
         self.api.close(attempt_id)
         self.isolation.release(confinement)
 
-    def adopt_all(self) -> tuple[set[str], list[AttemptRun]]:
+    def adopt_all(self) -> tuple[set[str], list[Part]]:
         """The attempts a previous agent left in work_dir: every id found (never launched again)
         and those still to report or stop. Their sockets are served again; worker directories of
         any other attempt are removed (their uid may be another attempt's by now)."""
         seen: set[str] = set()
-        runs: list[AttemptRun] = []
+        runs: list[Part] = []
         for root in sorted(self.attempts_dir.iterdir()):
             if not root.is_dir():
                 continue
             seen.add(root.name)
             state_paths = AttemptPaths(root, root / "worker")
-            run = AttemptRun.adopt(state_paths, stop_grace_s=self.config.stop_grace_s, isolation=self.isolation)
+            run = Part.adopt(state_paths, stop_grace_s=self.config.stop_grace_s, isolation=self.isolation)
             if run is None:
                 continue
             runs.append(run)
@@ -198,7 +198,7 @@ class Parts:
                     remove_worker_dir(Path(entry.path))
         return seen, runs
 
-    def finish(self, run: AttemptRun) -> None:
+    def finish(self, run: Part) -> None:
         """The part is done and none of its processes is left: stop serving it, give its uid and
         cgroup back, and remove its worker directory (its logs have been shipped)."""
         self.api.close(run.attempt_id)

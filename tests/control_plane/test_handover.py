@@ -10,7 +10,7 @@ import uuid
 from sqlalchemy import select
 
 from control_plane.db import session_scope
-from control_plane.models import AttemptNode, Event, GpuLease
+from control_plane.models import AttemptPart, Event, GpuLease
 from control_plane.services.locks import lock_job
 from control_plane.services.runs import handover
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
@@ -70,13 +70,13 @@ def test_a_parked_part_is_handed_over_on_its_gpus_and_the_old_attempt_ends(app, 
     # One owner: the new attempt, in the same transaction that released the parked part's lease.
     assert _active_leases(app, alive.node_id) == [uuid.UUID(new[alive.name]["attempt_id"])]
     with session_scope(app.state.session_factory) as s:
-        part = s.scalar(select(AttemptNode).where(AttemptNode.attempt_id == uuid.UUID(old["attempt_id"]),
-                                                  AttemptNode.node_id == uuid.UUID(alive.node_id)))
+        part = s.scalar(select(AttemptPart).where(AttemptPart.attempt_id == uuid.UUID(old["attempt_id"]),
+                                                  AttemptPart.node_id == uuid.UUID(alive.node_id)))
         assert part is not None and part.state == "gone" and part.released_at is not None
         kinds = set(s.scalars(select(Event.kind).where(Event.attempt_id == part.attempt_id)))
         assert {"part.handed_over", "leases.handed_over"} <= kinds
-        adopter = s.scalar(select(AttemptNode).where(AttemptNode.attempt_id == uuid.UUID(new[alive.name]["attempt_id"]),
-                                                     AttemptNode.node_id == uuid.UUID(alive.node_id)))
+        adopter = s.scalar(select(AttemptPart).where(AttemptPart.attempt_id == uuid.UUID(new[alive.name]["attempt_id"]),
+                                                     AttemptPart.node_id == uuid.UUID(alive.node_id)))
         assert adopter is not None and adopter.adopts_attempt_id == part.attempt_id
     attempts = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert {a["number"]: a["state"] for a in attempts}[1] == "ended"
@@ -268,7 +268,7 @@ def test_a_part_told_to_stop_before_its_first_report_may_be_parked(app, client, 
     r = alive.status(specs[alive.name], "parked", workers=workers_for(specs[alive.name], "running"))
     assert r.status_code == 200, r.text
     with session_scope(app.state.session_factory) as s:
-        part = s.scalar(select(AttemptNode).where(AttemptNode.node_id == uuid.UUID(alive.node_id)))
+        part = s.scalar(select(AttemptPart).where(AttemptPart.node_id == uuid.UUID(alive.node_id)))
         assert part is not None and part.state == "parked"
     assert dead.name != alive.name
 
@@ -289,6 +289,6 @@ def test_a_handover_does_not_take_a_replacement_gpu_beyond_the_tenants_quota(app
     assert schedule() == 0
     assert _active_leases(app, alive.node_id) == [uuid.UUID(old["attempt_id"])]
     with session_scope(app.state.session_factory) as s:
-        assert not s.scalar(select(AttemptNode).where(AttemptNode.adopts_attempt_id.is_not(None)))
+        assert not s.scalar(select(AttemptPart).where(AttemptPart.adopts_attempt_id.is_not(None)))
     assert client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()["state"] == "recovering"
     assert dead.name != alive.name

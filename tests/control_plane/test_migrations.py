@@ -121,3 +121,37 @@ def test_downgrade_to_0003_and_back(fresh_database_url):
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
         assert compare_metadata(ctx, Base.metadata) == []
     engine.dispose()
+
+
+def _schema_names(conn) -> set[str]:
+    return set(conn.execute(text(
+        "SELECT conname FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace "
+        "WHERE n.nspname = current_schema() UNION SELECT indexname FROM pg_indexes "
+        "WHERE schemaname = current_schema() UNION SELECT tablename FROM pg_tables "
+        "WHERE schemaname = current_schema()")).scalars())
+
+
+def test_every_name_the_migrations_give_is_the_models_name(fresh_database_url):
+    """Renames (attempt_nodes -> attempt_parts) carry every constraint and index name along, up and
+    down: compare_metadata checks indexes by name but foreign keys and unique constraints by columns."""
+    from alembic import command
+
+    from control_plane.db import alembic_config
+
+    expected = set(Base.metadata.tables)
+    for table in Base.metadata.tables.values():
+        expected |= {c.name for c in table.constraints if c.name} | {i.name for i in table.indexes if i.name}
+    engine = create_engine(fresh_database_url)
+    with engine.connect() as conn:
+        at_head = _schema_names(conn)
+    assert expected <= at_head, sorted(expected - at_head)
+    assert not [n for n in at_head if "attempt_nodes" in n or "attempt_node_id" in n]
+    cfg = alembic_config(fresh_database_url)
+    command.downgrade(cfg, "0240_i27_lag")
+    with engine.connect() as conn:
+        down = _schema_names(conn)
+    assert not [n for n in down if "attempt_part" in n] and "attempt_nodes" in down
+    command.upgrade(cfg, "head")
+    with engine.connect() as conn:
+        assert _schema_names(conn) == at_head
+    engine.dispose()

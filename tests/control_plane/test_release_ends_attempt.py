@@ -30,7 +30,7 @@ from trainyard.protocol.agent import HeartbeatRequest
 HOLDING_NOTHING_NOT_ENDED = text("""
     SELECT a.id::text, a.state FROM attempts a
     WHERE a.state <> 'ended'
-      AND NOT EXISTS (SELECT 1 FROM attempt_nodes p WHERE p.attempt_id = a.id AND p.released_at IS NULL)
+      AND NOT EXISTS (SELECT 1 FROM attempt_parts p WHERE p.attempt_id = a.id AND p.released_at IS NULL)
       AND NOT EXISTS (SELECT 1 FROM gpu_leases l WHERE l.attempt_id = a.id AND l.released_at IS NULL)
 """)
 

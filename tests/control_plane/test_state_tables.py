@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from control_plane.errors import InvalidState
-from control_plane.models import Attempt, AttemptNode, Checkpoint, Job, Node
+from control_plane.models import Attempt, AttemptPart, Checkpoint, Job, Node
 from control_plane.schemas.jobs import JOB_STATES
 from control_plane.services import states
 from control_plane.settings import Settings
@@ -138,7 +138,7 @@ def test_mutators_refuse_what_the_tables_do_not_allow(clock):
     attempt = Attempt(id=uuid.uuid4(), job_id=job.id, state="ended")
     with pytest.raises(InvalidState):
         states.set_attempt_state(session, attempt, "running", "no")
-    part = AttemptNode(id=uuid.uuid4(), attempt_id=attempt.id, node_id=uuid.uuid4(), node_rank=0, state="running")
+    part = AttemptPart(id=uuid.uuid4(), attempt_id=attempt.id, node_id=uuid.uuid4(), node_rank=0, state="running")
     assert states.advance_part(session, part, "launching") is False and part.state == "running"  # monotonic
     assert states.advance_part(session, part, "exited") is True and part.state == "exited"
     node = Node(id=uuid.uuid4(), name="n", state="removed", schedulable=False, draining=True)

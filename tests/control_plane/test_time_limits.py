@@ -6,7 +6,7 @@ import uuid
 
 from sqlalchemy import select
 
-from control_plane.models import Attempt, AttemptNode, Job
+from control_plane.models import Attempt, AttemptPart, Job
 from control_plane.services.runs import attempts, limits
 from control_plane.services.runs.jobs import set_job_state
 from tests.control_plane.helpers import get_job, submit
@@ -55,7 +55,7 @@ def test_an_ending_written_without_autoflush_is_not_lost_to_the_reload_of_the_lo
         attempt = s.get(Attempt, row.current_attempt_id)
         attempts.end_attempt(s, attempt, outcome="succeeded", reason="finished")
         set_job_state(s, row, "succeeded", "attempt 1 finished")
-        parts = s.scalars(select(AttemptNode.id).where(AttemptNode.attempt_id == attempt.id)).all()
+        parts = s.scalars(select(AttemptPart.id).where(AttemptPart.attempt_id == attempt.id)).all()
         attempts.release_parts(s, parts)
         s.commit()
         attempts.finish_released(s, [attempt.id])  # after the release committed, as its callers do

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from node_agent.part.attempt import AttemptRun, attempt_paths
+from node_agent.part.attempt import Part, attempt_paths
 from node_agent.part.code import CodeLimits, ShippedCode
 from node_agent.part.commands import NodeContext
 from tests.helpers import free_port, rendezvous_port, wait_for
@@ -50,11 +50,11 @@ def write_script(directory: Path, name: str, body: str) -> Path:
 
 
 class Launcher:
-    """Launches AttemptRuns for a test and kills whatever is left of them at teardown."""
+    """Launches Parts for a test and kills whatever is left of them at teardown."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
-        self.runs: list[AttemptRun] = []
+        self.runs: list[Part] = []
 
     def node(self, address: str = "127.0.0.2", **overrides: Any) -> NodeContext:
         fields: dict[str, Any] = {
@@ -71,18 +71,18 @@ class Launcher:
 
     def launch(
         self, spec: LaunchSpec, node: NodeContext | None = None, *, work_dir: Path | None = None, grace: float = 2.0
-    ) -> AttemptRun:
+    ) -> Part:
         node = node or self.node()
         paths = attempt_paths(work_dir or self.tmp_path / f"node-{node.local_addr}", spec.attempt_id)
-        run = AttemptRun.launch(spec, node, paths, stop_grace_s=grace)
+        run = Part.launch(spec, node, paths, stop_grace_s=grace)
         self.runs.append(run)
         return run
 
-    def launch_with_code(self, spec: LaunchSpec, archive: Path, node: NodeContext | None = None) -> AttemptRun:
+    def launch_with_code(self, spec: LaunchSpec, archive: Path, node: NodeContext | None = None) -> Part:
         """Launch as the agent does for a job with shipped code (node_agent/part/code.py)."""
         node = node or self.node()
         paths = attempt_paths(self.tmp_path / f"node-{node.local_addr}", spec.attempt_id)
-        run = AttemptRun.launch(spec, node, paths, stop_grace_s=2.0, code=local_code(archive, self.tmp_path / "cache"))
+        run = Part.launch(spec, node, paths, stop_grace_s=2.0, code=local_code(archive, self.tmp_path / "cache"))
         self.runs.append(run)
         return run
 
@@ -112,7 +112,7 @@ def local_code(archive: Path, work_dir: Path, limits: CodeLimits = CodeLimits())
     return ShippedCode(CodeRef(sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data)), work_dir, fetch, limits)
 
 
-def wait_finished(run: AttemptRun, timeout: float = 30.0) -> AttemptRun:
+def wait_finished(run: Part, timeout: float = 30.0) -> Part:
     def finished() -> bool:
         run.poll()
         return run.finished
@@ -121,5 +121,5 @@ def wait_finished(run: AttemptRun, timeout: float = 30.0) -> AttemptRun:
     return run
 
 
-def read_log(run: AttemptRun, rank: int, stream: str = "stdout") -> str:
+def read_log(run: Part, rank: int, stream: str = "stdout") -> str:
     return (run.paths.log_dir / f"rank-{rank}" / f"{stream}.log").read_text()

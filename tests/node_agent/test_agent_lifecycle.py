@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from node_agent.agent import Agent
-from node_agent.part.attempt import AttemptRun, attempt_paths
+from node_agent.part.attempt import Part, attempt_paths
 from node_agent.ranks.entry_points import OLD_NAMES, RANK_SHIM, TORCHRUN_ENTRY, started_as
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import make_spec, wait_for
@@ -179,7 +179,7 @@ def test_a_reused_process_group_id_is_never_signalled(tmp_path: Path, mismatch: 
             "final_acked": False, "done": False,
         }
         paths.state_file.write_text(json.dumps(state))
-        run = AttemptRun.adopt(paths, stop_grace_s=0.1)
+        run = Part.adopt(paths, stop_grace_s=0.1)
         assert run is not None
         for _ in range(5):
             run.poll()

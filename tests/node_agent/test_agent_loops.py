@@ -14,7 +14,7 @@ import pytest
 from node_agent.link.client import ControlPlaneClient, RequestRejected
 from node_agent.local.api import LocalReports
 from node_agent.loops.report import ReportLoop, _without_ranks
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from tests.node_agent.fake_control_plane import FakeControlPlane
 from tests.node_agent.helpers import make_spec
 from tests.node_agent.test_agent import Agents, agents, plane, wait_state  # noqa: F401
@@ -37,7 +37,7 @@ def test_one_attempts_broken_report_never_stops_the_others(agents: Agents, plane
     for spec in (bad, good):  # the broken one first: the loop meets it before the other every round
         assert agent.state.parts is not None
         paths = agent.state.parts.paths(spec.attempt_id, spec.node_rank)
-        runs.append(AttemptRun.failed(spec, paths, "could not run it here", stop_grace_s=1.0, create_dir=False))
+        runs.append(Part.failed(spec, paths, "could not run it here", stop_grace_s=1.0, create_dir=False))
     runs[0].report = _unencodable  # type: ignore[method-assign]
     with agent.state.runs_lock:
         agent.state.by_id.update({run.attempt_id: run for run in runs})

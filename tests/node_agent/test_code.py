@@ -23,7 +23,7 @@ from typing import BinaryIO
 import pytest
 
 from node_agent.confinement.isolation import Confinement, make_worker_dir, worker_paths
-from node_agent.part.attempt import AttemptRun, attempt_paths
+from node_agent.part.attempt import Part, attempt_paths
 from node_agent.part.code import CodeLimits, CodeUnavailable, ShippedCode, cached_archive, unpack
 from tests.node_agent.helpers import Launcher, local_code, make_spec, read_log, wait_finished, wait_for
 from trainyard.protocol.agent import CodeRef
@@ -240,7 +240,7 @@ def test_an_attempt_whose_code_is_over_a_cap_fails_with_the_reason_as_a_start_er
     spec = make_spec(entrypoint="train.py", nproc_per_node=1, gpu_indices=[0], code=_ref(archive.read_bytes()))
     node = launcher.node()
     paths = attempt_paths(tmp_path / "node", spec.attempt_id)
-    run = AttemptRun.launch(spec, node, paths, stop_grace_s=2.0,
+    run = Part.launch(spec, node, paths, stop_grace_s=2.0,
                             code=local_code(archive, tmp_path / "cache", CodeLimits(max_entries=1000)))
     launcher.runs.append(run)
     wait_finished(run, timeout=60)
@@ -261,7 +261,7 @@ def test_a_part_stopped_while_its_code_unpacks_kills_the_unpacking(launcher: Lau
     try:
         spec = make_spec(entrypoint="train.py", nproc_per_node=1, gpu_indices=[0], code=_ref(b"x"))
         code = _Fifo(spec.code, tmp_path, _fetch_of(b""), CodeLimits(timeout_s=120))  # type: ignore[arg-type]
-        run = AttemptRun.launch(spec, launcher.node(), attempt_paths(tmp_path / "node", spec.attempt_id),
+        run = Part.launch(spec, launcher.node(), attempt_paths(tmp_path / "node", spec.attempt_id),
                                 stop_grace_s=2.0, code=code)
         launcher.runs.append(run)
         proc = wait_for(lambda: run._unpacking, timeout=30, interval=0.05, what="the unpacking to start")

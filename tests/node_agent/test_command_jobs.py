@@ -15,7 +15,7 @@ import pytest
 
 from node_agent.confinement import processes
 from node_agent.confinement.isolation import CONFINE_EXEC, Confinement, UidPool, UidRange, worker_paths
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.commands import AttemptPaths, NodeContext, command_argv, command_env
 from tests.node_agent.helpers import make_spec, read_log, wait_finished, wait_for
 from tests.node_agent.proc_events import ProcRecorder
@@ -81,7 +81,7 @@ def test_a_command_runs_as_the_parts_uid_only_and_its_exit_is_the_parts(tmp_path
                      env={"MY_SETTING": "kept"})
     paths = AttemptPaths(tmp_path / "attempt", open_dir / "worker")
     with _confined(tmp_path / "locks") as confinement, ProcRecorder() as recorder:
-        run = AttemptRun.launch(spec, _node(code), paths, stop_grace_s=2.0, confinement=confinement)
+        run = Part.launch(spec, _node(code), paths, stop_grace_s=2.0, confinement=confinement)
         try:
             wait_finished(run, timeout=30)
         finally:
@@ -112,7 +112,7 @@ def test_a_stop_ends_the_commands_whole_tree_and_an_unknown_program_fails_the_pa
         "sh", "-c", "setsid sleep 300 & setsid sleep 301 & echo started; wait"])
     paths = AttemptPaths(tmp_path / "attempt", open_dir / "worker")
     with _confined(tmp_path / "locks") as confinement:
-        run = AttemptRun.launch(spec, _node(open_dir), paths, stop_grace_s=1.0, confinement=confinement)
+        run = Part.launch(spec, _node(open_dir), paths, stop_grace_s=1.0, confinement=confinement)
         try:
             wait_for(lambda: "started" in read_log(run, 0) if (paths.log_dir / "rank-0").exists() else False,
                      timeout=20, interval=0.05, what="the command's output")
@@ -129,7 +129,7 @@ def test_a_stop_ends_the_commands_whole_tree_and_an_unknown_program_fails_the_pa
 
         missing = make_spec(nproc_per_node=1, gpu_indices=[0], command=["no-such-launcher", "x"])
         paths = AttemptPaths(tmp_path / "attempt2", open_dir / "worker2")
-        run = AttemptRun.launch(missing, _node(open_dir), paths, stop_grace_s=1.0, confinement=confinement)
+        run = Part.launch(missing, _node(open_dir), paths, stop_grace_s=1.0, confinement=confinement)
         try:
             wait_finished(run, timeout=20)
         finally:

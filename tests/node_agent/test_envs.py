@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from node_agent.confinement.isolation import Confinement
-from node_agent.part.attempt import AttemptRun, attempt_paths
+from node_agent.part.attempt import Part, attempt_paths
 from node_agent.part.envs import MARKER, CachedEnv, EnvBuildFailed, EnvCache, Interpreter, env_key, evictions
 from tests.helpers import in_parallel, make_wheel, wait_for
 from tests.node_agent.helpers import Launcher, make_spec
@@ -174,7 +174,7 @@ def test_a_part_stopped_while_its_venv_builds_never_starts(launcher: Launcher, t
     spec = make_spec(nproc_per_node=1, gpu_indices=[0],
                      requirements=f"--no-index\n--find-links {wheels}\ntinypkg==1.0\n")
     node = launcher.node()
-    run = AttemptRun.launch(spec, node, attempt_paths(tmp_path / "node", spec.attempt_id), stop_grace_s=2.0,
+    run = Part.launch(spec, node, attempt_paths(tmp_path / "node", spec.attempt_id), stop_grace_s=2.0,
                             envs=cache)
     launcher.runs.append(run)
     assert cache.asked.wait(30) and run.alive and run.report(None, None).state == NodeAttemptState.launching

@@ -24,7 +24,7 @@ from node_agent.link.client import StaleAttempt
 from node_agent.local.api import LocalApi
 from node_agent.local.handover import Handovers
 from node_agent.memtier.tier import MemoryTier
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.code import CodeUnavailable, ShippedCode
 from node_agent.part.commands import AttemptPaths, NodeContext
 from node_agent.part.parts import Parts
@@ -121,7 +121,7 @@ def _rank_file(worker: Path, rank: int, local_rank: int, pid: int) -> None:
 
 def test_a_parked_part_is_taken_over_with_its_processes_and_recorded_for_an_agent_restart(tmp_path: Path,
                                                                                          process_reaper) -> None:
-    """Relabel (AttemptRun.take_over): the new part is made of the parked part's torchrun and worker
+    """Relabel (Part.take_over): the new part is made of the parked part's torchrun and worker
     directory, reports their ranks in its own node rank, and its state.json says what it adopted (an
     agent restarted afterwards adopts it with the processes' original markers); the old part's
     state.json says where its processes went, and is never adopted again."""
@@ -133,14 +133,14 @@ def test_a_parked_part_is_taken_over_with_its_processes_and_recorded_for_an_agen
     torchrun = process_reaper.spawn(["sleep", "60"], start_new_session=True)  # stands in for torchrun
     for local in (0, 1):
         _rank_file(old_paths.worker, 2 + local, local, torchrun.pid)
-    old = AttemptRun(old_spec, old_paths, stop_grace_s=1.0)
+    old = Part(old_spec, old_paths, stop_grace_s=1.0)
     old._started(torchrun)
     old.poll()
-    assert old.parkable() and not AttemptRun(make_spec(), old_paths, stop_grace_s=1.0).parkable()  # not restartable
+    assert old.parkable() and not Part(make_spec(), old_paths, stop_grace_s=1.0).parkable()  # not restartable
     old.parked = True
     assert old.report(None, None).state == NodeAttemptState.parked
 
-    new = AttemptRun.take_over(new_spec, AttemptPaths(tmp_path / "attempts" / "att-new", tmp_path / "unused"), old)
+    new = Part.take_over(new_spec, AttemptPaths(tmp_path / "attempts" / "att-new", tmp_path / "unused"), old)
     assert (new.pid, new.paths.worker, new.marker) == (torchrun.pid, old_paths.worker, ("att-old", 1))
     new.poll()
     report = new.report(None, None)
@@ -152,8 +152,8 @@ def test_a_parked_part_is_taken_over_with_its_processes_and_recorded_for_an_agen
     before = json.loads(old_paths.state_file.read_text())
     assert before["handed_over_to"] == "att-new" and before["done"]
     # An agent restarted now adopts the new part (with its processes' markers), never the old one.
-    assert AttemptRun.adopt(old_paths, stop_grace_s=1.0) is None
-    again = AttemptRun.adopt(AttemptPaths(new.paths.root), stop_grace_s=1.0)
+    assert Part.adopt(old_paths, stop_grace_s=1.0) is None
+    again = Part.adopt(AttemptPaths(new.paths.root), stop_grace_s=1.0)
     assert again is not None and again.alive and again.marker == ("att-old", 1)
     assert [w.rank for w in again.report(None, None).workers] == [0, 1]
 
@@ -171,14 +171,14 @@ def test_only_a_restartable_worker_is_numbered_by_the_shim() -> None:
 # --- The agent's decisions (findings of the handover review) -------------------------------------
 
 
-def _parked_run(tmp_path: Path, process_reaper, spec, attempts: Path | None = None) -> AttemptRun:
+def _parked_run(tmp_path: Path, process_reaper, spec, attempts: Path | None = None) -> Part:
     """A restartable part whose workers all run (a sleep stands in for its torchrun)."""
     paths = AttemptPaths((attempts or tmp_path / "attempts") / spec.attempt_id, tmp_path / "workers" / spec.attempt_id)
     paths.root.mkdir(parents=True)
     torchrun = process_reaper.spawn(["sleep", "60"], start_new_session=True)
     for local in range(spec.nproc_per_node):
         _rank_file(paths.worker, spec.node_rank * spec.nproc_per_node + local, local, torchrun.pid)
-    run = AttemptRun(spec, paths, stop_grace_s=0.5)
+    run = Part(spec, paths, stop_grace_s=0.5)
     run._started(torchrun)
     run.poll()
     assert run.parkable()
@@ -197,7 +197,7 @@ def _agent(tmp_path: Path, api: LocalApi | None = None) -> Agent:
     return agent
 
 
-def _hold(agent: Agent, run: AttemptRun) -> None:
+def _hold(agent: Agent, run: Part) -> None:
     agent.state.by_id[run.attempt_id] = run
     agent.state.handovers.register(run.attempt_id, run.spec.fencing_token, node_rank=run.spec.node_rank,
                              nproc=run.spec.nproc_per_node)

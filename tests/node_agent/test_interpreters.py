@@ -21,7 +21,7 @@ import structlog
 from node_agent.confinement import processes
 from node_agent.confinement.interpreters import interpreter_problem
 from node_agent.confinement.isolation import CONFINE_EXEC, Confinement, UidPool, UidRange, worker_paths
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.commands import AttemptPaths, NodeContext
 from node_agent.part.envs import EnvBuildFailed, EnvCache
 from tests.helpers import make_wheel_with
@@ -115,7 +115,7 @@ def test_no_process_of_a_job_with_requirements_runs_as_root(tmp_path: Path, open
     cache = EnvCache(tmp_path / "envs")
     paths = AttemptPaths(tmp_path / "attempt", open_dir / "worker")
     with _lease(UID, tmp_path / "locks") as confinement, ProcRecorder() as recorder:
-        run = AttemptRun.launch(spec, node, paths, stop_grace_s=2.0, confinement=confinement, envs=cache)
+        run = Part.launch(spec, node, paths, stop_grace_s=2.0, confinement=confinement, envs=cache)
         try:
             wait_finished(run, timeout=240)
         finally:

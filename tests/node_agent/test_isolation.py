@@ -37,7 +37,7 @@ from node_agent.confinement.isolation import (
     worker_paths,
     worker_tmp,
 )
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.commands import AttemptPaths, NodeContext, worker_env
 from node_agent.part.logs import LogTailer
 from tests.helpers import wait_for
@@ -180,10 +180,10 @@ def test_cgroup2_dir_is_found_in_mountinfo() -> None:
     assert cgroup2_dir(mountinfo, "1:cpu:/\n") is None
 
 
-def _run_with(confinement: Confinement, tmp_path: Path, spec: LaunchSpec | None = None) -> AttemptRun:
+def _run_with(confinement: Confinement, tmp_path: Path, spec: LaunchSpec | None = None) -> Part:
     spec = spec or make_spec(nproc_per_node=1, gpu_indices=[0])
     paths = AttemptPaths(tmp_path / "a", tmp_path / "w")
-    return AttemptRun(spec, paths, stop_grace_s=1.0, confinement=confinement)
+    return Part(spec, paths, stop_grace_s=1.0, confinement=confinement)
 
 
 def test_without_a_cgroup_every_process_of_the_leased_uid_is_the_attempts(tmp_path: Path) -> None:

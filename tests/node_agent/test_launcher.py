@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from node_agent.confinement import processes
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.commands import (
     AttemptPaths,
     NodeContext,
@@ -156,7 +156,7 @@ def test_storage_env_never_passes_a_credential(tmp_path: Path) -> None:
     assert not any(k.startswith("TRAINYARD_S3_") for k in env)
 
 
-def _check_ranks(runs: list[AttemptRun], world: int) -> None:
+def _check_ranks(runs: list[Part], world: int) -> None:
     seen = {}
     for run in runs:
         report = run.report(None, None)
@@ -277,7 +277,7 @@ def test_failing_rank_exit_code(launcher: Launcher, tmp_path: Path) -> None:
     assert by_rank[0].state == WorkerState.exited  # torchrun tore the healthy rank down
 
 
-def _attempt_pids(run: AttemptRun) -> set[int]:
+def _attempt_pids(run: Part) -> set[int]:
     return processes.scan().by_attempt.get(run.attempt_id, set())
 
 
@@ -291,7 +291,7 @@ def _gone(pids: set[int]) -> bool:
     return True
 
 
-def _wait_running(run: AttemptRun) -> None:
+def _wait_running(run: Part) -> None:
     def running() -> bool:
         run.poll()
         return run.report(None, None).state == NodeAttemptState.running

@@ -34,7 +34,7 @@ from node_agent.confinement.limits import (
     part_limits,
 )
 from node_agent.confinement.part_limits import AGENT_OOM_SCORE_ADJ, WORKER_OOM_SCORE_ADJ, disk_used
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.commands import AttemptPaths
 from tests.helpers import need
 from tests.node_agent.helpers import Launcher, make_spec, wait_finished, wait_for
@@ -204,7 +204,7 @@ def bystander() -> Iterator[subprocess.Popen[bytes]]:
         proc.wait(10)
 
 
-def _attack(sandbox: Path, launcher: Launcher, script: str, options: LimitOptions) -> AttemptRun:
+def _attack(sandbox: Path, launcher: Launcher, script: str, options: LimitOptions) -> Part:
     """Run ``script`` as a one-rank part of an agent configured with ``options``, confined as the
     agent confines parts, and wait until the part is over."""
     code = sandbox / "code"
@@ -225,7 +225,7 @@ def _attack(sandbox: Path, launcher: Launcher, script: str, options: LimitOption
     workers = sandbox / "workers"
     workers.mkdir(mode=0o711, exist_ok=True)
     paths = AttemptPaths(sandbox / "attempts" / spec.attempt_id, workers / spec.attempt_id)
-    run = AttemptRun.launch(spec, launcher.node(cwd=str(code)), paths, stop_grace_s=2.0, confinement=confinement)
+    run = Part.launch(spec, launcher.node(cwd=str(code)), paths, stop_grace_s=2.0, confinement=confinement)
     launcher.runs.append(run)
     try:
         wait_finished(run, timeout=240)  # a fork bomb slows every scan of the process table meanwhile
@@ -237,7 +237,7 @@ def _attack(sandbox: Path, launcher: Launcher, script: str, options: LimitOption
     return run
 
 
-def _failed_with(run: AttemptRun, reason: str, bystander: subprocess.Popen[bytes]) -> None:
+def _failed_with(run: Part, reason: str, bystander: subprocess.Popen[bytes]) -> None:
     report = run.report(None, None)
     assert report.state == NodeAttemptState.exited and (report.error or "").startswith(reason), report.error
     assert run.limit_hit == report.error

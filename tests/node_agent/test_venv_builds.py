@@ -26,7 +26,7 @@ from node_agent.confinement import processes
 from node_agent.confinement.cgroups import CgroupTree
 from node_agent.confinement.isolation import Confinement, UidPool, UidRange, worker_paths
 from node_agent.confinement.safe_files import create_file
-from node_agent.part.attempt import AttemptRun
+from node_agent.part.attempt import Part
 from node_agent.part.commands import AttemptPaths, NodeContext
 from node_agent.part.envs import EnvBuildFailed, EnvCache, end_build
 from node_agent.part.venv_checks import VenvTampered, seal
@@ -206,7 +206,7 @@ def test_a_part_stopped_during_its_build_keeps_its_uid_until_the_build_is_over(t
     worker = Path(tempfile.mkdtemp(prefix="venvb-worker-", dir="/tmp"))
     try:
         with _leased(UID + 2, tmp_path / "locks") as confinement:
-            run = AttemptRun.launch(spec, node, AttemptPaths(tmp_path / "attempt", worker / "w"), stop_grace_s=2.0,
+            run = Part.launch(spec, node, AttemptPaths(tmp_path / "attempt", worker / "w"), stop_grace_s=2.0,
                                     confinement=confinement, envs=cache)
             wait_for(lambda: (place / "out" / "started").exists(), 60, what="the build to run")
             run.request_stop("cancelled")
@@ -256,7 +256,7 @@ def test_a_job_interpreter_below_a_private_directory_is_exposed_only_when_listed
     tool.write_text("#!/bin/sh\n")
     tool.chmod(0o755)
     spec = make_spec(nproc_per_node=1, gpu_indices=[0])
-    run = AttemptRun(spec, AttemptPaths(tmp_path / "a", tmp_path / "w"), stop_grace_s=1.0,
+    run = Part(spec, AttemptPaths(tmp_path / "a", tmp_path / "w"), stop_grace_s=1.0,
                      confinement=Confinement(uid=UID + 4, gid=UID + 4))
     node = NodeContext(local_addr="127.0.0.2", agent_url="http://127.0.0.1:9", virtual=True, python=str(tool))
     unlisted = run._builder(node)

@@ -38,7 +38,7 @@ from control_plane import failpoints
 from control_plane.clock import now
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Conflict, StaleAttempt
-from control_plane.models import Attempt, AttemptNode, Checkpoint, CheckpointShard, Job, Node
+from control_plane.models import Attempt, AttemptPart, Checkpoint, CheckpointShard, Job, Node
 from control_plane.services import events
 from control_plane.services.checkpoints.memtier_facts import restored_tiers
 from control_plane.services.runs import progress
@@ -489,8 +489,8 @@ def maintenance(factory: sessionmaker[Session], store: ObjectStore | None, *, pe
 def _lost_nodes(session: Session, attempt: Attempt) -> list[str]:
     """The names of the attempt's unreachable nodes that still hold a part of it."""
     return list(session.scalars(
-        select(Node.name).join(AttemptNode, AttemptNode.node_id == Node.id)
-        .where(AttemptNode.attempt_id == attempt.id, AttemptNode.released_at.is_(None),
+        select(Node.name).join(AttemptPart, AttemptPart.node_id == Node.id)
+        .where(AttemptPart.attempt_id == attempt.id, AttemptPart.released_at.is_(None),
                Node.state.in_(NODE_UNREACHABLE)).order_by(Node.name)))
 
 

@@ -2,7 +2,7 @@
 tier"): which peer agent keeps a copy of each part's shards, and where a new attempt's part may
 find the previous attempt's copies.
 
-Decided once, at allocation, and stored with the part (``attempt_nodes.memory``): a part's spec
+Decided once, at allocation, and stored with the part (``attempt_parts.memory``): a part's spec
 never changes afterwards (services/cluster/specs.py). The peer is another node whose agent serves the tier,
 on another failure domain (the scheduler's topology label) when one exists, else any other such
 node: a copy on the same rack dies with the rack. Among the candidates the choice is spread by a
@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane.models import Attempt, AttemptNode, Job, Node
+from control_plane.models import Attempt, AttemptPart, Job, Node
 from trainyard.protocol.memtier import memory_grant
 
 MAX_SOURCES = 4
@@ -104,8 +104,8 @@ class Peers:
     def _previous_sources(self, job_id: uuid.UUID, number: int) -> dict[int, list[str]]:
         """Node rank -> where the attempt ``number`` kept that rank's shards (its node, its peer)."""
         rows = self.session.execute(
-            select(AttemptNode.node_rank, AttemptNode.node_id, AttemptNode.memory)
-            .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+            select(AttemptPart.node_rank, AttemptPart.node_id, AttemptPart.memory)
+            .join(Attempt, Attempt.id == AttemptPart.attempt_id)
             .where(Attempt.job_id == job_id, Attempt.number == number)
         ).all()
         out: dict[int, list[str]] = {}

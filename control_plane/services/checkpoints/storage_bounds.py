@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.errors import Conflict, Forbidden, Unprocessable
-from control_plane.models import Attempt, AttemptNode, Checkpoint, CheckpointShard, Job, StoragePutGrant
+from control_plane.models import Attempt, AttemptPart, Checkpoint, CheckpointShard, Job, StoragePutGrant
 from control_plane.settings import Settings
 
 MAX_STEP = 2**31 - 1
@@ -68,7 +68,7 @@ def check_put(session: Session, job: Job, attempt: Attempt, step: int, size_byte
         raise ShardTooLarge(f"a shard of {size_bytes} bytes is larger than this job's shards may be: at most {limit} "
                             f"bytes ({why})", field="size_bytes", limit_bytes=limit)
     known = max(
-        session.scalar(select(func.max(AttemptNode.progress_step)).where(AttemptNode.attempt_id == attempt.id)) or 0,
+        session.scalar(select(func.max(AttemptPart.progress_step)).where(AttemptPart.attempt_id == attempt.id)) or 0,
         attempt.restored_from_step or 0,
         session.scalar(select(func.max(Checkpoint.step)).where(
             Checkpoint.job_id == job.id, Checkpoint.state == "committed")) or 0,

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane.authz import NODE_TOKEN_PREFIX, hash_token
 from control_plane.clock import now
 from control_plane.errors import InvalidState, NotFound, StaleAgent, Unauthorized
-from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job, Node
+from control_plane.models import Attempt, AttemptPart, Gpu, GpuLease, Job, Node
 from control_plane.services import events
 from control_plane.services.access import join_tokens
 from control_plane.services.cluster import specs
@@ -217,11 +217,11 @@ def _confirm_stopped(session: Session, node: Node, alive: set[str], listed: set[
     order (jobs, then attempts, by id): every lock of one attempt before any of the next."""
     listed = listed or set()
     candidates = session.execute(
-        select(AttemptNode.id, AttemptNode.attempt_id, AttemptNode.desired, AttemptNode.state,
-               AttemptNode.reported_at)
-        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
-        .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
-        .order_by(Attempt.job_id, AttemptNode.attempt_id)  # the lock order: jobs, then attempts, by id
+        select(AttemptPart.id, AttemptPart.attempt_id, AttemptPart.desired, AttemptPart.state,
+               AttemptPart.reported_at)
+        .join(Attempt, Attempt.id == AttemptPart.attempt_id)
+        .where(AttemptPart.node_id == node.id, AttemptPart.released_at.is_(None))
+        .order_by(Attempt.job_id, AttemptPart.attempt_id)  # the lock order: jobs, then attempts, by id
     ).all()
     for _, group in groupby(candidates, key=lambda c: c.attempt_id):
         ids = [part_id for c in group if (part_id := _to_release(session, node, c, alive, listed)) is not None]
@@ -361,8 +361,8 @@ def mark_lost_nodes(session: Session, *, timeout_s: float, not_before: datetime,
                        kind="node.lost")
         work += [(job_id, attempt_id, node) for attempt_id, job_id in session.execute(
             select(Attempt.id, Attempt.job_id)
-            .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
-            .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None),
+            .join(AttemptPart, AttemptPart.attempt_id == Attempt.id)
+            .where(AttemptPart.node_id == node.id, AttemptPart.released_at.is_(None),
                    Attempt.state.in_(ATTEMPT_HOLDING))
         ).all()]
     # Jobs, then attempts, in id order across every lost node (services/locks.py).
@@ -393,10 +393,10 @@ def remove_node(session: Session, node_id: uuid.UUID) -> Node:
     if node is None or node.state == "removed":
         raise NotFound(f"node {node_id} does not exist")
     parts = session.execute(
-        select(AttemptNode, Attempt, Job)
-        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+        select(AttemptPart, Attempt, Job)
+        .join(Attempt, Attempt.id == AttemptPart.attempt_id)
         .join(Job, Job.id == Attempt.job_id)
-        .where(AttemptNode.node_id == node.id, AttemptNode.released_at.is_(None))
+        .where(AttemptPart.node_id == node.id, AttemptPart.released_at.is_(None))
         .order_by(Job.id, Attempt.id)  # the lock order: jobs, then attempts, by id
     ).all()
     if node.state != "lost":

@@ -3,7 +3,7 @@
 
 A part's spec never changes once its attempt is allocated (the job, the attempt and the part it
 is built from are fixed by then; ``launched`` is not part of its version), so its version is
-computed once, at allocation, and stored with the part (``attempt_nodes.spec_version``). A
+computed once, at allocation, and stored with the part (``attempt_parts.spec_version``). A
 heartbeat or a wait whose agent holds every spec at its version then reads one narrow row per
 assigned attempt and builds no spec at all: at 1,000 nodes that was most of an idle heartbeat's
 work, and the comparison that starts every long poll.
@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane.models import Attempt, AttemptNode, Job
+from control_plane.models import Attempt, AttemptPart, Job
 from control_plane.services.runs import parking
 from control_plane.services.states import ATTEMPT_LIVE
 from trainyard.protocol.agent import AssignmentRef, CodeRef, KnownAssignment, LaunchSpec
@@ -34,7 +34,7 @@ in the RegisterResponse."""
 
 
 def launch_spec(job: Job, attempt: Any, part: Any, storage: dict[str, object] | None) -> LaunchSpec:
-    """The spec of ``part`` (an AttemptNode, or a row about to be inserted with the same fields) of
+    """The spec of ``part`` (an AttemptPart, or a row about to be inserted with the same fields) of
     ``attempt`` (likewise), versioned."""
     spec = LaunchSpec(
         job_id=str(job.id),
@@ -106,9 +106,9 @@ def desired_versions(session: Session, node_id: uuid.UUID) -> dict[str, str | No
     """The attempts this node must run now (its desired state), each with its stored spec version
     (None for a part allocated before versions were stored). One narrow query."""
     rows = session.execute(
-        select(AttemptNode.attempt_id, AttemptNode.spec_version)
-        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
-        .where(AttemptNode.node_id == node_id, AttemptNode.desired == "run", Attempt.state.in_(ATTEMPT_LIVE))
+        select(AttemptPart.attempt_id, AttemptPart.spec_version)
+        .join(Attempt, Attempt.id == AttemptPart.attempt_id)
+        .where(AttemptPart.node_id == node_id, AttemptPart.desired == "run", Attempt.state.in_(ATTEMPT_LIVE))
     ).all()
     return {str(r.attempt_id): r.spec_version for r in rows}
 
@@ -117,10 +117,10 @@ def specs(session: Session, node_id: uuid.UUID, storage: dict[str, object] | Non
           attempt_ids: Iterable[str] | None = None) -> list[LaunchSpec]:
     """The node's desired specs in full (only those of ``attempt_ids``, when given)."""
     stmt = (
-        select(Attempt, AttemptNode, Job)
-        .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
+        select(Attempt, AttemptPart, Job)
+        .join(AttemptPart, AttemptPart.attempt_id == Attempt.id)
         .join(Job, Job.id == Attempt.job_id)
-        .where(AttemptNode.node_id == node_id, AttemptNode.desired == "run", Attempt.state.in_(ATTEMPT_LIVE))
+        .where(AttemptPart.node_id == node_id, AttemptPart.desired == "run", Attempt.state.in_(ATTEMPT_LIVE))
     )
     if attempt_ids is not None:
         ids = [uuid.UUID(a) for a in attempt_ids]

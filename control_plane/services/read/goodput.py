@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.goodput.accounting import AttemptFacts, Breakdown, JobFacts, account
-from control_plane.models import Attempt, AttemptNode, Checkpoint, GpuLease, Job, Worker
+from control_plane.models import Attempt, AttemptPart, Checkpoint, GpuLease, Job, Worker
 from control_plane.schemas.goodput import ClusterGoodputOut, GoodputOut
 from control_plane.schemas.scheduling import SchedulingOut
 from control_plane.services.cluster import reservations
@@ -25,12 +25,12 @@ def _facts(session: Session, jobs: list[Job]) -> dict[uuid.UUID, JobFacts]:
     t = now()
     ids = [j.id for j in jobs]
     # Progress lives on the parts (services/runs/progress.py): an attempt's is its parts' furthest.
-    parts = (select(AttemptNode.attempt_id, func.min(AttemptNode.first_progress_at).label("first_progress_at"),
-                    func.max(AttemptNode.step_advanced_at).label("step_advanced_at"),
-                    func.max(AttemptNode.progress_at).label("progress_at"),
-                    func.max(AttemptNode.progress_step).label("progress_step"))
-             .join(Attempt, Attempt.id == AttemptNode.attempt_id)
-             .where(Attempt.job_id.in_(ids)).group_by(AttemptNode.attempt_id).subquery())
+    parts = (select(AttemptPart.attempt_id, func.min(AttemptPart.first_progress_at).label("first_progress_at"),
+                    func.max(AttemptPart.step_advanced_at).label("step_advanced_at"),
+                    func.max(AttemptPart.progress_at).label("progress_at"),
+                    func.max(AttemptPart.progress_step).label("progress_step"))
+             .join(Attempt, Attempt.id == AttemptPart.attempt_id)
+             .where(Attempt.job_id.in_(ids)).group_by(AttemptPart.attempt_id).subquery())
     attempts = session.execute(
         select(Attempt.id, Attempt.job_id, Attempt.number, Attempt.num_gpus, Attempt.created_at,
                Attempt.restored_from_step, parts.c.first_progress_at, parts.c.step_advanced_at,

@@ -25,7 +25,7 @@ from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.clock import now
-from control_plane.models import Attempt, AttemptNode, Checkpoint, GpuLease, Job, Node
+from control_plane.models import Attempt, AttemptPart, Checkpoint, GpuLease, Job, Node
 from control_plane.services import states
 from control_plane.services.states import JOB_TERMINAL, JOB_WAITING
 from trainyard.protocol.agent import ShardReport
@@ -142,8 +142,8 @@ class DatabaseCollector(Collector):
             select(cause, func.count()).where(Attempt.outcome == "failed").group_by(cause)))
         stragglers = GaugeMetricFamily("trainyard_stragglers", "Ranks of running attempts named stragglers.")
         stragglers.add_metric([], session.scalar(
-            select(func.count()).select_from(AttemptNode).join(Attempt, Attempt.id == AttemptNode.attempt_id)
-            .where(AttemptNode.straggler_named_at.is_not(None), Attempt.outcome.is_(None))) or 0)
+            select(func.count()).select_from(AttemptPart).join(Attempt, Attempt.id == AttemptPart.attempt_id)
+            .where(AttemptPart.straggler_named_at.is_not(None), Attempt.outcome.is_(None))) or 0)
         goodput = self._goodput(session)
         seconds = GaugeMetricFamily("trainyard_goodput_gpu_seconds",
                                     "The cluster's allocated GPU-time by what it bought (docs/goodput.md).",

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, selectinload
 from control_plane.clock import now
 from control_plane.models import (
     Attempt,
-    AttemptNode,
+    AttemptPart,
     Checkpoint,
     CheckpointShard,
     Event,
@@ -30,9 +30,9 @@ from control_plane.models import (
 from control_plane.schemas.goodput import StragglerOut
 from control_plane.schemas.jobs import (
     AllocationEntry,
-    AttemptNodeOut,
     AttemptOut,
     AttemptPage,
+    AttemptPartOut,
     AttemptRef,
     CheckpointOut,
     CheckpointPage,
@@ -80,7 +80,7 @@ def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
         for a in session.scalars(
             select(Attempt)
             .where(Attempt.id.in_(attempt_ids))
-            .options(selectinload(Attempt.nodes).selectinload(AttemptNode.node))
+            .options(selectinload(Attempt.nodes).selectinload(AttemptPart.node))
         )
     } if attempt_ids else {}
     held = reservations.active_for_jobs(session, [j.id for j in jobs if j.state in JOB_WAITING])
@@ -346,8 +346,8 @@ def attempts_page(session: Session, job_id: uuid.UUID, *, limit: int, cursor: st
         select(Attempt).where(Attempt.job_id == job_id, Attempt.number >= max(after, 1))
         .order_by(Attempt.number).limit(limit + 2)
         .options(
-            selectinload(Attempt.nodes).selectinload(AttemptNode.node),
-            selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
+            selectinload(Attempt.nodes).selectinload(AttemptPart.node),
+            selectinload(Attempt.nodes).selectinload(AttemptPart.workers),
         )
     ))
     before = rows[0] if rows and rows[0].number == after else None
@@ -365,8 +365,8 @@ def attempts_out(session: Session, job_id: uuid.UUID,
         .where(Attempt.job_id == job_id)
         .order_by(Attempt.number)
         .options(
-            selectinload(Attempt.nodes).selectinload(AttemptNode.node),
-            selectinload(Attempt.nodes).selectinload(AttemptNode.workers),
+            selectinload(Attempt.nodes).selectinload(AttemptPart.node),
+            selectinload(Attempt.nodes).selectinload(AttemptPart.workers),
         )
     ))
     return _attempts_out(session, attempts, None, budgets)
@@ -409,7 +409,7 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
             failed_at=a.failed_at,
             ended_at=a.ended_at,
             nodes=[
-                AttemptNodeOut(
+                AttemptPartOut(
                     node_id=str(p.node_id),
                     node_name=p.node.name,
                     node_rank=p.node_rank,
@@ -428,7 +428,7 @@ def _attempts_out(session: Session, attempts: list[Attempt], before: Attempt | N
     ]
 
 
-def _worker_out(part: AttemptNode, w: Worker) -> WorkerOut:
+def _worker_out(part: AttemptPart, w: Worker) -> WorkerOut:
     """A worker as the attempt view shows it. A released part has no process left (its node said
     so), so a worker without a recorded exit shows as exited, exit code unknown, with the reason."""
     state, reason = w.state, None
@@ -489,7 +489,7 @@ def recovery_of(session: Session, attempt: Attempt,
     both = {a.number: a for a in session.scalars(
         select(Attempt).where(Attempt.job_id == attempt.job_id, Attempt.number.in_([attempt.number - 1,
                                                                                     attempt.number]))
-        .options(selectinload(Attempt.nodes).selectinload(AttemptNode.workers))
+        .options(selectinload(Attempt.nodes).selectinload(AttemptPart.workers))
         .execution_options(populate_existing=True))}
     prev, attempt = both.get(attempt.number - 1), both.get(attempt.number, attempt)
     done = {a.id: progress.of_parts(a.nodes) for a in (prev, attempt) if a is not None}

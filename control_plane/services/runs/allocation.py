@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from control_plane import wakeups
 from control_plane.clock import now
-from control_plane.models import Attempt, AttemptNode, Gpu, GpuLease, Job
+from control_plane.models import Attempt, AttemptPart, Gpu, GpuLease, Job
 from control_plane.services import events
 from control_plane.services.checkpoints import memtier
 from control_plane.services.checkpoints.checkpoints import restore_plan
@@ -117,7 +117,7 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
                 for index in indices
             ]
     session.execute(insert(Attempt), attempt_rows)
-    session.execute(insert(AttemptNode), part_rows)
+    session.execute(insert(AttemptPart), part_rows)
     wakeups.notify_nodes(session, {row["node_id"] for row in part_rows})  # wake their long polls
     session.execute(insert(GpuLease), lease_rows)
     batch = events.Batch()

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from control_plane import wakeups
 from control_plane.clock import now
 from control_plane.db import reload
-from control_plane.models import Attempt, AttemptNode, GpuLease, Job, Node, Worker
+from control_plane.models import Attempt, AttemptPart, GpuLease, Job, Node, Worker
 from control_plane.services import events
 from control_plane.services.locks import attempt_order, lock_attempts, lock_parts
 from control_plane.services.runs.fencing import lock_attempt
@@ -44,8 +44,8 @@ def end_attempt(session: Session, attempt: Attempt, *, outcome: str, reason: str
     if outcome != "succeeded":
         attempt.failed_at = now()
     stopped = session.scalars(
-        update(AttemptNode).where(AttemptNode.attempt_id == attempt.id).values(desired="stop")
-        .returning(AttemptNode.node_id)
+        update(AttemptPart).where(AttemptPart.attempt_id == attempt.id).values(desired="stop")
+        .returning(AttemptPart.node_id)
     ).all()
     wakeups.notify_nodes(session, stopped)  # their agents learn of the stop now, not at a heartbeat
     set_attempt_state(session, attempt, "stopping", reason, kind=f"attempt.{outcome}")
@@ -133,11 +133,11 @@ def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> 
     heartbeat does not list it (or the node is removed)."""
     cutoff = now() - timedelta(seconds=timeout_s)
     rows = session.execute(
-        select(AttemptNode.attempt_id, AttemptNode.id)
-        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
-        .where(AttemptNode.state.in_(PART_UNLAUNCHED), AttemptNode.released_at.is_(None),
+        select(AttemptPart.attempt_id, AttemptPart.id)
+        .join(Attempt, Attempt.id == AttemptPart.attempt_id)
+        .where(AttemptPart.state.in_(PART_UNLAUNCHED), AttemptPart.released_at.is_(None),
                Attempt.outcome.is_(None), Attempt.created_at < cutoff)
-        .order_by(AttemptNode.attempt_id, AttemptNode.node_rank)
+        .order_by(AttemptPart.attempt_id, AttemptPart.node_rank)
         .limit(batch)
     ).all()
     failed: list[uuid.UUID] = []
@@ -148,7 +148,7 @@ def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> 
         if locked is None:
             continue
         job, attempt = locked
-        part = reload(session, select(AttemptNode).where(AttemptNode.id == part_id).with_for_update()).one()
+        part = reload(session, select(AttemptPart).where(AttemptPart.id == part_id).with_for_update()).one()
         if attempt.outcome is not None or part.state not in PART_UNLAUNCHED:
             continue
         name = session.scalar(select(Node.name).where(Node.id == part.node_id))
@@ -178,8 +178,8 @@ def release_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> set[uuid.U
     ids = sorted(set(part_ids))
     if not ids:
         return set()
-    held = session.scalars(select(AttemptNode.attempt_id).where(
-        AttemptNode.id.in_(ids), AttemptNode.released_at.is_(None))).all()
+    held = session.scalars(select(AttemptPart.attempt_id).where(
+        AttemptPart.id.in_(ids), AttemptPart.released_at.is_(None))).all()
     if not held:
         return set()
     locked = lock_attempts(session, held)
@@ -228,8 +228,8 @@ def end_if_released(session: Session, attempt: Attempt) -> bool:
     if attempt.outcome is None or attempt.state == "ended":
         return False
     session.flush()
-    if session.scalar(select(func.count()).select_from(AttemptNode).where(
-            AttemptNode.attempt_id == attempt.id, AttemptNode.released_at.is_(None))):
+    if session.scalar(select(func.count()).select_from(AttemptPart).where(
+            AttemptPart.attempt_id == attempt.id, AttemptPart.released_at.is_(None))):
         return False
     set_attempt_state(session, attempt, "ended", f"attempt {attempt.number}: every node released its GPUs")
     # The whole gang is free: the caller may schedule at once (agent_protocol.heartbeat_and_schedule).
@@ -270,8 +270,8 @@ def finish_released(session: Session, attempt_ids: Iterable[uuid.UUID]) -> int:
         ).one_or_none()
         if row is None or row.outcome is None or (row.state == "ended" and row.job_state != "cancelling"):
             continue
-        if row.job_state != "cancelling" and session.scalar(select(func.count()).select_from(AttemptNode).where(
-                AttemptNode.attempt_id == attempt_id, AttemptNode.released_at.is_(None))):
+        if row.job_state != "cancelling" and session.scalar(select(func.count()).select_from(AttemptPart).where(
+                AttemptPart.attempt_id == attempt_id, AttemptPart.released_at.is_(None))):
             continue
         locked = lock_attempt(session, attempt_id)
         if locked is not None:
@@ -285,7 +285,7 @@ def finish_stopped(session: Session, *, batch: int = 200) -> int:
     before finish_released), or, as a safety net, a decided attempt that holds no part (every
     release and every decision ends such an attempt in its own transaction). Returns how many
     attempts ended."""
-    holding = select(AttemptNode.id).where(AttemptNode.attempt_id == Attempt.id, AttemptNode.released_at.is_(None))
+    holding = select(AttemptPart.id).where(AttemptPart.attempt_id == Attempt.id, AttemptPart.released_at.is_(None))
     ids = session.scalars(
         select(Attempt.id).join(Job, Job.id == Attempt.job_id)
         .where(or_(and_(Attempt.state == "stopping", ~holding.exists()),
@@ -310,12 +310,12 @@ def finish_if_released(session: Session, job: Job, attempt: Attempt) -> None:
         return
     session.flush()
     # A count, not the parts: most calls find the gang still held.
-    holding = session.scalar(select(func.count()).select_from(AttemptNode).where(
-        AttemptNode.attempt_id == attempt.id, AttemptNode.released_at.is_(None)))
+    holding = session.scalar(select(func.count()).select_from(AttemptPart).where(
+        AttemptPart.attempt_id == attempt.id, AttemptPart.released_at.is_(None)))
     if holding and job.state != "cancelling":
         return
-    held = reload(session, select(AttemptNode).where(
-        AttemptNode.attempt_id == attempt.id, AttemptNode.released_at.is_(None))).all() if holding else []
+    held = reload(session, select(AttemptPart).where(
+        AttemptPart.attempt_id == attempt.id, AttemptPart.released_at.is_(None))).all() if holding else []
     if not held and attempt.state != "ended":
         set_attempt_state(session, attempt, "ended", f"attempt {attempt.number}: every node released its GPUs")
         # The whole gang is free: the caller may schedule at once (agent_protocol.heartbeat_and_schedule).

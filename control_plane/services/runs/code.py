@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from control_plane import authz
 from control_plane.authz import Principal
 from control_plane.errors import Forbidden, NotFound, StaleAttempt, TrainyardError, Unprocessable
-from control_plane.models import Attempt, AttemptNode, Job, Node
+from control_plane.models import Attempt, AttemptPart, Job, Node
 from control_plane.services.states import ATTEMPT_LIVE
 
 
@@ -76,8 +76,8 @@ def fetch_for_node(session: Session, node: Node, attempt_id: uuid.UUID, store: A
     at a time as S3 sends them, never the whole archive in memory; its sha256)."""
     row = session.execute(
         select(Job.tenant, Job.code).join(Attempt, Attempt.job_id == Job.id)
-        .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
-        .where(Attempt.id == attempt_id, AttemptNode.node_id == node.id, Attempt.state.in_(ATTEMPT_LIVE))
+        .join(AttemptPart, AttemptPart.attempt_id == Attempt.id)
+        .where(Attempt.id == attempt_id, AttemptPart.node_id == node.id, Attempt.state.in_(ATTEMPT_LIVE))
     ).one_or_none()
     session.rollback()  # no transaction held across the download below
     if row is None:

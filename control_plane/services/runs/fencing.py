@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.authz import same_secret
 from control_plane.errors import Forbidden, StaleAttempt
-from control_plane.models import Attempt, AttemptNode, Job, Node, Worker
+from control_plane.models import Attempt, AttemptPart, Job, Node, Worker
 from control_plane.services.locks import lock_job_attempt, share_job_attempt
 
 
@@ -28,7 +28,7 @@ def lock_attempt(session: Session, attempt_id: uuid.UUID) -> tuple[Job, Attempt]
 def authorize_report(
     session: Session, node: Node, attempt_id: uuid.UUID, fencing_token: str, node_rank: int,
     *, exclusive: bool = True,
-) -> tuple[Job, Attempt, AttemptNode]:
+) -> tuple[Job, Attempt, AttemptPart]:
     """Fencing: refuse anything not from the job's current attempt with the right token.
 
     ``exclusive`` locks the job and the attempt for a change of either (lock_attempt). A report
@@ -47,14 +47,14 @@ def authorize_report(
             attempt_id=str(attempt_id),
         )
     part = session.scalar(
-        select(AttemptNode).where(AttemptNode.attempt_id == attempt.id, AttemptNode.node_rank == node_rank)
+        select(AttemptPart).where(AttemptPart.attempt_id == attempt.id, AttemptPart.node_rank == node_rank)
     )
     if part is None or part.node_id != node.id:
         raise Forbidden(f"node {node.name} does not hold node rank {node_rank} of attempt {attempt_id}")
     return job, attempt, part
 
 
-def check_own_ranks(session: Session, part: AttemptNode, ranks: set[int]) -> None:
+def check_own_ranks(session: Session, part: AttemptPart, ranks: set[int]) -> None:
     """A node speaks only for its own ranks: none of ``ranks`` may be a worker of another node's
     part of the attempt, and once this part has reported workers, each must be in their block (one
     torchrun runs ``per node`` consecutive global ranks). torchrun's c10d rendezvous decides which
@@ -68,9 +68,9 @@ def check_own_ranks(session: Session, part: AttemptNode, ranks: set[int]) -> Non
         return
     per_node = max(1, len(part.gpu_indices))
     owners = dict(session.execute(
-        select(Worker.rank, Worker.attempt_node_id).where(
+        select(Worker.rank, Worker.attempt_part_id).where(
             Worker.attempt_id == part.attempt_id,
-            or_(Worker.rank.in_(sorted(ranks)), Worker.attempt_node_id == part.id))).all())
+            or_(Worker.rank.in_(sorted(ranks)), Worker.attempt_part_id == part.id))).all())
     theirs = sorted(r for r in ranks if r in owners and owners[r] != part.id)
     if theirs:
         raise Forbidden(f"ranks {theirs} are workers of another node of the attempt; node rank {part.node_rank} "

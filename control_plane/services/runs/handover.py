@@ -22,7 +22,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from control_plane.clock import now
-from control_plane.models import Attempt, AttemptNode, GpuLease, Job
+from control_plane.models import Attempt, AttemptPart, GpuLease, Job
 from control_plane.services import events
 from control_plane.services.locks import lock_attempts, lock_parts
 from control_plane.services.runs import parking
@@ -47,10 +47,10 @@ def parked_parts(session: Session, job_ids: Iterable[uuid.UUID]) -> dict[uuid.UU
         return {}
     out: dict[uuid.UUID, dict[str, ParkedPart]] = {}
     for job_id, part_id, attempt_id, node_id, indices in session.execute(
-        select(Job.id, AttemptNode.id, AttemptNode.attempt_id, AttemptNode.node_id, AttemptNode.gpu_indices)
+        select(Job.id, AttemptPart.id, AttemptPart.attempt_id, AttemptPart.node_id, AttemptPart.gpu_indices)
         .join(Attempt, Attempt.id == Job.current_attempt_id)
-        .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
-        .where(Job.id.in_(ids), AttemptNode.state.in_(PART_PARKED), AttemptNode.released_at.is_(None),
+        .join(AttemptPart, AttemptPart.attempt_id == Attempt.id)
+        .where(Job.id.in_(ids), AttemptPart.state.in_(PART_PARKED), AttemptPart.released_at.is_(None),
                *parking.clauses())
     ):
         out.setdefault(job_id, {})[str(node_id)] = ParkedPart(part_id, attempt_id, node_id, tuple(sorted(indices)))
@@ -70,7 +70,7 @@ def take_over(session: Session, job: Job, adopted: Mapping[str, ParkedPart],
     # Their attempts before the parts (the lock order), so that the hand-over of an old attempt's
     # last part ends it in this transaction (attempts.end_if_released), as any release does.
     old_attempts = lock_attempts(session, session.scalars(
-        select(AttemptNode.attempt_id).where(AttemptNode.id.in_(part_ids))).all())
+        select(AttemptPart.attempt_id).where(AttemptPart.id.in_(part_ids))).all())
     parts = {p.id: p for p in lock_parts(session, part_ids)}
     for node, parked in adopted.items():
         part = parts.get(parked.part_id)

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.goodput.rules import changed_enough, choose_interval, job_mtbf_s, node_failure_rate_per_h
-from control_plane.models import Attempt, AttemptNode, Checkpoint, Job
+from control_plane.models import Attempt, AttemptPart, Checkpoint, Job
 from control_plane.services import events
 from control_plane.services.locks import lock_job
 from control_plane.settings import Settings
@@ -63,12 +63,12 @@ def failure_history(session: Session) -> tuple[int, float]:
     since = t - timedelta(days=HISTORY_DAYS)
     failures = session.scalar(select(func.count()).select_from(Attempt).where(
         Attempt.outcome == "failed", Attempt.failed_node_id.is_not(None), Attempt.failed_at >= since)) or 0
-    end = func.coalesce(AttemptNode.released_at, t)
+    end = func.coalesce(AttemptPart.released_at, t)
     start = func.greatest(Attempt.created_at, since)
     hours = session.scalar(
         select(func.coalesce(func.sum(func.greatest(func.extract("epoch", end - start), 0)), 0) / 3600.0)
-        .select_from(AttemptNode).join(Attempt, Attempt.id == AttemptNode.attempt_id)
-        .where(func.coalesce(AttemptNode.released_at, t) >= since)
+        .select_from(AttemptPart).join(Attempt, Attempt.id == AttemptPart.attempt_id)
+        .where(func.coalesce(AttemptPart.released_at, t) >= since)
     ) or 0.0
     return int(failures), float(hours)
 
@@ -88,12 +88,12 @@ def _costs(session: Session, job_id: uuid.UUID) -> tuple[float | None, float | N
 def update(session: Session, settings: Settings) -> list[uuid.UUID]:
     """Recompute the interval of every running 'auto' job; returns the jobs whose interval changed."""
     # Each part measures its node's step time (services/runs/status_reports.py ``_advance``); the slowest sets the pace.
-    step_time = func.max(AttemptNode.step_time_s)
+    step_time = func.max(AttemptPart.step_time_s)
     rows = session.execute(
         select(Attempt.job_id, step_time, Job.num_nodes, Job.checkpoint_auto)
-        .join(AttemptNode, AttemptNode.attempt_id == Attempt.id)
+        .join(AttemptPart, AttemptPart.attempt_id == Attempt.id)
         .join(Job, Job.id == Attempt.job_id)
-        .where(Attempt.state == "running", Attempt.outcome.is_(None), AttemptNode.step_time_s.is_not(None),
+        .where(Attempt.state == "running", Attempt.outcome.is_(None), AttemptPart.step_time_s.is_not(None),
                Job.checkpoint["interval_steps"].astext == AUTO)
         .group_by(Attempt.id, Job.id)
     ).all()

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane.authz import same_secret
 from control_plane.db import rowcount, session_scope
 from control_plane.errors import Forbidden, StaleAttempt
-from control_plane.models import Attempt, AttemptNode, Job, LogChunk, Node
+from control_plane.models import Attempt, AttemptPart, Job, LogChunk, Node
 from control_plane.services.access.gates import PrincipalGate
 from control_plane.services.states import JOB_TERMINAL
 from trainyard.protocol.agent import LogBatch
@@ -30,7 +30,7 @@ def append(session: Session, node: Node, attempt_id: uuid.UUID, batch: LogBatch)
     if attempt is None or not same_secret(batch.fencing_token, attempt.fencing_token):
         raise StaleAttempt(f"attempt {attempt_id} is unknown or its fencing token does not match")
     part = session.scalar(
-        select(AttemptNode).where(AttemptNode.attempt_id == attempt.id, AttemptNode.node_rank == batch.node_rank)
+        select(AttemptPart).where(AttemptPart.attempt_id == attempt.id, AttemptPart.node_rank == batch.node_rank)
     )
     if part is None or part.node_id != node.id:
         raise Forbidden(f"node {node.name} does not hold node rank {batch.node_rank} of attempt {attempt_id}")

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane.models import Attempt, AttemptNode, Job
+from control_plane.models import Attempt, AttemptPart, Job
 
 HANDOVER_KINDS = ("out_of_memory", "exception", "signal", "exit_code", "node_lost", "launch_error")
 """Failure kinds (trainyard.protocol.exits) that name a process or node that ended: the other nodes'
@@ -28,7 +28,7 @@ somewhere, perhaps in the processes that are still alive), nor what the control 
 without an exit (``time_limit``, ``other``: the hang watchdog), nor ``start_error``."""
 
 
-def refusal(job: Job, attempt: Attempt, part: AttemptNode) -> str | None:
+def refusal(job: Job, attempt: Attempt, part: AttemptPart) -> str | None:
     """Why ``part`` (of ``attempt`` of ``job``) may not be parked, or None when it may."""
     if not job.restartable:
         return f"job {job.id} is not restartable"
@@ -46,11 +46,11 @@ def refusal(job: Job, attempt: Attempt, part: AttemptNode) -> str | None:
 
 
 def clauses() -> list[Any]:
-    """``refusal`` as SQL conditions over Job, Attempt and AttemptNode (joined by the caller)."""
-    return [Job.restartable.is_(True), AttemptNode.desired == "stop", Attempt.outcome == "failed",
+    """``refusal`` as SQL conditions over Job, Attempt and AttemptPart (joined by the caller)."""
+    return [Job.restartable.is_(True), AttemptPart.desired == "stop", Attempt.outcome == "failed",
             Job.state == "recovering", Job.current_attempt_id == Attempt.id, Attempt.hung_since.is_(None),
             Attempt.failure_kind.in_(HANDOVER_KINDS), Attempt.failed_node_id.is_not(None),
-            AttemptNode.node_id != Attempt.failed_node_id]
+            AttemptPart.node_id != Attempt.failed_node_id]
 
 
 def handover_ok(session: Session, node_id: uuid.UUID, attempt_ids: Iterable[str | uuid.UUID]) -> set[str]:
@@ -59,11 +59,11 @@ def handover_ok(session: Session, node_id: uuid.UUID, attempt_ids: Iterable[str 
     if not ids:
         return set()
     return {str(a) for a in session.scalars(
-        select(AttemptNode.attempt_id)
-        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+        select(AttemptPart.attempt_id)
+        .join(Attempt, Attempt.id == AttemptPart.attempt_id)
         .join(Job, Job.id == Attempt.job_id)
-        .where(AttemptNode.node_id == node_id, AttemptNode.attempt_id.in_(ids),
-               AttemptNode.released_at.is_(None), *clauses()))}
+        .where(AttemptPart.node_id == node_id, AttemptPart.attempt_id.in_(ids),
+               AttemptPart.released_at.is_(None), *clauses()))}
 
 
 def _uuid(value: str | uuid.UUID) -> uuid.UUID | None:

@@ -23,7 +23,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.dialects.postgresql import distinct_on
 from sqlalchemy.orm import Session
 
-from control_plane.models import Attempt, AttemptNode, ProgressSample
+from control_plane.models import Attempt, AttemptPart, ProgressSample
 from control_plane.services import pages
 from trainyard.protocol.agent import Progress as Report
 
@@ -67,7 +67,7 @@ class Progress:
 NONE = Progress()
 
 
-def merge(session: Session, job_id: uuid.UUID, attempt_number: int, part: AttemptNode, report: Report,
+def merge(session: Session, job_id: uuid.UUID, attempt_number: int, part: AttemptPart, report: Report,
           t: datetime) -> None:
     """Apply a report of a part's progress (the caller checked it does not go back): the part's
     row and, at most every SAMPLE_S, a history sample (an insert)."""
@@ -103,7 +103,7 @@ def stored_metrics(metrics: Mapping[str, float]) -> dict[str, float] | None:
     return {name: float(value) for name, value in sorted(metrics.items()) if math.isfinite(value)} or None
 
 
-def of_parts(parts: Iterable[AttemptNode]) -> Progress:
+def of_parts(parts: Iterable[AttemptPart]) -> Progress:
     """An attempt's progress from its (loaded) parts."""
     reported = [p for p in parts if p.progress_step is not None]
     if not reported:
@@ -118,14 +118,14 @@ def of_parts(parts: Iterable[AttemptNode]) -> Progress:
 def first_at(session: Session, attempt_id: uuid.UUID) -> datetime | None:
     """When the attempt's first step arrived."""
     value: datetime | None = session.scalar(
-        select(func.min(AttemptNode.first_progress_at)).where(AttemptNode.attempt_id == attempt_id))
+        select(func.min(AttemptPart.first_progress_at)).where(AttemptPart.attempt_id == attempt_id))
     return value
 
 
 def step_of(session: Session, attempt_id: uuid.UUID) -> int | None:
     """The furthest step the attempt reported."""
     value: int | None = session.scalar(
-        select(func.max(AttemptNode.progress_step)).where(AttemptNode.attempt_id == attempt_id))
+        select(func.max(AttemptPart.progress_step)).where(AttemptPart.attempt_id == attempt_id))
     return value
 
 
@@ -135,12 +135,12 @@ def of_jobs(session: Session, job_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, P
     if not ids:
         return {}
     rows = session.execute(
-        select(Attempt.job_id, AttemptNode.progress_step, AttemptNode.progress_loss, AttemptNode.progress_at,
-               AttemptNode.progress_metrics, AttemptNode.progress_total, AttemptNode.progress_rate)
-        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
-        .where(Attempt.job_id.in_(ids), AttemptNode.progress_step.is_not(None))
-        .order_by(Attempt.job_id, Attempt.number.desc(), AttemptNode.progress_step.desc(),
-                  AttemptNode.progress_at.desc().nulls_last())
+        select(Attempt.job_id, AttemptPart.progress_step, AttemptPart.progress_loss, AttemptPart.progress_at,
+               AttemptPart.progress_metrics, AttemptPart.progress_total, AttemptPart.progress_rate)
+        .join(Attempt, Attempt.id == AttemptPart.attempt_id)
+        .where(Attempt.job_id.in_(ids), AttemptPart.progress_step.is_not(None))
+        .order_by(Attempt.job_id, Attempt.number.desc(), AttemptPart.progress_step.desc(),
+                  AttemptPart.progress_at.desc().nulls_last())
         .ext(distinct_on(Attempt.job_id))
     ).all()
     return {r.job_id: Progress(step=r.progress_step, loss=r.progress_loss, at=r.progress_at, metrics=r.progress_metrics,

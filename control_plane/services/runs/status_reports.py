@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from control_plane.clock import now
 from control_plane.errors import Forbidden, InvalidState
-from control_plane.models import Attempt, AttemptNode, Job, Node, Worker
+from control_plane.models import Attempt, AttemptPart, Job, Node, Worker
 from control_plane.services.locks import lock_part
 from control_plane.services.runs import parking, progress
 from control_plane.services.runs.attempts import end_attempt, fail_attempt, finish_if_released, release_parts
@@ -47,7 +47,7 @@ class StatusMerged:
     """What merging one status report did (phase 1), and whether phase 2 may have to decide."""
 
     attempt: Attempt
-    part: AttemptNode
+    part: AttemptPart
     job: Job
     """Held so that the session keeps it (its identity map holds objects weakly): the answer's
     checkpoint interval reads it without another transaction (intervals.current_steps)."""
@@ -125,14 +125,14 @@ def release_reported(session: Session, part_id: uuid.UUID) -> bool:
     given back, and the release of the gang's last part ends the attempt with it. Part of the
     caller's transaction; True once the part is released (by this call or before)."""
     release_parts(session, [part_id])
-    return session.scalar(select(AttemptNode.released_at).where(AttemptNode.id == part_id)) is not None
+    return session.scalar(select(AttemptPart.released_at).where(AttemptPart.id == part_id)) is not None
 
 
 PARKED = "parked"
 """session.info key: a report parked a part (the caller wakes the scheduler after its commit)."""
 
 
-def _check_parkable(job: Job, attempt: Attempt, part: AttemptNode) -> None:
+def _check_parkable(job: Job, attempt: Attempt, part: AttemptPart) -> None:
     """Only a part its agent was allowed to park (services/runs/parking.py) may be parked: any other is
     never held back from stopping (its GPUs would stay leased to workers nobody should hand
     anything to)."""
@@ -141,7 +141,7 @@ def _check_parkable(job: Job, attempt: Attempt, part: AttemptNode) -> None:
         raise InvalidState(f"node rank {part.node_rank} cannot be parked: {why}")
 
 
-def _mark_timings(part: AttemptNode, attempt: Attempt, report: AttemptStatusReport, t: datetime) -> None:
+def _mark_timings(part: AttemptPart, attempt: Attempt, report: AttemptStatusReport, t: datetime) -> None:
     """The instants the agent reports as ages (its monotonic clock), on our clock: once each. Never
     before the attempt existed: a report's own latency is the only error, and it can only make an
     instant later."""
@@ -179,7 +179,7 @@ STEP_TIME_WEIGHT = 0.3
 """Weight of the newest advance in the smoothed step time (an exponential moving average)."""
 
 
-def _advance(part: AttemptNode, step: int, t: datetime) -> None:
+def _advance(part: AttemptPart, step: int, t: datetime) -> None:
     """The part's step grew (or was first seen) at ``t``: the hang watchdog's clock and step time,
     kept on the part so that a report writes only its own node's row. The first advance after the
     first step is the first measurement (the first step includes the restore)."""
@@ -193,7 +193,7 @@ def _advance(part: AttemptNode, step: int, t: datetime) -> None:
     part.step_advanced_at = t
 
 
-def _own_ranks(session: Session, part: AttemptNode, report: AttemptStatusReport) -> bool:
+def _own_ranks(session: Session, part: AttemptPart, report: AttemptStatusReport) -> bool:
     """Whether the node's rank summary names only its own ranks; one that does not is left out (the
     rest of the report, its exits above all, still counts)."""
     assert report.ranks is not None
@@ -211,12 +211,12 @@ def _failure_undecided(session: Session, attempt_id: uuid.UUID) -> bool:
         Worker.attempt_id == attempt_id, Worker.exit_code.is_not(None), Worker.exit_code != 0).limit(1)) is not None
 
 
-def _holds_rank_zero(session: Session, part: AttemptNode) -> bool:
-    return session.scalar(select(Worker.attempt_node_id).where(Worker.attempt_id == part.attempt_id,
+def _holds_rank_zero(session: Session, part: AttemptPart) -> bool:
+    return session.scalar(select(Worker.attempt_part_id).where(Worker.attempt_id == part.attempt_id,
                                                                 Worker.rank == 0)) == part.id
 
 
-def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report: AttemptStatusReport) -> None:
+def _merge_workers(session: Session, attempt: Attempt, part: AttemptPart, report: AttemptStatusReport) -> None:
     """Merge the node's workers, which must be its own: one node's block of ranks, none of them
     another node's (fencing.check_own_ranks)."""
     if report.workers:
@@ -224,14 +224,14 @@ def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report
                            per_node=max(1, len(part.gpu_indices)))
         check_own_ranks(session, part, {w.rank for w in report.workers})
     existing = {
-        w.rank: w for w in session.scalars(select(Worker).where(Worker.attempt_node_id == part.id))
+        w.rank: w for w in session.scalars(select(Worker).where(Worker.attempt_part_id == part.id))
     }
     for ws in report.workers:
         w = existing.get(ws.rank)
         if w is None:
             w = Worker(
                 attempt_id=attempt.id,
-                attempt_node_id=part.id,
+                attempt_part_id=part.id,
                 rank=ws.rank,
                 local_rank=ws.local_rank,
                 state="starting",
@@ -253,7 +253,7 @@ def _merge_workers(session: Session, attempt: Attempt, part: AttemptNode, report
 _TORCHRUN_SIGNAL = re.compile(r"exitcode: -\d+")
 
 
-def _part_failure(part: AttemptNode) -> str:
+def _part_failure(part: AttemptPart) -> str:
     """The kind of a node part's failure when no worker's exit says it: never launched, or torchrun
     ended non-zero (a worker or its shim killed by a signal, by torchrun's own account, or not)."""
     if part.error_kind is not None:
@@ -297,9 +297,9 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
     # A part stopped at one of its resource limits is the cause, whatever its workers' exits say: the
     # kernel or its agent killed them for it (a memory hog's worker reads "killed by SIGKILL").
     limited = session.execute(
-        select(AttemptNode.node_rank, AttemptNode.error, AttemptNode.node_id)
-        .where(AttemptNode.attempt_id == attempt.id, AttemptNode.error_kind == "resource_limit")
-        .order_by(AttemptNode.node_rank).limit(1)).one_or_none()
+        select(AttemptPart.node_rank, AttemptPart.error, AttemptPart.node_id)
+        .where(AttemptPart.attempt_id == attempt.id, AttemptPart.error_kind == "resource_limit")
+        .order_by(AttemptPart.node_rank).limit(1)).one_or_none()
     if limited is not None:
         name = session.scalar(select(Node.name).where(Node.id == limited.node_id))
         return _Verdict((f"node rank {limited.node_rank} on {name}: {limited.error}", limited.node_id,
@@ -309,8 +309,8 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
     # A script that cannot start is the cause wherever it shows; then a rank's own failure before a
     # peer's collective error; then the first to die.
     first = session.execute(
-        select(Worker.rank, Worker.exit_code, Worker.exit_cause, Worker.exit_message, AttemptNode.node_id)
-        .join(AttemptNode, AttemptNode.id == Worker.attempt_node_id)
+        select(Worker.rank, Worker.exit_code, Worker.exit_cause, Worker.exit_message, AttemptPart.node_id)
+        .join(AttemptPart, AttemptPart.id == Worker.attempt_part_id)
         .where(*failed)
         .order_by(func.coalesce(Worker.exit_cause, "") != "start_error",
                   func.coalesce(Worker.exit_cause, "") == "collective_timeout",
@@ -325,12 +325,12 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
         return _Verdict((f"rank {first.rank} on {name} {plain}{said}", first.node_id,
                          first.exit_cause or "exit_code"), False, False, first.exit_message)
     bad = session.execute(
-        select(AttemptNode)
-        .where(AttemptNode.attempt_id == attempt.id,
-               or_(AttemptNode.error.is_not(None),
-                   and_(AttemptNode.state.in_(PART_DONE), AttemptNode.exit_code.is_not(None),
-                        AttemptNode.exit_code != 0)))
-        .order_by(AttemptNode.node_rank).limit(1)
+        select(AttemptPart)
+        .where(AttemptPart.attempt_id == attempt.id,
+               or_(AttemptPart.error.is_not(None),
+                   and_(AttemptPart.state.in_(PART_DONE), AttemptPart.exit_code.is_not(None),
+                        AttemptPart.exit_code != 0)))
+        .order_by(AttemptPart.node_rank).limit(1)
     ).scalar_one_or_none()
     if bad is not None:
         name = session.scalar(select(Node.name).where(Node.id == bad.node_id))
@@ -343,10 +343,10 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
             session, attempt)
     # A node part may already be "gone" (released) when the last node's exit report arrives.
     unfinished = session.scalar(
-        select(func.count()).select_from(AttemptNode)
-        .where(AttemptNode.attempt_id == attempt.id,
-               or_(AttemptNode.state.not_in(("exited", "gone")), AttemptNode.exit_code.is_(None),
-                   AttemptNode.exit_code != 0)))
+        select(func.count()).select_from(AttemptPart)
+        .where(AttemptPart.attempt_id == attempt.id,
+               or_(AttemptPart.state.not_in(("exited", "gone")), AttemptPart.exit_code.is_(None),
+                   AttemptPart.exit_code != 0)))
     if not all_running and unfinished:
         return None
     return _Verdict(None, all_running, not unfinished)
@@ -366,8 +366,8 @@ def _consequence_pending(session: Session, attempt: Attempt, failed: tuple[Any, 
     that moment, so that the rank that failed first is blamed, not its peers. A part still running
     resends its status every interval (apply_status asks settle again while a failure is undecided;
     a lost node is failed by the monitor), so the decision comes."""
-    still_running = session.scalar(select(func.count()).select_from(AttemptNode).where(
-        AttemptNode.attempt_id == attempt.id, AttemptNode.state.in_(PART_STARTED)))
+    still_running = session.scalar(select(func.count()).select_from(AttemptPart).where(
+        AttemptPart.attempt_id == attempt.id, AttemptPart.state.in_(PART_STARTED)))
     if not still_running:
         return False
     ended = session.execute(select(func.min(Worker.ended_at), func.max(Worker.ended_at)).where(*failed)).one()

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from control_plane.clock import now
 from control_plane.db import rowcount
 from control_plane.goodput.rules import RankTiming, Straggler, hang_timeout_s, stragglers
-from control_plane.models import Attempt, AttemptNode, Checkpoint, Job, LogChunk, Node
+from control_plane.models import Attempt, AttemptPart, Checkpoint, Job, LogChunk, Node
 from control_plane.services import events
 from control_plane.services.runs import attempts, progress
 from control_plane.services.runs.fencing import lock_attempt
@@ -48,9 +48,9 @@ def _rank_facts(session: Session, attempt_id: uuid.UUID) -> tuple[list[_Silent],
     """(ranks silent longer than RANK_SILENT_AFTER_S, every rank) of the attempt as its nodes last
     told (every status_interval_s; a node whose agent stopped reporting is the lost-node check's)."""
     rows = session.execute(
-        select(AttemptNode.ranks, AttemptNode.node_id, Node.name)
-        .join(Node, Node.id == AttemptNode.node_id)
-        .where(AttemptNode.attempt_id == attempt_id, AttemptNode.ranks.is_not(None))
+        select(AttemptPart.ranks, AttemptPart.node_id, Node.name)
+        .join(Node, Node.id == AttemptPart.node_id)
+        .where(AttemptPart.attempt_id == attempt_id, AttemptPart.ranks.is_not(None))
     ).all()
     every: list[_Silent] = []
     for summary, node_id, name in rows:
@@ -92,12 +92,12 @@ def fail_hung(session: Session, settings: Settings) -> list[uuid.UUID]:
              .group_by(Checkpoint.job_id).subquery())
     # Each node's reports advance its own part (status reports never write the attempt row): the
     # attempt advanced when any of its parts did, and the slowest part's step time sets the timeout.
-    parts = (select(AttemptNode.attempt_id, func.max(AttemptNode.step_advanced_at).label("advanced_at"),
-                    func.max(AttemptNode.step_time_s).label("step_time"),
-                    func.max(AttemptNode.progress_step).label("step"),
-                    func.max(AttemptNode.progress_total).label("total"))
-             .where(AttemptNode.step_advanced_at.is_not(None))
-             .group_by(AttemptNode.attempt_id).subquery())
+    parts = (select(AttemptPart.attempt_id, func.max(AttemptPart.step_advanced_at).label("advanced_at"),
+                    func.max(AttemptPart.step_time_s).label("step_time"),
+                    func.max(AttemptPart.progress_step).label("step"),
+                    func.max(AttemptPart.progress_total).label("total"))
+             .where(AttemptPart.step_advanced_at.is_not(None))
+             .group_by(AttemptPart.attempt_id).subquery())
     rows = session.execute(
         select(Attempt.id, parts.c.advanced_at, parts.c.step_time, Job.watchdog, stall.c.stall, parts.c.step,
                parts.c.total)
@@ -160,7 +160,7 @@ def fail_not_started(session: Session, settings: Settings) -> list[uuid.UUID]:
     started; returns them."""
     at = now()
     deadline = at - timedelta(seconds=settings.startup_timeout_s)
-    advanced = select(AttemptNode.attempt_id).where(AttemptNode.step_advanced_at.is_not(None))
+    advanced = select(AttemptPart.attempt_id).where(AttemptPart.step_advanced_at.is_not(None))
     candidates = session.scalars(
         select(Attempt.id).where(Attempt.state == "running", Attempt.outcome.is_(None),
                                  Attempt.started_at.is_not(None), Attempt.started_at < deadline,
@@ -211,7 +211,7 @@ def last_stderr(session: Session, attempt_id: uuid.UUID) -> str:
 def _advanced_at(session: Session, attempt_id: uuid.UUID) -> datetime | None:
     """When any part of the attempt last advanced its step."""
     value: datetime | None = session.scalar(
-        select(func.max(AttemptNode.step_advanced_at)).where(AttemptNode.attempt_id == attempt_id))
+        select(func.max(AttemptPart.step_advanced_at)).where(AttemptPart.attempt_id == attempt_id))
     return value
 
 
@@ -220,14 +220,14 @@ def track_stragglers(session: Session, settings: Settings) -> list[Straggler]:
     slow for ``straggler_persist_s`` (an event, once). Returns those named now."""
     at = now()
     rows = session.execute(
-        select(AttemptNode.id, AttemptNode.attempt_id, AttemptNode.node_id, AttemptNode.ranks,
-               AttemptNode.straggler_rank, AttemptNode.straggler_since, AttemptNode.straggler_named_at,
+        select(AttemptPart.id, AttemptPart.attempt_id, AttemptPart.node_id, AttemptPart.ranks,
+               AttemptPart.straggler_rank, AttemptPart.straggler_since, AttemptPart.straggler_named_at,
                Attempt.job_id, Job.watchdog, Node.name)
-        .join(Attempt, Attempt.id == AttemptNode.attempt_id)
+        .join(Attempt, Attempt.id == AttemptPart.attempt_id)
         .join(Job, Job.id == Attempt.job_id)
-        .join(Node, Node.id == AttemptNode.node_id)
-        .where(Attempt.state == "running", Attempt.outcome.is_(None), AttemptNode.ranks.is_not(None))
-        .order_by(AttemptNode.attempt_id, AttemptNode.id)
+        .join(Node, Node.id == AttemptPart.node_id)
+        .where(Attempt.state == "running", Attempt.outcome.is_(None), AttemptPart.ranks.is_not(None))
+        .order_by(AttemptPart.attempt_id, AttemptPart.id)
     ).all()
     by_attempt: dict[uuid.UUID, list[Any]] = {}
     for row in rows:
@@ -240,19 +240,19 @@ def track_stragglers(session: Session, settings: Settings) -> list[Straggler]:
             found = slow.get(str(part.id))
             if found is None:
                 if part.straggler_rank is not None:
-                    session.execute(update(AttemptNode).where(AttemptNode.id == part.id).values(
+                    session.execute(update(AttemptPart).where(AttemptPart.id == part.id).values(
                         straggler_rank=None, straggler_since=None, straggler_named_at=None))
                 continue
             if part.straggler_rank != found.rank:
-                session.execute(update(AttemptNode).where(AttemptNode.id == part.id).values(
+                session.execute(update(AttemptPart).where(AttemptPart.id == part.id).values(
                     straggler_rank=found.rank, straggler_since=at, straggler_named_at=None))
                 continue
             since = part.straggler_since or at
             if part.straggler_named_at is not None or at - since < timedelta(seconds=settings.straggler_persist_s):
                 continue
-            won = rowcount(session.execute(update(AttemptNode).where(
-                AttemptNode.id == part.id, AttemptNode.straggler_named_at.is_(None),
-                AttemptNode.straggler_rank == found.rank).values(straggler_named_at=at)))
+            won = rowcount(session.execute(update(AttemptPart).where(
+                AttemptPart.id == part.id, AttemptPart.straggler_named_at.is_(None),
+                AttemptPart.straggler_rank == found.rank).values(straggler_named_at=at)))
             if won:
                 events.record(
                     session, "attempt.straggler",
