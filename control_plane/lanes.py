@@ -17,10 +17,13 @@ risked being declared lost. This ASGI middleware sorts each request by method an
   bookkeeping into 503s (a slot release lost, its lease left to expire, in a CI run). Waiting
   costs an asyncio future, no thread and no connection. Past ``bookkeeping_queue_max`` waiting,
   or after ``bookkeeping_wait_s`` in the queue, the answer is 503 problem+json with Retry-After;
-  agents resend (node_agent/link/client.py, relay.py);
+  agents resend (node_agent/link/client.py, relay.py; a slot release the agent holds and resends,
+  link/upload_slots.py);
 - everything else (long polls that hold no thread, users' API) passes untouched; the upload-slot
-  long poll, many per checkpoint, runs its transactions through the gate (``run_gated``), holding a
-  place only while one runs, never while it waits.
+  long polls, a rank's and a node's batch, many per checkpoint, run their transactions through the
+  gate (``run_gated``), holding a place only while one runs, never while they wait. (Gating the
+  batch's request as well once made each batch wait behind itself: at one place, its own
+  transaction queued behind its own request until the gate's wait ran out, 503.)
 
 ``GateBook`` is the gate's bookkeeping without asyncio (tests/control_plane/test_lanes.py checks its
 properties); ``Lanes`` drives it from the event loop. docs/architecture.md, "Liveness lane".
@@ -71,7 +74,10 @@ _LIVENESS_POSTS = frozenset({"/v1/agent/heartbeat", "/v1/agent/register"})
 _HEALTH = frozenset({"/healthz", "/readyz"})
 _UNGATED_ATTEMPT_POSTS = frozenset({
     "status",  # liveness: a status report carries the exits that end attempts
-    "upload-slots",  # a long poll holding no thread while it waits (services/checkpoints/upload_slots.py)
+    # Long polls holding no thread while they wait, whose transactions pass the gate themselves
+    # (services/checkpoints/upload_slots.py, run_gated): gated here too, they would wait on themselves.
+    "upload-slots",
+    "upload-slots/batch",
 })
 
 

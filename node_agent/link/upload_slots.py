@@ -22,11 +22,21 @@ batched or not:
 - 422 when the control plane refused the request for another reason;
 - 503 with ``Retry-After`` when the control plane cannot be reached (the worker retries, and uploads
   without a slot once its bounded wait is over).
+
+A release is the exception: the worker has nothing to wait for, and a release lost to a busy control
+plane (its bookkeeping gate's 503) would hold the slot from every other rank until its lease expires.
+So a release answered 503 is held here (``held: true`` to the worker, at once) and resent, the node's
+held ones together, after the Retry-After, until the control plane takes it, refuses it, the attempt
+no longer runs here, or ``RELEASE_HOLD_S`` passed (the lease has expired by then).
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -56,6 +66,12 @@ log = structlog.get_logger(__name__)
 
 UNAVAILABLE_RETRY_S = 2.0
 """What a 503 tells the worker to wait before it asks again."""
+RELEASE_HOLD_S = 120.0
+"""How long a release answered 503 is resent (above an upload slot's lease, 60 s by default)."""
+RELEASE_RESEND_MAX_S = 5.0
+"""The longest wait between two resends, whatever Retry-After says."""
+RELEASES_HELD_MAX = 65_536
+"""Releases held at once; past it a release answered 503 is answered 503 (the worker retries)."""
 
 Answer = tuple[HTTPStatus, dict[str, Any]]
 
@@ -86,6 +102,10 @@ class SlotRelay:
             self._send_releases, window_s=window_s)
         self.batching = True
         """False once the control plane answered the batch path 404 or 405 (it predates batches)."""
+        self._held: list[_Held] = []
+        self._held_lock = threading.Lock()
+        self.resent = 0
+        """Held releases resent so far (diagnostics and tests)."""
 
     def ask(self, attempt_id: str, body: LocalSlotRequest) -> Answer:
         if self.batching:
@@ -100,16 +120,64 @@ class SlotRelay:
         return self._relay(attempt_id, "upload_slot", send)
 
     def release(self, attempt_id: str, body: LocalSlotRelease) -> Answer:
+        answer = None
         if self.batching:
             answer = self.releases.submit(attempt_id, body, full_at=self._ranks(attempt_id))
-            if answer is not None:
-                return answer
+        if answer is None:
+            answer = self._release_singly(attempt_id, body)
+        if answer[0] == HTTPStatus.SERVICE_UNAVAILABLE and self._hold(
+                [_Held(attempt_id, body, time.monotonic() + RELEASE_HOLD_S)], answer[1]):
+            return HTTPStatus.OK, SlotReleased(released=False, held=True).model_dump(mode="json")
+        return answer
 
+    def _release_singly(self, attempt_id: str, body: LocalSlotRelease) -> Answer:
         def send(token: str, node_rank: int) -> dict[str, Any]:
             request = SlotRelease(**body.model_dump(exclude={"fencing_token"}), fencing_token=token,
                                   node_rank=node_rank)
             return self.client.release_upload_slot(attempt_id, request).model_dump(mode="json")
         return self._relay(attempt_id, "upload_slot_release", send)
+
+    def _hold(self, held: list[_Held], answer: dict[str, Any]) -> bool:
+        """Keep these releases to resend after the control plane's Retry-After; False when full."""
+        at = time.monotonic() + min(RELEASE_RESEND_MAX_S, max(0.2, float(answer.get("retry_after_s") or 0.0)))
+        with self._held_lock:
+            if len(self._held) + len(held) > RELEASES_HELD_MAX:
+                return False
+            for h in held:
+                h.next_at = at
+            self._held += held
+        return True
+
+    def held(self) -> int:
+        with self._held_lock:
+            return len(self._held)
+
+    def resend_held(self) -> float:
+        """Resend the held releases that are due, an attempt's together; the seconds until the next
+        is due (call it from one thread: the agent's relay loop)."""
+        now = time.monotonic()
+        with self._held_lock:
+            due = [h for h in self._held if h.next_at <= now]
+            self._held = [h for h in self._held if h.next_at > now]
+        by_attempt: dict[str, list[_Held]] = defaultdict(list)
+        for h in due:
+            by_attempt[h.attempt_id].append(h)
+        for attempt_id, held in by_attempt.items():
+            bodies = [h.body for h in held]
+            answers = self._send_releases(attempt_id, bodies) if self.batching else [None] * len(held)
+            again: list[_Held] = []
+            for h, answer in zip(held, answers, strict=True):
+                status, payload = answer or self._release_singly(attempt_id, h.body)
+                self.resent += 1
+                if status == HTTPStatus.SERVICE_UNAVAILABLE and time.monotonic() < h.give_up_at:
+                    again.append(h)
+                elif status != HTTPStatus.OK:
+                    log.info("upload_slot_release_dropped", attempt_id=attempt_id, rank=h.body.rank,
+                             step=h.body.step, status=int(status), detail=payload.get("detail"))
+            if again:
+                self._hold(again, {"retry_after_s": RELEASE_RESEND_MAX_S})
+        with self._held_lock:
+            return max(0.0, min((h.next_at for h in self._held), default=now + 60.0) - time.monotonic())
 
     def _send_asks(self, key: tuple[str, bool], items: Sequence[LocalSlotRequest]) -> list[Answer | None]:
         attempt_id, _long_poll = key
@@ -182,6 +250,16 @@ class SlotRelay:
                 raise _NoBatchPath from exc
             # 422, not the upstream status: a worker must not read a refusal as "fenced off".
             return HTTPStatus.UNPROCESSABLE_ENTITY, {"detail": str(exc), "upstream_status": exc.status}
+
+
+@dataclass
+class _Held:
+    """A release the control plane answered 503, resent from ``next_at`` until ``give_up_at``."""
+
+    attempt_id: str
+    body: LocalSlotRelease
+    give_up_at: float
+    next_at: float = 0.0
 
 
 class _NoBatchPath(Exception):

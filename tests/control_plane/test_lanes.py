@@ -29,7 +29,7 @@ ATTEMPT = "/v1/agent/attempts/0b1d6a52-7a43-4f57-9a60-3f2b0fd7a0c1"
     ("POST", f"{ATTEMPT}/storage/batch", Lane.BOOKKEEPING),
     ("POST", f"{ATTEMPT}/progress", Lane.BOOKKEEPING),
     ("POST", f"{ATTEMPT}/upload-slots/release", Lane.BOOKKEEPING),
-    ("POST", f"{ATTEMPT}/upload-slots/batch", Lane.BOOKKEEPING),
+    ("POST", f"{ATTEMPT}/upload-slots/batch", Lane.OTHER),  # gates its transactions itself
     # Long polls hold no thread while they wait: never gated.
     ("POST", "/v1/agent/wait", Lane.OTHER),
     ("POST", f"{ATTEMPT}/upload-slots", Lane.OTHER),

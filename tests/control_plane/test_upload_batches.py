@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import pytest
 import urllib3
 from fastapi.testclient import TestClient
 
+from control_plane import failpoints
 from control_plane.app import create_app
 from control_plane.settings import Settings
 from node_agent.link.batcher import WINDOW_S
@@ -37,7 +39,7 @@ from tests.control_plane.test_storage_grants import Job as GrantedJob
 from tests.control_plane.test_upload_slots import PROMPTLY_S, Job, _slots
 from tests.factories import ADMIN, JOIN_TOKEN, job_body, workers_for
 from trainyard.protocol import keys
-from trainyard.protocol.agent import HeartbeatRequest, RegisterRequest
+from trainyard.protocol.agent import HeartbeatRequest, RegisterRequest, WorkerEventBatch
 from worker_runtime import WorkerContext
 from worker_runtime.checkpoint.presigned import AgentGrants, PresignedStorage
 from worker_runtime.checkpoint.slots import UploadSlots
@@ -376,4 +378,61 @@ def test_an_agent_falls_back_to_the_single_paths_of_an_older_control_plane(setti
             assert node.checkpoint(20) == ["granted"] * Node.RANKS
             assert not [path for path in node.client.sent if path.endswith("/batch")]
         finally:
+            node.close()
+
+
+def test_releases_a_busy_control_plane_refuses_are_held_by_the_agent_and_resent(settings: Settings) -> None:
+    """The bookkeeping gate full (one report in flight; a report waits 0.5 s at most): the node's 8
+    releases are answered 503. The agent answers each worker at once (``held``), keeps the releases and resends
+    them after the Retry-After, together, once the gate has room: every slot ends released with
+    what its worker said, none left to expire."""
+    gated = settings.model_copy(update={"bookkeeping_gate": True, "bookkeeping_concurrency": 1,
+                                        "bookkeeping_wait_s": 0.5, "upload_slots_max": Node.RANKS})
+    app = create_app(gated)
+    with serve(app) as url:
+        node = Node(url, app)
+        spec = node.spec
+        try:
+            contexts = [WorkerContext(job_id=spec.job_id, attempt_id=spec.attempt_id, fencing_token=spec.fencing_token,
+                                      rank=r, world_size=Node.RANKS, agent_url=BASE_URL, agent_socket=str(node.path))
+                        for r in range(Node.RANKS)]
+            slots = [UploadSlots(ctx, unreachable_s=5.0) for ctx in contexts]
+            never = threading.Event()
+            with ThreadPoolExecutor(Node.RANKS) as pool:
+                grants = list(pool.map(lambda s: s.acquire(10, 1000, hurry=never), slots))
+            uses = [g.use for g in grants]
+            assert uses == ["granted"] * Node.RANKS
+
+            failpoints.configure("agent.events=sleep(3)")  # one report holds the gate's only place
+            event = {"rank": 0, "kind": "checkpoint.restored", "message": "restored", "data": {"step": 1}}
+            busy = threading.Thread(target=node.client.report_events, args=(spec.attempt_id, WorkerEventBatch(
+                fencing_token=spec.fencing_token, node_rank=spec.node_rank, events=[event])))
+            busy.start()
+            deadline = time.monotonic() + PROMPTLY_S
+            while app.state.lanes.figures().bookkeeping_in_flight < 1:
+                assert time.monotonic() < deadline, "the held report never reached the gate"
+                time.sleep(0.02)
+            began = time.monotonic()
+            with ThreadPoolExecutor(Node.RANKS) as pool:
+                taken = list(pool.map(lambda s: s.release(10, ok=True, uploaded_bytes=1000, upload_s=0.5), slots))
+            answered_s = time.monotonic() - began
+            assert taken == [True] * Node.RANKS
+            assert node.slots.held() == Node.RANKS  # refused (503), held by the agent
+            assert {s["state"] for s in _slots(httpx.Client(base_url=url), spec.job_id)["slots"]} == {"granted"}
+            assert answered_s < 2.5, answered_s  # the workers were not kept waiting for the gate (3 s)
+
+            failpoints.configure("")
+            busy.join(PROMPTLY_S)
+            deadline = time.monotonic() + PROMPTLY_S
+            while node.slots.held():
+                assert time.monotonic() < deadline, "the held releases were never taken"
+                wait = node.slots.resend_held()  # what the agent's relay loop does
+                time.sleep(min(wait, 0.1))
+            with httpx.Client(base_url=url) as http:
+                history = _slots(http, spec.job_id)["slots"]
+            assert sorted((s["rank"], s["state"], s["ok"], s["uploaded_bytes"]) for s in history) == [
+                (r, "released", True, 1000) for r in range(Node.RANKS)]
+            assert node.slots.resent == Node.RANKS
+        finally:
+            failpoints.configure("")
             node.close()
