@@ -53,6 +53,7 @@ from node_agent.link.client import (
 )
 from trainyard.protocol.uploads import (
     LocalSlotRelease,
+    LocalSlotReleased,
     LocalSlotRequest,
     SlotAsk,
     SlotBatchRequest,
@@ -127,7 +128,7 @@ class SlotRelay:
             answer = self._release_singly(attempt_id, body)
         if answer[0] == HTTPStatus.SERVICE_UNAVAILABLE and self._hold(
                 [_Held(attempt_id, body, time.monotonic() + RELEASE_HOLD_S)], answer[1]):
-            return HTTPStatus.OK, SlotReleased(released=False, held=True).model_dump(mode="json")
+            return HTTPStatus.OK, LocalSlotReleased(released=False, held=True).model_dump(mode="json")
         return answer
 
     def _release_singly(self, attempt_id: str, body: LocalSlotRelease) -> Answer:

@@ -8,7 +8,7 @@ fenced by the attempt's token, served on one unix socket per attempt.
     POST /v1/local/attempts/{attempt_id}/shards     LocalShard    -> 202 {"accepted": true, "queued": true}
     POST /v1/local/attempts/{attempt_id}/shards?wait=1            -> 200 ShardAck of the control plane
     POST /v1/local/attempts/{attempt_id}/upload-slot          LocalSlotRequest -> 200 SlotAnswer
-    POST /v1/local/attempts/{attempt_id}/upload-slot/release  LocalSlotRelease -> 200 SlotReleased
+    POST /v1/local/attempts/{attempt_id}/upload-slot/release  LocalSlotRelease -> 200 LocalSlotReleased
     POST /v1/local/attempts/{attempt_id}/checkpoint-interval  LocalCheckpointInterval
                                                       -> 200 {"interval_steps": N | null}
     POST /v1/local/attempts/{attempt_id}/storage          LocalStorageRequest -> 200 StorageGrants of the control plane

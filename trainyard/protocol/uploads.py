@@ -105,6 +105,11 @@ class SlotRelease(_Release):
 
 class SlotReleased(_Wire):
     released: bool = Field(description="False when the slot was already released or had expired.")
+
+
+class LocalSlotReleased(SlotReleased):
+    """The agent's answer to a worker's release (the local API)."""
+
     held: bool = Field(False, description="The agent holds the release and resends it until the control "
                        "plane takes it (it answered 503): nothing is released yet, and the worker is done.")
 
