@@ -201,10 +201,9 @@ class Settings(BaseSettings):
         40, ge=1, le=1000, description="Threads that run requests; the connection pool is sized to cover them."
     )
     bookkeeping_gate: bool = Field(
-        False, description="Hold agents' checkpoint and progress reports at the liveness lane's gate "
-        "(bookkeeping_concurrency in flight, one beside liveness; docs/architecture.md). Off by default: on a "
-        "saturated 2-core test machine the gate answered slot releases 503 until their leases expired and "
-        "a recovery stalled; heartbeats are stamped at arrival and the lost guard holds either way."
+        True, description="Hold agents' checkpoint and progress reports at the liveness lane's gate "
+        "(bookkeeping_concurrency in flight, one beside liveness; docs/architecture.md). False: counted, "
+        "never held (heartbeats are still stamped at arrival and the lost guard holds)."
     )
     bookkeeping_concurrency: int = Field(
         4, ge=1, le=64, description="Checkpoint and progress reports from agents (shards, events, logs, storage "
