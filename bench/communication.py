@@ -78,29 +78,36 @@ MODEL = {"vocab": 256, "seq": 32, "batch": 2, "d_model": 256, "layers": 2, "head
 """TinyGPT's shape and the batch per rank per micro-step (bench/communication_worker.py)."""
 
 
-def _env() -> dict[str, str]:
+def _env(ifname: str = "lo") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINYARD_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TRAINYARD_DEVICE="cpu",
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=ifname, TRAINYARD_DEVICE="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     return env
 
 
-def run_world(workers: int, nodes: int, layouts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """One world: a torchrun per node, static rendezvous on node rank 0; rank 0's JSON line."""
+def run_world(workers: int, nodes: int, layouts: dict[str, Any], args: argparse.Namespace, *,
+              hosts: list[str] | None = None, prefixes: list[list[str]] | None = None,
+              ifname: str = "lo", extra: list[str] | None = None) -> dict[str, Any]:
+    """One world: a torchrun per node, static rendezvous on node rank 0; rank 0's JSON line.
+    ``hosts``: each node's address (127.0.0.1, 127.0.0.2, ... by default); ``prefixes``: the command
+    that runs each node's torchrun where that node lives (a network namespace: bench/shaped_links.py),
+    whose interface ``ifname`` gloo then uses."""
     port, per_node = free_port(), workers // nodes
+    hosts = hosts or [f"127.0.0.{i + 1}" for i in range(nodes)]
+    prefixes = prefixes or [[] for _ in range(nodes)]
     spec = json.dumps([{"name": name, "layout": layout} for name, layout in layouts.items()])
     procs = []
     try:
         for node_rank in range(nodes):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+            cmd = [*prefixes[node_rank], sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
                    "--nproc-per-node", str(per_node), "--node-rank", str(node_rank), "--rdzv-backend", "static",
-                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench-communication",
-                   "--local-addr", f"127.0.0.{node_rank + 1}", "--max-restarts", "0",
+                   "--rdzv-endpoint", f"{hosts[0]}:{port}", "--rdzv-id", "bench-communication",
+                   "--local-addr", hosts[node_rank], "--max-restarts", "0",
                    str(ROOT / "bench" / "communication_worker.py"), "--layouts", spec,
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   *[f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, start_new_session=True))
+                   *[f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()], *(extra or [])]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(ifname), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
         outputs = [p.communicate(timeout=args.timeout) for p in procs]
     finally:
         for p in procs:
@@ -151,14 +158,17 @@ def powersgd_bytes(shapes: list[list[int]], rank: int = 1) -> float:
     return 4.0 * total
 
 
-def planner_row(layout: dict[str, Any], m: dict[str, Any], world: dict[str, Any], calib: dict[str, float]) -> Row:
+def planner_row(layout: dict[str, Any], m: dict[str, Any], world: dict[str, Any], calib: dict[str, float],
+                intra: dict[str, float] | None = None) -> Row:
     """The planner's row (control_plane/planning) for this world, calibrated: the matmul's FLOP rate
     as the peak, the model's measured MFU, the fitted all-reduce alpha and bandwidth for both link
-    classes (loopback), the run's fp32 AdamW."""
+    classes (``calib``'s for both, loopback; or ``intra``'s inside a node), the run's fp32 AdamW."""
     n, local = world["world_size"], world["local_world_size"]
-    link = Link(name="loopback", bytes_per_s=min(calib["bw"], 1e15), latency_s=calib["alpha"])
+    link = Link(name="inter", bytes_per_s=min(calib["bw"], 1e15), latency_s=calib["alpha"])
+    inside = link if intra is None else Link(name="intra", bytes_per_s=min(intra["bw"], 1e15),
+                                             latency_s=intra["alpha"])
     hw = Hardware(gpu_kind="cpu", memory_bytes=24e9, peak_flops=world["flops"], gpus_per_node=local,
-                  intra=link, inter=link)
+                  intra=inside, inter=link)
     shape = TransformerShape(layers=MODEL["layers"], hidden=MODEL["d_model"], vocab=MODEL["vocab"],
                              heads=MODEL["heads"])
     accum = layout.get("grad_accum_steps", 1)
@@ -209,11 +219,11 @@ def with_overhead(calib: dict[str, float], overhead: float) -> dict[str, float]:
 
 
 def planned(layout: dict[str, Any], m: dict[str, Any], world: dict[str, Any],
-            calib: dict[str, float]) -> tuple[float, float]:
+            calib: dict[str, float], intra: dict[str, float] | None = None) -> tuple[float, float]:
     """(step, exposed communication) seconds: the planner's row without overlap (gloo on CPU runs
     FSDP2's collectives synchronously and DDP's one bucket after the backward: nothing overlaps),
     plus the measured wait for the slowest rank, which the planner leaves out."""
-    row = planner_row(layout, m, world, calib)
+    row = planner_row(layout, m, world, calib, intra)
     assert row.compute_s is not None and row.comm_s is not None, row.problem
     comm = row.comm_s + calib["wait"]
     return row.compute_s + comm, comm

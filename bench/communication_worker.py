@@ -79,6 +79,27 @@ def all_reduce_sweep(rounds: int = 3, reps: int = 4) -> list[list[float]]:
     return out
 
 
+def op_probe(nbytes: int = 4 << 20, reps: int = 3) -> dict[str, float]:
+    """Seconds per collective of ``nbytes`` (the full tensor), the slowest rank's mean, for the three
+    kinds the layouts use: which one runs slower than the ring model says (bench/shaped_links.py)."""
+    n = dist.get_world_size()
+    full, part = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // n)
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+    }
+    out = {}
+    for name, op in ops.items():
+        op()  # the first of a kind sets up its buffers
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(reps):
+            op()
+        [out[name]] = _max_over_ranks([(time.perf_counter() - started) / reps])
+    return out
+
+
 def probe_compute(args: argparse.Namespace, ctx: WorkerContext, steps: int = 6) -> dict[str, float]:
     """The model's own step without any collective (forward, backward, optimizer), every rank at
     once, and the wait for the slowest rank after it (a barrier): the compute a layout adds its
@@ -148,6 +169,8 @@ def main() -> None:
     for name, default in (("steps", 8), ("warmup", 3), ("vocab", 256), ("seq", 32), ("batch", 2),
                           ("d_model", 256), ("layers", 2), ("heads", 4)):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    parser.add_argument("--op-probe", action="store_true", help="also time one all-reduce, all-gather and "
+                        "reduce-scatter of 4 MiB")
     args = parser.parse_args()
     ctx = WorkerContext.from_env()
     init_distributed(ctx, timeout=120)
@@ -160,6 +183,8 @@ def main() -> None:
             "probe": probe_compute(args, ctx),
             "layouts": {},
         }
+        if args.op_probe and ctx.world_size > 1:
+            out["ops"] = op_probe()
         for item in json.loads(args.layouts):
             try:
                 out["layouts"][item["name"]] = measure(ctx, Layout.model_validate(item["layout"]), args)
