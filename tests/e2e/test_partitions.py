@@ -1,5 +1,5 @@
-"""Faults between processes that all stay up: a node partitioned from the control plane on a real
-network (each node in a network namespace of its own, trainyard/dev/netns.py), and PostgreSQL
+"""Faults between processes that all stay up: a node cut from its peer one way, then from the control
+plane, on a real network (each node in a network namespace of its own, trainyard/dev/netns.py), and PostgreSQL
 restarted under a running job and in the middle of a commit. Every run ends with the weights of a
 run that never failed."""
 
@@ -29,10 +29,20 @@ RACKS = Topology(racks=2, node_link=Shape(parse_rate("1gbit")), rack_uplink=Shap
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
-def test_partitioned_node_is_lost_job_recovers_and_stale_workers_stop_after_heal(make_cluster, reference_result):
-    """Each node in a network namespace of its own; the node of rank 1 is cut from the host side (the
-    control plane and S3) both ways by its routes, while its workers still reach the other node's."""
-    cluster = make_cluster(nodes=3, network=RACKS)
+def test_a_node_cut_from_its_peer_then_from_the_control_plane_each_ends_its_attempt_and_the_job_recovers(
+        make_cluster, reference_result):
+    """Each node in a network namespace of its own, on real links. One job, two cuts:
+
+    1. One way between the gang's two nodes: what node-2 sends to node-1 is dropped (a blackhole
+       route in node-2's namespace), everything else flows. Both agents keep heartbeating, so no node
+       is lost; the collectives stall, and the hang watchdog fails the attempt. Healed, the job goes on.
+    2. The node of rank 1 cut from the host side (the control plane and S3) both ways, while its
+       workers still reach the other node's: the node is lost, the job recovers elsewhere, and after
+       the heal the stale workers stop before its GPU is free again.
+
+    The job ends with the weights of a run that never failed."""
+    cluster = make_cluster(nodes=3, network=RACKS, settings={
+        "TRAINYARD_WATCHDOG_INTERVAL_S": "0.5", "TRAINYARD_HANG_TIMEOUT_MIN_S": "8"})
     network = cluster.dev.network
     assert network is not None
     nodes = {n["name"]: n for n in cluster.get("/v1/nodes")}
@@ -40,12 +50,28 @@ def test_partitioned_node_is_lost_job_recovers_and_stale_workers_stop_after_heal
         f"node-{i}": (network.layout.node_address(i), f"r{network.layout.rack_of(i)}") for i in (1, 2, 3)}
     args = ["--steps", "160", "--step-delay-s", "0.05"]
     job = cluster.submit(job_body(name="partition", args=args, num_nodes=2, gpus_per_node=1,
-                                  checkpoint={"interval_steps": 20}, max_failures=2))
+                                  checkpoint={"interval_steps": 20}, max_failures=3,
+                                  watchdog={"hang_timeout_s": 8}))
     cluster.wait_for("a committed checkpoint", lambda: cluster.checkpoints(job["id"], "committed"), timeout=120)
     first = cluster.attempts(job["id"])[0]
     assert {n["node_name"] for n in first["nodes"]} == {"node-1", "node-2"}  # the gang kept inside rack r1
-    victim = next(n["node_name"] for n in first["nodes"] if n["node_rank"] == 1)
 
+    # 1. One way, node-2 -> node-1.
+    network.cut(2, peer=1, direction="out")
+    try:
+        ended = cluster.wait_for("attempt 1 failed", lambda: [a for a in cluster.attempts(job["id"])
+                                                              if a["id"] == first["id"] and a["outcome"]], timeout=90)
+        # No node was lost: each still reaches the control plane; only the path between them is cut.
+        assert {n["name"]: n["state"] for n in cluster.get("/v1/nodes")} == {f"node-{i}": "ready" for i in (1, 2, 3)}
+    finally:
+        network.heal()
+    assert ended[0]["outcome"] == "failed" and ended[0]["end_reason"].startswith("hung: step"), ended[0]
+    second = cluster.wait_for("attempt 2 past its restored step", lambda: [
+        a for a in cluster.attempts(job["id"])[1:] if a["restored_from_step"] is not None
+        and (cluster.job(job["id"])["progress"]["step"] or 0) > a["restored_from_step"] + 5], timeout=120)[0]
+
+    # 2. The node of rank 1 cut from the host, both ways.
+    victim = next(n["node_name"] for n in second["nodes"] if n["node_rank"] == 1)
     network.cut(int(victim.rsplit("-", 1)[1]))
     try:
         lost = cluster.wait_for(f"{victim} lost", lambda: cluster.node(victim)["state"] == "lost", timeout=60)
@@ -54,15 +80,15 @@ def test_partitioned_node_is_lost_job_recovers_and_stale_workers_stop_after_heal
         assert done["state"] == "succeeded", done["end_reason"]
         # While it is cut off, the lost node's GPU stays leased to the attempt that ran there: its
         # workers may still run for all the control plane knows.
-        assert _held_by(cluster, victim) == {first["id"]}
+        assert _held_by(cluster, victim) == {second["id"]}
     finally:
         network.heal()
 
     assert done["result"]["weights_sha256"] == reference_result(args)["weights_sha256"]
     attempts = cluster.attempts(job["id"])
-    assert [a["outcome"] for a in attempts] == ["failed", "succeeded"], [a["end_reason"] for a in attempts]
-    assert attempts[0]["failed_node"] == victim and "lost" in attempts[0]["end_reason"]
-    assert victim not in {n["node_name"] for n in attempts[1]["nodes"]}
+    assert [a["outcome"] for a in attempts] == ["failed", "failed", "succeeded"], [a["end_reason"] for a in attempts]
+    assert attempts[1]["failed_node"] == victim and "lost" in attempts[1]["end_reason"]
+    assert victim not in {n["node_name"] for n in attempts[2]["nodes"]}
 
     # Healed: the agent comes back, stops whatever of the stale attempt still runs, and only then
     # are its GPUs free again.
