@@ -271,6 +271,7 @@ class Agent:
             # A superseded agent's workers belong to no one the control plane trusts: stop them.
             self.supervision.stop_all_workers(deadline)
         lost = state.outbox.close()  # releases workers waiting on a shard
+        self.relaying.slots.close()  # its held releases: their leases expire (the agent is going)
         if lost:
             self.log.warning("outbox_items_lost_at_shutdown", items=lost)
         if state.api is not None:

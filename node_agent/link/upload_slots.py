@@ -25,9 +25,11 @@ batched or not:
 
 A release is the exception: the worker has nothing to wait for, and a release lost to a busy control
 plane (its bookkeeping gate's 503) would hold the slot from every other rank until its lease expires.
-So a release answered 503 is held here (``held: true`` to the worker, at once) and resent, the node's
-held ones together, after the Retry-After, until the control plane takes it, refuses it, the attempt
-no longer runs here, or ``RELEASE_HOLD_S`` passed (the lease has expired by then).
+So a release answered 503 is held here (``held: true`` to the worker, at once) and resent by a thread
+of its own (never the relay loop's: shard reports must not wait behind it), an attempt's held ones
+together, after the Retry-After, until the control plane takes it, refuses it, the attempt no longer
+runs here (a stale answer to a resend is only dropped: the attempt's slots are reclaimed with it), the
+rank asks for that slot again (the ask renews it), or ``RELEASE_HOLD_S`` passed.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Any
 
 import structlog
 
-from node_agent.link.batcher import WINDOW_S, Coalescer
+from node_agent.link.batcher import MAX_ITEMS, WINDOW_S, Coalescer
 from node_agent.link.client import (
     NO_BATCH_PATH,
     ControlPlaneClient,
@@ -67,8 +69,9 @@ log = structlog.get_logger(__name__)
 
 UNAVAILABLE_RETRY_S = 2.0
 """What a 503 tells the worker to wait before it asks again."""
-RELEASE_HOLD_S = 120.0
-"""How long a release answered 503 is resent (above an upload slot's lease, 60 s by default)."""
+RELEASE_HOLD_S = 600.0
+"""How long a release answered 503 is resent: longer than a slot's lease at usual settings (30 s by
+default); a release that outlives its lease is answered ``released: false``, harmlessly."""
 RELEASE_RESEND_MAX_S = 5.0
 """The longest wait between two resends, whatever Retry-After says."""
 RELEASES_HELD_MAX = 65_536
@@ -105,10 +108,15 @@ class SlotRelay:
         """False once the control plane answered the batch path 404 or 405 (it predates batches)."""
         self._held: list[_Held] = []
         self._held_lock = threading.Lock()
+        self._resender: threading.Thread | None = None
+        self._closed = threading.Event()
         self.resent = 0
         """Held releases resent so far (diagnostics and tests)."""
 
     def ask(self, attempt_id: str, body: LocalSlotRequest) -> Answer:
+        with self._held_lock:  # asked again: the ask renews the slot a held release would end
+            self._held = [h for h in self._held
+                          if (h.attempt_id, h.body.rank, h.body.step) != (attempt_id, body.rank, body.step)]
         if self.batching:
             answer = self.asks.submit((attempt_id, body.wait_s > 0), body, full_at=self._ranks(attempt_id))
             if answer is not None:
@@ -131,31 +139,50 @@ class SlotRelay:
             return HTTPStatus.OK, LocalSlotReleased(released=False, held=True).model_dump(mode="json")
         return answer
 
-    def _release_singly(self, attempt_id: str, body: LocalSlotRelease) -> Answer:
+    def _release_singly(self, attempt_id: str, body: LocalSlotRelease, *, resend: bool = False) -> Answer:
         def send(token: str, node_rank: int) -> dict[str, Any]:
             request = SlotRelease(**body.model_dump(exclude={"fencing_token"}), fencing_token=token,
                                   node_rank=node_rank)
             return self.client.release_upload_slot(attempt_id, request).model_dump(mode="json")
-        return self._relay(attempt_id, "upload_slot_release", send)
+        return self._relay(attempt_id, "upload_slot_release", send, fence=not resend)
 
     def _hold(self, held: list[_Held], answer: dict[str, Any]) -> bool:
-        """Keep these releases to resend after the control plane's Retry-After; False when full."""
+        """Keep these releases to resend after the control plane's Retry-After; False when full or
+        closed."""
         at = time.monotonic() + min(RELEASE_RESEND_MAX_S, max(0.2, float(answer.get("retry_after_s") or 0.0)))
         with self._held_lock:
-            if len(self._held) + len(held) > RELEASES_HELD_MAX:
+            if self._closed.is_set() or len(self._held) + len(held) > RELEASES_HELD_MAX:
                 return False
             for h in held:
                 h.next_at = at
             self._held += held
+            if self._resender is None:
+                self._resender = threading.Thread(target=self._resend_loop, name="agent-slot-release-resend",
+                                                  daemon=True)
+                self._resender.start()
         return True
+
+    def _resend_loop(self) -> None:
+        """Resend until nothing is held (the next hold starts another)."""
+        while not self._closed.is_set():
+            wait = self.resend_held()
+            with self._held_lock:
+                if not self._held:
+                    self._resender = None
+                    return
+            self._closed.wait(wait)
+
+    def close(self) -> None:
+        """Stop resending (the agent is stopping); returns at once."""
+        self._closed.set()
 
     def held(self) -> int:
         with self._held_lock:
             return len(self._held)
 
     def resend_held(self) -> float:
-        """Resend the held releases that are due, an attempt's together; the seconds until the next
-        is due (call it from one thread: the agent's relay loop)."""
+        """Resend the held releases that are due, an attempt's together (in batches of at most
+        MAX_ITEMS); the seconds until the next is due. One caller at a time (the resend thread)."""
         now = time.monotonic()
         with self._held_lock:
             due = [h for h in self._held if h.next_at <= now]
@@ -164,21 +191,36 @@ class SlotRelay:
         for h in due:
             by_attempt[h.attempt_id].append(h)
         for attempt_id, held in by_attempt.items():
-            bodies = [h.body for h in held]
-            answers = self._send_releases(attempt_id, bodies) if self.batching else [None] * len(held)
-            again: list[_Held] = []
-            for h, answer in zip(held, answers, strict=True):
-                status, payload = answer or self._release_singly(attempt_id, h.body)
-                self.resent += 1
-                if status == HTTPStatus.SERVICE_UNAVAILABLE and time.monotonic() < h.give_up_at:
-                    again.append(h)
-                elif status != HTTPStatus.OK:
-                    log.info("upload_slot_release_dropped", attempt_id=attempt_id, rank=h.body.rank,
-                             step=h.body.step, status=int(status), detail=payload.get("detail"))
-            if again:
-                self._hold(again, {"retry_after_s": RELEASE_RESEND_MAX_S})
+            for chunk in range(0, len(held), MAX_ITEMS):
+                self._resend(attempt_id, held[chunk:chunk + MAX_ITEMS])
         with self._held_lock:
             return max(0.0, min((h.next_at for h in self._held), default=now + 60.0) - time.monotonic())
+
+    def _resend(self, attempt_id: str, held: list[_Held]) -> None:
+        try:
+            if self.batching:
+                answers = self._send_releases(attempt_id, [h.body for h in held], resend=True)
+            else:
+                answers = [None] * len(held)
+            results = [answer or self._release_singly(attempt_id, h.body, resend=True)
+                       for h, answer in zip(held, answers, strict=True)]
+        except Exception as exc:  # never lose them to a surprise: try again later
+            log.warning("upload_slot_release_resend_failed", attempt_id=attempt_id, error=str(exc))
+            results = [(HTTPStatus.SERVICE_UNAVAILABLE, {"retry_after_s": RELEASE_RESEND_MAX_S})] * len(held)
+        again: list[_Held] = []
+        for h, (status, payload) in zip(held, results, strict=True):
+            self.resent += 1
+            if status == HTTPStatus.SERVICE_UNAVAILABLE and time.monotonic() < h.give_up_at:
+                again.append(h)
+            elif status != HTTPStatus.OK:
+                log.info("upload_slot_release_dropped", attempt_id=attempt_id, rank=h.body.rank,
+                         step=h.body.step, status=int(status), detail=payload.get("detail"))
+        if again:
+            with self._held_lock:  # straight back: _hold would refuse them once closed or full
+                at = time.monotonic() + RELEASE_RESEND_MAX_S
+                for h in again:
+                    h.next_at = at
+                self._held += again
 
     def _send_asks(self, key: tuple[str, bool], items: Sequence[LocalSlotRequest]) -> list[Answer | None]:
         attempt_id, _long_poll = key
@@ -193,7 +235,8 @@ class SlotRelay:
             return [a.model_dump(mode="json", exclude={"rank", "step"}) for a in answer.answers]
         return self._relay_batch(attempt_id, "upload_slot_batch", len(items), send)
 
-    def _send_releases(self, attempt_id: str, items: Sequence[LocalSlotRelease]) -> list[Answer | None]:
+    def _send_releases(self, attempt_id: str, items: Sequence[LocalSlotRelease], *,
+                       resend: bool = False) -> list[Answer | None]:
         def send(token: str, node_rank: int) -> list[dict[str, Any]]:
             request = SlotBatchRequest(
                 fencing_token=token, node_rank=node_rank, wait_s=0,
@@ -202,10 +245,10 @@ class SlotRelay:
             if len(answer.released) != len(items):
                 raise RequestRejected("the control plane's batch answer does not match its releases")
             return [SlotReleased(released=released).model_dump(mode="json") for released in answer.released]
-        return self._relay_batch(attempt_id, "upload_slot_release_batch", len(items), send)
+        return self._relay_batch(attempt_id, "upload_slot_release_batch", len(items), send, fence=not resend)
 
-    def _relay_batch(self, attempt_id: str, what: str, n: int,
-                     send: Callable[[str, int], list[dict[str, Any]]]) -> list[Answer | None]:
+    def _relay_batch(self, attempt_id: str, what: str, n: int, send: Callable[[str, int], list[dict[str, Any]]],
+                     *, fence: bool = True) -> list[Answer | None]:
         """Each item's answer; None for every item when the control plane has no batch path (each is
         then relayed on its own)."""
         answers: list[dict[str, Any]] = []
@@ -214,7 +257,7 @@ class SlotRelay:
             answers.extend(send(token, node_rank))
             return {}
         try:
-            status, payload = self._relay(attempt_id, what, collect, fallback=True)
+            status, payload = self._relay(attempt_id, what, collect, fallback=True, fence=fence)
         except _NoBatchPath:
             log.warning("upload_slot_batches_unsupported", detail="the control plane predates batch paths; "
                         "relaying each upload-slot request on its own")
@@ -225,7 +268,9 @@ class SlotRelay:
         return [(HTTPStatus.OK, answer) for answer in answers]
 
     def _relay(self, attempt_id: str, what: str, send: Callable[[str, int], dict[str, Any]], *,
-               fallback: bool = False) -> Answer:
+               fallback: bool = False, fence: bool = True) -> Answer:
+        """``fence``: a fencing 409 stops the attempt here (False for a resent release: a part
+        parked for a handover answers stale, and its handover must not be cut short by it)."""
         target = self._target(attempt_id)
         if target is None:
             return HTTPStatus.CONFLICT, {"detail": f"attempt {attempt_id} is not running here"}
@@ -234,7 +279,8 @@ class SlotRelay:
         except StaleAttempt as exc:
             if exc.fencing:
                 log.warning("upload_slot_stale_attempt", attempt_id=attempt_id, what=what)
-                self._on_stale(attempt_id, exc)
+                if fence:
+                    self._on_stale(attempt_id, exc)
                 return HTTPStatus.CONFLICT, {"detail": f"stale attempt: {exc}"}
             return HTTPStatus.UNPROCESSABLE_ENTITY, {"detail": str(exc), "upstream_status": exc.status}
         except Unauthorized:

@@ -193,7 +193,7 @@ class RelayLoop:
         if state.need_register.is_set() or state.client.node_token is None:
             return _REPORT_INTERVAL_S  # items stay queued
         # Sleeps on the outbox rather than the stop event, so that a new item goes out at once.
-        state.outbox.wait(min(self.relay.step(), self.slots.resend_held()))
+        state.outbox.wait(self.relay.step())
         return 0.0
 
     def target(self, attempt_id: str) -> tuple[str, int] | None:
