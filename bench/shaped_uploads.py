@@ -128,14 +128,18 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, workdir
     finally:
         dev.stop()
         log.close()
+    if not checkpoints:
+        raise RuntimeError(f"{name}: the checkpointer committed no checkpoint")
     bursts = [(_ts(c["created_at"]), _ts(c["committed_at"])) for c in checkpoints]
     start, end = min(b[0] for b in bursts), max(b[1] for b in bursts)
     during: list[float] = []
     quiet: list[float] = []
     for s in samples:
         step_s = s["metrics"].get("step_s")
+        if step_s is None:
+            continue
         at = _ts(s["at"]) - step_s / 2  # the middle of the step it measured
-        if step_s is None or at < start - 30 or at > end + 5:
+        if at < start - 30 or at > end + 5:
             continue
         (during if any(a <= at <= b for a, b in bursts) else quiet).append(step_s)
     waits = [c["upload"]["wait_s_max"] for c in checkpoints if c.get("upload")]
@@ -174,7 +178,8 @@ def main() -> None:
           "| slot wait, longest | CPU busy |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        quiet, during = statistics.median(r["quiet"]), statistics.median(r["during"]) if r["during"] else float("nan")
+        quiet = statistics.median(r["quiet"]) if r["quiet"] else float("nan")
+        during = statistics.median(r["during"]) if r["during"] else float("nan")
         bursts = ", ".join(f"{b:.1f}" for b in r["bursts"])
         waits = ", ".join(f"{w:.1f}" for w in r["waits"]) or "-"
         print(f"| {r['name']} | {quiet * 1e3:.0f} ms (n={len(r['quiet'])}) | {during * 1e3:.0f} ms "

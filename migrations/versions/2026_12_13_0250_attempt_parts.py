@@ -31,16 +31,17 @@ def _rename(old: str, new: str) -> None:
         "SELECT c.conrelid::regclass::text, c.conname FROM pg_constraint c "
         "JOIN pg_namespace n ON n.oid = c.connamespace "
         "WHERE n.nspname = current_schema() AND strpos(c.conname, :old) > 0"), {"old": old}).all()
+    quote = bind.dialect.identifier_preparer.quote
     renamed = set()
-    for table, name in constraints:
-        op.execute(f'ALTER TABLE {table} RENAME CONSTRAINT "{name}" TO "{name.replace(old, new)}"')
+    for table, name in constraints:  # regclass::text is quoted where it must be
+        op.execute(f"ALTER TABLE {table} RENAME CONSTRAINT {quote(name)} TO {quote(name.replace(old, new))}")
         renamed.add(name)  # a primary key or unique constraint renames its index with it
     indexes = bind.execute(sa.text(
         "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema() AND strpos(indexname, :old) > 0"),
         {"old": old}).scalars().all()
     for name in indexes:
         if name not in renamed:
-            op.execute(f'ALTER INDEX "{name}" RENAME TO "{name.replace(old, new)}"')
+            op.execute(f"ALTER INDEX {quote(name)} RENAME TO {quote(name.replace(old, new))}")
 
 
 def upgrade() -> None:
