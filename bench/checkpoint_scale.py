@@ -106,7 +106,19 @@ class Round:
     recovery_all_s: float = float("nan")
 
 
-def run(args: argparse.Namespace, fleet: FleetProcess, meter: Meter) -> list[Round]:
+def _recovery_split(api: Endpoints, job_id: str, number: int) -> str:
+    """Attempt ``number``'s recovery phases as the control plane recorded them (GET .../attempts)."""
+    import httpx
+
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {api.admin_token}"},
+                      verify=api.ca_file or True, timeout=30) as http:
+        items = http.get(f"/v1/jobs/{job_id}/attempts", params={"limit": 10}).raise_for_status().json()["items"]
+    rec = next((a.get("recovery") for a in items if a["number"] == number), None) or {}
+    return ", ".join(f"{p} {rec[f'{p}_s']:.2f}s" for p in ("detection", "decision", "wake_up")
+                     if rec.get(f"{p}_s") is not None) or "not recorded"
+
+
+def run(args: argparse.Namespace, fleet: FleetProcess, meter: Meter, api: Endpoints) -> list[Round]:
     say(f"registering {args.nodes} agents")
     fleet.call("grow", n=args.nodes)
     interval = float(fleet.call("interval")["interval_s"])
@@ -156,7 +168,8 @@ def run(args: argparse.Namespace, fleet: FleetProcess, meter: Meter) -> list[Rou
         fleet.call("phase", name=f"fail-{replicas}")
         r.recovery_all_s = float(fleet.call("fail", job_id=job_id, attempt=attempt, nodes=args.nodes)["all_s"])
         attempt += 1
-        say(f"{replicas} replica(s): attempt {attempt} held by every node {r.recovery_all_s:.2f}s after the failure")
+        say(f"{replicas} replica(s): attempt {attempt} held by every node {r.recovery_all_s:.2f}s after the failure "
+            f"(the control plane's split: {_recovery_split(api, job_id, attempt)})")
         fleet.call("phase", name="between")
         rounds.append(r)
     fleet.call("cancel", job_id=job_id)
@@ -325,12 +338,12 @@ def main() -> int:
                 cps.append(cp)
                 say(f"starting control plane {i} at {cp.url} (log: {cp.log_path})")
                 cp.start()
-            fleet = FleetProcess(Endpoints([cp.url for cp in cps], admin, join, cps[0].ca_file),
-                                 log_path=data / "fleet.log", gpus_per_node=args.gpus)
+            api = Endpoints([cp.url for cp in cps], admin, join, cps[0].ca_file)
+            fleet = FleetProcess(api, log_path=data / "fleet.log", gpus_per_node=args.gpus)
             fleet.start()
             assert pg.pid is not None
             meter = Meter([cp.proc.pid for cp in cps if cp.proc is not None], pg.pid, fleet.pid)
-            rounds = run(args, fleet, meter)
+            rounds = run(args, fleet, meter, api)
             seen = fleet.call("samples")
             report(args, rounds, seen)
         finally:
