@@ -75,7 +75,11 @@ default); a release that outlives its lease is answered ``released: false``, har
 RELEASE_RESEND_MAX_S = 5.0
 """The longest wait between two resends, whatever Retry-After says."""
 RELEASES_HELD_MAX = 65_536
-"""Releases held at once; past it a release answered 503 is answered 503 (the worker retries)."""
+"""Releases held at once on this node; past it a release answered 503 is answered 503 (the worker
+retries)."""
+RELEASES_HELD_PER_ATTEMPT = MAX_ITEMS
+"""Releases one attempt may have held: a part's workers (another tenant's code) cannot take the
+node's room from the parts beside it, however many releases they send while the control plane is busy."""
 
 Answer = tuple[HTTPStatus, dict[str, Any]]
 
@@ -151,7 +155,10 @@ class SlotRelay:
         closed."""
         at = time.monotonic() + min(RELEASE_RESEND_MAX_S, max(0.2, float(answer.get("retry_after_s") or 0.0)))
         with self._held_lock:
-            if self._closed.is_set() or len(self._held) + len(held) > RELEASES_HELD_MAX:
+            attempts = {h.attempt_id for h in held}
+            mine = sum(1 for h in self._held if h.attempt_id in attempts)
+            if (self._closed.is_set() or len(self._held) + len(held) > RELEASES_HELD_MAX
+                    or mine + len(held) > RELEASES_HELD_PER_ATTEMPT):
                 return False
             for h in held:
                 h.next_at = at
