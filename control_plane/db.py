@@ -7,6 +7,7 @@ session holds a transaction open (STYLE: claim, release, call, apply).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,6 +56,31 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     event.listen(factory, "after_flush", _mark_wrote)
     event.listen(factory, "after_transaction_end", _transaction_ended)
     return factory
+
+
+@functools.cache
+def code_schema_version() -> str:
+    """The revision this code's migrations end at: the schema its models describe."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config("postgresql://unused")).get_current_head()
+    if head is None:
+        raise RuntimeError(f"no migration in {MIGRATIONS_DIR}")
+    return str(head)
+
+
+def schema_problem(engine: Engine) -> str | None:
+    """Why this replica must not serve (None: it may): the database is not migrated, or to another
+    revision than this code's. A replica of the previous release after a migration, or a new one
+    before it, reads tables by names that may not be there (a rename): its ``/readyz`` says so, and
+    the load balancer sends it nothing (raises if the database cannot be reached)."""
+    version, expected = schema_version(engine), code_schema_version()
+    if not version:
+        return "database schema is not migrated; run 'trainyard migrate'"
+    if version != expected:
+        return (f"database schema is at revision {version}, this control plane's code needs {expected}: run "
+                f"'trainyard migrate' with this release, or replace this replica with the release that migrated it")
+    return None
 
 
 def schema_version(engine: Engine) -> str | None:

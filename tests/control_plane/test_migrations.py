@@ -155,3 +155,27 @@ def test_every_name_the_migrations_give_is_the_models_name(fresh_database_url):
     with engine.connect() as conn:
         assert _schema_names(conn) == at_head
     engine.dispose()
+
+
+def test_a_replica_whose_code_does_not_match_the_schema_is_not_ready(client, fresh_database_url):
+    """Mid-upgrade: the database migrated past this replica's code (or not yet to it). A rename such
+    as 0250's would answer its queries 500; /readyz says so first, naming both revisions and what to
+    do, so the load balancer sends it nothing."""
+    from control_plane.db import code_schema_version
+
+    head = code_schema_version()
+    assert client.get("/readyz").json() == {"status": "ready", "schema": head}
+    engine = create_engine(fresh_database_url)
+    try:
+        for other in ("0240_i27_lag", "9999_from_a_newer_release"):
+            with engine.begin() as conn:
+                conn.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": other})
+            r = client.get("/readyz")
+            assert r.status_code == 503 and r.headers["content-type"].startswith("application/problem+json")
+            detail = r.json()["detail"]
+            assert other in detail and head in detail and "trainyard migrate" in detail, detail
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": head})
+        assert client.get("/readyz").status_code == 200
+    finally:
+        engine.dispose()
