@@ -13,6 +13,7 @@ import pytest
 
 from tests.e2e.harness import LiveCluster
 from tests.factories import job_body
+from tests.helpers import need
 from trainyard.dev.netns import Shape, Topology, parse_rate
 from trainyard.embedded import EmbeddedPostgres
 
@@ -28,7 +29,6 @@ def _held_by(cluster: LiveCluster, node: str) -> set[str | None]:
 RACKS = Topology(racks=2, node_link=Shape(parse_rate("1gbit")), rack_uplink=Shape(parse_rate("200mbit")))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
 def test_a_node_cut_from_its_peer_then_from_the_control_plane_each_ends_its_attempt_and_the_job_recovers(
         make_cluster, reference_result):
     """Each node in a network namespace of its own, on real links. One job, two cuts:
@@ -41,6 +41,7 @@ def test_a_node_cut_from_its_peer_then_from_the_control_plane_each_ends_its_atte
        the heal the stale workers stop before its GPU is free again.
 
     The job ends with the weights of a run that never failed."""
+    need(os.geteuid() == 0, "network namespaces need root (CI runs as root)")
     cluster = make_cluster(nodes=3, network=RACKS, settings={
         "TRAINYARD_WATCHDOG_INTERVAL_S": "0.5", "TRAINYARD_HANG_TIMEOUT_MIN_S": "10"})
     network = cluster.dev.network
