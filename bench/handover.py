@@ -37,7 +37,8 @@ PHASES = ("detection", "decision", "wake_up", "process_start", "rendezvous", "re
 ROWS = (("cold restart (restartable: false)", False), ("in-process restart (restartable: true)", True))
 
 
-def _wait(what: str, check: Any, timeout: float) -> Any:
+def wait_for(what: str, check: Any, timeout: float) -> Any:
+    """``check()``'s value once it is truthy, polled every 0.2 s; RuntimeError after ``timeout``."""
     deadline = time.monotonic() + timeout
     while not (value := check()):
         if time.monotonic() > deadline:
@@ -53,12 +54,12 @@ def _run(http: httpx.Client, args: argparse.Namespace, *, restartable: bool, kil
         "restartable": restartable,
     }).raise_for_status().json()
     if kill:
-        _wait("committed checkpoint", lambda: [c for c in http.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
-                                               if c["state"] == "committed"], 180)
+        wait_for("committed checkpoint", lambda: [
+            c for c in http.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"] if c["state"] == "committed"], 180)
         first = http.get(f"/v1/jobs/{job['id']}/attempts").json()["items"][-1]
         (victim,) = [w["pid"] for n in first["nodes"] if n["node_rank"] == 1 for w in n["workers"]]
         os.kill(victim, signal.SIGKILL)
-    view = _wait("end", lambda: (v := http.get(f"/v1/jobs/{job['id']}").json())["state"]
+    view = wait_for("end", lambda: (v := http.get(f"/v1/jobs/{job['id']}").json())["state"]
                  in ("succeeded", "failed", "cancelled") and v, 600)
     if view["state"] != "succeeded":
         raise RuntimeError(f"the job ended {view['state']}: {view['end_reason']}")

@@ -41,6 +41,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.handover import wait_for  # noqa: E402
 from trainyard.dev import DevCluster, DevConfig  # noqa: E402
 from trainyard.dev.netns import Shape, Topology, parse_rate  # noqa: E402
 from trainyard.embedded import free_port  # noqa: E402
@@ -54,15 +55,6 @@ def say(message: str) -> None:
 
 def _ts(text: str) -> float:
     return datetime.fromisoformat(text).timestamp()
-
-
-def _wait(what: str, check: Any, timeout: float = 180.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.5)
-    return value
 
 
 def _running_on(http: httpx.Client, job_id: str) -> list[str] | None:
@@ -93,7 +85,7 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, workdir
             # --log-every 1: each progress sample's step_s is one step's, not a mean over ten.
             "args": ["--steps", "100000", "--d-model", str(args.trainer_d_model), "--layers", "2", "--log-every", "1"],
         }).raise_for_status().json()
-        placed = _wait("the trainer running", lambda: _running_on(http, trainer["id"]))
+        placed = wait_for("the trainer running", lambda: _running_on(http, trainer["id"]), 180)
         if placed != ["node-1", "node-3"]:
             raise RuntimeError(f"the trainer runs on {placed}, not across the racks")
         http.post(f"/v1/nodes/{nodes['node-2']}/uncordon").raise_for_status()
@@ -103,12 +95,12 @@ def run_config(name: str, env: dict[str, str], args: argparse.Namespace, workdir
             "args": ["--steps", str(steps), "--step-delay-s", str(args.step_delay_s),
                      "--d-model", str(args.d_model), "--layers", "4"],
             "checkpoint": {"interval_steps": args.every, "keep_last": 100}}).raise_for_status().json()
-        placed = _wait("the checkpointer running", lambda: _running_on(http, saver["id"]))
+        placed = wait_for("the checkpointer running", lambda: _running_on(http, saver["id"]), 180)
         if placed != ["node-1", "node-2"]:
             raise RuntimeError(f"the checkpointer runs on {placed}, not inside rack r1")
         say(f"{name}: trainer on node-1 + node-3, checkpointer on node-1 + node-2")
         cpu_before = psutil.cpu_times()
-        view = _wait("the checkpointer done", lambda: (v := http.get(f"/v1/jobs/{saver['id']}").json())["state"]
+        view = wait_for("the checkpointer done", lambda: (v := http.get(f"/v1/jobs/{saver['id']}").json())["state"]
                      in ("succeeded", "failed", "cancelled") and v, timeout=900)
         cpu_after = psutil.cpu_times()
         if view["state"] != "succeeded":
