@@ -164,9 +164,20 @@ class _PeerHandler(BaseHTTPRequestHandler):
         finally:
             tier.release(job_id, len(entry.data))
 
+    def _drain(self) -> None:
+        """Read and drop the body of a PUT answered before it was read (401, 404, 422), up to
+        DRAIN_MAX_BYTES within the request's deadline: closing a socket with bytes still unread sends a
+        reset, which can reach the sender before the answer and turn a 401 into "connection reset"."""
+        text = (self.headers.get("Content-Length") or "").strip()
+        left = min(int(text), DRAIN_MAX_BYTES) if text.isdigit() and len(text) <= 20 else 0
+        with contextlib.suppress(Exception):  # a sender that stops or lies: its connection just closes
+            while left > 0 and (chunk := self.rfile.read1(min(left, 64 << 10))):
+                left -= len(chunk)
+
     def do_PUT(self) -> None:  # noqa: N802 - stdlib naming
         target = self._target()
         if target is None:
+            self._drain()
             return
         job_id, rank, sha, owner = target
         text = (self.headers.get("Content-Length") or "").strip()
@@ -177,6 +188,7 @@ class _PeerHandler(BaseHTTPRequestHandler):
         refused = tier.reserve(job_id, length)
         if refused is not None:
             self._answer(refused.status, refused.detail)
+            self._drain()
             return
         try:
             self.reader.deadline += length / MIN_BYTES_PER_S
@@ -188,6 +200,10 @@ class _PeerHandler(BaseHTTPRequestHandler):
         finally:
             tier.release(job_id, length)
         self._answer(HTTPStatus.CREATED, "stored")
+
+
+DRAIN_MAX_BYTES = 1 << 20
+"""The most of a refused PUT's body the server reads and drops so that its answer arrives whole."""
 
 
 class PeerServer(socketserver.TCPServer):
