@@ -83,18 +83,19 @@ class Variant:
 
 
 _NO_MEMORY_TIER = ("--memory-tier-mb", "0")
+_NO_STANDBYS = ("--standbys", "0")
 
 VARIANTS: tuple[Variant, ...] = (
     # Push wake-ups off: no long poll is admitted (each is answered 503), so agents learn of the new
-    # attempt from their next heartbeat; with the memory tier off too, this is recovery before issue 14.
-    Variant("push wake-ups off, memory tier off", control_plane_env={"TRAINYARD_AGENT_WAIT_MAX": "0"},
-            agent_args=_NO_MEMORY_TIER),
-    Variant("push wake-ups on, memory tier off", agent_args=_NO_MEMORY_TIER),
-    Variant("push wake-ups + memory tier (default)"),
-    Variant("default + warm standbys", agent_args=("--standbys", "1")),
+    # attempt from their next heartbeat; with the memory tier and standbys off too, this is recovery
+    # before issue 14.
+    Variant("push wake-ups off, memory tier off, standbys off", control_plane_env={"TRAINYARD_AGENT_WAIT_MAX": "0"},
+            agent_args=(*_NO_MEMORY_TIER, *_NO_STANDBYS)),
+    Variant("push wake-ups on, memory tier off, standbys off", agent_args=(*_NO_MEMORY_TIER, *_NO_STANDBYS)),
+    Variant("push wake-ups + memory tier, standbys off", agent_args=_NO_STANDBYS),
+    # The agent's default keeps one warm standby per GPU and one for torchrun (--standbys auto).
+    Variant("push wake-ups + memory tier + warm standbys (default)"),
     Variant("in-process restart (restartable: true)", job={"restartable": True}, script_args=("--restartable",)),
-    Variant("in-process restart + warm standbys", job={"restartable": True}, script_args=("--restartable",),
-            agent_args=("--standbys", "1")),
     Variant("node replaced (3 nodes; rank 1's node gone)", nodes=3, replace_node=True, in_place=False),
 )
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import structlog
 
-from node_agent.config import AgentConfig
+from node_agent.config import MAX_STANDBYS, AgentConfig
 from node_agent.confinement.isolation import Isolation, IsolationError, private_dir, reachable_by_others
 from node_agent.gpus import GpuSource, gpu_source
 from node_agent.link.client import ControlPlaneClient
@@ -202,8 +202,9 @@ class Agent:
             env_passthrough=config.worker_env_passthrough,
             allowed_pythons=tuple(str(p) for p in config.allowed_pythons),
         )
-        if config.standbys:
-            state.standbys = self._standby_pool(state.node)
+        standbys = self._standby_count()
+        if standbys:
+            state.standbys = self._standby_pool(state.node, standbys)
             state.node = dataclasses.replace(state.node, standby_dir=str(state.standbys.directory))
         self.supervision.adopt_existing()
         state.supervise_wakeups = SuperviseWakeups(lambda: state.wake("supervise"))
@@ -216,7 +217,19 @@ class Agent:
         self._threads["monitor"] = threading.Thread(target=self._monitor, name="agent-monitor", daemon=True)
         self._threads["monitor"].start()
 
-    def _standby_pool(self, node: NodeContext) -> StandbyPool:
+    def _standby_count(self) -> int:
+        """``--standbys``, or for ``auto`` one per GPU and one for torchrun (each new attempt's part
+        takes that many) where the agent tracks workers by cgroup or uid, else none (said in the log)."""
+        state = self.state
+        if self.config.standbys is not None:
+            return self.config.standbys
+        assert state.isolation is not None
+        if state.isolation.cgroups is None and state.isolation.pool is None:
+            self.log.info("standbys_off", reason="workers are tracked neither by cgroup v2 nor by uid (--worker-uids)")
+            return 0
+        return min(MAX_STANDBYS, len(state.gpus) + 1)
+
+    def _standby_pool(self, node: NodeContext, size: int) -> StandbyPool:
         """The warm standbys of ``--standbys`` (node_agent/ranks/standby.py). Without cgroups or a uid pool
         the agent finds an attempt's processes by the variables they started with, which a standby
         (started before the attempt) does not have: refused, rather than workers it cannot see."""
@@ -238,7 +251,7 @@ class Agent:
         if state.isolation.isolated and reachable_by_others(directory.parent) is not None:
             raise IsolationError(f"worker uids cannot reach {directory}: choose a --run-dir every worker uid can reach")
         pool = StandbyPool(
-            size=self.config.standbys, directory=directory, python=node.python, env=standby_env(node), cwd="/",
+            size=size, directory=directory, python=node.python, env=standby_env(node), cwd="/",
             uids=self.config.worker_uids, cgroup_base=state.isolation.cgroups.base if state.isolation.cgroups else None,
             log=self.log,
         )

@@ -73,10 +73,12 @@ class AgentConfig:
     cgroups: bool = True
     """Track each attempt part's processes in a cgroup v2 of its own where the hierarchy is
     writable (else by uid, or by markers)."""
-    standbys: int = 0
+    standbys: int | None = 0
     """Warm standby processes to keep (node_agent/ranks/standby.py): interpreters with torch imported, no
-    job state, no CUDA context, each of which a new attempt's rank may become instead of starting
-    cold. One per GPU is the natural number. 0: off. Needs workers tracked by cgroup or uid."""
+    job state, no CUDA context, each of which a new attempt's torchrun or rank may become instead of
+    starting cold. None (``auto``, the command line's default): one per GPU plus one for torchrun
+    where workers are tracked by cgroup or uid, else none. 0: off (this class's default, for
+    agents built in code). A number needs workers tracked by cgroup or uid."""
     worker_env_passthrough: tuple[str, ...] = ()
     """Variables of the agent's environment to give workers besides the built-in allow-list
     (node_agent/part/commands.py, PASSTHROUGH_ENV)."""
@@ -196,7 +198,7 @@ class AgentConfig:
             raise ValueError("outbox_max_items must be >= 2 and outbox_max_bytes >= 1")
         if not 0 <= self.batch_window_s <= 1:
             raise ValueError("batch_window_s must be 0..1")
-        if not 0 <= self.standbys <= MAX_STANDBYS:
+        if self.standbys is not None and not 0 <= self.standbys <= MAX_STANDBYS:
             raise ValueError(f"standbys must be 0..{MAX_STANDBYS}")
         if self.memory_tier_mb < 0 or not 0 <= self.memory_port <= 65535:
             raise ValueError("memory_tier_mb must be >= 0 and memory_port a port number (0: any)")

@@ -68,6 +68,14 @@ def _bounded(kind: type[int] | type[float], low: float | None = None, high: floa
     return parse
 
 
+def _standbys(text: str) -> int | None:
+    """``auto`` (None: the agent decides, node_agent/agent.py) or a number of standbys."""
+    return None if text.strip().lower() == "auto" else _bounded(int, 0, MAX_STANDBYS)(text)
+
+
+_standbys.__name__ = "standbys"
+
+
 def _env(name: str, help: str) -> dict[str, Any]:
     """An option whose default is the variable ``name`` (parsed like the option's own value)."""
     return {"default": os.environ.get(name), "help": f"{help} (variable: {name})"}
@@ -103,9 +111,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          help="sockets and uid locks, shared by the machine's agents (default: /run/trainyard)")
     workers.add_argument("--cgroups", action=argparse.BooleanOptionalAction, default=True,
                          help="track each attempt part in a cgroup v2 where writable (--no-cgroups: by uid)")
-    workers.add_argument("--standbys", type=_bounded(int, 0, MAX_STANDBYS), default=0,
-                         help="warm standby processes (torch imported, no CUDA) that ranks start in instead of "
-                         "cold; one per GPU is natural; needs cgroup v2 or --worker-uids (default 0: off)")
+    workers.add_argument("--standbys", type=_standbys, **_env(
+        "TRAINYARD_AGENT_STANDBYS", "warm standby processes (torch imported, no CUDA) that a new attempt's torchrun "
+        "and ranks start in instead of cold; 'auto' (the default): one per GPU and one for torchrun where workers "
+        "are tracked by cgroup v2 or --worker-uids, else none; 0: off"))
     workers.add_argument("--worker-env", action="append", default=[],
                          help="a variable of the agent's environment to give workers (repeatable)")
     workers.add_argument("--allowed-python", type=Path, action="append", default=[],

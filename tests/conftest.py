@@ -28,6 +28,11 @@ import pytest
 from tests.helpers import ProcessReaper
 from trainyard.embedded import EmbeddedPostgres, EmbeddedS3, PostgresAdmin, S3Endpoint
 
+# Agents the suite starts keep no warm standbys unless a test asks for them (``--standbys N``, the
+# e2e cluster's {"standbys": N}): each imports torch, which on this suite's 2-core budget costs more
+# than it saves in tests that start one attempt. tests/e2e/test_standby.py runs the default (auto).
+os.environ.setdefault("TRAINYARD_AGENT_STANDBYS", "0")
+
 
 @pytest.fixture(scope="session")
 def embedded_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresAdmin]:

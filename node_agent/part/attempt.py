@@ -40,6 +40,7 @@ from node_agent.part.code import CodeUnavailable, ShippedCode, unpack
 from node_agent.part.commands import AttemptPaths, NodeContext, start_torchrun
 from node_agent.part.envs import EnvBuildFailed, EnvCache, kill_build
 from node_agent.part.logs import LogTailer
+from node_agent.ranks.torchrun_entry import LAUNCHER_FILE
 from trainyard.protocol.agent import (
     AgentErrorKind,
     AttemptStatusReport,
@@ -595,11 +596,12 @@ class Part:
                     self.log.info("torchrun_exited", exit_code=self.exit_code, stopped=self.stopped)
             found = self._refresh(processes.scan() if table is None else table)
             alive = found or not self.torchrun_done
+            torchrun = self._torchrun_pids()
             if (self.stop_reason is not None and self._term_sent_at is not None and not self._kill_sent
                     and not self._torchrun_killed and not self.torchrun_done and self.pid is not None
-                    and self._members <= {self.pid}
+                    and self._members <= torchrun
                     # A table shared by the supervise step may predate shims torchrun just started.
-                    and (table is None or (self._refresh(processes.scan()) and self._members <= {self.pid}))):
+                    and (table is None or (self._refresh(processes.scan()) and self._members <= torchrun))):
                 # Stopped, and every shim and worker is gone (each had its SIGTERM and its grace):
                 # torchrun's own teardown after a SIGTERM (closing its workers again, its error
                 # report, a torch interpreter's exit) took about half a second and ends nothing of
@@ -609,7 +611,7 @@ class Part:
                 # torchrun alone, and no escalation: anything that starts after this still gets its
                 # SIGTERM's grace (_kill_sent means the grace ran out).
                 self._torchrun_killed = True
-                processes.signal_processes((self.pid,), (), signal.SIGKILL)
+                processes.signal_processes(tuple(sorted(torchrun & (self._members | {self.pid}))), (), signal.SIGKILL)
             if self.torchrun_done and alive and self._term_sent_at is None:
                 # torchrun is gone but left processes behind: clean up without calling it a stop.
                 self.log.warning("attempt_leftovers", pids=sorted(self._members))
@@ -705,6 +707,22 @@ class Part:
     @property
     def stopping(self) -> bool:
         return self.stop_reason is not None
+
+    def _torchrun_pids(self) -> set[int]:
+        """torchrun's process and, when it started warm, the standby it runs in and its own stand-in
+        (node_agent/ranks/torchrun_entry.py, LAUNCHER_FILE): written by the job's uid, so only pids
+        that are this part's processes count."""
+        pids = {self.pid} if self.pid is not None else set()
+        try:
+            raw = safe_files.read_file(self.paths.worker, "status", LAUNCHER_FILE, limit=RANK_FILE_BYTES,
+                                       owner=self.confinement.uid)
+            record = json.loads(raw)
+        except (OSError, ValueError):
+            return pids
+        if not isinstance(record, dict) or record.get("launcher") != self.pid:
+            return pids
+        return pids | {p for p in (record.get("standby"), record.get("torchrun"))
+                       if isinstance(p, int) and not isinstance(p, bool) and p in self._members}
 
     def _read_rank_files(self) -> list[WorkerStatus]:
         """The rank shims' files, read as a worker could have left them: no link followed, nothing

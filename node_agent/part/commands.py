@@ -327,6 +327,9 @@ def worker_env(spec: LaunchSpec, node: NodeContext, paths: AttemptPaths, *, uid:
     env.update(storage_env(spec.storage))
     if node.standby_dir is not None:
         env[ENV_STANDBY_DIR] = node.standby_dir
+        # What torchrun gives every rank anyway, in torchrun's own environment too: its warm start
+        # (node_agent/ranks/torchrun_entry.py) needs the startup variables a standby imported with.
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.update(
         {
             ENV_JOB_ID: spec.job_id,

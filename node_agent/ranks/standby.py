@@ -1,6 +1,10 @@
 """A warm standby: an interpreter with torch imported that becomes one rank's worker, once.
 
-    python -m node_agent.ranks.standby --socket PATH --parent PID [--preload MOD]... [--uids A-B] [--cgroup-base DIR]
+    python -m node_agent.ranks.standby --socket PATH --parent PID [--preload MOD]... [--uids A-B]
+                                       [--cgroup-base DIR] [--idle]
+
+``--idle``: import and wait at SCHED_IDLE (a standby started in place of one a rank took, during a
+recovery: it must not take CPU from the ranks starting then); back to normal when claimed.
 
 The agent keeps a few of these (node_agent/ranks/standby_pool.py, ``--standbys``) so that a new
 attempt's rank skips the cold start (interpreter, torch import). The rank shim connects to one,
@@ -221,6 +225,7 @@ class Standby:
             self._decline(conn, fds, "the agent is stopping this standby")
             os._exit(0)
         self.listener.close()
+        _idle_priority(False)
         self._confine(conn, cgroup_dir, mnt, uid, gid, limits)
         self.stdio = fds
         return rank
@@ -305,10 +310,37 @@ def _become_worker(rank: Rank, stdio: list[int], standby_pid: int) -> None:
     sys.path[:] = [first, *extra, *installed]
     sys.argv[:] = [rank.entrypoint, *rank.args]
     importlib.invalidate_caches()
+    _apply_threads(rank.env)
     # Caches of the environment made while importing: the rank's TMPDIR, not the standby's.
     cached = sys.modules.get("tempfile")
     if cached is not None:
         cached.__dict__["tempdir"] = None
+
+
+def _apply_threads(env: dict[str, str]) -> None:
+    """torch's intra-op threads as a cold start with ``env`` would have them (standby_wire,
+    APPLIED_AT_HANDOVER): the rank's OMP_NUM_THREADS (at most the machine's CPUs, as torch 2.13's
+    import gives it: tests/node_agent/test_standby.py compares), else OpenMP's default (the CPUs this
+    process may run on, now that it is in the rank's cgroup)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    value = env.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        threads = min(int(value), os.cpu_count() or int(value))  # a cold import caps it at the machine's CPUs
+    else:
+        threads = len(os.sched_getaffinity(0))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def _idle_priority(idle: bool) -> None:
+    """``--idle``: the standby imports and waits at SCHED_IDLE, so that one started in place of a
+    claimed one (during a recovery) takes no CPU from the ranks starting then. A claimed one is back
+    to normal before it forks (allowed to any process whose nice value permits it, root or not)."""
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, policy, os.sched_param(0))
 
 
 _STANDBY_PYTHONPATH: list[str] = []
@@ -332,9 +364,12 @@ def _wait_and_report(conn: socket.socket, child: int) -> NoReturn:
     os._exit(0)
 
 
-def _parse(argv: list[str]) -> tuple[str, int, list[str], Policy]:
+def _parse(argv: list[str]) -> tuple[str, int, list[str], Policy, bool]:
     path, parent, preload, uids, cgroup_base = None, None, [], None, None
     rest = list(argv)
+    idle = "--idle" in rest
+    if idle:
+        rest.remove("--idle")
     while rest:
         flag = rest.pop(0)
         if not rest:
@@ -355,11 +390,11 @@ def _parse(argv: list[str]) -> tuple[str, int, list[str], Policy]:
             raise SystemExit(f"standby: unknown option {flag}")
     if path is None or parent is None:
         raise SystemExit("usage: python -m node_agent.ranks.standby --socket PATH --parent PID [--preload MOD]...")
-    return path, parent, preload, Policy(uids=uids, cgroup_base=cgroup_base)
+    return path, parent, preload, Policy(uids=uids, cgroup_base=cgroup_base), idle
 
 
 def main(argv: list[str] | None = None) -> None:
-    path, parent, preload, policy = _parse(sys.argv[1:] if argv is None else argv)
+    path, parent, preload, policy, idle = _parse(sys.argv[1:] if argv is None else argv)
     startup = wire.startup_env(dict(os.environ))
     _STANDBY_PYTHONPATH[:] = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if sys.path and sys.path[0] not in _STANDBY_PYTHONPATH:
@@ -368,6 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # unclaimed, it is the agent's: it goes with it
     if os.getppid() != parent:
         os._exit(1)
+    if idle:
+        _idle_priority(True)
     for name in preload:
         importlib.import_module(name)  # never torch.cuda: no CUDA context, no GPU memory while idle
     if _threads() != 1:

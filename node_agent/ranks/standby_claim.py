@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import socket
+import struct
 import sys
 from pathlib import Path
 
@@ -31,6 +32,16 @@ class StandbyWorker:
         self.standby = standby
         """The socket path of the standby that runs the rank (for the shim's log)."""
         self.returncode: int | None = None
+
+    @property
+    def standby_pid(self) -> int | None:
+        """The standby's own pid (the worker's parent), from the socket's peer credentials."""
+        try:
+            pid, _, _ = struct.unpack("3i", self._conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                  struct.calcsize("3i")))
+        except OSError:
+            return None
+        return pid
 
     def send_signal(self, signum: int) -> None:
         if self.returncode is None:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,11 @@ from typing import Any
 from node_agent.confinement.isolation import UidRange
 from node_agent.ranks import standby_wire as wire
 from node_agent.ranks.entry_points import STANDBY
+
+PRELOAD = ("torch", "torch._dynamo", "worker_runtime", "worker_runtime.layouts")
+"""What a standby imports before it waits: torch, the compiler stack that DDP's constructor and
+``torch.use_deterministic_algorithms`` import on first use (about a second here), and the
+platform's worker runtime. Platform code only, never a job's."""
 
 FAILED_STARTS_LIMIT = 3
 """Standbys in a row that die before anyone claims them: the feature turns itself off, loudly
@@ -49,10 +55,18 @@ def remove_stale(parent: Path) -> None:
                 shutil.rmtree(entry, ignore_errors=True)
 
 
+IDLE_FOR_S = 3.0
+"""How long a replacement standby imports at SCHED_IDLE before the agent puts it back to normal
+priority: long enough to keep out of a recovery's way (the ranks starting then), short enough that a
+node whose ranks keep every CPU busy still has its standbys warm for the next failure."""
+
+
 @dataclass
 class _Standby:
     proc: subprocess.Popen[bytes]
     socket: Path
+    idle_until: float | None = None
+    """While importing at SCHED_IDLE: when the agent moves it back to normal priority."""
 
     @property
     def claimed(self) -> bool:
@@ -67,7 +81,7 @@ class _Standby:
 class StandbyPool:
     def __init__(
         self, *, size: int, directory: Path, python: str, env: dict[str, str], cwd: str,
-        preload: tuple[str, ...] = ("torch",), uids: UidRange | None = None, cgroup_base: Path | None = None,
+        preload: tuple[str, ...] = PRELOAD, uids: UidRange | None = None, cgroup_base: Path | None = None,
         log: Any = None,
     ) -> None:
         if size < 0:
@@ -96,8 +110,10 @@ class StandbyPool:
     def warm(self) -> int:
         return sum(1 for s in self._standbys if s.ours and s.socket.exists())
 
-    def command(self, socket: Path) -> list[str]:
+    def command(self, socket: Path, *, idle: bool = False) -> list[str]:
         command = [self.python, "-m", STANDBY, "--socket", str(socket), "--parent", str(os.getpid())]
+        if idle:
+            command.append("--idle")
         for name in self.preload:
             command += ["--preload", name]
         if self.uids is not None:
@@ -125,17 +141,26 @@ class StandbyPool:
                 self.log.warning("standbys_disabled", reason=self.disabled, command=self.command(Path("…")))
         if self.disabled is not None:
             return
+        now = time.monotonic()
+        for standby in self._standbys:
+            if standby.idle_until is not None and now >= standby.idle_until:
+                standby.idle_until = None
+                if standby.ours and not standby.socket.exists():  # still importing
+                    with contextlib.suppress(OSError):
+                        os.sched_setscheduler(standby.proc.pid, os.SCHED_OTHER, os.sched_param(0))
         while sum(1 for s in self._standbys if s.ours) < self.size:
-            self._start()
+            # The first fill at normal priority; each replacement of a taken one at SCHED_IDLE,
+            # behind the ranks that are starting then (node_agent/ranks/standby.py, --idle).
+            self._start(idle=self._serial >= self.size)
 
-    def _start(self) -> None:
+    def _start(self, *, idle: bool = False) -> None:
         self._serial += 1
         socket = self.directory / f"{os.getpid()}-{self._serial}{wire.SOCKET_SUFFIX}"
         proc = subprocess.Popen(
-            self.command(socket), env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+            self.command(socket, idle=idle), env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
-        self._standbys.append(_Standby(proc, socket))
+        self._standbys.append(_Standby(proc, socket, time.monotonic() + IDLE_FOR_S if idle else None))
 
     def close(self) -> None:
         """Kill every standby that is still the agent's; leave those ranks took."""

@@ -35,8 +35,12 @@ STARTUP_PREFIXES: Final = (
 """Variables the interpreter, its loader or torch read while starting or importing (libgomp reads
 OMP_* when it is loaded, Python its PYTHON* at start): a standby that imported with other values
 than a rank asks for would not be the process a cold start makes, so it declines that rank."""
-APPLIED_AT_HANDOVER: Final = frozenset({"PYTHONPATH"})
-"""Startup variables a standby applies itself when it becomes the worker (sys.path is rebuilt)."""
+APPLIED_AT_HANDOVER: Final = frozenset({"PYTHONPATH", "OMP_NUM_THREADS"})
+"""Startup variables a standby applies itself when it becomes the worker: sys.path is rebuilt, and
+torch's intra-op threads are set to what a cold start's would be (the rank's OMP_NUM_THREADS, or
+without it OpenMP's default, one per CPU the process may run on). A standby imports with
+OMP_NUM_THREADS=1 (more starts threads at import, and a process with threads cannot fork
+safely), while torchrun sets it for ranks only when a node runs more than one."""
 
 
 def claimed_path(socket_path: Any) -> Any:

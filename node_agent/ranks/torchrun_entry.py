@@ -13,19 +13,44 @@ timeout); past it torchrun connects, and fails, as it would have. The wait count
 timeout: torchrun's own rendezvous gets only what is left of it (``--rdzv-conf timeout=``), so a
 host that never listens is noticed after one join timeout (plus at most MIN_RDZV_TIMEOUT_S), not two.
 
+Warm start. With TRAINYARD_STANDBY_DIR set (the agent keeps warm standbys: node_agent/ranks/standby.py)
+this process first offers itself to a standby, exactly as a rank shim offers a rank: the standby
+takes on this process's confinement (cgroup, uid, mount namespace) and forks torchrun from an
+interpreter that has torch imported, so a new attempt's torchrun does not pay for its imports
+(about a second). This process then stays as torchrun's stand-in for the agent, which started it
+and knows its pid: it waits for the forked torchrun and exits as it did (the same status, or the
+same signal). It writes the pids of the standby and of the forked torchrun to
+``$TRAINYARD_STATUS_DIR/launcher.json`` so that the agent counts them as torchrun's own (a stopped
+part whose ranks are gone has its torchrun killed at once). It ignores the stop signals: a stop
+reaches every process of the attempt at once (the agent signals its cgroup or uid), torchrun
+included; if this process is killed, the standby kills the forked torchrun. No standby warm, or one
+that declines: the cold start below, in this process.
+
 This module imports only the standard library before torch.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import NoReturn
 
+from node_agent.ranks.entry_points import TORCHRUN_ENTRY
+from node_agent.ranks.standby_claim import claim
+from trainyard.protocol.env import ENV_STANDBY_DIR, ENV_STATUS_DIR
 from trainyard.protocol.rendezvous import split_endpoint, wait_for_listener
 
 USAGE = "usage: python -m node_agent.ranks.torchrun_entry [--wait-for HOST:PORT --wait-s SECONDS] -- TORCHRUN_ARGS..."
+IN_STANDBY = "--in-standby"
+"""Prepended to the arguments a standby runs this module with: it is the warm torchrun, it claims nothing."""
+LAUNCHER_FILE = "launcher.json"
+"""In the attempt's status directory: ``{"launcher", "standby", "torchrun"}`` pids of a warm start."""
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def _parse(argv: list[str]) -> tuple[tuple[str, int] | None, float, list[str]]:
@@ -64,8 +89,47 @@ def with_timeout_left(rest: list[str], left_s: float) -> list[str]:
     return out
 
 
+def _start_warm(argv: list[str]) -> None:
+    """Hand torchrun to a warm standby and stand in for it until it exits; return if none takes it."""
+    directory = os.environ.get(ENV_STANDBY_DIR)
+    if not directory:
+        return
+    # Ignored before the claim, so that no stop lands between the fork and the handlers; a stop
+    # reaches the forked torchrun directly.
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+    worker, why = claim(Path(directory), "module", TORCHRUN_ENTRY, [IN_STANDBY, *argv], dict(os.environ),
+                        cwd=os.getcwd(), stdio=[1, 2])
+    if worker is None:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        print(f"torchrun_entry: starts cold: {why}", file=sys.stderr, flush=True)
+        return
+    status_dir = os.environ.get(ENV_STATUS_DIR)
+    if status_dir:
+        record = {"launcher": os.getpid(), "standby": worker.standby_pid, "torchrun": worker.pid}
+        tmp = Path(status_dir) / f".{LAUNCHER_FILE}.{os.getpid()}.tmp"
+        try:
+            tmp.write_text(json.dumps(record))
+            tmp.replace(Path(status_dir) / LAUNCHER_FILE)
+        except OSError as exc:
+            print(f"torchrun_entry: cannot record the warm torchrun: {exc}", file=sys.stderr, flush=True)
+    print(f"torchrun_entry: torchrun runs warm as pid {worker.pid}", file=sys.stderr, flush=True)
+    code = worker.wait()
+    if code < 0:
+        sys.stderr.flush()
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
-    endpoint, wait_s, rest = _parse(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == [IN_STANDBY]:
+        args = args[1:]
+    else:
+        _start_warm(args)
+    endpoint, wait_s, rest = _parse(args)
     waiter: threading.Thread | None = None
     outcome: list[int | None] = []
     started = time.monotonic()

@@ -187,13 +187,43 @@ def test_a_standby_declines_other_startup_variables_and_stays_warm(
     socket = start_standby(spawned, standbys)
     script = write_script(tmp_path, "report.py", REPORT)
     first, second = fresh(tmp_path, "first"), fresh(tmp_path, "second")
-    # libgomp reads OMP_NUM_THREADS when it loads: a standby that imported with another value differs.
+    # MKL reads MKL_NUM_THREADS when it loads: a standby that imported with another value differs.
     assert run_shim(spawned, first, "file", str(script), "0", standbys=standbys,
-                    job_env={"OMP_NUM_THREADS": "7"}).wait(30) == 0
-    assert "standby" not in record(first) and report(first)["env"]["OMP_NUM_THREADS"] == "7"
+                    job_env={"MKL_NUM_THREADS": "7"}).wait(30) == 0
+    assert "standby" not in record(first) and report(first)["env"]["MKL_NUM_THREADS"] == "7"
     assert socket.exists()
     assert run_shim(spawned, second, "file", str(script), "0", standbys=standbys).wait(30) == 0
     assert record(second)["standby"] is True
+
+
+THREADS = """\
+import json, os, sys, torch
+print(json.dumps({"threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+                  "cpus": len(os.sched_getaffinity(0)), "warm": "node_agent.ranks.standby" in
+                  open(f"/proc/{os.getppid()}/cmdline").read()}))
+"""
+
+
+def test_a_warm_rank_gets_the_intra_op_threads_a_cold_one_would(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """A standby imports torch with OMP_NUM_THREADS=1 (more would start threads before its fork);
+    the worker gets the rank's value, or without one OpenMP's default, as a cold start would."""
+    standbys = tmp_path / "standbys"
+    script = write_script(tmp_path, "threads.py", THREADS)
+    seen = {}
+    for name, job_env in (("three", {"OMP_NUM_THREADS": "3"}), ("unset", {})):
+        for how in ("cold", "warm"):
+            directory = fresh(tmp_path, f"{name}-{how}")
+            if how == "warm":
+                start_standby(spawned, standbys, name, "--preload", "torch", env={"OMP_NUM_THREADS": "1"})
+            assert run_shim(spawned, directory, "file", str(script), standbys=standbys if how == "warm" else None,
+                            job_env=job_env).wait(60) == 0
+            seen[name, how] = report(directory)
+    assert seen["three", "warm"]["warm"] and seen["unset", "warm"]["warm"] and not seen["unset", "cold"]["warm"]
+    assert seen["three", "warm"]["threads"] == seen["three", "cold"]["threads"] == min(3, os.cpu_count() or 3)
+    assert seen["unset", "warm"]["omp"] is None
+    assert seen["unset", "warm"]["threads"] == seen["unset", "cold"]["threads"] == seen["unset", "cold"]["cpus"]
 
 
 def test_only_a_worker_uid_may_claim(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:

@@ -317,9 +317,10 @@ def dev_up(
     insecure_http: Annotated[
         bool, typer.Option("--insecure-http", help="Serve the API over plain HTTP instead of HTTPS with a local CA.")
     ] = False,
-    standbys: Annotated[int, typer.Option(
-        min=0, max=64, help="Warm standby processes per agent (torch imported) that ranks start in instead of cold.",
-    )] = 0,
+    standbys: Annotated[int | None, typer.Option(
+        min=0, max=64, help="Warm standby processes per agent (torch imported) that a new attempt's torchrun and "
+        "ranks start in instead of cold (default: the agent's, one per GPU and one for torchrun).",
+        show_default=False)] = None,
     netns: Annotated[bool, typer.Option(
         "--netns", help="Root only: each node in a network namespace of its own, on bridges joined by links "
         "with real limits (docs/operations.md, 'A rack layout on one machine').")] = False,

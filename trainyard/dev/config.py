@@ -68,8 +68,9 @@ class DevConfig:
     agent_control_plane: dict[str, str] = field(default_factory=dict)
     """node name -> the control-plane URL its agent uses instead of its replica's (fault tests put
     a proxy there)."""
-    standbys: int = 0
-    """Warm standby processes per agent (``--standbys``, node_agent/ranks/standby.py); 0: none."""
+    standbys: int | None = None
+    """Warm standby processes per agent (``--standbys``, node_agent/ranks/standby.py); None: the
+    agent's default (``auto``, or TRAINYARD_AGENT_STANDBYS in the environment); 0: none."""
     network: Topology | None = None
     """``--netns``: each node in a network namespace of its own, on bridges joined by links with these
     limits (trainyard/dev/netns.py); the control plane and S3 listen on the layout's host address.

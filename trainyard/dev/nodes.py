@@ -82,7 +82,7 @@ class NodeAgents(ClusterBase):
             args += ["--memory-plain-http"]
         if cfg.worker_uids:
             args += ["--worker-uids", cfg.worker_uids, "--worker-root", str(self._worker_root(name))]
-        if cfg.standbys:
+        if cfg.standbys is not None:
             args += ["--standbys", str(cfg.standbys)]
         if self.network is not None:  # the scheduler keeps a gang inside a rack when it can
             args += ["--label", f"rack=r{self.network.layout.rack_of(i)}"]
