@@ -24,7 +24,7 @@ from control_plane.scheduler.allocate import PASS_LOCK_BUSY, PendingCache, sched
 from control_plane.services.checkpoints import checkpoints, storage_sweep, upload_slots
 from control_plane.services.cluster import nodes
 from control_plane.services.read import metrics
-from control_plane.services.runs import attempts, intervals, limits, retention, watchdog
+from control_plane.services.runs import attempts, intervals, limits, retention, status_reports, watchdog
 from control_plane.settings import Settings
 
 log = structlog.get_logger("trainyard.loops")
@@ -135,6 +135,9 @@ class Loops:
                     local_oldest_s=waited,
                 )
             with session_scope(self._factory) as session:
+                # A failure that waited for its cause's report, when none came (its node died).
+                decided = status_reports.settle_undecided(session)
+            with session_scope(self._factory) as session:
                 # After the lost nodes committed: a cancelling job whose release committed but was
                 # not finished (a crash before attempts.finish_released) is cancelled here.
                 ended = attempts.finish_stopped(session)
@@ -150,7 +153,7 @@ class Loops:
             # the agents the same grace as after a restart before calling anyone lost.
             self._not_before = now() + timedelta(seconds=self._settings.startup_grace_s)
             raise
-        if lost or unlaunched or ended:
+        if lost or unlaunched or ended or decided:
             self.wake_scheduler()
         return len(lost)
 

@@ -170,7 +170,9 @@ class LocalReports:
     """Thread-safe store of the latest progress and the result of each registered attempt."""
 
     def __init__(self, on_ready: Callable[[], None] | None = None) -> None:
-        """``on_ready``: called (outside the lock) when a rank of a registered attempt says ready."""
+        """``on_ready``: called (outside the lock) when a rank of a registered attempt says ready, and
+        when the attempt's first step arrives: the report loop sends both at once rather than at its
+        next pass (a recovery's rendezvous and restore phases end there)."""
         self._lock = threading.Lock()
         self._attempts: dict[str, _AttemptReports] = {}
         self._on_ready = on_ready
@@ -203,10 +205,13 @@ class LocalReports:
             if body.rank != 0 and body.loss is None and not body.metrics:
                 return True  # another rank's step and timings only: its node's RankSummary
             # Ranks report in any order; the attempt's progress is the furthest step seen.
+            first = entry.progress is None
             if entry.progress is None or body.step >= entry.progress.step:
                 entry.progress = Progress(step=body.step, loss=body.loss, metrics=body.metrics,
                                           total_steps=body.total_steps, at=datetime.now(UTC))
-            return True
+        if first and self._on_ready is not None:
+            self._on_ready()
+        return True
 
     @staticmethod
     def _rank_report(entry: _AttemptReports, body: LocalProgress) -> None:
@@ -245,6 +250,12 @@ class LocalReports:
         if self._on_ready is not None:
             self._on_ready()
         return True
+
+    def stepped(self, attempt_id: str, ranks: int) -> bool:
+        """Each of the part's ``ranks`` ranks has reported a step (it is past its start and restore)."""
+        with self._lock:
+            entry = self._attempts.get(attempt_id)
+            return entry is not None and len(entry.ranks) >= ranks
 
     def initialized_at(self, attempt_id: str, ranks: int) -> float | None:
         """When the last of the part's ``ranks`` ranks said it is ready (monotonic); None before all did."""

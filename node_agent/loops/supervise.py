@@ -13,6 +13,9 @@ from node_agent.loops.state import AgentState
 from node_agent.part.attempt import Part
 
 _ORPHAN_SCAN_S = 5.0
+STANDBY_HOLD_MAX_S = 30.0
+"""How long after a part arrived its start holds back the standbys that replace those it took
+(a script that never reports a step must not keep the node without standbys for longer)."""
 """How often an agent looks for orphaned workers of its node in the whole process table (each pass
 while some are being stopped; at once after each registration, loops/heartbeat.py)."""
 STALE_LOGS_DRAIN_S = 10.0
@@ -58,8 +61,22 @@ class SuperviseLoop:
         if state.pending:
             self.launch_pending()  # a part whose GPUs a run held that is gone now
         if state.standbys is not None and not state.stop_event.is_set():
-            state.standbys.refill()  # a fresh standby for each that a rank took
+            # A fresh standby for each that a rank took, once no part of this node is starting: a
+            # standby's imports (seconds of CPU) beside a recovery's ranks slowed their start by
+            # half, even at idle priority (docs/architecture.md, "Warm standbys").
+            state.standbys.refill(hold=self._starting(runs))
         return state.config.poll_interval_s
+
+    def _starting(self, runs: list[Part]) -> bool:
+        """Some part of this node is starting: received within STANDBY_HOLD_MAX_S, still running,
+        and not every one of its ranks has reported a step yet."""
+        now, reports = time.monotonic(), self.state.reports
+        return any(
+            run.received_at is not None and now - run.received_at < STANDBY_HOLD_MAX_S
+            and not (run.done or run.finished or run.stale)
+            and not reports.stepped(run.attempt_id, run.spec.nproc_per_node)
+            for run in runs
+        )
 
     @staticmethod
     def _confined_pids(runs: list[Part]) -> set[int] | None:

@@ -25,7 +25,9 @@ Why it is safe (docs/security.md):
 - The agent never kills a standby that has taken on an attempt (its cgroup or uid changed): from
   then on it is one of the attempt's processes.
 - Forking a process with threads is unsafe; the standby checks it has one thread after its
-  imports, and refuses to serve otherwise.
+  imports, and refuses to serve otherwise. CUDA does not survive a fork either: it refuses to serve
+  if its imports loaded the CUDA driver (bench/gpu_fast_path_check.py checks a worker forked from
+  one initialises its GPU).
 
 The worker is the forked child: it sets the rank's environment, argv, sys.path, cwd and stdio, and
 runs the entrypoint as ``python -m`` or ``python FILE`` would, then the interpreter exits as a cold
@@ -54,7 +56,7 @@ from node_agent.ranks import standby_wire as wire
 
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 _CLONE_NEWNS = 0x00020000
-EXIT_BAD_USAGE, EXIT_THREADED = 2, 3
+EXIT_BAD_USAGE, EXIT_THREADED, EXIT_CUDA = 2, 3, 4
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 """What the rank shim forwards to its worker (rank_shim.FORWARDED_SIGNALS); a claimed standby
 ignores them, its worker decides."""
@@ -85,6 +87,15 @@ class Rank:
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def _cuda_loaded() -> bool:
+    """True when the CUDA driver library is mapped in this process (something called into CUDA)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("/libcuda.so" in line for line in f)
+    except OSError:
+        return False
 
 
 def _threads() -> int:
@@ -410,6 +421,12 @@ def main(argv: list[str] | None = None) -> None:
     if _threads() != 1:
         print(f"standby: {_threads()} threads after importing {preload}; forking it would be unsafe", file=sys.stderr)
         sys.exit(EXIT_THREADED)
+    if _cuda_loaded():
+        # CUDA does not survive a fork: a preload that initialised it (torch.cuda.is_available()
+        # at import) would leave every worker forked from here without a usable GPU.
+        print(f"standby: the CUDA driver was loaded while importing {preload}; a forked worker could not use it",
+              file=sys.stderr)
+        sys.exit(EXIT_CUDA)
     standby = Standby(path, policy, startup)
     standby.listen()
     conn, rank = standby.serve()

@@ -107,6 +107,11 @@ class StandbyPool:
                 stale.unlink()
 
     @property
+    def kept(self) -> int:
+        """The standbys that are the agent's: listening, or still importing."""
+        return sum(1 for s in self._standbys if s.ours)
+
+    @property
     def warm(self) -> int:
         return sum(1 for s in self._standbys if s.ours and s.socket.exists())
 
@@ -122,8 +127,9 @@ class StandbyPool:
             command += ["--cgroup-base", str(self.cgroup_base)]
         return command
 
-    def refill(self) -> None:
-        """Reap the standbys that ended, note the ones claimed, start new ones up to ``size``."""
+    def refill(self, *, hold: bool = False) -> None:
+        """Reap the standbys that ended, note the ones claimed, start new ones up to ``size``
+        (``hold``: not now, a part of the node is starting; the next call does)."""
         for standby in list(self._standbys):
             if standby.proc.poll() is None:
                 continue
@@ -148,7 +154,7 @@ class StandbyPool:
                 if standby.ours and not standby.socket.exists():  # still importing
                     with contextlib.suppress(OSError):
                         os.sched_setscheduler(standby.proc.pid, os.SCHED_OTHER, os.sched_param(0))
-        while sum(1 for s in self._standbys if s.ours) < self.size:
+        while not hold and sum(1 for s in self._standbys if s.ours) < self.size:
             # The first fill at normal priority; each replacement of a taken one at SCHED_IDLE,
             # behind the ranks that are starting then (node_agent/ranks/standby.py, --idle).
             self._start(idle=self._serial >= self.size)

@@ -117,7 +117,8 @@ def _start_warm(argv: list[str]) -> None:
     code = worker.wait()
     if code < 0:
         sys.stderr.flush()
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         code = 128 - code
     os._exit(code)

@@ -239,3 +239,61 @@ def test_a_part_stopped_at_its_resource_limit_names_the_limit_not_its_killed_wor
     assert attempt["failure_kind"] == "resource_limit" and attempt["failed_node"] == "node-2", attempt
     assert limit in attempt["end_reason"] and "SIGKILL" not in attempt["end_reason"]
     assert limit in get_job(client, job["id"])["end_reason"]
+
+
+def _two_running(client, schedule) -> tuple[dict, FakeAgentSession, FakeAgentSession, dict]:
+    a, b = FakeAgentSession(client, "node-1", 1), FakeAgentSession(client, "node-2", 1)
+    job = submit(client, num_nodes=2, gpus_per_node=1)
+    schedule()
+    specs = {agent.name: agent.heartbeat()["assignments"][0] for agent in (a, b)}
+    for agent in (a, b):
+        agent.status(specs[agent.name], "running", workers=workers_for(specs[agent.name], "running"))
+    return job, a, b, specs
+
+
+def _shift(app, **updates: object) -> None:
+    from sqlalchemy import update
+
+    from control_plane.db import session_scope
+    from control_plane.models import Node, Worker
+
+    with session_scope(app.state.session_factory) as s:
+        if "heartbeat_of" in updates:
+            s.execute(update(Node).where(Node.name == updates["heartbeat_of"])
+                      .values(last_heartbeat_at=datetime.now(UTC) - timedelta(seconds=float(updates["ago_s"]))))
+        if "ended_ago_s" in updates:
+            s.execute(update(Worker).where(Worker.exit_code == 1)
+                      .values(ended_at=datetime.now(UTC) - timedelta(seconds=float(updates["ended_ago_s"]))))
+
+
+def test_a_peers_collective_error_blames_a_node_that_went_silent_at_once(app, client, schedule):
+    """Issue 30: a node that died with its agent never reports its rank's death; its peer's collective
+    error is decided at once with the silent node blamed (the next attempt is placed without it),
+    not after the node-lost timeout."""
+    job, a, _b, specs = _two_running(client, schedule)
+    _shift(app, heartbeat_of="node-2", ago_s=2.5)  # two of its 1 s heartbeats missed
+    _exit(a, specs["node-1"], "collective_timeout", "RuntimeError: Connection closed by peer")
+    assert get_job(client, job["id"])["state"] == "recovering"
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failed_node"] == "node-2" and attempt["failure_kind"] == "node_lost"
+    assert "node rank 1 on node-2 went silent" in attempt["end_reason"]
+
+
+def test_a_failure_left_waiting_for_its_cause_is_decided_by_the_monitor_when_nothing_comes(app, client, schedule):
+    """The peer's report ended its part; the cause's node neither reports nor goes silent in time:
+    the monitor's sweep decides once the grace is over (no later report would), blaming the rank
+    that failed first."""
+    from control_plane.db import session_scope
+    from control_plane.services.runs import status_reports
+
+    job, a, _b, specs = _two_running(client, schedule)
+    _exit(a, specs["node-1"], "collective_timeout", "RuntimeError: Connection closed by peer")
+    with session_scope(app.state.session_factory) as s:
+        assert status_reports.settle_undecided(s) == 0  # within the grace: still waiting
+    assert get_job(client, job["id"])["state"] == "running"
+    _shift(app, ended_ago_s=status_reports.CONSEQUENCE_GRACE_S + 1)
+    with session_scope(app.state.session_factory) as s:
+        assert status_reports.settle_undecided(s) == 1
+    assert get_job(client, job["id"])["state"] == "recovering"
+    (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    assert attempt["failed_node"] == "node-1" and attempt["failure_kind"] == "collective_timeout"

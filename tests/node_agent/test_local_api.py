@@ -21,9 +21,9 @@ import pytest
 
 from node_agent.confinement.isolation import Confinement, worker_paths
 from node_agent.link.outbox import DROPPED_EVENT, Outbox
-from node_agent.local.api import LocalApi, LocalApiLimits
+from node_agent.local.api import LocalApi, LocalApiLimits, LocalReports
 from tests.helpers import wait_for
-from trainyard.protocol.agent import ShardInfo, WorkerEvent
+from trainyard.protocol.agent import LocalProgress, LocalReady, ShardInfo, WorkerEvent
 from trainyard.protocol.grants import LocalStorageRequest
 
 
@@ -584,3 +584,21 @@ def test_the_part_is_initialised_when_its_last_rank_says_ready(api: LocalApi) ->
     stale = post(api, "att-1", "ready", {"fencing_token": "old", "rank": 6})
     assert stale.status_code == 409 and api.reports.initialized_at("att-1", 3) is None
     assert post(api, "att-1", "ready", {"fencing_token": "fence-1", "rank": -1}).status_code == 422
+
+
+def test_the_first_step_and_each_ready_wake_the_report_loop_and_every_rank_stepped_is_known() -> None:
+    """The report loop sends a recovery's rendezvous and first step when they happen, not at its
+    next pass (issue 30); the standbys that replace those a part took wait until each of its ranks
+    has stepped (LocalReports.stepped)."""
+    woken: list[int] = []
+    reports = LocalReports(on_ready=lambda: woken.append(1))
+    reports.register("att-1", "fence-1")
+    assert not reports.stepped("att-1", 2) and not reports.stepped("unknown", 0)
+    assert reports.set_ready("att-1", LocalReady(fencing_token="fence-1", rank=0)) and len(woken) == 1
+    assert reports.add_progress("att-1", LocalProgress(fencing_token="fence-1", rank=1, step=5))
+    assert len(woken) == 1 and not reports.stepped("att-1", 2)  # another rank's step: not the attempt's progress
+    assert reports.add_progress("att-1", LocalProgress(fencing_token="fence-1", rank=0, step=5, loss=1.0))
+    assert len(woken) == 2 and reports.stepped("att-1", 2)  # the attempt's first step
+    assert reports.add_progress("att-1", LocalProgress(fencing_token="fence-1", rank=0, step=6, loss=0.9))
+    assert len(woken) == 2  # later steps ride on the next pass
+    assert not reports.add_progress("att-1", LocalProgress(fencing_token="stale", rank=0, step=7, loss=0.8))

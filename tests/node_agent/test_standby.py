@@ -290,6 +290,8 @@ def test_the_pool_refills_what_ranks_took_and_kills_only_idle_standbys(
                               "time.sleep(60)\n")
         shim = run_shim(spawned, tmp_path, "file", str(script), standbys=directory)
         wait_for((tmp_path / "ready").exists, timeout=30, what="the worker runs")
+        pool.refill(hold=True)  # a part of the node is starting: no new standby beside its ranks
+        assert pool.kept == 1 and len(spawned_by(pool)) == 2
         pool.refill()
         wait_for(lambda: pool.warm == 2, timeout=30, what="a fresh standby in place of the one taken")
         assert len(set(directory.glob("*.sock")) - set(first)) == 1
@@ -300,6 +302,10 @@ def test_the_pool_refills_what_ranks_took_and_kills_only_idle_standbys(
         assert shim.poll() is None
     finally:
         pool.close()
+
+
+def spawned_by(pool: StandbyPool) -> list[int]:
+    return [s.proc.pid for s in pool._standbys]  # noqa: SLF001 - what the pool started, claimed or not
 
 
 def test_a_pool_whose_standbys_die_turns_itself_off(tmp_path: Path) -> None:
@@ -388,3 +394,56 @@ def test_what_the_preloaded_modules_cached_of_the_standbys_environment_is_not_th
                     extra_env={"TMPDIR": str(run / "own-tmp")}).wait(30) == 0  # as the agent sets it
     assert record(run)["standby"] is True
     assert (run / "logs" / "rank-0" / "stdout.log").read_text().strip() == str(run / "own-tmp")
+
+
+def _torchrun(spawned: list[subprocess.Popen[bytes]], tmp_path: Path, standbys: Path, script: Path) -> \
+        subprocess.Popen[bytes]:
+    """node_agent.ranks.torchrun_entry as the agent starts it (one node, one rank under the shim)."""
+    env = {**BASE_ENV, "TRAINYARD_STATUS_DIR": str(tmp_path / "status"), "TRAINYARD_JOB_ENV": "{}",
+           "TRAINYARD_STANDBY_DIR": str(standbys), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    (tmp_path / "status").mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "node_agent.ranks.torchrun_entry", "--", "--standalone", "--nproc-per-node", "1",
+               "--max-restarts", "0", "--monitor-interval", "0.1", "-m", "node_agent.ranks.shim",
+               "--log-dir", str(tmp_path / "logs"), "file", str(script)]
+    with (tmp_path / "torchrun.stderr.log").open("ab") as err:
+        proc = subprocess.Popen(command, env=env, cwd=tmp_path, start_new_session=True, stderr=err,
+                                stdout=subprocess.DEVNULL)
+    spawned.append(proc)
+    return proc
+
+
+def test_torchrun_starts_in_a_standby_and_dies_with_it(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    """Issue 30's fast path: torchrun_entry hands torchrun to a warm standby and stands in for it
+    (the same exit status; the pids it records); a standby killed under a running torchrun (the
+    replacement process dying during a recovery) takes torchrun, the rank shim and the worker with
+    it, and the stand-in dies by the same signal, which the agent reads as torchrun's failure."""
+    standbys = tmp_path / "standbys"
+    start_standby(spawned, standbys, "a", env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    script = write_script(tmp_path, "slow.py", "import pathlib, time\npathlib.Path('ready').write_text('1')\n"
+                          "time.sleep(60)\n")
+    launcher = _torchrun(spawned, tmp_path, standbys, script)
+    wait_for((tmp_path / "ready").exists, timeout=60, what="the worker runs")
+    said = json.loads((tmp_path / "status" / "launcher.json").read_text())
+    standby, torchrun = psutil.Process(said["standby"]), psutil.Process(said["torchrun"])
+    assert said["launcher"] == launcher.pid and torchrun.ppid() == standby.pid
+    assert "node_agent.ranks.standby" in " ".join(standby.cmdline())
+    worker = psutil.Process(record(tmp_path)["pid"])
+    assert "torchrun runs warm" in (tmp_path / "torchrun.stderr.log").read_text()
+    standby.kill()
+    assert launcher.wait(30) == -signal.SIGKILL
+    psutil.wait_procs([torchrun, worker], timeout=30)
+    assert not torchrun.is_running() and not worker.is_running()
+
+
+def test_torchrun_in_a_standby_exits_as_torchrun_does(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    """A rank that fails makes torchrun exit 1; its stand-in exits 1 too. No standby: a cold start."""
+    standbys = tmp_path / "standbys"
+    start_standby(spawned, standbys, "a", env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    script = write_script(tmp_path, "fail.py", "import sys\nsys.exit(5)\n")
+    warm, cold = fresh(tmp_path, "warm"), fresh(tmp_path, "cold")
+    assert _torchrun(spawned, warm, standbys, script).wait(60) == 1
+    assert "torchrun runs warm" in (warm / "torchrun.stderr.log").read_text()
+    assert json.loads((warm / "status" / "rank-0.json").read_text())["exit_code"] == 5
+    assert _torchrun(spawned, cold, standbys, script).wait(60) == 1  # the standby was used: cold
+    assert "starts cold: no standby was warm" in (cold / "torchrun.stderr.log").read_text()
+    assert not (cold / "status" / "launcher.json").exists()

@@ -37,6 +37,7 @@ from control_plane.services.states import (
     set_attempt_state,
     set_job_state,
 )
+from control_plane.settings import Settings
 from trainyard.protocol.agent import AttemptStatusReport
 
 WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
@@ -265,6 +266,8 @@ def _part_failure(part: AttemptPart) -> str:
     return "exit_code"
 
 
+DEFAULT_HEARTBEAT_INTERVAL_S: float = Settings.model_fields["heartbeat_interval_s"].default
+"""A node that was never told its interval heartbeats at the default."""
 CONSEQUENCE_GRACE_S = 3.0
 """How long a failure that looks like the consequence of another (a collective error) waits for the
 cause's report before it is decided on its own."""
@@ -317,8 +320,19 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
                   Worker.ended_at.asc().nulls_last(), Worker.rank).limit(1)
     ).one_or_none()
     if first is not None:
-        if first.exit_cause == "collective_timeout" and _consequence_pending(session, attempt, failed):
-            return None
+        if first.exit_cause == "collective_timeout":
+            silent = _silent_part(session, attempt)
+            if silent is not None:
+                # Its peers lost it and its node stopped heartbeating: a node that died (its agent
+                # with it), whose own report will never come. Blamed now, not after the node-lost
+                # timeout, so that the next attempt is placed without it (docs/architecture.md,
+                # "Recovery").
+                node_rank, node_id, name, quiet_s = silent
+                return _Verdict((f"node rank {node_rank} on {name} went silent ({quiet_s:.1f}s without a heartbeat) "
+                                 f"when rank {first.rank} lost a peer", node_id, "node_lost"), False, False,
+                                first.exit_message)
+            if _consequence_pending(session, attempt, failed):
+                return None
         name = session.scalar(select(Node.name).where(Node.id == first.node_id))
         plain = f"exited with code {first.exit_code}"  # a plain exit's message says no more than this
         said = f": {first.exit_message}" if first.exit_message and first.exit_message != plain else ""
@@ -358,6 +372,49 @@ def _workers_expected(session: Session, attempt: Attempt) -> int:
     rank: node_agent/part/commands.py, command_argv)."""
     command, nodes = session.execute(select(Job.command, Job.num_nodes).where(Job.id == attempt.job_id)).one()
     return nodes if command else attempt.num_gpus
+
+
+SILENT_HEARTBEATS = 2.0
+"""A node whose agent has missed this many of its heartbeat intervals when a peer's collective failed
+is taken for dead (the cause) rather than waited for."""
+
+
+def _silent_part(session: Session, attempt: Attempt) -> tuple[int, uuid.UUID, str, float] | None:
+    """A part of the attempt still running on a node that has not heartbeated for SILENT_HEARTBEATS
+    of its intervals: (node rank, node id, name, seconds since its last heartbeat)."""
+    t = now()
+    rows = session.execute(
+        select(AttemptPart.node_rank, Node.id, Node.name, Node.last_heartbeat_at, Node.heartbeat_interval_s)
+        .join(Node, Node.id == AttemptPart.node_id)
+        .where(AttemptPart.attempt_id == attempt.id, AttemptPart.state.in_(PART_STARTED),
+               Node.last_heartbeat_at.is_not(None))
+        .order_by(AttemptPart.node_rank)).all()
+    for node_rank, node_id, name, last, interval in rows:
+        if last is None:
+            continue
+        quiet = (t - last).total_seconds()
+        if quiet >= SILENT_HEARTBEATS * (interval or DEFAULT_HEARTBEAT_INTERVAL_S):
+            return node_rank, node_id, name, quiet
+    return None
+
+
+def settle_undecided(session: Session, *, batch: int = 100) -> int:
+    """The monitor loop's sweep: settle the undecided attempts with a failed worker. A failure that
+    waited for its cause's report (``_consequence_pending``) is decided here once the grace is over
+    or the cause's node went silent, when no report comes to settle it (the cause's node died and
+    its peers' parts already ended). Each in its own transaction; returns how many were decided."""
+    ids = session.scalars(
+        select(Attempt.id).where(
+            Attempt.state.in_(("starting", "running")), Attempt.outcome.is_(None),
+            select(Worker.id).where(Worker.attempt_id == Attempt.id, Worker.state == "exited",
+                                    Worker.exit_code.is_not(None), Worker.exit_code != 0).exists())
+        .order_by(Attempt.id).limit(batch)).all()
+    decided = 0
+    for attempt_id in ids:
+        attempt = settle(session, attempt_id)
+        session.commit()
+        decided += attempt is not None and attempt.outcome is not None
+    return decided
 
 
 def _consequence_pending(session: Session, attempt: Attempt, failed: tuple[Any, ...]) -> bool:
