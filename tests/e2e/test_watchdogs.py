@@ -1,7 +1,8 @@
 """Watchdogs end to end (issue 12): on a real cluster, one rank made slow is named a straggler with its
 node; the platform sets the 'auto' checkpoint interval from what the saves cost; then one worker is
 frozen (SIGSTOP) and its attempt is failed as hung, naming that rank, and recovered from the last
-checkpoint to success. Fast settings: an 8 s hang floor, a watchdog every 0.5 s."""
+checkpoint to success, cold (the job is restartable, and a hang is never handed over to the next
+attempt in process). Fast settings: an 8 s hang floor, a watchdog every 0.5 s."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ SETTINGS = {
 
 def test_a_slow_rank_is_named_and_a_frozen_one_fails_its_attempt_as_hung(make_cluster):
     cluster = make_cluster(nodes=2, gpus_per_node=2, settings=SETTINGS)
-    body = job_body(num_nodes=2, gpus_per_node=2, max_failures=2,
-                    args=["--steps", "160", "--step-delay-s", "0.05", "--slow-rank", "3", "--slow-busy-s", "0.05"],
+    # Restartable (in-process restart, issue 30's fast path): a hang is never handed over, so its
+    # recovery falls back to a cold restart of every rank.
+    body = job_body(num_nodes=2, gpus_per_node=2, max_failures=2, restartable=True,
+                    args=["--steps", "160", "--step-delay-s", "0.05", "--slow-rank", "3", "--slow-busy-s", "0.05",
+                          "--restartable"],
                     checkpoint={"interval_steps": "auto", "first_interval_steps": 20})
     job = cluster.submit(body)
     jid = job["id"]
@@ -54,6 +58,10 @@ def test_a_slow_rank_is_named_and_a_frozen_one_fails_its_attempt_as_hung(make_cl
     assert done["state"] == "succeeded", done["end_reason"]
     attempts = cluster.attempts(jid)
     assert len(attempts) == 2 and attempts[1]["restored_from_step"] is not None
+    # No rank kept its process through the hang: nothing handed over, every worker of attempt 2 new.
+    assert not cluster.events(jid, "part.handed_over")
+    pids_before = {pid for _node, pid in pids.values()}
+    assert not pids_before & {w["pid"] for n in attempts[1]["nodes"] for w in n["workers"]}
     g = done["goodput"]
     assert g["recoveries"] == 1 and g["hung_s"] >= 8 and g["hung_gpu_s"] == pytest.approx(4 * g["hung_s"], rel=1e-3)
     metrics = cluster.http.get("/metrics").text
