@@ -204,8 +204,14 @@ class Agent:
         )
         standbys = self._standby_count()
         if standbys:
-            state.standbys = self._standby_pool(state.node, standbys)
-            state.node = dataclasses.replace(state.node, standby_dir=str(state.standbys.directory))
+            try:
+                state.standbys = self._standby_pool(state.node, standbys)
+            except IsolationError as exc:
+                if config.standbys is not None:
+                    raise  # asked for by number: refused, as before
+                self.log.info("standbys_off", reason=str(exc))  # auto: none rather than no agent
+            else:
+                state.node = dataclasses.replace(state.node, standby_dir=str(state.standbys.directory))
         self.supervision.adopt_existing()
         state.supervise_wakeups = SuperviseWakeups(lambda: state.wake("supervise"))
         if self.config.control_plane_url.startswith("http://"):

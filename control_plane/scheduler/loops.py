@@ -135,9 +135,6 @@ class Loops:
                     local_oldest_s=waited,
                 )
             with session_scope(self._factory) as session:
-                # A failure that waited for its cause's report, when none came (its node died).
-                decided = status_reports.settle_undecided(session)
-            with session_scope(self._factory) as session:
                 # After the lost nodes committed: a cancelling job whose release committed but was
                 # not finished (a crash before attempts.finish_released) is cancelled here.
                 ended = attempts.finish_stopped(session)
@@ -153,9 +150,32 @@ class Loops:
             # the agents the same grace as after a restart before calling anyone lost.
             self._not_before = now() + timedelta(seconds=self._settings.startup_grace_s)
             raise
+        decided = self._settle_undecided()
         if lost or unlaunched or ended or decided:
             self.wake_scheduler()
         return len(lost)
+
+    def _settle_undecided(self) -> int:
+        """Failures that waited for their cause's report when none came (its node died): decided once
+        the grace is over or the cause's node went silent (status_reports.undecided). Each attempt in
+        its own transaction; one's trouble is logged and left for the next pass, and never taken for
+        a database outage (which would hold back every node's liveness)."""
+        silence = status_reports.Silence(interval_s=self._settings.heartbeat_interval_s, not_before=self._not_before)
+        decided = 0
+        try:
+            with session_scope(self._factory) as session:
+                ids = status_reports.undecided(session)
+        except Exception:
+            log.exception("loop iteration failed", loop="monitor", step="undecided")
+            return 0
+        for attempt_id in ids:
+            try:
+                with session_scope(self._factory) as session:
+                    attempt = status_reports.settle(session, attempt_id, silence=silence)
+                    decided += attempt is not None and attempt.outcome is not None
+            except Exception:
+                log.exception("settle_failed", attempt_id=str(attempt_id))
+        return decided
 
     def limits_once(self) -> int:
         """Stop attempts past their job's time limit (no network calls: agents learn at heartbeat)."""

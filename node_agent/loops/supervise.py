@@ -13,11 +13,11 @@ from node_agent.loops.state import AgentState
 from node_agent.part.attempt import Part
 
 _ORPHAN_SCAN_S = 5.0
+"""How often an agent looks for orphaned workers of its node in the whole process table (each pass
+while some are being stopped; at once after each registration, loops/heartbeat.py)."""
 STANDBY_HOLD_MAX_S = 30.0
 """How long after a part arrived its start holds back the standbys that replace those it took
 (a script that never reports a step must not keep the node without standbys for longer)."""
-"""How often an agent looks for orphaned workers of its node in the whole process table (each pass
-while some are being stopped; at once after each registration, loops/heartbeat.py)."""
 STALE_LOGS_DRAIN_S = 10.0
 """How long an ended, fenced-off part's last log lines may take to go out (normally one report
 round, half a second) before its worker directory is removed all the same."""
@@ -73,6 +73,7 @@ class SuperviseLoop:
         now, reports = time.monotonic(), self.state.reports
         return any(
             run.received_at is not None and now - run.received_at < STANDBY_HOLD_MAX_S
+            and not run.spec.command  # its own launcher: it takes no standby
             and not (run.done or run.finished or run.stale)
             and not reports.stepped(run.attempt_id, run.spec.nproc_per_node)
             for run in runs

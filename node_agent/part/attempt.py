@@ -55,6 +55,8 @@ from trainyard.protocol.agent import (
 log = structlog.get_logger(__name__)
 ERROR_TAIL_BYTES = 2000
 RANK_FILE_BYTES = 64 * 1024
+LAUNCHER_FILE_BYTES = 512
+"""launcher.json is three pids: anything larger is not the stand-in's."""
 _RANK_FILE = re.compile(r"^rank-\d{1,9}\.json$")
 
 
@@ -596,10 +598,10 @@ class Part:
                     self.log.info("torchrun_exited", exit_code=self.exit_code, stopped=self.stopped)
             found = self._refresh(processes.scan() if table is None else table)
             alive = found or not self.torchrun_done
-            torchrun = self._torchrun_pids()
-            if (self.stop_reason is not None and self._term_sent_at is not None and not self._kill_sent
-                    and not self._torchrun_killed and not self.torchrun_done and self.pid is not None
-                    and self._members <= torchrun
+            fast_kill = (self.stop_reason is not None and self._term_sent_at is not None and not self._kill_sent
+                         and not self._torchrun_killed and not self.torchrun_done and self.pid is not None)
+            torchrun = self._torchrun_pids() if fast_kill else set()
+            if (fast_kill and self._members <= torchrun
                     # A table shared by the supervise step may predate shims torchrun just started.
                     and (table is None or (self._refresh(processes.scan()) and self._members <= torchrun))):
                 # Stopped, and every shim and worker is gone (each had its SIGTERM and its grace):
@@ -714,10 +716,10 @@ class Part:
         that are this part's processes count."""
         pids = {self.pid} if self.pid is not None else set()
         try:
-            raw = safe_files.read_file(self.paths.worker, "status", LAUNCHER_FILE, limit=RANK_FILE_BYTES,
+            raw = safe_files.read_file(self.paths.worker, "status", LAUNCHER_FILE, limit=LAUNCHER_FILE_BYTES,
                                        owner=self.confinement.uid)
             record = json.loads(raw)
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 - the job's bytes (a nesting that exhausts the parser's recursion)
             return pids
         if not isinstance(record, dict) or record.get("launcher") != self.pid:
             return pids

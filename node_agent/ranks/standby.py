@@ -167,6 +167,8 @@ class Standby:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.stdio: list[int] = []
         """The worker's stdout and stderr, received with the claim."""
+        self.handlers: dict[int, Any] = {}
+        """The stop signals' handlers before the claim ignored them (the worker gets them back)."""
 
     def listen(self) -> None:
         """Bind under a temporary name and rename into place: a shim only ever finds a warm one."""
@@ -237,6 +239,9 @@ class Standby:
             os._exit(0)
         self.listener.close()
         _idle_priority(False)
+        # From the cgroup join on, a stop aimed at the attempt reaches this process too: it must
+        # outlive its worker's handling of it. The worker gets back what a cold interpreter has.
+        self.handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
         self._confine(conn, cgroup_dir, mnt, uid, gid, limits)
         self.stdio = fds
         return rank
@@ -435,9 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     me = os.getpid()
     # A stop reaches every process of the attempt at once (the agent signals its cgroup or uid): the
     # standby must outlive its worker's handling of it, or the worker's death signal would cut it
-    # short. Ignored from before the fork, so no stop can land in between; the worker gets back
-    # what a cold interpreter has.
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    # short. Ignored since the claim (Standby._handle), so no stop can land before the fork.
+    handlers = standby.handlers
     child = os.fork()
     if child == 0:
         for sig, handler in handlers.items():

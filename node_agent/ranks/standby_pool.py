@@ -151,7 +151,7 @@ class StandbyPool:
         for standby in self._standbys:
             if standby.idle_until is not None and now >= standby.idle_until:
                 standby.idle_until = None
-                if standby.ours and not standby.socket.exists():  # still importing
+                if standby.ours:  # importing, or warm and waiting: a claim must not run at idle priority
                     with contextlib.suppress(OSError):
                         os.sched_setscheduler(standby.proc.pid, os.SCHED_OTHER, os.sched_param(0))
         while not hold and sum(1 for s in self._standbys if s.ours) < self.size:

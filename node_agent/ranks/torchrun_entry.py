@@ -94,16 +94,23 @@ def _start_warm(argv: list[str]) -> None:
     directory = os.environ.get(ENV_STANDBY_DIR)
     if not directory:
         return
-    # Ignored before the claim, so that no stop lands between the fork and the handlers; a stop
-    # reaches the forked torchrun directly.
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+    # A stop that arrives during the claim is kept and handed on (to the forked torchrun, or to this
+    # process when it starts cold); once torchrun runs, a stop reaches it directly (the cgroup).
+    early: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, _frame: early.append(signum)) for sig in _STOP_SIGNALS}
     worker, why = claim(Path(directory), "module", TORCHRUN_ENTRY, [IN_STANDBY, *argv], dict(os.environ),
                         cwd=os.getcwd(), stdio=[1, 2])
     if worker is None:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         print(f"torchrun_entry: starts cold: {why}", file=sys.stderr, flush=True)
+        for signum in early:
+            os.kill(os.getpid(), signum)
         return
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    for signum in early:
+        worker.send_signal(signum)
     status_dir = os.environ.get(ENV_STATUS_DIR)
     if status_dir:
         record = {"launcher": os.getpid(), "standby": worker.standby_pid, "torchrun": worker.pid}

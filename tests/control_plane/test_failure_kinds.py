@@ -266,13 +266,37 @@ def _shift(app, **updates: object) -> None:
                       .values(ended_at=datetime.now(UTC) - timedelta(seconds=float(updates["ended_ago_s"]))))
 
 
-def test_a_peers_collective_error_blames_a_node_that_went_silent_at_once(app, client, schedule):
+def _sweep(app, silence=None) -> int:
+    """The monitor loop's sweep of undecided failures (scheduler/loops.py, _settle_undecided)."""
+    from control_plane.db import session_scope
+    from control_plane.services.runs import status_reports
+
+    silence = silence or status_reports.Silence(interval_s=1.0)
+    decided = 0
+    with session_scope(app.state.session_factory) as s:
+        ids = status_reports.undecided(s)
+    for attempt_id in ids:
+        with session_scope(app.state.session_factory) as s:
+            attempt = status_reports.settle(s, attempt_id, silence=silence)
+            decided += attempt is not None and attempt.outcome is not None
+    return decided
+
+
+def test_a_peers_collective_error_blames_a_node_that_went_silent(app, client, schedule):
     """Issue 30: a node that died with its agent never reports its rank's death; its peer's collective
-    error is decided at once with the silent node blamed (the next attempt is placed without it),
-    not after the node-lost timeout."""
+    error is decided by the monitor's next sweep with the silent node blamed (the next attempt is
+    placed without it), not after the node-lost timeout. A status report alone never blames a
+    silent node, nor does the sweep during the control plane's start-up grace."""
+    from control_plane.services.runs import status_reports
+
     job, a, _b, specs = _two_running(client, schedule)
     _shift(app, heartbeat_of="node-2", ago_s=2.5)  # two of its 1 s heartbeats missed
     _exit(a, specs["node-1"], "collective_timeout", "RuntimeError: Connection closed by peer")
+    assert get_job(client, job["id"])["state"] == "running"  # the report waits for the cause's
+    grace = status_reports.Silence(interval_s=1.0, not_before=datetime.now(UTC) + timedelta(seconds=60))
+    assert _sweep(app, grace) == 0 and get_job(client, job["id"])["state"] == "running"
+    assert _sweep(app, status_reports.Silence(interval_s=5.0)) == 0  # 2.5 s is not two 5 s intervals
+    assert _sweep(app) == 1
     assert get_job(client, job["id"])["state"] == "recovering"
     (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["failed_node"] == "node-2" and attempt["failure_kind"] == "node_lost"
@@ -283,17 +307,14 @@ def test_a_failure_left_waiting_for_its_cause_is_decided_by_the_monitor_when_not
     """The peer's report ended its part; the cause's node neither reports nor goes silent in time:
     the monitor's sweep decides once the grace is over (no later report would), blaming the rank
     that failed first."""
-    from control_plane.db import session_scope
     from control_plane.services.runs import status_reports
 
     job, a, _b, specs = _two_running(client, schedule)
     _exit(a, specs["node-1"], "collective_timeout", "RuntimeError: Connection closed by peer")
-    with session_scope(app.state.session_factory) as s:
-        assert status_reports.settle_undecided(s) == 0  # within the grace: still waiting
+    assert _sweep(app) == 0  # within the grace, node-2 heard from: still waiting
     assert get_job(client, job["id"])["state"] == "running"
     _shift(app, ended_ago_s=status_reports.CONSEQUENCE_GRACE_S + 1)
-    with session_scope(app.state.session_factory) as s:
-        assert status_reports.settle_undecided(s) == 1
+    assert _sweep(app) == 1
     assert get_job(client, job["id"])["state"] == "recovering"
     (attempt,) = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
     assert attempt["failed_node"] == "node-1" and attempt["failure_kind"] == "collective_timeout"

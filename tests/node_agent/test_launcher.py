@@ -397,3 +397,23 @@ def test_torchrun_killed_alone_leaves_nothing(launcher: Launcher, tmp_path: Path
     assert _gone(pids)
     report = run.report(None, None)
     assert report.state == NodeAttemptState.exited and report.exit_code == -signal.SIGKILL
+
+
+def test_a_launcher_file_a_worker_forged_never_keeps_its_part_from_stopping(launcher: Launcher, tmp_path: Path) -> None:
+    """launcher.json (node_agent/ranks/torchrun_entry.py: the pids of a warm torchrun) is written by the
+    job's uid, so its bytes are the job's: a nesting that exhausts the JSON parser's recursion must
+    not stop the agent's poll (it would leave the part running and fail the agent's adoption)."""
+    # Under the 64 KiB a rank file may have, and deep enough to exhaust the parser.
+    nested = "import os\nopen(os.path.join(os.environ['TRAINYARD_STATUS_DIR'], 'launcher.json'), 'w')" \
+             ".write('[' * 60000)\n"
+    write_script(tmp_path, "forger.py", nested + TERM_HANDLER)
+    run = launcher.launch(make_spec(entrypoint="forger.py", env={"MARK_DIR": str(tmp_path)}), grace=600.0)
+    _wait_running(run)
+    wait_for(lambda: len(list(tmp_path.glob("ready-*"))) == 2, what="the workers' SIGTERM handlers")
+    run.request_stop("test")
+    deadline = time.monotonic() + 30
+    while run.alive and time.monotonic() < deadline:
+        run.poll()  # never raises
+        time.sleep(0.01)
+    assert not run.alive
+    assert run.report(None, None).exit_code == -signal.SIGKILL  # torchrun killed once its workers were gone

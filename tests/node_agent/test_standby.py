@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -447,3 +448,41 @@ def test_torchrun_in_a_standby_exits_as_torchrun_does(tmp_path: Path, spawned: l
     assert _torchrun(spawned, cold, standbys, script).wait(60) == 1  # the standby was used: cold
     assert "starts cold: no standby was warm" in (cold / "torchrun.stderr.log").read_text()
     assert not (cold / "status" / "launcher.json").exists()
+
+
+def test_a_stop_during_torchruns_claim_is_not_lost(tmp_path: Path, spawned: list[subprocess.Popen[bytes]]) -> None:
+    """A SIGTERM that reaches torchrun_entry while a standby is still answering its claim is kept and
+    acted on: here the standby declines, and the cold start the entry falls back to stops at once
+    (before, the signal was ignored during the claim and lost)."""
+    import socket as sockets
+    import threading
+
+    standbys = tmp_path / "standbys"
+    standbys.mkdir()
+    listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    listener.bind(str(standbys / f"slow{standby_wire.SOCKET_SUFFIX}"))
+    listener.listen(1)
+    asked, answer = threading.Event(), threading.Event()
+
+    def slow_standby() -> None:
+        conn, _ = listener.accept()
+        _request, fds = standby_wire.receive(conn, with_fds=True)
+        for fd in fds:
+            os.close(fd)
+        asked.set()
+        answer.wait(30)
+        standby_wire.send(conn, {"declined": "a test's slow standby"})
+        conn.close()
+
+    server = threading.Thread(target=slow_standby, daemon=True)
+    server.start()
+    script = write_script(tmp_path, "never.py", "raise SystemExit('never started')\n")
+    launcher = _torchrun(spawned, tmp_path, standbys, script)
+    assert asked.wait(30)
+    launcher.send_signal(signal.SIGTERM)
+    time.sleep(0.2)  # the signal is delivered while the claim waits for its answer
+    answer.set()
+    assert launcher.wait(30) == -signal.SIGTERM
+    said = (tmp_path / "torchrun.stderr.log").read_text()
+    assert "starts cold: a standby declined" in said and not (tmp_path / "status" / "rank-0.json").exists()
+    listener.close()

@@ -37,7 +37,6 @@ from control_plane.services.states import (
     set_attempt_state,
     set_job_state,
 )
-from control_plane.settings import Settings
 from trainyard.protocol.agent import AttemptStatusReport
 
 WORKER_ORDER = {"starting": 0, "running": 1, "exited": 2}
@@ -152,7 +151,8 @@ def _mark_timings(part: AttemptPart, attempt: Attempt, report: AttemptStatusRepo
         part.initialized_at = max(attempt.created_at, t - timedelta(seconds=report.initialized_s_ago))
 
 
-def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | None = None) -> Attempt | None:
+def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | None = None, *,
+           silence: Silence | None = None) -> Attempt | None:
     """Phase 2 of a status report, after phase 1 committed: decide what the attempt's committed
     reports together say (``_verdict``), publish the job's result, end a released gang. An
     unlocked read first; the job and attempt locks only when there is something to do, and the
@@ -161,7 +161,7 @@ def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | Non
     if attempt is None:
         return None
     publish = result is not None and session.scalar(select(Job.result).where(Job.id == attempt.job_id)) is None
-    if not publish and (attempt.outcome is not None or _verdict(session, attempt) is None):
+    if not publish and (attempt.outcome is not None or _verdict(session, attempt, silence) is None):
         return attempt  # a release ends a decided gang itself (release_parts)
     locked = lock_attempt(session, attempt_id)
     if locked is None:
@@ -171,7 +171,7 @@ def settle(session: Session, attempt_id: uuid.UUID, result: dict[str, Any] | Non
     if result is not None and job.result is None:
         job.result = result
     if attempt.outcome is None:
-        _decide(session, job, attempt)
+        _decide(session, job, attempt, silence)
     finish_if_released(session, job, attempt)
     return attempt
 
@@ -266,8 +266,6 @@ def _part_failure(part: AttemptPart) -> str:
     return "exit_code"
 
 
-DEFAULT_HEARTBEAT_INTERVAL_S: float = Settings.model_fields["heartbeat_interval_s"].default
-"""A node that was never told its interval heartbeats at the default."""
 CONSEQUENCE_GRACE_S = 3.0
 """How long a failure that looks like the consequence of another (a collective error) waits for the
 cause's report before it is decided on its own."""
@@ -294,7 +292,7 @@ class _Verdict:
     """The failed worker's own message (its exception, and the step), when a worker failed."""
 
 
-def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
+def _verdict(session: Session, attempt: Attempt, silence: Silence | None = None) -> _Verdict | None:
     """Aggregates over the attempt's parts and workers (not every row: a 1,024-rank attempt has 1,024
     workers); None when there is nothing to decide."""
     # A part stopped at one of its resource limits is the cause, whatever its workers' exits say: the
@@ -321,7 +319,7 @@ def _verdict(session: Session, attempt: Attempt) -> _Verdict | None:
     ).one_or_none()
     if first is not None:
         if first.exit_cause == "collective_timeout":
-            silent = _silent_part(session, attempt)
+            silent = None if silence is None else _silent_part(session, attempt, silence)
             if silent is not None:
                 # Its peers lost it and its node stopped heartbeating: a node that died (its agent
                 # with it), whose own report will never come. Blamed now, not after the node-lost
@@ -375,46 +373,55 @@ def _workers_expected(session: Session, attempt: Attempt) -> int:
 
 
 SILENT_HEARTBEATS = 2.0
-"""A node whose agent has missed this many of its heartbeat intervals when a peer's collective failed
-is taken for dead (the cause) rather than waited for."""
+"""A node whose agent has missed this many of its heartbeat intervals (beyond its heartbeats' own
+measured lag) when a peer's collective failed is taken for dead (the cause) rather than waited for."""
 
 
-def _silent_part(session: Session, attempt: Attempt) -> tuple[int, uuid.UUID, str, float] | None:
+@dataclass(frozen=True)
+class Silence:
+    """What the monitor loop knows of liveness that a status report does not: only it blames a
+    silent node (``_silent_part``)."""
+
+    interval_s: float
+    """The configured heartbeat interval (a node told no other has NULL for its own)."""
+    not_before: datetime | None = None
+    """No node is silent before this (the grace after a control-plane start or a database outage)."""
+
+
+def _silent_part(session: Session, attempt: Attempt, silence: Silence) -> tuple[int, uuid.UUID, str, float] | None:
     """A part of the attempt still running on a node that has not heartbeated for SILENT_HEARTBEATS
-    of its intervals: (node rank, node id, name, seconds since its last heartbeat)."""
+    of its intervals, its heartbeats' last measured lag aside: (node rank, node id, name, seconds
+    since its last heartbeat)."""
     t = now()
+    if silence.not_before is not None and t < silence.not_before:
+        return None
     rows = session.execute(
-        select(AttemptPart.node_rank, Node.id, Node.name, Node.last_heartbeat_at, Node.heartbeat_interval_s)
+        select(AttemptPart.node_rank, Node.id, Node.name, Node.last_heartbeat_at, Node.heartbeat_interval_s,
+               Node.heartbeat_lag_s)
         .join(Node, Node.id == AttemptPart.node_id)
         .where(AttemptPart.attempt_id == attempt.id, AttemptPart.state.in_(PART_STARTED),
                Node.last_heartbeat_at.is_not(None))
         .order_by(AttemptPart.node_rank)).all()
-    for node_rank, node_id, name, last, interval in rows:
+    for node_rank, node_id, name, last, interval, lag in rows:
         if last is None:
             continue
         quiet = (t - last).total_seconds()
-        if quiet >= SILENT_HEARTBEATS * (interval or DEFAULT_HEARTBEAT_INTERVAL_S):
+        if quiet - (lag or 0.0) >= SILENT_HEARTBEATS * (interval or silence.interval_s):
             return node_rank, node_id, name, quiet
     return None
 
 
-def settle_undecided(session: Session, *, batch: int = 100) -> int:
-    """The monitor loop's sweep: settle the undecided attempts with a failed worker. A failure that
-    waited for its cause's report (``_consequence_pending``) is decided here once the grace is over
-    or the cause's node went silent, when no report comes to settle it (the cause's node died and
-    its peers' parts already ended). Each in its own transaction; returns how many were decided."""
-    ids = session.scalars(
+def undecided(session: Session, *, batch: int = 100) -> list[uuid.UUID]:
+    """The monitor loop's sweep (settle each, with the loop's ``Silence``): the undecided attempts
+    with a failed worker. A failure that waited for its cause's report (``_consequence_pending``) is
+    decided there once the grace is over or the cause's node went silent, when no report comes to
+    settle it (the cause's node died and its peers' parts already ended)."""
+    return list(session.scalars(
         select(Attempt.id).where(
             Attempt.state.in_(("starting", "running")), Attempt.outcome.is_(None),
             select(Worker.id).where(Worker.attempt_id == Attempt.id, Worker.state == "exited",
                                     Worker.exit_code.is_not(None), Worker.exit_code != 0).exists())
-        .order_by(Attempt.id).limit(batch)).all()
-    decided = 0
-    for attempt_id in ids:
-        attempt = settle(session, attempt_id)
-        session.commit()
-        decided += attempt is not None and attempt.outcome is not None
-    return decided
+        .order_by(Attempt.id).limit(batch)).all())
 
 
 def _consequence_pending(session: Session, attempt: Attempt, failed: tuple[Any, ...]) -> bool:
@@ -431,9 +438,9 @@ def _consequence_pending(session: Session, attempt: Attempt, failed: tuple[Any, 
     return _recent(list(ended))
 
 
-def _decide(session: Session, job: Job, attempt: Attempt) -> None:
+def _decide(session: Session, job: Job, attempt: Attempt, silence: Silence | None = None) -> None:
     """Apply the verdict; the caller holds the job and attempt locks."""
-    verdict = _verdict(session, attempt)
+    verdict = _verdict(session, attempt, silence)
     if verdict is None:
         return
     if verdict.failure is not None:
