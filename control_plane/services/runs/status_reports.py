@@ -29,6 +29,7 @@ from control_plane.services.runs import parking, progress
 from control_plane.services.runs.attempts import end_attempt, fail_attempt, finish_if_released, release_parts
 from control_plane.services.runs.fencing import authorize_report, check_own_ranks, check_worker_block, lock_attempt
 from control_plane.services.states import (
+    ATTEMPT_LIVE,
     JOB_ACTIVE,
     PART_DONE,
     PART_PARKED,
@@ -418,7 +419,7 @@ def undecided(session: Session, *, batch: int = 100) -> list[uuid.UUID]:
     settle it (the cause's node died and its peers' parts already ended)."""
     return list(session.scalars(
         select(Attempt.id).where(
-            Attempt.state.in_(("starting", "running")), Attempt.outcome.is_(None),
+            Attempt.state.in_(ATTEMPT_LIVE), Attempt.outcome.is_(None),
             select(Worker.id).where(Worker.attempt_id == Attempt.id, Worker.state == "exited",
                                     Worker.exit_code.is_not(None), Worker.exit_code != 0).exists())
         .order_by(Attempt.id).limit(batch)).all())
