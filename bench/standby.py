@@ -42,9 +42,11 @@ with open(os.path.join(os.environ["BENCH_OUT"], f"rank-{os.environ.get('RANK', '
 
 
 def _wait_warm(pool: StandbyPool, count: int) -> None:
-    pool.refill()
     deadline = time.monotonic() + 120
-    while pool.warm < count:
+    while True:
+        pool.refill()  # as the agent's supervise loop does, every pass
+        if pool.warm >= count:
+            return
         if time.monotonic() > deadline or pool.disabled:
             raise SystemExit(f"standbys did not get warm ({pool.disabled or 'timeout'})")
         time.sleep(0.05)

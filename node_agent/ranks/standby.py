@@ -2,9 +2,19 @@
 
     python -m node_agent.ranks.standby --socket PATH --parent PID [--preload MOD]... [--uids A-B]
                                        [--cgroup-base DIR] [--idle]
+    python -m node_agent.ranks.standby --zygote --parent PID [--preload MOD]... [--uids A-B]
+                                       [--cgroup-base DIR] [--idle]
 
-``--idle``: import and wait at SCHED_IDLE (a standby started in place of one a rank took, during a
-recovery: it must not take CPU from the ranks starting then); back to normal when claimed.
+``--idle``: import and wait at SCHED_IDLE (one started during a recovery must not take CPU from the
+ranks starting then); back to normal when claimed.
+
+``--zygote``: import once, then fork a standby for each socket path the agent writes on stdin (one
+line each), answering each with the standby's pid on stdout (after ``ready`` once the imports are
+done). A standby forked so serves as a ``--socket`` start would, without its seconds of imports: the
+agent's pool (node_agent/ranks/standby_pool.py) replaces a claimed standby at no CPU cost. The
+zygote serves nobody itself, never runs a job's code and reads only the agent's pipe. What a fork
+cannot give (docs/security.md): the standbys of one zygote, and so the warm workers of every job on
+the node, share its address-space layout, stack canary and string-hash secret.
 
 The agent keeps a few of these (node_agent/ranks/standby_pool.py, ``--standbys``) so that a new
 attempt's rank skips the cold start (interpreter, torch import). The rank shim connects to one,
@@ -13,10 +23,12 @@ takes on the shim's confinement, forks the worker, reports its pid, waits for it
 exact exit status. The shim still writes the rank file (pid, exit code) as for a cold start.
 
 Why it is safe (docs/security.md):
-- No state: it is started fresh (exec'd, never forked from the agent) with the platform's
-  environment and no Trainyard variable; it imports only the preloaded modules and never
-  initialises CUDA (no GPU memory while idle). It serves one rank and then it is gone; the agent
-  starts another.
+- No state: it is started fresh (exec'd, never forked from the agent), or forked from a zygote
+  that was, with the platform's environment and no Trainyard variable; it imports only the
+  preloaded modules and never initialises CUDA (no GPU memory while idle). It serves one rank and
+  then it is gone; the agent starts another. A forked one holds none of the zygote's pipes (its
+  stdin and stdout are /dev/null before anything else), and Python's ``random`` (and numpy's, if
+  loaded) is reseeded in it, as a fresh interpreter's would be.
 - Exactly the shim's confinement: before the fork it joins the cgroup the shim is in (while still
   root), enters the shim's mount namespace, drops to the shim's uid and gid (no supplementary
   group), forbids new privileges and sets umask 077, as confine_exec.py does for torchrun.
@@ -238,6 +250,9 @@ class Standby:
             self._decline(conn, fds, "the agent is stopping this standby")
             os._exit(0)
         self.listener.close()
+        # The rank's from here on: it no longer dies with its zygote or the agent (a handover in
+        # progress must not be cut short by either going; _confine says so again).
+        _libc().prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
         _idle_priority(False)
         # From the cgroup join on, a stop aimed at the attempt reaches this process too: it must
         # outlive its worker's handling of it. The worker gets back what a cold interpreter has.
@@ -380,12 +395,24 @@ def _wait_and_report(conn: socket.socket, child: int) -> NoReturn:
     os._exit(0)
 
 
-def _parse(argv: list[str]) -> tuple[str, int, list[str], Policy, bool]:
+@dataclass(frozen=True)
+class Options:
+    path: str | None
+    """--socket (None with --zygote: each forked standby gets its own from the agent)."""
+    parent: int
+    preload: list[str]
+    policy: Policy
+    idle: bool
+    zygote: bool
+
+
+def _parse(argv: list[str]) -> Options:
     path, parent, preload, uids, cgroup_base = None, None, [], None, None
     rest = list(argv)
-    idle = "--idle" in rest
-    if idle:
-        rest.remove("--idle")
+    flags = {flag: flag in rest for flag in ("--idle", "--zygote")}
+    for flag, given in flags.items():
+        if given:
+            rest.remove(flag)
     while rest:
         flag = rest.pop(0)
         if not rest:
@@ -404,34 +431,110 @@ def _parse(argv: list[str]) -> tuple[str, int, list[str], Policy, bool]:
             cgroup_base = value
         else:
             raise SystemExit(f"standby: unknown option {flag}")
-    if path is None or parent is None:
-        raise SystemExit("usage: python -m node_agent.ranks.standby --socket PATH --parent PID [--preload MOD]...")
-    return path, parent, preload, Policy(uids=uids, cgroup_base=cgroup_base), idle
+    zygote = flags["--zygote"]
+    if parent is None or (path is None) != zygote:
+        raise SystemExit("usage: python -m node_agent.ranks.standby (--socket PATH | --zygote) --parent PID "
+                         "[--preload MOD]...")
+    return Options(path, parent, preload, Policy(uids=uids, cgroup_base=cgroup_base), flags["--idle"], zygote)
 
 
 def main(argv: list[str] | None = None) -> None:
-    path, parent, preload, policy, idle = _parse(sys.argv[1:] if argv is None else argv)
+    options = _parse(sys.argv[1:] if argv is None else argv)
     startup = wire.startup_env(dict(os.environ))
     _STANDBY_PYTHONPATH[:] = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if sys.path and sys.path[0] not in _STANDBY_PYTHONPATH:
         _STANDBY_PYTHONPATH.append(sys.path[0])  # the standby's own script directory (its cwd for -m)
     libc = _libc()
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # unclaimed, it is the agent's: it goes with it
-    if os.getppid() != parent:
+    if os.getppid() != options.parent:
         os._exit(1)
-    if idle:
+    if options.idle:
         _idle_priority(True)
-    for name in preload:
+    for name in options.preload:
         importlib.import_module(name)  # never torch.cuda: no CUDA context, no GPU memory while idle
     if _threads() != 1:
-        print(f"standby: {_threads()} threads after importing {preload}; forking it would be unsafe", file=sys.stderr)
+        print(f"standby: {_threads()} threads after importing {options.preload}; forking it would be unsafe",
+              file=sys.stderr)
         sys.exit(EXIT_THREADED)
     if _cuda_loaded():
         # CUDA does not survive a fork: a preload that initialised it (torch.cuda.is_available()
         # at import) would leave every worker forked from here without a usable GPU.
-        print(f"standby: the CUDA driver was loaded while importing {preload}; a forked worker could not use it",
-              file=sys.stderr)
+        print(f"standby: the CUDA driver was loaded while importing {options.preload}; a forked worker could "
+              "not use it", file=sys.stderr)
         sys.exit(EXIT_CUDA)
+    if options.zygote:
+        path = _zygote()
+        if path is None:
+            return  # the agent closed the pipe: the zygote ends (its unclaimed standbys with it)
+    else:
+        assert options.path is not None
+        path = options.path
+    _serve(path, options.policy, startup)
+
+
+ZYGOTE_READY = b"ready"
+"""The zygote's first line on stdout: its imports are done, it forks on request."""
+
+
+def _zygote() -> str | None:
+    """Fork a standby for each socket path read from stdin, answering its pid on stdout; return in
+    the forked child (its socket path), or None in the zygote when the agent closes the pipe. The
+    zygote stays single-threaded (forking is safe) and reaps the standbys it forked."""
+    me = os.getpid()
+    os.write(1, ZYGOTE_READY + b"\n")
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], 1.0)
+        _reap()
+        if not readable:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:
+            _reap()
+            return None
+        pending += chunk
+        while b"\n" in pending:
+            line, _, pending = pending.partition(b"\n")
+            path = os.fsdecode(line)
+            if not path.startswith("/"):
+                os.write(1, b"0\n")  # not a socket path: nothing forked
+                continue
+            child = os.fork()
+            if child == 0:
+                _forked(me)
+                return path
+            os.write(1, f"{child}\n".encode())
+
+
+def _reap() -> None:
+    """Collect the zygote's standbys that ended (unclaimed ones killed, claimed ones done)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _forked(zygote: int) -> None:
+    """In a standby just forked from the zygote: become what a fresh ``--socket`` start is."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for target in (0, 1):  # the agent's pipes to the zygote stay the zygote's
+        os.dup2(null, target)
+    os.close(null)
+    os.setsid()  # a session of its own, as the pool starts an exec'd standby
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # unclaimed, it goes with the zygote
+    if os.getppid() != zygote:
+        os._exit(1)
+    numpy_random = sys.modules.get("numpy.random")  # `random` reseeds itself after a fork
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def _serve(path: str, policy: Policy, startup: dict[str, str]) -> None:
+    """Listen on ``path``, wait for the rank that claims this standby, fork its worker and report
+    the worker's exit; returns only in the worker, to run the entrypoint."""
     standby = Standby(path, policy, startup)
     standby.listen()
     conn, rank = standby.serve()

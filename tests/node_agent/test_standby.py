@@ -284,40 +284,90 @@ def test_the_pool_refills_what_ranks_took_and_kills_only_idle_standbys(
     pool = StandbyPool(size=2, directory=directory, python=sys.executable, env=dict(BASE_ENV), cwd=str(tmp_path),
                        preload=("json",))
     try:
-        pool.refill()
-        wait_for(lambda: pool.warm == 2, timeout=30, what="two warm standbys")
+        wait_for(lambda: (pool.refill(), pool.warm)[1] == 2, timeout=30, what="two warm standbys")
         first = sorted(directory.glob("*.sock"))
         script = write_script(tmp_path, "slow.py", "import pathlib, time\npathlib.Path('ready').write_text('1')\n"
                               "time.sleep(60)\n")
         shim = run_shim(spawned, tmp_path, "file", str(script), standbys=directory)
         wait_for((tmp_path / "ready").exists, timeout=30, what="the worker runs")
-        pool.refill(hold=True)  # a part of the node is starting: no new standby beside its ranks
-        assert pool.kept == 1 and len(spawned_by(pool)) == 2
-        pool.refill()
-        wait_for(lambda: pool.warm == 2, timeout=30, what="a fresh standby in place of the one taken")
+        zygote = pool.zygote_pid
+        assert zygote is not None
+        # The agent's pipes to the zygote are the zygote's alone: neither the claimed standby nor
+        # its worker holds one (a worker could otherwise feed the zygote socket paths).
+        pipes = {os.readlink(f"/proc/{zygote}/fd/{fd}") for fd in (0, 1)}
+        claimed = [pid for pid in spawned_by(pool) if pid not in (s.pid for s in pool._standbys if s.ours)]
+        worker = psutil.Process(claimed[0]).children()[0].pid
+        for pid in (claimed[0], worker):
+            held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            assert not held & pipes, (pid, held)
+        # A part of the node is starting: the replacement is a fork of the zygote (no imports beside
+        # its ranks), so even then it comes at once, from the same zygote.
+        pool.refill(hold=True)
+        assert pool.kept == 2 and len(spawned_by(pool)) == 3 and pool.zygote_pid == zygote
+        wait_for(lambda: (pool.refill(), pool.warm)[1] == 2, timeout=30, what="a fork in place of the one taken")
         assert len(set(directory.glob("*.sock")) - set(first)) == 1
+        assert all(parent_of(pid) == zygote for pid in spawned_by(pool))
         worker_pid = record(tmp_path)["pid"]
-        pool.close()
+        pool.close()  # the zygote and the idle standbys killed
         assert not list(directory.glob("*.sock"))
-        os.kill(worker_pid, 0)  # the rank's worker lives on
+        time.sleep(0.5)  # what dies with the zygote dies by a signal delivered after it
+        # The rank's claimed standby and its worker live on, though their zygote is gone.
+        assert not gone_or_zombie(claimed[0]) and not gone_or_zombie(worker_pid) and worker_pid == worker
         assert shim.poll() is None
     finally:
         pool.close()
 
 
 def spawned_by(pool: StandbyPool) -> list[int]:
-    return [s.proc.pid for s in pool._standbys]  # noqa: SLF001 - what the pool started, claimed or not
+    return [s.pid for s in pool._standbys]  # noqa: SLF001 - what the pool started, claimed or not
 
 
-def test_a_pool_whose_standbys_die_turns_itself_off(tmp_path: Path) -> None:
+def gone_or_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_pool_whose_zygote_dies_turns_itself_off(tmp_path: Path) -> None:
     pool = StandbyPool(size=1, directory=tmp_path / "pool", python=sys.executable, env=dict(BASE_ENV),
                        cwd=str(tmp_path), preload=("no_such_module_anywhere",), uids=UidRange(UID, UID))
     try:
+        started = set()
         for _ in range(5):
             pool.refill()
-            for standby in list(pool._standbys):
-                standby.proc.wait(30)
-        assert pool.disabled is not None and "died" in pool.disabled
+            zygote = pool._zygote  # noqa: SLF001
+            if zygote is not None:
+                started.add(zygote.proc.pid)
+                zygote.proc.wait(30)
+        assert pool.disabled is not None and "died" in pool.disabled and len(started) == 3
+    finally:
+        pool.close()
+
+
+def test_killed_standbys_are_replaced_by_forks_and_a_killed_zygote_by_a_new_one(tmp_path: Path) -> None:
+    """The zygote imports once; what dies unclaimed is forked again, and a dead zygote is started
+    again (one failure, however many of its standbys died with it)."""
+    pool = StandbyPool(size=2, directory=tmp_path / "pool", python=sys.executable, env=dict(BASE_ENV),
+                       cwd=str(tmp_path), preload=("json",))
+    try:
+        wait_for(lambda: (pool.refill(), pool.warm)[1] == 2, timeout=30, what="two warm standbys")
+        zygote, first = pool.zygote_pid, spawned_by(pool)
+        assert zygote is not None and all(parent_of(pid) == zygote for pid in first)
+        os.kill(first[0], signal.SIGKILL)
+        wait_for(lambda: (pool.refill(), first[0] not in spawned_by(pool) and pool.warm == 2)[1], timeout=30,
+                 what="a fork in place of the killed standby")
+        assert pool.zygote_pid == zygote and pool.disabled is None
+        os.kill(zygote, signal.SIGKILL)
+        wait_for(lambda: (pool.refill(), pool.zygote_pid not in (None, zygote) and pool.warm == 2)[1],
+                 timeout=30, what="a new zygote and its standbys")
+        assert pool.disabled is None
+        wait_for(lambda: all(gone_or_zombie(pid) for pid in first[1:]), timeout=10,
+                 what="the dead zygote's idle standby gone with it")
     finally:
         pool.close()
 
