@@ -210,6 +210,26 @@ class LiveCluster(Cluster):
         agent = psutil.Process(self.dev.agent(name).pid)
         return [agent, *agent.children(recursive=True)]
 
+    def part_processes(self, name: str) -> list[psutil.Process]:
+        """What attempts run on node ``name``: the agent's descendants but its warm standbys' zygote
+        and unclaimed standbys (in the agent's own cgroup; a claimed one has joined its part's)."""
+        from node_agent.ranks.entry_points import STANDBY
+
+        agent, *rest = self.node_processes(name)
+
+        def cgroup(proc: psutil.Process) -> str | None:
+            try:
+                return Path(f"/proc/{proc.pid}/cgroup").read_text()
+            except OSError:
+                return None
+
+        def the_agents(proc: psutil.Process) -> bool:
+            with contextlib.suppress(psutil.Error):
+                return (STANDBY in proc.cmdline()[:3] and cgroup(proc) == cgroup(agent)
+                        and proc.uids().real == agent.uids().real)
+            return False
+        return [p for p in rest if not the_agents(p)]
+
     def signal_node(self, name: str, sig: signal.Signals) -> list[psutil.Process]:
         procs = self.node_processes(name)
         for p in procs:

@@ -17,7 +17,7 @@ from tests.helpers import need
 from trainyard.dev.netns import Shape, Topology, parse_rate
 from trainyard.embedded import EmbeddedPostgres
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.standbys]  # recoveries: later attempts fork warm (tests/conftest.py)
 ENDED = {"succeeded", "failed", "cancelled"}
 
 
@@ -96,7 +96,7 @@ def test_a_node_cut_from_its_peer_then_from_the_control_plane_each_ends_its_atte
     cluster.wait_for(f"{victim} back and its GPU free",
                      lambda: cluster.node(victim)["state"] == "ready" and _held_by(cluster, victim) == {None},
                      timeout=90)
-    stale = [p for p in cluster.node_processes(victim)[1:] if p.is_running()]
+    stale = [p for p in cluster.part_processes(victim) if p.is_running()]
     assert stale == [], [p.cmdline() for p in stale]
 
 

@@ -17,7 +17,7 @@ from trainyard.dev import control as dev_control
 from trainyard.dev.base import ClusterBase
 from trainyard.dev.certs import ensure_server_tls
 from trainyard.dev.config import DevError
-from trainyard.dev.processes import Child, descendants, is_training, kill_all
+from trainyard.dev.processes import Child, descendants, is_training, kill_all, recorded_workers
 from trainyard.embedded import signal_group
 
 
@@ -154,7 +154,10 @@ class NodeAgents(ClusterBase):
             self._reported_dead.discard(name)
             self._say(f"starting {name}'s agent again")
             return f"{name}: agent started again (pid {self.start_agent(name).pid})"
-        workers = [p for p in descendants(proc.pid) if is_training(p)] if proc.poll() is None else []
+        root = self._worker_root(name) if self.config.worker_uids else self.config.data_dir / "nodes" / name / "workers"
+        recorded = recorded_workers(root, agent=proc.pid)
+        alive = proc.poll() is None
+        workers = [p for p in descendants(proc.pid) if is_training(p) or p.pid in recorded] if alive else []
         if action == "kill-workers":
             if not workers:
                 raise dev_control.ControlError(f"{name} runs no training process now")

@@ -89,6 +89,30 @@ def is_training(proc: Any) -> bool:
     return bool(set(names(RANK_SHIM)) & set(parent[:4])) and not torchrun & set(parent)
 
 
+def recorded_workers(workers_dir: Path, agent: int) -> set[int]:
+    """The pids of the running workers the rank shims of a node's parts recorded
+    (``<workers dir>/<part>/status/rank-N.json``): a worker that started in a warm standby is the
+    standby's child, not its shim's, so only the record names it (node_agent/ranks/shim.py). The
+    files are the job's to write: a pid that runs in the agent's own cgroup (the agent's standby
+    zygote, an idle standby) is left out; callers keep only the agent's descendants."""
+    own = _cgroup(agent)
+    pids = set()
+    for path in workers_dir.glob("*/status/rank-*.json"):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            record = json.loads(path.read_text())
+            pid = record.get("pid")
+            if record.get("exit_code") is None and isinstance(pid, int) and not isinstance(pid, bool) and pid > 1:
+                pids.add(pid)
+    return {pid for pid in pids if own is None or _cgroup(pid) not in (own, None)}
+
+
+def _cgroup(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return None
+
+
 def kill_all(procs: list[Any]) -> None:
     import psutil
 
