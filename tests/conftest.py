@@ -28,10 +28,45 @@ import pytest
 from tests.helpers import ProcessReaper
 from trainyard.embedded import EmbeddedPostgres, EmbeddedS3, PostgresAdmin, S3Endpoint
 
-# Agents the suite starts keep no warm standbys unless a test asks for them (``--standbys N``, the
-# e2e cluster's {"standbys": N}): each imports torch, which on this suite's 2-core budget costs more
-# than it saves in tests that start one attempt. tests/e2e/test_standby.py runs the default (auto).
+# Agents the suite starts keep no warm standbys unless a test is marked ``standbys`` (or asks with
+# ``--standbys N``, the e2e cluster's {"standbys": N}): an agent's zygote imports torch once, which a
+# test that runs one attempt pays without gaining from it. The tests that recover (several attempts
+# per node) run the default, ``auto``: their later attempts fork where they would import.
 os.environ.setdefault("TRAINYARD_AGENT_STANDBYS", "0")
+
+
+# The slowest modules, slowest first (about a minute of wall time or more per test on the 2-core
+# development machine; docs/benchmarks.md, "make test").
+SLOWEST_FIRST = (
+    "tests/e2e/test_guide_and_dashboard.py", "tests/e2e/test_recovery.py", "tests/e2e/test_watchdogs.py",
+    "tests/e2e/test_partitions.py", "tests/e2e/test_isolation.py", "tests/e2e/test_fair_scheduling.py",
+    "tests/e2e/test_user_resume.py", "tests/e2e/test_node_faults.py", "tests/e2e/test_command_jobs.py",
+    "tests/e2e/test_checkpoint_faults.py", "tests/e2e/test_standby.py", "tests/e2e/test_faults.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Only the order, never what runs: the longest tests first. pytest-xdist's worksteal gives each
+    worker a contiguous share of the collection and, when one runs dry, moves the end of another's
+    share to it; so each share is dealt longest first (end-to-end tests, then the torchrun ones,
+    then the rest), and what is left to move or to finish last is short: no worker waits idle
+    while the other runs a two-minute test at the end."""
+    def cost(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        if path in SLOWEST_FIRST:
+            return 0, SLOWEST_FIRST.index(path)
+        if item.get_closest_marker("e2e") is not None:
+            return 1, 0
+        return (2, 0) if path.startswith("tests/worker_runtime/") else (3, 0)
+    ordered = sorted(items, key=cost)  # stable: the collection's order within a kind
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = [item for share in range(workers) for item in ordered[share::workers]]
+
+
+@pytest.fixture(autouse=True)
+def _standbys_where_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("standbys") is not None:
+        monkeypatch.setenv("TRAINYARD_AGENT_STANDBYS", "auto")
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import pytest
 from tests.e2e.harness import LiveCluster
 from tests.factories import job_body
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.standbys]  # recoveries: later attempts fork warm (tests/conftest.py)
 ENDED = {"succeeded", "failed", "cancelled"}
 ARGS = ["--steps", "80", "--step-delay-s", "0.05"]
 

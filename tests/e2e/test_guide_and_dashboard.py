@@ -40,7 +40,7 @@ from trainyard.cli import main
 from trainyard.cli.tls import client_context
 from trainyard.embedded import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.standbys]  # recoveries: later attempts fork warm (tests/conftest.py)
 ROOT = Path(__file__).resolve().parents[2]
 ENDED = {"succeeded", "failed", "cancelled"}
 

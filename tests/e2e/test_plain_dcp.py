@@ -18,7 +18,7 @@ import pytest
 
 from trainyard.cli.code_ship import pack
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.standbys]  # recoveries: later attempts fork warm (tests/conftest.py)
 ENDED = {"succeeded", "failed", "cancelled"}
 STEPS = 40
 

@@ -49,6 +49,7 @@ def _max_concurrent(slots: list[dict]) -> int:
 
 
 @pytest.mark.parametrize("cluster", [{"env": {"TRAINYARD_UPLOAD_SLOTS_MAX": "1"}}], indirect=True)
+@pytest.mark.standbys  # its recovery forks warm (tests/conftest.py)
 def test_sigkill_mid_run_resumes_exactly(cluster):
     body = job_body(args=ARGS, checkpoint={"interval_steps": 20}, num_nodes=2, gpus_per_node=2)  # 4 ranks
     clean = cluster.submit({**body, "name": "clean"})

@@ -15,7 +15,7 @@ import pytest
 
 from tests.factories import job_body
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.standbys]
 ENDED = {"succeeded", "failed", "cancelled"}
 NODES = ("node-1", "node-2")
 
@@ -28,14 +28,13 @@ def _standby_dir(cluster, node: str) -> Path:
 
 
 def test_recoveries_start_in_standbys_and_survive_two_failures_in_a_row_one_during_a_save(
-        make_cluster, reference_result, tmp_path, monkeypatch):
+        make_cluster, reference_result, tmp_path):
     """Rank 1 crashes (exit 3) once the agents' standbys are warm again after the first attempt took
     them; the next attempt's torchruns and ranks start in the standbys started in their place, and
     that attempt's rank 0 is killed while its checkpoint is half reported (a failure during a save,
-    right after a recovery: the standbys it took are not replaced yet, so the third attempt starts
-    however it can). The crashed rank's exact exit code comes through its standby, the partial
-    checkpoint never commits, and the job ends with the weights of a run that never failed."""
-    monkeypatch.setenv("TRAINYARD_AGENT_STANDBYS", "auto")
+    right after a recovery). Each attempt starts warm: what one took, the agent forked again from its
+    zygote at once, without importing. The crashed rank's exact exit code comes through its standby,
+    the partial checkpoint never commits, and the job ends with the weights of a run that never failed."""
     cluster = make_cluster(nodes=2)
     dirs = [_standby_dir(cluster, n) for n in NODES]
     deadline = time.monotonic() + 60
@@ -71,14 +70,13 @@ def test_recoveries_start_in_standbys_and_survive_two_failures_in_a_row_one_duri
     assert (attempts[2]["restored_from_step"] or 0) < step  # never the partial checkpoint
     partial = [c for c in cluster.checkpoints(job["id"]) if c["attempt_number"] == 2 and c["step"] == step]
     assert [c["state"] for c in partial] == ["aborted"]
-    # Both ranks of the first two attempts ran in standbys, with torch imported before their first line.
+    # Both ranks of every attempt ran in standbys, with torch imported before their first line.
     logs = cluster.http.get(f"/v1/jobs/{job['id']}/logs").text
     seen = {(int(m[1]), int(m[2])): (m[3], m[4]) for m in re.finditer(
         r"standby_check rank=(\d) attempt=(\d) in_standby=(\w+) torch_loaded=(\w+)", logs)}
-    assert {k: v for k, v in seen.items() if k[1] <= 2} == {
-        (r, a): ("True", "True") for r in (0, 1) for a in (1, 2)}, logs[-3000:]
+    assert seen == {(r, a): ("True", "True") for r in (0, 1) for a in (1, 2, 3)}, logs[-3000:]
     # So did their torchruns (node_agent/ranks/torchrun_entry.py, warm start).
-    for attempt in attempts[:2]:
+    for attempt in attempts:
         for node in NODES:
             text = (tmp_path / "cluster" / "nodes" / node / "attempts" / attempt["id"]
                     / "torchrun.stderr.log").read_text()

@@ -50,7 +50,7 @@ import pytest
 from tests.e2e.harness import LiveCluster
 from trainyard.cli import main
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.standbys]  # recoveries: later attempts fork warm (tests/conftest.py)
 ENDED = {"succeeded", "failed", "cancelled"}
 STEPS, INTERVAL, STEP_TIME_S = 30, 6, 0.2
 

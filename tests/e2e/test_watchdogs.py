@@ -13,7 +13,7 @@ import pytest
 
 from tests.factories import job_body
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.standbys]  # recoveries: later attempts fork warm (tests/conftest.py)
 SETTINGS = {
     "TRAINYARD_WATCHDOG_INTERVAL_S": "0.5",
     "TRAINYARD_HANG_TIMEOUT_MIN_S": "8",
