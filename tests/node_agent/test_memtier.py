@@ -4,6 +4,7 @@ and the worker's restore through it, over real HTTP (unix sockets and TCP)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import hashlib
 import io
@@ -451,7 +452,11 @@ def _worker_ctx(api: LocalApi, attempt: str, restore_from: dict[str, object] | N
 
 def _rss() -> int:
     # The test's own garbage first: a refused put's traceback cycle holds the shard the test made.
+    # Then what the allocator keeps but no object holds, which depends on what this pytest worker
+    # ran before (xdist's schedule), not on the code under test.
     gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
     return int(psutil.Process().memory_info().rss)
 
 
@@ -603,9 +608,10 @@ def test_a_worker_leaving_local_answers_unread_while_it_saves_again_holds_at_mos
         assert tier.inflight_held == _SHARE
         assert tier.store.job_bytes(job_owner("job-e"), "job-e") == 2 * _SHARD  # two evicted, still held
         # Four shards of 40 MiB held, evicted or not: 160 MiB (+ the store's rank-0 pair, the same
-        # buffers): 211 MiB measured; uncounted, all ten were held (510 MiB measured before this fix).
+        # buffers): 211-288 MiB measured, as the worker's history varies; uncounted, all ten were
+        # held (510 MiB measured before this fix).
         grown = _rss() - before
-        assert grown < _SHARE + (96 << 20), f"{grown >> 20} MiB"
+        assert grown < _SHARE + (160 << 20), f"{grown >> 20} MiB"
         _victim_still_served(victim)
     finally:
         for sock in held:
