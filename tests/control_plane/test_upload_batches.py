@@ -430,7 +430,11 @@ def test_releases_a_busy_control_plane_refuses_are_held_by_the_agent_and_resent(
                 assert time.monotonic() < deadline, "the held releases were never taken"
                 time.sleep(0.05)
             resends = node.client.sent["upload-slots/batch"] - sent_before.get("upload-slots/batch", 0)
-            assert 1 <= resends <= 2, resends  # together: one batch (another if the first met the gate)
+            # Together: batches only, never one release at a time; one round, another if the first
+            # met the gate still held, a third if a round failed in transport (a fresh-clone run saw
+            # a resend end in ReadError EBADF once; the releases were kept and sent again).
+            assert 1 <= resends <= 3, resends
+            assert node.client.sent["upload-slots/release"] == sent_before.get("upload-slots/release", 0)
             with httpx.Client(base_url=url) as http:
                 history = _slots(http, spec.job_id)["slots"]
             assert sorted((s["rank"], s["state"], s["ok"], s["uploaded_bytes"]) for s in history) == [
