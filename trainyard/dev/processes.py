@@ -93,17 +93,33 @@ def recorded_workers(workers_dir: Path, agent: int) -> set[int]:
     """The pids of the running workers the rank shims of a node's parts recorded
     (``<workers dir>/<part>/status/rank-N.json``): a worker that started in a warm standby is the
     standby's child, not its shim's, so only the record names it (node_agent/ranks/shim.py). The
-    files are the job's to write: a pid that runs in the agent's own cgroup (the agent's standby
-    zygote, an idle standby) is left out; callers keep only the agent's descendants."""
+    files are the job's to write, so they are read as the agent reads them (safe_files: no link
+    followed, no FIFO waited on, a small regular file, a bounded number), and a pid that runs in the
+    agent's own cgroup (its standby zygote, an idle standby) is left out; callers keep only the
+    agent's descendants."""
+    from node_agent.confinement import safe_files
+
     own = _cgroup(agent)
     pids = set()
-    for path in workers_dir.glob("*/status/rank-*.json"):
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            record = json.loads(path.read_text())
-            pid = record.get("pid")
-            if record.get("exit_code") is None and isinstance(pid, int) and not isinstance(pid, bool) and pid > 1:
-                pids.add(pid)
+    try:
+        parts = safe_files.list_dir(workers_dir)[:RECORDED_PARTS_MAX]
+    except OSError:
+        parts = []
+    for part in parts:
+        with contextlib.suppress(OSError):
+            names = [n for n in safe_files.list_dir(workers_dir, part, "status")
+                     if n.startswith("rank-") and n.endswith(".json")][:RECORDED_RANKS_MAX]
+            for name in names:
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    record = json.loads(safe_files.read_file(workers_dir, part, "status", name, limit=64 * 1024))
+                    pid = record.get("pid")
+                    if record.get("exit_code") is None and type(pid) is int and pid > 1:
+                        pids.add(pid)
     return {pid for pid in pids if own is None or _cgroup(pid) not in (own, None)}
+
+
+RECORDED_PARTS_MAX, RECORDED_RANKS_MAX = 256, 1024
+"""How many parts' directories and rank files per part a node's records are read from."""
 
 
 def _cgroup(pid: int) -> str | None:
