@@ -126,7 +126,9 @@ def reference_result(tmp_path_factory: pytest.TempPathFactory) -> Callable[[list
     """tiny_gpt's result for ``args`` on 2 ranks under bare torchrun, with no failure: what any run
     of the same arguments and world size must end with. Computed once per argument list for the
     whole session: pytest-xdist's workers share it through a file beside their temp dirs (each
-    run costs about 12 CPU-s), one lock per argument list."""
+    run costs about 12 CPU-s), one lock per argument list. The learning-rate schedule depends on
+    ``--steps``, so each step count is a run of its own: the tests keep to 80, 120 or 160 steps and
+    set their duration with ``--step-delay-s``, which changes no weight."""
     from tests.worker_runtime.torchrun import run_torchrun
 
     base = tmp_path_factory.getbasetemp()

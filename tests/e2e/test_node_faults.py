@@ -23,7 +23,7 @@ ENDED = {"succeeded", "failed", "cancelled"}
 
 def test_agent_restarted_mid_attempt_then_a_clean_exit_succeeds_exactly(make_cluster, reference_result):
     cluster = make_cluster(nodes=2)
-    args = ["--steps", "100", "--step-delay-s", "0.1"]
+    args = ["--steps", "120", "--step-delay-s", "0.1"]
     job = cluster.submit(job_body(name="agent-restart", args=args, num_nodes=2, gpus_per_node=1,
                                   checkpoint={"interval_steps": 20}, max_failures=0))
     cluster.wait_for("progress", lambda: (cluster.job(job["id"])["progress"]["step"] or 0) >= 15, timeout=120)

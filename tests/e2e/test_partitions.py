@@ -104,7 +104,7 @@ def test_postgres_restarted_mid_run_and_mid_commit(make_cluster, reference_resul
     if not isinstance(embedded_pg, EmbeddedPostgres):
         pytest.skip("restarts the embedded PostgreSQL server; TRAINYARD_TEST_DATABASE_URL names one it cannot restart")
     cluster = make_cluster(nodes=2, settings={"TRAINYARD_FAILPOINTS": "checkpoint.before_commit=sleep(4)"})
-    args = ["--steps", "140", "--step-delay-s", "0.1"]
+    args = ["--steps", "160", "--step-delay-s", "0.1"]  # 80, 120 or 160: see reference_result
     job = cluster.submit(job_body(name="pg-restart", args=args, num_nodes=2, gpus_per_node=1,
                                   checkpoint={"interval_steps": 20, "keep_last": 100}, max_failures=0))
     cluster.wait_for("progress", lambda: (cluster.job(job["id"])["progress"]["step"] or 0) >= 10, timeout=120)
@@ -123,8 +123,8 @@ def test_postgres_restarted_mid_run_and_mid_commit(make_cluster, reference_resul
     attempts = cluster.attempts(job["id"])
     assert len(attempts) == 1, [a["end_reason"] for a in attempts]  # no node was declared lost
     commits = Counter(e["data"]["step"] for e in cluster.events(job["id"], "checkpoint.committed"))
-    assert commits == Counter({step: 1 for step in range(20, 141, 20)}), commits
-    assert [c["step"] for c in cluster.checkpoints(job["id"], "committed")] == list(range(140, 19, -20))
+    assert commits == Counter({step: 1 for step in range(20, 161, 20)}), commits
+    assert [c["step"] for c in cluster.checkpoints(job["id"], "committed")] == list(range(160, 19, -20))
 
 
 def test_node_reboot_work_dir_kept_processes_gone(make_cluster, reference_result):
@@ -162,10 +162,10 @@ def test_control_plane_down_30s_across_the_jobs_end(make_cluster, reference_resu
     timeout: when a control plane is back, the attempt is decided by its final status (succeeded),
     not by the silence (vanished)."""
     cluster = make_cluster(nodes=2)
-    args = ["--steps", "60", "--step-delay-s", "0.1"]
+    args = ["--steps", "80", "--step-delay-s", "0.1"]
     job = cluster.submit(job_body(name="cp-down-at-end", args=args, num_nodes=2, gpus_per_node=1,
                                   checkpoint={"interval_steps": 20}, max_failures=0))
-    cluster.wait_for("progress", lambda: (cluster.job(job["id"])["progress"]["step"] or 0) >= 50, timeout=120,
+    cluster.wait_for("progress", lambda: (cluster.job(job["id"])["progress"]["step"] or 0) >= 70, timeout=120,
                      every=0.1)
     cluster.dev.restart_control_plane(kill=True, down_s=30.0)
 

@@ -41,7 +41,7 @@ def test_recoveries_start_in_standbys_and_survive_two_failures_in_a_row_one_duri
     while any(len(list(d.glob("*.sock"))) < 2 for d in dirs):  # as on nodes that have been up a while
         assert time.monotonic() < deadline, "the agents' standbys never listened"
         time.sleep(0.2)
-    args = ["--steps", "70", "--step-delay-s", "0.05", "--ckpt-upload-delay-s", "2", "--ckpt-slow-rank", "1",
+    args = ["--steps", "80", "--step-delay-s", "0.05", "--ckpt-upload-delay-s", "2", "--ckpt-slow-rank", "1",
             "--crash-at-step", "25", "--crash-rank", "1", "--crash-once"]
     # Attempt 1 waits after its step 5 until the standbys that replace those it took listen.
     hold = ["--hold-at-step", "5", *(a for d in dirs for a in ("--standbys", f"{d}:2"))]
