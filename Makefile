@@ -14,7 +14,9 @@ PACKAGES := control_plane node_agent worker_runtime trainyard bench
 # pytest-xdist workers for `make test`, each with its own PostgreSQL and S3. The suite waits on real
 # processes much of the time: one session kept 0.9 of 2 cores busy, two about 1.5. A third was
 # slower on the 2-core development machine, and its saturated cores delayed agents' heartbeats until
-# nodes were declared lost (docs/benchmarks.md, "make test"); TEST_WORKERS=0 runs it in one process.
+# nodes were declared lost (docs/benchmarks.md, "make test"). Beside them, the tests that start no
+# process run in a second session at a lower priority (scripts/test-lanes.sh); TEST_WORKERS=0 runs
+# the whole suite in one process.
 TEST_WORKERS ?= 2
 
 .PHONY: help venv test lint demo clean distclean
@@ -44,7 +46,7 @@ test: venv
 	$(VENV)/bin/mypy $(PACKAGES)
 	$(VENV)/bin/lint-imports
 	$(PY) scripts/check_imports.py
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	scripts/test-lanes.sh $(PY) $(TEST_WORKERS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

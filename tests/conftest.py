@@ -15,6 +15,7 @@ inside PostgreSQL, ~0.1 s) and it is dropped afterwards.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -43,6 +44,35 @@ SLOWEST_FIRST = (
     "tests/e2e/test_user_resume.py", "tests/e2e/test_node_faults.py", "tests/e2e/test_command_jobs.py",
     "tests/e2e/test_checkpoint_faults.py", "tests/e2e/test_standby.py", "tests/e2e/test_faults.py",
 )
+
+
+# `make test` runs two pytest sessions at once (scripts/test-lanes.sh): the "heavy" lane on the
+# xdist workers, and the "light" lane in one process at a lower CPU priority, which takes the cores
+# only while the heavy lane's tests wait on their processes. A module is light when it is outside
+# tests/e2e and its source starts no process, thread or wait of its own (HEAVY_SOURCE): a test that
+# waits on time or on another process must not run at the low priority. Anything else is heavy, so
+# a new test module is heavy until it reads as light. TRAINYARD_TEST_LANE unset: every module.
+TEST_LANE = os.environ.get("TRAINYARD_TEST_LANE", "")
+HEAVY_SOURCE = re.compile(
+    r"make_cluster|live_cluster|run_torchrun|torchrun|subprocess|Popen|ProcessReaper|multiprocessing|"
+    r"threading|Thread|os\.fork|spawn|start_agent|dev_cluster|AgentProcess|uvicorn|trainyard server|"
+    r"time\.sleep|wait_for|EmbeddedS3|proxy")
+TESTS = Path(__file__).resolve().parent
+
+
+def lane_of(path: Path) -> str:
+    """``light`` or ``heavy``: where a test module runs when the suite runs in lanes."""
+    relative = path.resolve().relative_to(TESTS)
+    if relative.parts[0] == "e2e":
+        return "heavy"
+    return "heavy" if HEAVY_SOURCE.search(path.read_text(encoding="utf-8")) else "light"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if TEST_LANE not in ("light", "heavy") or collection_path.suffix != ".py" \
+            or not collection_path.name.startswith("test_"):
+        return None
+    return True if lane_of(collection_path) != TEST_LANE else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
