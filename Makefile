@@ -15,7 +15,7 @@ PACKAGES := control_plane node_agent worker_runtime trainyard bench
 # processes much of the time: one session kept 0.9 of 2 cores busy, two about 1.5. A third was
 # slower on the 2-core development machine, and its saturated cores delayed agents' heartbeats until
 # nodes were declared lost (docs/benchmarks.md, "make test"). Beside them, the tests that start no
-# process run in a second session at a lower priority (scripts/test-lanes.sh); TEST_WORKERS=0 runs
+# process run in a second session at idle priority (scripts/test-lanes.sh); TEST_WORKERS=0 runs
 # the whole suite in one process.
 TEST_WORKERS ?= 2
 
