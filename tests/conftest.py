@@ -74,6 +74,14 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         return None
     return True if lane_of(collection_path) != TEST_LANE else None
 
+# Outside tests/e2e, modules with a test of 10 s or more: dealt with the torchrun tests, before the
+# short ones, so that none of them is what a worker still runs when the other has run dry.
+SLOW_UNITS = (
+    "tests/control_plane/test_lock_order.py", "tests/test_bench_start_limits.py",
+    "tests/control_plane/test_checkpoint_scale.py", "tests/test_bench_gpu_fast_path.py",
+    "tests/node_agent/test_launcher.py", "tests/control_plane/test_liveness_lane.py",
+)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Only the order, never what runs: the longest tests first. pytest-xdist's worksteal gives each
@@ -87,7 +95,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return 0, SLOWEST_FIRST.index(path)
         if item.get_closest_marker("e2e") is not None:
             return 1, 0
-        return (2, 0) if path.startswith("tests/worker_runtime/") else (3, 0)
+        return (2, 0) if path.startswith("tests/worker_runtime/") or path in SLOW_UNITS else (3, 0)
     ordered = sorted(items, key=cost)  # stable: the collection's order within a kind
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
     items[:] = [item for share in range(workers) for item in ordered[share::workers]]

@@ -212,7 +212,9 @@ class LiveCluster(Cluster):
 
     def part_processes(self, name: str) -> list[psutil.Process]:
         """What attempts run on node ``name``: the agent's descendants but its warm standbys' zygote
-        and unclaimed standbys (in the agent's own cgroup; a claimed one has joined its part's)."""
+        and unclaimed standbys (in the agent's own cgroup; a claimed one has joined its part's), and
+        but the dead: a process that ended and waits to be reaped (a claimed standby is the zygote's
+        child, and the zygote reaps once a second) runs nothing."""
         from node_agent.ranks.entry_points import STANDBY
 
         agent, *rest = self.node_processes(name)
@@ -228,7 +230,13 @@ class LiveCluster(Cluster):
                 return (STANDBY in proc.cmdline()[:3] and cgroup(proc) == cgroup(agent)
                         and proc.uids().real == agent.uids().real)
             return False
-        return [p for p in rest if not the_agents(p)]
+
+        def running(proc: psutil.Process) -> bool:
+            try:
+                return proc.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+        return [p for p in rest if running(p) and not the_agents(p)]
 
     def signal_node(self, name: str, sig: signal.Signals) -> list[psutil.Process]:
         procs = self.node_processes(name)

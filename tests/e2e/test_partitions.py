@@ -97,7 +97,7 @@ def test_a_node_cut_from_its_peer_then_from_the_control_plane_each_ends_its_atte
                      lambda: cluster.node(victim)["state"] == "ready" and _held_by(cluster, victim) == {None},
                      timeout=90)
     stale = [p for p in cluster.part_processes(victim) if p.is_running()]
-    assert stale == [], [p.cmdline() for p in stale]
+    assert stale == [], [p.as_dict(["pid", "status", "cmdline"]) for p in stale]
 
 
 def test_postgres_restarted_mid_run_and_mid_commit(make_cluster, reference_result, embedded_pg):
