@@ -340,6 +340,12 @@ def test_a_healthy_rank_restarts_in_process_and_a_stale_worker_is_refused(
     stale = _spawn(process_reaper, _env(attempt=1, rank=1, port=port2, agent=None, bucket=None), argv)
     with fake_agent._cond:
         fake_agent.handover["tok-1"] = NextAssignmentAnswer(state="assigned", assignment=assignment).model_dump()
+    # Attempt 2's store is up (the survivor holds it, waiting for rank 1) until its rank 1 joins: the
+    # stale worker is refused there before the replacement starts. Started after it, a stale worker
+    # still importing torch could find attempt 2 over and its store gone, and wait for a server.
+    stale_out, stale_err = stale.communicate(timeout=120)
+    assert stale.returncode != 0 and "StaleRendezvousError" in stale_err, stale_err
+    assert "refused" in stale_err and "RESULT" not in stale_out and "{" not in stale_out
     replaced = _spawn(process_reaper, _env(attempt=2, rank=1, port=port2, agent=fake_agent, bucket=s3_bucket,
                                            restore_from=plan), argv)
     (survivor, survivor_err), (fresh, _) = _result(healthy), _result(replaced)
@@ -358,6 +364,3 @@ def test_a_healthy_rank_restarts_in_process_and_a_stale_worker_is_refused(
         assert survivor["sha"] == fresh["sha"] == ref_sha
         assert survivor["steps"] == fresh["steps"] == reference[0]["steps"]  # type: ignore[index]
 
-    stale_out, stale_err = stale.communicate(timeout=60)
-    assert stale.returncode != 0 and "StaleRendezvousError" in stale_err, stale_err
-    assert "refused" in stale_err and "RESULT" not in stale_out and "{" not in stale_out
