@@ -23,7 +23,7 @@ TEST_WORKERS ?= 2
 
 help:
 	@echo "make venv       create $(VENV) and install trainyard[dev] (pinned by constraints.txt)"
-	@echo "make test       system packages where it can (scripts/system-deps.sh), ruff, mypy, import contracts, then the whole pytest suite (real PostgreSQL and S3, no GPU needed)"
+	@echo "make test       system packages where it can (scripts/system-deps.sh), ruff, then the whole pytest suite (real PostgreSQL and S3, no GPU needed) with mypy and the import contracts beside it"
 	@echo "make lint       ruff, mypy, the import contracts (lint-imports) and scripts/check_imports.py (no cycles)"
 	@echo "make demo       a 2-node dev cluster on this machine, running one tiny-gpt job end to end"
 	@echo "make clean      remove caches and .trainyard/ (demo data); distclean also removes $(VENV)"
@@ -43,10 +43,8 @@ $(STAMP): pyproject.toml constraints.txt
 test: venv
 	-scripts/system-deps.sh
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy $(PACKAGES)
-	$(VENV)/bin/lint-imports
-	$(PY) scripts/check_imports.py
-	scripts/test-lanes.sh $(PY) $(TEST_WORKERS)
+	TEST_LANES_CHECKS="$(VENV)/bin/mypy $(PACKAGES) && $(VENV)/bin/lint-imports && $(PY) scripts/check_imports.py" \
+	    scripts/test-lanes.sh $(PY) $(TEST_WORKERS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

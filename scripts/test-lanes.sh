@@ -11,7 +11,10 @@
 #   CPU the heavy lane leaves. At `nice 10` it took enough to slow the first end-to-end tests by
 #   30-40 s each (docs/benchmarks.md, "make test").
 # The light lane writes to a log of its own, printed when it ends; the run fails if either fails.
-# WORKERS=0 runs the whole suite in one process, without lanes.
+# TEST_LANES_CHECKS, a shell command (make test: mypy and the import contracts), runs first in the
+# light lane, at its priority: its 30-odd CPU-s then come out of idle time instead of before the
+# suite; if it fails, the light lane's tests do not run and the run fails with its output.
+# WORKERS=0 runs the checks, then the whole suite in one process, without lanes.
 set -uo pipefail
 
 py=$1
@@ -23,7 +26,9 @@ shift 2
 # the suite starts would compile the platform's modules again.
 unset PYTHONDONTWRITEBYTECODE
 
+checks=${TEST_LANES_CHECKS:-true}
 if [ "$workers" = "0" ]; then
+    bash -c "$checks" || exit 1
     exec "$py" -m pytest -q "$@"
 fi
 
@@ -31,22 +36,30 @@ fi
 # its mode at start, under the other's agents.
 light_dir=$(mktemp -d "${TMPDIR:-/tmp}/trainyard-light-lane.XXXXXX")
 light_log=$light_dir/pytest.log
+checks_log=$light_dir/checks.log
 idle=(nice -n 19)
 if command -v chrt >/dev/null && chrt --idle 0 true 2>/dev/null; then idle=(chrt --idle 0); fi
-TRAINYARD_TEST_LANE=light "${idle[@]}" "$py" -m pytest -q -p no:cacheprovider \
-    --basetemp="$light_dir/tmp" "$@" >"$light_log" 2>&1 &
+(
+    "${idle[@]}" bash -c "$checks" >"$checks_log" 2>&1 || exit 2
+    TRAINYARD_TEST_LANE=light exec "${idle[@]}" "$py" -m pytest -q -p no:cacheprovider \
+        --basetemp="$light_dir/tmp" "$@" >"$light_log" 2>&1
+) &
 light_pid=$!
-trap 'kill -INT "$light_pid" 2>/dev/null; wait "$light_pid" 2>/dev/null; rm -rf "$light_dir"' EXIT
+trap 'pkill -INT -P "$light_pid" 2>/dev/null; kill -INT "$light_pid" 2>/dev/null; wait "$light_pid" 2>/dev/null; rm -rf "$light_dir"' EXIT
 trap 'exit 130' INT TERM
 
-echo "light lane: pytest in the background (${idle[*]}), log $light_log"
+echo "light lane: the checks ($checks), then pytest, in the background (${idle[*]}); log $light_log"
 TRAINYARD_TEST_LANE=heavy "$py" -m pytest -q -n "$workers" --dist worksteal "$@"
 heavy_rc=$?
 
 wait "$light_pid"
 light_rc=$?
+echo "== the checks"
+cat "$checks_log"
 echo "== light lane (exit $light_rc)"
-if [ "$light_rc" -eq 0 ]; then
+if [ "$light_rc" -eq 2 ] && [ ! -s "$light_log" ]; then
+    echo "the checks failed: the light lane's tests did not run"
+elif [ "$light_rc" -eq 0 ]; then
     # Its summary: the slowest tests, skips and the counts.
     sed -n '/slowest [0-9]* durations/,$p' "$light_log"
 else
