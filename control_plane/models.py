@@ -293,6 +293,11 @@ class AttemptPart(Base):
     adopts_attempt_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("attempts.id", ondelete="CASCADE"),
         doc="The earlier attempt whose parked part on this node (same GPUs) it took over; NULL: a cold start.")
+    follows_part_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("attempt_parts.id", ondelete="SET NULL"),
+        doc="The part of the job's previous attempt on this node whose GPU leases it was given while that part's "
+        "processes were still stopping (services/runs/handover.py, pass_leases): it is not released before that "
+        "part is, and its agent starts it once they are gone. NULL: its GPUs were free.")
     exit_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     error_kind: Mapped[str | None] = mapped_column(

@@ -73,6 +73,11 @@ class Settings(BaseSettings):
         0, description='Nodes kept for recovering jobs only: a number for every GPU kind, or JSON such as '
         '{"h100": 2} per kind.'
     )
+    recovery_pass_leases: bool = Field(
+        True, description="A failed attempt's GPUs on healthy nodes pass straight to its job's next attempt while "
+        "their processes stop (each node's agent starts its new part once they are gone), so a recovery does not "
+        "wait for every node's release; false: the next attempt is placed only once its GPUs are released."
+    )
     plan_min_efficiency: float = Field(
         0.7, ge=0, le=1, description="Scaling efficiency (tokens/s per GPU against the smallest GPU count that "
         "runs) below which a job's GPU count is warned about at submit, and the least a plan's recommendation "

@@ -12,6 +12,7 @@ jobs it admits), groups what runs per node in SQL, and inserts attempts, parts a
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import uuid
 from collections import Counter
@@ -397,7 +398,8 @@ def schedule_pass(
     state = cluster_state(session, at, label_key=options.topology_label)
     configured = tenants.all_tenants(session)
     previous = reservations.previous(session)
-    handovers = _plan_handovers(session, queue, state, options, previous=previous, configured=configured)
+    handovers = _plan_handovers(session, queue, state, options, previous=previous, configured=configured,
+                                passing=settings.recovery_pass_leases)
     queue = [d for d in queue if d.job_id not in handovers]
     shares = {
         name: TenantShare(weight=row.weight if row else 1.0, gpu_quota=row.gpu_quota if row else None,
@@ -425,19 +427,25 @@ def schedule_pass(
 
 
 def _plan_handovers(session: Session, queue: list[JobDemand], state: ClusterState, options: PolicyOptions, *,
-                    previous: Mapping[str, Sequence[str]], configured: Mapping[str, Any]) -> dict[str, PlannedHandover]:
-    """The recovering restartable jobs placed onto their own parked parts first (each sees its parked
-    GPUs as free, and only it: scheduler/handover_policy.py), by job id; the pass then places the
-    others on what is left. The GPUs a handover needs besides its parked ones respect what the pass
-    would: other jobs' reservations (``previous``) and recovering jobs' healthy nodes, and the
-    tenant's quota (``configured``)."""
+                    previous: Mapping[str, Sequence[str]], configured: Mapping[str, Any],
+                    passing: bool = True) -> dict[str, PlannedHandover]:
+    """The recovering jobs placed onto their own failed attempt's GPUs first, by job id: a restartable
+    job's parked parts (handed over with their workers), and with ``passing`` a job that parks
+    nothing onto its stopping parts (their leases passed: services/runs/handover.py). Each sees
+    those GPUs as free, and only it (scheduler/handover_policy.py); the pass then places the others
+    on what is left. The GPUs a handover needs besides those respect what the pass would: other
+    jobs' reservations (``previous``) and recovering jobs' healthy nodes, and the tenant's quota
+    (``configured``)."""
     recovering = {d.job_id: d for d in queue if d.recovering}
     if not recovering:
         return {}
-    parked = handover.parked_parts(session, [uuid.UUID(j) for j in recovering])
+    ids = [uuid.UUID(j) for j in recovering]
+    parked = handover.parked_parts(session, ids)
+    stopping = handover.passable_parts(session, ids) if passing else {}
     planned: dict[str, PlannedHandover] = {}
     usage = state.usage  # the pass after it counts what the handovers took
-    for job_id, parts in parked.items():
+    # A job parks or passes, never both (services/runs/parking.py: parks_nothing).
+    for passes, (job_id, parts) in [*((False, j) for j in parked.items()), *((True, j) for j in stopping.items())]:
         demand = recovering[str(job_id)]
         held = {n for other, nodes in previous.items() if other != demand.job_id for n in nodes}
         held |= {n for d in recovering.values() if d.job_id != demand.job_id for n in d.prefer_nodes}
@@ -449,7 +457,9 @@ def _plan_handovers(session: Session, queue: list[JobDemand], state: ClusterStat
             quota_left=None if quota is None else quota - usage.get(demand.tenant, 0))
         if plan is None:
             continue
-        planned[demand.job_id] = PlannedHandover(plan.placement, {n: parts[n] for n in plan.adopted})
+        taken = {n: parts[n] for n in plan.adopted}
+        planned[demand.job_id] = (PlannedHandover(plan.placement, {}, taken) if passes
+                                  else PlannedHandover(plan.placement, taken))
         state.capacity = handover_policy.without(state.capacity, plan.placement)
         extra = sum(len(ix) for n, ix in plan.placement.nodes if n not in plan.adopted)
         usage[demand.tenant] = usage.get(demand.tenant, 0) + extra
@@ -461,6 +471,8 @@ class PlannedHandover:
     placement: Placement
     adopted: dict[str, handover.ParkedPart]
     """Node id -> the parked part the new attempt takes over there."""
+    passed: dict[str, handover.ParkedPart] = dataclasses.field(default_factory=dict)
+    """Node id -> the stopping part whose leases the new attempt takes there (its part follows it)."""
 
 
 def _admit(session: Session, settings: Settings, placements: list[Placement],
@@ -498,12 +510,20 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
     }
     admitted = [p for p in placements if p.job_id in locked]
     adopts: dict[uuid.UUID, dict[uuid.UUID, uuid.UUID]] = {}
+    follows: dict[uuid.UUID, dict[uuid.UUID, uuid.UUID]] = {}
     for p in [p for p in admitted if p.job_id in handovers]:
-        adopted = handovers[p.job_id].adopted
-        if not handover.take_over(session, locked[p.job_id], adopted, dict(p.nodes)):
+        planned, job = handovers[p.job_id], locked[p.job_id]
+        if planned.passed:
+            got = handover.pass_leases(session, job, planned.passed, dict(p.nodes))
+            if got is None:
+                admitted.remove(p)
+                continue
+            follows[job.id] = got
+            continue
+        if not handover.take_over(session, job, planned.adopted, dict(p.nodes)):
             admitted.remove(p)
             continue
-        adopts[locked[p.job_id].id] = {part.node_id: part.attempt_id for part in adopted.values()}
+        adopts[job.id] = {part.node_id: part.attempt_id for part in planned.adopted.values()}
     used_ports = _ports_in_use(session, {nodes[p.nodes[0][0]].address for p in admitted})
     # A random start spreads attempts over the range, so a port a just-ended attempt (or another
     # cluster on the same machine) still holds is unlikely to be picked again at once.
@@ -517,7 +537,7 @@ def _admit(session: Session, settings: Settings, placements: list[Placement],
         (locked[p.job_id], [(nodes[node_id], ix) for node_id, ix in p.nodes],
          _pick_port(used_ports, nodes[p.nodes[0][0]].address, settings, seed + i))
         for i, p in enumerate(admitted)
-    ], adopts=adopts, topology_label=settings.topology_label)
+    ], adopts=adopts, follows=follows, topology_label=settings.topology_label)
     return admitted
 
 

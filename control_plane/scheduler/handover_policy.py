@@ -9,7 +9,12 @@ placement split the node and adopt nothing), every other node what is free on it
 the placement that is a parked node is adopted; a placement that adopts nothing is no handover
 (the ordinary pass places the job, and the parked parts are stopped as usual).
 
-No database, no clock: ``allocate.py`` reads the parked parts and applies the lease transfer.
+The same policy places a job that parks nothing onto the stopping parts of its failed attempt
+(lease passing, services/runs/handover.py): ``parked`` then names those parts' GPUs, which the new
+attempt takes exactly, as it would parked ones, without their processes.
+
+No database, no clock: ``allocate.py`` reads the parked (or stopping) parts and applies the lease
+transfer.
 """
 
 from __future__ import annotations

@@ -117,7 +117,8 @@ ATTEMPT: dict[str, State] = {
     "stopping": _s("ended", exit=Exit(
         "each node confirms its processes gone (its final status report, or the heartbeat that stops "
         "listing it), and the release that completes the gang ends it in the same transaction (never "
-        "an attempt that holds nothing and is not ended); a lost node's part waits for the "
+        "an attempt that holds no part and is not ended; a part's GPU leases may have passed to its job's "
+        "next attempt meanwhile, which is not released before it); a lost node's part waits for the "
         "node to return",
         settings=("node_lost_timeout_s",), message="attempt status report, heartbeat",
         operator="DELETE /v1/nodes/{id}")),
@@ -136,7 +137,8 @@ assert set(ATTEMPT_HOLDING) == set(ATTEMPT) - {"ended"}
 PART: dict[str, State] = {
     # parked: told to stop before the agent's first report reached us (it parks what runs).
     "assigned": _s("launching", "running", "parked", "exited", "stopped", "gone", exit=Exit(
-        "the agent reports it launching at its next heartbeat; a part still assigned after the launch "
+        "the agent reports it launching at its next heartbeat (a part given the GPUs of a stopping part once "
+        "that part's processes are gone); a part still assigned after the launch "
         "timeout fails its attempt (the maintenance step of the monitor loop)",
         settings=("attempt_launch_timeout_s", "monitor_interval_s"), message="attempt status report")),
     "launching": _s("running", "parked", "exited", "stopped", "gone", exit=Exit(

@@ -49,7 +49,10 @@ def test_worker_killed_mid_checkpoint_never_commits_it(make_cluster, reference_r
     assert attempts[1]["restored_from_step"] == 20  # the one before the partial checkpoint
     partial = [c for c in cluster.checkpoints(job["id"]) if c["attempt_number"] == 1 and c["step"] == 40]
     assert [(c["state"], c["shards"]) for c in partial] == [("aborted", 1)]
-    assert "ended before all shards arrived" in partial[0]["reason"]
+    # Aborted once attempt 1 ended, or before that, once attempt 2 (passed attempt 1's GPUs while its
+    # processes stopped: services/runs/handover.py) became the job's current one: it can never commit.
+    assert partial[0]["reason"] in ("attempt 1 ended before all shards arrived",
+                                    "attempt 1 failed before all shards arrived"), partial[0]["reason"]
     aborted = [e for e in cluster.events(job["id"], "checkpoint.aborted") if e["data"]["step"] == 40]
     assert aborted and aborted[0]["attempt_id"] == attempts[0]["id"]
 

@@ -164,6 +164,8 @@ def report_status(session: Session, node: Node, attempt_id: uuid.UUID, report: A
     if merged.settle:
         attempt = status_reports.settle(session, attempt_id, report.result) or attempt
         session.commit()
+        if session.info.pop(attempts.RECOVERING, False):
+            wakeups.wake_scheduler()  # its GPUs may pass to the next attempt now (handover.pass_leases)
     released = merged.released
     if merged.release:
         # After settle: a verdict this report completes is taken first, and the release of the

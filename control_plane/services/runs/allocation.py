@@ -60,14 +60,17 @@ def create_attempt(session: Session, job: Job, placement: NodePlacement, *, rdzv
 
 def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlacement, int]], *,
                     adopts: Mapping[uuid.UUID, Mapping[uuid.UUID, uuid.UUID]] | None = None,
+                    follows: Mapping[uuid.UUID, Mapping[uuid.UUID, uuid.UUID]] | None = None,
                     topology_label: str = "rack") -> list[uuid.UUID]:
     """``create_attempt`` for many (job, placement, rendezvous port) at once: a scheduling pass may
     admit hundreds of gangs, so attempts, parts and leases go in as three bulk INSERTs. The jobs
     must be locked by the caller and waiting; each moves to ``starting``. Returns the attempt ids.
     ``adopts``: per job, per node, the earlier attempt whose parked part there the new part takes
-    over (services/runs/handover.py released its leases first, in this transaction).
+    over (services/runs/handover.py released its leases first, in this transaction). ``follows``:
+    per job, per node, the stopping part of its previous attempt whose leases the new part there was
+    passed (handover.pass_leases, in this transaction): not released before it.
     """
-    adopts = adopts or {}
+    adopts, follows = adopts or {}, follows or {}
     if not allocations:
         return []
     job_ids = [job.id for job, _, _ in allocations]
@@ -106,7 +109,8 @@ def create_attempts(session: Session, allocations: Sequence[tuple[Job, NodePlace
         for node_rank, (node, indices) in enumerate(placement):
             part = {"id": uuid.uuid4(), "attempt_id": attempt_id, "node_id": node.id, "node_rank": node_rank,
                     "gpu_indices": list(indices), "desired": "run", "state": "assigned", "memory": memory[node_rank],
-                    "adopts_attempt_id": adopts.get(job.id, {}).get(node.id)}
+                    "adopts_attempt_id": adopts.get(job.id, {}).get(node.id),
+                    "follows_part_id": follows.get(job.id, {}).get(node.id)}
             # Its spec never changes from now on: versioned once (services/cluster/specs.py).
             part["spec_version"] = specs.launch_spec(job, SimpleNamespace(**attempt_rows[-1]),
                                                      SimpleNamespace(**part), None).version

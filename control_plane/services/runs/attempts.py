@@ -105,6 +105,7 @@ def fail_attempt(
             "recovering",
             f"attempt {attempt.number} failed ({reason}); recovery {job.failures} of {job.max_failures}",
         )
+        session.info[RECOVERING] = True  # a pass may place its next attempt now (handover.pass_leases)
 
 
 def _repeats_the_last_failure(session: Session, attempt: Attempt, kind: str, message: str | None) -> bool:
@@ -152,10 +153,19 @@ def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> 
         if attempt.outcome is not None or part.state not in PART_UNLAUNCHED:
             continue
         name = session.scalar(select(Node.name).where(Node.id == part.node_id))
+        why = "its agent never picked it up"
+        if part.follows_part_id is not None:
+            before = session.execute(
+                select(Attempt.number, AttemptPart.released_at)
+                .join(AttemptPart, AttemptPart.attempt_id == Attempt.id)
+                .where(AttemptPart.id == part.follows_part_id)).first()
+            if before is not None and before.released_at is None:
+                why = (f"the processes of attempt {before.number} there, whose GPUs it was given, were still not "
+                       "confirmed gone")
         fail_attempt(
             session, job, attempt,
             f"node rank {part.node_rank} on {name} was not confirmed launching within {timeout_s:g}s "
-            "(attempt_launch_timeout_s): its agent never picked it up",
+            f"(attempt_launch_timeout_s): {why}",
             node_id=part.node_id, kind="launch_error",
         )
         failed.append(attempt_id)
@@ -174,7 +184,10 @@ def release_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> set[uuid.U
     release"). The job lock is not taken: the 128 releases of a stopped 1,024-rank gang queue only
     on their attempt's row, for a few statements each, and a cancelling job is finished after the
     commit (``finish_released``). The caller holds no attempt part and no job after this in the
-    lock order (a heartbeat: its node; a removal: the node and the jobs and attempts it locked)."""
+    lock order (a heartbeat: its node; a removal: the node and the jobs and attempts it locked).
+
+    A part that follows a part not yet released (its leases were passed from it:
+    services/runs/handover.py) is not released before that one, unless both are in ``part_ids``."""
     ids = sorted(set(part_ids))
     if not ids:
         return set()
@@ -183,7 +196,7 @@ def release_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> set[uuid.U
     if not held:
         return set()
     locked = lock_attempts(session, held)
-    parts = [p for p in lock_parts(session, ids) if p.released_at is None]
+    parts = _not_behind(session, [p for p in lock_parts(session, ids) if p.released_at is None])
     if not parts:
         return set()
     attempt_ids = {p.attempt_id for p in parts}
@@ -201,10 +214,14 @@ def release_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> set[uuid.U
     for part in parts:
         part.released_at = t
         advance_part(session, part, "gone", job_id=job_of[part.attempt_id])
+        given = released[(part.attempt_id, part.node_id)]
+        passed = not given and session.scalar(
+            select(AttemptPart.id).where(AttemptPart.follows_part_id == part.id).limit(1)) is not None
         events.record(
             session,
             "leases.released",
-            f"node rank {part.node_rank} stopped; {released[(part.attempt_id, part.node_id)]} GPU leases released",
+            f"node rank {part.node_rank} stopped; its GPU leases had passed to the job's next attempt" if passed
+            else f"node rank {part.node_rank} stopped; {given} GPU leases released",
             job_id=job_of[part.attempt_id],
             attempt_id=part.attempt_id,
             node_id=part.node_id,
@@ -215,6 +232,20 @@ def release_parts(session: Session, part_ids: Iterable[uuid.UUID]) -> set[uuid.U
     session.info["released"] = session.info.get("released", 0) + len(parts)  # lets the caller wake the scheduler
     session.info.setdefault(RELEASED_ATTEMPTS, set()).update(attempt_ids)
     return attempt_ids
+
+
+def _not_behind(session: Session, parts: list[AttemptPart]) -> list[AttemptPart]:
+    """``parts`` less those that follow a part not yet released and not among them: a part passed
+    the leases of its job's previous part on its node (services/runs/handover.py, pass_leases) holds
+    them until that part's processes are confirmed gone too, whatever its own agent says of it
+    (it never started it while they lived). Its next release, a heartbeat later, gives them back."""
+    ids = {p.id for p in parts}
+    before = {p.follows_part_id for p in parts if p.follows_part_id is not None and p.follows_part_id not in ids}
+    if not before:
+        return parts
+    held = set(session.scalars(select(AttemptPart.id).where(AttemptPart.id.in_(before),
+                                                            AttemptPart.released_at.is_(None))))
+    return [p for p in parts if p.follows_part_id not in held]
 
 
 def end_if_released(session: Session, attempt: Attempt) -> bool:
@@ -236,6 +267,10 @@ def end_if_released(session: Session, attempt: Attempt) -> bool:
     session.info["attempts_ended"] = session.info.get("attempts_ended", 0) + 1
     return True
 
+
+RECOVERING = "recovering"
+"""session.info key: a failure this transaction decided sent its job to recover (the caller wakes the
+scheduler after its commit: the next attempt need not wait for any release)."""
 
 RELEASED_ATTEMPTS = "released_attempts"
 """session.info key: the attempts whose parts this transaction released (``finish_released`` after it)."""

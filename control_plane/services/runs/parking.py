@@ -53,6 +53,16 @@ def clauses() -> list[Any]:
             AttemptPart.node_id != Attempt.failed_node_id]
 
 
+def parks_nothing() -> list[Any]:
+    """SQL conditions over Job and Attempt (joined by the caller), any of which means that no part of
+    the attempt may be parked (``refusal`` refuses every node's for a reason of the attempt's, not
+    of the part's): the next attempt may then have the GPUs of its stopping parts at once
+    (services/runs/handover.py, passing). A job that parks waits for its parts to be parked or
+    stopped, so that a pass never starts cold what could have been handed over."""
+    return [Job.restartable.is_(False), Attempt.hung_since.is_not(None), Attempt.failure_kind.is_(None),
+            Attempt.failure_kind.not_in(HANDOVER_KINDS), Attempt.failed_node_id.is_(None)]
+
+
 def handover_ok(session: Session, node_id: uuid.UUID, attempt_ids: Iterable[str | uuid.UUID]) -> set[str]:
     """Of these attempts, those whose part on ``node_id`` its agent may park now (one query)."""
     ids = sorted({i for i in (_uuid(a) for a in attempt_ids) if i is not None})
