@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,7 @@ class Round:
     idle_requests_per_s: float = 0.0
     saves: list[Saves] = field(default_factory=list)
     recovery_all_s: float = float("nan")
+    recovery_split: str = ""
 
 
 def _recovery_split(api: Endpoints, job_id: str, number: int) -> str:
@@ -118,7 +120,16 @@ def _recovery_split(api: Endpoints, job_id: str, number: int) -> str:
                      if rec.get(f"{p}_s") is not None) or "not recorded"
 
 
-def run(args: argparse.Namespace, fleet: FleetProcess, meter: Meter, api: Endpoints) -> list[Round]:
+def _arrivals(answer: dict[str, Any], nodes: int) -> str:
+    """When the nodes got the new attempt (seconds after the failure report), how many learned it
+    from a heartbeat's answer rather than their long poll's, and what the fleet retried meanwhile."""
+    retried = ", ".join(f"{n} x {what}" for what, n in (answer.get("retried") or {}).items()) or "none"
+    return (f"nodes holding it: first {answer['first_s']:.2f}s, p50 {answer['p50_s']:.2f}s, "
+            f"p90 {answer['p90_s']:.2f}s, {answer['by_heartbeat']} of {nodes} by a heartbeat; retried: {retried}")
+
+
+def run(args: argparse.Namespace, fleet: FleetProcess, meter: Meter, api: Endpoints,
+        restart: Callable[[bool], None] | None = None) -> tuple[list[Round], list[tuple[str, float, str]]]:
     say(f"registering {args.nodes} agents")
     fleet.call("grow", n=args.nodes)
     interval = float(fleet.call("interval")["interval_s"])
@@ -152,7 +163,7 @@ def run(args: argparse.Namespace, fleet: FleetProcess, meter: Meter, api: Endpoi
                     saves.cpu.append(tuple(b - a for a, b in zip(before, meter.read(), strict=True)))  # type: ignore[arg-type]
                     say(saves.unavailable)
                     rounds.append(r)
-                    return rounds
+                    return rounds, []
                 after = meter.read()
                 if "unavailable" in answer:
                     saves.unavailable = answer["unavailable"]
@@ -166,14 +177,30 @@ def run(args: argparse.Namespace, fleet: FleetProcess, meter: Meter, api: Endpoi
                 if n < args.checkpoints - 1 or mode != args.modes[-1]:
                     time.sleep(max(0.0, started + args.every - time.monotonic()))
         fleet.call("phase", name=f"fail-{replicas}")
-        r.recovery_all_s = float(fleet.call("fail", job_id=job_id, attempt=attempt, nodes=args.nodes)["all_s"])
+        answer = fleet.call("fail", job_id=job_id, attempt=attempt, nodes=args.nodes)
+        r.recovery_all_s = float(answer["all_s"])
         attempt += 1
+        r.recovery_split = f"{_recovery_split(api, job_id, attempt)}; {_arrivals(answer, args.nodes)}"
         say(f"{replicas} replica(s): attempt {attempt} held by every node {r.recovery_all_s:.2f}s after the failure "
-            f"(the control plane's split: {_recovery_split(api, job_id, attempt)})")
+            f"(the control plane's split: {r.recovery_split})")
         fleet.call("phase", name="between")
         rounds.append(r)
+    failures: list[tuple[str, float, str]] = []
+    if restart is not None:  # --compare-passing: the same failure with lease passing off, then on again
+        for passing in (False, True):
+            restart(passing)
+            time.sleep(2.5 * interval)  # every agent heartbeats and holds its long poll again
+            fleet.call("phase", name=f"fail-passing-{'on' if passing else 'off'}")
+            answer = fleet.call("fail", job_id=job_id, attempt=attempt, nodes=args.nodes)
+            all_s = float(answer["all_s"])
+            attempt += 1
+            split = f"{_recovery_split(api, job_id, attempt)}; {_arrivals(answer, args.nodes)}"
+            failures.append(("on" if passing else "off", all_s, split))
+            say(f"lease passing {'on' if passing else 'off'}: attempt {attempt} held by every node {all_s:.2f}s after "
+                f"the failure ({split})")
+            fleet.call("phase", name="between")
     fleet.call("cancel", job_id=job_id)
-    return rounds
+    return rounds, failures
 
 
 def _hb(samples: list[list[Any]], prefix: str) -> tuple[float, float, int, str]:
@@ -194,7 +221,8 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
-def report(args: argparse.Namespace, rounds: list[Round], seen: dict[str, Any]) -> None:
+def report(args: argparse.Namespace, rounds: list[Round], seen: dict[str, Any],
+           failures: list[tuple[str, float, str]] | None = None) -> None:
     hb = seen["heartbeats"]
     print()
     print(f"Checkpoints of a {args.nodes * args.gpus}-rank job on {args.nodes} nodes x {args.gpus} GPUs, "
@@ -282,6 +310,17 @@ def report(args: argparse.Namespace, rounds: list[Round], seen: dict[str, Any]) 
     print("per-try timeout / tries that ran out of it (httpx bounds each phase of a try, as in the agent).")
     print("fleet lag: the longest the fleet's event loop was late (its own delay is in the latencies).")
     print("fail->every node: from the failure report until every node holds the recovery attempt.")
+    if failures:
+        print()
+        print(f"The same failure after a control-plane restart, lease passing off (the baseline) and on "
+              f"({args.replicas} replica(s)):")
+        print(f"{'lease passing':>13} {'fail->every node s':>19}  the control plane's split")
+        for passing, all_s, split in failures:
+            print(f"{passing:>13} {all_s:>19.2f}  {split}")
+        off = [a for p, a, _ in failures if p == "off"]
+        on = [a for p, a, _ in failures if p == "on"]
+        if off and on:
+            print(f"on / off: {_ratio(on[0], off[0])}")
     if seen["error_count"] or seen["server_error_count"]:
         print(f"fleet: {seen['error_count']} protocol errors (e.g. {seen['errors'][:2]}), "
               f"{seen['server_error_count']} server errors or timeouts retried (e.g. {seen['server_errors'][:2]})")
@@ -304,6 +343,10 @@ def main() -> int:
                         "interval; a node told a longer one gets as much more). Longer: the figures of a control "
                         "plane too slow to keep its nodes, instead of a failed attempt")
     parser.add_argument("--data-dir", type=Path, default=None, help="keep the databases and logs here")
+    parser.add_argument("--compare-passing", action="store_true",
+                        help="at the end, restart the control plane(s) with lease passing off "
+                        "(TRAINYARD_RECOVERY_PASS_LEASES=false) and fail a rank again, then on and again: "
+                        "failure -> every node with and without it, in one run")
     args = parser.parse_args()
     if set(args.modes) - {"rank", "node"}:
         parser.error("--modes takes rank and node")
@@ -343,9 +386,17 @@ def main() -> int:
             fleet.start()
             assert pg.pid is not None
             meter = Meter([cp.proc.pid for cp in cps if cp.proc is not None], pg.pid, fleet.pid)
-            rounds = run(args, fleet, meter, api)
+
+            def restart(passing: bool) -> None:
+                for cp in cps:
+                    cp.stop()
+                    cp.set_env(TRAINYARD_RECOVERY_PASS_LEASES="true" if passing else "false")
+                    say(f"restarting control plane at {cp.url}, lease passing {'on' if passing else 'off'}")
+                    cp.start()
+
+            rounds, failures = run(args, fleet, meter, api, restart if args.compare_passing else None)
             seen = fleet.call("samples")
-            report(args, rounds, seen)
+            report(args, rounds, seen, failures)
         finally:
             if fleet is not None:
                 fleet.stop()

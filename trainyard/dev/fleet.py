@@ -126,6 +126,10 @@ class ControlPlane:
     def urls(self) -> list[str]:
         return [self.url]
 
+    def set_env(self, **env: str) -> None:
+        """Settings for the next ``start`` (a restart on the same port, database and S3)."""
+        self._env.update(env)
+
     def start(self, timeout_s: float = 60.0) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINYARD_")}
         env.update(self._env)
@@ -206,6 +210,7 @@ class SimAgent:
         self.runs: dict[str, SimRun] = {}
         self.held: dict[str, str] = {}  # attempt id -> spec version
         self.arrivals: dict[str, float] = {}  # attempt id -> when its full spec first arrived
+        self.arrived_by: dict[str, str] = {}  # attempt id -> "wait" or "heartbeat": the answer that brought it
         self.samples: list[Sample] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.interval_s = fleet.interval_s
@@ -274,7 +279,7 @@ class SimAgent:
         self.samples.append(Sample(time.monotonic(), latency, len(r.content), len(resp["assignments"]), phase))
         if self.fleet.follow_interval:
             self.interval_s = float(resp.get("heartbeat_interval_s") or self.interval_s)
-        self._reconcile(resp, sent_at)
+        self._reconcile(resp, sent_at, by="heartbeat")
         self.beat.set()
         return resp
 
@@ -337,14 +342,14 @@ class SimAgent:
                 self.samples.append(Sample(time.monotonic(), 0.0, len(r.content), len(answer["assignments"]),
                                            self.fleet.phase, kind="wait"))
                 self._reconcile({"assignments": answer["assignments"], "unchanged": answer.get("unchanged") or []},
-                                sent_at)
+                                sent_at, by="wait")
             elif answer["changed"]:
                 self.beat.clear()
                 self.woken.set()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.beat.wait(), self.interval_s + 5.0)
 
-    def _reconcile(self, resp: dict[str, Any], sent_at: float) -> None:
+    def _reconcile(self, resp: dict[str, Any], sent_at: float, *, by: str) -> None:
         """As the real agent's: an answer to a request sent before a spec arrived (from the other
         loop) does not stop it by its silence."""
         full = resp["assignments"]
@@ -357,6 +362,7 @@ class SimAgent:
             self.held[attempt_id] = spec.get("version", "")
             if attempt_id not in self.runs:
                 self.arrivals.setdefault(attempt_id, time.monotonic())
+                self.arrived_by.setdefault(attempt_id, by)
                 run = self.runs[attempt_id] = SimRun(spec)
                 self._spawn(self.status(run, "running", workers=run.workers("running")))
         for run in list(self.runs.values()):

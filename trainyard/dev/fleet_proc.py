@@ -25,6 +25,7 @@ writes it). Commands, ``{"op": ..., ...}``:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from trainyard.dev.fleet import Endpoints, Fleet
+from trainyard.dev.fleet import Endpoints, Fleet, percentile
 from trainyard.dev.fleet_saves import BatchUnavailable, checkpoint
 from trainyard.embedded.processes import stop_process_group
 
@@ -145,8 +146,16 @@ class _Runner:
             return figures.as_dict()
         if op == "fail":
             job_id, attempt, nodes = str(args["job_id"]), int(args["attempt"]), int(args["nodes"])
-            first, every, _ = await fleet.fail_and_recover(fleet.parts(job_id, attempt), nodes)
-            return {"first_s": first, "all_s": every}
+            t0, errors_before = time.monotonic(), len(fleet.server_errors)
+            first, every, new = await fleet.fail_and_recover(fleet.parts(job_id, attempt), nodes)
+            seconds = sorted(a.arrivals[r.attempt_id] - t0 for a, r in new)
+            by_heartbeat = sum(1 for a, r in new if a.arrived_by.get(r.attempt_id) == "heartbeat")
+            # What the fleet retried meanwhile, by request and answer ("sim-00012 wait: HTTP 503" -> "wait: HTTP 503").
+            retried = collections.Counter(e.split(" ", 1)[-1].rsplit("/", 1)[-1]
+                                          for e in fleet.server_errors[errors_before:])
+            return {"first_s": first, "all_s": every, "p50_s": percentile(seconds, 50),
+                    "p90_s": percentile(seconds, 90), "by_heartbeat": by_heartbeat,
+                    "retried": dict(retried.most_common(4))}
         if op == "cancel":
             await fleet.cancel(str(args["job_id"]))
             return {}
