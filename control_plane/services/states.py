@@ -138,8 +138,8 @@ PART: dict[str, State] = {
     # parked: told to stop before the agent's first report reached us (it parks what runs).
     "assigned": _s("launching", "running", "parked", "exited", "stopped", "gone", exit=Exit(
         "the agent reports it launching at its next heartbeat (a part given the GPUs of a stopping part once "
-        "that part's processes are gone); a part still assigned after the launch "
-        "timeout fails its attempt (the maintenance step of the monitor loop)",
+        "that part's processes are gone); a part still assigned after the launch timeout (for such a part, "
+        "counted once that part is released) fails its attempt (the maintenance step of the monitor loop)",
         settings=("attempt_launch_timeout_s", "monitor_interval_s"), message="attempt status report")),
     "launching": _s("running", "parked", "exited", "stopped", "gone", exit=Exit(
         "the agent reports its workers running or exited; a lost node fails it",

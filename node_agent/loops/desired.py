@@ -140,22 +140,27 @@ class DesiredState:
 
     def _start_or_hold(self, pending: PendingLaunch) -> None:
         """Start the part (taking over the parked part it adopts, if it can), or hold it pending while
-        a live part of this node still has any of its GPUs: two owners of a GPU never run at once,
-        whatever the control plane believed when it assigned them (a parked part being stopped, a
-        takeover that could not relabel). A parked part in the way is stopped. Under runs_lock."""
+        a live part of this node still has any of its GPUs, or any orphan lives: two owners of a GPU
+        never run at once, whatever the control plane believed when it assigned them (a parked part
+        being stopped, a takeover that could not relabel, leases passed from a stopping part). A
+        parked part in the way is stopped. Under runs_lock."""
         state = self.state
         assert state.node is not None and state.parts is not None
         spec = pending.spec
         run = self._take_over(spec) if spec.adopts else None
         if run is None:
             busy = [r for r in state.by_id.values() if r.alive and set(r.spec.gpu_indices) & set(spec.gpu_indices)]
-            if busy:
+            # Orphans (an earlier agent instance's processes, being stopped) hold GPUs this agent
+            # cannot name: every new part waits for them. The control plane may have given their
+            # GPUs to the job's next attempt already (lease passing: services/runs/handover.py).
+            orphans = sorted(state.orphans.alive)
+            if busy or orphans:
                 for old in busy:
                     if old.parked:
                         state.unpark(old, f"its GPUs are assigned to attempt {spec.attempt_id}")
                 if spec.attempt_id not in state.pending:
                     state.log.warning("attempt_pending_gpus_busy", attempt_id=spec.attempt_id,
-                                      held_by=sorted(r.attempt_id for r in busy))
+                                      held_by=sorted(r.attempt_id for r in busy), orphans_of=orphans)
                 state.pending[spec.attempt_id] = pending
                 return
             run = state.parts.start(spec, state.node, state.gpus, code=pending.code)

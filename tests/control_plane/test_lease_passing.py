@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from control_plane.app import create_app
 from control_plane.db import session_scope
-from control_plane.models import AttemptPart, Event, GpuLease
+from control_plane.models import AttemptPart, Checkpoint, Event, GpuLease
 from control_plane.services.runs import attempts, handover
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 
@@ -144,18 +144,41 @@ def test_a_job_that_parks_passes_nothing(app, client, schedule):
     assert _part(app, new["attempt_id"], alive.node_id).follows_part_id is None
 
 
-def test_a_follower_not_launched_in_time_names_the_processes_it_waited_for(app, client, schedule):
+def test_a_follower_is_not_failed_by_the_launch_timeout_while_it_waits_for_the_processes_it_follows(
+        app, client, schedule):
+    """Its node cannot launch it before the old processes are gone: the launch timeout counts only
+    once they are (as a job waiting for a lease has no timeout); then it applies as to any part."""
     agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
     job, specs = _start(client, schedule, agents)
-    _, alive = _fail_rank_one(agents, specs)
+    dead, alive = _fail_rank_one(agents, specs)
+    old = specs[alive.name]
     assert schedule() == 1
-    _specs(agents, {alive.name: [specs[alive.name]["attempt_id"]]})
+    new = _specs(agents, {alive.name: [old["attempt_id"]]})
+    r = dead.status(new[dead.name], "running", workers=workers_for(new[dead.name], "running"))
+    assert r.status_code == 200, r.text
     with session_scope(app.state.session_factory) as s:
-        assert attempts.fail_unlaunched(s, timeout_s=0)
-    reason = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
-    (second,) = [a for a in reason if a["number"] == 2]
-    assert "the processes of attempt 1 there, whose GPUs it was given, were still not confirmed gone" in \
-        second["end_reason"], second["end_reason"]
+        assert attempts.fail_unlaunched(s, timeout_s=0) == []
+    alive.heartbeat([])  # the old processes are gone; the agent has not picked the new part up since
+    with session_scope(app.state.session_factory) as s:
+        assert attempts.fail_unlaunched(s, timeout_s=0) == [uuid.UUID(new[alive.name]["attempt_id"])]
+    items = client.get(f"/v1/jobs/{job['id']}/attempts", headers=ADMIN).json()["items"]
+    (second,) = [a for a in items if a["number"] == 2]
+    assert "its agent never picked it up" in second["end_reason"], second["end_reason"]
+
+
+def test_a_failure_during_a_save_passes_nothing(app, client, schedule):
+    """A checkpoint of the failed attempt still collecting shards: the healthy nodes' reports may
+    complete it while the attempt is the job's current one, so the next attempt waits for the
+    releases as without passing."""
+    agents = [FakeAgentSession(client, f"node-{i}", 1) for i in (1, 2)]
+    job, specs = _start(client, schedule, agents)
+    with session_scope(app.state.session_factory) as s:
+        s.add(Checkpoint(job_id=uuid.UUID(job["id"]), attempt_id=uuid.UUID(specs["node-1"]["attempt_id"]), step=10,
+                         world_size=2, state="pending"))
+    _fail_rank_one(agents, specs)
+    with session_scope(app.state.session_factory) as s:
+        assert handover.passable_parts(s, [uuid.UUID(job["id"])]) == {}
+    assert schedule() == 0
 
 
 def test_with_passing_off_the_next_attempt_waits_for_the_release(settings):

@@ -302,6 +302,23 @@ def _no_code(agent: Agent) -> ShippedCode:
     return ShippedCode(ref=CodeRef(sha256="0" * 64, size_bytes=1), work_dir=agent.config.work_dir, fetch=fetch)
 
 
+def test_a_spec_waits_while_an_orphan_lives_whatever_its_gpus(tmp_path: Path) -> None:
+    """An orphan (an earlier agent instance's processes, being stopped) holds GPUs this agent cannot
+    name, and the control plane may have passed them to the job's next attempt already (lease
+    passing): a new part waits until no orphan is left, even on GPUs no part of this agent holds."""
+    agent = _agent(tmp_path)
+    agent.state.orphans.alive = frozenset({"att-before-the-restart"})
+    new = make_spec(attempt_id="att-next", attempt_number=2, gpu_indices=[1])
+    agent.state.launched_at[new.attempt_id] = time.monotonic()
+    agent.desired.launch(new, _no_code(agent))
+    assert new.attempt_id in agent.state.pending and new.attempt_id not in agent.state.by_id
+    agent.desired.launch_pending()
+    assert new.attempt_id in agent.state.pending
+    agent.state.orphans.alive = frozenset()  # the sweep found them gone
+    agent.desired.launch_pending()
+    assert new.attempt_id in agent.state.by_id and not agent.state.pending
+
+
 def test_a_pending_part_no_longer_assigned_is_forgotten(tmp_path: Path, process_reaper) -> None:
     agent = _agent(tmp_path)
     old = _parked_run(tmp_path, process_reaper, make_spec(attempt_id="att-busy", restartable=True))

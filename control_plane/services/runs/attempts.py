@@ -14,8 +14,8 @@ import uuid
 from collections.abc import Iterable
 from datetime import timedelta
 
-from sqlalchemy import and_, func, or_, select, tuple_, update
-from sqlalchemy.orm import Session
+from sqlalchemy import and_, exists, func, or_, select, tuple_, update
+from sqlalchemy.orm import Session, aliased
 
 from control_plane import wakeups
 from control_plane.clock import now
@@ -23,6 +23,7 @@ from control_plane.db import reload
 from control_plane.models import Attempt, AttemptPart, GpuLease, Job, Node, Worker
 from control_plane.services import events
 from control_plane.services.locks import attempt_order, lock_attempts, lock_parts
+from control_plane.services.runs import parking
 from control_plane.services.runs.fencing import lock_attempt
 from control_plane.services.states import (
     JOB_TERMINAL,
@@ -105,7 +106,8 @@ def fail_attempt(
             "recovering",
             f"attempt {attempt.number} failed ({reason}); recovery {job.failures} of {job.max_failures}",
         )
-        session.info[RECOVERING] = True  # a pass may place its next attempt now (handover.pass_leases)
+        if not parking.parks(job, attempt):  # a job that parks waits for its parts to be parked
+            session.info[RECOVERING] = True  # a pass may place its next attempt now (handover.pass_leases)
 
 
 def _repeats_the_last_failure(session: Session, attempt: Attempt, kind: str, message: str | None) -> bool:
@@ -131,13 +133,17 @@ def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> 
     A part stays ``assigned`` until its agent reports it: an agent that never picks it up (it was
     assigned on a node being declared lost, or the agent cannot launch it and says nothing) would
     otherwise hold the gang's GPUs for ever. Its leases are released as usual, when its node's
-    heartbeat does not list it (or the node is removed)."""
+    heartbeat does not list it (or the node is removed). Not a part that waits for the processes of
+    the part it follows (lease passing: services/runs/handover.py): its node could not launch it
+    yet, as a job waits for a lease without a timeout; a lost node still fails the attempt."""
     cutoff = now() - timedelta(seconds=timeout_s)
+    before = aliased(AttemptPart)
+    waiting = exists().where(before.id == AttemptPart.follows_part_id, before.released_at.is_(None))
     rows = session.execute(
         select(AttemptPart.attempt_id, AttemptPart.id)
         .join(Attempt, Attempt.id == AttemptPart.attempt_id)
         .where(AttemptPart.state.in_(PART_UNLAUNCHED), AttemptPart.released_at.is_(None),
-               Attempt.outcome.is_(None), Attempt.created_at < cutoff)
+               Attempt.outcome.is_(None), Attempt.created_at < cutoff, ~waiting)
         .order_by(AttemptPart.attempt_id, AttemptPart.node_rank)
         .limit(batch)
     ).all()
@@ -153,19 +159,10 @@ def fail_unlaunched(session: Session, *, timeout_s: float, batch: int = 500) -> 
         if attempt.outcome is not None or part.state not in PART_UNLAUNCHED:
             continue
         name = session.scalar(select(Node.name).where(Node.id == part.node_id))
-        why = "its agent never picked it up"
-        if part.follows_part_id is not None:
-            before = session.execute(
-                select(Attempt.number, AttemptPart.released_at)
-                .join(AttemptPart, AttemptPart.attempt_id == Attempt.id)
-                .where(AttemptPart.id == part.follows_part_id)).first()
-            if before is not None and before.released_at is None:
-                why = (f"the processes of attempt {before.number} there, whose GPUs it was given, were still not "
-                       "confirmed gone")
         fail_attempt(
             session, job, attempt,
             f"node rank {part.node_rank} on {name} was not confirmed launching within {timeout_s:g}s "
-            f"(attempt_launch_timeout_s): {why}",
+            "(attempt_launch_timeout_s): its agent never picked it up",
             node_id=part.node_id, kind="launch_error",
         )
         failed.append(attempt_id)

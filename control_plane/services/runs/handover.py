@@ -33,7 +33,7 @@ from sqlalchemy import exists, or_, select, tuple_, update
 from sqlalchemy.orm import Session, aliased
 
 from control_plane.clock import now
-from control_plane.models import Attempt, AttemptPart, GpuLease, Job
+from control_plane.models import Attempt, AttemptPart, Checkpoint, GpuLease, Job
 from control_plane.services import events
 from control_plane.services.locks import lock_attempts, lock_parts
 from control_plane.services.runs import parking
@@ -123,19 +123,24 @@ def passable_parts(session: Session, job_ids: Iterable[uuid.UUID]) -> dict[uuid.
     attempt (``pass_leases``). Not the blamed node's (its GPUs are released as ever, and the job
     goes elsewhere if it can, as without passing), not a part that itself follows a part not yet
     released (its GPUs wait for that one's processes: one link at most), nor a parked one (handed
-    over instead)."""
+    over instead), and nothing while the attempt has a checkpoint collecting shards (its nodes'
+    reports may still complete it; the next attempt is placed once they are released, as before)."""
     ids = sorted(set(job_ids))
     if not ids:
         return {}
     before = aliased(AttemptPart)
     waiting = exists().where(before.id == AttemptPart.follows_part_id, before.released_at.is_(None))
+    # A checkpoint of the failed attempt still collecting shards: its healthy nodes' reports drain
+    # before their final status (node_agent/loops/report.py), and may complete it, while the attempt
+    # is the job's current one. A next attempt now would fence them off and restore an older one.
+    saving = exists().where(Checkpoint.attempt_id == Attempt.id, Checkpoint.state == "pending")
     out: dict[uuid.UUID, dict[str, ParkedPart]] = {}
     for job_id, part_id, attempt_id, node_id, indices in session.execute(
         select(Job.id, AttemptPart.id, AttemptPart.attempt_id, AttemptPart.node_id, AttemptPart.gpu_indices)
         .join(Attempt, Attempt.id == Job.current_attempt_id)
         .join(AttemptPart, AttemptPart.attempt_id == Attempt.id)
         .where(Job.id.in_(ids), Job.state == "recovering", Attempt.outcome == "failed",
-               AttemptPart.released_at.is_(None), AttemptPart.state.not_in(PART_PARKED), ~waiting,
+               AttemptPart.released_at.is_(None), AttemptPart.state.not_in(PART_PARKED), ~waiting, ~saving,
                or_(Attempt.failed_node_id.is_(None), AttemptPart.node_id != Attempt.failed_node_id),
                or_(*parking.parks_nothing()))
     ):

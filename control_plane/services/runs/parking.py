@@ -63,6 +63,12 @@ def parks_nothing() -> list[Any]:
             Attempt.failure_kind.not_in(HANDOVER_KINDS), Attempt.failed_node_id.is_(None)]
 
 
+def parks(job: Job, attempt: Attempt) -> bool:
+    """Whether the healthy parts of this failed attempt may be parked (``parks_nothing`` is false)."""
+    return bool(job.restartable and attempt.hung_since is None and attempt.failure_kind in HANDOVER_KINDS
+                and attempt.failed_node_id is not None)
+
+
 def handover_ok(session: Session, node_id: uuid.UUID, attempt_ids: Iterable[str | uuid.UUID]) -> set[str]:
     """Of these attempts, those whose part on ``node_id`` its agent may park now (one query)."""
     ids = sorted({i for i in (_uuid(a) for a in attempt_ids) if i is not None})
