@@ -439,7 +439,9 @@ def test_releases_a_busy_control_plane_refuses_are_held_by_the_agent_and_resent(
                 history = _slots(http, spec.job_id)["slots"]
             assert sorted((s["rank"], s["state"], s["ok"], s["uploaded_bytes"]) for s in history) == [
                 (r, "released", True, 1000) for r in range(Node.RANKS)]
-            assert node.slots.resent == Node.RANKS
+            # Every held release was resent; one refused again (the gate still held) is resent in the
+            # next round and counted again (a fresh-clone run saw 9 for 8 ranks in two rounds).
+            assert Node.RANKS <= node.slots.resent <= Node.RANKS * resends, (node.slots.resent, resends)
         finally:
             failpoints.configure("")
             node.close()
