@@ -21,6 +21,21 @@ def submit(client, **body) -> dict:
     return r.json()
 
 
+def start_running(client, schedule, agents: list[FakeAgentSession], **body) -> tuple[dict, dict[str, dict]]:
+    """Submit a job (2 nodes x 1 GPU unless ``body`` says otherwise), schedule it, and report every
+    part it placed running; returns the job and its specs by agent name."""
+    job = client.post("/v1/jobs", json=job_body(**{"num_nodes": 2, "gpus_per_node": 1, "max_failures": 3, **body}),
+                      headers=ADMIN).json()
+    assert schedule() == 1
+    specs = {a.name: spec for a in agents for spec in a.heartbeat()["assignments"]}
+    for agent in agents:
+        if agent.name in specs:
+            spec = specs[agent.name]
+            r = agent.status(spec, "running", workers=workers_for(spec, "running"))
+            assert r.status_code == 200, r.text
+    return job, specs
+
+
 def get_job(client, job_id: str) -> dict:
     return client.get(f"/v1/jobs/{job_id}", headers=ADMIN).json()
 

@@ -13,6 +13,7 @@ from control_plane.db import session_scope
 from control_plane.models import AttemptPart, Event, GpuLease
 from control_plane.services.locks import lock_job
 from control_plane.services.runs import handover
+from tests.control_plane.helpers import start_running
 from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
 
 
@@ -20,17 +21,7 @@ def _specs(agents) -> dict[str, dict]:
     return {a.name: spec for a in agents for spec in a.heartbeat()["assignments"]}
 
 
-def _start(client, schedule, agents, **body):
-    job = client.post("/v1/jobs", json=job_body(**{"num_nodes": 2, "gpus_per_node": 1, "max_failures": 3, **body}),
-                      headers=ADMIN).json()
-    assert schedule() == 1
-    specs = _specs(agents)
-    for agent in agents:
-        if agent.name in specs:
-            spec = specs[agent.name]
-            r = agent.status(spec, "running", workers=workers_for(spec, "running"))
-            assert r.status_code == 200, r.text
-    return job, specs
+_start = start_running
 
 
 def _fail_one(agents, specs):

@@ -15,7 +15,8 @@ from control_plane.app import create_app
 from control_plane.db import session_scope
 from control_plane.models import AttemptPart, Checkpoint, Event, GpuLease
 from control_plane.services.runs import attempts, handover
-from tests.factories import ADMIN, FakeAgentSession, job_body, workers_for
+from tests.control_plane.helpers import start_running
+from tests.factories import ADMIN, FakeAgentSession, workers_for
 
 
 def _specs(agents: list[FakeAgentSession], alive: dict[str, list[str]] | None = None) -> dict[str, dict[str, Any]]:
@@ -25,16 +26,7 @@ def _specs(agents: list[FakeAgentSession], alive: dict[str, list[str]] | None = 
     return {a.name: spec for a in agents for spec in a.heartbeat(alive.get(a.name, []))["assignments"]}
 
 
-def _start(client: TestClient, schedule, agents: list[FakeAgentSession], **body: Any):
-    job = client.post("/v1/jobs", json=job_body(**{"num_nodes": 2, "gpus_per_node": 1, "max_failures": 3, **body}),
-                      headers=ADMIN).json()
-    assert schedule() == 1
-    specs = _specs(agents)
-    for agent in agents:
-        if agent.name in specs:
-            spec = specs[agent.name]
-            assert agent.status(spec, "running", workers=workers_for(spec, "running")).status_code == 200
-    return job, specs
+_start = start_running
 
 
 def _fail_rank_one(agents: list[FakeAgentSession], specs: dict[str, dict[str, Any]]):
