@@ -277,8 +277,14 @@ class Reserving(PassBase):
         if held is not None:
             for n in by_kind.get(held.pool.kind, [])[: j.num_nodes - len(held.nodes)]:
                 self._attach(held, n)
-        elif by_kind:  # a gang is of one kind: the kind most of its healthy nodes are
-            nodes = max(by_kind.items(), key=lambda kv: (len(kv[1]), -self.pools[kv[0]].rank))[1]
+            return
+        # A gang is of one kind: the kind most of its healthy nodes are, among the kinds that could
+        # ever hold it. Held in a kind that never could, its hold would be dropped when its turn
+        # came (_blocked) and moved to another kind's healthy nodes, which jobs served before it
+        # had been free to take meanwhile.
+        fits = {kind: nodes for kind, nodes in by_kind.items() if self._fits_ever(j, self.pools[kind])}
+        if fits:
+            nodes = max(fits.items(), key=lambda kv: (len(kv[1]), -self.pools[kv[0]].rank))[1]
             self._establish(j, INF, nodes[: j.num_nodes], partial=True)
 
     def _rehold(self, freed: list[NodeState]) -> None:

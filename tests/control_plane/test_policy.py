@@ -317,6 +317,23 @@ def test_healthy_nodes_of_a_kind_that_cannot_hold_the_gang_are_not_held():
     assert placed(d) == {"small": ("a1",)}
 
 
+def test_healthy_nodes_in_two_kinds_are_held_in_the_kind_that_can_hold_the_gang():
+    # r (2 x 4) kept a1 (kind a) and b1 (kind b). Kind a has one node that large, so only kind b
+    # can ever hold it: b1 is held for r from the start of the pass, and "early", a recovering job
+    # served before r, does not take b1's free GPUs. Hypothesis found it did: the hold went to kind
+    # a (as many healthy nodes, the better rank) and moved to kind b only at r's turn, and "early"
+    # went to kind b, where the demand for kind a ("a_only") left more room.
+    nodes = [node("a1", tuple(range(1, 8)), 8, kind="a", running=(Running(gpus=1, ends_at=None),)),
+             node("b1", (1, 2, 3), 4, kind="b", running=(Running(gpus=1, ends_at=None),)),
+             busy("b0", 8, ends=None, kind="b")] + [node(f"a{i}", (0, 1), kind="a") for i in (2, 3, 4)]
+    rec = job("r", 2, 4, recovering=True, priority=-1, prefer_nodes=frozenset({"a1", "b1"}))
+    early = job("early", 1, 1, t=1, recovering=True)
+    d = run([rec, early, job("a_only", 1, 1, t=2, gpu_kinds=frozenset({"a"}))], nodes)
+    (r,) = d.reservations
+    assert {n.node_id: n.strict for n in r.nodes} == {"b1": True, "b0": False}
+    assert set(placed(d)) == {"early", "a_only"} and "b1" not in placed(d)["early"]
+
+
 def test_job_that_can_never_fit_blocks_nobody():
     d = run([job("huge", 3, 2), job("small", 1, 1, t=1)], [node("n1", (0, 1)), node("n2", (0, 1))])
     assert d.waiting == {"huge": WAIT_NEVER} and set(placed(d)) == {"small"}
