@@ -254,11 +254,12 @@ def worker_storage(settings: Settings) -> dict[str, Any]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     configure_logging(json=settings.log_json, level=settings.log_level)
-    # Every request thread, every loop thread and the upload-slot pass runner may hold one
-    # connection at once (never two, and none while waiting for a thread: api/deps.py), so the pool
-    # covers them all and a request never waits for a connection held by a request that waits for a
-    # thread.
-    engine = make_engine(settings.database_url, pool_size=settings.api_threads + Loops.THREADS + 1,
+    # Every request thread, long-poll answer thread (agent_wait_threads), loop thread and the
+    # upload-slot pass runner may hold one connection at once (never two, and none while waiting for
+    # a thread: api/deps.py), so the pool covers them all and a request never waits for a connection
+    # held by a request that waits for a thread.
+    engine = make_engine(settings.database_url,
+                         pool_size=settings.api_threads + settings.agent_wait_threads + Loops.THREADS + 1,
                          max_overflow=10, pool_timeout_s=settings.pool_timeout_s)
     factory = make_session_factory(engine)
     store = object_store(settings)
@@ -267,7 +268,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   queue_max=settings.bookkeeping_queue_max, wait_s=settings.bookkeeping_wait_s,
                   gated=settings.bookkeeping_gate)
     loops = Loops(factory, settings, store, liveness_wait=lanes.oldest_liveness_s)
-    wakeups = Wakeups(settings.database_url, max_waiters=settings.agent_wait_max)
+    wakeups = Wakeups(settings.database_url, max_waiters=settings.agent_wait_max, threads=settings.agent_wait_threads)
     wakeups.install(factory)
     slot_wakeups = Wakeups(settings.database_url, max_waiters=settings.upload_slot_wait_max, channel=SLOT_CHANNEL)
     slot_wakeups.install(factory)

@@ -76,7 +76,12 @@ class Wakeups:
     """The waits one replica holds on one channel, by key (a node id, an upload slot's key), and the
     listener that wakes them."""
 
-    def __init__(self, database_url: str, *, max_waiters: int, channel: str = CHANNEL) -> None:
+    def __init__(self, database_url: str, *, max_waiters: int, channel: str = CHANNEL,
+                 threads: int | None = None) -> None:
+        """``threads``: the waits' reads (``wait``) run in a pool of that many threads of their own,
+        not in the request threads (anyio's default pool) that heartbeats and reports fill."""
+        self._threads = threads
+        self._limiter: anyio.CapacityLimiter | None = None
         self._url = database_url.replace("postgresql+psycopg://", "postgresql://", 1)
         self.channel = channel
         self.max_waiters = max_waiters
@@ -143,7 +148,7 @@ class Wakeups:
         try:
             while True:
                 ev.clear()  # before the read: a wake-up during it is not lost
-                found = await anyio.to_thread.run_sync(change)
+                found = await anyio.to_thread.run_sync(change, limiter=self._limiter)
                 if found is not None:
                     return found
                 left = deadline - asyncio.get_running_loop().time()
@@ -224,6 +229,8 @@ class Wakeups:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._threads is not None:
+            self._limiter = anyio.CapacityLimiter(self._threads)
         self._task = asyncio.create_task(self.run(), name=f"trainyard-wakeups-{self.channel}")
         _started.add(self)
 
