@@ -256,11 +256,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     configure_logging(json=settings.log_json, level=settings.log_level)
     # Every request thread, long-poll answer thread (agent_wait_threads), loop thread and the
     # upload-slot pass runner may hold one connection at once (never two, and none while waiting for
-    # a thread: api/deps.py), so the pool covers them all and a request never waits for a connection
-    # held by a request that waits for a thread.
-    engine = make_engine(settings.database_url,
-                         pool_size=settings.api_threads + settings.agent_wait_threads + Loops.THREADS + 1,
-                         max_overflow=10, pool_timeout_s=settings.pool_timeout_s)
+    # a thread: api/deps.py), so the pool with its overflow covers them all and a request never waits
+    # for a connection held by a request that waits for a thread. The answer threads are in the
+    # overflow, not in what the pool keeps open: two replicas keep at most 2 x 47 (plus their
+    # listeners) of the embedded PostgreSQL's 100 connections between bursts, as before them.
+    engine = make_engine(settings.database_url, pool_size=settings.api_threads + Loops.THREADS + 1,
+                         max_overflow=10 + settings.agent_wait_threads, pool_timeout_s=settings.pool_timeout_s)
     factory = make_session_factory(engine)
     store = object_store(settings)
     # Bookkeeping never takes every request thread: liveness keeps at least one (settings check it).

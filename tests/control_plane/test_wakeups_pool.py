@@ -10,6 +10,9 @@ import threading
 
 import anyio.to_thread
 
+from control_plane.app import create_app
+from control_plane.scheduler.loops import Loops
+from control_plane.settings import Settings
 from control_plane.wakeups import Wakeups
 
 
@@ -34,3 +37,12 @@ def test_a_long_poll_answers_while_every_request_thread_is_taken(fresh_database_
     assert asyncio.run(_answer_with_request_threads_taken(fresh_database_url, threads=1)) == "new attempt"
     # The control: in the request threads' pool, the same read waits for one of them.
     assert asyncio.run(_answer_with_request_threads_taken(fresh_database_url, threads=None)) is None
+
+
+def test_the_app_gives_the_node_long_polls_their_pool_and_the_connections_for_it(settings: Settings) -> None:
+    app = create_app(settings.model_copy(update={"agent_wait_threads": 3}))
+    assert app.state.wakeups._threads == 3 and app.state.slot_wakeups._threads is None
+    pool = app.state.engine.pool
+    # Every thread that may hold a connection at once is covered: requests, answers, loops, the pass runner.
+    assert pool.size() + pool._max_overflow >= settings.api_threads + 3 + Loops.THREADS + 1
+    app.state.engine.dispose()
