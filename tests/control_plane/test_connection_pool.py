@@ -79,7 +79,8 @@ def test_pool_timeout_is_a_503_with_retry_after(settings: Settings) -> None:
     app = create_app(settings.model_copy(update={"api_threads": 1, "db_pool_timeout_s": 0.2}))
     with TestClient(app) as client:
         engine = app.state.engine
-        held = [engine.connect() for _ in range(engine.pool.size() + 10)]  # every connection there is
+        pool = engine.pool
+        held = [engine.connect() for _ in range(pool.size() + pool._max_overflow)]  # every connection there is
         try:
             r = client.get("/v1/nodes", headers=ADMIN)
         finally:
