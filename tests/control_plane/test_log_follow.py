@@ -16,7 +16,7 @@ from tests.control_plane.helpers import serve
 from tests.factories import ADMIN, JOIN_TOKEN, job_body, register_body
 
 THREADS = 4
-FOLLOWERS = 24  # > the threads (4) and the whole pool (4 + the loops' 5, + 10 overflow)
+FOLLOWERS = 24  # > the threads (4) and the whole pool (4 + the loops' 6 + 1, + 10 + 1 answer thread's overflow)
 
 
 def _follow(server: str, job_id: str, opened: threading.Semaphore, stop: threading.Event) -> None:
@@ -28,8 +28,10 @@ def _follow(server: str, job_id: str, opened: threading.Semaphore, stop: threadi
 
 
 def test_followers_beyond_the_pool_do_not_stall_heartbeats(settings: Settings) -> None:
-    app = create_app(settings.model_copy(update={"api_threads": THREADS, "log_followers_per_principal": 100,
-                                                 "log_follow_poll_s": 0.2}))
+    app = create_app(settings.model_copy(update={"api_threads": THREADS, "agent_wait_threads": 1,
+                                                 "log_followers_per_principal": 100, "log_follow_poll_s": 0.2}))
+    pool = app.state.engine.pool
+    assert pool.size() + pool._max_overflow < FOLLOWERS
     with serve(app) as server, httpx.Client(base_url=server, timeout=30) as c:
         reg = c.post("/v1/agent/register", json=register_body("node-1", 1),
                      headers={"Authorization": f"Bearer {JOIN_TOKEN}"}).json()
