@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     agent_wait_threads: int = Field(
         8, ge=1, le=256, description="Threads, apart from api_threads, that read a woken long poll's answer (its "
         "node's desired state): a node learns of its new attempt without waiting for a thread behind heartbeats "
-        "and status reports (docs/architecture.md, \"Liveness lane\")."
+        "and status reports (docs/architecture.md, \"Heartbeat interval and long-poll wake-ups\")."
     )
     startup_grace_s: float = Field(
         15.0, ge=0, description="After a control-plane start, no node is declared lost for this long."
